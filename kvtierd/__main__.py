@@ -1,0 +1,3 @@
+from kvtierd.cli import main
+
+raise SystemExit(main())

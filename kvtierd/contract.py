@@ -1,0 +1,63 @@
+"""Vocabulary shared by every layer of the daemon (DESIGN.md §1, §4).
+
+Values of the enums equal the wire enums of ``kvtier.v1`` so the service layer
+converts with ``int()`` and nothing else.
+
+Ownership vocabulary used across the package:
+
+* a *block* is one row of a pool's region, named by its *key* (opaque bytes);
+* its *ref count* is ``-1`` while a write into the row is in flight, ``0`` when it
+  is readable and evictable, ``> 0`` while that many readers (loads, secondary
+  tier writes) hold *pins*; only ``0`` blocks are ever evicted;
+* a pin or a write reservation always has an owner (a session, or the pool
+  itself for tier jobs), and only that owner's completion releases it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+BlockKey = bytes
+
+PRIMARY_TIER = "primary"
+
+
+class LookupResult(enum.IntEnum):
+    """Answer of a lookup for one key (wire: ``LOOKUP_RESULT_*``)."""
+
+    MISS = 1  # in no tier
+    HIT = 2  # readable in the primary tier now
+    HIT_PENDING = 3  # a write into the primary is in flight; ask again
+    RETRY = 4  # a tier cannot answer yet; ask again
+
+
+class Medium(enum.IntEnum):
+    """Where a tier keeps its bytes (wire: ``MEDIUM_*``)."""
+
+    CPU = 1
+    STORAGE = 2
+    REMOTE = 3
+
+
+@dataclass(frozen=True, slots=True)
+class StoreGrant:
+    """Result of an accepted PrepareStore.
+
+    ``block_ids[i]`` is the reserved row for ``keys_to_store[i]``; the rows are
+    owned by the caller (ref count -1) until it completes or aborts the store.
+    """
+
+    keys_to_store: list[BlockKey]
+    block_ids: list[int]
+    evicted_keys: list[BlockKey]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockEvent:
+    """Blocks that appeared in (``removed=False``) or left a tier."""
+
+    keys: tuple[BlockKey, ...]
+    medium: Medium
+    removed: bool
+    tier: str = PRIMARY_TIER
