@@ -1,0 +1,88 @@
+"""Command line: ``kvtierd [--config FILE] [flags]`` runs the daemon.
+
+Flags are generated from ``config.OPTIONS`` so each option is declared once.
+This is the only module that exits the process; exit code 2 means the
+configuration is invalid (the message names the key).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+from kvtierd import __version__
+from kvtierd.config import OPTIONS, Config, ConfigError, load_config
+
+EXIT_CONFIG = 2
+EXIT_RUNTIME = 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvtierd",
+        description="KV-cache tiering daemon: a shared-memory primary tier plus secondary tiers, "
+        "served over gRPC.",
+        epilog="Every key can also be set with KVTIERD_<SECTION>_<KEY> in the environment "
+        "(e.g. KVTIERD_MEMORY_BUDGET=8GiB). Precedence: flag > environment > file > default.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvtierd {__version__}")
+    parser.add_argument("--config", metavar="FILE", help="TOML configuration file")
+    for option in OPTIONS:
+        if option.flag is None:
+            continue
+        parser.add_argument(
+            option.flag,
+            dest=option.dotted,
+            metavar=option.key.upper(),
+            action="append" if option.repeatable else "store",
+            default=None,
+            help=f"{option.help} [{option.dotted}, env {option.env}]",
+        )
+    return parser
+
+
+def parse_config(argv: Sequence[str] | None = None) -> Config:
+    args = build_parser().parse_args(argv)
+    overrides = {k: v for k, v in vars(args).items() if "." in k and v is not None}
+    return load_config(args.config, overrides=overrides)
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        config = parse_config(argv)
+    except ConfigError as exc:
+        print(f"kvtierd: invalid configuration: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    configure_logging(config.log.level)
+    from kvtierd.daemon import serve  # heavy imports after argument checks
+
+    try:
+        _run(serve(config))
+    except ConfigError as exc:
+        print(f"kvtierd: invalid configuration: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except Exception as exc:
+        logging.getLogger("kvtierd").error("kvtierd failed: %s", exc, exc_info=True)
+        print(f"kvtierd: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME
+    return 0
+
+
+def _run(coro: object) -> None:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency
+        asyncio.run(coro)  # type: ignore[arg-type]
+        return
+    uvloop.run(coro)  # type: ignore[arg-type]

@@ -1,0 +1,490 @@
+"""The daemon's configuration: one frozen tree, built once from defaults, a TOML
+file, ``KVTIERD_<SECTION>_<KEY>`` environment variables and command-line flags
+(later sources win), validated once, then passed down. Nothing else in the
+daemon reads the environment.
+
+Every scalar option is declared once in ``OPTIONS`` (section, key, parser, help,
+flag); the CLI and the environment names are derived from that table.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import tomllib
+from kvtierd_client.address import default_runtime_dir, default_socket_path
+
+from kvtierd.units import format_bytes, parse_duration, parse_size
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+EVICTION_POLICIES = ("lru", "arc")
+MAX_BLOCK_BYTES = 1 << 30
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value; ``key`` is its dotted name (``memory.budget``)."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
+# --------------------------------------------------------------------------- values
+
+
+def _int_in(lo: int, hi: int) -> Callable[[Any], int]:
+    def parse(value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ValueError(f"expected an integer in [{lo}, {hi}], got {value!r}")
+        try:
+            number = int(value)
+        except ValueError:
+            raise ValueError(f"expected an integer in [{lo}, {hi}], got {value!r}") from None
+        if not lo <= number <= hi:
+            raise ValueError(f"must be in [{lo}, {hi}], got {number}")
+        return number
+
+    return parse
+
+
+def _size_in(lo: int, hi: int) -> Callable[[Any], int]:
+    def parse(value: Any) -> int:
+        number = parse_size(value)
+        if not lo <= number <= hi:
+            raise ValueError(
+                f"must be between {format_bytes(lo)} and {format_bytes(hi)}, got {value!r}"
+            )
+        return number
+
+    return parse
+
+
+def _duration_in(lo: float, hi: float) -> Callable[[Any], float]:
+    def parse(value: Any) -> float:
+        seconds = parse_duration(value)
+        if not lo <= seconds <= hi:
+            raise ValueError(f"must be between {lo:g}s and {hi:g}s, got {value!r}")
+        return seconds
+
+    return parse
+
+
+def _choice(*choices: str) -> Callable[[Any], str]:
+    def parse(value: Any) -> str:
+        text = str(value).lower()
+        if text not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}; got {value!r}")
+        return text
+
+    return parse
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {value!r}")
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, got {value!r}")
+    return value
+
+
+def _abs_file_or_empty(value: Any) -> str:
+    text = _text(value)
+    if text and not os.path.isabs(text):
+        raise ValueError(f"expected an absolute file path or '', got {value!r}")
+    return text
+
+
+def _directory(value: Any) -> str:
+    text = _text(value)
+    if not text or not os.path.isabs(text):
+        raise ValueError(f"expected an absolute directory path, got {value!r}")
+    return text
+
+
+_HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):([0-9]{1,5})$")
+
+
+def parse_listen_address(value: str) -> str:
+    """A normalized listen address: ``unix:///abs/path`` or ``host:port``."""
+    text = _text(value).strip()
+    if text.startswith("unix://"):
+        path = text[len("unix://") :]
+        if not os.path.isabs(path):
+            raise ValueError(f"a unix socket path must be absolute, got {value!r}")
+        return "unix://" + path
+    match = _HOST_PORT.match(text)
+    if match is None or not 0 < int(match.group(2)) < 65536:
+        raise ValueError(f"expected 'unix:///abs/path' or 'HOST:PORT', got {value!r}")
+    return text
+
+
+def _listen_list(value: Any) -> tuple[str, ...]:
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not items:
+        raise ValueError("expected a non-empty list of 'unix:///abs/path' or 'HOST:PORT'")
+    return tuple(parse_listen_address(item) for item in items)
+
+
+def _metrics_address(value: Any) -> str:
+    text = _text(value).strip()
+    if text and _HOST_PORT.match(text) is None:
+        raise ValueError(f"expected 'HOST:PORT' or '' (off), got {value!r}")
+    return text
+
+
+# --------------------------------------------------------------------------- options
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One scalar configuration key, declared once."""
+
+    section: str
+    key: str
+    parse: Callable[[Any], Any]
+    default: Callable[[], Any]
+    help: str
+    flag: str | None = None  # command-line flag, when this key has one
+    repeatable: bool = False  # flag may be given several times (lists)
+
+    @property
+    def dotted(self) -> str:
+        return f"{self.section}.{self.key}"
+
+    @property
+    def env(self) -> str:
+        return f"KVTIERD_{self.section}_{self.key}".upper()
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option(
+        "server",
+        "listen",
+        _listen_list,
+        lambda: ("unix://" + default_socket_path(),),
+        "address to serve on: unix:///abs/path or HOST:PORT (TCP needs tokens)",
+        flag="--listen",
+        repeatable=True,
+    ),
+    Option(
+        "server",
+        "metrics_address",
+        _metrics_address,
+        lambda: "127.0.0.1:9464",
+        "Prometheus endpoint HOST:PORT ('' turns it off)",
+        flag="--metrics-address",
+    ),
+    Option(
+        "server",
+        "socket_group",
+        _text,
+        lambda: "",
+        "group owning the Unix socket and region files ('' = the daemon's group)",
+        flag="--socket-group",
+    ),
+    Option(
+        "server",
+        "shutdown_grace",
+        _duration_in(0.0, 300.0),
+        lambda: 5.0,
+        "how long in-flight calls may finish after SIGTERM",
+        flag="--shutdown-grace",
+    ),
+    Option(
+        "memory",
+        "shm_dir",
+        _directory,
+        lambda: "/dev/shm",
+        "directory where region files are created (a tmpfs)",
+        flag="--shm-dir",
+    ),
+    Option(
+        "memory",
+        "budget",
+        _size_in(4096, 1 << 50),
+        lambda: 1 << 30,
+        "bytes of shared memory for all pools' regions together",
+        flag="--memory-budget",
+    ),
+    Option(
+        "memory",
+        "default_pool_blocks",
+        _int_in(1, 1 << 31),
+        lambda: 1024,
+        "pool capacity in blocks when OpenSession asks for 0",
+        flag="--default-pool-blocks",
+    ),
+    Option(
+        "memory",
+        "prefault",
+        _bool,
+        lambda: True,
+        "populate region pages at creation (no page faults on the copy path)",
+        flag="--prefault",
+    ),
+    Option(
+        "sessions",
+        "lease",
+        _duration_in(0.1, 3600.0),
+        lambda: 10.0,
+        "a session not kept alive this long is closed and its pins released",
+        flag="--lease",
+    ),
+    Option(
+        "sessions",
+        "max_sessions",
+        _int_in(1, 1 << 20),
+        lambda: 4096,
+        "open sessions at most",
+        flag="--max-sessions",
+    ),
+    Option(
+        "limits",
+        "max_keys_per_call",
+        _int_in(1, 1 << 20),
+        lambda: 65536,
+        "keys in one RPC at most",
+        flag="--max-keys-per-call",
+    ),
+    Option(
+        "limits", "max_pools", _int_in(1, 4096), lambda: 64, "pools at most", flag="--max-pools"
+    ),
+    Option(
+        "limits",
+        "events_retained",
+        _int_in(16, 1 << 24),
+        lambda: 65536,
+        "events each pool keeps for TakeEvents / WatchEvents",
+        flag="--events-retained",
+    ),
+    Option(
+        "security",
+        "tokens_file",
+        _abs_file_or_empty,
+        lambda: "",
+        "file of bearer tokens (one per line) that TCP clients must present; "
+        "required when any listen address is TCP",
+        flag="--tokens-file",
+    ),
+    Option(
+        "log",
+        "level",
+        _choice(*LOG_LEVELS),
+        lambda: "info",
+        "log level: " + ", ".join(LOG_LEVELS),
+        flag="--log-level",
+    ),
+)
+
+SECTIONS = ("server", "memory", "sessions", "limits", "security", "log", "tiers")
+
+
+# --------------------------------------------------------------------------- tree
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    listen: tuple[str, ...]  # normalized listen addresses
+    metrics_address: str  # "" = off
+    socket_group: str  # "" = the daemon's own group
+    shutdown_grace: float  # seconds
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryConfig:
+    shm_dir: str
+    budget: int  # bytes, all regions together
+    default_pool_blocks: int
+    prefault: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SessionsConfig:
+    lease: float  # seconds
+    max_sessions: int
+
+
+@dataclass(frozen=True, slots=True)
+class LimitsConfig:
+    max_keys_per_call: int
+    max_pools: int
+    events_retained: int
+
+
+@dataclass(frozen=True, slots=True)
+class SecurityConfig:
+    tokens_file: str  # "" = no tokens: TCP listeners are refused
+
+
+@dataclass(frozen=True, slots=True)
+class LogConfig:
+    level: str
+
+
+@dataclass(frozen=True, slots=True)
+class TierConfig:
+    """One secondary tier; ``options`` are its type-specific keys, parsed by the tier."""
+
+    type: str
+    name: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    server: ServerConfig
+    memory: MemoryConfig
+    sessions: SessionsConfig
+    limits: LimitsConfig
+    security: SecurityConfig
+    log: LogConfig
+    tiers: tuple[TierConfig, ...] = ()
+
+
+_SECTION_TYPES: dict[str, type] = {
+    "server": ServerConfig,
+    "memory": MemoryConfig,
+    "sessions": SessionsConfig,
+    "limits": LimitsConfig,
+    "security": SecurityConfig,
+    "log": LogConfig,
+}
+
+
+def load_config(
+    path: str | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Build the configuration: defaults < TOML file < environment < ``overrides``.
+
+    ``overrides`` maps dotted keys (``memory.budget``) to raw values, as the CLI
+    collects them. Raises ConfigError naming the key for any invalid value.
+    """
+    document = _read_toml(path) if path else {}
+    _reject_unknown(document)
+    env = os.environ if env is None else env
+    values: dict[str, dict[str, Any]] = {section: {} for section in _SECTION_TYPES}
+    for option in OPTIONS:
+        raw, found = _raw_value(option, document, env, overrides or {})
+        try:
+            values[option.section][option.key] = option.parse(raw) if found else option.default()
+        except ValueError as exc:
+            raise ConfigError(option.dotted, str(exc)) from None
+    sections = {name: cls(**values[name]) for name, cls in _SECTION_TYPES.items()}
+    config = Config(**sections, tiers=_parse_tiers(document.get("tiers", [])))
+    _check_cross_field(config)
+    return config
+
+
+def _check_cross_field(config: Config) -> None:
+    tcp = [a for a in config.server.listen if not a.startswith("unix://")]
+    if tcp and not config.security.tokens_file:
+        raise ConfigError(
+            "server.listen",
+            f"TCP address {tcp[0]} needs security.tokens_file (bearer tokens for TCP clients); "
+            "or listen on a unix:// socket only",
+        )
+
+
+def read_tokens(path: str) -> tuple[str, ...]:
+    """Tokens from ``path`` (one per line, '#' comments). The file must not be
+    readable by others, and must hold at least one token."""
+    try:
+        mode = os.stat(path).st_mode
+        with open(path, encoding="utf-8") as handle:
+            lines = handle.read().splitlines()
+    except OSError as exc:
+        raise ConfigError("security.tokens_file", f"cannot read {path}: {exc.strerror}") from None
+    if mode & 0o007:
+        raise ConfigError("security.tokens_file", f"{path} is accessible by others; chmod o-rwx")
+    tokens = tuple(t.strip() for t in lines if t.strip() and not t.lstrip().startswith("#"))
+    if not tokens or any(len(t) < 16 for t in tokens):
+        raise ConfigError(
+            "security.tokens_file", f"{path} must hold tokens of at least 16 characters"
+        )
+    return tokens
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as handle:
+            return tomllib.load(handle)
+    except FileNotFoundError:
+        raise ConfigError("--config", f"no such file: {path}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("--config", f"{path} is not valid TOML: {exc}") from None
+
+
+def _reject_unknown(document: Mapping[str, Any]) -> None:
+    known = {(o.section, o.key) for o in OPTIONS}
+    for section, body in document.items():
+        if section not in SECTIONS:
+            raise ConfigError(section, f"unknown section; known sections: {', '.join(SECTIONS)}")
+        if section == "tiers":
+            continue
+        if not isinstance(body, dict):
+            raise ConfigError(section, "must be a table")
+        for key in body:
+            if (section, key) not in known:
+                names = sorted(o.key for o in OPTIONS if o.section == section)
+                raise ConfigError(f"{section}.{key}", f"unknown key; known: {', '.join(names)}")
+
+
+def _raw_value(
+    option: Option,
+    document: Mapping[str, Any],
+    env: Mapping[str, str],
+    overrides: Mapping[str, Any],
+) -> tuple[Any, bool]:
+    if option.dotted in overrides:
+        return overrides[option.dotted], True
+    if option.env in env:
+        return env[option.env], True
+    section = document.get(option.section, {})
+    if option.key in section:
+        return section[option.key], True
+    return None, False
+
+
+_TIER_NAME = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
+
+
+def _parse_tiers(raw: Any) -> tuple[TierConfig, ...]:
+    if not isinstance(raw, list):
+        raise ConfigError("tiers", "must be an array of tables ([[tiers]])")
+    tiers: list[TierConfig] = []
+    for index, body in enumerate(raw):
+        key = f"tiers[{index}]"
+        if not isinstance(body, dict):
+            raise ConfigError(key, "must be a table")
+        options = dict(body)
+        tier_type = options.pop("type", None)
+        if not isinstance(tier_type, str) or not tier_type:
+            raise ConfigError(f"{key}.type", "missing; supported types: fs")
+        name = options.pop("name", f"{tier_type}{index}")
+        if not isinstance(name, str) or not _TIER_NAME.match(name) or name == "primary":
+            raise ConfigError(f"{key}.name", f"must match [A-Za-z0-9_-]{{1,32}}, got {name!r}")
+        if any(t.name == name for t in tiers):
+            raise ConfigError(f"{key}.name", f"duplicate tier name {name!r}")
+        tiers.append(TierConfig(type=tier_type, name=name, options=options))
+    return tuple(tiers)
+
+
+def runtime_dir() -> str:
+    """Where the default socket lives (see ``kvtierd_client.address``)."""
+    return default_runtime_dir()

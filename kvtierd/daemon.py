@@ -1,0 +1,142 @@
+"""The daemon's lifecycle: start, serve, and an ordered shutdown.
+
+Start: pools and sessions tables -> gRPC server with health (NOT_SERVING) ->
+listeners -> reaper -> health SERVING.
+Shutdown (SIGTERM / SIGINT; a second signal forces exit): health NOT_SERVING ->
+stop accepting calls and let in-flight ones finish (``server.shutdown_grace``) ->
+close every session (pins released, reservations aborted) -> close pools
+(region files unlinked) -> remove the socket files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import grp
+import logging
+import os
+import signal
+
+import grpc
+
+from kvtierd.config import Config, ConfigError, read_tokens
+from kvtierd.pools import PoolTable
+from kvtierd.server import add_listeners, build_server, remove_unix_sockets, set_health
+from kvtierd.service import KVTierService
+from kvtierd.sessions import SessionTable
+
+log = logging.getLogger("kvtierd.daemon")
+
+
+def resolve_group(name: str) -> int | None:
+    if not name:
+        return None
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise ConfigError("server.socket_group", f"no such group: {name!r}") from None
+
+
+class Daemon:
+    """Owns every long-lived object of one daemon process. Event-loop only."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.gid = resolve_group(config.server.socket_group)
+        tokens = read_tokens(config.security.tokens_file) if config.security.tokens_file else ()
+        self.pools = PoolTable(config.memory, config.limits, self.gid)
+        self.sessions = SessionTable(config.sessions.lease, config.sessions.max_sessions)
+        self.service = KVTierService(
+            self.pools,
+            self.sessions,
+            max_keys_per_call=config.limits.max_keys_per_call,
+            tokens=tokens,
+        )
+        self._stop = asyncio.Event()
+        self._server: grpc.aio.Server | None = None
+        self._reaper: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        _check_shm_dir(self.config.memory.shm_dir)
+        server, self._health = build_server(self.service)
+        await set_health(self._health, serving=False)
+        add_listeners(server, self.config.server.listen, self.gid)
+        await server.start()
+        self._server = server
+        self._reaper = asyncio.create_task(self._reap_forever(), name="kvtierd-reaper")
+        await set_health(self._health, serving=True)
+        log.info(
+            "kvtierd ready: pid %d, budget %d bytes in %s, lease %gs",
+            os.getpid(), self.config.memory.budget, self.config.memory.shm_dir,
+            self.config.sessions.lease,
+        )  # fmt: skip
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def wait_stopped(self) -> None:
+        await self._stop.wait()
+
+    async def shutdown(self) -> None:
+        """Ordered shutdown; each step runs even if an earlier one failed."""
+        log.info("shutting down: refusing new calls, finishing in-flight ones")
+        self.service.shutting_down = True
+        for pool in self.pools:
+            pool.events.wake_all()  # watch streams end
+        if self._server is not None:
+            await set_health(self._health, serving=False)
+            await self._server.stop(self.config.server.shutdown_grace)
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        self.sessions.close_all("closed by daemon shutdown")
+        self.pools.close_all()
+        remove_unix_sockets(self.config.server.listen)
+        log.info("shutdown complete")
+
+    async def _reap_forever(self) -> None:
+        interval = min(1.0, self.config.sessions.lease / 4)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                self.sessions.expire()
+            except Exception:  # a bug here must not stop lease enforcement
+                log.exception("session reaper failed; continuing")
+
+
+def _check_shm_dir(path: str) -> None:
+    if not os.path.isdir(path):
+        raise ConfigError("memory.shm_dir", f"{path} is not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError("memory.shm_dir", f"{path} is not writable by this user")
+
+
+async def serve(config: Config) -> None:
+    """Runs the daemon until SIGTERM / SIGINT."""
+    daemon = Daemon(config)
+    loop = asyncio.get_running_loop()
+    signals_seen = 0
+
+    def on_signal(signum: int) -> None:
+        nonlocal signals_seen
+        signals_seen += 1
+        if signals_seen > 1:
+            log.warning("second %s: exiting immediately", signal.Signals(signum).name)
+            os._exit(1)
+        log.info("%s received", signal.Signals(signum).name)
+        daemon.request_stop()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    try:
+        try:
+            await daemon.start()
+        except BaseException:
+            await daemon.shutdown()
+            raise
+        await daemon.wait_stopped()
+        await daemon.shutdown()
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)

@@ -1,0 +1,206 @@
+"""A pool: one namespace of blocks with its region, its primary manager, its
+event log, and the record of which session owns which pin and reservation.
+
+Ownership (DESIGN.md §4):
+
+* a *pin* (ref count +1) taken by ``prepare_load`` belongs to the session that
+  asked; only that session's ``complete_load`` releases it, or the pool when the
+  session is released (closed / lease expired);
+* a *reservation* (ref count -1) made by ``prepare_store`` belongs to the
+  session that asked; only that session's ``complete_store`` completes or aborts
+  it; keys reserved by another session are left alone; releasing the session
+  aborts every reservation it still holds.
+
+Every method runs on the daemon's event loop; none blocks. Each mutator
+validates everything first and then applies, so a rejected call changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvtierd.contract import BlockKey, LookupResult, StoreGrant
+from kvtierd.errors import FailedPrecondition
+from kvtierd.events import EventLog
+from kvtierd.primary import PrimaryManager
+from kvtierd.region import Region
+from kvtierd.validation import key_repr
+
+log = logging.getLogger("kvtierd.pool")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    """What a pool is: fixed at creation; joiners must match name, block size, layout."""
+
+    name: str
+    block_bytes: int
+    num_blocks: int
+    layout: str
+    eviction_policy: str
+
+
+@dataclass(frozen=True, slots=True)
+class PoolCounters:
+    """Cumulative primary-tier counters of a pool (a snapshot)."""
+
+    lookups_hit: int
+    lookups_hit_pending: int
+    lookups_miss: int
+    lookups_retry: int
+    bytes_in: int
+    bytes_out: int
+    loads_completed: int
+    stores_completed: int
+    stores_aborted: int
+    stores_refused: int  # PrepareStore answered accepted=false
+
+
+class Pool:
+    """One pool. Owned by the PoolTable; its sessions hold references to it."""
+
+    def __init__(self, spec: PoolSpec, region: Region, events_retained: int) -> None:
+        self.spec = spec
+        self.region = region
+        self.events = EventLog(events_retained)
+        self.manager = PrimaryManager(
+            spec.num_blocks, spec.eviction_policy, on_event=self.events.append
+        )
+        # Invariant: sum over sessions of _pins[s][k] == manager.ref_count(k) for
+        # every key pinned by sessions (the pool itself pins nothing yet).
+        self._pins: dict[str, Counter[BlockKey]] = {}
+        # Invariant: k in _reserved_by[s] <=> _reserver[k] == s <=> ref_count(k) == -1
+        # for keys reserved by sessions.
+        self._reserver: dict[BlockKey, str] = {}
+        self._reserved_by: dict[str, set[BlockKey]] = {}
+        self.session_count = 0
+        self._lookups = Counter({r: 0 for r in LookupResult})
+        self._loads_completed = 0
+        self._stores_completed = 0
+        self._stores_aborted = 0
+        self._stores_refused = 0
+
+    # ----------------------------------------------------------------- sessions
+
+    def attach(self, session_id: str) -> None:
+        self.session_count += 1
+        self._pins[session_id] = Counter()
+        self._reserved_by[session_id] = set()
+
+    def release_session(self, session_id: str) -> tuple[int, int]:
+        """Drops every pin and aborts every reservation of the session.
+
+        Returns (pins released, reservations aborted). Called once per session,
+        when it closes or its lease expires.
+        """
+        pins = self._pins.pop(session_id, Counter())
+        reserved = self._reserved_by.pop(session_id, set())
+        self.session_count -= 1
+        unpin = [key for key, count in pins.items() for _ in range(count)]
+        if unpin:
+            self.manager.complete_load(unpin)  # pin n -> n-1, per pin held
+        if reserved:
+            for key in reserved:
+                del self._reserver[key]
+            aborted = self.manager.complete_store(list(reserved), success=False)
+            self._stores_aborted += len(aborted)
+        return len(unpin), len(reserved)
+
+    # ----------------------------------------------------------------- manager ops
+
+    def lookup(self, keys: Sequence[BlockKey]) -> list[LookupResult]:
+        results = self.manager.lookup(keys)
+        self._lookups.update(results)
+        return results
+
+    def touch(self, keys: Sequence[BlockKey]) -> None:
+        self.manager.touch(keys)
+
+    def prepare_load(self, session_id: str, keys: Sequence[BlockKey]) -> list[int]:
+        """Pins ``keys`` for the session; every key must be HIT."""
+        missing = self.manager.first_not_loadable(keys)
+        if missing is not None:
+            state = self.manager.lookup([missing])[0].name
+            raise FailedPrecondition(
+                f"keys: {key_repr(missing)} is {state}, not HIT; look keys up and load only "
+                "those that answered HIT"
+            )
+        block_ids = self.manager.prepare_load(keys)
+        self._pins[session_id].update(keys)  # pin 0 -> 1 (or n -> n+1), owned by session
+        return block_ids
+
+    def complete_load(self, session_id: str, keys: Sequence[BlockKey]) -> None:
+        """Releases the session's pins on ``keys``; each must be pinned by it."""
+        pins = self._pins[session_id]
+        for key in keys:
+            if pins[key] <= 0:
+                raise FailedPrecondition(
+                    f"keys: {key_repr(key)} is not pinned by this session; CompleteLoad "
+                    "only keys this session got from PrepareLoad, once per PrepareLoad"
+                )
+        self.manager.complete_load(keys)
+        for key in keys:
+            pins[key] -= 1
+            if pins[key] == 0:
+                del pins[key]
+        self._loads_completed += len(keys)
+
+    def prepare_store(self, session_id: str, keys: Sequence[BlockKey]) -> StoreGrant | None:
+        """Reserves rows for the keys not present; None when no room (nothing changed)."""
+        grant = self.manager.prepare_store(keys)
+        if grant is None:
+            self._stores_refused += 1
+            return None
+        owned = self._reserved_by[session_id]
+        for key in grant.keys_to_store:
+            self._reserver[key] = session_id
+            owned.add(key)
+        return grant
+
+    def complete_store(self, session_id: str, keys: Sequence[BlockKey], success: bool) -> int:
+        """Completes (or aborts) the keys this session reserved; returns how many."""
+        owned = self._reserved_by[session_id]
+        mine = [key for key in keys if key in owned]
+        if not mine:
+            return 0
+        for key in mine:
+            owned.discard(key)
+            del self._reserver[key]
+        done = self.manager.complete_store(mine, success)
+        if success:
+            self._stores_completed += len(done)
+        else:
+            self._stores_aborted += len(done)
+        return len(done)
+
+    def flush(self) -> int:
+        """Evicts every ready, unpinned block (pinned and in-flight ones stay)."""
+        return len(self.manager.evict_all_evictable())
+
+    # ----------------------------------------------------------------- read-only
+
+    def counters(self) -> PoolCounters:
+        block_bytes = self.spec.block_bytes
+        return PoolCounters(
+            lookups_hit=self._lookups[LookupResult.HIT],
+            lookups_hit_pending=self._lookups[LookupResult.HIT_PENDING],
+            lookups_miss=self._lookups[LookupResult.MISS],
+            lookups_retry=self._lookups[LookupResult.RETRY],
+            bytes_in=self._stores_completed * block_bytes,
+            bytes_out=self._loads_completed * block_bytes,
+            loads_completed=self._loads_completed,
+            stores_completed=self._stores_completed,
+            stores_aborted=self._stores_aborted,
+            stores_refused=self._stores_refused,
+        )
+
+    def pins_of(self, session_id: str) -> int:
+        return sum(self._pins.get(session_id, Counter()).values())
+
+    def close(self) -> None:
+        """Releases the region (unlinks the file). The pool is unusable afterwards."""
+        self.events.wake_all()
+        self.region.close()

@@ -1,0 +1,119 @@
+"""gRPC listeners: the KVTier service, the standard health service and reflection.
+
+Unix sockets are created with mode 0660 (umask tightened around the bind, so the
+socket is never reachable by others, not even for an instant), in a directory
+created 0750 if missing. A leftover socket file from a crashed daemon is
+removed; a socket another live daemon is serving is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import socket
+from collections.abc import Iterator
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from kvtierd_client.proto import pb2, pb2_grpc
+
+from kvtierd.service import KVTierService
+
+log = logging.getLogger("kvtierd.server")
+
+SERVICE_NAME = pb2.DESCRIPTOR.services_by_name["KVTier"].full_name
+MAX_MESSAGE_BYTES = 64 << 20  # 65,536 keys of 256 bytes fit with room to spare
+
+
+class ListenError(RuntimeError):
+    """A listen address cannot be served (in use, no permission, bad directory)."""
+
+
+def build_server(service: KVTierService) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0),
+        ]
+    )
+    pb2_grpc.add_KVTierServicer_to_server(service, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    return server, health_servicer
+
+
+async def set_health(servicer: health.aio.HealthServicer, serving: bool) -> None:
+    status = (
+        health_pb2.HealthCheckResponse.SERVING
+        if serving
+        else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
+    for name in ("", SERVICE_NAME):
+        await servicer.set(name, status)
+
+
+def add_listeners(server: grpc.aio.Server, addresses: tuple[str, ...], gid: int | None) -> None:
+    for address in addresses:
+        if address.startswith("unix://"):
+            _add_unix(server, address[len("unix://") :], gid)
+        else:
+            if server.add_insecure_port(address) == 0:
+                raise ListenError(f"cannot listen on {address} (in use or not a local address)")
+            log.info("listening on tcp %s (bearer tokens required)", address)
+
+
+def _add_unix(server: grpc.aio.Server, path: str, gid: int | None) -> None:
+    directory = os.path.dirname(path)
+    try:
+        os.makedirs(directory, mode=0o750, exist_ok=True)
+    except OSError as exc:
+        raise ListenError(f"cannot create socket directory {directory}: {exc.strerror}") from None
+    _remove_stale_socket(path)
+    with _umask(0o117):
+        bound = server.add_insecure_port("unix:" + path)
+    if bound == 0:
+        raise ListenError(f"cannot listen on unix socket {path}")
+    os.chmod(path, 0o660)
+    if gid is not None:
+        os.chown(path, -1, gid)
+    log.info("listening on unix socket %s (mode 0660)", path)
+
+
+def _remove_stale_socket(path: str) -> None:
+    if not os.path.exists(path):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError as exc:
+        if exc.errno not in (errno.ECONNREFUSED, errno.ENOTSOCK, errno.ENOENT):
+            raise ListenError(f"socket {path} exists and cannot be probed: {exc}") from None
+        log.warning("removing stale socket %s left by a previous daemon", path)
+        os.unlink(path)
+    else:
+        raise ListenError(f"another process is already serving {path}; stop it first")
+    finally:
+        probe.close()
+
+
+def remove_unix_sockets(addresses: tuple[str, ...]) -> None:
+    for address in addresses:
+        if address.startswith("unix://"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(address[len("unix://") :])
+
+
+@contextlib.contextmanager
+def _umask(mask: int) -> Iterator[None]:
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)

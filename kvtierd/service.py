@@ -1,0 +1,307 @@
+"""The KVTier gRPC servicer: validate, convert, call the pool, convert back.
+
+No state lives here. Every handler validates every field before touching any
+state, so a rejected call changes nothing. ``KvtierdError`` subclasses map to
+their status code in one place (``_handle``); anything else is a bug, logged
+with its trace and answered INTERNAL — the daemon keeps serving.
+
+The request path reads top to bottom: service -> session -> pool -> manager.
+"""
+
+from __future__ import annotations
+
+import functools
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from kvtierd_client.proto import pb2, pb2_grpc
+
+from kvtierd import __version__
+from kvtierd.contract import PRIMARY_TIER, BlockEvent, Medium
+from kvtierd.errors import (
+    InvalidArgument,
+    KvtierdError,
+    OutOfRange,
+    ShuttingDown,
+    Unauthenticated,
+)
+from kvtierd.pool import Pool, PoolSpec
+from kvtierd.pools import PoolTable
+from kvtierd.sessions import Session, SessionTable
+from kvtierd.validation import (
+    check_block_bytes,
+    check_eviction_policy,
+    check_keys,
+    check_pool_name,
+    check_text,
+)
+
+log = logging.getLogger("kvtierd.service")
+
+Request = TypeVar("Request")
+Response = TypeVar("Response")
+Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Any]
+
+
+def _handle(method: Handler) -> Callable[..., Awaitable[Any]]:
+    """Runs a synchronous handler body on the loop and maps its errors to statuses."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    async def wrapper(self: KVTierService, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            self.authorize(context)
+            return method(self, request, context)
+        except KvtierdError as exc:
+            await context.abort(exc.code, str(exc))
+        except Exception as exc:
+            log.exception("%s failed with an internal error", name)
+            await context.abort(
+                grpc.StatusCode.INTERNAL,
+                f"internal error in {name}: {type(exc).__name__}: {exc} (see the daemon log)",
+            )
+
+    return wrapper
+
+
+class KVTierService(pb2_grpc.KVTierServicer):
+    def __init__(
+        self,
+        pools: PoolTable,
+        sessions: SessionTable,
+        *,
+        max_keys_per_call: int,
+        tokens: tuple[str, ...] = (),
+    ) -> None:
+        self._pools = pools
+        self._sessions = sessions
+        self._max_keys = max_keys_per_call
+        self._tokens = tuple(token.encode() for token in tokens)
+        self._started = time.monotonic()
+        self.shutting_down = False
+
+    # ----------------------------------------------------------------- auth
+
+    def authorize(self, context: grpc.aio.ServicerContext) -> None:
+        """Unix-socket peers are trusted (file permissions guard the socket);
+        TCP peers must present ``authorization: Bearer <token>``."""
+        if self.shutting_down:
+            raise ShuttingDown("kvtierd is shutting down; retry against the restarted daemon")
+        if not self._tokens or context.peer().startswith("unix:"):
+            return
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization" and value.startswith("Bearer "):
+                offered = value[len("Bearer ") :].encode()
+                if any(hmac.compare_digest(offered, token) for token in self._tokens):
+                    return
+        raise Unauthenticated("TCP calls need metadata 'authorization: Bearer <token>'")
+
+    # ----------------------------------------------------------------- sessions
+
+    @_handle
+    def OpenSession(self, request: pb2.OpenSessionRequest, context: Any) -> Any:
+        spec = request.pool
+        check_pool_name(spec.name)
+        check_block_bytes(spec.block_bytes)
+        check_eviction_policy(spec.eviction_policy)
+        check_text(spec.layout, "pool.layout", max_bytes=4096)
+        check_text(request.client_name, "client_name")
+        if spec.num_blocks > (1 << 40):
+            raise InvalidArgument(f"pool.num_blocks: {spec.num_blocks} is absurdly large")
+        pool = self._pools.open(
+            PoolSpec(
+                name=spec.name,
+                block_bytes=spec.block_bytes,
+                num_blocks=spec.num_blocks,
+                layout=spec.layout,
+                eviction_policy=spec.eviction_policy,
+            )
+        )
+        session = self._sessions.open(pool, request.client_name, context.peer())
+        return pb2.OpenSessionResponse(
+            session_id=session.id,
+            region=pb2.Region(
+                path=pool.region.path,
+                num_blocks=pool.spec.num_blocks,
+                block_bytes=pool.spec.block_bytes,
+            ),
+            lease_ms=self._sessions.lease_ms,
+            pool=_pool_spec_message(pool.spec),
+        )
+
+    @_handle
+    def KeepAlive(self, request: pb2.KeepAliveRequest, context: Any) -> Any:
+        self._sessions.get(request.session_id)
+        return pb2.KeepAliveResponse(lease_ms=self._sessions.lease_ms)
+
+    @_handle
+    def CloseSession(self, request: pb2.CloseSessionRequest, context: Any) -> Any:
+        self._sessions.close(request.session_id)
+        return pb2.CloseSessionResponse()
+
+    # ----------------------------------------------------------------- manager
+
+    def _session_and_keys(self, request: Any) -> tuple[Session, list[bytes]]:
+        keys = list(request.keys)
+        check_keys(keys, self._max_keys)
+        return self._sessions.get(request.session_id), keys
+
+    @_handle
+    def Lookup(self, request: pb2.LookupRequest, context: Any) -> Any:
+        session, keys = self._session_and_keys(request)
+        return pb2.LookupResponse(results=session.pool.lookup(keys))
+
+    @_handle
+    def Touch(self, request: pb2.TouchRequest, context: Any) -> Any:
+        session, keys = self._session_and_keys(request)
+        session.pool.touch(keys)
+        return pb2.TouchResponse()
+
+    @_handle
+    def PrepareLoad(self, request: pb2.PrepareLoadRequest, context: Any) -> Any:
+        session, keys = self._session_and_keys(request)
+        return pb2.PrepareLoadResponse(block_ids=session.pool.prepare_load(session.id, keys))
+
+    @_handle
+    def CompleteLoad(self, request: pb2.CompleteLoadRequest, context: Any) -> Any:
+        session, keys = self._session_and_keys(request)
+        session.pool.complete_load(session.id, keys)
+        return pb2.CompleteLoadResponse()
+
+    @_handle
+    def PrepareStore(self, request: pb2.PrepareStoreRequest, context: Any) -> Any:
+        session, keys = self._session_and_keys(request)
+        grant = session.pool.prepare_store(session.id, keys)
+        if grant is None:
+            return pb2.PrepareStoreResponse(accepted=False)
+        return pb2.PrepareStoreResponse(
+            accepted=True,
+            keys_to_store=grant.keys_to_store,
+            block_ids=grant.block_ids,
+            evicted_keys=grant.evicted_keys,
+        )
+
+    @_handle
+    def CompleteStore(self, request: pb2.CompleteStoreRequest, context: Any) -> Any:
+        session, keys = self._session_and_keys(request)
+        session.pool.complete_store(session.id, keys, request.success)
+        return pb2.CompleteStoreResponse()
+
+    # ----------------------------------------------------------------- events
+
+    @_handle
+    def TakeEvents(self, request: pb2.TakeEventsRequest, context: Any) -> Any:
+        session = self._sessions.get(request.session_id)
+        events, dropped = session.pool.events.since(session.events_cursor)
+        session.events_cursor = session.pool.events.last_seq
+        return pb2.TakeEventsResponse(
+            events=[_event_message(seq, event) for seq, event in events], dropped=dropped
+        )
+
+    async def WatchEvents(
+        self, request: pb2.WatchEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb2.Event]:
+        try:
+            self.authorize(context)
+            pool, cursor = self._watch_start(request)
+        except KvtierdError as exc:
+            await context.abort(exc.code, str(exc))
+        while not self.shutting_down:
+            events, _ = pool.events.since(cursor)
+            for seq, event in events:
+                yield _event_message(seq, event)
+            cursor = max(cursor, pool.events.last_seq)
+            await pool.events.wait_beyond(cursor)
+
+    def _watch_start(self, request: pb2.WatchEventsRequest) -> tuple[Pool, int]:
+        check_pool_name(request.pool, "pool")
+        pool = self._pools.get(request.pool)
+        log_ = pool.events
+        after = request.after_seq
+        if after == -1:
+            return pool, log_.last_seq
+        if after < -1:
+            raise InvalidArgument(f"after_seq: {after}; use -1 (new events only) or a seq >= 0")
+        if after > log_.last_seq:
+            raise OutOfRange(
+                f"after_seq {after} is beyond pool {pool.spec.name!r}'s last event "
+                f"{log_.last_seq} (did the daemon restart?); resume with -1 or 0"
+            )
+        if after + 1 < log_.oldest_seq:
+            raise OutOfRange(
+                f"events {after + 1}..{log_.oldest_seq - 1} of pool {pool.spec.name!r} were "
+                f"dropped (limits.events_retained); resume from after_seq "
+                f"{log_.oldest_seq - 1} or -1"
+            )
+        return pool, after
+
+    # ----------------------------------------------------------------- stats
+
+    @_handle
+    def GetStats(self, request: pb2.GetStatsRequest, context: Any) -> Any:
+        if request.pool:
+            check_pool_name(request.pool, "pool")
+            pools = [self._pools.get(request.pool)]
+        else:
+            pools = list(self._pools)
+        return pb2.GetStatsResponse(
+            pools=[_pool_stats(pool) for pool in pools],
+            memory_budget_bytes=self._pools.budget_bytes,
+            memory_used_bytes=self._pools.used_bytes,
+            uptime_seconds=time.monotonic() - self._started,
+            sessions=len(self._sessions),
+            version=__version__,
+        )
+
+
+def _pool_spec_message(spec: PoolSpec) -> pb2.PoolSpec:
+    return pb2.PoolSpec(
+        name=spec.name,
+        block_bytes=spec.block_bytes,
+        num_blocks=spec.num_blocks,
+        layout=spec.layout,
+        eviction_policy=spec.eviction_policy,
+    )
+
+
+def _event_message(seq: int, event: BlockEvent) -> pb2.Event:
+    return pb2.Event(
+        seq=seq, keys=event.keys, medium=int(event.medium), removed=event.removed, tier=event.tier
+    )
+
+
+def _pool_stats(pool: Pool) -> pb2.PoolStats:
+    spec = pool.spec
+    primary = pool.manager.statistics()
+    counters = pool.counters()
+    tier = pb2.TierStats(
+        tier=PRIMARY_TIER,
+        medium=int(Medium.CPU),
+        capacity_blocks=spec.num_blocks,
+        used_blocks=primary.used_blocks,
+        hits=counters.lookups_hit + counters.lookups_hit_pending,
+        misses=counters.lookups_miss,
+        bytes_in=counters.bytes_in,
+        bytes_out=counters.bytes_out,
+        evictions=primary.evictions,
+        failures=counters.stores_aborted,
+        pinned_blocks=primary.pinned_blocks,
+        pending_blocks=primary.pending_blocks,
+        capacity_bytes=spec.num_blocks * spec.block_bytes,
+        used_bytes=primary.used_blocks * spec.block_bytes,
+    )
+    return pb2.PoolStats(
+        name=spec.name,
+        block_bytes=spec.block_bytes,
+        num_blocks=spec.num_blocks,
+        layout=spec.layout,
+        eviction_policy=spec.eviction_policy,
+        sessions=pool.session_count,
+        region_path=pool.region.path,
+        last_event_seq=pool.events.last_seq,
+        tiers=[tier],
+    )

@@ -1,0 +1,124 @@
+"""Sessions and their leases.
+
+A session is one connected client bound to one pool. Any call on a session, and
+KeepAlive, renews its lease; a session whose lease ran out is closed by the
+reaper, which releases its pins and aborts its reservations through the pool
+(``Pool.release_session``). Session ids are random 128-bit hex strings, so a
+restarted daemon never mistakes an old client for a live one.
+
+Event-loop only. ``clock`` is injectable for tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from kvtierd.errors import ResourceExhausted, SessionNotFound
+from kvtierd.pool import Pool
+
+log = logging.getLogger("kvtierd.sessions")
+
+
+@dataclass(slots=True, eq=False)
+class Session:
+    id: str
+    pool: Pool
+    client_name: str
+    peer: str
+    opened_at: float
+    expires_at: float
+    events_cursor: int  # last event seq this session has taken
+    calls: int = field(default=0)
+
+
+class SessionTable:
+    def __init__(
+        self,
+        lease_seconds: float,
+        max_sessions: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.lease_seconds = lease_seconds
+        self._max_sessions = max_sessions
+        self._clock = clock
+        self._sessions: dict[str, Session] = {}
+        self.expired_total = 0
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __iter__(self) -> Iterator[Session]:
+        return iter(self._sessions.values())
+
+    @property
+    def lease_ms(self) -> int:
+        return int(self.lease_seconds * 1000)
+
+    def open(self, pool: Pool, client_name: str, peer: str) -> Session:
+        if len(self._sessions) >= self._max_sessions:
+            raise ResourceExhausted(
+                f"{len(self._sessions)} sessions are open, the limit is {self._max_sessions} "
+                "(sessions.max_sessions); close sessions you no longer use"
+            )
+        now = self._clock()
+        session = Session(
+            id=secrets.token_hex(16),
+            pool=pool,
+            client_name=client_name,
+            peer=peer,
+            opened_at=now,
+            expires_at=now + self.lease_seconds,
+            events_cursor=pool.events.last_seq,
+        )
+        self._sessions[session.id] = session
+        pool.attach(session.id)
+        log.info(
+            "session %s opened: pool %s, client %r, peer %s",
+            session.id, pool.spec.name, client_name, peer,
+        )  # fmt: skip
+        return session
+
+    def get(self, session_id: str) -> Session:
+        """The live session; renews its lease (a call is proof of life)."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise SessionNotFound(
+                f"session {session_id[:64]!r} is unknown, closed or expired; open a new session"
+            )
+        session.expires_at = self._clock() + self.lease_seconds
+        session.calls += 1
+        return session
+
+    def close(self, session_id: str, reason: str = "closed by client") -> None:
+        session = self._sessions.pop(session_id, None)
+        if session is None:
+            raise SessionNotFound(f"session {session_id[:64]!r} is unknown, closed or expired")
+        self._release(session, reason)
+
+    def expire(self) -> int:
+        """Closes every session whose lease ran out; returns how many."""
+        now = self._clock()
+        expired = [s for s in self._sessions.values() if s.expires_at <= now]
+        for session in expired:
+            del self._sessions[session.id]
+            self.expired_total += 1
+            self._release(session, f"lease expired ({self.lease_seconds:g}s without a call)")
+        return len(expired)
+
+    def close_all(self, reason: str) -> None:
+        while self._sessions:
+            _, session = self._sessions.popitem()
+            self._release(session, reason)
+
+    @staticmethod
+    def _release(session: Session, reason: str) -> None:
+        pins, reservations = session.pool.release_session(session.id)
+        log.info(
+            "session %s (%r, pool %s) %s: released %d pins, aborted %d reservations",
+            session.id, session.client_name, session.pool.spec.name, reason, pins,
+            reservations,
+        )  # fmt: skip

@@ -1,0 +1,35 @@
+from __future__ import annotations
+
+import itertools
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from daemon_harness import DaemonProcess, start_daemon  # noqa: E402
+
+_pool_counter = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[DaemonProcess]:
+    """One real daemon per test module (tests use distinct pool names)."""
+    proc = start_daemon("--memory-budget", "256MiB", "--lease", "2s")
+    try:
+        yield proc
+        code = proc.stop()
+        assert code == 0, f"daemon exited with {code}:\n{proc.log()}"
+        assert proc.region_files() == [], "region files left after shutdown"
+    finally:
+        proc.cleanup()
+
+
+@pytest.fixture
+def pool_name(request: pytest.FixtureRequest) -> str:
+    """A pool name unique to this test."""
+    name = re.sub(r"[^A-Za-z0-9._:/-]", "_", request.node.name)[:80]
+    return f"test/{name}/{next(_pool_counter)}"

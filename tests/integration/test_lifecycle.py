@@ -1,0 +1,131 @@
+"""Start, serve, and shut down the real daemon: sockets, region files, health,
+reflection, stale files from a crashed daemon."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+
+import grpc
+import pytest
+from daemon_harness import health_status, start_daemon
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
+from kvtierd_client.proto import pb2
+
+
+def open_pool(daemon, name: str, num_blocks: int = 4):
+    stub = daemon.stub()
+    return stub, stub.OpenSession(pb2.OpenSessionRequest(
+        pool=pb2.PoolSpec(name=name, block_bytes=4096, num_blocks=num_blocks)))  # fmt: skip
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_shuts_down_cleanly(sig):
+    daemon = start_daemon()
+    try:
+        _, opened = open_pool(daemon, "lifecycle")
+        region = opened.region.path
+        assert os.path.exists(region)
+        assert stat.S_IMODE(os.stat(region).st_mode) == 0o660
+        assert stat.S_IMODE(os.stat(daemon.socket_path).st_mode) == 0o660
+        assert daemon.stop(sig) == 0, daemon.log()
+        assert not os.path.exists(daemon.socket_path)
+        assert not os.path.exists(region)
+        assert "shutdown complete" in daemon.log()
+    finally:
+        daemon.cleanup()
+
+
+def test_health_and_reflection(daemon):
+    assert health_status(daemon) == "SERVING"
+    assert health_status(daemon, "kvtier.v1.KVTier") == "SERVING"
+    with grpc.insecure_channel(daemon.target) as channel:
+        services = ProtoReflectionDescriptorDatabase(channel).get_services()
+    assert "kvtier.v1.KVTier" in services and "grpc.health.v1.Health" in services
+
+
+def test_stale_socket_is_replaced_and_live_socket_refused():
+    first = start_daemon()
+    try:
+        second = start_daemon("--listen", "unix://" + first.socket_path, wait=False)
+        try:
+            assert second.proc.wait(30) == 1
+            assert "already serving" in second.log()
+        finally:
+            second.cleanup()
+        assert first.alive() and health_status(first) == "SERVING"
+    finally:
+        first.stop()
+        first.cleanup()
+
+    # a socket file nobody serves (a crashed daemon's) is removed and re-bound
+    leftover = start_daemon(wait=False)
+    leftover.stop(signal.SIGKILL)
+    path = leftover.socket_path
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(path + ".x")
+    stale.close()
+    os.rename(path + ".x", path)
+    third = start_daemon("--listen", "unix://" + path)
+    try:
+        assert "removing stale socket" in third.log()
+        assert health_status(third) == "SERVING"
+    finally:
+        third.stop()
+        third.cleanup()
+        leftover.cleanup()
+
+
+def test_stale_region_from_crashed_daemon_is_replaced_not_reused():
+    crashed = start_daemon()
+    shm_dir = crashed.shm_dir
+    try:
+        _, opened = open_pool(crashed, "survivor")
+        path = opened.region.path
+        with open(path, "r+b") as region:  # data the dead daemon's clients wrote
+            region.write(b"\xab" * 4096)
+        inode = os.stat(path).st_ino
+        crashed.stop(signal.SIGKILL)
+        assert os.path.exists(path)  # SIGKILL leaves it behind
+
+        restarted = start_daemon(shm_dir=shm_dir)
+        try:
+            _, reopened = open_pool(restarted, "survivor")
+            assert reopened.region.path == path
+            assert os.stat(path).st_ino != inode
+            with open(path, "rb") as region:
+                assert region.read(4096) == b"\0" * 4096
+            assert "stale" in restarted.log()
+        finally:
+            assert restarted.stop() == 0
+            restarted.cleanup()
+    finally:
+        crashed.cleanup()
+
+
+def test_memory_budget_is_global_across_pools():
+    daemon = start_daemon("--memory-budget", "64KiB")
+    try:
+        open_pool(daemon, "a", num_blocks=8)  # 32 KiB
+        open_pool(daemon, "b", num_blocks=8)  # 32 KiB: budget now full
+        with pytest.raises(grpc.RpcError) as info:
+            open_pool(daemon, "c", num_blocks=1)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "0 B of the 64.0 KiB memory budget is free" in info.value.details()
+        assert daemon.alive()
+    finally:
+        daemon.stop()
+        daemon.cleanup()
+
+
+def test_unwritable_shm_dir_refuses_to_start(tmp_path):
+    daemon = start_daemon("--shm-dir", "/proc", wait=False)
+    try:
+        assert daemon.proc.wait(30) == 2
+        assert "memory.shm_dir" in daemon.log()
+    finally:
+        daemon.cleanup()
