@@ -1,1 +1,4 @@
-"""Reproducible benchmarks behind `make bench`; each reports a ratio to a floor measured in the same run."""
+"""Reproducible benchmarks behind `make bench`.
+
+Each result is reported next to a floor measured in the same run.
+"""

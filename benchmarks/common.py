@@ -53,7 +53,7 @@ def machine() -> str:
     cpu = "unknown cpu"
     try:
         with open("/proc/cpuinfo") as handle:
-            cpu = next(line.split(":", 1)[1].strip() for line in handle if "model name" in line)
+            cpu = next(l.split(":", 1)[1].strip() for l in handle if "model name" in l)  # noqa: E741
     except (OSError, StopIteration):
         pass
     return (
