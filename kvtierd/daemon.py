@@ -16,6 +16,7 @@ import grp
 import logging
 import os
 import signal
+import tempfile
 
 import grpc
 
@@ -55,12 +56,13 @@ class Daemon:
         self._stop = asyncio.Event()
         self._server: grpc.aio.Server | None = None
         self._reaper: asyncio.Task[None] | None = None
+        self._sockets: list[str] = []  # unix socket files this daemon created
 
     async def start(self) -> None:
         _check_shm_dir(self.config.memory.shm_dir)
         server, self._health = build_server(self.service)
         await set_health(self._health, serving=False)
-        add_listeners(server, self.config.server.listen, self.gid)
+        add_listeners(server, self.config.server.listen, self.gid, self._sockets)
         await server.start()
         self._server = server
         self._reaper = asyncio.create_task(self._reap_forever(), name="kvtierd-reaper")
@@ -92,7 +94,7 @@ class Daemon:
                 await self._reaper
         self.sessions.close_all("closed by daemon shutdown")
         self.pools.close_all()
-        remove_unix_sockets(self.config.server.listen)
+        remove_unix_sockets(self._sockets)
         log.info("shutdown complete")
 
     async def _reap_forever(self) -> None:
@@ -106,10 +108,16 @@ class Daemon:
 
 
 def _check_shm_dir(path: str) -> None:
+    """Creates and removes a probe file: permission bits alone lie for root."""
     if not os.path.isdir(path):
         raise ConfigError("memory.shm_dir", f"{path} is not a directory")
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError("memory.shm_dir", f"{path} is not writable by this user")
+    try:
+        probe = tempfile.NamedTemporaryFile(dir=path, prefix=".kvtierd-probe-")  # noqa: SIM115
+        probe.close()
+    except OSError as exc:
+        raise ConfigError(
+            "memory.shm_dir", f"cannot create files in {path}: {exc.strerror}"
+        ) from None
 
 
 async def serve(config: Config) -> None:

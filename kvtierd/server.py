@@ -59,10 +59,17 @@ async def set_health(servicer: health.aio.HealthServicer, serving: bool) -> None
         await servicer.set(name, status)
 
 
-def add_listeners(server: grpc.aio.Server, addresses: tuple[str, ...], gid: int | None) -> None:
+def add_listeners(
+    server: grpc.aio.Server, addresses: tuple[str, ...], gid: int | None, bound: list[str]
+) -> None:
+    """Binds every address. Unix socket paths this call created are appended to
+    ``bound`` as they are made, so a failure halfway still lets the caller remove
+    exactly its own sockets (never another daemon's)."""
     for address in addresses:
         if address.startswith("unix://"):
-            _add_unix(server, address[len("unix://") :], gid)
+            path = address[len("unix://") :]
+            _add_unix(server, path, gid)
+            bound.append(path)
         else:
             if server.add_insecure_port(address) == 0:
                 raise ListenError(f"cannot listen on {address} (in use or not a local address)")
@@ -103,11 +110,10 @@ def _remove_stale_socket(path: str) -> None:
         probe.close()
 
 
-def remove_unix_sockets(addresses: tuple[str, ...]) -> None:
-    for address in addresses:
-        if address.startswith("unix://"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(address[len("unix://") :])
+def remove_unix_sockets(paths: list[str]) -> None:
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 @contextlib.contextmanager

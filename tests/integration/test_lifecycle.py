@@ -122,10 +122,15 @@ def test_memory_budget_is_global_across_pools():
         daemon.cleanup()
 
 
-def test_unwritable_shm_dir_refuses_to_start(tmp_path):
-    daemon = start_daemon("--shm-dir", "/proc", wait=False)
+@pytest.mark.parametrize(
+    ("shm_dir", "fragment"),
+    [("/proc", "cannot create files in /proc"), ("/nonexistent/shm", "is not a directory")],
+)
+def test_unusable_shm_dir_refuses_to_start(shm_dir, fragment):
+    daemon = start_daemon("--shm-dir", shm_dir, wait=False)
     try:
         assert daemon.proc.wait(30) == 2
-        assert "memory.shm_dir" in daemon.log()
+        assert "memory.shm_dir" in daemon.log() and fragment in daemon.log()
+        assert not os.path.exists(daemon.socket_path)
     finally:
         daemon.cleanup()

@@ -145,5 +145,6 @@ def test_failed_store_frees_slot(open_pool, policy):
     out = s.prepare_store(keys(5))
     s.complete_store(keys(5), success=False)
     assert s.lookup(keys(5)) == [MISS]
-    again = s.prepare_store(keys(6))
-    assert again.block_ids == out.block_ids  # the freed row is reused first
+    assert out.block_ids == [0]
+    # never-used rows are handed out first, then the freed row 0
+    assert s.prepare_store(keys(6, 7, 8, 9)).block_ids == [1, 2, 3, 0]

@@ -1,0 +1,471 @@
+"""Copies blocks between an engine's KV tensors and the rows of a pool's region.
+
+One :class:`CopyEngine` per worker (rank). The worker's KV cache is one or more
+tensors whose first dimension is the engine block id; each block of each tensor
+is a contiguous *tensor page*. The worker's *rank page* is the concatenation of
+its tensor pages, in the order the tensors were given, and rank ``r`` owns bytes
+``[r * page_bytes, (r + 1) * page_bytes)`` of every region row::
+
+    row: [ rank 0: t0 | t1 | ... | pad ][ rank 1: t0 | t1 | ... | pad ] ... [ pad ]
+
+So several workers of one engine (tensor parallel ranks) share a row without
+sharing a byte, and a block stored by one engine is loaded by another engine with
+the same layout (the pool's ``layout`` string says which).
+
+Ownership: the engine owns neither the region (the caller attached it and closes
+it, after closing the engine) nor the KV tensors (the model owns them); it owns
+its CUDA stream and events. The daemon decides which region rows a job may write
+(PrepareStore) or read (PrepareLoad); the engine only moves bytes.
+
+Completion: on CPU, copies run inside ``submit_*`` and the job is finished when
+it returns. On CUDA, copies are queued on the engine's own stream after
+everything already queued on the current (compute) stream, and a CUDA event
+marks each job's end; :meth:`CopyEngine.poll` and :meth:`CopyEngine.wait`
+observe them. The API is the same on both.
+
+Not thread-safe: one worker thread drives an engine.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import operator
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+if TYPE_CHECKING:
+    from kvtierd_client.region import AttachedRegion
+
+Direction = Literal["store", "load"]
+
+# Copies of at least this many bytes go one run (or row) at a time; smaller rows
+# are gathered and scattered with index_select / index_copy_ (CPU only).
+LARGE_COPY_BYTES = 64 * 1024
+STAGING_BYTES = 8 << 20  # gather/scatter buffer of a CPU engine, allocated on first use
+
+
+@dataclass(frozen=True)
+class CopyEngineStatistics:
+    """A snapshot of one engine's counters. Bytes count finished jobs only."""
+
+    jobs_submitted: int
+    jobs_finished: int
+    blocks_stored: int
+    blocks_loaded: int
+    bytes_stored: int
+    bytes_loaded: int
+
+    @property
+    def jobs_pending(self) -> int:
+        return self.jobs_submitted - self.jobs_finished
+
+    @property
+    def bytes_copied(self) -> int:
+        return self.bytes_stored + self.bytes_loaded
+
+
+@dataclass
+class _Job:
+    job_id: int
+    direction: Direction
+    num_blocks: int
+    num_bytes: int
+    event: Any = None  # torch.cuda.Event on CUDA; None on CPU (finished at submit)
+
+
+@dataclass(frozen=True)
+class _Run:
+    """``count`` consecutive source rows from ``src`` to consecutive rows from ``dst``."""
+
+    src: int
+    dst: int
+    count: int
+
+
+class CopyEngine:
+    """Moves blocks of one rank between its KV tensors and its slice of region rows.
+
+    Args:
+        region: the attached region (this engine does not close it).
+        kv_tensors: the worker's KV cache tensors, first dimension = engine block
+            id, each block contiguous; all on one device (CPU or one CUDA device).
+        rank: which page of every row is this worker's.
+        page_bytes: the rank page's size; default and minimum: the sum of the
+            tensor pages. Every rank of a pool must use the same value.
+
+    Raises:
+        ValueError: a tensor is not per-block contiguous, blocks overlap, tensors
+            sit on different devices, ``page_bytes`` is too small, or the rank's
+            page does not fit in a row.
+        RuntimeError: ``cudaHostRegister`` of the region failed (CUDA tensors).
+    """
+
+    def __init__(
+        self,
+        region: AttachedRegion,
+        kv_tensors: Sequence[torch.Tensor],
+        *,
+        rank: int = 0,
+        page_bytes: int | None = None,
+    ) -> None:
+        if not kv_tensors:
+            raise ValueError("kv_tensors is empty: nothing to copy")
+        self._device = _common_device(kv_tensors)
+        engine_views = [_block_view(t, i) for i, t in enumerate(kv_tensors)]
+        num_engine_blocks = {v.shape[0] for v in engine_views}
+        if len(num_engine_blocks) != 1:
+            raise ValueError(
+                f"kv_tensors disagree on the number of engine blocks: {sorted(num_engine_blocks)}"
+            )
+        used_bytes = sum(v.shape[1] for v in engine_views)
+        page_bytes = used_bytes if page_bytes is None else page_bytes
+        if page_bytes < used_bytes:
+            raise ValueError(
+                f"page_bytes {page_bytes} is smaller than the {used_bytes} bytes of one block "
+                f"of the {len(engine_views)} kv tensors"
+            )
+        rank_view = region.rank_view(rank, page_bytes)  # ValueError if it does not fit
+        self.region = region
+        self.rank = rank
+        self.page_bytes = page_bytes
+        self.num_engine_blocks = num_engine_blocks.pop()
+        region_views = _split_page(rank_view, [v.shape[1] for v in engine_views])
+        pairs = [_widest_pair(e, r) for e, r in zip(engine_views, region_views, strict=True)]
+        # Invariant: _engine_views[i] and _region_views[i] have one dtype and one row
+        # width: tensor i's page (viewed as uint8, int16, int32 or int64)
+        self._engine_views = [e for e, _ in pairs]
+        self._region_views = [r for _, r in pairs]
+        self._staging = _Staging(STAGING_BYTES)
+        self._bytes_per_block = used_bytes  # bytes one block moves (padding excluded)
+        self._stream: Any = None
+        if self._device.type == "cuda":
+            with torch.cuda.device(self._device):
+                region.register_cuda()
+                self._stream = torch.cuda.Stream(device=self._device)
+        self._next_job_id = 1
+        # Invariant: ids in _pending and _unreported ascend, and every pending id is
+        # greater than every unreported id (one stream: jobs finish in order).
+        self._pending: collections.deque[_Job] = collections.deque()  # CUDA only
+        self._unreported: list[int] = []  # finished, not yet returned by poll()
+        self._closed = False
+        self._jobs_finished = 0
+        self._blocks = {"store": 0, "load": 0}
+        self._bytes = {"store": 0, "load": 0}
+
+    # -- submission -----------------------------------------------------------
+
+    def submit_store(self, pairs: Sequence[tuple[int, int]]) -> int:
+        """Copies engine blocks into region rows: ``pairs`` of (engine block id, region block id).
+
+        Validates every id first (ValueError naming the first bad one, nothing
+        copied). Region rows must be distinct. Returns the job id.
+        """
+        return self._submit("store", pairs)
+
+    def submit_load(self, pairs: Sequence[tuple[int, int]]) -> int:
+        """Copies region rows into engine blocks: ``pairs`` of (region block id, engine block id).
+
+        Validates every id first (ValueError naming the first bad one, nothing
+        copied). Engine blocks must be distinct. Returns the job id.
+        """
+        return self._submit("load", pairs)
+
+    # -- completion -----------------------------------------------------------
+
+    def poll(self) -> list[int]:
+        """Ids of the jobs that finished since the last poll, in submission order.
+
+        Never blocks. A job that :meth:`wait` saw finish is still reported here once.
+        """
+        self._collect(block_until=0)
+        finished, self._unreported = self._unreported, []
+        return finished
+
+    def wait(self, job_ids: Iterable[int]) -> None:
+        """Blocks until every job in ``job_ids`` has finished.
+
+        Ids of jobs that already finished (reported or not) return at once.
+        Raises ValueError for an id this engine never returned.
+        """
+        ids = list(job_ids)
+        for job_id in ids:
+            if not 1 <= job_id < self._next_job_id:
+                raise ValueError(f"job id {job_id} was never submitted to this engine")
+        if ids:
+            self._collect(block_until=max(ids))
+
+    def statistics(self) -> CopyEngineStatistics:
+        return CopyEngineStatistics(
+            jobs_submitted=self._next_job_id - 1,
+            jobs_finished=self._jobs_finished,
+            blocks_stored=self._blocks["store"],
+            blocks_loaded=self._blocks["load"],
+            bytes_stored=self._bytes["store"],
+            bytes_loaded=self._bytes["load"],
+        )
+
+    def close(self) -> None:
+        """Waits for every job, then refuses new ones. Idempotent; the region stays open."""
+        if self._closed:
+            return
+        self._collect(block_until=self._next_job_id - 1)
+        self._closed = True
+
+    def __enter__(self) -> CopyEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- internals ------------------------------------------------------------
+
+    def _submit(self, direction: Direction, pairs: Sequence[tuple[int, int]]) -> int:
+        if self._closed:
+            raise RuntimeError("this copy engine is closed")
+        region_blocks = self.region.num_blocks
+        if direction == "store":
+            limits = (("engine", self.num_engine_blocks), ("region", region_blocks))
+            sources, destinations = self._engine_views, self._region_views
+        else:
+            limits = (("region", region_blocks), ("engine", self.num_engine_blocks))
+            sources, destinations = self._region_views, self._engine_views
+        runs = _plan(direction, pairs, limits)
+        job = _Job(
+            job_id=self._next_job_id,
+            direction=direction,
+            num_blocks=len(pairs),
+            num_bytes=len(pairs) * self._bytes_per_block,
+        )
+        # inference_mode: KV caches allocated under it are inference tensors, which
+        # refuse in-place writes outside it; ordinary tensors accept them inside.
+        with torch.inference_mode():
+            if self._stream is None:
+                for src, dst in zip(sources, destinations, strict=True):
+                    _copy_cpu(src, dst, runs, self._staging)
+            else:
+                job.event = self._copy_cuda(sources, destinations, runs)
+        self._next_job_id += 1
+        if job.event is None:
+            self._finish(job)
+        else:
+            self._pending.append(job)
+        return job.job_id
+
+    def _copy_cuda(
+        self, sources: list[torch.Tensor], destinations: list[torch.Tensor], runs: list[_Run]
+    ) -> Any:
+        """Queues the copies on the engine's stream behind the compute stream; returns
+        the event that marks their end."""
+        stream = self._stream
+        with torch.cuda.device(self._device):
+            # Stores must see the model's finished writes; loads must not land
+            # before queued compute that still reads or writes those blocks.
+            stream.wait_stream(torch.cuda.current_stream(self._device))
+            with torch.cuda.stream(stream):
+                for src, dst in zip(sources, destinations, strict=True):
+                    _copy_cuda_runs(src, dst, runs)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
+
+    def _collect(self, block_until: int) -> None:
+        """Moves finished jobs from pending to unreported, in order; synchronizes on
+        the events of jobs with id <= ``block_until`` (0: never blocks)."""
+        while self._pending:
+            job = self._pending[0]
+            if job.job_id <= block_until:
+                job.event.synchronize()
+            elif not job.event.query():
+                break
+            self._pending.popleft()
+            self._finish(job)
+
+    def _finish(self, job: _Job) -> None:
+        self._unreported.append(job.job_id)
+        self._jobs_finished += 1
+        self._blocks[job.direction] += job.num_blocks
+        self._bytes[job.direction] += job.num_bytes
+
+
+def _common_device(kv_tensors: Sequence[torch.Tensor]) -> torch.device:
+    devices = {t.device for t in kv_tensors}
+    if len(devices) != 1:
+        raise ValueError(f"kv_tensors must all be on one device, got {sorted(map(str, devices))}")
+    device = devices.pop()
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"kv_tensors must be CPU or CUDA tensors, got {device}")
+    return device
+
+
+def _block_view(tensor: torch.Tensor, index: int) -> torch.Tensor:
+    """``tensor`` as uint8 (num_engine_blocks, tensor_page_bytes), zero-copy.
+
+    Each block (``tensor[b]``) must be contiguous and blocks must not overlap;
+    the stride between blocks may be larger than a block (padding, a slice).
+    """
+    if tensor.dim() < 1 or tensor.shape[0] < 1:
+        raise ValueError(f"kv_tensors[{index}] has shape {tuple(tensor.shape)}: no blocks")
+    block_shape = tuple(tensor.shape[1:])
+    elements = math.prod(block_shape)
+    if elements == 0:
+        raise ValueError(f"kv_tensors[{index}] has empty blocks (shape {tuple(tensor.shape)})")
+    if not _is_contiguous(block_shape, tuple(tensor.stride()[1:])):
+        raise ValueError(
+            f"kv_tensors[{index}]: each block must be contiguous (shape {tuple(tensor.shape)}, "
+            f"strides {tensor.stride()}); pass the tensor with the block id as its first "
+            "dimension and a contiguous layout within a block"
+        )
+    if tensor.shape[0] > 1 and tensor.stride(0) < elements:
+        raise ValueError(
+            f"kv_tensors[{index}]: blocks overlap (stride {tensor.stride(0)} between blocks "
+            f"of {elements} elements)"
+        )
+    flat = tensor.as_strided((tensor.shape[0], elements), (tensor.stride(0), 1))
+    return flat.view(torch.uint8)
+
+
+def _is_contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    expected = 1
+    for size, stride in zip(reversed(shape), reversed(strides), strict=True):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _split_page(rank_view: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """Tensor i's part of the rank page: columns [offset_i, offset_i + sizes[i])."""
+    views, offset = [], 0
+    for size in sizes:
+        views.append(rank_view[:, offset : offset + size])
+        offset += size
+    return views
+
+
+def _plan(
+    direction: Direction,
+    pairs: Sequence[tuple[int, int]],
+    limits: tuple[tuple[str, int], tuple[str, int]],
+) -> list[_Run]:
+    """Validates ``pairs`` and groups them into runs of consecutive rows.
+
+    Raises ValueError naming the first id out of range or the first destination
+    named twice (two sources for one destination has no defined result).
+    """
+    (src_name, src_limit), (dst_name, dst_limit) = limits
+    checked: list[tuple[int, int]] = []
+    seen: set[int] = set()
+    for pair in pairs:
+        if len(pair) != 2:
+            raise ValueError(f"{direction}: expected (source, destination) pairs, got {pair!r}")
+        src = _block_id(direction, src_name, pair[0], src_limit)
+        dst = _block_id(direction, dst_name, pair[1], dst_limit)
+        if dst in seen:
+            raise ValueError(f"{direction}: {dst_name} block id {dst} is a destination twice")
+        seen.add(dst)
+        checked.append((src, dst))
+    checked.sort(key=operator.itemgetter(1))
+    runs: list[_Run] = []
+    for src, dst in checked:
+        last = runs[-1] if runs else None
+        if last is not None and src == last.src + last.count and dst == last.dst + last.count:
+            runs[-1] = _Run(last.src, last.dst, last.count + 1)
+        else:
+            runs.append(_Run(src, dst, 1))
+    return runs
+
+
+def _block_id(direction: Direction, name: str, value: object, limit: int) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{direction}: {name} block id {value!r} is not an integer")
+    try:
+        block_id = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(f"{direction}: {name} block id {value!r} is not an integer") from None
+    if not 0 <= block_id < limit:
+        raise ValueError(
+            f"{direction}: {name} block id {block_id} is out of range (0..{limit - 1})"
+        )
+    return block_id
+
+
+def _copy_cpu(src: torch.Tensor, dst: torch.Tensor, runs: list[_Run], staging: _Staging) -> None:
+    """Large runs one slice copy each (memcpy speed, torch's threads); the rows of
+    small runs in gather/scatter passes through ``staging``: one call per chunk
+    instead of one Python-level copy per row."""
+    row_bytes = src.shape[1] * src.element_size()
+    small: list[_Run] = []
+    for run in runs:
+        if run.count * row_bytes >= LARGE_COPY_BYTES:
+            dst[run.dst : run.dst + run.count].copy_(src[run.src : run.src + run.count])
+        else:
+            small.append(run)
+    if len(small) == 1 and small[0].count == 1:
+        dst[small[0].dst].copy_(src[small[0].src])
+    elif small:
+        _gather_scatter(src, dst, small, staging)
+
+
+def _gather_scatter(
+    src: torch.Tensor, dst: torch.Tensor, runs: list[_Run], staging: _Staging
+) -> None:
+    src_ids = torch.tensor([i for r in runs for i in range(r.src, r.src + r.count)])
+    dst_ids = torch.tensor([i for r in runs for i in range(r.dst, r.dst + r.count)])
+    chunk = staging.rows_for(src)
+    for start in range(0, len(src_ids), chunk.shape[0]):
+        count = min(chunk.shape[0], len(src_ids) - start)
+        rows = chunk[:count]
+        torch.index_select(src, 0, src_ids[start : start + count], out=rows)
+        dst.index_copy_(0, dst_ids[start : start + count], rows)
+
+
+class _Staging:
+    """A reusable, already-faulted CPU buffer for gathered rows.
+
+    Reused because a fresh allocation of this size page-faults on first touch
+    (~1 GB/s here), which costs more than the copy itself.
+    """
+
+    def __init__(self, size_bytes: int) -> None:
+        self._size_bytes = size_bytes
+        self._buffer: torch.Tensor | None = None
+
+    def rows_for(self, like: torch.Tensor) -> torch.Tensor:
+        """A contiguous (rows, like.shape[1]) tensor of ``like``'s dtype, rows >= 1."""
+        row_bytes = like.shape[1] * like.element_size()
+        if self._buffer is None or self._buffer.numel() < row_bytes:
+            size = max(self._size_bytes, row_bytes)
+            self._buffer = torch.zeros(size, dtype=torch.uint8)  # zeros: faulted in now
+        rows = self._buffer.numel() // row_bytes
+        return self._buffer[: rows * row_bytes].view(like.dtype).view(rows, like.shape[1])
+
+
+def _widest_pair(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a`` and ``b`` (uint8 row views of equal width) reinterpreted as the widest
+    integer type both allow. Element-wise kernels (index_copy_) move one element per
+    step: int64 moves 8x the bytes of uint8 for the same work."""
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        try:
+            return a.view(dtype), b.view(dtype)
+        except RuntimeError:  # width, stride or offset not a multiple of the size
+            continue
+    return a, b
+
+
+def _copy_cuda_runs(src: torch.Tensor, dst: torch.Tensor, runs: list[_Run]) -> None:
+    """Queues non-blocking copies on the current stream: a run in one copy when both
+    sides are contiguous over it (one DMA), else one copy per row (a row is always
+    contiguous on both sides). Never through a temporary: a strided host<->device
+    copy would stage through pageable memory and synchronize."""
+    for run in runs:
+        src_rows = src[run.src : run.src + run.count]
+        dst_rows = dst[run.dst : run.dst + run.count]
+        if run.count == 1 or (src_rows.is_contiguous() and dst_rows.is_contiguous()):
+            dst_rows.copy_(src_rows, non_blocking=True)
+            continue
+        for i in range(run.count):
+            dst_rows[i].copy_(src_rows[i], non_blocking=True)

@@ -1,0 +1,45 @@
+"""Eviction policies of the primary tier, by name (DESIGN.md §4, reference §4).
+
+``make_policy`` is the only constructor the rest of the daemon uses; the names
+are the values of ``PoolSpec.eviction_policy``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvtierd.contract import BlockKey
+from kvtierd.policies.arc import ARCPolicy, ArcStats
+from kvtierd.policies.base import CachePolicy
+from kvtierd.policies.lru import LRUPolicy
+
+__all__ = [
+    "POLICY_NAMES",
+    "ARCPolicy",
+    "ArcStats",
+    "CachePolicy",
+    "LRUPolicy",
+    "make_policy",
+]
+
+_POLICIES: dict[str, type[CachePolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
+
+POLICY_NAMES: tuple[str, ...] = ("lru", "arc")
+"""Supported policy names; the first is the default."""
+
+assert set(POLICY_NAMES) == set(_POLICIES)
+
+
+def make_policy(name: str, capacity: int, ref_count: Callable[[BlockKey], int]) -> CachePolicy:
+    """A new, empty policy ``name`` for a tier of ``capacity`` rows.
+
+    ``ref_count(key)`` must return the manager's ref count of a resident key.
+    Raises ``ValueError`` naming the supported policies if ``name`` is unknown.
+    """
+    try:
+        cls = _POLICIES[name]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"unknown eviction policy {name!r}; supported: {', '.join(POLICY_NAMES)}"
+        ) from None
+    return cls(capacity, ref_count)

@@ -1,0 +1,480 @@
+"""The primary tier's block table: slots, ref counts, eviction and events
+(DESIGN.md §4; vLLM's ``CPUOffloadingManager``, reference §3).
+
+Ownership: the manager owns every row of the pool's region and the state of
+the block in it; the eviction policy only orders keys (``kvtierd.policies``).
+Who may change a ref count, and when:
+
+* ``prepare_store`` reserves a free row for a new key: ref ``-1`` (write in
+  flight, owned by the caller until ``complete_store``);
+* ``complete_store(success=True)`` makes it readable: ``-1 -> 0``;
+  ``complete_store(success=False)`` drops it and frees its row;
+* ``prepare_load`` pins a ready block: ``n -> n + 1`` (``n >= 0``);
+  ``complete_load`` releases one pin: ``n -> n - 1`` (``n > 0``);
+* only blocks with ref ``0`` are ever evicted (by ``prepare_store`` to make room,
+  or by ``evict_all_evictable``).
+
+Slots are handed out as vLLM does: never-used rows first in ascending order (a
+high-water mark), then freed rows last-freed-first (freed rows are appended in
+eviction / abort order and popped from the end).
+
+Every method is synchronous and runs on the daemon's event loop. Each mutator
+checks everything before changing anything: if it raises or refuses (returns
+``None``), no state changed. Input errors raise; ``assert`` guards only internal
+consistency.
+
+Memory: no Python object per block beyond the key (shared with the caller, not
+copied), its row number in ``_block_of``, and the policy's own entry; ref counts
+live in an ``array('i')`` indexed by row.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvtierd.contract import BlockEvent, BlockKey, LookupResult, Medium, StoreGrant
+from kvtierd.policies import ARCPolicy, CachePolicy, LRUPolicy, make_policy
+
+_MISS = LookupResult.MISS
+_HIT = LookupResult.HIT
+_HIT_PENDING = LookupResult.HIT_PENDING
+
+_PENDING = -1  # ref count of a row whose write is in flight
+
+
+class PrimaryStateError(KeyError):
+    """A key is not in the state a call needs; ``key`` names it. Nothing changed."""
+
+    def __init__(self, key: BlockKey, message: str) -> None:
+        super().__init__(key)
+        self.key = key
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class NotLoadableError(PrimaryStateError):
+    """``prepare_load`` of a key that is not HIT (absent or write in flight)."""
+
+    def __init__(self, key: BlockKey, state: LookupResult = _MISS) -> None:
+        super().__init__(key, f"key {key!r} is {state.name}, not HIT; it cannot be loaded")
+        self.state = state
+
+
+class NotPinnedError(PrimaryStateError):
+    """``complete_load`` of a key that holds fewer pins than the call releases."""
+
+    def __init__(self, key: BlockKey) -> None:
+        super().__init__(key, f"key {key!r} is not pinned (complete_load without prepare_load)")
+
+
+@dataclass(frozen=True, slots=True)
+class PrimaryStats:
+    """A snapshot of the primary tier.
+
+    ``used_blocks == evictable_blocks + pinned_blocks + pending_blocks`` and
+    ``used_blocks + free_blocks == num_blocks``. The last three are cumulative.
+    """
+
+    num_blocks: int
+    used_blocks: int  # rows holding a key (any ref count)
+    evictable_blocks: int  # ref 0
+    pinned_blocks: int  # ref > 0
+    pending_blocks: int  # ref -1
+    free_blocks: int
+    evictions: int  # blocks evicted (to make room, or flushed)
+    stored_blocks: int  # stores completed
+    failed_stores: int  # reserved blocks aborted
+
+
+class PrimaryManager:
+    """Block table of one pool's primary tier.
+
+    Invariants (checked in full by :meth:`check_invariants`):
+
+    * ``_block_of[key] == row`` <=> ``_key_of[row] is key``, for rows below the
+      high-water mark ``_allocated`` that are not on the free list;
+    * every row below ``_allocated`` is either mapped or on ``_free`` (exactly
+      once); rows at or above ``_allocated`` were never used;
+    * ``_evictable`` / ``_pinned`` / ``_pending`` count the mapped rows whose ref is
+      ``0`` / ``> 0`` / ``-1``, and their sum is ``len(_block_of)``;
+    * the policy holds exactly the mapped keys.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        policy: str = "lru",
+        on_event: Callable[[BlockEvent], None] | None = None,
+    ) -> None:
+        """``on_event`` receives every :class:`BlockEvent` synchronously; it must not
+        raise (it runs in the middle of ``prepare_store``, see there)."""
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        self._num_blocks = num_blocks
+        self._policy = make_policy(policy, num_blocks, self._ref_of)
+        self._policy_name = policy
+        self._on_event = on_event
+        self._block_of: dict[BlockKey, int] = {}
+        self._key_of: list[BlockKey | None] = [None] * num_blocks
+        self._refs = array("i", [0]) * num_blocks
+        self._allocated = 0  # high-water mark: rows [0, _allocated) were handed out once
+        self._free: list[int] = []  # freed rows; the last one is reused first
+        self._evictable = 0
+        self._pinned = 0
+        self._pending = 0
+        self._evictions = 0
+        self._stored = 0
+        self._failed = 0
+
+    # ----------------------------------------------------------------- read-only
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def policy(self) -> CachePolicy:
+        """The eviction policy (read it; never call its mutators directly)."""
+        return self._policy
+
+    @property
+    def policy_name(self) -> str:
+        return self._policy_name
+
+    def __len__(self) -> int:
+        """Number of keys present (any ref count)."""
+        return len(self._block_of)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._block_of
+
+    def ref_count(self, key: BlockKey) -> int | None:
+        """Ref count of ``key`` (-1 in flight, 0 ready, n pinned), None if absent."""
+        row = self._block_of.get(key)
+        return None if row is None else self._refs[row]
+
+    def block_id(self, key: BlockKey) -> int | None:
+        """Row of ``key`` in the region, None if absent."""
+        return self._block_of.get(key)
+
+    def lookup(self, keys: Sequence[BlockKey]) -> list[LookupResult]:
+        """MISS / HIT_PENDING (write in flight) / HIT per key; changes no recency."""
+        get = self._block_of.get
+        refs = self._refs
+        out: list[LookupResult] = []
+        append = out.append
+        for key in keys:
+            row = get(key)
+            if row is None:
+                append(_MISS)
+            elif refs[row] < 0:
+                append(_HIT_PENDING)
+            else:
+                append(_HIT)
+        return out
+
+    def first_not_loadable(self, keys: Sequence[BlockKey]) -> BlockKey | None:
+        """The first key of ``keys`` that is not HIT, or None if all are."""
+        get = self._block_of.get
+        refs = self._refs
+        for key in keys:
+            row = get(key)
+            if row is None or refs[row] < 0:
+                return key
+        return None
+
+    def statistics(self) -> PrimaryStats:
+        used = len(self._block_of)
+        return PrimaryStats(
+            num_blocks=self._num_blocks,
+            used_blocks=used,
+            evictable_blocks=self._evictable,
+            pinned_blocks=self._pinned,
+            pending_blocks=self._pending,
+            free_blocks=self._num_blocks - used,
+            evictions=self._evictions,
+            stored_blocks=self._stored,
+            failed_stores=self._failed,
+        )
+
+    # ----------------------------------------------------------------- loads
+
+    def prepare_load(self, keys: Sequence[BlockKey]) -> list[int]:
+        """Pins every key (ref += 1 per occurrence) and returns their rows, co-indexed
+        with ``keys``.
+
+        Raises :class:`NotLoadableError` for the first key that is not HIT, before
+        changing anything. A key named twice is pinned twice.
+        """
+        rows = self._loadable_rows(keys)
+        refs = self._refs
+        mark_non_evictable = self._policy.mark_non_evictable
+        for key, row in zip(keys, rows, strict=True):
+            ref = refs[row]
+            if ref == 0:
+                # Invariant: ref 0 -> 1 leaves the evictable set.
+                mark_non_evictable(key)
+                self._evictable -= 1
+                self._pinned += 1
+            refs[row] = ref + 1
+        assert self._evictable >= 0
+        return rows
+
+    def complete_load(self, keys: Sequence[BlockKey]) -> None:
+        """Releases one pin per occurrence of each key (ref -= 1).
+
+        Raises :class:`NotPinnedError` before changing anything if a key is absent
+        or holds fewer pins than the call releases. A block whose last pin goes
+        becomes evictable again (LRU: at the most recent end).
+        """
+        rows = self._pinned_rows(keys)
+        refs = self._refs
+        mark_evictable = self._policy.mark_evictable
+        for key, row in zip(keys, rows, strict=True):
+            ref = refs[row] - 1
+            assert ref >= 0
+            refs[row] = ref
+            if ref == 0:
+                # Invariant: ref 1 -> 0 enters the evictable set.
+                self._pinned -= 1
+                self._evictable += 1
+                mark_evictable(key)
+
+    def touch(self, keys: Sequence[BlockKey]) -> None:
+        """Marks ``keys`` recently used (the first key ends the most recent).
+
+        Absent, pinned and in-flight keys change no LRU order; see the policy.
+        """
+        self._policy.touch(keys)
+
+    # ----------------------------------------------------------------- stores
+
+    def prepare_store(self, keys: Sequence[BlockKey]) -> StoreGrant | None:
+        """Reserves a row (ref -1) for each key not present, evicting ready blocks if
+        the free rows do not suffice.
+
+        Keys already present (any ref count) are skipped and never evicted by this
+        call; a key named twice is reserved once. No new key -> an empty grant.
+        Returns None (nothing changed) if the room cannot be made. Otherwise the
+        victims leave first and one removal event for all of them is emitted
+        before the new rows are reserved; the grant lists the new keys, their rows
+        (co-indexed) and the evicted keys in eviction order.
+        """
+        block_of = self._block_of
+        new_keys = [key for key in keys if key not in block_of]
+        if not new_keys:
+            return StoreGrant([], [], [])
+        if len(set(new_keys)) != len(new_keys):
+            new_keys = list(dict.fromkeys(new_keys))
+        need = len(new_keys) - self._free_count()
+        victims: list[BlockKey] = []
+        if need > 0:
+            if need > self._evictable:
+                return None  # fast refusal: the policy is not even asked
+            chosen = self._policy.evict(need, set(keys))
+            if chosen is None:
+                return None
+            assert len(chosen) == need
+            victims = chosen
+            self._drop_evicted(victims)
+            self._emit(BlockEvent(tuple(victims), Medium.CPU, removed=True))
+        rows = self._reserve_rows(new_keys)
+        return StoreGrant(new_keys, rows, victims)
+
+    def complete_store(self, keys: Sequence[BlockKey], success: bool) -> list[BlockKey]:
+        """Ends the writes of ``keys`` whose ref is -1; other keys are ignored.
+
+        success: each such block becomes ready (ref 0, evictable, LRU: most recent)
+        and one stored event lists them all. Failure: each such block is dropped
+        and its row freed, with no event (it was never announced). Returns the keys
+        completed (or aborted), in call order.
+        """
+        if success:
+            done = self._finish_writes(keys)
+            if done:
+                self._emit(BlockEvent(tuple(done), Medium.CPU, removed=False))
+        else:
+            done = self._abort_writes(keys)
+        return done
+
+    def evict_all_evictable(self) -> list[BlockKey]:
+        """Evicts every ready block (ref 0); pinned and in-flight blocks stay.
+
+        The safe flush (vLLM's reset would drop blocks others still use). The
+        policy forgets the keys as for a removal (ARC: no ghosts, target kept).
+        Emits one removal event if anything left; returns the keys in row order.
+        """
+        if not self._evictable:
+            return []
+        refs = self._refs
+        key_of = self._key_of
+        victims = [
+            key
+            for row in range(self._allocated)
+            if refs[row] == 0 and (key := key_of[row]) is not None
+        ]
+        assert len(victims) == self._evictable
+        remove = self._policy.remove
+        for key in victims:
+            remove(key)
+        self._drop_evicted(victims)
+        self._emit(BlockEvent(tuple(victims), Medium.CPU, removed=True))
+        return victims
+
+    # ----------------------------------------------------------------- internals
+
+    def _ref_of(self, key: BlockKey) -> int:
+        """The policy's view of a resident key's ref count."""
+        return self._refs[self._block_of[key]]
+
+    def _free_count(self) -> int:
+        return self._num_blocks - self._allocated + len(self._free)
+
+    def _emit(self, event: BlockEvent) -> None:
+        if self._on_event is not None:
+            self._on_event(event)
+
+    def _loadable_rows(self, keys: Sequence[BlockKey]) -> list[int]:
+        """Rows of ``keys``; raises NotLoadableError unless every key is HIT."""
+        get = self._block_of.get
+        refs = self._refs
+        rows: list[int] = []
+        for key in keys:
+            row = get(key)
+            if row is None:
+                raise NotLoadableError(key, _MISS)
+            if refs[row] < 0:
+                raise NotLoadableError(key, _HIT_PENDING)
+            rows.append(row)
+        return rows
+
+    def _pinned_rows(self, keys: Sequence[BlockKey]) -> list[int]:
+        """Rows of ``keys``; raises NotPinnedError unless each key holds at least as
+        many pins as it occurs in ``keys``."""
+        get = self._block_of.get
+        refs = self._refs
+        rows: list[int] = []
+        for key in keys:
+            row = get(key)
+            if row is None or refs[row] <= 0:
+                raise NotPinnedError(key)
+            rows.append(row)
+        if len(set(rows)) != len(rows):
+            for key, count in Counter(keys).items():
+                if refs[get(key)] < count:  # type: ignore[index]  # rows checked above
+                    raise NotPinnedError(key)
+        return rows
+
+    def _drop_evicted(self, victims: list[BlockKey]) -> None:
+        """Unmaps ready victims (already gone from the policy) and frees their rows
+        in victim order."""
+        block_of = self._block_of
+        key_of = self._key_of
+        free = self._free
+        for key in victims:
+            row = block_of.pop(key)
+            assert self._refs[row] == 0, "evicted a block that is not ready"
+            key_of[row] = None
+            free.append(row)
+        self._evictable -= len(victims)
+        self._evictions += len(victims)
+        assert self._evictable >= 0
+
+    def _reserve_rows(self, new_keys: list[BlockKey]) -> list[int]:
+        """Maps each new key to a row with ref -1 and tells the policy."""
+        n = len(new_keys)
+        fresh = min(n, self._num_blocks - self._allocated)
+        rows = list(range(self._allocated, self._allocated + fresh))
+        self._allocated += fresh
+        reused = n - fresh
+        if reused:
+            free = self._free
+            assert len(free) >= reused
+            rows.extend(reversed(free[-reused:]))  # same order as n pops from the end
+            del free[-reused:]
+        block_of = self._block_of
+        key_of = self._key_of
+        refs = self._refs
+        insert = self._policy.insert
+        for key, row in zip(new_keys, rows, strict=True):
+            block_of[key] = row
+            key_of[row] = key
+            refs[row] = _PENDING
+            insert(key)
+        self._pending += n
+        return rows
+
+    def _finish_writes(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
+        get = self._block_of.get
+        refs = self._refs
+        mark_evictable = self._policy.mark_evictable
+        done: list[BlockKey] = []
+        for key in keys:
+            row = get(key)
+            if row is not None and refs[row] == _PENDING:
+                refs[row] = 0
+                mark_evictable(key)
+                done.append(key)
+        self._pending -= len(done)
+        self._evictable += len(done)
+        self._stored += len(done)
+        return done
+
+    def _abort_writes(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
+        block_of = self._block_of
+        key_of = self._key_of
+        refs = self._refs
+        free = self._free
+        remove = self._policy.remove
+        done: list[BlockKey] = []
+        for key in keys:
+            row = block_of.get(key)
+            if row is not None and refs[row] == _PENDING:
+                remove(key)
+                del block_of[key]
+                key_of[row] = None
+                refs[row] = 0
+                free.append(row)
+                done.append(key)
+        self._pending -= len(done)
+        self._failed += len(done)
+        return done
+
+    # ----------------------------------------------------------------- debugging
+
+    def check_invariants(self) -> None:
+        """Verifies every invariant of the table (O(num_blocks); tests, debugging)."""
+        refs = self._refs
+        free = set(self._free)
+        assert len(free) == len(self._free), "a row is on the free list twice"
+        assert all(row < self._allocated for row in free), "never-used row on the free list"
+        assert len(self._block_of) + len(free) == self._allocated
+        counts = {0: 0, 1: 0, -1: 0}
+        for key, row in self._block_of.items():
+            assert row not in free, "mapped row on the free list"
+            assert self._key_of[row] is key, "block table out of sync"
+            ref = refs[row]
+            assert ref >= -1
+            counts[min(ref, 1)] += 1
+        for row in free:
+            assert self._key_of[row] is None
+        for row in range(self._allocated, self._num_blocks):
+            assert self._key_of[row] is None
+        assert counts[0] == self._evictable
+        assert counts[1] == self._pinned
+        assert counts[-1] == self._pending
+        policy = self._policy
+        if isinstance(policy, LRUPolicy):
+            order = policy.evictable_order()
+            assert len(order) == self._evictable
+            assert all(refs[self._block_of[key]] == 0 for key in order)
+        elif isinstance(policy, ARCPolicy):
+            stats = policy.statistics()
+            assert stats.t1 + stats.t2 == len(self._block_of)
+            assert all(key in self._block_of for key in policy.order("t1") + policy.order("t2"))
+            assert stats.b1 <= self._num_blocks and stats.b2 <= self._num_blocks
