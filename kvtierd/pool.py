@@ -72,9 +72,8 @@ class Pool:
         # Invariant: sum over sessions of _pins[s][k] == manager.ref_count(k) for
         # every key pinned by sessions (the pool itself pins nothing yet).
         self._pins: dict[str, Counter[BlockKey]] = {}
-        # Invariant: k in _reserved_by[s] <=> _reserver[k] == s <=> ref_count(k) == -1
-        # for keys reserved by sessions.
-        self._reserver: dict[BlockKey, str] = {}
+        # Invariant: the sets are disjoint, and k is in _reserved_by[s] iff session s
+        # reserved k and has not completed it (so manager.ref_count(k) == -1).
         self._reserved_by: dict[str, set[BlockKey]] = {}
         self.session_count = 0
         self._lookups = Counter({r: 0 for r in LookupResult})
@@ -103,8 +102,6 @@ class Pool:
         if unpin:
             self.manager.complete_load(unpin)  # pin n -> n-1, per pin held
         if reserved:
-            for key in reserved:
-                del self._reserver[key]
             aborted = self.manager.complete_store(list(reserved), success=False)
             self._stores_aborted += len(aborted)
         return len(unpin), len(reserved)
@@ -154,10 +151,7 @@ class Pool:
         if grant is None:
             self._stores_refused += 1
             return None
-        owned = self._reserved_by[session_id]
-        for key in grant.keys_to_store:
-            self._reserver[key] = session_id
-            owned.add(key)
+        self._reserved_by[session_id].update(grant.keys_to_store)  # ref -1, owned by session
         return grant
 
     def complete_store(self, session_id: str, keys: Sequence[BlockKey], success: bool) -> int:
@@ -166,9 +160,7 @@ class Pool:
         mine = [key for key in keys if key in owned]
         if not mine:
             return 0
-        for key in mine:
-            owned.discard(key)
-            del self._reserver[key]
+        owned.difference_update(mine)
         done = self.manager.complete_store(mine, success)
         if success:
             self._stores_completed += len(done)
