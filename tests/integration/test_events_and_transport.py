@@ -71,9 +71,9 @@ def test_tcp_requires_bearer_token(tmp_path):
     try:
         with Client(f"127.0.0.1:{port}") as anonymous, pytest.raises(Unauthenticated):
             anonymous.get_stats()
-        with Client(f"127.0.0.1:{port}", token="wrong-token-0123456789") as wrong:
-            with pytest.raises(Unauthenticated):
-                wrong.get_stats()
+        wrong = Client(f"127.0.0.1:{port}", token="wrong-token-0123456789")
+        with wrong, pytest.raises(Unauthenticated):
+            wrong.get_stats()
         with Client(f"127.0.0.1:{port}", token=token) as client:
             session = client.open_session("tcp-pool", block_bytes=4096, num_blocks=2)
             store(session, b"k")
