@@ -145,15 +145,15 @@ class CopyEngine:
             )
         rank_view = region.rank_view(rank, page_bytes)  # ValueError if it does not fit
         region_views = _split_page(rank_view, [v.shape[1] for v in engine_views])
-        pairs = [_widest_pair(e, r) for e, r in zip(engine_views, region_views, strict=True)]
+        views = [_widest_pair(e, r) for e, r in zip(engine_views, region_views, strict=True)]
         self.region = region
         self.rank = rank
         self.page_bytes = page_bytes
         self.num_engine_blocks = num_engine_blocks.pop()
         # Invariant: _engine_views[i] and _region_views[i] have one dtype and one row
         # width: tensor i's page, viewed as uint8, int16, int32 or int64.
-        self._engine_views = [e for e, _ in pairs]
-        self._region_views = [r for _, r in pairs]
+        self._engine_views = [e for e, _ in views]
+        self._region_views = [r for _, r in views]
         self._bytes_per_block = used_bytes  # bytes one block moves (padding excluded)
         self._staging = _Staging(STAGING_BYTES)
         self._stream: Any = None  # torch.cuda.Stream on CUDA, None on CPU
@@ -224,11 +224,16 @@ class CopyEngine:
         )
 
     def close(self) -> None:
-        """Waits for every job, then refuses new ones. Idempotent; the region stays open."""
+        """Waits for every job, then drops the engine's views of the region and the
+        tensors (so that the region can be unmapped) and refuses new jobs.
+        Idempotent; the region stays open."""
         if self._closed:
             return
         self._collect(block_until=self._next_job_id - 1)
         self._closed = True
+        self._engine_views = []
+        self._region_views = []
+        self._staging = _Staging(STAGING_BYTES)  # frees the buffer
 
     def __enter__(self) -> CopyEngine:
         return self
