@@ -24,8 +24,14 @@ checks everything before changing anything: if it raises or refuses (returns
 consistency.
 
 Memory: no Python object per block beyond the key (shared with the caller, not
-copied), its row number in ``_block_of``, and the policy's own entry; ref counts
-live in an ``array('i')`` indexed by row.
+copied) and its row number in ``_block_of`` (an int object for rows >= 257);
+ref counts live in an ``array('i')`` indexed by row. The LRU policy threads its
+order through two more ``array('i')`` indexed by row (8 bytes per block, no
+hash table); ARC keeps its own ordered dicts of keys.
+
+The policy reads the block table through ``row_of`` (``_block_of.get``) and
+``key_of`` (``_key_of.__getitem__``), and the manager drives it per call through
+the ``*_rows`` hooks (one call per manager call, not per key).
 """
 
 from __future__ import annotations
@@ -102,7 +108,8 @@ class PrimaryManager:
       once); rows at or above ``_allocated`` were never used;
     * ``_evictable`` / ``_pinned`` / ``_pending`` count the mapped rows whose ref is
       ``0`` / ``> 0`` / ``-1``, and their sum is ``len(_block_of)``;
-    * the policy holds exactly the mapped keys.
+    * the policy holds exactly the mapped keys; LRU: a row is in its list iff it
+      is mapped and its ref count is ``0``.
     """
 
     def __init__(
@@ -116,11 +123,14 @@ class PrimaryManager:
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         self._num_blocks = num_blocks
-        self._policy = make_policy(policy, num_blocks, self._ref_of)
-        self._policy_name = policy
         self._on_event = on_event
+        # Never rebound: the policy holds views of both (row_of / key_of).
         self._block_of: dict[BlockKey, int] = {}
         self._key_of: list[BlockKey | None] = [None] * num_blocks
+        self._policy = make_policy(
+            policy, num_blocks, self._ref_of, self._block_of.get, self._key_of.__getitem__
+        )
+        self._policy_name = policy
         self._refs = array("i", [0]) * num_blocks
         self._allocated = 0  # high-water mark: rows [0, _allocated) were handed out once
         self._free: list[int] = []  # freed rows; the last one is reused first
@@ -213,15 +223,17 @@ class PrimaryManager:
         """
         rows = self._loadable_rows(keys)
         refs = self._refs
-        mark_non_evictable = self._policy.mark_non_evictable
-        for key, row in zip(keys, rows, strict=True):
+        first_pins: list[int] = []
+        for row in rows:
             ref = refs[row]
             if ref == 0:
-                # Invariant: ref 0 -> 1 leaves the evictable set.
-                mark_non_evictable(key)
-                self._evictable -= 1
-                self._pinned += 1
+                first_pins.append(row)
             refs[row] = ref + 1
+        if first_pins:
+            # Invariant: ref 0 -> 1 leaves the evictable set.
+            self._policy.mark_non_evictable_rows(first_pins)
+            self._evictable -= len(first_pins)
+            self._pinned += len(first_pins)
         assert self._evictable >= 0
         return rows
 
@@ -234,16 +246,18 @@ class PrimaryManager:
         """
         rows = self._pinned_rows(keys)
         refs = self._refs
-        mark_evictable = self._policy.mark_evictable
-        for key, row in zip(keys, rows, strict=True):
+        released: list[int] = []
+        for row in rows:
             ref = refs[row] - 1
             assert ref >= 0
             refs[row] = ref
             if ref == 0:
-                # Invariant: ref 1 -> 0 enters the evictable set.
-                self._pinned -= 1
-                self._evictable += 1
-                mark_evictable(key)
+                released.append(row)
+        if released:
+            # Invariant: ref 1 -> 0 enters the evictable set (in call order).
+            self._pinned -= len(released)
+            self._evictable += len(released)
+            self._policy.mark_evictable_rows(released)
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
         """Marks ``keys`` recently used (the first key ends the most recent).
@@ -313,15 +327,10 @@ class PrimaryManager:
             return []
         refs = self._refs
         key_of = self._key_of
-        victims = [
-            key
-            for row in range(self._allocated)
-            if refs[row] == 0 and (key := key_of[row]) is not None
-        ]
+        rows = [row for row in range(self._allocated) if refs[row] == 0 and key_of[row] is not None]
+        victims: list[BlockKey] = [key_of[row] for row in rows]  # type: ignore[misc]
         assert len(victims) == self._evictable
-        remove = self._policy.remove
-        for key in victims:
-            remove(key)
+        self._policy.remove_rows(rows)
         self._drop_evicted(victims)
         self._emit(BlockEvent(tuple(victims), Medium.CPU, removed=True))
         return victims
@@ -400,26 +409,28 @@ class PrimaryManager:
         block_of = self._block_of
         key_of = self._key_of
         refs = self._refs
-        insert = self._policy.insert
         for key, row in zip(new_keys, rows, strict=True):
             block_of[key] = row
             key_of[row] = key
             refs[row] = _PENDING
-            insert(key)
+        self._policy.insert_rows(rows)
         self._pending += n
         return rows
 
     def _finish_writes(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
         get = self._block_of.get
         refs = self._refs
-        mark_evictable = self._policy.mark_evictable
         done: list[BlockKey] = []
+        rows: list[int] = []
         for key in keys:
             row = get(key)
             if row is not None and refs[row] == _PENDING:
                 refs[row] = 0
-                mark_evictable(key)
+                rows.append(row)
                 done.append(key)
+        if rows:
+            # Invariant: ref -1 -> 0 enters the evictable set (in call order).
+            self._policy.mark_evictable_rows(rows)
         self._pending -= len(done)
         self._evictable += len(done)
         self._stored += len(done)
@@ -470,9 +481,12 @@ class PrimaryManager:
         assert counts[-1] == self._pending
         policy = self._policy
         if isinstance(policy, LRUPolicy):
-            order = policy.evictable_order()
-            assert len(order) == self._evictable
-            assert all(refs[self._block_of[key]] == 0 for key in order)
+            order = policy.evictable_rows()
+            assert len(order) == len(policy) == self._evictable
+            assert all(self._key_of[row] is not None and refs[row] == 0 for row in order)
+            in_list = set(order)
+            for row in range(self._num_blocks):
+                assert policy.is_evictable_row(row) == (row in in_list), "LRU link out of sync"
         elif isinstance(policy, ARCPolicy):
             stats = policy.statistics()
             assert stats.t1 + stats.t2 == len(self._block_of)

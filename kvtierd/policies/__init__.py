@@ -6,11 +6,8 @@ are the values of ``PoolSpec.eviction_policy``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from kvtierd.contract import BlockKey
 from kvtierd.policies.arc import ARCPolicy, ArcStats
-from kvtierd.policies.base import CachePolicy
+from kvtierd.policies.base import CachePolicy, KeyOf, RefCount, RowOf
 from kvtierd.policies.lru import LRUPolicy
 
 __all__ = [
@@ -30,10 +27,14 @@ POLICY_NAMES: tuple[str, ...] = ("lru", "arc")
 assert set(POLICY_NAMES) == set(_POLICIES)
 
 
-def make_policy(name: str, capacity: int, ref_count: Callable[[BlockKey], int]) -> CachePolicy:
+def make_policy(
+    name: str, capacity: int, ref_count: RefCount, row_of: RowOf, key_of: KeyOf
+) -> CachePolicy:
     """A new, empty policy ``name`` for a tier of ``capacity`` rows.
 
-    ``ref_count(key)`` must return the manager's ref count of a resident key.
+    ``ref_count(key)`` must return the manager's ref count of a resident key;
+    ``row_of(key)`` its row in ``[0, capacity)`` (``None`` if not resident) and
+    ``key_of(row)`` the key mapped to a row.
     Raises ``ValueError`` naming the supported policies if ``name`` is unknown.
     """
     try:
@@ -42,4 +43,4 @@ def make_policy(name: str, capacity: int, ref_count: Callable[[BlockKey], int]) 
         raise ValueError(
             f"unknown eviction policy {name!r}; supported: {', '.join(POLICY_NAMES)}"
         ) from None
-    return cls(capacity, ref_count)
+    return cls(capacity, ref_count, row_of, key_of)

@@ -21,12 +21,12 @@ although ready T1 keys exist.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from kvtierd.contract import BlockKey
-from kvtierd.policies.base import CachePolicy, RefCount
+from kvtierd.policies.base import CachePolicy, KeyOf, RefCount, RowOf
 
 ArcList = Literal["t1", "t2", "b1", "b2"]
 
@@ -50,8 +50,8 @@ class ARCPolicy(CachePolicy):
     ``capacity`` keys; ``0 <= target_t1_size <= capacity``.
     """
 
-    def __init__(self, capacity: int, ref_count: RefCount) -> None:
-        super().__init__(capacity, ref_count)
+    def __init__(self, capacity: int, ref_count: RefCount, row_of: RowOf, key_of: KeyOf) -> None:
+        super().__init__(capacity, ref_count, row_of, key_of)
         self._t1: OrderedDict[BlockKey, None] = OrderedDict()
         self._t2: OrderedDict[BlockKey, None] = OrderedDict()
         self._b1: OrderedDict[BlockKey, None] = OrderedDict()
@@ -76,6 +76,12 @@ class ARCPolicy(CachePolicy):
         return
 
     def mark_non_evictable(self, key: BlockKey) -> None:
+        return
+
+    def mark_evictable_rows(self, rows: Iterable[int]) -> None:
+        return
+
+    def mark_non_evictable_rows(self, rows: Iterable[int]) -> None:
         return
 
     def touch(self, keys: Sequence[BlockKey]) -> None:

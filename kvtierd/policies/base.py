@@ -19,6 +19,13 @@ transitions, always *after* updating the ref count it reports through the
 * ``evict``              -- the policy chose victims; they leave the policy at once
   and the manager frees their rows.
 
+Keys and rows: the manager maps each resident key to a row in ``[0, capacity)``
+and lends the policy read access to that table (``row_of`` / ``key_of``). The
+per-key hooks above take keys; the ``*_rows`` hooks are the manager's per-call
+fast path and are equivalent to calling the per-key hook for each row in order
+(the defaults do exactly that). A row hook is called while its rows are still
+mapped to their keys.
+
 Every method runs on the daemon's event loop; none blocks or raises for a
 well-formed call sequence. A policy that returns ``None`` from ``evict`` has
 changed nothing.
@@ -27,12 +34,18 @@ changed nothing.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 from kvtierd.contract import BlockKey
 
 RefCount = Callable[[BlockKey], int]
 """``ref_count(key)`` -> the manager's current ref count of a *resident* key."""
+
+RowOf = Callable[[BlockKey], "int | None"]
+"""``row_of(key)`` -> the row of a resident key, ``None`` if it is not resident."""
+
+KeyOf = Callable[[int], "BlockKey | None"]
+"""``key_of(row)`` -> the key mapped to ``row`` (``None`` for a free row)."""
 
 
 class CachePolicy(ABC):
@@ -43,13 +56,17 @@ class CachePolicy(ABC):
     :meth:`evict` while ``ref_count(key) == 0``.
     """
 
-    def __init__(self, capacity: int, ref_count: RefCount) -> None:
-        """``capacity`` is the number of rows of the tier (bounds ARC's ghost
-        lists); ``ref_count`` reads the manager's ref count of a resident key."""
+    def __init__(self, capacity: int, ref_count: RefCount, row_of: RowOf, key_of: KeyOf) -> None:
+        """``capacity`` is the number of rows of the tier (rows lie in
+        ``[0, capacity)``; it also bounds ARC's ghost lists); ``ref_count`` reads
+        the manager's ref count of a resident key; ``row_of`` / ``key_of`` read the
+        manager's block table in either direction."""
         if capacity < 0:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         self._capacity = capacity
         self._ref_count = ref_count
+        self._row_of = row_of
+        self._key_of = key_of
 
     @property
     def capacity(self) -> int:
@@ -110,6 +127,32 @@ class CachePolicy(ABC):
         ``capacity``) and are returned in eviction order; ``n == 0`` returns ``[]``.
         If ``n`` victims cannot be found, returns ``None`` and changes nothing.
         """
+
+    # ----------------------------------------------------------------- per call
+
+    def insert_rows(self, rows: Sequence[int]) -> None:
+        """:meth:`insert` of the key of each row, in order."""
+        key_of = self._key_of
+        for row in rows:
+            self.insert(key_of(row))  # type: ignore[arg-type]
+
+    def remove_rows(self, rows: Iterable[int]) -> None:
+        """:meth:`remove` of the key of each row, in order."""
+        key_of = self._key_of
+        for row in rows:
+            self.remove(key_of(row))  # type: ignore[arg-type]
+
+    def mark_evictable_rows(self, rows: Iterable[int]) -> None:
+        """:meth:`mark_evictable` of the key of each row, in order."""
+        key_of = self._key_of
+        for row in rows:
+            self.mark_evictable(key_of(row))  # type: ignore[arg-type]
+
+    def mark_non_evictable_rows(self, rows: Iterable[int]) -> None:
+        """:meth:`mark_non_evictable` of the key of each row, in order."""
+        key_of = self._key_of
+        for row in rows:
+            self.mark_non_evictable(key_of(row))  # type: ignore[arg-type]
 
     @abstractmethod
     def clear(self) -> None:

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import random
+from collections import OrderedDict
+
 import pytest
 
 from kvtierd.policies import (
@@ -23,22 +26,53 @@ def key(i: int) -> bytes:
     return keys([i])[0]
 
 
-class Table:
-    """Stands in for the manager's ref counts and drives the policy hooks."""
+def no_row(k: bytes) -> int | None:
+    return None
 
-    def __init__(self, name: str, capacity: int = 4) -> None:
+
+def no_key(row: int) -> bytes | None:
+    return None
+
+
+class Table:
+    """Stands in for the manager's block table (rows, ref counts) and drives the
+    policy hooks."""
+
+    def __init__(self, name: str, capacity: int = 4, rows: int = 2048) -> None:
         self.refs: dict[bytes, int] = {}
+        self.row_of: dict[bytes, int] = {}
+        self.key_of: list[bytes | None] = [None] * rows
+        self.free = list(range(rows - 1, -1, -1))
         self.calls = 0
-        self.policy = make_policy(name, capacity, self.ref_count)
+        # ARC's capacity bounds its ghosts; LRU needs one slot per row.
+        self.policy = make_policy(
+            name,
+            capacity if name == "arc" else rows,
+            self.ref_count,
+            self.row_of.get,
+            self.key_of.__getitem__,
+        )
 
     def ref_count(self, k: bytes) -> int:
         self.calls += 1
         return self.refs[k]
 
+    def _map(self, k: bytes) -> None:
+        row = self.free.pop()
+        self.row_of[k] = row
+        self.key_of[row] = k
+
+    def _unmap(self, k: bytes) -> None:
+        row = self.row_of.pop(k)
+        self.key_of[row] = None
+        self.free.append(row)
+        del self.refs[k]
+
     def store(self, ints: list[int]) -> None:
         """Insert (ref -1), then complete (ref 0)."""
         for k in keys(ints):
             self.refs[k] = -1
+            self._map(k)
             self.policy.insert(k)
         for k in keys(ints):
             self.refs[k] = 0
@@ -47,6 +81,7 @@ class Table:
     def reserve(self, ints: list[int]) -> None:
         for k in keys(ints):
             self.refs[k] = -1
+            self._map(k)
             self.policy.insert(k)
 
     def pin(self, ints: list[int]) -> None:
@@ -66,13 +101,13 @@ class Table:
     def evict(self, n: int, protected: list[int] | None = None) -> list[bytes] | None:
         victims = self.policy.evict(n, set(keys(protected or [])))
         for k in victims or ():
-            del self.refs[k]
+            self._unmap(k)
         return victims
 
     def remove(self, ints: list[int]) -> None:
         for k in keys(ints):
             self.policy.remove(k)
-            del self.refs[k]
+            self._unmap(k)
 
     @property
     def lru(self) -> LRUPolicy:
@@ -94,10 +129,10 @@ def arc_state(policy: ARCPolicy) -> tuple[list[bytes], ...]:
 
 def test_registry_names():
     assert POLICY_NAMES == ("lru", "arc")
-    assert isinstance(make_policy("lru", 4, lambda k: 0), LRUPolicy)
-    assert isinstance(make_policy("arc", 4, lambda k: 0), ARCPolicy)
+    assert isinstance(make_policy("lru", 4, lambda k: 0, no_row, no_key), LRUPolicy)
+    assert isinstance(make_policy("arc", 4, lambda k: 0, no_row, no_key), ARCPolicy)
     for name in POLICY_NAMES:
-        policy = make_policy(name, 7, lambda k: 0)
+        policy = make_policy(name, 7, lambda k: 0, no_row, no_key)
         assert isinstance(policy, CachePolicy)
         assert policy.capacity == 7
 
@@ -105,13 +140,13 @@ def test_registry_names():
 @pytest.mark.parametrize("name", ["LRU", "fifo", "", None])
 def test_registry_unknown_name_lists_supported(name):
     with pytest.raises(ValueError, match=r"supported: lru, arc"):
-        make_policy(name, 4, lambda k: 0)  # type: ignore[arg-type]
+        make_policy(name, 4, lambda k: 0, no_row, no_key)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("name", POLICY_NAMES)
 def test_negative_capacity_rejected(name):
     with pytest.raises(ValueError, match="capacity"):
-        make_policy(name, -1, lambda k: 0)
+        make_policy(name, -1, lambda k: 0, no_row, no_key)
 
 
 # ----------------------------------------------------------------- shared
@@ -443,3 +478,114 @@ def test_arc_ready_hooks_do_not_reorder():
     t.pin([1])
     t.unpin([1])
     assert t.arc.order("t1") == keys([1, 2, 3])
+
+
+# ----------------------------------------------------------------- LRU list vs a model
+
+
+def test_lru_rows_hooks_match_key_hooks():
+    t = Table("lru")
+    t.store([1, 2, 3, 4])
+    rows = [t.row_of[k] for k in keys([2, 4])]
+    for k in keys([2, 4]):
+        t.refs[k] = 1
+    t.lru.mark_non_evictable_rows(rows)
+    assert t.lru.evictable_order() == keys([1, 3])
+    for k in keys([4, 2]):
+        t.refs[k] = 0
+    t.lru.mark_evictable_rows(rows[::-1])
+    assert t.lru.evictable_order() == keys([1, 3, 4, 2])
+    assert len(t.lru) == 4
+    t.lru.remove_rows([t.row_of[key(3)]])
+    t.remove([3])
+    assert t.lru.evictable_order() == keys([1, 4, 2])
+    assert t.lru.evictable_rows() == [t.row_of[k] for k in keys([1, 4, 2])]
+
+
+def test_lru_clear_then_reuse():
+    t = Table("lru")
+    t.store([1, 2])
+    t.policy.clear()
+    assert len(t.lru) == 0 and t.lru.evictable_order() == []
+    t.refs.clear()
+    t.row_of.clear()
+    t.store([3, 4])
+    assert t.evict(1) == keys([3])
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_lru_list_matches_ordereddict_model(seed):
+    """Random stores, pins, unpins, touches, evictions and removals: the intrusive
+    list orders exactly as the OrderedDict LRU it replaced."""
+    rng = random.Random(seed)
+    t = Table("lru", rows=48)
+    model: OrderedDict[bytes, None] = OrderedDict()
+    next_id = 0
+    for _ in range(3000):
+        present = list(t.refs)
+        op = rng.random()
+        if op < 0.25 and len(t.refs) < 48:
+            n = min(rng.randint(1, 6), 48 - len(t.refs))
+            ints = list(range(next_id, next_id + n))
+            next_id += n
+            if rng.random() < 0.2:
+                t.reserve(ints)
+            else:
+                t.store(ints)
+                model.update(dict.fromkeys(keys(ints)))
+        elif op < 0.35 and present:
+            pending = [k for k in present if t.refs[k] == -1]
+            for k in pending[: rng.randint(1, 4)]:
+                t.refs[k] = 0
+                t.policy.mark_evictable(k)
+                model[k] = None
+        elif op < 0.5 and present:
+            for k in rng.sample(present, min(len(present), rng.randint(1, 5))):
+                if t.refs[k] == 0:
+                    t.refs[k] = 1
+                    t.policy.mark_non_evictable(k)
+                    del model[k]
+                elif t.refs[k] > 0:
+                    t.refs[k] += 1
+        elif op < 0.65 and present:
+            for k in rng.sample(present, min(len(present), rng.randint(1, 5))):
+                if t.refs[k] > 0:
+                    t.refs[k] -= 1
+                    if t.refs[k] == 0:
+                        t.policy.mark_evictable(k)
+                        model[k] = None
+        elif op < 0.85:
+            pool = present + keys([next_id + 1000])
+            touched = [rng.choice(pool) for _ in range(rng.randint(0, 8))]
+            if rng.random() < 0.6:
+                # Slices of the current order, forward or reversed: runs and blocks.
+                order = list(model)
+                touched = []
+                for _ in range(rng.randint(1, 3)):
+                    a = rng.randrange(len(order) + 1)
+                    piece = order[a : a + rng.randint(1, 12)]
+                    touched += piece[::-1] if rng.random() < 0.5 else piece
+                if rng.random() < 0.3:
+                    touched.insert(rng.randint(0, len(touched)), rng.choice(pool))
+            t.policy.touch(touched)
+            for k in reversed(touched):
+                if k in model:
+                    model.move_to_end(k)
+        elif op < 0.95:
+            n = rng.randint(0, 6)
+            protected = set(rng.sample(present, min(len(present), rng.randint(0, 4))))
+            expected: list[bytes] | None = [k for k in model if k not in protected][:n]
+            if len(expected) < n:  # type: ignore[arg-type]
+                expected = None
+            got = t.policy.evict(n, protected)
+            assert got == expected
+            for k in got or ():
+                del model[k]
+                t._unmap(k)
+        elif present:
+            k = rng.choice(present)
+            t.remove([int(k.rstrip(b"\0"))])
+            model.pop(k, None)
+        assert t.lru.evictable_order() == list(model)
+        assert len(t.lru) == len(model)
+        assert all(t.lru.is_evictable_row(t.row_of[k]) == (k in model) for k in t.refs)

@@ -4,6 +4,8 @@ scenarios of §12.1 ``tests/v1/kv_offload/cpu/test_manager.py``)."""
 from __future__ import annotations
 
 import itertools
+import random
+from collections import OrderedDict
 from collections.abc import Callable
 
 import pytest
@@ -656,3 +658,84 @@ def test_no_callback_is_fine():
     store(m, [1])
     store(m, [2])
     assert m.statistics().evictions == 1
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lru_manager_matches_ordereddict_model(seed):
+    """Random store / load / touch / abort / flush calls on an LRU manager: grants,
+    victims and the evictable order match a reference OrderedDict LRU, and the
+    intrusive list holds a row iff its ref count is 0."""
+    rng = random.Random(seed)
+    num_blocks = 24
+    m, _ = make("lru", num_blocks)
+    refs: dict[bytes, int] = {}
+    model: OrderedDict[bytes, None] = OrderedDict()
+    universe = keys(list(range(60)))
+    for step in range(1500):
+        op = rng.random()
+        batch = [rng.choice(universe) for _ in range(rng.randint(1, 6))]
+        if op < 0.35:
+            new = list(dict.fromkeys(k for k in batch if k not in refs))
+            need = len(new) - (num_blocks - len(refs))
+            expected: list[bytes] | None = []
+            if need > 0:
+                expected = [k for k in model if k not in set(batch)][:need]
+                if len(expected) < need:
+                    expected = None
+            g = m.prepare_store(batch)
+            if expected is None:
+                assert g is None
+                continue
+            assert g is not None and g.evicted_keys == expected and g.keys_to_store == new
+            for k in expected:
+                del model[k], refs[k]
+            refs.update(dict.fromkeys(new, -1))
+            if rng.random() < 0.8:
+                success = rng.random() < 0.85
+                pending = [k for k in dict.fromkeys(batch) if refs[k] == -1]
+                assert m.complete_store(batch, success) == pending
+                for k in pending:
+                    if success:
+                        refs[k] = 0
+                        model[k] = None
+                    else:
+                        del refs[k]
+        elif op < 0.45:
+            done = m.complete_store(batch, True)
+            assert done == [k for k in dict.fromkeys(batch) if refs.get(k) == -1]
+            for k in done:
+                refs[k] = 0
+                model[k] = None
+        elif op < 0.6:
+            if any(refs.get(k, -1) < 0 for k in batch):
+                with pytest.raises(NotLoadableError):
+                    m.prepare_load(batch)
+                continue
+            m.prepare_load(batch)
+            for k in batch:
+                if refs[k] == 0:
+                    del model[k]
+                refs[k] += 1
+        elif op < 0.75:
+            pinned = [k for k, r in refs.items() for _ in range(max(r, 0))]
+            release = rng.sample(pinned, min(len(pinned), rng.randint(1, 5)))
+            m.complete_load(release)
+            for k in release:
+                refs[k] -= 1
+                if refs[k] == 0:
+                    model[k] = None
+        elif op < 0.97:
+            m.touch(batch)
+            for k in reversed(batch):
+                if k in model:
+                    model.move_to_end(k)
+        else:
+            flushed = m.evict_all_evictable()
+            assert set(flushed) == set(model)
+            for k in flushed:
+                del refs[k]
+            model.clear()
+        assert lru_of(m).evictable_order() == list(model)
+        if step % 50 == 0:
+            m.check_invariants()
+    m.check_invariants()
