@@ -462,6 +462,9 @@ def _raw_value(
 
 
 _TIER_NAME = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
+# Tier types this build can attach to pools. Refusing the others keeps an operator
+# from believing blocks persist to a tier that is not running.
+SUPPORTED_TIER_TYPES: tuple[str, ...] = ()
 
 
 def _parse_tiers(raw: Any) -> tuple[TierConfig, ...]:
@@ -474,8 +477,13 @@ def _parse_tiers(raw: Any) -> tuple[TierConfig, ...]:
             raise ConfigError(key, "must be a table")
         options = dict(body)
         tier_type = options.pop("type", None)
+        supported = ", ".join(SUPPORTED_TIER_TYPES) or "none in this build"
         if not isinstance(tier_type, str) or not tier_type:
-            raise ConfigError(f"{key}.type", "missing; supported types: fs")
+            raise ConfigError(f"{key}.type", f"missing; supported types: {supported}")
+        if tier_type not in SUPPORTED_TIER_TYPES:
+            raise ConfigError(
+                f"{key}.type", f"unsupported tier type {tier_type!r}; supported: {supported}"
+            )
         name = options.pop("name", f"{tier_type}{index}")
         if not isinstance(name, str) or not _TIER_NAME.match(name) or name == "primary":
             raise ConfigError(f"{key}.name", f"must match [A-Za-z0-9_-]{{1,32}}, got {name!r}")

@@ -59,7 +59,8 @@ def test_bad_environment_value_names_the_key():
         ("[memroy]\n", "memroy: unknown section"),
         ("[sessions]\nlease = true\n", "sessions.lease"),
         ("[memory\n", "not valid TOML"),
-        ("[[tiers]]\nroot = '/x'\n", "tiers[0].type"),
+        ("[[tiers]]\nroot = '/x'\n", "tiers[0].type: missing"),
+        ("[[tiers]]\ntype = 'fs'\nroot = '/x'\n", "unsupported tier type 'fs'"),
     ],
 )
 def test_bad_config_file_exits_2(tmp_path, toml, fragment):
