@@ -105,7 +105,11 @@ def start_daemon(
         )  # fmt: skip
     daemon = DaemonProcess(proc, socket_path, shm_dir, log_path, workdir)
     if wait:
-        wait_serving(daemon, timeout)
+        try:
+            wait_serving(daemon, timeout)
+        except BaseException:
+            daemon.cleanup()
+            raise
     return daemon
 
 
