@@ -22,6 +22,7 @@ import grpc
 
 from kvtierd.config import Config, ConfigError, read_tokens
 from kvtierd.pools import PoolTable
+from kvtierd.sdnotify import notify, watchdog_interval
 from kvtierd.server import add_listeners, build_server, remove_unix_sockets, set_health
 from kvtierd.service import KVTierService
 from kvtierd.sessions import SessionTable
@@ -56,6 +57,7 @@ class Daemon:
         self._stop = asyncio.Event()
         self._server: grpc.aio.Server | None = None
         self._reaper: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
         self._sockets: list[str] = []  # unix socket files this daemon created
 
     async def start(self) -> None:
@@ -67,6 +69,10 @@ class Daemon:
         self._server = server
         self._reaper = asyncio.create_task(self._reap_forever(), name="kvtierd-reaper")
         await set_health(self._health, serving=True)
+        interval = watchdog_interval()
+        if interval is not None:
+            self._watchdog = asyncio.create_task(self._ping_watchdog(interval))
+        notify(f"READY=1\nSTATUS=serving on {', '.join(self.config.server.listen)}")
         log.info(
             "kvtierd ready: pid %d, budget %d bytes in %s, lease %gs",
             os.getpid(), self.config.memory.budget, self.config.memory.shm_dir,
@@ -82,20 +88,28 @@ class Daemon:
     async def shutdown(self) -> None:
         """Ordered shutdown; each step runs even if an earlier one failed."""
         log.info("shutting down: refusing new calls, finishing in-flight ones")
+        notify("STOPPING=1")
         self.service.shutting_down = True
         for pool in self.pools:
             pool.events.wake_all()  # watch streams end
         if self._server is not None:
             await set_health(self._health, serving=False)
             await self._server.stop(self.config.server.shutdown_grace)
-        if self._reaper is not None:
-            self._reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reaper
+        for task in (self._reaper, self._watchdog):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         self.sessions.close_all("closed by daemon shutdown")
         self.pools.close_all()
         remove_unix_sockets(self._sockets)
         log.info("shutdown complete")
+
+    async def _ping_watchdog(self, interval: float) -> None:
+        """Pings systemd's watchdog from the event loop: a stuck loop stops the pings."""
+        while True:
+            notify("WATCHDOG=1")
+            await asyncio.sleep(interval)
 
     async def _reap_forever(self) -> None:
         interval = min(1.0, self.config.sessions.lease / 4)
