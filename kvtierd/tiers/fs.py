@@ -1,0 +1,835 @@
+"""The FS tier (DESIGN.md §6): one file per block under a root directory.
+
+Differences from vLLM's FS tier (reference §6): a byte capacity with LRU
+eviction, a verified header (key, pool fingerprint, length, xxh3-64 of the
+payload) on every file, an in-memory index rebuilt at start, and partial
+success of loads reported per key.
+
+Ownership and invariants:
+
+* Rows: during a store job the pool keeps the rows pinned and this tier only
+  reads them (checksum + write straight from the row); during a load job the
+  rows are reserved and only this tier writes them (``preadv`` straight into
+  the row). A row is never touched after its job's ``on_done`` ran. A row whose
+  block failed verification may hold garbage; it is never reported as loaded.
+* Files are immutable once renamed into place (temp file + full write +
+  optional fdatasync + rename). A file is removed only (a) by eviction, never
+  while a read of it is in flight, (b) when it fails verification (load, scan
+  or fsck), and only if the path still names the inode that failed, or (c) as a
+  leftover ``*.tmp`` at start.
+* Index: ``{key: (file bytes, last use)}`` in LRU order, plus ``_used`` (sum of
+  indexed file sizes) and ``_reserved`` (writes in flight); all guarded by
+  ``_lock``, which I/O threads and the loop share and hold only briefly (an
+  eviction unlinks under it so that a concurrent rewrite of the key cannot be
+  removed). ``_used + _reserved <= capacity_bytes`` whenever a write is admitted.
+* Every submitted job reports exactly once through ``on_done`` on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import json
+import logging
+import mmap
+import os
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtierd.contract import BlockKey, LookupResult, Medium
+from kvtierd.tiers import fsformat
+from kvtierd.tiers.base import JobCallback, JobResult, SecondaryTier, TierJob, TierStats
+from kvtierd.tiers.fsformat import (
+    BLOCK_SUFFIX,
+    HEADER_SIZE,
+    POOL_FILE,
+    TEMP_SUFFIX,
+    CorruptBlock,
+    PoolIdentity,
+)
+from kvtierd.tiers.iopool import IoPool, Outcome
+
+log = logging.getLogger("kvtierd.tiers.fs")
+
+O_DIRECT_MODES = ("auto", "on", "off")
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_SCAN_LOG_EVERY = 10_000
+_COUNTERS = (
+    "hits",
+    "misses",
+    "bytes_written",
+    "bytes_read",
+    "evictions",
+    "store_failures",
+    "load_failures",
+    "checksum_failures",
+    "dropped_writes",
+)
+
+
+class FsTierError(Exception):
+    """The FS tier cannot start (root missing, not writable, pool mismatch...)."""
+
+
+class PoolMismatchError(FsTierError):
+    """The pool directory's ``pool.json`` describes another pool."""
+
+
+class TierFull(Exception):
+    """No file could be evicted to make room for a write."""
+
+
+@dataclass(slots=True)
+class ScanReport:
+    """What the start-up scan of the pool directory found."""
+
+    files: int = 0
+    indexed: int = 0
+    removed_corrupt: int = 0
+    removed_temp: int = 0
+    seconds: float = 0.0
+
+
+class FsTier(SecondaryTier):
+    """A secondary tier of block files under ``root`` for one pool.
+
+    Lifecycle: construct -> :meth:`start` (checks the root, writes ``pool.json``,
+    probes O_DIRECT, starts the index scan) -> jobs -> :meth:`shutdown`.
+    """
+
+    medium = Medium.STORAGE
+
+    def __init__(
+        self,
+        name: str,
+        root: str | os.PathLike[str],
+        pool_name: str,
+        block_bytes: int,
+        layout: Any,
+        region_buffer: memoryview,
+        capacity_bytes: int,
+        on_done: JobCallback,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        read_threads: int = 8,
+        write_threads: int = 8,
+        fsync: bool = False,
+        o_direct: str = "auto",
+        max_queue_bytes: int = 1 << 30,
+        max_queue_jobs: int = 1024,
+    ) -> None:
+        if o_direct not in O_DIRECT_MODES:
+            raise ValueError(f"o_direct must be one of {O_DIRECT_MODES}, got {o_direct!r}")
+        if block_bytes < 1 or block_bytes % mmap.PAGESIZE:
+            raise ValueError(f"block_bytes must be a positive multiple of {mmap.PAGESIZE}")
+        if len(region_buffer) % block_bytes:
+            raise ValueError("region_buffer length is not a multiple of block_bytes")
+        self.name = name
+        self.root = os.fspath(root)
+        self.identity = PoolIdentity(pool_name, block_bytes, layout)
+        self.pool_dir = os.path.join(self.root, self.identity.dir_name)
+        self.block_bytes = block_bytes
+        self.file_bytes = HEADER_SIZE + block_bytes
+        self.capacity_bytes = capacity_bytes
+        self.fsync = fsync
+        self.o_direct = o_direct
+        self.use_o_direct = False  # decided by start()'s probe
+        self.scan_report = ScanReport()
+        self._fingerprint = self.identity.fingerprint
+        self._region = region_buffer.cast("B") if region_buffer.format != "B" else region_buffer
+        self._num_rows = len(region_buffer) // block_bytes
+        self._on_done = on_done
+        self._loop = loop
+        self._pool_args = dict(
+            read_threads=read_threads,
+            write_threads=write_threads,
+            max_queue_bytes=max_queue_bytes,
+            max_queue_jobs=max_queue_jobs,
+        )
+        self._io: IoPool | None = None
+        self._lock = threading.Lock()
+        self._index: OrderedDict[BlockKey, tuple[int, float]] = OrderedDict()  # _lock
+        self._used = 0  # _lock: sum of indexed file sizes
+        self._reserved = 0  # _lock: file sizes of writes in flight
+        self._writing: set[BlockKey] = set()  # _lock
+        self._reading: dict[BlockKey, int] = {}  # _lock: reads in flight per key
+        self._counters = dict.fromkeys(_COUNTERS, 0)  # _lock
+        self._scanned = False  # _lock
+        self._stop = threading.Event()
+        self._scan_thread: threading.Thread | None = None
+        self._ready: asyncio.Future[None] | None = None
+        self._made_dirs: set[str] = set()
+        self._local = threading.local()
+
+    # -- lifecycle (loop thread) ---------------------------------------------------
+
+    def start(self) -> None:
+        """Checks the root, writes/verifies ``pool.json``, probes O_DIRECT, starts the scan.
+
+        Raises FsTierError (naming the path) when the root is unusable and
+        PoolMismatchError when ``pool.json`` describes another pool.
+        """
+        self._prepare_root()
+        self._write_pool_file()
+        self.use_o_direct = self._probe_o_direct()
+        self._io = IoPool(self._loop, **self._pool_args)
+        self._ready = self._loop.create_future()
+        self._scan_thread = threading.Thread(target=self._scan, name="kvtierd-fs-scan", daemon=True)
+        self._scan_thread.start()
+
+    @property
+    def ready(self) -> bool:
+        """True once the index scan ended (lookups answer HIT/MISS, not RETRY)."""
+        with self._lock:
+            return self._scanned
+
+    async def wait_ready(self) -> None:
+        if self._ready is None:
+            raise RuntimeError(f"FS tier {self.name} was not started")
+        await asyncio.shield(self._ready)
+
+    async def drain(self) -> None:
+        if self._io is not None:
+            await self._io.drain()
+
+    def shutdown(self) -> None:
+        """Stops the scan and the I/O threads; queued jobs are reported failed."""
+        self._stop.set()
+        if self._io is not None:
+            self._io.shutdown()
+        if self._scan_thread is not None:
+            self._scan_thread.join()
+
+    # -- SecondaryTier (loop thread) -----------------------------------------------
+
+    def lookup(self, keys: Sequence[BlockKey]) -> list[LookupResult]:
+        with self._lock:
+            if not self._scanned:
+                return [LookupResult.RETRY] * len(keys)
+            now = time.time()
+            results = []
+            for key in keys:
+                entry = self._index.get(key)
+                if entry is None:
+                    results.append(LookupResult.MISS)
+                    continue
+                self._index[key] = (entry[0], now)
+                self._index.move_to_end(key)
+                results.append(LookupResult.HIT)
+            hits = results.count(LookupResult.HIT)
+            self._counters["hits"] += hits
+            self._counters["misses"] += len(keys) - hits
+            return results
+
+    def touch(self, keys: Sequence[BlockKey]) -> None:
+        with self._lock:
+            self._touch_locked(keys)
+
+    def submit_store(self, job: TierJob) -> bool:
+        io = self._require_io()
+        tasks = [
+            _bind(self._store_block, key, block_id)
+            for key, block_id in zip(job.keys, job.block_ids, strict=True)
+        ]
+        start = time.perf_counter()
+        accepted = io.submit_write(
+            tasks, lambda outcomes: self._store_done(job, outcomes, start),
+            nbytes=len(tasks) * self.block_bytes,
+        )  # fmt: skip
+        if not accepted:
+            with self._lock:
+                self._counters["dropped_writes"] += 1
+        return accepted
+
+    def submit_load(self, job: TierJob) -> None:
+        io = self._require_io()
+        tasks = [
+            _bind(self._load_block, key, block_id)
+            for key, block_id in zip(job.keys, job.block_ids, strict=True)
+        ]
+        start = time.perf_counter()
+        io.submit_read(tasks, lambda outcomes: self._load_done(job, outcomes, start))
+
+    def statistics(self) -> TierStats:
+        io = self._io
+        with self._lock:
+            c = dict(self._counters)
+            used, blocks = self._used, len(self._index)
+        return TierStats(
+            name=self.name,
+            medium=self.medium,
+            capacity_bytes=self.capacity_bytes,
+            used_bytes=used,
+            blocks=blocks,
+            queued_jobs=io.queued_jobs if io else 0,
+            queued_bytes=io.queued_bytes if io else 0,
+            **c,
+        )
+
+    # -- job completion (loop thread) ----------------------------------------------
+
+    def _store_done(self, job: TierJob, outcomes: list[Outcome], start: float) -> None:
+        failed = [job.keys[i] for i, o in enumerate(outcomes) if not o.ok]
+        for key, outcome in zip(job.keys, outcomes, strict=True):
+            if not outcome.ok:
+                log.debug("FS tier %s: store of %s failed: %s", self.name, key.hex(), outcome.error)
+        written = sum(1 for o in outcomes if o.ok and o.value)
+        if failed:
+            with self._lock:
+                self._counters["store_failures"] += len(failed)
+        self._on_done(
+            JobResult(
+                job_id=job.job_id,
+                success=not failed,
+                seconds=time.perf_counter() - start,
+                bytes_moved=written * self.file_bytes,
+            )
+        )
+
+    def _load_done(self, job: TierJob, outcomes: list[Outcome], start: float) -> None:
+        loaded = tuple(key for key, o in zip(job.keys, outcomes, strict=True) if o.ok)
+        failures = len(job.keys) - len(loaded)
+        if failures:
+            with self._lock:
+                self._counters["load_failures"] += failures
+        self._on_done(
+            JobResult(
+                job_id=job.job_id,
+                success=failures == 0,
+                successful_keys=loaded or None,
+                seconds=time.perf_counter() - start,
+                bytes_moved=len(loaded) * self.file_bytes,
+            )
+        )
+
+    # -- block I/O (I/O threads) -----------------------------------------------------
+
+    def _store_block(self, key: BlockKey, block_id: int) -> bool:
+        """Writes one block file; False when it was already present (not rewritten).
+
+        Raises TierFull when no room can be made, OSError/ValueError otherwise.
+        """
+        fsformat.check_key(key)
+        row = self._row(block_id)
+        with self._lock:
+            if key in self._index or key in self._writing:
+                self._touch_locked((key,))
+                return False
+            self._make_room_locked(self.file_bytes)
+            self._writing.add(key)
+            self._reserved += self.file_bytes
+        try:
+            self._write_file(self._path(key), key, row)
+        except BaseException:
+            with self._lock:
+                self._writing.discard(key)
+                self._reserved -= self.file_bytes
+            raise
+        with self._lock:
+            self._writing.discard(key)
+            self._reserved -= self.file_bytes
+            self._index_add_locked(key, self.file_bytes, time.time())
+            self._counters["bytes_written"] += self.file_bytes
+        return True
+
+    def _write_file(self, path: str, key: BlockKey, row: memoryview) -> None:
+        directory = os.path.dirname(path)
+        if directory not in self._made_dirs:
+            os.makedirs(directory, exist_ok=True)
+            self._made_dirs.add(directory)
+        header = fsformat.encode_header(
+            key=key,
+            fingerprint=self._fingerprint,
+            payload_length=self.block_bytes,
+            payload_checksum=fsformat.payload_checksum(row),
+        )
+        tmp = f"{path}.{secrets.token_hex(8)}{TEMP_SUFFIX}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        fd = os.open(tmp, flags | (_O_DIRECT if self.use_o_direct else 0), 0o644)
+        try:
+            try:
+                head = self._header_buffer()
+                head[:] = header
+                _write_all(fd, [memoryview(head), row])
+                if self.fsync:
+                    os.fdatasync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, path)
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+        if self.fsync:
+            _fsync_dir(directory)
+
+    def _load_block(self, key: BlockKey, block_id: int) -> None:
+        """Reads and verifies one block into its row; raises on any failure.
+
+        Corrupt files are removed (and counted); transient errors keep the file;
+        a vanished file (ENOENT) is dropped from the index.
+        """
+        row = self._row(block_id)
+        path = self._path(key)
+        with self._lock:
+            self._reading[key] = self._reading.get(key, 0) + 1
+        try:
+            self._read_verified(path, key, row)
+        finally:
+            with self._lock:
+                left = self._reading[key] - 1
+                if left:
+                    self._reading[key] = left
+                else:
+                    del self._reading[key]
+        with self._lock:
+            self._counters["bytes_read"] += self.file_bytes
+            self._touch_locked((key,))
+
+    def _read_verified(self, path: str, key: BlockKey, row: memoryview) -> None:
+        flags = os.O_RDONLY | os.O_CLOEXEC | (_O_DIRECT if self.use_o_direct else 0)
+        try:
+            fd = os.open(path, flags)
+        except FileNotFoundError:
+            with self._lock:
+                self._index_remove_locked(key)
+            raise
+        try:
+            st = os.fstat(fd)
+            try:
+                if st.st_size != self.file_bytes:
+                    raise CorruptBlock(f"file is {st.st_size} bytes, expected {self.file_bytes}")
+                head = self._header_buffer()
+                got = _read_all(fd, [memoryview(head), row])
+                if got != self.file_bytes:
+                    raise CorruptBlock(f"short read: {got} of {self.file_bytes} bytes")
+                header = fsformat.decode_header(head)
+                fsformat.verify_header(
+                    header, key=key, fingerprint=self._fingerprint, block_bytes=self.block_bytes
+                )
+                if fsformat.payload_checksum(row) != header.payload_checksum:
+                    raise CorruptBlock("payload checksum mismatch")
+            except CorruptBlock as exc:
+                self._discard_corrupt(path, key, st, exc.reason)
+                raise
+        finally:
+            os.close(fd)
+
+    def _discard_corrupt(self, path: str, key: BlockKey, st: os.stat_result, reason: str) -> None:
+        """Removes a file that failed verification, if the path still names that inode."""
+        log.warning("FS tier %s: removing corrupt block file %s: %s", self.name, path, reason)
+        with self._lock:
+            self._counters["checksum_failures"] += 1
+            try:
+                current = os.stat(path)
+            except FileNotFoundError:
+                self._index_remove_locked(key)
+                return
+            if (current.st_dev, current.st_ino) == (st.st_dev, st.st_ino):
+                _unlink_quietly(path)
+                self._index_remove_locked(key)
+
+    # -- index helpers (caller holds _lock) ----------------------------------------
+
+    def _touch_locked(self, keys: Sequence[BlockKey]) -> None:
+        now = time.time()
+        for key in keys:
+            entry = self._index.get(key)
+            if entry is not None:
+                self._index[key] = (entry[0], now)
+                self._index.move_to_end(key)
+
+    def _index_add_locked(self, key: BlockKey, size: int, last_use: float) -> None:
+        old = self._index.pop(key, None)
+        if old is not None:
+            self._used -= old[0]
+        self._index[key] = (size, last_use)
+        self._used += size
+
+    def _index_remove_locked(self, key: BlockKey) -> None:
+        old = self._index.pop(key, None)
+        if old is not None:
+            self._used -= old[0]
+
+    def _make_room_locked(self, size: int) -> None:
+        """Evicts LRU files (never one being read) until ``size`` more bytes fit."""
+        while self._used + self._reserved + size > self.capacity_bytes:
+            victim = next((k for k in self._index if k not in self._reading), None)
+            if victim is None:
+                raise TierFull(
+                    f"FS tier {self.name}: {size} bytes do not fit in {self.capacity_bytes} "
+                    f"({self._used} used, {self._reserved} being written) and nothing is evictable"
+                )
+            _unlink_quietly(self._path(victim))
+            self._index_remove_locked(victim)
+            self._counters["evictions"] += 1
+
+    # -- start-up --------------------------------------------------------------------
+
+    def _prepare_root(self) -> None:
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as exc:
+            raise FsTierError(
+                f"FS tier {self.name}: root directory {self.root} does not exist and cannot be "
+                f"created: {exc.strerror or exc}"
+            ) from exc
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise FsTierError(f"FS tier {self.name}: root directory {self.root} is not writable")
+        try:
+            os.makedirs(self.pool_dir, exist_ok=True)
+        except OSError as exc:
+            raise FsTierError(
+                f"FS tier {self.name}: cannot create pool directory {self.pool_dir} under root "
+                f"{self.root}: {exc.strerror or exc}"
+            ) from exc
+
+    def _write_pool_file(self) -> None:
+        path = os.path.join(self.pool_dir, POOL_FILE)
+        ours = self.identity.describe()
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except FileNotFoundError:
+            text = None
+        if text is not None:
+            try:
+                theirs = json.loads(text)
+            except ValueError:
+                theirs = text
+            if theirs != ours:
+                raise PoolMismatchError(
+                    f"FS tier {self.name}: {path} describes {theirs!r}, but this pool is "
+                    f"{ours!r}; remove the directory {self.pool_dir} or use another root"
+                )
+            return
+        tmp = f"{path}.{secrets.token_hex(8)}{TEMP_SUFFIX}"
+        try:
+            with open(tmp, "x", encoding="utf-8") as f:
+                json.dump(ours, f, indent=2, sort_keys=True)
+                f.write("\n")
+            os.rename(tmp, path)
+        except OSError as exc:
+            _unlink_quietly(tmp)
+            raise FsTierError(
+                f"FS tier {self.name}: cannot write {path}: {exc.strerror or exc}"
+            ) from exc
+
+    def _probe_o_direct(self) -> bool:
+        """Writes and reads back one page in the pool dir; True if O_DIRECT works.
+
+        Also proves the directory writable (FsTierError naming it otherwise).
+        """
+        wanted = self.o_direct != "off" and _O_DIRECT != 0
+        if wanted:
+            try:
+                _probe_file(self.pool_dir, _O_DIRECT)
+                return True
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise FsTierError(
+                        f"FS tier {self.name}: cannot write in {self.pool_dir}: {exc}"
+                    ) from exc
+                if self.o_direct == "on":
+                    raise FsTierError(
+                        f"FS tier {self.name}: o_direct=on but {self.pool_dir} does not support "
+                        "O_DIRECT (EINVAL); use o_direct=auto or off"
+                    ) from exc
+        try:
+            _probe_file(self.pool_dir, 0)
+        except OSError as exc:
+            raise FsTierError(
+                f"FS tier {self.name}: cannot write in {self.pool_dir}: {exc}"
+            ) from exc
+        return False
+
+    def _scan_hook(self) -> None:
+        """Called on the scan thread before scanning (tests hold the scan here)."""
+
+    def _scan(self) -> None:
+        """Rebuilds the index from file headers (scan thread); lookups RETRY until done."""
+        report = self.scan_report
+        start = time.perf_counter()
+        entries: list[tuple[float, BlockKey, int]] = []
+        try:
+            self._scan_hook()
+            for full, rel in _walk_pool(self.pool_dir):
+                if self._stop.is_set():
+                    return
+                if rel.endswith(TEMP_SUFFIX):
+                    _unlink_quietly(full)
+                    report.removed_temp += 1
+                    continue
+                if not rel.endswith(BLOCK_SUFFIX):
+                    continue
+                report.files += 1
+                if report.files % _SCAN_LOG_EVERY == 0:
+                    log.info(
+                        "FS tier %s: scanned %d files in %s", self.name, report.files, self.pool_dir
+                    )
+                entry = self._scan_file(full, rel)
+                if entry is not None:
+                    entries.append(entry)
+        except Exception:
+            log.exception(
+                "FS tier %s: scan of %s failed; index is partial", self.name, self.pool_dir
+            )
+        finally:
+            self._finish_scan(entries, time.perf_counter() - start)
+
+    def _scan_file(self, full: str, rel: str) -> tuple[float, BlockKey, int] | None:
+        try:
+            with open(full, "rb", buffering=0) as f:
+                st = os.fstat(f.fileno())
+                header = fsformat.decode_header(os.pread(f.fileno(), HEADER_SIZE, 0))
+            fsformat.verify_header(
+                header, key=None, fingerprint=self._fingerprint, block_bytes=self.block_bytes
+            )
+            if fsformat.block_rel_path(header.key) != rel:
+                raise CorruptBlock(f"header names key {header.key.hex()}, not this file")
+            if st.st_size != self.file_bytes:
+                raise CorruptBlock(f"file is {st.st_size} bytes, expected {self.file_bytes}")
+        except FileNotFoundError:
+            return None
+        except (CorruptBlock, OSError) as exc:
+            log.warning("FS tier %s: removing unreadable block file %s: %s", self.name, full, exc)
+            _unlink_quietly(full)
+            self.scan_report.removed_corrupt += 1
+            with self._lock:
+                self._counters["checksum_failures"] += 1
+            return None
+        return st.st_mtime, header.key, st.st_size
+
+    def _finish_scan(self, entries: list[tuple[float, BlockKey, int]], seconds: float) -> None:
+        """Merges the scanned files under the blocks written meanwhile (more recent)."""
+        entries.sort(key=lambda e: e[0])
+        with self._lock:
+            during, self._index = self._index, OrderedDict()
+            self._used = 0
+            for mtime, key, size in entries:
+                if key not in during:
+                    self._index_add_locked(key, size, mtime)
+            for key, (size, last_use) in during.items():
+                self._index_add_locked(key, size, last_use)
+            self.scan_report.indexed = len(self._index)
+            self.scan_report.seconds = seconds
+            try:
+                self._make_room_locked(0)
+            except TierFull:
+                log.warning("FS tier %s: over capacity after the scan", self.name)
+            self._scanned = True
+        log.info(
+            "FS tier %s: index of %s ready: %d blocks, %d bytes, %d corrupt and %d temp files "
+            "removed, %.2fs",
+            self.name, self.pool_dir, len(self._index), self._used,
+            self.scan_report.removed_corrupt, self.scan_report.removed_temp, seconds,
+        )  # fmt: skip
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._set_ready)
+
+    def _set_ready(self) -> None:
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_result(None)
+
+    # -- small helpers ---------------------------------------------------------------
+
+    def _require_io(self) -> IoPool:
+        if self._io is None:
+            raise RuntimeError(f"FS tier {self.name} was not started")
+        return self._io
+
+    def _path(self, key: BlockKey) -> str:
+        return os.path.join(self.pool_dir, fsformat.block_rel_path(key))
+
+    def _row(self, block_id: int) -> memoryview:
+        if not 0 <= block_id < self._num_rows:
+            raise ValueError(f"block id {block_id} outside the region (0..{self._num_rows - 1})")
+        start = block_id * self.block_bytes
+        return self._region[start : start + self.block_bytes]
+
+    def _header_buffer(self) -> mmap.mmap:
+        """This thread's page-aligned header buffer (O_DIRECT needs aligned memory)."""
+        buf = getattr(self._local, "header", None)
+        if buf is None:
+            buf = self._local.header = mmap.mmap(-1, HEADER_SIZE)
+        return buf
+
+
+# -- fsck ------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class FsckReport:
+    """What :func:`fsck` found: ``bad`` lists ``(path, reason)``."""
+
+    root: str
+    pools: int = 0
+    files_checked: int = 0
+    bad: list[tuple[str, str]] = field(default_factory=list)
+    removed: int = 0
+    temp_files: int = 0
+
+    @property
+    def clean(self) -> bool:
+        return not self.bad
+
+
+def fsck(
+    root: str | os.PathLike[str],
+    *,
+    remove: bool = False,
+    progress: Callable[[int, str], None] | None = None,
+) -> FsckReport:
+    """Verifies every block file under every pool dir of ``root`` completely.
+
+    Checks header, pool fingerprint, payload length, file name vs key and the
+    payload checksum. ``remove=True`` unlinks bad files (safe while a daemon runs:
+    it treats a vanished file as a miss). Temp files are counted, never removed
+    (a live daemon may be writing them). ``progress(files_checked, path)`` is
+    called after each file.
+    """
+    root = os.fspath(root)
+    report = FsckReport(root=root)
+    for entry in sorted(os.scandir(root), key=lambda e: e.name):
+        pool_file = os.path.join(entry.path, POOL_FILE)
+        if not entry.is_dir() or not os.path.isfile(pool_file):
+            continue
+        report.pools += 1
+        try:
+            with open(pool_file, encoding="utf-8") as f:
+                desc = json.load(f)
+            fingerprint = bytes.fromhex(desc["fingerprint"])
+            block_bytes = int(desc["block_bytes"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            report.bad.append((pool_file, f"unreadable pool description: {exc}"))
+            continue
+        for full, rel in _walk_pool(entry.path):
+            if rel.endswith(TEMP_SUFFIX):
+                report.temp_files += 1
+                continue
+            if not rel.endswith(BLOCK_SUFFIX):
+                continue
+            reason = _check_file(full, rel, fingerprint, block_bytes)
+            report.files_checked += 1
+            if reason is not None:
+                report.bad.append((full, reason))
+                if remove:
+                    _unlink_quietly(full)
+                    report.removed += 1
+            if progress is not None:
+                progress(report.files_checked, full)
+    return report
+
+
+def _check_file(full: str, rel: str, fingerprint: bytes, block_bytes: int) -> str | None:
+    """None if the file verifies completely, else the reason it does not."""
+    try:
+        with open(full, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        return f"unreadable: {exc}"
+    view = memoryview(data)
+    try:
+        header = fsformat.decode_header(view[:HEADER_SIZE])
+        fsformat.verify_header(header, key=None, fingerprint=fingerprint, block_bytes=block_bytes)
+        if fsformat.block_rel_path(header.key) != rel:
+            raise CorruptBlock(f"header names key {header.key.hex()}, not this file")
+        if len(data) != HEADER_SIZE + block_bytes:
+            raise CorruptBlock(f"file is {len(data)} bytes, expected {HEADER_SIZE + block_bytes}")
+        if fsformat.payload_checksum(view[HEADER_SIZE:]) != header.payload_checksum:
+            raise CorruptBlock("payload checksum mismatch")
+    except CorruptBlock as exc:
+        return exc.reason
+    return None
+
+
+# -- module helpers -----------------------------------------------------------------------
+
+
+def _bind(fn: Callable[[BlockKey, int], Any], key: BlockKey, block_id: int) -> Callable[[], Any]:
+    return lambda: fn(key, block_id)
+
+
+def _walk_pool(pool_dir: str):  # -> Iterator[tuple[str, str]]
+    """(full path, path relative to ``pool_dir`` with '/') of every file below the pool dir."""
+    for dirpath, _dirnames, filenames in os.walk(pool_dir):
+        rel_dir = os.path.relpath(dirpath, pool_dir)
+        for name in filenames:
+            rel = name if rel_dir == "." else f"{rel_dir}/{name}".replace(os.sep, "/")
+            yield os.path.join(dirpath, name), rel
+
+
+def _remaining(buffers: Sequence[memoryview], done: int) -> list[memoryview]:
+    """The parts of ``buffers`` after the first ``done`` bytes."""
+    out = []
+    for buf in buffers:
+        if done >= len(buf):
+            done -= len(buf)
+            continue
+        out.append(buf[done:] if done else buf)
+        done = 0
+    return out
+
+
+def _write_all(fd: int, buffers: Sequence[memoryview]) -> None:
+    """pwritev until every byte is written (loops on short writes)."""
+    total = sum(len(b) for b in buffers)
+    done = 0
+    while done < total:
+        n = os.pwritev(fd, _remaining(buffers, done), done)
+        if n <= 0:
+            raise OSError(errno.EIO, "write made no progress")
+        done += n
+
+
+def _read_all(fd: int, buffers: Sequence[memoryview]) -> int:
+    """preadv until the buffers are full or EOF; returns bytes read."""
+    total = sum(len(b) for b in buffers)
+    done = 0
+    while done < total:
+        n = os.preadv(fd, _remaining(buffers, done), done)
+        if n <= 0:
+            break
+        done += n
+    return done
+
+
+def _probe_file(directory: str, extra_flags: int) -> None:
+    path = os.path.join(directory, f".probe-{secrets.token_hex(8)}{TEMP_SUFFIX}")
+    page = mmap.mmap(-1, mmap.PAGESIZE)
+    try:
+        page[:8] = b"kvtierd!"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | extra_flags, 0o600)
+        try:
+            _write_all(fd, [memoryview(page)])
+            back = mmap.mmap(-1, mmap.PAGESIZE)
+            try:
+                if _read_all(fd, [memoryview(back)]) != mmap.PAGESIZE or back[:8] != b"kvtierd!":
+                    raise OSError(errno.EIO, f"probe file {path} read back wrong bytes")
+            finally:
+                back.close()
+        finally:
+            os.close(fd)
+    finally:
+        page.close()
+        _unlink_quietly(path)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,239 @@
+"""A dual-queue I/O thread pool whose completions land on an asyncio loop.
+
+Work is submitted in *batches* (one tier job = one batch of tasks, usually one
+task per block). Read-priority threads (``kvtierd-fs-r<i>``) pop the read queue
+first, write-priority threads (``kvtierd-fs-w<i>``) the write queue first; both
+drain either queue, so no thread idles while work waits.
+
+Invariants:
+
+* every accepted batch's ``on_done`` runs exactly once, on the loop (through
+  ``loop.call_soon_threadsafe``), after every task of the batch has an
+  :class:`Outcome` — including batches failed by :meth:`IoPool.shutdown`;
+* a task's exception is caught and becomes that task's failed outcome;
+* writes are bounded: a write batch is refused (nothing queued) if accepting it
+  would exceed ``max_queue_jobs`` pending write batches or ``max_queue_bytes``
+  pending write bytes (pending = accepted, not yet done). Reads are unbounded.
+* the pending counters are guarded by the pool's condition lock; the
+  outstanding-batch count used by :meth:`drain` lives on the loop thread only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("kvtierd.tiers.iopool")
+
+Task = Callable[[], Any]
+
+
+class PoolShutDown(Exception):
+    """The pool shut down before the task ran."""
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How one task ended: ``value`` if it returned, ``error`` if it raised."""
+
+    value: Any = None
+    error: BaseException | None = None
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+BatchCallback = Callable[[list[Outcome]], None]
+
+
+class _Batch:
+    """Outcomes of one batch; completed by whichever thread records the last one."""
+
+    __slots__ = ("callback", "nbytes", "outcomes", "remaining", "is_write")
+
+    def __init__(self, n: int, callback: BatchCallback, nbytes: int, is_write: bool) -> None:
+        self.callback = callback
+        self.nbytes = nbytes
+        self.is_write = is_write
+        self.outcomes: list[Outcome | None] = [None] * n
+        self.remaining = n
+
+
+class IoPool:
+    """Read/write thread pool; see the module docstring for the invariants."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        read_threads: int = 8,
+        write_threads: int = 8,
+        max_queue_jobs: int = 1024,
+        max_queue_bytes: int = 1 << 30,
+        name: str = "kvtierd-fs",
+    ) -> None:
+        if read_threads < 0 or write_threads < 0 or read_threads + write_threads < 1:
+            raise ValueError(
+                f"need at least one I/O thread (read_threads={read_threads}, "
+                f"write_threads={write_threads})"
+            )
+        self._loop = loop
+        self.max_queue_jobs = max_queue_jobs
+        self.max_queue_bytes = max_queue_bytes
+        self._cond = threading.Condition()
+        self._reads: deque[tuple[Task, _Batch, int]] = deque()  # guarded by _cond
+        self._writes: deque[tuple[Task, _Batch, int]] = deque()  # guarded by _cond
+        self._pending_write_jobs = 0  # guarded by _cond
+        self._pending_write_bytes = 0  # guarded by _cond
+        self._stopping = False  # guarded by _cond
+        self._outstanding = 0  # loop thread only: accepted batches not yet delivered
+        self._idle_waiters: list[asyncio.Future[None]] = []  # loop thread only
+        self._threads = [
+            threading.Thread(target=self._worker, args=(True,), name=f"{name}-r{i}", daemon=True)
+            for i in range(read_threads)
+        ] + [
+            threading.Thread(target=self._worker, args=(False,), name=f"{name}-w{i}", daemon=True)
+            for i in range(write_threads)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    # -- submission (loop thread) ----------------------------------------------
+
+    def submit_read(self, tasks: Sequence[Task], on_done: BatchCallback) -> None:
+        """Queues a read batch (never refused, except after shutdown: failed at once)."""
+        self._submit(tasks, on_done, 0, is_write=False)
+
+    def submit_write(self, tasks: Sequence[Task], on_done: BatchCallback, nbytes: int) -> bool:
+        """Queues a write batch of ``nbytes``; False (nothing queued) when over the limits."""
+        with self._cond:
+            if not self._stopping and (
+                self._pending_write_jobs + 1 > self.max_queue_jobs
+                or self._pending_write_bytes + nbytes > self.max_queue_bytes
+            ):
+                return False
+        self._submit(tasks, on_done, nbytes, is_write=True)
+        return True
+
+    def _submit(
+        self, tasks: Sequence[Task], on_done: BatchCallback, nbytes: int, *, is_write: bool
+    ) -> None:
+        batch = _Batch(len(tasks), on_done, nbytes, is_write)
+        self._outstanding += 1
+        if not tasks:
+            self._finish(batch)
+            return
+        with self._cond:
+            stopping = self._stopping
+            if is_write:
+                self._pending_write_jobs += 1
+                self._pending_write_bytes += nbytes
+            if not stopping:
+                queue = self._writes if is_write else self._reads
+                queue.extend((task, batch, i) for i, task in enumerate(tasks))
+                self._cond.notify(len(tasks))
+                return
+        for index in range(len(tasks)):
+            self._record(batch, index, Outcome(error=PoolShutDown("I/O pool is shut down")))
+
+    # -- state --------------------------------------------------------------------
+
+    @property
+    def queued_jobs(self) -> int:
+        """Write batches accepted and not yet done (plus queued read tasks)."""
+        with self._cond:
+            return self._pending_write_jobs + len(self._reads)
+
+    @property
+    def queued_bytes(self) -> int:
+        with self._cond:
+            return self._pending_write_bytes
+
+    async def drain(self) -> None:
+        """Returns once every accepted batch's callback has run on the loop."""
+        if self._outstanding == 0:
+            return
+        waiter = self._loop.create_future()
+        self._idle_waiters.append(waiter)
+        await waiter
+
+    def shutdown(self) -> None:
+        """Fails every queued task (their batches still report once) and joins the threads.
+
+        Tasks already running finish normally. Idempotent.
+        """
+        with self._cond:
+            self._stopping = True
+            queued = list(self._reads) + list(self._writes)
+            self._reads.clear()
+            self._writes.clear()
+            self._cond.notify_all()
+        for _, batch, index in queued:
+            self._record(batch, index, Outcome(error=PoolShutDown("I/O pool shut down")))
+        current = threading.current_thread()
+        for thread in self._threads:
+            if thread is not current:
+                thread.join()
+
+    # -- workers --------------------------------------------------------------------
+
+    def _worker(self, read_first: bool) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._reads and not self._writes:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                first, second = (
+                    (self._reads, self._writes) if read_first else (self._writes, self._reads)
+                )
+                task, batch, index = (first or second).popleft()
+            self._record(batch, index, _run(task))
+
+    def _record(self, batch: _Batch, index: int, outcome: Outcome) -> None:
+        with self._cond:
+            batch.outcomes[index] = outcome
+            batch.remaining -= 1
+            if batch.remaining:
+                return
+            if batch.is_write:
+                self._pending_write_jobs -= 1
+                self._pending_write_bytes -= batch.nbytes
+        self._finish(batch)
+
+    def _finish(self, batch: _Batch) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._deliver, batch)
+        except RuntimeError:  # the loop is closed: nobody is left to tell
+            log.debug("I/O batch finished after its event loop closed")
+
+    def _deliver(self, batch: _Batch) -> None:
+        """Runs on the loop: the batch's callback, then drain() waiters if idle."""
+        try:
+            batch.callback([o for o in batch.outcomes if o is not None])
+        except Exception:
+            log.exception("I/O batch completion callback failed")
+        finally:
+            self._outstanding -= 1
+            if self._outstanding == 0:
+                waiters, self._idle_waiters = self._idle_waiters, []
+                for waiter in waiters:
+                    if not waiter.done():
+                        waiter.set_result(None)
+
+
+def _run(task: Task) -> Outcome:
+    start = time.perf_counter()
+    try:
+        value = task()
+    except Exception as exc:  # a task failure is an outcome, never a dead thread
+        return Outcome(error=exc, seconds=time.perf_counter() - start)
+    return Outcome(value=value, seconds=time.perf_counter() - start)

@@ -1,0 +1,533 @@
+"""The FS tier (kvtierd.tiers.fs): real files under tmp_path, a real Region in /dev/shm.
+
+Every test drives the tier inside ``asyncio.run`` and waits for ``on_done`` through
+futures; scans and writes are held with threading.Events, never with sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import tempfile
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtierd.contract import LookupResult
+from kvtierd.region import Region
+from kvtierd.tiers import fsformat
+from kvtierd.tiers.base import JobResult, TierJob
+from kvtierd.tiers.fs import FsTier, FsTierError, PoolMismatchError, fsck
+from kvtierd.tiers.iopool import IoPool, PoolShutDown
+
+BLOCK = 16384
+ROWS = 8
+FILE_BYTES = fsformat.HEADER_SIZE + BLOCK
+POOL = "test/pool:1"
+LONG_KEY = bytes(range(200))
+
+
+@pytest.fixture
+def region() -> Iterator[Region]:
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    directory = tempfile.mkdtemp(prefix="kvtierd-fs-test-", dir=base)
+    reg = Region.create(directory, POOL, ROWS, BLOCK, prefault=False)
+    try:
+        yield reg
+    finally:
+        reg.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+class Harness:
+    """Builds tiers on the running loop and turns on_done callbacks into futures."""
+
+    def __init__(self, region: Region, root: Path, o_direct: str = "auto") -> None:
+        self.region = region
+        self.o_direct = o_direct
+        self.root = root
+        self.loop = asyncio.get_running_loop()
+        self.waiters: dict[int, asyncio.Future[JobResult]] = {}
+        self.calls: Counter[int] = Counter()
+        self.next_job = 0
+
+    def on_done(self, result: JobResult) -> None:
+        assert threading.current_thread() is threading.main_thread()
+        self.calls[result.job_id] += 1
+        self.waiters[result.job_id].set_result(result)
+
+    def tier(self, cls: type[FsTier] = FsTier, **kw: Any) -> FsTier:
+        args: dict[str, Any] = dict(
+            capacity_bytes=1 << 30, read_threads=2, write_threads=2, o_direct=self.o_direct
+        )
+        args.update(kw)
+        return cls(
+            "fs",
+            self.root,
+            POOL,
+            BLOCK,
+            {"layout": "test"},
+            self.region.buffer(),
+            on_done=self.on_done,
+            loop=self.loop,
+            **args,
+        )
+
+    async def ready_tier(self, cls: type[FsTier] = FsTier, **kw: Any) -> FsTier:
+        tier = self.tier(cls, **kw)
+        tier.start()
+        await tier.wait_ready()
+        return tier
+
+    def _job(self, keys: list[bytes], rows: list[int], promotion: bool) -> TierJob:
+        self.next_job += 1
+        self.waiters[self.next_job] = self.loop.create_future()
+        return TierJob(self.next_job, tuple(keys), tuple(rows), promotion)
+
+    async def store(self, tier: FsTier, keys: list[bytes], rows: list[int]) -> JobResult:
+        job = self._job(keys, rows, False)
+        assert tier.submit_store(job)
+        return await self.waiters[job.job_id]
+
+    async def load(self, tier: FsTier, keys: list[bytes], rows: list[int]) -> JobResult:
+        job = self._job(keys, rows, True)
+        tier.submit_load(job)
+        return await self.waiters[job.job_id]
+
+    def fill(self, row: int, seed: int) -> bytes:
+        data = (bytes([seed % 251]) + os.urandom(BLOCK - 1))[:BLOCK]
+        self.region.row(row)[:] = data
+        return data
+
+    def read(self, row: int) -> bytes:
+        return bytes(self.region.row(row))
+
+
+def run(region: Region, root: Path, body: Any, o_direct: str = "auto") -> Any:
+    async def main() -> Any:
+        return await body(Harness(region, root, o_direct))
+
+    return asyncio.run(main())
+
+
+def _o_direct_works(directory: Path) -> bool:
+    """Whether ``directory``'s filesystem takes O_DIRECT (tmpfs does not)."""
+    probe = directory / "o-direct-probe"
+    try:
+        fd = os.open(probe, os.O_CREAT | os.O_WRONLY | getattr(os, "O_DIRECT", 0), 0o600)
+    except OSError:
+        return False
+    os.close(fd)
+    probe.unlink()
+    return hasattr(os, "O_DIRECT")
+
+
+def block_path(tier: FsTier, key: bytes) -> Path:
+    return Path(tier.pool_dir) / fsformat.block_rel_path(key)
+
+
+def disk_bytes(tier: FsTier) -> int:
+    return sum(p.stat().st_size for p in Path(tier.pool_dir).rglob("*.kvb"))
+
+
+# -- store / load / restart ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("o_direct", ["auto", "off"])
+def test_store_then_load_into_other_rows_is_bit_exact(
+    region: Region, tmp_path: Path, o_direct: str
+) -> None:
+    keys = [b"k0", b"\x00\x01", LONG_KEY, b"k3"]
+
+    async def body(h: Harness) -> None:
+        tier = await h.ready_tier()
+        assert tier.use_o_direct == (o_direct == "auto" and _o_direct_works(tmp_path))
+        try:
+            data = [h.fill(i, i) for i in range(4)]
+            stored = await h.store(tier, keys, [0, 1, 2, 3])
+            assert stored.success
+            assert stored.bytes_moved == 4 * FILE_BYTES
+            assert tier.lookup(keys + [b"absent"]) == [LookupResult.HIT] * 4 + [LookupResult.MISS]
+            again = await h.store(tier, keys[:1], [0])  # present: not rewritten
+            assert again.success and again.bytes_moved == 0
+            loaded = await h.load(tier, keys, [4, 5, 6, 7])
+            assert loaded.success
+            assert loaded.successful_keys == tuple(keys)
+            assert [h.read(i) for i in range(4, 8)] == data
+            stats = tier.statistics()
+            assert stats.blocks == 4 and stats.used_bytes == 4 * FILE_BYTES
+            assert stats.bytes_written == 4 * FILE_BYTES
+            assert stats.bytes_read == 4 * FILE_BYTES
+            assert (stats.hits, stats.misses) == (4, 1)
+        finally:
+            tier.shutdown()
+        assert set(h.calls.values()) == {1}
+        long_file = block_path(tier, LONG_KEY)
+        assert long_file.is_file() and len(long_file.stem) == 64  # sha256-named
+
+    run(region, tmp_path, body, o_direct)
+
+
+def test_load_of_a_missing_file_fails_without_checksum_failure(
+    region: Region, tmp_path: Path
+) -> None:
+    async def body(h: Harness) -> None:
+        tier = await h.ready_tier()
+        try:
+            h.fill(0, 1)
+            assert (await h.store(tier, [b"a"], [0])).success
+            block_path(tier, b"a").unlink()
+            result = await h.load(tier, [b"a", b"never"], [1, 2])
+            assert not result.success and result.successful_keys is None
+            stats = tier.statistics()
+            assert stats.checksum_failures == 0 and stats.load_failures == 2
+            assert tier.lookup([b"a"]) == [LookupResult.MISS]  # ENOENT dropped it
+        finally:
+            tier.shutdown()
+
+    run(region, tmp_path, body)
+
+
+class GatedScanTier(FsTier):
+    gate = threading.Event()
+
+    def _scan_hook(self) -> None:
+        self.gate.wait()
+
+
+def test_lookup_retries_until_scan_ends_and_restart_finds_blocks(
+    region: Region, tmp_path: Path
+) -> None:
+    async def body(h: Harness) -> None:
+        first = await h.ready_tier()
+        data = [h.fill(i, 10 + i) for i in range(3)]
+        assert (await h.store(first, [b"a", b"b", b"c"], [0, 1, 2])).success
+        first.shutdown()
+        for i in range(3):
+            h.region.row(i)[:] = bytes(BLOCK)
+
+        GatedScanTier.gate = threading.Event()
+        second = h.tier(GatedScanTier)
+        second.start()
+        try:
+            assert second.lookup([b"a", b"zz"]) == [LookupResult.RETRY] * 2
+            assert not second.ready
+            GatedScanTier.gate.set()
+            await second.wait_ready()
+            assert second.lookup([b"a", b"zz"]) == [LookupResult.HIT, LookupResult.MISS]
+            assert second.statistics().used_bytes == 3 * FILE_BYTES
+            loaded = await h.load(second, [b"a", b"b", b"c"], [5, 6, 7])
+            assert loaded.success
+            assert [h.read(i) for i in (5, 6, 7)] == data
+        finally:
+            GatedScanTier.gate.set()
+            second.shutdown()
+
+    run(region, tmp_path, body)
+
+
+def test_start_removes_temp_and_corrupt_files(region: Region, tmp_path: Path) -> None:
+    async def body(h: Harness) -> None:
+        first = await h.ready_tier()
+        h.fill(0, 1)
+        h.fill(1, 2)
+        assert (await h.store(first, [b"good", b"bad"], [0, 1])).success
+        first.shutdown()
+        bad = block_path(first, b"bad")
+        _poke(bad, 10, b"\xff")  # a header field: the header checksum fails
+        temp = Path(first.pool_dir) / "ab" / "cd" / "abcd.kvb.1234.tmp"
+        temp.parent.mkdir(parents=True)
+        temp.write_bytes(b"partial")
+
+        second = await h.ready_tier()
+        try:
+            assert not temp.exists() and not bad.exists()
+            assert second.scan_report.removed_temp == 1
+            assert second.scan_report.removed_corrupt == 1
+            assert second.statistics().checksum_failures == 1
+            assert second.lookup([b"good", b"bad"]) == [LookupResult.HIT, LookupResult.MISS]
+        finally:
+            second.shutdown()
+
+    run(region, tmp_path, body)
+
+
+# -- corruption at load time -----------------------------------------------------------
+
+
+def _poke(path: Path, offset: int, data: bytes) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def _flip_payload(tier: FsTier, path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(fsformat.HEADER_SIZE + 1234)
+        byte = f.read(1)
+        f.seek(fsformat.HEADER_SIZE + 1234)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def _truncate(tier: FsTier, path: Path) -> None:
+    os.truncate(path, FILE_BYTES - 4096)
+
+
+def _other_key(tier: FsTier, path: Path) -> None:
+    shutil.copyfile(block_path(tier, b"other"), path)  # a valid file, for another key
+
+
+def _other_pool(tier: FsTier, path: Path) -> None:
+    raw = path.read_bytes()
+    header = fsformat.decode_header(raw[: fsformat.HEADER_SIZE])
+    forged = fsformat.encode_header(
+        key=header.key,
+        fingerprint=b"\x42" * fsformat.FINGERPRINT_BYTES,
+        payload_length=header.payload_length,
+        payload_checksum=header.payload_checksum,
+    )
+    path.write_bytes(forged + raw[fsformat.HEADER_SIZE :])
+
+
+@pytest.mark.parametrize("o_direct", ["auto", "off"])
+@pytest.mark.parametrize("corrupt", [_flip_payload, _truncate, _other_key, _other_pool])
+def test_corrupt_file_fails_its_key_only_and_is_removed(
+    region: Region, tmp_path: Path, corrupt: Any, o_direct: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def body(h: Harness) -> None:
+        tier = await h.ready_tier()
+        try:
+            data = [h.fill(i, 30 + i) for i in range(3)]
+            result = await h.store(tier, [b"victim", b"fine", b"other"], [0, 1, 2])
+            assert result.success
+            path = block_path(tier, b"victim")
+            corrupt(tier, path)
+            loaded = await h.load(tier, [b"victim", b"fine"], [4, 5])
+            assert not loaded.success
+            assert loaded.successful_keys == (b"fine",)
+            assert h.read(5) == data[1]
+            assert not path.exists()
+            stats = tier.statistics()
+            assert stats.checksum_failures == 1 and stats.load_failures == 1
+            assert tier.lookup([b"victim"]) == [LookupResult.MISS]
+            assert str(path) in caplog.text
+        finally:
+            tier.shutdown()
+
+    run(region, tmp_path, body, o_direct)
+
+
+# -- capacity and backpressure ------------------------------------------------------------
+
+
+def test_capacity_evicts_least_recently_used_first(region: Region, tmp_path: Path) -> None:
+    async def body(h: Harness) -> None:
+        tier = await h.ready_tier(capacity_bytes=3 * FILE_BYTES)
+        try:
+            for i in range(4):
+                h.fill(i, i)
+            for i in range(3):  # one job each: blocks of one job finish in any order
+                assert (await h.store(tier, [b"k%d" % i], [i])).success
+            tier.lookup([b"k0"])  # k0 is now more recent than k1
+            assert (await h.store(tier, [b"k3"], [3])).success
+            assert tier.lookup([b"k0", b"k1", b"k2", b"k3"]) == [
+                LookupResult.HIT,
+                LookupResult.MISS,
+                LookupResult.HIT,
+                LookupResult.HIT,
+            ]
+            assert not block_path(tier, b"k1").exists()
+            assert disk_bytes(tier) <= 3 * FILE_BYTES
+            stats = tier.statistics()
+            assert stats.evictions == 1 and stats.used_bytes == 3 * FILE_BYTES
+        finally:
+            tier.shutdown()
+
+    run(region, tmp_path, body)
+
+
+class GatedReadTier(FsTier):
+    started = threading.Event()
+    gate = threading.Event()
+
+    def _read_verified(self, path: str, key: bytes, row: memoryview) -> None:
+        self.started.set()
+        self.gate.wait()
+        super()._read_verified(path, key, row)
+
+
+def test_a_file_being_read_is_never_evicted(region: Region, tmp_path: Path) -> None:
+    async def body(h: Harness) -> None:
+        GatedReadTier.started, GatedReadTier.gate = threading.Event(), threading.Event()
+        tier = await h.ready_tier(GatedReadTier, capacity_bytes=FILE_BYTES)
+        try:
+            data = h.fill(0, 7)
+            h.fill(1, 8)
+            assert (await h.store(tier, [b"read-me"], [0])).success
+            load = h._job([b"read-me"], [2], True)
+            tier.submit_load(load)
+            await h.loop.run_in_executor(None, GatedReadTier.started.wait)
+            refused = await h.store(tier, [b"newcomer"], [1])
+            assert not refused.success  # the only evictable file is being read
+            GatedReadTier.gate.set()
+            assert (await h.waiters[load.job_id]).success and h.read(2) == data
+            assert (await h.store(tier, [b"newcomer"], [1])).success  # now it may go
+            assert tier.lookup([b"read-me", b"newcomer"]) == [
+                LookupResult.MISS,
+                LookupResult.HIT,
+            ]
+        finally:
+            GatedReadTier.gate.set()
+            tier.shutdown()
+
+    run(region, tmp_path, body)
+
+
+def test_write_fails_when_nothing_fits(region: Region, tmp_path: Path) -> None:
+    async def body(h: Harness) -> None:
+        tier = await h.ready_tier(capacity_bytes=FILE_BYTES - 1)
+        try:
+            h.fill(0, 0)
+            result = await h.store(tier, [b"big"], [0])
+            assert not result.success
+            assert tier.statistics().store_failures == 1
+            assert disk_bytes(tier) == 0
+        finally:
+            tier.shutdown()
+
+    run(region, tmp_path, body)
+
+
+class GatedWriteTier(FsTier):
+    gate = threading.Event()
+
+    def _write_file(self, path: str, key: bytes, row: memoryview) -> None:
+        self.gate.wait()
+        super()._write_file(path, key, row)
+
+
+def test_backpressure_drops_writes_over_the_limits(region: Region, tmp_path: Path) -> None:
+    async def body(h: Harness) -> None:
+        GatedWriteTier.gate = threading.Event()
+        tier = await h.ready_tier(GatedWriteTier, max_queue_jobs=1, max_queue_bytes=2 * BLOCK)
+        try:
+            too_big = h._job([b"a", b"b", b"c"], [0, 1, 2], False)
+            assert not tier.submit_store(too_big)  # 3 blocks > 2 * BLOCK bytes
+            first = h._job([b"a"], [0], False)
+            assert tier.submit_store(first)
+            second = h._job([b"b"], [1], False)
+            assert not tier.submit_store(second)  # one job pending already
+            stats = tier.statistics()
+            assert stats.dropped_writes == 2
+            assert (stats.queued_jobs, stats.queued_bytes) == (1, BLOCK)
+            GatedWriteTier.gate.set()
+            assert (await h.waiters[first.job_id]).success
+            await tier.drain()
+            assert h.calls == Counter({first.job_id: 1})
+        finally:
+            GatedWriteTier.gate.set()
+            tier.shutdown()
+
+    run(region, tmp_path, body)
+
+
+# -- start-up errors ------------------------------------------------------------------------
+
+
+def test_unusable_root_is_a_clear_error(region: Region, tmp_path: Path) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+
+    async def body(h: Harness) -> None:
+        for root in (a_file, a_file / "below"):
+            h.root = root
+            with pytest.raises(FsTierError, match=str(root)):
+                h.tier().start()
+
+    run(region, tmp_path, body)
+
+
+def test_pool_json_mismatch_is_detected(region: Region, tmp_path: Path) -> None:
+    async def body(h: Harness) -> None:
+        tier = await h.ready_tier()
+        tier.shutdown()
+        pool_file = Path(tier.pool_dir) / fsformat.POOL_FILE
+        desc = json.loads(pool_file.read_text())
+        assert desc["pool_name"] == POOL and desc["block_bytes"] == BLOCK
+        desc["block_bytes"] = 2 * BLOCK
+        pool_file.write_text(json.dumps(desc))
+        with pytest.raises(PoolMismatchError, match=str(pool_file)):
+            h.tier().start()
+
+    run(region, tmp_path, body)
+
+
+# -- fsck -------------------------------------------------------------------------------------
+
+
+def test_fsck_finds_and_removes_a_corrupt_file(region: Region, tmp_path: Path) -> None:
+    async def body(h: Harness) -> FsTier:
+        tier = await h.ready_tier()
+        for i in range(3):
+            h.fill(i, i)
+        assert (await h.store(tier, [b"x", b"y", b"z"], [0, 1, 2])).success
+        tier.shutdown()
+        return tier
+
+    tier = run(region, tmp_path, body)
+    bad = block_path(tier, b"y")
+    _flip_payload(tier, bad)
+    seen: list[int] = []
+
+    report = fsck(tmp_path, progress=lambda n, _path: seen.append(n))
+    assert report.pools == 1 and report.files_checked == 3 and seen == [1, 2, 3]
+    assert [path for path, _ in report.bad] == [str(bad)] and bad.exists()
+
+    report = fsck(tmp_path, remove=True)
+    assert report.removed == 1 and not bad.exists()
+    report = fsck(tmp_path)
+    assert report.clean and report.files_checked == 2
+
+
+# -- the I/O pool ------------------------------------------------------------------------------
+
+
+def test_iopool_reports_errors_and_fails_queued_tasks_at_shutdown() -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        pool = IoPool(loop, read_threads=1, write_threads=0)
+        started, gate = threading.Event(), threading.Event()
+        results: dict[str, asyncio.Future[list[Any]]] = {
+            n: loop.create_future() for n in ("boom", "slow", "queued")
+        }
+
+        def boom() -> None:
+            raise OSError("disk on fire")
+
+        def slow() -> int:
+            started.set()
+            gate.wait()
+            return 7
+
+        pool.submit_read([boom, lambda: 1], results["boom"].set_result)
+        outcomes = await results["boom"]
+        assert isinstance(outcomes[0].error, OSError) and outcomes[1].value == 1
+
+        pool.submit_read([slow], results["slow"].set_result)
+        await loop.run_in_executor(None, started.wait)
+        pool.submit_read([lambda: 2], results["queued"].set_result)
+        stopping = loop.run_in_executor(None, pool.shutdown)
+        queued = await results["queued"]  # failed by shutdown while slow still runs
+        assert isinstance(queued[0].error, PoolShutDown)
+        gate.set()
+        await stopping
+        assert (await results["slow"])[0].value == 7
+        await pool.drain()
+
+    asyncio.run(main())
