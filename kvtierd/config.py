@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import tomllib
-from kvtierd_client.address import default_runtime_dir, default_socket_path
+from kvtierd_client.address import default_socket_path
 
 from kvtierd.units import format_bytes, parse_duration, parse_size
 
@@ -491,8 +491,3 @@ def _parse_tiers(raw: Any) -> tuple[TierConfig, ...]:
             raise ConfigError(f"{key}.name", f"duplicate tier name {name!r}")
         tiers.append(TierConfig(type=tier_type, name=name, options=options))
     return tuple(tiers)
-
-
-def runtime_dir() -> str:
-    """Where the default socket lives (see ``kvtierd_client.address``)."""
-    return default_runtime_dir()

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from kvtierd.contract import BlockKey, LookupResult, StoreGrant
 from kvtierd.errors import FailedPrecondition
 from kvtierd.events import EventLog
-from kvtierd.primary import PrimaryManager
+from kvtierd.primary import NotLoadableError, PrimaryManager
 from kvtierd.region import Region
 from kvtierd.validation import key_repr
 
@@ -75,7 +75,6 @@ class Pool:
         # Invariant: the sets are disjoint, and k is in _reserved_by[s] iff session s
         # reserved k and has not completed it (so manager.ref_count(k) == -1).
         self._reserved_by: dict[str, set[BlockKey]] = {}
-        self.session_count = 0
         self._lookups = Counter({r: 0 for r in LookupResult})
         self._loads_completed = 0
         self._stores_completed = 0
@@ -84,8 +83,11 @@ class Pool:
 
     # ----------------------------------------------------------------- sessions
 
+    @property
+    def session_count(self) -> int:
+        return len(self._pins)
+
     def attach(self, session_id: str) -> None:
-        self.session_count += 1
         self._pins[session_id] = Counter()
         self._reserved_by[session_id] = set()
 
@@ -97,7 +99,6 @@ class Pool:
         """
         pins = self._pins.pop(session_id, Counter())
         reserved = self._reserved_by.pop(session_id, set())
-        self.session_count -= 1
         unpin = [key for key, count in pins.items() for _ in range(count)]
         if unpin:
             self.manager.complete_load(unpin)  # pin n -> n-1, per pin held
@@ -118,14 +119,13 @@ class Pool:
 
     def prepare_load(self, session_id: str, keys: Sequence[BlockKey]) -> list[int]:
         """Pins ``keys`` for the session; every key must be HIT."""
-        missing = self.manager.first_not_loadable(keys)
-        if missing is not None:
-            state = self.manager.lookup([missing])[0].name
+        try:
+            block_ids = self.manager.prepare_load(keys)  # all or nothing
+        except NotLoadableError as exc:
             raise FailedPrecondition(
-                f"keys: {key_repr(missing)} is {state}, not HIT; look keys up and load only "
-                "those that answered HIT"
-            )
-        block_ids = self.manager.prepare_load(keys)
+                f"keys: {key_repr(exc.key)} is {exc.state.name}, not HIT; look keys up and "
+                "load only those that answered HIT"
+            ) from None
         self._pins[session_id].update(keys)  # pin 0 -> 1 (or n -> n+1), owned by session
         return block_ids
 
@@ -188,9 +188,6 @@ class Pool:
             stores_aborted=self._stores_aborted,
             stores_refused=self._stores_refused,
         )
-
-    def pins_of(self, session_id: str) -> int:
-        return sum(self._pins.get(session_id, Counter()).values())
 
     def close(self) -> None:
         """Releases the region (unlinks the file). The pool is unusable afterwards."""

@@ -188,16 +188,6 @@ class PrimaryManager:
                 append(_HIT)
         return out
 
-    def first_not_loadable(self, keys: Sequence[BlockKey]) -> BlockKey | None:
-        """The first key of ``keys`` that is not HIT, or None if all are."""
-        get = self._block_of.get
-        refs = self._refs
-        for key in keys:
-            row = get(key)
-            if row is None or refs[row] < 0:
-                return key
-        return None
-
     def statistics(self) -> PrimaryStats:
         used = len(self._block_of)
         return PrimaryStats(

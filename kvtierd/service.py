@@ -220,22 +220,22 @@ class KVTierService(pb2_grpc.KVTierServicer):
     def _watch_start(self, request: pb2.WatchEventsRequest) -> tuple[Pool, int]:
         check_pool_name(request.pool, "pool")
         pool = self._pools.get(request.pool)
-        log_ = pool.events
+        events = pool.events
         after = request.after_seq
         if after == -1:
-            return pool, log_.last_seq
+            return pool, events.last_seq
         if after < -1:
             raise InvalidArgument(f"after_seq: {after}; use -1 (new events only) or a seq >= 0")
-        if after > log_.last_seq:
+        if after > events.last_seq:
             raise OutOfRange(
                 f"after_seq {after} is beyond pool {pool.spec.name!r}'s last event "
-                f"{log_.last_seq} (did the daemon restart?); resume with -1 or 0"
+                f"{events.last_seq} (did the daemon restart?); resume with -1 or 0"
             )
-        if after + 1 < log_.oldest_seq:
+        if after + 1 < events.oldest_seq:
             raise OutOfRange(
-                f"events {after + 1}..{log_.oldest_seq - 1} of pool {pool.spec.name!r} were "
+                f"events {after + 1}..{events.oldest_seq - 1} of pool {pool.spec.name!r} were "
                 f"dropped (limits.events_retained); resume from after_seq "
-                f"{log_.oldest_seq - 1} or -1"
+                f"{events.oldest_seq - 1} or -1"
             )
         return pool, after
 

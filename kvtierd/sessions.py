@@ -15,7 +15,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvtierd.errors import ResourceExhausted, SessionNotFound
 from kvtierd.pool import Pool
@@ -32,7 +32,6 @@ class Session:
     opened_at: float
     expires_at: float
     events_cursor: int  # last event seq this session has taken
-    calls: int = field(default=0)
 
 
 class SessionTable:
@@ -46,7 +45,6 @@ class SessionTable:
         self._max_sessions = max_sessions
         self._clock = clock
         self._sessions: dict[str, Session] = {}
-        self.expired_total = 0
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -90,7 +88,6 @@ class SessionTable:
                 f"session {session_id[:64]!r} is unknown, closed or expired; open a new session"
             )
         session.expires_at = self._clock() + self.lease_seconds
-        session.calls += 1
         return session
 
     def close(self, session_id: str, reason: str = "closed by client") -> None:
@@ -105,7 +102,6 @@ class SessionTable:
         expired = [s for s in self._sessions.values() if s.expires_at <= now]
         for session in expired:
             del self._sessions[session.id]
-            self.expired_total += 1
             self._release(session, f"lease expired ({self.lease_seconds:g}s without a call)")
         return len(expired)
 

@@ -102,6 +102,19 @@ class LRUPolicy(CachePolicy):
             count += 1
         self._len -= count
 
+    def _move_chain(self, first: int, last: int, anchor: int) -> None:
+        """Unlinks the linked run ``first`` (LRU end) .. ``last`` (MRU end) and
+        relinks it just before ``anchor``. Order inside the run is kept."""
+        nxt, prv = self._next, self._prev
+        p, n = prv[first], nxt[last]
+        nxt[p] = n
+        prv[n] = p
+        t = prv[anchor]
+        nxt[t] = first
+        prv[first] = t
+        nxt[last] = anchor
+        prv[anchor] = last
+
     def touch(self, keys: Sequence[BlockKey]) -> None:
         """Moves the evictable rows of ``keys`` to the MRU end, as if each key were
         moved there in reverse call order (the first key ends the most recent;
@@ -135,17 +148,7 @@ class LRUPolicy(CachePolicy):
         if nexts[1:] == rows[:-1]:
             # One block already in the wanted order (a prefix touched before, now
             # behind newer rows): move it whole to the MRU end.
-            first = rows[-1]
-            last = rows[0]
-            p = prv[first]
-            n = nxt[last]
-            nxt[p] = n
-            prv[n] = p
-            t = prv[s]
-            nxt[t] = first
-            prv[first] = t
-            nxt[last] = s
-            prv[s] = last
+            self._move_chain(rows[-1], rows[0], s)
             return
         if nexts[:-1] == rows[1:]:
             # One run in call order (a batch stored together, untouched since):
@@ -180,17 +183,8 @@ class LRUPolicy(CachePolicy):
             anchor = s
             block_ends = [*block_starts[1:], m]
             for a, b in zip(block_starts, block_ends, strict=True):
-                last = rows[a]  # the block's MRU row
-                first = rows[b - 1]  # its LRU row
-                p = prv[first]
-                n = nxt[last]
-                nxt[p] = n
-                prv[n] = p
-                t = prv[anchor]
-                nxt[t] = first
-                prv[first] = t
-                nxt[last] = anchor
-                prv[anchor] = last
+                first = rows[b - 1]  # the block's LRU row; rows[a] is its MRU row
+                self._move_chain(first, rows[a], anchor)
                 anchor = first
             return
         # Otherwise unlink runs of rows that follow each other in the list in call

@@ -231,12 +231,17 @@ class FsTier(SecondaryTier):
         with self._lock:
             self._touch_locked(keys)
 
-    def submit_store(self, job: TierJob) -> bool:
-        io = self._require_io()
-        tasks = [
-            _bind(self._store_block, key, block_id)
+    @staticmethod
+    def _tasks(job: TierJob, per_block: Callable[[BlockKey, int], Any]) -> list[Any]:
+        """One I/O task per (key, row) of the job."""
+        return [
+            _bind(per_block, key, block_id)
             for key, block_id in zip(job.keys, job.block_ids, strict=True)
         ]
+
+    def submit_store(self, job: TierJob) -> bool:
+        io = self._require_io()
+        tasks = self._tasks(job, self._store_block)
         start = time.perf_counter()
         accepted = io.submit_write(
             tasks, lambda outcomes: self._store_done(job, outcomes, start),
@@ -249,10 +254,7 @@ class FsTier(SecondaryTier):
 
     def submit_load(self, job: TierJob) -> None:
         io = self._require_io()
-        tasks = [
-            _bind(self._load_block, key, block_id)
-            for key, block_id in zip(job.keys, job.block_ids, strict=True)
-        ]
+        tasks = self._tasks(job, self._load_block)
         start = time.perf_counter()
         io.submit_read(tasks, lambda outcomes: self._load_done(job, outcomes, start))
 

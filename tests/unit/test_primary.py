@@ -471,14 +471,6 @@ def test_not_loadable_error_names_key_and_state():
     assert isinstance(unpinned.value, KeyError)
 
 
-def test_first_not_loadable():
-    m = _setup_mixed("lru")
-    assert m.first_not_loadable(keys([1, 2, 3])) is None
-    assert m.first_not_loadable(keys([2, 4, 5])) == key(4)
-    assert m.first_not_loadable(keys([5, 4])) == key(5)
-    assert m.first_not_loadable([]) is None
-
-
 # ----------------------------------------------------------------- store / load details
 
 
