@@ -10,11 +10,11 @@ import time
 
 import numpy as np
 import torch
+
+from benchmarks.common import Row
 from kvtierd.region import Region
 from kvtierd_client.copy_engine import CopyEngine
 from kvtierd_client.region import AttachedRegion
-
-from benchmarks.common import Row
 
 BLOCK = 2 << 20
 BLOCKS = 192

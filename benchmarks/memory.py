@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import gc
 
-from kvtierd_client.client import Client
-
 from benchmarks.common import BenchDaemon, Row, rss_anon_bytes
+from kvtierd_client.client import Client
 
 BLOCKS = 1 << 20
 BATCH = 65536

@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from kvtierd_client.client import Client
 
 from benchmarks.common import BenchDaemon, Row, cpu_seconds, percentile
+from kvtierd_client.client import Client
 
 POOL = "bench/rpc"
 BLOCK = 4096

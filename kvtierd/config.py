@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import tomllib
-from kvtierd_client.address import default_socket_path
 
 from kvtierd.units import format_bytes, parse_duration, parse_size
+from kvtierd_client.address import default_socket_path
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 EVICTION_POLICIES = ("lru", "arc")

@@ -18,9 +18,9 @@ from collections.abc import Iterator
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from kvtierd_client.proto import pb2, pb2_grpc
 
 from kvtierd.service import KVTierService
+from kvtierd_client.proto import pb2, pb2_grpc
 
 log = logging.getLogger("kvtierd.server")
 

@@ -18,7 +18,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
-from kvtierd_client.proto import pb2, pb2_grpc
 
 from kvtierd import __version__
 from kvtierd.contract import PRIMARY_TIER, BlockEvent, Medium
@@ -39,6 +38,7 @@ from kvtierd.validation import (
     check_pool_name,
     check_text,
 )
+from kvtierd_client.proto import pb2, pb2_grpc
 
 log = logging.getLogger("kvtierd.service")
 
@@ -256,6 +256,12 @@ class KVTierService(pb2_grpc.KVTierServicer):
             sessions=len(self._sessions),
             version=__version__,
         )
+
+    @_handle
+    def FlushPool(self, request: pb2.FlushPoolRequest, context: Any) -> Any:
+        check_pool_name(request.pool, "pool")
+        evicted = self._pools.get(request.pool).flush()
+        return pb2.FlushPoolResponse(evicted_blocks=evicted)
 
 
 def _pool_spec_message(spec: PoolSpec) -> pb2.PoolSpec:

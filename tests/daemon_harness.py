@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from kvtierd_client.proto import pb2_grpc
 
 REPO = Path(__file__).resolve().parents[1]

@@ -32,6 +32,7 @@ from kvtierd_client.client import (
     COMPLETE_STORE,
     DEFAULT_CHANNEL_OPTIONS,
     DEFAULT_TIMEOUT,
+    FLUSH_POOL,
     GET_STATS,
     KEEP_ALIVE,
     LOOKUP,
@@ -142,6 +143,10 @@ class AsyncClient:
         Raises ``NotFound`` (unknown pool), ``Unavailable``, ``DeadlineExceeded``.
         """
         return await self._call(GET_STATS, pool)
+
+    async def flush_pool(self, pool: str) -> int:
+        """As :meth:`kvtierd_client.Client.flush_pool`."""
+        return await self._call(FLUSH_POOL, pool)
 
     def watch_events(
         self, pool: str, after_seq: int = -1, *, timeout: float | None = None

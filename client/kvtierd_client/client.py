@@ -209,6 +209,9 @@ PREPARE_STORE = _Op("PrepareStore", _keys_request(pb2.PrepareStoreRequest), _dec
 COMPLETE_STORE = _Op("CompleteStore", _keys_request(pb2.CompleteStoreRequest), _nothing)
 TAKE_EVENTS = _Op("TakeEvents", lambda sid: pb2.TakeEventsRequest(session_id=sid), _decode_events)
 GET_STATS = _Op("GetStats", lambda pool: pb2.GetStatsRequest(pool=pool), _same)
+FLUSH_POOL = _Op(
+    "FlushPool", lambda pool: pb2.FlushPoolRequest(pool=pool), lambda r: r.evicted_blocks
+)
 WATCH_EVENTS = _Op(
     "WatchEvents", lambda pool, after: pb2.WatchEventsRequest(pool=pool, after_seq=after), _same
 )
@@ -413,6 +416,15 @@ class Client:
         Raises ``NotFound`` (unknown pool), ``Unavailable``, ``DeadlineExceeded``.
         """
         return self._call(GET_STATS, pool)
+
+    def flush_pool(self, pool: str) -> int:
+        """Evicts every ready, unpinned block of ``pool``'s primary tier; returns how
+        many (RPC ``FlushPool``). Pinned and in-flight blocks stay; secondary tiers
+        keep their copies.
+
+        Raises ``NotFound`` (unknown pool), ``Unavailable``, ``DeadlineExceeded``.
+        """
+        return self._call(FLUSH_POOL, pool)
 
     def watch_events(
         self, pool: str, after_seq: int = -1, *, timeout: float | None = None

@@ -7,6 +7,7 @@ import functools
 
 import grpc
 import pytest
+
 from kvtierd_client.proto import pb2
 
 BLOCK = 4096

@@ -4,6 +4,7 @@ bit-exact by another session of the same pool; per-rank slices never overlap."""
 from __future__ import annotations
 
 import torch
+
 from kvtierd_client.client import Client, LookupResult
 from kvtierd_client.copy_engine import CopyEngine
 from kvtierd_client.region import AttachedRegion

@@ -10,6 +10,7 @@ import socket
 import grpc
 import pytest
 from daemon_harness import start_daemon
+
 from kvtierd_client.aio import AsyncClient
 from kvtierd_client.client import Client, LookupResult
 from kvtierd_client.errors import Unauthenticated

@@ -9,6 +9,7 @@ import textwrap
 import time
 
 import pytest
+
 from kvtierd_client.client import Client, LookupResult
 from kvtierd_client.errors import NotFound
 

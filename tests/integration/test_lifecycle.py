@@ -14,6 +14,7 @@ from daemon_harness import health_status, start_daemon
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
+
 from kvtierd_client.proto import pb2
 
 

@@ -4,7 +4,9 @@ daemon over its Unix socket: same block ids, evicted keys, lookup results, event
 from __future__ import annotations
 
 import pytest
+
 from kvtierd_client.client import Client, LookupResult
+from kvtierd_client.errors import NotFound
 
 HIT, MISS, PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
 
@@ -148,3 +150,21 @@ def test_failed_store_frees_slot(open_pool, policy):
     assert out.block_ids == [0]
     # never-used rows are handed out first, then the freed row 0
     assert s.prepare_store(keys(6, 7, 8, 9)).block_ids == [1, 2, 3, 0]
+
+
+def test_flush_pool_keeps_pinned_and_in_flight_blocks(daemon, open_pool, pool_name):
+    """FlushPool is the safe reset: ready blocks go, blocks someone reads or
+    writes stay, and an unknown pool is NOT_FOUND."""
+    s = open_pool(num_blocks=8)
+    s.prepare_store(keys(1, 2, 3))
+    s.complete_store(keys(1, 2, 3))
+    s.prepare_load(keys(2))  # pinned
+    s.prepare_store(keys(4))  # in flight
+    with Client(daemon.address) as admin:
+        assert admin.flush_pool(pool_name) == 2
+        assert s.lookup(keys(1, 2, 3, 4)) == [MISS, HIT, MISS, PENDING]
+        assert admin.flush_pool(pool_name) == 0
+        with pytest.raises(NotFound, match="does not exist"):
+            admin.flush_pool(pool_name + "-missing")
+    events = event_sets(s.take_events())
+    assert events[-1] == ("removed", set(keys(1, 3)))

@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 import pytest
+
 from kvtierd_client import address as address_mod
 from kvtierd_client.address import (
     default_address,

@@ -18,11 +18,11 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
+
+from kvtierd.region import Region
 from kvtierd_client import copy_engine as copy_engine_mod
 from kvtierd_client.copy_engine import CopyEngine, CopyEngineStatistics
 from kvtierd_client.region import AttachedRegion
-
-from kvtierd.region import Region
 
 ENGINE_BLOCKS = 24
 REGION_BLOCKS = 32

@@ -23,8 +23,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from kvtierd_client import region as client_region
-from kvtierd_client.region import AttachedRegion
 
 from kvtierd import region as region_mod
 from kvtierd.region import (
@@ -33,6 +31,8 @@ from kvtierd.region import (
     RegionInUseError,
     region_file_name,
 )
+from kvtierd_client import region as client_region
+from kvtierd_client.region import AttachedRegion
 
 PAGE = mmap.PAGESIZE
 BLOCK = 16384
