@@ -1,4 +1,5 @@
-"""Command line: ``kvtierd [--config FILE] [flags]`` runs the daemon.
+"""Command line: ``kvtierd [--config FILE] [flags]`` runs the daemon;
+``kvtierd fsck ROOT`` runs the operator command of the same name (``kvtierctl``).
 
 Flags are generated from ``config.OPTIONS`` so each option is declared once.
 This is the only module that exits the process; exit code 2 means the
@@ -18,6 +19,7 @@ from kvtierd.config import OPTIONS, Config, ConfigError, load_config
 
 EXIT_CONFIG = 2
 EXIT_RUNTIME = 1
+CTL_COMMANDS = ("fsck",)  # operator commands also reachable as `kvtierd <command>`
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="KV-cache tiering daemon: a shared-memory primary tier plus secondary tiers, "
         "served over gRPC.",
         epilog="Every key can also be set with KVTIERD_<SECTION>_<KEY> in the environment "
-        "(e.g. KVTIERD_MEMORY_BUDGET=8GiB). Precedence: flag > environment > file > default.",
+        "(e.g. KVTIERD_MEMORY_BUDGET=8GiB). Precedence: flag > environment > file > default. "
+        "Operator commands: kvtierd fsck ROOT (see kvtierctl --help).",
     )
     parser.add_argument("--version", action="version", version=f"kvtierd {__version__}")
     parser.add_argument("--config", metavar="FILE", help="TOML configuration file")
@@ -59,6 +62,11 @@ def configure_logging(level: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in CTL_COMMANDS:  # kvtierd fsck ROOT == kvtierctl fsck ROOT
+        from kvtierd import ctl
+
+        return ctl.main(argv, prog="kvtierd")
     try:
         config = parse_config(argv)
     except ConfigError as exc:

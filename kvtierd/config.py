@@ -12,11 +12,12 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import tomllib
 
+from kvtierd.tiers.settings import FsTierSettings, TierOptionError, parse_fs_settings
 from kvtierd.units import format_bytes, parse_duration, parse_size
 from kvtierd_client.address import default_socket_path
 
@@ -336,11 +337,12 @@ class LogConfig:
 
 @dataclass(frozen=True, slots=True)
 class TierConfig:
-    """One secondary tier; ``options`` are its type-specific keys, parsed by the tier."""
+    """One secondary tier: its type, its name (a metrics label) and typed settings."""
 
     type: str
     name: str
-    options: Mapping[str, Any] = field(default_factory=dict)
+    settings: FsTierSettings
+    key: str = ""  # where it was configured ("tiers[0]"), for error messages
 
 
 @dataclass(frozen=True, slots=True)
@@ -386,7 +388,11 @@ def load_config(
         except ValueError as exc:
             raise ConfigError(option.dotted, str(exc)) from None
     sections = {name: cls(**values[name]) for name, cls in _SECTION_TYPES.items()}
-    config = Config(**sections, tiers=_parse_tiers(document.get("tiers", [])))
+    if path:
+        tiers = _parse_tiers(document.get("tiers", []))
+    else:
+        tiers = default_tiers(env)
+    config = Config(**sections, tiers=tiers)
     _check_cross_field(config)
     return config
 
@@ -464,7 +470,27 @@ def _raw_value(
 _TIER_NAME = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
 # Tier types this build can attach to pools. Refusing the others keeps an operator
 # from believing blocks persist to a tier that is not running.
-SUPPORTED_TIER_TYPES: tuple[str, ...] = ()
+SUPPORTED_TIER_TYPES: tuple[str, ...] = ("fs",)
+DEFAULT_FS_TIER_NAME = "fs"
+
+
+def data_directory(env: Mapping[str, str]) -> str:
+    """Where the daemon keeps state: systemd's ``$STATE_DIRECTORY``, else
+    /var/lib/kvtierd for root, else ``$XDG_DATA_HOME/kvtierd`` (~/.local/share)."""
+    state = env.get("STATE_DIRECTORY", "")
+    if state:
+        return state.split(":")[0]
+    if os.geteuid() == 0:
+        return "/var/lib/kvtierd"
+    base = env.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return os.path.join(base, "kvtierd")
+
+
+def default_tiers(env: Mapping[str, str]) -> tuple[TierConfig, ...]:
+    """The embedded default (no --config): one fs tier under the data directory."""
+    root = os.path.join(data_directory(env), "fs")
+    settings = FsTierSettings(root=root, create_root=True)
+    return (TierConfig("fs", DEFAULT_FS_TIER_NAME, settings, key="tiers[default]"),)
 
 
 def _parse_tiers(raw: Any) -> tuple[TierConfig, ...]:
@@ -489,5 +515,11 @@ def _parse_tiers(raw: Any) -> tuple[TierConfig, ...]:
             raise ConfigError(f"{key}.name", f"must match [A-Za-z0-9_-]{{1,32}}, got {name!r}")
         if any(t.name == name for t in tiers):
             raise ConfigError(f"{key}.name", f"duplicate tier name {name!r}")
-        tiers.append(TierConfig(type=tier_type, name=name, options=options))
+        try:
+            settings = parse_fs_settings(options)
+        except TierOptionError as exc:
+            raise ConfigError(f"{key}.{exc.key}", exc.message) from None
+        if any(t.settings.root == settings.root for t in tiers):
+            raise ConfigError(f"{key}.root", f"{settings.root} is already another tier's root")
+        tiers.append(TierConfig(type=tier_type, name=name, settings=settings, key=key))
     return tuple(tiers)

@@ -1,11 +1,13 @@
 """The daemon's lifecycle: start, serve, and an ordered shutdown.
 
-Start: pools and sessions tables -> gRPC server with health (NOT_SERVING) ->
-listeners -> reaper -> health SERVING.
+Start: secondary tier roots checked -> pools and sessions tables -> gRPC
+server with health (NOT_SERVING) -> listeners -> reaper -> health SERVING.
 Shutdown (SIGTERM / SIGINT; a second signal forces exit): health NOT_SERVING ->
 stop accepting calls and let in-flight ones finish (``server.shutdown_grace``) ->
-close every session (pins released, reservations aborted) -> close pools
-(region files unlinked) -> remove the socket files.
+close every session (pins released, reservations aborted) -> let the tier
+jobs in flight finish (cascades reach the disk; ``server.shutdown_grace``) ->
+join the tiers' I/O threads -> close pools (region files unlinked) -> remove
+the socket files.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from kvtierd.sdnotify import notify, watchdog_interval
 from kvtierd.server import add_listeners, build_server, remove_unix_sockets, set_health
 from kvtierd.service import KVTierService
 from kvtierd.sessions import SessionTable
+from kvtierd.tiers.configured import ConfiguredFsTier, TierRootError
 
 log = logging.getLogger("kvtierd.daemon")
 
@@ -46,7 +49,8 @@ class Daemon:
         self.config = config
         self.gid = resolve_group(config.server.socket_group)
         tokens = read_tokens(config.security.tokens_file) if config.security.tokens_file else ()
-        self.pools = PoolTable(config.memory, config.limits, self.gid)
+        self.tiers = [ConfiguredFsTier(tier.name, tier.settings) for tier in config.tiers]
+        self.pools = PoolTable(config.memory, config.limits, self.gid, self.tiers)
         self.sessions = SessionTable(config.sessions.lease, config.sessions.max_sessions)
         self.service = KVTierService(
             self.pools,
@@ -62,6 +66,7 @@ class Daemon:
 
     async def start(self) -> None:
         _check_shm_dir(self.config.memory.shm_dir)
+        self._check_tier_roots()
         server, self._health = build_server(self.service)
         await set_health(self._health, serving=False)
         add_listeners(server, self.config.server.listen, self.gid, self._sockets)
@@ -101,9 +106,30 @@ class Daemon:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         self.sessions.close_all("closed by daemon shutdown")
+        await self._drain_tiers()
+        for tier in self.tiers:
+            tier.shutdown()  # joins the I/O threads: nothing touches a region after this
         self.pools.close_all()
         remove_unix_sockets(self._sockets)
         log.info("shutdown complete")
+
+    def _check_tier_roots(self) -> None:
+        for configured, tier in zip(self.tiers, self.config.tiers, strict=True):
+            try:
+                configured.check()
+            except TierRootError as exc:
+                raise ConfigError(f"{tier.key}.root", str(exc)) from None
+            log.info(
+                "tier %s: fs at %s, capacity %d bytes", tier.name, tier.settings.root,
+                tier.settings.capacity,
+            )  # fmt: skip
+
+    async def _drain_tiers(self) -> None:
+        grace = self.config.server.shutdown_grace
+        try:
+            await asyncio.wait_for(self.pools.drain(), timeout=grace)
+        except asyncio.TimeoutError:
+            log.warning("tier jobs still running after %gs; queued ones are dropped", grace)
 
     async def _ping_watchdog(self, interval: float) -> None:
         """Pings systemd's watchdog from the event loop: a stuck loop stops the pings."""

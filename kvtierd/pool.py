@@ -11,6 +11,10 @@ Ownership (DESIGN.md §4):
   it; keys reserved by another session are left alone; releasing the session
   aborts every reservation it still holds.
 
+Secondary tiers (cascade after CompleteStore, promotion on Lookup) are driven
+by :class:`kvtierd.tiering.Tiering`, which owns the pins of its cascade jobs and
+the reservations of its promotions; sessions never see or release those.
+
 Every method runs on the daemon's event loop; none blocks. Each mutator
 validates everything first and then applies, so a rejected call changes nothing.
 """
@@ -27,6 +31,7 @@ from kvtierd.errors import FailedPrecondition
 from kvtierd.events import EventLog
 from kvtierd.primary import NotLoadableError, PrimaryManager
 from kvtierd.region import Region
+from kvtierd.tiering import Tiering
 from kvtierd.validation import key_repr
 
 log = logging.getLogger("kvtierd.pool")
@@ -69,8 +74,9 @@ class Pool:
         self.manager = PrimaryManager(
             spec.num_blocks, spec.eviction_policy, on_event=self.events.append
         )
-        # Invariant: sum over sessions of _pins[s][k] == manager.ref_count(k) for
-        # every key pinned by sessions (the pool itself pins nothing yet).
+        self.tiering = Tiering(spec.name, self.manager)
+        # Invariant: sum over sessions of _pins[s][k] + cascade jobs naming k ==
+        # manager.ref_count(k) for every pinned key.
         self._pins: dict[str, Counter[BlockKey]] = {}
         # Invariant: the sets are disjoint, and k is in _reserved_by[s] iff session s
         # reserved k and has not completed it (so manager.ref_count(k) == -1).
@@ -110,12 +116,15 @@ class Pool:
     # ----------------------------------------------------------------- manager ops
 
     def lookup(self, keys: Sequence[BlockKey]) -> list[LookupResult]:
-        results = self.manager.lookup(keys)
+        """Primary state per key; a primary miss that a secondary tier holds starts
+        a promotion and answers HIT_PENDING (see Tiering.lookup)."""
+        results = self.tiering.lookup(keys, self.manager.lookup(keys))
         self._lookups.update(results)
         return results
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
         self.manager.touch(keys)
+        self.tiering.touch(keys)
 
     def prepare_load(self, session_id: str, keys: Sequence[BlockKey]) -> list[int]:
         """Pins ``keys`` for the session; every key must be HIT."""
@@ -164,6 +173,7 @@ class Pool:
         done = self.manager.complete_store(mine, success)
         if success:
             self._stores_completed += len(done)
+            self.tiering.cascade(done)
         else:
             self._stores_aborted += len(done)
         return len(done)
@@ -190,6 +200,8 @@ class Pool:
         )
 
     def close(self) -> None:
-        """Releases the region (unlinks the file). The pool is unusable afterwards."""
+        """Stops the tiers, releases the region (unlinks the file). The pool is
+        unusable afterwards. The caller has joined the tiers' I/O threads first."""
         self.events.wake_all()
+        self.tiering.close()
         self.region.close()

@@ -7,13 +7,16 @@ counts every region's bytes; a pool that does not fit is refused with the number
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from kvtierd.config import LimitsConfig, MemoryConfig
 from kvtierd.errors import FailedPrecondition, PoolNotFound, ResourceExhausted
 from kvtierd.pool import Pool, PoolSpec
 from kvtierd.region import InsufficientSpaceError, Region, RegionError
+from kvtierd.tiers.configured import ConfiguredFsTier
+from kvtierd.tiers.fs import FsTierError
 from kvtierd.units import format_bytes
 
 log = logging.getLogger("kvtierd.pools")
@@ -22,10 +25,17 @@ log = logging.getLogger("kvtierd.pools")
 class PoolTable:
     """Owns every Pool. Event-loop only."""
 
-    def __init__(self, memory: MemoryConfig, limits: LimitsConfig, gid: int | None) -> None:
+    def __init__(
+        self,
+        memory: MemoryConfig,
+        limits: LimitsConfig,
+        gid: int | None,
+        tiers: Sequence[ConfiguredFsTier] = (),
+    ) -> None:
         self._memory = memory
         self._limits = limits
         self._gid = gid
+        self._tiers = tuple(tiers)  # every pool gets one of each, in this order
         self._pools: dict[str, Pool] = {}
         # Invariant: used_bytes == sum(p.region.size for p in self._pools.values())
         self.used_bytes = 0
@@ -97,6 +107,7 @@ class PoolTable:
         except RegionError as exc:
             raise FailedPrecondition(f"pool {spec.name!r}: {exc}") from None
         pool = Pool(spec, region, self._limits.events_retained)
+        self._attach_tiers(pool)
         self._pools[spec.name] = pool
         self.used_bytes += region.size
         log.info(
@@ -106,6 +117,32 @@ class PoolTable:
             spec.eviction_policy, spec.layout, region.path, region.prefault_seconds,
         )  # fmt: skip
         return pool
+
+    def _attach_tiers(self, pool: Pool) -> None:
+        """Gives the new pool one tier per configured tier; on failure closes the
+        pool (region included) and refuses it with the tier's message."""
+        loop = asyncio.get_running_loop()
+        spec = pool.spec
+        try:
+            for configured in self._tiers:
+                pool.tiering.attach(
+                    configured.attach(
+                        spec.name,
+                        spec.block_bytes,
+                        spec.layout,
+                        pool.region.buffer(),
+                        pool.tiering.on_done,
+                        loop,
+                    )
+                )
+        except (FsTierError, OSError) as exc:
+            pool.close()
+            raise FailedPrecondition(f"pool {spec.name!r}: {exc}") from None
+
+    async def drain(self) -> None:
+        """Waits until every pool's tier jobs submitted so far are reported."""
+        for pool in self._pools.values():
+            await pool.tiering.drain()
 
     def close_all(self) -> None:
         """Closes every pool (their region files are unlinked). Shutdown only."""

@@ -269,26 +269,30 @@ class PrimaryManager:
         before the new rows are reserved; the grant lists the new keys, their rows
         (co-indexed) and the evicted keys in eviction order.
         """
-        block_of = self._block_of
-        new_keys = [key for key in keys if key not in block_of]
+        new_keys = self._absent(keys)
         if not new_keys:
             return StoreGrant([], [], [])
-        if len(set(new_keys)) != len(new_keys):
-            new_keys = list(dict.fromkeys(new_keys))
-        need = len(new_keys) - self._free_count()
-        victims: list[BlockKey] = []
-        if need > 0:
-            if need > self._evictable:
-                return None  # fast refusal: the policy is not even asked
-            chosen = self._policy.evict(need, set(keys))
-            if chosen is None:
-                return None
-            assert len(chosen) == need
-            victims = chosen
-            self._drop_evicted(victims)
-            self._emit(BlockEvent(tuple(victims), Medium.CPU, removed=True))
-        rows = self._reserve_rows(new_keys)
-        return StoreGrant(new_keys, rows, victims)
+        return self._make_room_and_reserve(new_keys, set(keys))
+
+    def prepare_promotion(self, keys: Sequence[BlockKey], protected: set[BlockKey]) -> StoreGrant:
+        """Reserves rows (ref -1) for as many absent ``keys`` as room can be made
+        for, in order, without evicting any key in ``protected``.
+
+        The rows of a promotion: a secondary tier fills them, then the caller
+        ends the writes with :meth:`complete_store`. Unlike :meth:`prepare_store`
+        this is not all or nothing: the grant lists the keys that got a row (a
+        prefix of the absent keys); the others get none and nothing else changes.
+        """
+        new_keys = self._absent(keys)
+        refs = self._refs
+        rows = (self._block_of.get(key) for key in protected)
+        evictable = self._evictable - sum(1 for row in rows if row is not None and refs[row] == 0)
+        fit = min(len(new_keys), self._free_count() + max(0, evictable))
+        grant = self._make_room_and_reserve(new_keys[:fit], protected) if fit else None
+        if grant is None and fit:  # the policy found fewer victims than counted
+            fit = min(fit, self._free_count())
+            grant = self._make_room_and_reserve(new_keys[:fit], protected) if fit else None
+        return grant if grant is not None else StoreGrant([], [], [])
 
     def complete_store(self, keys: Sequence[BlockKey], success: bool) -> list[BlockKey]:
         """Ends the writes of ``keys`` whose ref is -1; other keys are ignored.
@@ -326,6 +330,34 @@ class PrimaryManager:
         return victims
 
     # ----------------------------------------------------------------- internals
+
+    def _absent(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
+        """Keys not in the table, in order, each once."""
+        block_of = self._block_of
+        new_keys = [key for key in keys if key not in block_of]
+        if len(set(new_keys)) != len(new_keys):
+            new_keys = list(dict.fromkeys(new_keys))
+        return new_keys
+
+    def _make_room_and_reserve(
+        self, new_keys: list[BlockKey], protected: set[BlockKey]
+    ) -> StoreGrant | None:
+        """Evicts what ``new_keys`` need beyond the free rows (never a protected
+        key), emits one removal event, reserves the rows. None: nothing changed."""
+        need = len(new_keys) - self._free_count()
+        victims: list[BlockKey] = []
+        if need > 0:
+            if need > self._evictable:
+                return None  # fast refusal: the policy is not even asked
+            chosen = self._policy.evict(need, protected)
+            if chosen is None:
+                return None
+            assert len(chosen) == need
+            victims = chosen
+            self._drop_evicted(victims)
+            self._emit(BlockEvent(tuple(victims), Medium.CPU, removed=True))
+        rows = self._reserve_rows(new_keys)
+        return StoreGrant(new_keys, rows, victims)
 
     def _ref_of(self, key: BlockKey) -> int:
         """The policy's view of a resident key's ref count."""

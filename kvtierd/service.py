@@ -31,6 +31,7 @@ from kvtierd.errors import (
 from kvtierd.pool import Pool, PoolSpec
 from kvtierd.pools import PoolTable
 from kvtierd.sessions import Session, SessionTable
+from kvtierd.tiers.base import TierStats
 from kvtierd.validation import (
     check_block_bytes,
     check_eviction_policy,
@@ -300,6 +301,11 @@ def _pool_stats(pool: Pool) -> pb2.PoolStats:
         capacity_bytes=spec.num_blocks * spec.block_bytes,
         used_bytes=primary.used_blocks * spec.block_bytes,
     )
+    tiers = [tier]
+    tiering = pool.tiering
+    for index, secondary in enumerate(tiering.tiers):
+        tiers.append(_secondary_stats(secondary.statistics(), tiering.counters(index)))
+        tiers[-1].ready = getattr(secondary, "ready", True)
     return pb2.PoolStats(
         name=spec.name,
         block_bytes=spec.block_bytes,
@@ -309,5 +315,31 @@ def _pool_stats(pool: Pool) -> pb2.PoolStats:
         sessions=pool.session_count,
         region_path=pool.region.path,
         last_event_seq=pool.events.last_seq,
-        tiers=[tier],
+        tiers=tiers,
+    )
+
+
+def _secondary_stats(stats: TierStats, jobs: dict[str, int]) -> pb2.TierStats:
+    return pb2.TierStats(
+        tier=stats.name,
+        medium=int(stats.medium),
+        capacity_blocks=stats.capacity_bytes // stats.bytes_per_block,
+        used_blocks=stats.blocks,
+        hits=stats.hits,
+        misses=stats.misses,
+        bytes_in=stats.bytes_written,
+        bytes_out=stats.bytes_read,
+        evictions=stats.evictions,
+        failures=stats.store_failures + stats.load_failures,
+        capacity_bytes=stats.capacity_bytes,
+        used_bytes=stats.used_bytes,
+        jobs_in_flight=jobs["jobs_in_flight"],
+        cascade_blocks=jobs["cascade_blocks"],
+        cascade_failures=jobs["cascade_jobs_failed"],
+        dropped_blocks=jobs["cascade_blocks_dropped"],
+        promoted_blocks=jobs["promotion_blocks_loaded"],
+        promotion_failures=jobs["promotion_blocks_failed"],
+        promotion_no_room=jobs["promotion_no_room"],
+        checksum_failures=stats.checksum_failures,
+        queued_bytes=stats.queued_bytes,
     )

@@ -75,6 +75,30 @@ class DaemonProcess:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
+def write_config(directory: str | os.PathLike[str], text: str) -> str:
+    """Writes a TOML config file into ``directory``; returns its path."""
+    path = os.path.join(directory, f"kvtierd-{time.monotonic_ns()}.toml")
+    Path(path).write_text(text)
+    return path
+
+
+def fs_tiers_config(*roots: str | os.PathLike[str], **options: object) -> str:
+    """``[[tiers]]`` tables of fs tiers at ``roots`` (consulted in that order)."""
+    extra = "".join(f"{key} = {_toml(value)}\n" for key, value in options.items())
+    return "".join(
+        f'[[tiers]]\ntype = "fs"\nname = "fs{i}"\nroot = "{root}"\n{extra}'
+        for i, root in enumerate(roots)
+    )
+
+
+def _toml(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    return f'"{value}"'
+
+
 def daemon_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "kvtierd", *args]
 
@@ -85,9 +109,17 @@ def start_daemon(
     wait: bool = True,
     timeout: float = 30.0,
     shm_dir: str | None = None,
+    config: str | None = "",
 ) -> DaemonProcess:
-    """Starts kvtierd on a fresh socket and (unless given) shm directory; waits for SERVING."""
+    """Starts kvtierd on a fresh socket and (unless given) shm directory; waits for SERVING.
+
+    ``config`` is the text of the TOML file it gets (``""``: primary tier only, no
+    secondary tiers); ``None`` runs it without ``--config`` (the embedded default:
+    an fs tier under ``$STATE_DIRECTORY``, which is the daemon's workdir here).
+    """
     workdir = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")  # short: sun_path is 108 bytes
+    if config is not None:
+        extra_args = ("--config", write_config(workdir, config), *extra_args)
     shm_dir = shm_dir or tempfile.mkdtemp(prefix="kvtierd-test-", dir="/dev/shm")
     socket_path = os.path.join(workdir, "kvtierd.sock")
     log_path = os.path.join(workdir, "daemon.log")
@@ -98,7 +130,8 @@ def start_daemon(
         "--log-level", "debug",
         *extra_args,
     ]  # fmt: skip
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    # the embedded default's fs tier lives under $STATE_DIRECTORY: keep it in workdir
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "STATE_DIRECTORY": workdir, **(env or {})}
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(
             daemon_command(*args), stdout=log_file, stderr=subprocess.STDOUT,
@@ -133,3 +166,18 @@ def health_status(daemon: DaemonProcess, service: str = "") -> str:
         except grpc.RpcError:
             return "UNREACHABLE"
     return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+
+def wait_tier_jobs(stub: pb2_grpc.KVTierStub, pool: str, timeout: float = 30.0) -> None:
+    """Waits until none of ``pool``'s secondary-tier jobs is in flight (cascade pins
+    and promotion reservations are transient)."""
+    from kvtierd_client.proto import pb2
+
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = stub.GetStats(pb2.GetStatsRequest(pool=pool)).pools[0]
+        if all(tier.jobs_in_flight == 0 for tier in stats.tiers[1:]):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"tier jobs of pool {pool} still in flight: {stats}")
+        time.sleep(0.01)

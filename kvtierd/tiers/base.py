@@ -51,6 +51,7 @@ class TierStats:
     medium: Medium
     capacity_bytes: int
     used_bytes: int
+    bytes_per_block: int  # what one block occupies on the tier (header included)
     blocks: int
     hits: int
     misses: int

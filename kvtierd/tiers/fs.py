@@ -21,7 +21,14 @@ Ownership and invariants:
   indexed file sizes) and ``_reserved`` (writes in flight); all guarded by
   ``_lock``, which I/O threads and the loop share and hold only briefly (an
   eviction unlinks under it so that a concurrent rewrite of the key cannot be
-  removed). ``_used + _reserved <= capacity_bytes`` whenever a write is admitted.
+  removed).
+* Capacity: every byte in ``_used + _reserved`` is charged to a
+  :class:`DiskBudget`, which the pools of one configured tier share; a write is
+  admitted only once its bytes fit (evicting this pool's least recently used
+  files first), so the budget's total never exceeds its capacity through a
+  write. Lock order: ``FsTier._lock`` then ``DiskBudget._lock``.
+* Threads: a tier either owns its :class:`IoPool` or uses one shared by the
+  pools of one configured tier (then it never shuts it down).
 * Every submitted job reports exactly once through ``on_done`` on the loop.
 """
 
@@ -85,6 +92,50 @@ class TierFull(Exception):
     """No file could be evicted to make room for a write."""
 
 
+class DiskBudget:
+    """The byte capacity of one configured FS tier, shared by its pools.
+
+    ``charged`` is the sum of every indexed file and every write in flight of
+    every pool attached to it. Thread-safe; held only for arithmetic.
+    """
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes < 1:
+            raise ValueError(f"capacity must be positive, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self._lock = threading.Lock()
+        self._charged = 0  # _lock
+
+    @property
+    def charged(self) -> int:
+        with self._lock:
+            return self._charged
+
+    def try_charge(self, nbytes: int) -> bool:
+        """Charges ``nbytes`` if they fit under the capacity; False (nothing charged) if not."""
+        with self._lock:
+            if self._charged + nbytes > self.capacity_bytes:
+                return False
+            self._charged += nbytes
+            return True
+
+    def charge(self, nbytes: int) -> None:
+        """Charges bytes that exist already (files found by a scan); may overshoot."""
+        with self._lock:
+            self._charged += nbytes
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self._charged -= nbytes
+            if self._charged < 0:
+                raise AssertionError("disk budget released more than it charged")
+
+    @property
+    def over(self) -> bool:
+        with self._lock:
+            return self._charged > self.capacity_bytes
+
+
 @dataclass(slots=True)
 class ScanReport:
     """What the start-up scan of the pool directory found."""
@@ -123,6 +174,8 @@ class FsTier(SecondaryTier):
         o_direct: str = "auto",
         max_queue_bytes: int = 1 << 30,
         max_queue_jobs: int = 1024,
+        io_pool: IoPool | None = None,
+        budget: DiskBudget | None = None,
     ) -> None:
         if o_direct not in O_DIRECT_MODES:
             raise ValueError(f"o_direct must be one of {O_DIRECT_MODES}, got {o_direct!r}")
@@ -136,7 +189,8 @@ class FsTier(SecondaryTier):
         self.pool_dir = os.path.join(self.root, self.identity.dir_name)
         self.block_bytes = block_bytes
         self.file_bytes = HEADER_SIZE + block_bytes
-        self.capacity_bytes = capacity_bytes
+        self.budget = budget if budget is not None else DiskBudget(capacity_bytes)
+        self.capacity_bytes = self.budget.capacity_bytes
         self.fsync = fsync
         self.o_direct = o_direct
         self.use_o_direct = False  # decided by start()'s probe
@@ -152,7 +206,8 @@ class FsTier(SecondaryTier):
             max_queue_bytes=max_queue_bytes,
             max_queue_jobs=max_queue_jobs,
         )
-        self._io: IoPool | None = None
+        self._io: IoPool | None = io_pool
+        self._owns_io = io_pool is None
         self._lock = threading.Lock()
         self._index: OrderedDict[BlockKey, tuple[int, float]] = OrderedDict()  # _lock
         self._used = 0  # _lock: sum of indexed file sizes
@@ -178,7 +233,8 @@ class FsTier(SecondaryTier):
         self._prepare_root()
         self._write_pool_file()
         self.use_o_direct = self._probe_o_direct()
-        self._io = IoPool(self._loop, **self._pool_args)
+        if self._io is None:
+            self._io = IoPool(self._loop, **self._pool_args)
         self._ready = self._loop.create_future()
         self._scan_thread = threading.Thread(target=self._scan, name="kvtierd-fs-scan", daemon=True)
         self._scan_thread.start()
@@ -201,7 +257,7 @@ class FsTier(SecondaryTier):
     def shutdown(self) -> None:
         """Stops the scan and the I/O threads; queued jobs are reported failed."""
         self._stop.set()
-        if self._io is not None:
+        if self._io is not None and self._owns_io:
             self._io.shutdown()
         if self._scan_thread is not None:
             self._scan_thread.join()
@@ -268,6 +324,7 @@ class FsTier(SecondaryTier):
             medium=self.medium,
             capacity_bytes=self.capacity_bytes,
             used_bytes=used,
+            bytes_per_block=self.file_bytes,
             blocks=blocks,
             queued_jobs=io.queued_jobs if io else 0,
             queued_bytes=io.queued_bytes if io else 0,
@@ -323,19 +380,17 @@ class FsTier(SecondaryTier):
             if key in self._index or key in self._writing:
                 self._touch_locked((key,))
                 return False
-            self._make_room_locked(self.file_bytes)
+            self._make_room_locked(self.file_bytes)  # charges the budget
             self._writing.add(key)
             self._reserved += self.file_bytes
         try:
             self._write_file(self._path(key), key, row)
         except BaseException:
             with self._lock:
-                self._writing.discard(key)
-                self._reserved -= self.file_bytes
+                self._end_write_locked(key)
             raise
         with self._lock:
-            self._writing.discard(key)
-            self._reserved -= self.file_bytes
+            self._end_write_locked(key)
             self._index_add_locked(key, self.file_bytes, time.time())
             self._counters["bytes_written"] += self.file_bytes
         return True
@@ -446,26 +501,38 @@ class FsTier(SecondaryTier):
                 self._index[key] = (entry[0], now)
                 self._index.move_to_end(key)
 
+    def _end_write_locked(self, key: BlockKey) -> None:
+        self._writing.discard(key)
+        self._reserved -= self.file_bytes
+        self.budget.release(self.file_bytes)
+
     def _index_add_locked(self, key: BlockKey, size: int, last_use: float) -> None:
         old = self._index.pop(key, None)
         if old is not None:
             self._used -= old[0]
+            self.budget.release(old[0])
         self._index[key] = (size, last_use)
         self._used += size
+        self.budget.charge(size)
 
     def _index_remove_locked(self, key: BlockKey) -> None:
         old = self._index.pop(key, None)
         if old is not None:
             self._used -= old[0]
+            self.budget.release(old[0])
 
     def _make_room_locked(self, size: int) -> None:
-        """Evicts LRU files (never one being read) until ``size`` more bytes fit."""
-        while self._used + self._reserved + size > self.capacity_bytes:
+        """Charges ``size`` bytes to the budget, evicting this pool's LRU files (never
+        one being read) until they fit; with ``size`` 0, evicts until the budget is
+        not over its capacity. Raises TierFull (nothing charged) when it cannot."""
+        budget = self.budget
+        while not (budget.try_charge(size) if size else not budget.over):
             victim = next((k for k in self._index if k not in self._reading), None)
             if victim is None:
                 raise TierFull(
-                    f"FS tier {self.name}: {size} bytes do not fit in {self.capacity_bytes} "
-                    f"({self._used} used, {self._reserved} being written) and nothing is evictable"
+                    f"FS tier {self.name}: {size} bytes do not fit in {budget.capacity_bytes} "
+                    f"({budget.charged} used or being written by the pools of this tier) and "
+                    "nothing of this pool is evictable"
                 )
             _unlink_quietly(self._path(victim))
             self._index_remove_locked(victim)
@@ -612,6 +679,7 @@ class FsTier(SecondaryTier):
         entries.sort(key=lambda e: e[0])
         with self._lock:
             during, self._index = self._index, OrderedDict()
+            self.budget.release(self._used)
             self._used = 0
             for mtime, key, size in entries:
                 if key not in during:

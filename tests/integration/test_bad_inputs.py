@@ -7,6 +7,7 @@ import functools
 
 import grpc
 import pytest
+from daemon_harness import wait_tier_jobs
 
 from kvtierd_client.proto import pb2
 
@@ -38,6 +39,7 @@ def session(stub, pool_name):
 
 
 def snapshot(stub, pool_name, sid):
+    wait_tier_jobs(stub, pool_name)  # cascade pins are transient
     stats = stub.GetStats(pb2.GetStatsRequest(pool=pool_name)).pools[0]
     tier = stats.tiers[0]
     lookups = stub.Lookup(

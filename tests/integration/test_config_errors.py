@@ -60,7 +60,16 @@ def test_bad_environment_value_names_the_key():
         ("[sessions]\nlease = true\n", "sessions.lease"),
         ("[memory\n", "not valid TOML"),
         ("[[tiers]]\nroot = '/x'\n", "tiers[0].type: missing"),
-        ("[[tiers]]\ntype = 'fs'\nroot = '/x'\n", "unsupported tier type 'fs'"),
+        ("[[tiers]]\ntype = 'redis'\nroot = '/x'\n", "unsupported tier type 'redis'"),
+        ("[[tiers]]\ntype = 'fs'\n", "tiers[0].root: missing"),
+        ("[[tiers]]\ntype = 'fs'\nroot = 'rel/dir'\n", "tiers[0].root: expected an absolute"),
+        ("[[tiers]]\ntype = 'fs'\nroot = '/x'\ncapacity = 'big'\n", "tiers[0].capacity"),
+        ("[[tiers]]\ntype = 'fs'\nroot = '/x'\nthreads = 4\n", "tiers[0].threads: unknown"),
+        ("[[tiers]]\ntype = 'fs'\nroot = '/x'\nfsync = 'yes'\n", "tiers[0].fsync"),
+        (
+            "[[tiers]]\ntype = 'fs'\nroot = '/x'\n[[tiers]]\ntype = 'fs'\nroot = '/x/'\n",
+            "tiers[1].root: /x is already another tier's root",
+        ),
     ],
 )
 def test_bad_config_file_exits_2(tmp_path, toml, fragment):
@@ -90,3 +99,32 @@ def test_help_documents_every_flag():
         if option.flag:
             assert option.flag in result.stdout
             assert option.dotted in result.stdout and option.env in result.stdout
+
+
+def test_missing_fs_root_refuses_to_start_naming_it(tmp_path):
+    root = tmp_path / "not-there"
+    result = run_daemon(config=f"[[tiers]]\ntype = 'fs'\nroot = '{root}'\n", tmp_path=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert f"tiers[0].root: fs tier fs0: root directory {root} does not exist" in result.stderr
+    assert not root.exists()
+
+
+def test_fs_root_that_is_a_file_refuses_to_start(tmp_path):
+    root = tmp_path / "a-file"
+    root.write_text("")
+    result = run_daemon(config=f"[[tiers]]\ntype = 'fs'\nroot = '{root}'\n", tmp_path=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert f"root {root} is not a directory" in result.stderr
+
+
+def test_unwritable_fs_root_refuses_to_start_naming_it(tmp_path):
+    """A 0555 directory; as root (mode bits do not stop root) sysfs, where nobody
+    may create files."""
+    if os.geteuid() == 0:
+        root = "/sys"
+    else:
+        root = str(tmp_path / "read-only")
+        os.mkdir(root, mode=0o555)
+    result = run_daemon(config=f"[[tiers]]\ntype = 'fs'\nroot = '{root}'\n", tmp_path=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert f"tiers[0].root: fs tier fs0: root directory {root} is not writable" in result.stderr

@@ -1,0 +1,258 @@
+"""Cascades and promotions between one pool's primary tier and its secondary
+tiers (DESIGN.md §5; vLLM's ``TieringOffloadingManager``, reference §5).
+
+* Cascade: blocks a session completed are written to every secondary tier.
+  Each tier job holds one *pool-owned pin* per block (ref +1 through
+  ``PrimaryManager.prepare_load``) from submission until the tier reports the
+  job done, success or not; a tier that refuses the job (backpressure) never
+  gets the pins. So a row is never evicted or reused while a tier reads it.
+* Promotion: a Lookup whose key misses the primary but hits a secondary tier
+  reserves a primary row at once (ref -1, owned by this object, never by a
+  session), answers HIT_PENDING, and submits one load job per tier per Lookup.
+  When the tier reports, the keys that arrived verified become ready
+  (``complete_store(success=True)``, a stored event); the others are aborted
+  (their rows freed: MISS). A key whose promotion failed is not promoted from
+  that tier again for :data:`PROMOTION_RETRY_AFTER` seconds (no retry loop on a
+  file that keeps failing); a verification failure removes the file anyway.
+* Tiers are consulted in configuration order; a key promoted from tier *i* is
+  cascaded to the tiers before *i* (a shared filesystem block lands on the
+  local disk too).
+
+Invariants: for every key, ``manager.ref_count(key)`` = session pins + the
+number of in-flight cascade jobs naming it; every row reserved here has
+exactly one in-flight promotion job. Event-loop only; tier completions arrive
+through :meth:`on_done`, which the tiers schedule on the loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvtierd.contract import BlockKey, LookupResult
+from kvtierd.primary import PrimaryManager
+from kvtierd.tiers.base import JobResult, SecondaryTier, TierJob
+
+log = logging.getLogger("kvtierd.tiering")
+
+PROMOTION_RETRY_AFTER = 30.0  # seconds a (tier, key) whose promotion failed is not retried
+FAILED_PROMOTIONS_KEPT = 65536  # bound of that memory
+
+_MISS = LookupResult.MISS
+_HIT = LookupResult.HIT
+_HIT_PENDING = LookupResult.HIT_PENDING
+_RETRY = LookupResult.RETRY
+
+COUNTERS = (
+    "cascade_jobs_started",
+    "cascade_jobs_finished",
+    "cascade_jobs_failed",
+    "cascade_blocks",
+    "cascade_blocks_dropped",  # refused by a tier's backpressure
+    "promotion_jobs_started",
+    "promotion_jobs_finished",
+    "promotion_jobs_failed",
+    "promotion_blocks",
+    "promotion_blocks_loaded",
+    "promotion_blocks_failed",
+    "promotion_no_room",  # a secondary hit with no primary row to promote into: MISS
+)
+
+
+@dataclass(frozen=True, slots=True)
+class _InFlight:
+    tier_index: int
+    job: TierJob
+
+
+class Tiering:
+    """The secondary tiers of one pool and the jobs between them and its primary."""
+
+    def __init__(self, pool_name: str, manager: PrimaryManager) -> None:
+        self.pool_name = pool_name
+        self.tiers: list[SecondaryTier] = []
+        self._manager = manager
+        self._jobs: dict[int, _InFlight] = {}
+        self._job_ids = itertools.count(1)
+        self._failed: OrderedDict[tuple[int, BlockKey], float] = OrderedDict()
+        self._counters: list[Counter[str]] = []
+        self.closed = False
+
+    def attach(self, tier: SecondaryTier) -> None:
+        """Appends a tier (consulted after the ones attached before it)."""
+        self.tiers.append(tier)
+        self._counters.append(Counter(dict.fromkeys(COUNTERS, 0)))
+
+    @property
+    def jobs_in_flight(self) -> int:
+        return len(self._jobs)
+
+    def counters(self, tier_index: int) -> dict[str, int]:
+        """Job counters of one tier, plus its ``jobs_in_flight`` for this pool."""
+        counters = dict(self._counters[tier_index])
+        counters["jobs_in_flight"] = sum(
+            1 for job in self._jobs.values() if job.tier_index == tier_index
+        )
+        return counters
+
+    # ----------------------------------------------------------------- cascade
+
+    def cascade(self, keys: Sequence[BlockKey], *, before: int | None = None) -> None:
+        """Submits one store job per tier (the first ``before`` tiers only, if given)
+        for ready ``keys``; each job pins its rows until the tier reports."""
+        if not keys or self.closed:
+            return
+        for index, tier in enumerate(self.tiers[:before]):
+            block_ids = self._manager.prepare_load(keys)  # pool-owned pins, +1 per key
+            job = TierJob(next(self._job_ids), tuple(keys), tuple(block_ids), is_promotion=False)
+            counters = self._counters[index]
+            if tier.submit_store(job):
+                self._jobs[job.job_id] = _InFlight(index, job)
+                counters["cascade_jobs_started"] += 1
+                counters["cascade_blocks"] += len(keys)
+            else:
+                self._manager.complete_load(keys)  # refused: the pins go at once
+                counters["cascade_blocks_dropped"] += len(keys)
+
+    # ----------------------------------------------------------------- promotion
+
+    def lookup(self, keys: Sequence[BlockKey], results: list[LookupResult]) -> list[LookupResult]:
+        """Completes a primary lookup with the secondary tiers: a primary MISS that a
+        tier holds becomes HIT_PENDING (promotion started), or RETRY when a tier
+        cannot answer yet and no tier holds it; ``results`` is updated in place."""
+        if not self.tiers or self.closed:
+            return results
+        waiting = [i for i, result in enumerate(results) if result is _MISS]
+        if not waiting:
+            return results
+        protected = set(keys)
+        retry: set[int] = set()
+        now = time.monotonic()
+        for index, tier in enumerate(self.tiers):
+            answers = tier.lookup([keys[i] for i in waiting])
+            hits: list[int] = []
+            still: list[int] = []
+            for i, answer in zip(waiting, answers, strict=True):
+                if answer is _HIT and not self._recently_failed(index, keys[i], now):
+                    hits.append(i)
+                    continue
+                if answer is _RETRY:
+                    retry.add(i)
+                still.append(i)
+            if hits:
+                self._promote(index, [keys[i] for i in hits], protected)
+                for i in hits:  # promoted -> HIT_PENDING; no room -> stays MISS
+                    results[i] = self._manager.lookup((keys[i],))[0]
+            waiting = still
+            if not waiting:
+                break
+        for i in retry:
+            if results[i] is _MISS:
+                results[i] = _RETRY
+        return results
+
+    def _promote(self, index: int, keys: list[BlockKey], protected: set[BlockKey]) -> None:
+        grant = self._manager.prepare_promotion(keys, protected)
+        counters = self._counters[index]
+        counters["promotion_no_room"] += len(keys) - len(grant.keys_to_store)
+        if not grant.keys_to_store:
+            return
+        job = TierJob(
+            next(self._job_ids),
+            tuple(grant.keys_to_store),
+            tuple(grant.block_ids),
+            is_promotion=True,
+        )
+        self._jobs[job.job_id] = _InFlight(index, job)
+        counters["promotion_jobs_started"] += 1
+        counters["promotion_blocks"] += len(job.keys)
+        self.tiers[index].submit_load(job)
+
+    def _recently_failed(self, index: int, key: BlockKey, now: float) -> bool:
+        until = self._failed.get((index, key))
+        if until is None:
+            return False
+        if until > now:
+            return True
+        del self._failed[(index, key)]
+        return False
+
+    def _remember_failed(self, index: int, keys: Sequence[BlockKey]) -> None:
+        until = time.monotonic() + PROMOTION_RETRY_AFTER
+        for key in keys:
+            self._failed[(index, key)] = until
+            self._failed.move_to_end((index, key))
+        while len(self._failed) > FAILED_PROMOTIONS_KEPT:
+            self._failed.popitem(last=False)
+
+    # ----------------------------------------------------------------- completions
+
+    def on_done(self, result: JobResult) -> None:
+        """A tier reports a job (on the loop, once per job)."""
+        in_flight = self._jobs.pop(result.job_id, None)
+        if in_flight is None:
+            log.error("pool %s: a tier reported unknown job %d", self.pool_name, result.job_id)
+            return
+        if self.closed:
+            return  # the pool is gone; its tables no longer matter
+        if in_flight.job.is_promotion:
+            self._promotion_done(in_flight, result)
+        else:
+            self._cascade_done(in_flight, result)
+
+    def _cascade_done(self, in_flight: _InFlight, result: JobResult) -> None:
+        job = in_flight.job
+        self._manager.complete_load(job.keys)  # the job's pins, success or not
+        counters = self._counters[in_flight.tier_index]
+        counters["cascade_jobs_finished" if result.success else "cascade_jobs_failed"] += 1
+        if result.success:
+            for key in job.keys:  # a fresh copy: promotions from this tier may retry
+                self._failed.pop((in_flight.tier_index, key), None)
+
+    def _promotion_done(self, in_flight: _InFlight, result: JobResult) -> None:
+        job = in_flight.job
+        index = in_flight.tier_index
+        if result.success:
+            loaded: Sequence[BlockKey] = job.keys
+        else:
+            loaded = result.successful_keys or ()
+        loaded_set = set(loaded)
+        failed = [key for key in job.keys if key not in loaded_set]
+        done = self._manager.complete_store(loaded, success=True) if loaded else []
+        if failed:
+            self._manager.complete_store(failed, success=False)  # rows freed: MISS
+            self._remember_failed(index, failed)
+            log.info(
+                "pool %s: promotion of %d of %d blocks from tier %s failed; they answer MISS",
+                self.pool_name, len(failed), len(job.keys), self.tiers[index].name,
+            )  # fmt: skip
+        counters = self._counters[index]
+        counters["promotion_jobs_finished" if result.success else "promotion_jobs_failed"] += 1
+        counters["promotion_blocks_loaded"] += len(done)
+        counters["promotion_blocks_failed"] += len(failed)
+        if done and index > 0:
+            self.cascade(done, before=index)
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def touch(self, keys: Sequence[BlockKey]) -> None:
+        for tier in self.tiers:
+            tier.touch(keys)
+
+    async def drain(self) -> None:
+        """Returns once every tier reported every job submitted so far."""
+        for tier in self.tiers:
+            await tier.drain()
+
+    def close(self) -> None:
+        """Stops the tiers' own threads (scans); completions after this are ignored."""
+        self.closed = True
+        for tier in self.tiers:
+            try:
+                tier.shutdown()
+            except Exception:
+                log.exception("pool %s: shutting tier %s down failed", self.pool_name, tier.name)

@@ -1,0 +1,116 @@
+"""A configured secondary tier: one ``[[tiers]]`` entry and what its pools share.
+
+One :class:`ConfiguredFsTier` exists per configured fs tier for the daemon's
+whole life. Each pool gets its own :class:`~kvtierd.tiers.fs.FsTier` (its own
+directory, index and fingerprint) from :meth:`ConfiguredFsTier.attach`; all of
+them share the configured tier's I/O threads (so threads do not multiply with
+pools), its write-queue limits and its byte capacity.
+
+Lifecycle (event loop): :meth:`check` at daemon start (refuses an unusable
+root, naming it) -> :meth:`attach` per pool -> :meth:`shutdown` once every pool
+has drained (joins the I/O threads, so no thread touches a region afterwards).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import tempfile
+
+from kvtierd.tiers.base import JobCallback
+from kvtierd.tiers.fs import DiskBudget, FsTier
+from kvtierd.tiers.iopool import IoPool
+from kvtierd.tiers.settings import FsTierSettings
+
+
+class TierRootError(Exception):
+    """A configured tier's root directory cannot be used; the message names it."""
+
+
+class ConfiguredFsTier:
+    """One configured fs tier: settings, shared capacity and shared I/O threads."""
+
+    type = "fs"
+
+    def __init__(self, name: str, settings: FsTierSettings) -> None:
+        self.name = name
+        self.settings = settings
+        self.budget = DiskBudget(settings.capacity)
+        self._io: IoPool | None = None  # started with the first pool
+
+    def check(self) -> None:
+        """Raises TierRootError unless the root exists (or may be created) and this
+        process can create files in it (a real probe: permission bits lie for root)."""
+        root = self.settings.root
+        if not os.path.isdir(root):
+            if os.path.exists(root):
+                raise TierRootError(f"fs tier {self.name}: root {root} is not a directory")
+            if not self.settings.create_root:
+                raise TierRootError(
+                    f"fs tier {self.name}: root directory {root} does not exist; create it "
+                    "(owned by the daemon's user) or set create_root = true"
+                )
+            try:
+                os.makedirs(root, mode=0o750, exist_ok=True)
+            except OSError as exc:
+                raise TierRootError(
+                    f"fs tier {self.name}: cannot create root directory {root}: "
+                    f"{exc.strerror or exc}"
+                ) from None
+        try:
+            probe = tempfile.NamedTemporaryFile(dir=root, prefix=".kvtierd-probe-")  # noqa: SIM115
+            probe.close()
+        except OSError as exc:
+            reason = "not writable" if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else ""
+            raise TierRootError(
+                f"fs tier {self.name}: root directory {root} is {reason or 'unusable'} for this "
+                f"process (uid {os.geteuid()}): {exc.strerror or exc}"
+            ) from None
+
+    def attach(
+        self,
+        pool_name: str,
+        block_bytes: int,
+        layout: str,
+        region_buffer: memoryview,
+        on_done: JobCallback,
+        loop: asyncio.AbstractEventLoop,
+    ) -> FsTier:
+        """A started FsTier for one pool (its index scan runs in the background)."""
+        s = self.settings
+        if self._io is None:
+            self._io = IoPool(
+                loop,
+                read_threads=s.read_threads,
+                write_threads=s.write_threads,
+                max_queue_jobs=s.max_queue_jobs,
+                max_queue_bytes=s.max_queue_bytes,
+                name=f"kvtierd-{self.name}",
+            )
+        tier = FsTier(
+            self.name,
+            s.root,
+            pool_name,
+            block_bytes,
+            layout,
+            region_buffer,
+            s.capacity,
+            on_done,
+            loop,
+            fsync=s.fsync,
+            o_direct=s.o_direct,
+            io_pool=self._io,
+            budget=self.budget,
+        )
+        tier.start()
+        return tier
+
+    async def drain(self) -> None:
+        if self._io is not None:
+            await self._io.drain()
+
+    def shutdown(self) -> None:
+        """Fails queued jobs and joins the I/O threads (running ones finish). Idempotent."""
+        if self._io is not None:
+            self._io.shutdown()

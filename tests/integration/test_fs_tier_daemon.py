@@ -1,0 +1,420 @@
+"""The fs tier attached to a real daemon: cascade, promotion, restart, corruption,
+crash consistency, capacity, promotion failure. Real files, real process, real socket.
+
+Payloads are a function of the key (``payload(key)``), so any byte served for a
+key can be checked against what was stored under it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from daemon_harness import (
+    DaemonProcess,
+    daemon_command,
+    fs_tiers_config,
+    start_daemon,
+    wait_tier_jobs,
+)
+
+from kvtierd.tiers import fsformat
+from kvtierd_client.client import Client, LookupResult, Session
+from kvtierd_client.errors import FailedPrecondition
+from kvtierd_client.region import AttachedRegion
+
+BLOCK = 65536
+FILE_BYTES = fsformat.HEADER_SIZE + BLOCK
+HIT, MISS, PENDING, RETRY = (
+    LookupResult.HIT,
+    LookupResult.MISS,
+    LookupResult.HIT_PENDING,
+    LookupResult.RETRY,
+)
+
+
+def payload(key: bytes) -> bytes:
+    """BLOCK bytes determined by the key."""
+    seed = hashlib.sha256(key).digest()
+    return (seed * (BLOCK // len(seed) + 1))[:BLOCK]
+
+
+def block_keys(prefix: str, n: int) -> list[bytes]:
+    return [f"{prefix}-{i}".encode() for i in range(n)]
+
+
+class Engine:
+    """One client session plus its attached region: stores and loads real bytes."""
+
+    def __init__(self, daemon: DaemonProcess, pool: str, num_blocks: int = 8, layout: str = "L"):
+        self.daemon = daemon
+        self.pool = pool
+        self.client = Client(daemon.address)
+        self.session: Session = self.client.open_session(
+            pool, block_bytes=BLOCK, num_blocks=num_blocks, layout=layout
+        )
+        region = self.session.region
+        self.region = AttachedRegion.attach(region.path, region.num_blocks, region.block_bytes)
+        self.stub = daemon.stub()
+
+    def store(self, keys: list[bytes], *, retry_for: float = 0.0) -> None:
+        """Stores ``payload(key)`` for each key; retries a refused PrepareStore (rows
+        pinned by cascades in flight) for up to ``retry_for`` seconds."""
+        deadline = time.monotonic() + retry_for
+        while (grant := self.session.prepare_store(keys)) is None:
+            assert time.monotonic() < deadline, "primary refused the store"
+            time.sleep(0.002)
+        rows = self.region.numpy()
+        for key, block_id in zip(grant.keys_to_store, grant.block_ids, strict=True):
+            rows[block_id][:] = memoryview(payload(key))
+        self.session.complete_store(grant.keys_to_store)
+
+    def wait_settled(self, keys: list[bytes], timeout: float = 20.0) -> list[LookupResult]:
+        """Looks keys up until none is HIT_PENDING or RETRY (promotions done)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            results = self.session.lookup(keys)
+            if not any(r in (PENDING, RETRY) for r in results):
+                return results
+            if time.monotonic() > deadline:
+                raise AssertionError(f"lookups still pending after {timeout}s: {results}")
+            time.sleep(0.01)
+
+    def load(self, keys: list[bytes]) -> list[bytes]:
+        block_ids = self.session.prepare_load(keys)
+        rows = self.region.numpy()
+        data = [bytes(rows[block_id]) for block_id in block_ids]
+        self.session.complete_load(keys)
+        return data
+
+    def tier_stats(self, index: int = 1):
+        return self.client.get_stats(self.pool).pools[0].tiers[index]
+
+    def settle_cascades(self) -> None:
+        wait_tier_jobs(self.stub, self.pool)
+
+    def close(self) -> None:
+        self.region.close()
+        self.client.close()
+
+
+@pytest.fixture
+def fs_root(tmp_path: Path) -> Path:
+    root = tmp_path / "fs"
+    root.mkdir()
+    return root
+
+
+@pytest.fixture
+def tiered(fs_root: Path) -> Iterator[DaemonProcess]:
+    daemon = start_daemon("--memory-budget", "64MiB", config=fs_tiers_config(fs_root))
+    try:
+        yield daemon
+        assert daemon.stop() == 0, daemon.log()
+    finally:
+        daemon.cleanup()
+
+
+def block_files(root: Path) -> list[Path]:
+    return sorted(root.rglob("*" + fsformat.BLOCK_SUFFIX))
+
+
+def file_of(root: Path, pool: str, key: bytes, layout: str = "L") -> Path:
+    """Where the daemon keeps ``key`` of ``pool`` under ``root``."""
+    pool_dir = fsformat.PoolIdentity(pool, BLOCK, layout).dir_name
+    return root / pool_dir / fsformat.block_rel_path(key)
+
+
+def test_evicted_block_is_promoted_back_bit_exact(tiered, fs_root, pool_name):
+    engine = Engine(tiered, pool_name, num_blocks=4)
+    first, second = block_keys("a", 4), block_keys("b", 4)
+    engine.store(first)
+    engine.settle_cascades()
+    assert len(block_files(fs_root)) == 4
+    engine.store(second)  # evicts `first` from the primary
+    engine.settle_cascades()
+    engine.session.take_events()
+
+    engine.session.prepare_load(second)  # pin `second`: the promotion must evict nothing
+    assert engine.session.lookup(first[:2]) == [MISS, MISS]  # no row free: no room, MISS
+    assert engine.tier_stats().promotion_no_room == 2
+    engine.session.complete_load(second)
+
+    assert engine.session.lookup(first) == [PENDING] * 4
+    assert engine.session.lookup(first) in ([PENDING] * 4, [HIT] * 4)  # no second promotion
+    assert engine.wait_settled(first) == [HIT] * 4
+    assert engine.load(first) == [payload(k) for k in first]
+    stats = engine.tier_stats()
+    assert stats.promoted_blocks == 4 and stats.promotion_failures == 0
+    assert stats.bytes_out == 4 * FILE_BYTES
+    stored = [e for e in engine.session.take_events() if not e.removed]
+    assert {k for e in stored for k in e.keys} == set(first)
+    engine.close()
+
+
+def test_restart_on_same_root_serves_blocks_bit_exact(fs_root, pool_name):
+    keys = block_keys("warm", 6)
+    config = fs_tiers_config(fs_root)
+    first = start_daemon(config=config)
+    try:
+        engine = Engine(first, pool_name)
+        engine.store(keys)
+        engine.close()
+        assert first.stop() == 0, first.log()  # shutdown lets the cascades finish
+    finally:
+        first.cleanup()
+    assert len(block_files(fs_root)) == 6
+
+    second = start_daemon(config=config)
+    try:
+        engine = Engine(second, pool_name)
+        assert engine.wait_settled(keys) == [HIT] * 6
+        assert engine.load(keys) == [payload(k) for k in keys]
+        assert engine.tier_stats().ready
+        engine.close()
+        assert second.stop() == 0, second.log()
+    finally:
+        second.cleanup()
+
+
+def _flip_payload_byte(path: Path, key: bytes, root: Path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(fsformat.HEADER_SIZE + 1234)
+        byte = f.read(1)
+        f.seek(fsformat.HEADER_SIZE + 1234)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def _truncate(path: Path, key: bytes, root: Path) -> None:
+    os.truncate(path, FILE_BYTES - 100)
+
+
+def _other_key(path: Path, key: bytes, root: Path) -> None:
+    other = path.parent.parent.parent / fsformat.block_rel_path(b"c-1")
+    shutil.copyfile(other, path)  # a valid file, but its header names another key
+
+
+def _other_pool(path: Path, key: bytes, root: Path) -> None:
+    (foreign,) = [p for p in block_files(root) if p.name == path.name and p != path]
+    shutil.copyfile(foreign, path)  # same key, same size, another pool's fingerprint
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [_flip_payload_byte, _truncate, _other_key, _other_pool],
+    ids=["flipped-byte", "truncated", "header-names-another-key", "another-pool"],
+)
+def test_corrupt_block_file_is_a_miss_and_removed(tiered, fs_root, pool_name, corrupt):
+    engine = Engine(tiered, pool_name)
+    other_pool = Engine(tiered, pool_name + "-other", layout="other-layout")
+    keys = block_keys("c", 3)
+    engine.store(keys)
+    other_pool.store(keys)
+    engine.settle_cascades()
+    other_pool.settle_cascades()
+    client = Client(tiered.address)
+    assert client.flush_pool(pool_name) == 3
+    victim = keys[0]
+    mine = file_of(fs_root, pool_name, victim)
+    assert mine.exists()
+    corrupt(mine, victim, fs_root)
+
+    assert engine.wait_settled(keys) == [MISS, HIT, HIT]
+    assert not mine.exists(), "the corrupt file was not removed"
+    stats = engine.tier_stats()
+    assert stats.checksum_failures == 1 and stats.promotion_failures == 1
+    assert engine.load(keys[1:]) == [payload(k) for k in keys[1:]]
+    with pytest.raises(FailedPrecondition):
+        engine.session.prepare_load([victim])  # never served
+    assert engine.session.lookup([victim]) == [MISS]  # gone from the tier's index too
+    assert f"removing corrupt block file {mine}" in tiered.log()
+    for e in (engine, other_pool):
+        e.close()
+    client.close()
+
+
+def test_deleted_file_promotion_fails_once_and_frees_its_row(tiered, fs_root, pool_name):
+    engine = Engine(tiered, pool_name, num_blocks=4)
+    keys = block_keys("d", 2)
+    engine.store(keys)
+    engine.settle_cascades()
+    Client(tiered.address).flush_pool(pool_name)
+    file_of(fs_root, pool_name, keys[0]).unlink()  # the index still lists it
+
+    assert engine.session.lookup(keys) == [PENDING, PENDING]
+    assert engine.wait_settled(keys) == [MISS, HIT]
+    for _ in range(5):
+        assert engine.session.lookup(keys[:1]) == [MISS]  # no retry loop
+    stats = engine.client.get_stats(pool_name).pools[0]
+    assert stats.tiers[1].promotion_failures == 1 and stats.tiers[1].promoted_blocks == 1
+    assert stats.tiers[0].used_blocks == 1 and stats.tiers[0].pending_blocks == 0  # row freed
+    engine.close()
+
+
+def test_capacity_bounds_bytes_on_disk_least_recently_used_go_first(fs_root, pool_name):
+    capacity = 1 << 20  # 15 block files of 68 KiB
+    daemon = start_daemon(config=fs_tiers_config(fs_root, capacity="1MiB"))
+    try:
+        engine = Engine(daemon, pool_name, num_blocks=16)  # room to promote all that fit
+        keys = block_keys("cap", 40)
+        for i in range(0, 40, 4):
+            engine.store(keys[i : i + 4])
+            engine.settle_cascades()
+            on_disk = sum(p.stat().st_size for p in block_files(fs_root))
+            assert on_disk <= capacity
+        fits = capacity // FILE_BYTES
+        assert len(block_files(fs_root)) == fits
+        engine.client.flush_pool(pool_name)
+        results = engine.wait_settled(keys)
+        # the oldest went first (blocks of one job are written in parallel, so the
+        # job at the boundary may lose any of its four)
+        boundary = (40 - fits) // 4 * 4
+        assert results[:boundary] == [MISS] * boundary
+        assert results[boundary + 4 :] == [HIT] * (40 - boundary - 4)
+        assert results.count(HIT) == fits
+        stats = engine.tier_stats()
+        assert stats.evictions == 40 - fits and stats.used_bytes <= capacity
+        assert stats.capacity_bytes == capacity
+        engine.close()
+        assert daemon.stop() == 0
+    finally:
+        daemon.cleanup()
+
+
+def test_tiers_consulted_in_order_and_promotion_fills_earlier_tiers(tmp_path, pool_name):
+    near, far = tmp_path / "near", tmp_path / "far"
+    near.mkdir()
+    far.mkdir()
+    config = fs_tiers_config(near, far)
+    keys = block_keys("two", 3)
+    daemon = start_daemon(config=config)
+    try:
+        engine = Engine(daemon, pool_name)
+        engine.store(keys)
+        engine.close()
+        assert daemon.stop() == 0
+    finally:
+        daemon.cleanup()
+    assert len(block_files(near)) == 3 and len(block_files(far)) == 3
+    shutil.rmtree(near)  # the local disk was replaced; the shared filesystem kept them
+    near.mkdir()
+
+    daemon = start_daemon(config=config)
+    try:
+        engine = Engine(daemon, pool_name)
+        assert engine.wait_settled(keys) == [HIT] * 3
+        assert engine.load(keys) == [payload(k) for k in keys]
+        tiers = engine.client.get_stats(pool_name).pools[0].tiers
+        assert [t.tier for t in tiers] == ["primary", "fs0", "fs1"]
+        assert tiers[1].promoted_blocks == 0 and tiers[2].promoted_blocks == 3
+        engine.settle_cascades()
+        assert len(block_files(near)) == 3  # promoted from far, cascaded to near
+        engine.close()
+        assert daemon.stop() == 0
+    finally:
+        daemon.cleanup()
+
+
+def test_sigkill_during_cascade_storm_leaves_a_clean_root(fs_root, pool_name):
+    config = fs_tiers_config(fs_root, write_threads=4)
+    daemon = start_daemon("--memory-budget", "64MiB", config=config)
+    stored: list[bytes] = []
+    stop = threading.Event()
+
+    def storm() -> None:
+        engine = Engine(daemon, pool_name, num_blocks=64)
+        i = 0
+        try:
+            while not stop.is_set():
+                keys = block_keys("storm", i + 8)[i:]
+                engine.store(keys, retry_for=10.0)
+                stored.extend(keys)
+                i += 8
+        except Exception:  # the daemon was killed under us
+            return
+
+    worker = threading.Thread(target=storm)
+    worker.start()
+    try:
+        deadline = time.monotonic() + 30
+        while len(block_files(fs_root)) < 40 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        daemon.proc.send_signal(signal.SIGKILL)
+        daemon.proc.wait()
+    finally:
+        stop.set()
+        worker.join()
+        daemon.cleanup()
+    assert len(block_files(fs_root)) >= 40
+
+    fsck = subprocess.run(
+        daemon_command("fsck", "--quiet", str(fs_root)), capture_output=True, text=True
+    )
+    assert fsck.returncode == 0, fsck.stdout + fsck.stderr
+    assert "0 bad" in fsck.stdout
+
+    restarted = start_daemon(config=config)
+    try:
+        engine = Engine(restarted, pool_name, num_blocks=64)
+        results = engine.wait_settled(stored[:1])  # waits for the index scan
+        assert not list(fs_root.rglob("*" + fsformat.TEMP_SUFFIX)), "temp files survived"
+        on_disk = {bytes.fromhex(p.name.split(".")[0]) for p in block_files(fs_root)}
+        for key in sorted(on_disk)[:48]:
+            results = engine.wait_settled([key])
+            assert results == [HIT], key
+            assert engine.load([key]) == [payload(key)]
+            engine.client.flush_pool(pool_name)
+        engine.close()
+        assert restarted.stop() == 0
+    finally:
+        restarted.cleanup()
+
+
+def test_embedded_default_has_an_fs_tier_under_the_state_directory(pool_name):
+    daemon = start_daemon(config=None)  # no --config: the embedded default
+    try:
+        engine = Engine(daemon, pool_name)
+        engine.store(block_keys("default", 2))
+        engine.settle_cascades()
+        tiers = engine.client.get_stats(pool_name).pools[0].tiers
+        assert [t.tier for t in tiers] == ["primary", "fs"]
+        assert tiers[1].used_blocks == 2 and tiers[1].capacity_bytes == 10 << 30
+        assert len(block_files(Path(daemon.workdir) / "fs")) == 2
+        engine.close()
+        assert daemon.stop() == 0
+    finally:
+        daemon.cleanup()
+
+
+def test_fsck_reports_and_removes_bad_files(tiered, fs_root, pool_name):
+    engine = Engine(tiered, pool_name)
+    keys = block_keys("f", 3)
+    engine.store(keys)
+    engine.settle_cascades()
+    engine.close()
+    bad = file_of(fs_root, pool_name, keys[1])
+    _flip_payload_byte(bad, keys[1], fs_root)
+
+    def fsck(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [str(Path(daemon_command()[0]).parent / "kvtierctl"), "fsck", *args]
+        return subprocess.run(command, capture_output=True, text=True, timeout=60)
+
+    report = fsck(str(fs_root))
+    assert report.returncode == 1
+    assert f"BAD {bad}: payload checksum mismatch" in report.stdout
+    assert "3 block files in 1 pools checked: 1 bad" in report.stdout
+    assert bad.exists()
+    assert fsck("--remove", str(fs_root)).returncode == 1
+    assert not bad.exists()
+    clean = fsck(str(fs_root))
+    assert clean.returncode == 0 and "2 block files in 1 pools checked: 0 bad" in clean.stdout
+    missing = fsck(str(fs_root / "nope"))
+    assert missing.returncode == 2 and "is not a directory" in missing.stderr
