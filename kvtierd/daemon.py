@@ -23,6 +23,7 @@ import tempfile
 import grpc
 
 from kvtierd.config import Config, ConfigError, read_tokens
+from kvtierd.metrics import Metrics, serve_metrics
 from kvtierd.pools import PoolTable
 from kvtierd.sdnotify import notify, watchdog_interval
 from kvtierd.server import add_listeners, build_server, remove_unix_sockets, set_health
@@ -58,6 +59,10 @@ class Daemon:
             max_keys_per_call=config.limits.max_keys_per_call,
             tokens=tokens,
         )
+        self.metrics = Metrics(self.pools, self.sessions)
+        self.service.observe_rpc = self.metrics.observe_rpc
+        self.pools.observe_job = self.metrics.observe_job
+        self._metrics_server: asyncio.Server | None = None
         self._stop = asyncio.Event()
         self._server: grpc.aio.Server | None = None
         self._reaper: asyncio.Task[None] | None = None
@@ -67,6 +72,7 @@ class Daemon:
     async def start(self) -> None:
         _check_shm_dir(self.config.memory.shm_dir)
         self._check_tier_roots()
+        await self._start_metrics()
         server, self._health = build_server(self.service)
         await set_health(self._health, serving=False)
         add_listeners(server, self.config.server.listen, self.gid, self._sockets)
@@ -111,7 +117,21 @@ class Daemon:
             tier.shutdown()  # joins the I/O threads: nothing touches a region after this
         self.pools.close_all()
         remove_unix_sockets(self._sockets)
+        if self._metrics_server is not None:
+            self._metrics_server.close()
         log.info("shutdown complete")
+
+    async def _start_metrics(self) -> None:
+        address = self.config.server.metrics_address
+        if not address:
+            return
+        try:
+            self._metrics_server = await serve_metrics(address, self.metrics.render)
+        except OSError as exc:
+            raise ConfigError(
+                "server.metrics_address", f"cannot listen on {address}: {exc.strerror or exc}"
+            ) from None
+        log.info("metrics on http://%s/metrics", address)
 
     def _check_tier_roots(self) -> None:
         for configured, tier in zip(self.tiers, self.config.tiers, strict=True):

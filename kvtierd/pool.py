@@ -184,6 +184,10 @@ class Pool:
 
     # ----------------------------------------------------------------- read-only
 
+    def lookup_count(self, result: LookupResult) -> int:
+        """Keys answered ``result`` by Lookup since the pool was created."""
+        return self._lookups[result]
+
     def counters(self) -> PoolCounters:
         block_bytes = self.spec.block_bytes
         return PoolCounters(

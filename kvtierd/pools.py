@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from kvtierd.config import LimitsConfig, MemoryConfig
 from kvtierd.errors import FailedPrecondition, PoolNotFound, ResourceExhausted
@@ -36,6 +36,8 @@ class PoolTable:
         self._limits = limits
         self._gid = gid
         self._tiers = tuple(tiers)  # every pool gets one of each, in this order
+        # given to each new pool's Tiering (metrics); set by the daemon
+        self.observe_job: Callable[[str, str, bool, float], None] | None = None
         self._pools: dict[str, Pool] = {}
         # Invariant: used_bytes == sum(p.region.size for p in self._pools.values())
         self.used_bytes = 0
@@ -107,6 +109,7 @@ class PoolTable:
         except RegionError as exc:
             raise FailedPrecondition(f"pool {spec.name!r}: {exc}") from None
         pool = Pool(spec, region, self._limits.events_retained)
+        pool.tiering.observe_job = self.observe_job
         self._attach_tiers(pool)
         self._pools[spec.name] = pool
         self.used_bytes += region.size

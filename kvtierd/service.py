@@ -54,17 +54,24 @@ def _handle(method: Handler) -> Callable[..., Awaitable[Any]]:
 
     @functools.wraps(method)
     async def wrapper(self: KVTierService, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        start = time.perf_counter()
+        code = "OK"
         try:
             self.authorize(context)
             return method(self, request, context)
         except KvtierdError as exc:
+            code = exc.code.name
             await context.abort(exc.code, str(exc))
         except Exception as exc:
+            code = "INTERNAL"
             log.exception("%s failed with an internal error", name)
             await context.abort(
                 grpc.StatusCode.INTERNAL,
                 f"internal error in {name}: {type(exc).__name__}: {exc} (see the daemon log)",
             )
+        finally:
+            if self.observe_rpc is not None:
+                self.observe_rpc(name, code, time.perf_counter() - start)
 
     return wrapper
 
@@ -84,6 +91,8 @@ class KVTierService(pb2_grpc.KVTierServicer):
         self._tokens = tuple(token.encode() for token in tokens)
         self._started = time.monotonic()
         self.shutting_down = False
+        # (method, status code name, seconds) per handled call; set by the daemon
+        self.observe_rpc: Callable[[str, str, float], None] | None = None
 
     # ----------------------------------------------------------------- auth
 

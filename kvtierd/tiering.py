@@ -30,7 +30,7 @@ import itertools
 import logging
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtierd.contract import BlockKey, LookupResult
@@ -81,6 +81,8 @@ class Tiering:
         self._failed: OrderedDict[tuple[int, BlockKey], float] = OrderedDict()
         self._counters: list[Counter[str]] = []
         self.closed = False
+        # (pool, tier name, is_promotion, seconds) per reported job; set by the daemon
+        self.observe_job: Callable[[str, str, bool, float], None] | None = None
 
     def attach(self, tier: SecondaryTier) -> None:
         """Appends a tier (consulted after the ones attached before it)."""
@@ -199,6 +201,9 @@ class Tiering:
             return
         if self.closed:
             return  # the pool is gone; its tables no longer matter
+        if self.observe_job is not None:
+            tier_name = self.tiers[in_flight.tier_index].name
+            self.observe_job(self.pool_name, tier_name, in_flight.job.is_promotion, result.seconds)
         if in_flight.job.is_promotion:
             self._promotion_done(in_flight, result)
         else:
