@@ -7,11 +7,15 @@ the daemon answered with an error (one readable line on stderr), 2 bad usage.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from kvtierd_client.client import Client
 
 EXIT_OK = 0
 EXIT_PROBLEM = 1
@@ -70,12 +74,196 @@ def cmd_fsck(args: argparse.Namespace) -> int:
     return EXIT_OK if report.clean else EXIT_PROBLEM
 
 
-COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {"fsck": cmd_fsck}
+# ----------------------------------------------------------------- daemon commands
+
+
+def _client(args: argparse.Namespace) -> Client:
+    from kvtierd_client.client import Client
+
+    return Client(args.address, timeout=args.timeout, token=args.token)
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    days, hours = divmod(hours, 24)
+    return f"{days}d{hours:02d}h{minutes:02d}m" if days else f"{hours}h{minutes:02d}m{secs:02d}s"
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        stats = client.get_stats()
+    print(
+        f"kvtierd {stats.version} at {args.address or 'the default socket'}: up "
+        f"{_duration(stats.uptime_seconds)}, {stats.sessions} sessions, {len(stats.pools)} pools, "
+        f"memory {_human_bytes(stats.memory_used_bytes)} of "
+        f"{_human_bytes(stats.memory_budget_bytes)}"
+    )
+    for pool in stats.pools:
+        print(
+            f"pool {pool.name}: {pool.num_blocks} blocks x {_human_bytes(pool.block_bytes)}, "
+            f"{pool.eviction_policy}, {pool.sessions} sessions, layout {pool.layout!r}"
+        )
+        for tier in pool.tiers:
+            ready = "" if tier.tier == "primary" or tier.ready else " (index rebuilding)"
+            print(
+                f"  {tier.tier:<10} {tier.used_blocks}/{tier.capacity_blocks} blocks, "
+                f"{_human_bytes(tier.used_bytes)} of {_human_bytes(tier.capacity_bytes)}{ready}"
+            )
+    return EXIT_OK
+
+
+STATS_COLUMNS = (
+    ("pool", lambda p, t: p.name),
+    ("tier", lambda p, t: t.tier),
+    ("used", lambda p, t: str(t.used_blocks)),
+    ("capacity", lambda p, t: str(t.capacity_blocks)),
+    ("hits", lambda p, t: str(t.hits)),
+    ("misses", lambda p, t: str(t.misses)),
+    (
+        "hit%",
+        lambda p, t: f"{100 * t.hits / (t.hits + t.misses):.1f}" if t.hits + t.misses else "-",
+    ),
+    ("in", lambda p, t: _human_bytes(t.bytes_in)),
+    ("out", lambda p, t: _human_bytes(t.bytes_out)),
+    ("evictions", lambda p, t: str(t.evictions)),
+    ("failures", lambda p, t: str(t.failures + t.checksum_failures + t.promotion_failures)),
+    ("dropped", lambda p, t: str(t.dropped_blocks)),
+)
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        stats = client.get_stats(args.pool or "")
+    if args.json:
+        from google.protobuf.json_format import MessageToDict
+
+        print(json.dumps(MessageToDict(stats, preserving_proto_field_name=True), indent=2))
+        return EXIT_OK
+    rows = [[c[0] for c in STATS_COLUMNS]]
+    rows += [[c[1](p, t) for c in STATS_COLUMNS] for p in stats.pools for t in p.tiers]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) if i < 2 else cell.rjust(w)
+                        for i, (cell, w) in enumerate(zip(row, widths, strict=True))))  # fmt: skip
+    return EXIT_OK
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    seen = 0
+    with _client(args) as client:
+        stream = client.watch_events(args.pool, args.after_seq, timeout=None)
+        try:
+            for event in stream:
+                print(_event_line(event), flush=True)
+                seen += 1
+                if args.count and seen >= args.count:
+                    break
+        except KeyboardInterrupt:
+            pass
+        finally:
+            stream.cancel()
+    return EXIT_OK
+
+
+def _event_line(event: Any) -> str:
+    from kvtierd_client.proto import pb2
+
+    what = "removed" if event.removed else "stored"
+    medium = pb2.Medium.Name(event.medium).removeprefix("MEDIUM_").lower()
+    keys = " ".join(key.hex() for key in event.keys[:4])
+    more = f" (+{len(event.keys) - 4} more)" if len(event.keys) > 4 else ""
+    tier = event.tier or "primary"
+    return f"{event.seq} {what} {medium}/{tier} {len(event.keys)} keys: {keys}{more}"
+
+
+def cmd_flush(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        evicted = client.flush_pool(args.pool)
+    print(f"pool {args.pool}: {evicted} blocks evicted from the primary tier "
+          "(pinned and in-flight blocks stay; secondary tiers keep their copies)")  # fmt: skip
+    return EXIT_OK
+
+
+def _parse_key(args: argparse.Namespace) -> bytes:
+    if args.hex:
+        try:
+            return bytes.fromhex(args.key)
+        except ValueError:
+            raise SystemExit(f"kvtierctl explain: {args.key!r} is not hex") from None
+    return args.key.encode()
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from kvtierd_client.client import LookupResult
+
+    key = _parse_key(args)
+    with _client(args) as client:
+        report = client.explain(args.pool, key)
+    print(f"key {key.hex()} in pool {args.pool}: {report.summary}")
+    print(f"  primary: {LookupResult(report.primary).name} (ref count {report.ref_count})")
+    for tier in report.tiers:
+        state = ("present" if tier.present else "absent") if tier.known else "index rebuilding"
+        print(f"  {tier.tier}: {state}")
+    for record in report.history:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.unix_time))
+        print(f"  {when} {record.tier}: {record.what}")
+    return EXIT_OK
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "status": cmd_status,
+    "stats": cmd_stats,
+    "watch": cmd_watch,
+    "flush": cmd_flush,
+    "evict": cmd_flush,
+    "explain": cmd_explain,
+    "fsck": cmd_fsck,
+}
 
 
 def build_parser(prog: str = "kvtierctl") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description="Operate a kvtierd daemon.")
+    parser.add_argument(
+        "--address",
+        default=None,
+        help="daemon address, unix:///path or HOST:PORT (default: $KVTIERD_ADDRESS or the "
+        "default socket)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=10.0, help="seconds to wait for each answer (default 10)"
+    )
+    parser.add_argument(
+        "--token", default=None, help="bearer token for TCP addresses (default: none)"
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands.add_parser("status", help="daemon, pools, tiers and usage in a few lines")
+    stats = commands.add_parser("stats", help="per pool and tier counters as a table")
+    stats.add_argument("--pool", help="only this pool (default: every pool)")
+    stats.add_argument("--json", action="store_true", help="the full GetStats answer as JSON")
+    watch = commands.add_parser("watch", help="stream a pool's events (Ctrl-C stops)")
+    watch.add_argument("pool", metavar="POOL", help="pool name")
+    watch.add_argument(
+        "--after-seq", type=int, default=-1, help="replay events after this seq (-1: only new)"
+    )
+    watch.add_argument("--count", type=int, default=0, help="stop after this many events")
+    for name in ("flush", "evict"):
+        flush = commands.add_parser(
+            name, help="evict every ready, unpinned block of a pool from the primary tier"
+        )
+        flush.add_argument("pool", metavar="POOL", help="pool name")
+    explain = commands.add_parser("explain", help="why a key is (not) served")
+    explain.add_argument("pool", metavar="POOL", help="pool name")
+    explain.add_argument("key", metavar="KEY", help="the key (text; hex with --hex)")
+    explain.add_argument("--hex", action="store_true", help="KEY is hexadecimal")
     fsck = commands.add_parser(
         "fsck",
         help="verify every block file of an fs tier root",
@@ -94,8 +282,14 @@ def build_parser(prog: str = "kvtierctl") -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "kvtierctl") -> int:
+    from kvtierd_client.errors import KvtierError
+
     args = build_parser(prog).parse_args(argv)
-    return COMMANDS[args.command](args)
+    try:
+        return COMMANDS[args.command](args)
+    except KvtierError as exc:  # one readable line; the status code name says what kind
+        print(f"{prog} {args.command}: {exc}", file=sys.stderr)
+        return EXIT_PROBLEM
 
 
 def entry_point() -> None:

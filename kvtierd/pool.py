@@ -26,9 +26,10 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvtierd.contract import BlockKey, LookupResult, StoreGrant
+from kvtierd.contract import PRIMARY_TIER, BlockEvent, BlockKey, LookupResult, StoreGrant
 from kvtierd.errors import FailedPrecondition
 from kvtierd.events import EventLog
+from kvtierd.history import KeyRecord, RemovalLog
 from kvtierd.primary import NotLoadableError, PrimaryManager
 from kvtierd.region import Region
 from kvtierd.tiering import Tiering
@@ -64,6 +65,36 @@ class PoolCounters:
     stores_refused: int  # PrepareStore answered accepted=false
 
 
+@dataclass(frozen=True, slots=True)
+class Explanation:
+    """Why a key is (not) served: its primary state, tier presence, recent removals."""
+
+    primary: LookupResult
+    ref_count: int | None
+    tiers: list[tuple[str, bool | None]]  # None: the tier cannot tell yet
+    history: list[KeyRecord]  # oldest first
+    summary: str
+
+
+def _summary(
+    state: LookupResult, tiers: list[tuple[str, bool | None]], history: list[KeyRecord]
+) -> str:
+    if state is LookupResult.HIT:
+        return "HIT: readable in the primary tier"
+    if state is LookupResult.HIT_PENDING:
+        return "HIT_PENDING: a write (store or promotion) into the primary is in flight"
+    holders = [name for name, present in tiers if present]
+    if holders:
+        return f"not in the primary; held by tier {holders[0]}: the next Lookup promotes it"
+    unknown = [name for name, present in tiers if present is None]
+    if unknown:
+        return f"not in the primary; tier {unknown[0]} is still rebuilding its index (RETRY)"
+    if history:
+        last = history[-1]
+        return f"MISS: last seen leaving tier {last.tier}: {last.what}"
+    return "MISS: never stored, or stored so long ago that its record was forgotten"
+
+
 class Pool:
     """One pool. Owned by the PoolTable; its sessions hold references to it."""
 
@@ -71,10 +102,10 @@ class Pool:
         self.spec = spec
         self.region = region
         self.events = EventLog(events_retained)
-        self.manager = PrimaryManager(
-            spec.num_blocks, spec.eviction_policy, on_event=self.events.append
-        )
-        self.tiering = Tiering(spec.name, self.manager)
+        self.history = RemovalLog()
+        self._removal_reason = "evicted: least recently used, to make room"
+        self.manager = PrimaryManager(spec.num_blocks, spec.eviction_policy, on_event=self._event)
+        self.tiering = Tiering(spec.name, self.manager, self.history)
         # Invariant: sum over sessions of _pins[s][k] + cascade jobs naming k ==
         # manager.ref_count(k) for every pinned key.
         self._pins: dict[str, Counter[BlockKey]] = {}
@@ -180,7 +211,34 @@ class Pool:
 
     def flush(self) -> int:
         """Evicts every ready, unpinned block (pinned and in-flight ones stay)."""
-        return len(self.manager.evict_all_evictable())
+        self._removal_reason = "flushed (FlushPool)"
+        try:
+            return len(self.manager.evict_all_evictable())
+        finally:
+            self._removal_reason = "evicted: least recently used, to make room"
+
+    def _event(self, event: BlockEvent) -> None:
+        if event.removed:
+            self.history.record(event.keys, PRIMARY_TIER, self._removal_reason)
+        self.events.append(event)
+
+    def explain(self, key: BlockKey) -> Explanation:
+        """Where ``key`` is and what recently removed it; changes nothing."""
+        state = self.manager.lookup((key,))[0]
+        presence = [(tier.name, tier.contains(key)) for tier in self.tiering.tiers]
+        history = self.history.get(key) + [
+            KeyRecord(when, tier.name, what)
+            for tier in self.tiering.tiers
+            for when, what in tier.removals(key)
+        ]
+        history.sort(key=lambda record: record.unix_time)
+        return Explanation(
+            primary=state,
+            ref_count=self.manager.ref_count(key),
+            tiers=presence,
+            history=history,
+            summary=_summary(state, presence, history),
+        )
 
     # ----------------------------------------------------------------- read-only
 

@@ -273,6 +273,25 @@ class KVTierService(pb2_grpc.KVTierServicer):
         evicted = self._pools.get(request.pool).flush()
         return pb2.FlushPoolResponse(evicted_blocks=evicted)
 
+    @_handle
+    def Explain(self, request: pb2.ExplainRequest, context: Any) -> Any:
+        check_pool_name(request.pool, "pool")
+        check_keys([request.key], 1, field="key")
+        report = self._pools.get(request.pool).explain(request.key)
+        return pb2.ExplainResponse(
+            primary=int(report.primary),
+            ref_count=report.ref_count or 0,
+            tiers=[
+                pb2.TierPresence(tier=name, present=bool(present), known=present is not None)
+                for name, present in report.tiers
+            ],
+            history=[
+                pb2.KeyRecord(unix_time=r.unix_time, tier=r.tier, what=r.what)
+                for r in report.history
+            ],
+            summary=report.summary,
+        )
+
 
 def _pool_spec_message(spec: PoolSpec) -> pb2.PoolSpec:
     return pb2.PoolSpec(

@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtierd.contract import BlockKey, LookupResult
+from kvtierd.history import RemovalLog
 from kvtierd.primary import PrimaryManager
 from kvtierd.tiers.base import JobResult, SecondaryTier, TierJob
 
@@ -72,8 +73,11 @@ class _InFlight:
 class Tiering:
     """The secondary tiers of one pool and the jobs between them and its primary."""
 
-    def __init__(self, pool_name: str, manager: PrimaryManager) -> None:
+    def __init__(
+        self, pool_name: str, manager: PrimaryManager, history: RemovalLog | None = None
+    ) -> None:
         self.pool_name = pool_name
+        self.history = history if history is not None else RemovalLog()
         self.tiers: list[SecondaryTier] = []
         self._manager = manager
         self._jobs: dict[int, _InFlight] = {}
@@ -119,6 +123,7 @@ class Tiering:
             else:
                 self._manager.complete_load(keys)  # refused: the pins go at once
                 counters["cascade_blocks_dropped"] += len(keys)
+                self.history.record(keys, tier.name, "cascade write dropped: queue over its limit")
 
     # ----------------------------------------------------------------- promotion
 
@@ -231,6 +236,9 @@ class Tiering:
         if failed:
             self._manager.complete_store(failed, success=False)  # rows freed: MISS
             self._remember_failed(index, failed)
+            self.history.record(
+                failed, self.tiers[index].name, "promotion failed (missing, unreadable or corrupt)"
+            )
             log.info(
                 "pool %s: promotion of %d of %d blocks from tier %s failed; they answer MISS",
                 self.pool_name, len(failed), len(job.keys), self.tiers[index].name,

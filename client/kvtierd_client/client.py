@@ -212,6 +212,7 @@ GET_STATS = _Op("GetStats", lambda pool: pb2.GetStatsRequest(pool=pool), _same)
 FLUSH_POOL = _Op(
     "FlushPool", lambda pool: pb2.FlushPoolRequest(pool=pool), lambda r: r.evicted_blocks
 )
+EXPLAIN = _Op("Explain", lambda pool, key: pb2.ExplainRequest(pool=pool, key=key), _same)
 WATCH_EVENTS = _Op(
     "WatchEvents", lambda pool, after: pb2.WatchEventsRequest(pool=pool, after_seq=after), _same
 )
@@ -416,6 +417,13 @@ class Client:
         Raises ``NotFound`` (unknown pool), ``Unavailable``, ``DeadlineExceeded``.
         """
         return self._call(GET_STATS, pool)
+
+    def explain(self, pool: str, key: bytes) -> pb2.ExplainResponse:
+        """Why ``key`` is or is not served in ``pool`` (RPC ``Explain``); changes nothing.
+
+        Raises ``NotFound`` (unknown pool), ``InvalidArgument`` (bad key).
+        """
+        return self._call(EXPLAIN, pool, key)
 
     def flush_pool(self, pool: str) -> int:
         """Evicts every ready, unpinned block of ``pool``'s primary tier; returns how

@@ -93,6 +93,15 @@ class SecondaryTier(abc.ABC):
     def touch(self, keys: Sequence[BlockKey]) -> None:  # noqa: B027 - optional hook
         """Marks keys recently used (tiers with eviction order them)."""
 
+    def contains(self, key: BlockKey) -> bool | None:
+        """Whether the tier holds ``key`` now, without touching it or counting a
+        lookup; None when it cannot tell yet (for ``Explain``)."""
+        return None
+
+    def removals(self, key: BlockKey) -> list[tuple[float, str]]:
+        """Recent ``(unix time, why)`` removals of ``key`` from this tier (bounded)."""
+        return []
+
     @abc.abstractmethod
     async def drain(self) -> None:
         """Returns once every submitted job has reported done."""

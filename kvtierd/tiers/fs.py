@@ -67,6 +67,7 @@ log = logging.getLogger("kvtierd.tiers.fs")
 O_DIRECT_MODES = ("auto", "on", "off")
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _SCAN_LOG_EVERY = 10_000
+_REMOVALS_KEPT = 65536  # recent removals remembered for Explain
 _COUNTERS = (
     "hits",
     "misses",
@@ -215,6 +216,7 @@ class FsTier(SecondaryTier):
         self._writing: set[BlockKey] = set()  # _lock
         self._reading: dict[BlockKey, int] = {}  # _lock: reads in flight per key
         self._counters = dict.fromkeys(_COUNTERS, 0)  # _lock
+        self._removed: OrderedDict[BlockKey, tuple[float, str]] = OrderedDict()  # _lock
         self._scanned = False  # _lock
         self._stop = threading.Event()
         self._scan_thread: threading.Thread | None = None
@@ -286,6 +288,21 @@ class FsTier(SecondaryTier):
     def touch(self, keys: Sequence[BlockKey]) -> None:
         with self._lock:
             self._touch_locked(keys)
+
+    def contains(self, key: BlockKey) -> bool | None:
+        with self._lock:
+            return key in self._index if self._scanned else None
+
+    def removals(self, key: BlockKey) -> list[tuple[float, str]]:
+        with self._lock:
+            entry = self._removed.get(key)
+        return [entry] if entry is not None else []
+
+    def _note_removed_locked(self, key: BlockKey, why: str) -> None:
+        self._removed[key] = (time.time(), why)
+        self._removed.move_to_end(key)
+        if len(self._removed) > _REMOVALS_KEPT:
+            self._removed.popitem(last=False)
 
     @staticmethod
     def _tasks(job: TierJob, per_block: Callable[[BlockKey, int], Any]) -> list[Any]:
@@ -455,6 +472,7 @@ class FsTier(SecondaryTier):
         except FileNotFoundError:
             with self._lock:
                 self._index_remove_locked(key)
+                self._note_removed_locked(key, "file vanished (removed outside the daemon)")
             raise
         try:
             st = os.fstat(fd)
@@ -490,6 +508,7 @@ class FsTier(SecondaryTier):
             if (current.st_dev, current.st_ino) == (st.st_dev, st.st_ino):
                 _unlink_quietly(path)
                 self._index_remove_locked(key)
+                self._note_removed_locked(key, f"file failed verification ({reason}); removed")
 
     # -- index helpers (caller holds _lock) ----------------------------------------
 
@@ -536,6 +555,7 @@ class FsTier(SecondaryTier):
                 )
             _unlink_quietly(self._path(victim))
             self._index_remove_locked(victim)
+            self._note_removed_locked(victim, "evicted: least recently used at capacity")
             self._counters["evictions"] += 1
 
     # -- start-up --------------------------------------------------------------------
