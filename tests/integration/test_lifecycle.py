@@ -135,3 +135,24 @@ def test_unusable_shm_dir_refuses_to_start(shm_dir, fragment):
         assert not os.path.exists(daemon.socket_path)
     finally:
         daemon.cleanup()
+
+
+def test_health_goes_not_serving_when_shutdown_begins():
+    """A Health.Watch stream sees SERVING, then NOT_SERVING as soon as SIGTERM
+    arrives (before the listeners close), so load balancers stop routing first."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    daemon = start_daemon()
+    try:
+        with grpc.insecure_channel(daemon.target) as channel:
+            stream = health_pb2_grpc.HealthStub(channel).Watch(
+                health_pb2.HealthCheckRequest(service="kvtier.v1.KVTier"), timeout=30
+            )
+            statuses = iter(stream)
+            assert next(statuses).status == health_pb2.HealthCheckResponse.SERVING
+            daemon.proc.send_signal(signal.SIGTERM)
+            assert next(statuses).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            stream.cancel()
+        assert daemon.proc.wait(30) == 0
+    finally:
+        daemon.cleanup()
