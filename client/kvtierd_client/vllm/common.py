@@ -1,0 +1,135 @@
+"""Types shared by the plug-in's scheduler side (manager) and worker side.
+
+A :class:`KvtierdLoadStoreSpec` is what the manager hands vLLM for a load or a
+store: vLLM's own ``CPULoadStoreSpec`` (row ids of the pool's region, in the
+order of the keys) plus the :class:`RegionIdentity` of the region those ids
+belong to. The worker copies only when its mapping *is* that region (same
+device and inode): after a daemon restart the region file at the same path is a
+new file, and row ids of the new daemon must never be applied to the old
+mapping, nor the reverse.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+from kvtierd_client.client import Client, Session
+from kvtierd_client.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    KvtierError,
+    Unavailable,
+)
+from kvtierd_client.vllm.settings import PluginSettings, PoolPlan
+
+log = logging.getLogger("kvtierd_client.vllm")
+
+
+@dataclass(frozen=True)
+class RegionIdentity:
+    """One region file of one daemon instance: its path, device and inode, and geometry."""
+
+    path: str
+    device: int
+    inode: int
+    num_blocks: int
+    block_bytes: int
+
+    @classmethod
+    def of_session(cls, session: Session) -> RegionIdentity:
+        """The identity of ``session``'s region, read from the file system now.
+
+        Raises OSError when the file is gone (the daemon that created it stopped).
+        """
+        st = os.stat(session.region.path)
+        return cls(
+            path=session.region.path,
+            device=st.st_dev,
+            inode=st.st_ino,
+            num_blocks=int(session.region.num_blocks),
+            block_bytes=int(session.region.block_bytes),
+        )
+
+    def still_current(self) -> bool:
+        """True while the file at ``path`` is this region (not removed, not replaced)."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == (self.device, self.inode)
+
+
+class KvtierdLoadStoreSpec(CPULoadStoreSpec):
+    """vLLM's ``CPULoadStoreSpec`` of region row ids, tagged with the region they index.
+
+    ``block_ids[i]`` is the row of the i-th key the manager was asked about (for a
+    store: of ``keys_to_store[i]``). ``region`` is None only for a load the
+    manager could not pin (``valid`` False): the worker fails that job loudly
+    instead of copying bytes nobody protects.
+    """
+
+    def __init__(
+        self, block_ids: Sequence[int], region: RegionIdentity | None, valid: bool = True
+    ) -> None:
+        super().__init__(list(block_ids))
+        self.region = region
+        self.valid = valid and region is not None
+
+    def __repr__(self) -> str:
+        where = self.region.path if self.region else "no region"
+        return f"KvtierdLoadStoreSpec({self.block_ids!r} in {where}, valid={self.valid})"
+
+
+class DaemonStartError(RuntimeError):
+    """The engine cannot start: the daemon is unreachable or refuses the pool."""
+
+
+def open_pool_session(
+    settings: PluginSettings, plan: PoolPlan, client_name: str
+) -> tuple[Client, Session]:
+    """Opens a session on ``plan``'s pool, retrying ``settings.start_timeout`` seconds
+    while the daemon is unreachable. The caller owns both and closes them.
+
+    Raises DaemonStartError naming the address, the pool and what to do.
+    """
+    client = Client(settings.address, timeout=settings.timeout, token=settings.token)
+    deadline = time.monotonic() + settings.start_timeout
+    while True:
+        try:
+            session = client.open_session(
+                plan.name,
+                block_bytes=plan.block_bytes,
+                num_blocks=plan.num_blocks,
+                layout=plan.layout,
+                eviction_policy=settings.eviction_policy,
+                client_name=client_name,
+            )
+            return client, session
+        except (Unavailable, DeadlineExceeded) as err:
+            if time.monotonic() < deadline:
+                time.sleep(0.2)
+                continue
+            client.close()
+            raise DaemonStartError(
+                f"kvtierd is not reachable at {settings.address} (waited "
+                f"{settings.start_timeout:g}s: {err}); start the daemon or set "
+                "kv_connector_extra_config.kvtierd_address"
+            ) from err
+        except FailedPrecondition as err:
+            client.close()
+            raise DaemonStartError(
+                f"kvtierd pool {plan.name!r} exists with another block size or layout than "
+                f"this engine needs (block_bytes={plan.block_bytes}, layout={plan.layout!r}): "
+                f"{err}; use another kvtierd_pool name or restart the daemon"
+            ) from err
+        except KvtierError as err:
+            client.close()
+            raise DaemonStartError(
+                f"kvtierd at {settings.address} refused pool {plan.name!r}: {err}"
+            ) from err

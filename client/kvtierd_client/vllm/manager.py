@@ -1,0 +1,533 @@
+"""The scheduler side: vLLM's ``OffloadingManager`` served by kvtierd over gRPC.
+
+Every decision (which keys are present, which rows to write, what to evict) is
+the daemon's; this class translates vLLM's per-key calls into batched RPCs of one
+session and keeps only bookkeeping that makes the translation safe.
+
+Ownership of daemon state (all of it belongs to this manager's *session*):
+
+* **lookup pins**: when ``lookup`` answers HIT it has already pinned the key
+  (``PrepareLoad``), so the row cannot be evicted by another engine between
+  vLLM's lookup and its ``prepare_load``. A lookup pin is either *claimed* by
+  ``prepare_load`` in the same scheduler step (it becomes a load pin) or released
+  at ``on_schedule_end`` (``CompleteLoad``).
+* **load pins**: taken by ``prepare_load``, released by ``complete_load`` (after
+  every worker copied the rows).
+* **reservations**: rows reserved by ``prepare_store``, completed by
+  ``complete_store`` (success makes them readable, failure frees them).
+* ``reset_cache`` flushes the pool (``FlushPool``: ready, unpinned blocks of every
+  engine sharing it); vLLM then ignores completions of jobs in flight, so their
+  pins and reservations are released two scheduler steps later, once the workers
+  have flushed those jobs (until then ``has_pending_work`` is True).
+
+Failure model: a daemon that does not answer (``Unavailable``,
+``DeadlineExceeded``) turns every lookup into MISS and every ``prepare_store``
+into None for ``retry_interval`` seconds, then the manager tries again. A session
+the daemon no longer knows (``NotFound``: daemon restarted, lease expired) starts
+a new *generation*: a new session, possibly a new region; pins and reservations
+of older generations died with their session and are never completed against the
+new one. Row ids always travel with the identity of their region
+(:class:`KvtierdLoadStoreSpec`), so a worker never applies them to another region.
+
+Step-local cache: ``Lookup`` is batched over the request's following keys (vLLM
+calls ``lookup`` key by key in prefix order; the request context records every
+key's position) and the answers are reused for the rest of the scheduler step;
+``prepare_store``, ``complete_store`` and reconnects drop the affected entries,
+and ``on_schedule_end`` drops them all.
+
+Runs in vLLM's scheduler thread only; not thread-safe.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+
+from kvtierd_client.client import Client, Session
+from kvtierd_client.client import LookupResult as DaemonLookup
+from kvtierd_client.errors import FailedPrecondition, KvtierError, NotFound
+from kvtierd_client.proto import pb2
+from kvtierd_client.vllm.common import KvtierdLoadStoreSpec, RegionIdentity, log
+from kvtierd_client.vllm.settings import PluginSettings, PoolPlan
+
+__all__ = ["KvtierdOffloadingManager", "ManagerCounters", "METRIC_NAMES"]
+
+_T = TypeVar("_T")
+
+LOOKUP_BATCH = 256
+"""At most this many keys per Lookup RPC (the asked key and the request's next keys)."""
+
+GRAVE_STEPS = 2
+"""Scheduler steps after ``reset_cache`` before abandoned pins/reservations are released."""
+
+_RESULTS = {
+    DaemonLookup.MISS: LookupResult.MISS,
+    DaemonLookup.HIT: LookupResult.HIT,
+    DaemonLookup.HIT_PENDING: LookupResult.HIT_PENDING,
+    DaemonLookup.RETRY: LookupResult.RETRY,
+}
+"""kvtierd's LookupResult -> vLLM's, one to one."""
+
+METRIC_NAMES = {
+    "lookups": "vllm:kv_offload_kvtierd_lookups",
+    "rpc_failures": "vllm:kv_offload_kvtierd_rpc_failures",
+    "reconnects": "vllm:kv_offload_kvtierd_reconnects",
+    "used_blocks": "vllm:kv_offload_kvtierd_pool_used_blocks",
+    "capacity_blocks": "vllm:kv_offload_kvtierd_pool_capacity_blocks",
+}
+
+
+@dataclass
+class ManagerCounters:
+    """Counts since the manager started (``get_stats`` reports the deltas)."""
+
+    lookups: Counter[str] = field(default_factory=Counter)  # by vLLM result name
+    rpcs: Counter[str] = field(default_factory=Counter)  # by RPC name
+    rpc_failures: int = 0
+    reconnects: int = 0
+    lookup_pins_released: int = 0
+
+
+@dataclass
+class _Generation:
+    """One session of the manager and the region its row ids index."""
+
+    number: int
+    session: Session
+    region: RegionIdentity
+
+
+@dataclass
+class _Grave:
+    """Pins and reservations vLLM forgot at ``reset_cache``; released at ``release_step``."""
+
+    release_step: int
+    generation: int
+    load_pins: Counter[bytes]
+    reserved: list[bytes]
+
+
+class KvtierdOffloadingManager(OffloadingManager):
+    """vLLM's ``OffloadingManager`` over one kvtierd session (see the module docstring).
+
+    ``client`` and ``session`` are owned from here on (closed by :meth:`shutdown`).
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        session: Session,
+        settings: PluginSettings,
+        plan: PoolPlan,
+        *,
+        events_enabled: bool,
+        client_name: str,
+    ) -> None:
+        self._client = client
+        self._settings = settings
+        self._plan = plan
+        self._events_enabled = events_enabled
+        self._client_name = client_name
+        self._gen: _Generation | None = _Generation(1, session, RegionIdentity.of_session(session))
+        self._last_generation = 1
+        self._down_until = 0.0  # monotonic; calls short-circuit before it
+        # step-local (cleared by on_schedule_end and by a new generation)
+        self._step_results: dict[bytes, LookupResult] = {}
+        self._step_pins: Counter[bytes] = Counter()  # lookup pins not yet claimed
+        self._step_rows: dict[bytes, int] = {}  # row of every key in _step_pins
+        # Invariant: _load_pins and _reserved hold keys of generation _gen.number only.
+        self._load_pins: Counter[bytes] = Counter()
+        self._reserved: set[bytes] = set()
+        self._graves: list[_Grave] = []
+        self._step = 0
+        self.counters = ManagerCounters()
+        self._reported = ManagerCounters()
+        self._next_stats = 0.0
+
+    # -- vLLM's OffloadingManager API ------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """HIT only for a key this manager holds a pin on in this step (see module doc)."""
+        result = self._step_results.get(key)
+        if result is None:
+            result = self._lookup_batch(key, req_context)
+        self.counters.lookups[result.name.lower()] += 1
+        return result
+
+    def prepare_load(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> KvtierdLoadStoreSpec:
+        """Rows of ``keys`` (co-indexed), pinned until ``complete_load``.
+
+        Claims the lookup pins of this step; pins the others now. A key that cannot
+        be pinned (not HIT any more, daemon gone) yields an *invalid* spec: the
+        worker then reports the load job failed instead of copying unprotected rows.
+        """
+        keys = list(keys)
+        gen = self._gen
+        rows: dict[bytes, int] = {}
+        claimed: list[bytes] = []
+        if gen is not None:
+            for key in keys:
+                if self._step_pins[key] > 0 and key not in rows:
+                    self._step_pins[key] -= 1
+                    rows[key] = self._step_rows[key]
+                    claimed.append(key)
+        self._load_pins.update(claimed)
+        missing = [k for k in dict.fromkeys(keys) if k not in rows]
+        if missing:
+            got = (
+                None
+                if gen is None
+                else self._call(gen, "PrepareLoad", gen.session.prepare_load, missing)
+            )
+            if got is None or self._gen is not gen:
+                log.error(
+                    "kvtierd: cannot pin %d of %d blocks to load for request %s; the load "
+                    "job will be reported failed", len(missing), len(keys), req_context.req_id,
+                )  # fmt: skip
+                return KvtierdLoadStoreSpec([-1] * len(keys), None, valid=False)
+            rows.update(zip(missing, got, strict=True))
+            self._load_pins.update(missing)
+        assert gen is not None
+        return KvtierdLoadStoreSpec([rows[k] for k in keys], gen.region)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        gen = self._usable()
+        unique = list(dict.fromkeys(keys))
+        if gen is not None and unique:
+            self._call(gen, "Touch", gen.session.touch, unique)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """Releases this generation's load pins on ``keys`` (older ones died with their session)."""
+        mine = [k for k in dict.fromkeys(keys) if self._load_pins[k] > 0]
+        for key in mine:
+            self._load_pins[key] -= 1
+            if self._load_pins[key] == 0:
+                del self._load_pins[key]
+        gen = self._gen
+        if gen is not None and mine:
+            self._call(gen, "CompleteLoad", gen.session.complete_load, mine, quiet=True)
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        """Rows reserved for the keys the daemon does not hold yet; None when the
+        daemon has no room now (``accepted=false``) or cannot be reached."""
+        gen = self._usable()
+        unique = list(dict.fromkeys(keys))
+        if gen is None or not unique:
+            return None
+        grant = self._call(
+            gen, "PrepareStore", gen.session.prepare_store, unique, req_context.req_id
+        )
+        if grant is None:  # refused (no room) or failed
+            return None
+        self._reserved.update(grant.keys_to_store)
+        for key in (*grant.keys_to_store, *grant.evicted_keys):
+            self._step_results.pop(key, None)
+        return PrepareStoreOutput(
+            keys_to_store=[OffloadKey(k) for k in grant.keys_to_store],
+            store_spec=KvtierdLoadStoreSpec(grant.block_ids, gen.region),
+            evicted_keys=[OffloadKey(k) for k in grant.evicted_keys],
+        )
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        """Completes this generation's reservations among ``keys``; others are ignored."""
+        mine = [k for k in dict.fromkeys(keys) if k in self._reserved]
+        self._reserved.difference_update(mine)
+        for key in mine:
+            self._step_results.pop(key, None)
+        gen = self._gen
+        if gen is not None and mine:
+            self._call(gen, "CompleteStore", gen.session.complete_store, mine, success, quiet=True)
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """The pool's events since the last take (every engine sharing the pool), or
+        nothing when vLLM's KV events are off (then nobody drains them)."""
+        gen = self._usable()
+        if not self._events_enabled or gen is None:
+            return ()
+        events = self._call(gen, "TakeEvents", gen.session.take_events) or []
+        return [
+            OffloadingEvent(
+                keys=[OffloadKey(k) for k in e.keys],
+                medium=Medium.CPU if e.medium == pb2.MEDIUM_CPU else Medium.STORAGE,
+                removed=e.removed,
+                ownership=None if e.tier in ("", "primary") else e.tier,
+            )
+            for e in events
+        ]
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        """Releases the lookup pins no ``prepare_load`` claimed; forgets the step's answers."""
+        self._step += 1
+        unclaimed = [k for k, n in self._step_pins.items() for _ in range(n)]
+        self._clear_step()
+        gen = self._gen
+        if unclaimed and gen is not None:
+            self.counters.lookup_pins_released += len(unclaimed)
+            self._release_pins(gen, unclaimed)
+        self._bury_due()
+
+    def has_pending_work(self) -> bool:
+        return bool(self._graves)
+
+    def reset_cache(self) -> None:
+        """Flushes the pool in the daemon (every engine's ready, unpinned blocks)."""
+        gen = self._gen
+        if gen is not None:
+            if self._load_pins or self._reserved:
+                self._graves.append(
+                    _Grave(
+                        self._step + GRAVE_STEPS,
+                        gen.number,
+                        self._load_pins,
+                        sorted(self._reserved),
+                    )
+                )
+            unclaimed = [k for k, n in self._step_pins.items() for _ in range(n)]
+            if unclaimed:
+                self._release_pins(gen, unclaimed)
+        self._load_pins = Counter()
+        self._reserved = set()
+        self._clear_step()
+        gen = self._usable()
+        if gen is not None:
+            self._call(gen, "FlushPool", self._client.flush_pool, self._plan.name)
+
+    def get_stats(self) -> Any:
+        """Counter deltas since the last call, plus the pool's gauges every
+        ``stats_interval`` seconds (one GetStats RPC)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+            OffloadingConnectorStats,
+        )
+
+        stats = OffloadingConnectorStats()
+        for name, count in self.counters.lookups.items():
+            delta = count - self._reported.lookups[name]
+            if delta:
+                stats.increase_counter(METRIC_NAMES["lookups"], delta, (name,))
+        for attr in ("rpc_failures", "reconnects"):
+            delta = getattr(self.counters, attr) - getattr(self._reported, attr)
+            if delta:
+                stats.increase_counter(METRIC_NAMES[attr], delta)
+        self._reported = ManagerCounters(
+            lookups=Counter(self.counters.lookups),
+            rpc_failures=self.counters.rpc_failures,
+            reconnects=self.counters.reconnects,
+        )
+        now = time.monotonic()
+        gen = self._usable()
+        if gen is not None and self._settings.stats_interval > 0 and now >= self._next_stats:
+            self._next_stats = now + self._settings.stats_interval
+            response = self._call(gen, "GetStats", self._client.get_stats, self._plan.name)
+            primary = _primary_tier(response)
+            if primary is not None:
+                stats.set_gauge(METRIC_NAMES["used_blocks"], primary.used_blocks)
+                stats.set_gauge(METRIC_NAMES["capacity_blocks"], primary.capacity_blocks)
+        return None if stats.is_empty() else stats
+
+    def shutdown(self) -> None:
+        """Closes the session (the daemon releases its pins and aborts its reservations)."""
+        self._gen = None
+        self._client.close()
+
+    # -- helpers -------------------------------------------------------------------
+
+    @property
+    def region(self) -> RegionIdentity | None:
+        """The region of the current generation (None while disconnected)."""
+        return None if self._gen is None else self._gen.region
+
+    @property
+    def pool_name(self) -> str:
+        return self._plan.name
+
+    def _lookup_batch(self, key: bytes, ctx: ReqContext) -> LookupResult:
+        gen = self._usable()
+        if gen is None:
+            return LookupResult.MISS
+        batch = [key, *self._following_keys(key, ctx)]
+        for _attempt in range(2):
+            answers = self._call(gen, "Lookup", gen.session.lookup, batch, ctx.req_id)
+            if answers is None or self._gen is not gen:
+                return LookupResult.MISS
+            results = [_RESULTS[a] for a in answers]
+            # Pin the run of HITs starting at `key`; vLLM's prefix scan stops at the
+            # first MISS and defers on HIT_PENDING / RETRY, so later HITs are not
+            # cached (a later lookup of them pins them then).
+            run = 0
+            while run < len(results) and results[run] is LookupResult.HIT:
+                run += 1
+            if run == 0:
+                break
+            try:
+                rows = gen.session.prepare_load(batch[:run], ctx.req_id)
+                self.counters.rpcs["PrepareLoad"] += 1
+            except FailedPrecondition:
+                continue  # evicted between Lookup and PrepareLoad: ask again once
+            except KvtierError as err:
+                self._failed(gen, "PrepareLoad", err)
+                return LookupResult.MISS
+            for k, row in zip(batch[:run], rows, strict=True):
+                self._step_pins[k] += 1
+                self._step_rows[k] = row
+            break
+        else:
+            return LookupResult.MISS  # the daemon kept evicting what it just answered HIT
+        for k, result in zip(batch, results, strict=True):
+            if result is not LookupResult.HIT or k in self._step_pins:
+                self._step_results[k] = result
+        return results[0]
+
+    def _following_keys(self, key: bytes, ctx: ReqContext) -> list[bytes]:
+        """The request's next keys of ``key``'s KV group, in prefix order, not yet
+        answered this step (from vLLM's per-request key positions, when present)."""
+        positions: dict[bytes, int] | None = getattr(ctx, "_offload_key_positions", None)
+        if not positions or key not in positions:
+            return []
+        start, group = positions[key], key[-4:]
+        later = sorted(
+            (pos, k)
+            for k, pos in positions.items()
+            if pos > start and k[-4:] == group and k not in self._step_results
+        )
+        return [k for _, k in later[: LOOKUP_BATCH - 1]]
+
+    def _release_pins(self, gen: _Generation, keys: list[bytes]) -> None:
+        # A key pinned n times is released in n calls (keys are unique per call).
+        while keys:
+            batch = list(dict.fromkeys(keys))
+            for k in batch:
+                keys.remove(k)
+            self._call(gen, "CompleteLoad", gen.session.complete_load, batch, quiet=True)
+
+    def _bury_due(self) -> None:
+        due = [g for g in self._graves if g.release_step <= self._step]
+        self._graves = [g for g in self._graves if g.release_step > self._step]
+        gen = self._gen
+        for grave in due:
+            if gen is None or grave.generation != gen.number:
+                continue  # that session is gone, and its pins with it
+            if grave.reserved:
+                self._call(
+                    gen,
+                    "CompleteStore",
+                    gen.session.complete_store,
+                    grave.reserved,
+                    False,
+                    quiet=True,
+                )
+            pins = [k for k, n in grave.load_pins.items() for _ in range(n)]
+            if pins:
+                self._release_pins(gen, pins)
+
+    def _clear_step(self) -> None:
+        self._step_results.clear()
+        self._step_pins.clear()
+        self._step_rows.clear()
+
+    def _usable(self) -> _Generation | None:
+        """The current generation, reconnecting after ``retry_interval`` if there is none;
+        None while the daemon is considered down."""
+        if time.monotonic() < self._down_until:
+            return None
+        if self._gen is not None:
+            return self._gen
+        try:
+            session = self._client.open_session(
+                self._plan.name,
+                block_bytes=self._plan.block_bytes,
+                num_blocks=self._plan.num_blocks,
+                layout=self._plan.layout,
+                eviction_policy=self._settings.eviction_policy,
+                client_name=self._client_name,
+            )
+            region = RegionIdentity.of_session(session)
+        except (KvtierError, OSError) as err:
+            self._down_until = time.monotonic() + self._settings.retry_interval
+            self.counters.rpc_failures += 1
+            log.warning("kvtierd: reopening pool %s failed: %s", self._plan.name, err)
+            return None
+        self._last_generation += 1
+        self._gen = _Generation(self._last_generation, session, region)
+        self.counters.reconnects += 1
+        log.warning(
+            "kvtierd: new session %s on pool %s (region %s); blocks of the old session "
+            "are forgotten", session.session_id, self._plan.name, region.path,
+        )  # fmt: skip
+        return self._gen
+
+    def _call(
+        self, gen: _Generation, rpc: str, fn: Callable[..., _T], *args: Any, quiet: bool = False
+    ) -> _T | None:
+        """``fn(*args)``; None after a failure, which it handles (see the module doc)."""
+        try:
+            result = fn(*args)
+        except KvtierError as err:
+            self._failed(gen, rpc, err, quiet=quiet)
+            return None
+        self.counters.rpcs[rpc] += 1
+        return result
+
+    def _failed(self, gen: _Generation, rpc: str, err: KvtierError, quiet: bool = False) -> None:
+        self.counters.rpc_failures += 1
+        if isinstance(err, NotFound):
+            if self._gen is gen:
+                log.warning(
+                    "kvtierd: %s: session %s is gone (%s)", rpc, gen.session.session_id, err
+                )
+                self._new_generation_needed()
+            return
+        if isinstance(err, FailedPrecondition) and quiet:
+            log.debug("kvtierd: %s: %s", rpc, err)
+            return
+        if time.monotonic() >= self._down_until:
+            log.warning(
+                "kvtierd: %s failed (%s); serving misses for %.1fs",
+                rpc, err, self._settings.retry_interval,
+            )  # fmt: skip
+        self._down_until = time.monotonic() + self._settings.retry_interval
+
+    def _new_generation_needed(self) -> None:
+        """Forgets the dead session: its pins, reservations and this step's answers."""
+        self._gen = None
+        self._load_pins = Counter()
+        self._reserved = set()
+        self._clear_step()
+
+
+def _primary_tier(response: Any) -> Any:
+    if response is None:
+        return None
+    for pool in response.pools:
+        for tier in pool.tiers:
+            if tier.tier == "primary":
+                return tier
+    return None
+
+
+def default_client_name(role: str) -> str:
+    return f"vllm-{role}/pid{os.getpid()}"

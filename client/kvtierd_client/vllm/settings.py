@@ -1,0 +1,249 @@
+"""What the vLLM plug-in reads from ``kv_connector_extra_config`` and how it derives its pool.
+
+Pure functions over vLLM's ``OffloadingConfig`` (duck-typed: this module imports
+nothing from vLLM, so it is importable and testable without it).
+
+Pool identity (who shares blocks with whom):
+
+* the pool *name* is ``vllm/<model>/<parallel layout>/<fingerprint hash>``; the
+  fingerprint hash is part of the name, so engines with another model, dtype,
+  block size, chunking, KV layout or world size land in *another* pool instead of
+  failing against this one;
+* the *layout* string (the daemon's pool fingerprint, compared on every join) spells
+  out everything the bytes of a row depend on;
+* data-parallel replicas and restarted engines of the same model and layout derive
+  the same name and layout, so they share one pool and each other's blocks.
+
+Row layout (``block_bytes`` = row stride, a multiple of 4096)::
+
+    row (one chunk): [ rank 0 page | rank 1 page | ... | rank W-1 page | pad ]
+    rank page:       [ sub-block 0 | sub-block 1 | ... | sub-block bpc-1 ]
+    sub-block:       [ tensor 0 page | tensor 1 page | ... ]  (worker_kv_bytes_per_block)
+
+so the pages of one GPU block are contiguous and rank ``r``'s sub-block ``j`` is
+the copy engine "rank" ``r * blocks_per_chunk + j`` with ``page_bytes =
+worker_kv_bytes_per_block``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvtierd_client.address import default_address, to_grpc_target
+from kvtierd_client.client import DEFAULT_TIMEOUT
+
+__all__ = [
+    "EXTRA_KEYS",
+    "LAYOUT_VERSION",
+    "PluginSettings",
+    "PoolPlan",
+    "plan_pool",
+]
+
+ROW_ALIGNMENT = 4096
+LAYOUT_VERSION = "kvtierd-vllm/1"
+"""Bumped whenever the row layout written by the worker changes."""
+
+_POOL_NAME_CHARS = re.compile(r"[^A-Za-z0-9._-]+")
+_MAX_POOL_NAME = 128
+
+EXTRA_KEYS: dict[str, str] = {
+    "kvtierd_address": "daemon address (unix:///abs/path, /abs/path or host:port); "
+    "default $KVTIERD_ADDRESS or the daemon's default socket",
+    "kvtierd_timeout": "seconds each RPC may take (default 5)",
+    "kvtierd_start_timeout": "seconds the engine waits at start for the daemon to answer "
+    "(default 10); then it fails with an error naming the address",
+    "kvtierd_retry_interval": "seconds the scheduler serves misses after the daemon failed, "
+    "before it tries again (default 1)",
+    "kvtierd_stats_interval": "seconds between two GetStats calls feeding the pool gauges "
+    "(default 10; 0 turns them off)",
+    "kvtierd_pool": "pool name; default derived from the model and parallel layout",
+    "kvtierd_token": "bearer token (TCP daemons only)",
+    "cpu_bytes_to_use": "pool capacity in bytes (rows = this // row stride); "
+    "absent: the daemon's default_pool_blocks",
+    "eviction_policy": "'lru' (default) or 'arc'; fixed by the first engine that creates the pool",
+}
+"""The ``kv_connector_extra_config`` keys this plug-in reads, with their meaning."""
+
+
+@dataclass(frozen=True)
+class PluginSettings:
+    """The plug-in's extra config keys, validated."""
+
+    address: str
+    timeout: float
+    start_timeout: float
+    retry_interval: float
+    stats_interval: float
+    pool_name: str | None
+    token: str | None
+    capacity_bytes: int
+    eviction_policy: str
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any]) -> PluginSettings:
+        """Reads and checks the keys; ValueError naming the key for a bad value."""
+        address = str(extra.get("kvtierd_address") or default_address())
+        try:
+            to_grpc_target(address)
+        except ValueError as err:
+            raise ValueError(f"kv_connector_extra_config.kvtierd_address: {err}") from None
+        policy = str(extra.get("eviction_policy") or "lru").lower()
+        if policy not in ("lru", "arc"):
+            raise ValueError(
+                f"kv_connector_extra_config.eviction_policy: kvtierd supports 'lru' and "
+                f"'arc', got {extra.get('eviction_policy')!r}"
+            )
+        pool = extra.get("kvtierd_pool")
+        token = extra.get("kvtierd_token")
+        return cls(
+            address=address,
+            timeout=_seconds(extra, "kvtierd_timeout", DEFAULT_TIMEOUT, minimum=0.001),
+            start_timeout=_seconds(extra, "kvtierd_start_timeout", 10.0, minimum=0.0),
+            retry_interval=_seconds(extra, "kvtierd_retry_interval", 1.0, minimum=0.0),
+            stats_interval=_seconds(extra, "kvtierd_stats_interval", 10.0, minimum=0.0),
+            pool_name=str(pool) if pool else None,
+            token=str(token) if token else None,
+            capacity_bytes=_non_negative_int(extra, "cpu_bytes_to_use"),
+            eviction_policy=policy,
+        )
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """The pool an engine opens and how its workers lay out rows.
+
+    Invariant: ``block_bytes >= world_size * rank_page_bytes`` and is a multiple of
+    4096; ``rank_page_bytes == blocks_per_chunk * sub_block_bytes``.
+    """
+
+    name: str
+    block_bytes: int
+    num_blocks: int  # 0: the daemon's default
+    layout: str
+    world_size: int
+    blocks_per_chunk: int
+    sub_block_bytes: int  # one GPU block of one rank: worker_kv_bytes_per_block
+
+    @property
+    def rank_page_bytes(self) -> int:
+        return self.blocks_per_chunk * self.sub_block_bytes
+
+
+def plan_pool(config: Any, settings: PluginSettings) -> PoolPlan:
+    """The pool for vLLM's ``OffloadingConfig`` ``config``.
+
+    Raises ValueError when the configuration cannot be offloaded to kvtierd (no KV
+    bytes, canonical layout, a row over 1 GiB).
+    """
+    if getattr(config, "canonical_layout", False):
+        raise ValueError(
+            "kvtierd: canonical_layout=true is not supported by KvtierdOffloadingSpec; "
+            "remove it from kv_connector_extra_config"
+        )
+    sub_block = int(config.worker_kv_bytes_per_block)
+    parallel = config.parallel
+    world = int(parallel.world_size)
+    bpc = int(config.cache.blocks_per_chunk)
+    if sub_block <= 0 or world <= 0 or bpc <= 0:
+        raise ValueError(
+            f"kvtierd: nothing to offload (worker_kv_bytes_per_block={sub_block}, "
+            f"world_size={world}, blocks_per_chunk={bpc})"
+        )
+    block_bytes = _round_up(sub_block * bpc * world, ROW_ALIGNMENT)
+    if block_bytes > 1 << 30:
+        raise ValueError(
+            f"kvtierd: a row of {block_bytes} bytes ({world} ranks x {bpc} blocks x "
+            f"{sub_block} bytes) exceeds the daemon's 1 GiB limit; lower blocks_per_chunk"
+        )
+    layout = layout_fingerprint(config)
+    digest = hashlib.sha256(layout.encode()).hexdigest()[:12]
+    name = settings.pool_name or _default_pool_name(config.model.name, parallel, digest)
+    return PoolPlan(
+        name=name,
+        block_bytes=block_bytes,
+        num_blocks=settings.capacity_bytes // block_bytes,
+        layout=layout,
+        world_size=world,
+        blocks_per_chunk=bpc,
+        sub_block_bytes=sub_block,
+    )
+
+
+def layout_fingerprint(config: Any) -> str:
+    """Everything the bytes of a row depend on, as one readable string (< 4 KiB).
+
+    Model name and dtype, tokens per hash, blocks per chunk, per KV group its
+    tokens per block and layers (hashed), the KV layout, the bytes of one GPU
+    block, and the parallel layout except data parallelism (DP replicas hold
+    identical KV and share the pool).
+    """
+    p = config.parallel
+    groups = ";".join(
+        f"g{g.group_id}:tpb{g.tokens_per_block}:L{len(g.layer_names)}:"
+        + hashlib.sha256("\n".join(g.layer_names).encode()).hexdigest()[:12]
+        for g in config.groups
+    )
+    model = config.model.name
+    if len(model) > 512:
+        model = "sha256:" + hashlib.sha256(model.encode()).hexdigest()
+    return (
+        f"{LAYOUT_VERSION}|model={model}|dtype={config.model.dtype}"
+        f"|tokens_per_hash={config.cache.tokens_per_hash}"
+        f"|blocks_per_chunk={config.cache.blocks_per_chunk}|groups={groups}"
+        f"|kv_layout={config.kv_cache_layout}|block_kv_bytes={config.worker_kv_bytes_per_block}"
+        f"|world={p.world_size}|tp={p.tp_size}|pp={p.pp_size}|pcp={p.pcp_size}|dcp={p.dcp_size}"
+        f"|replicated={bool(config.replicated_layout)}"
+    )
+
+
+def _default_pool_name(model: str, parallel: Any, digest: str) -> str:
+    base = model.rstrip("/").rsplit("/", 1)[-1] or "model"
+    base = _POOL_NAME_CHARS.sub("_", base).strip("_.") or "model"
+    model_tag = hashlib.sha256(model.encode()).hexdigest()[:8]
+    shape = f"tp{parallel.tp_size}-pp{parallel.pp_size}"
+    if parallel.pcp_size != 1 or parallel.dcp_size != 1:
+        shape += f"-pcp{parallel.pcp_size}-dcp{parallel.dcp_size}"
+    suffix = f"/{model_tag}/{shape}/{digest}"
+    head = "vllm/"
+    room = _MAX_POOL_NAME - len(head) - len(suffix)
+    return head + base[: max(room, 1)] + suffix
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return math.ceil(value / multiple) * multiple
+
+
+def _seconds(extra: Mapping[str, Any], key: str, default: float, minimum: float) -> float:
+    raw = extra.get(key)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not value >= minimum or math.isinf(value):
+        raise ValueError(
+            f"kv_connector_extra_config.{key}: expected seconds >= {minimum}, got {raw!r}"
+        )
+    return value
+
+
+def _non_negative_int(extra: Mapping[str, Any], key: str) -> int:
+    raw = extra.get(key)
+    if raw is None:
+        return 0
+    try:
+        value = int(raw)
+    except (TypeError, ValueError):
+        value = -1
+    if value < 0 or isinstance(raw, bool):
+        raise ValueError(
+            f"kv_connector_extra_config.{key}: expected a non-negative integer, got {raw!r}"
+        )
+    return value

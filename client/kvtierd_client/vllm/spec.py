@@ -1,0 +1,110 @@
+"""``KvtierdOffloadingSpec``: vLLM's ``OffloadingSpec`` putting KV offloading on kvtierd.
+
+Loaded by vLLM's ``OffloadingConnector`` from::
+
+    kv_connector_extra_config = {
+        "spec_name": "KvtierdOffloadingSpec",
+        "spec_module_path": "kvtierd_client.vllm",
+        "cpu_bytes_to_use": 8 << 30,          # pool capacity
+        "kvtierd_address": "unix:///run/kvtierd/kvtierd.sock",   # optional
+    }
+
+vLLM builds one spec per process: the engine core calls :meth:`get_manager`
+(scheduler side), every worker calls :meth:`get_worker`; the API server only
+calls the classmethod :meth:`build_metric_definitions`. Constructing a spec
+does no I/O; ``get_manager`` / ``get_worker`` open a daemon session and fail
+the engine start with :class:`DaemonStartError` when the daemon cannot be
+reached or refuses the pool.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    OffloadingCounterMetadata,
+    OffloadingGaugeMetadata,
+    OffloadingManager,
+    OffloadingMetricMetadata,
+    OffloadingSpec,
+    OffloadingWorker,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig
+
+from kvtierd_client.vllm.common import open_pool_session
+from kvtierd_client.vllm.manager import (
+    METRIC_NAMES,
+    KvtierdOffloadingManager,
+    default_client_name,
+)
+from kvtierd_client.vllm.settings import PluginSettings, PoolPlan, plan_pool
+from kvtierd_client.vllm.worker import KvtierdOffloadingWorker
+
+__all__ = ["KvtierdOffloadingSpec"]
+
+
+class KvtierdOffloadingSpec(OffloadingSpec):
+    """Offloads vLLM's KV cache to a kvtierd pool (see the module docstring).
+
+    Attributes: ``settings`` (the extra config keys), ``plan`` (pool name,
+    row size, capacity, layout fingerprint).
+    """
+
+    @classmethod
+    def build_metric_definitions(
+        cls, extra_config: dict[str, Any]
+    ) -> dict[str, OffloadingMetricMetadata]:
+        return {
+            METRIC_NAMES["lookups"]: OffloadingCounterMetadata(
+                documentation="Offload lookups answered by kvtierd, by result.",
+                labelnames=("result",),
+            ),
+            METRIC_NAMES["rpc_failures"]: OffloadingCounterMetadata(
+                documentation="kvtierd calls that failed (each turns into misses).",
+            ),
+            METRIC_NAMES["reconnects"]: OffloadingCounterMetadata(
+                documentation="New kvtierd sessions after the daemon forgot the old one.",
+            ),
+            METRIC_NAMES["used_blocks"]: OffloadingGaugeMetadata(
+                documentation="Rows in use in the kvtierd pool (every engine sharing it).",
+            ),
+            METRIC_NAMES["capacity_blocks"]: OffloadingGaugeMetadata(
+                documentation="Rows of the kvtierd pool.",
+            ),
+        }
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        super().__init__(config)
+        self.settings = PluginSettings.from_extra_config(self.extra_config)
+        self.plan: PoolPlan = plan_pool(config, self.settings)
+        self._manager: KvtierdOffloadingManager | None = None
+        self._worker: KvtierdOffloadingWorker | None = None
+
+    def get_manager(self) -> OffloadingManager:
+        """The scheduler's manager over a new daemon session (created once)."""
+        if self._manager is None:
+            name = default_client_name("scheduler")
+            client, session = open_pool_session(self.settings, self.plan, name)
+            self._manager = KvtierdOffloadingManager(
+                client,
+                session,
+                self.settings,
+                self.plan,
+                events_enabled=self.kv_events_config.enable_kv_cache_events,
+                client_name=name,
+            )
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        """This rank's worker over the pool's region (created once)."""
+        if self._worker is None:
+            rank = self.config.parallel.rank
+            name = default_client_name(f"worker{rank}")
+            client, session = open_pool_session(self.settings, self.plan, name)
+            try:
+                self._worker = KvtierdOffloadingWorker(kv_caches, self.plan, rank, client, session)
+            except BaseException:
+                client.close()
+                raise
+        return self._worker

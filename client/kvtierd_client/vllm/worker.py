@@ -1,0 +1,333 @@
+"""The worker side: vLLM's ``OffloadingWorker`` copying KV pages to and from region rows.
+
+One worker per vLLM worker process (rank ``r`` of ``world_size``). It maps the
+pool's region and moves bytes with :class:`kvtierd_client.copy_engine.CopyEngine`:
+CUDA tensors are copied on the engines' own streams behind the compute stream
+and tracked with events; CPU tensors are copied inside ``submit_*``.
+
+Row layout (see :mod:`kvtierd_client.vllm.settings`): rank ``r``'s page of a row
+holds ``blocks_per_chunk`` sub-blocks of ``worker_kv_bytes_per_block`` bytes, and
+sub-block ``j`` of rank ``r`` is the copy engine "rank" ``r * blocks_per_chunk +
+j``. A KV group's tensors are laid out from the start of the sub-block, in the
+order vLLM lists them. GPU block ``k`` of a group whose first block has logical
+index ``i0`` lives in sub-block ``(i0 % bpc + k) % bpc`` of the group's
+``(i0 % bpc + k) // bpc``-th chunk (a partial first chunk skips ``i0 % bpc``).
+
+Ownership: the worker owns its region mappings, its copy engines and its daemon
+session (used once, at start, to learn the region; closed at ``shutdown``). The
+daemon decides which rows a job may touch; the scheduler's pins and reservations
+protect them while the job runs. A job names the region its rows belong to; the
+worker copies only into or out of that very region file (same inode), attaching a
+new one after a daemon restart. A store into a region whose daemon is gone is
+dropped (nobody can ever read those rows), a load that cannot be served safely is
+reported failed, never filled with unprotected bytes.
+
+Not thread-safe: vLLM drives a worker from one thread.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+
+from kvtierd_client.client import Client, Session
+from kvtierd_client.copy_engine import CopyEngine
+from kvtierd_client.region import AttachedRegion
+from kvtierd_client.vllm.common import KvtierdLoadStoreSpec, RegionIdentity, log
+from kvtierd_client.vllm.settings import PoolPlan
+
+__all__ = ["KvtierdOffloadingWorker", "plan_copies"]
+
+
+class _Attachment:
+    """One mapped region and the copy engines over it: ``engines[g][j]`` copies KV
+    group ``g``'s tensors into sub-block ``j`` of this rank's page."""
+
+    def __init__(
+        self,
+        identity: RegionIdentity,
+        groups: list[list[torch.Tensor]],
+        plan: PoolPlan,
+        rank: int,
+    ) -> None:
+        region = _attach_exactly(identity)
+        try:
+            self.engines = [
+                [
+                    CopyEngine(
+                        region,
+                        tensors,
+                        rank=rank * plan.blocks_per_chunk + j,
+                        page_bytes=plan.sub_block_bytes,
+                    )
+                    for j in range(plan.blocks_per_chunk)
+                ]
+                for tensors in groups
+            ]
+        except BaseException:
+            region.close()
+            raise
+        self.identity = identity
+        self.region = region
+
+    def close(self) -> None:
+        """Waits for every copy, then unmaps (the file stays: it is the daemon's)."""
+        for engines in self.engines:
+            for engine in engines:
+                engine.close()
+        self.engines = []
+        self.region.close()
+
+
+@dataclass
+class _Job:
+    job_id: int
+    is_load: bool
+    num_bytes: int
+    started: float
+    parts: list[tuple[CopyEngine, int]] = field(default_factory=list)
+
+
+class KvtierdOffloadingWorker(OffloadingWorker):
+    """vLLM's ``OffloadingWorker`` over a kvtierd region (see the module docstring).
+
+    ``client`` and ``session`` (the pool's, opened by the spec) are owned from
+    here on. Raises ValueError when the KV tensors do not fit the pool's rows.
+    """
+
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        plan: PoolPlan,
+        rank: int,
+        client: Client,
+        session: Session,
+    ) -> None:
+        if not 0 <= rank < plan.world_size:
+            raise ValueError(f"kvtierd: rank {rank} outside world size {plan.world_size}")
+        self._plan = plan
+        self._rank = rank
+        self._client = client
+        self._session = session
+        self._groups = _group_tensors(kv_caches)
+        for g, tensors in enumerate(self._groups):
+            page = sum(t.shape[1] * t.element_size() for t in tensors)
+            if page > plan.sub_block_bytes:
+                raise ValueError(
+                    f"kvtierd: KV group {g} has {page} bytes per block but the pool's "
+                    f"sub-blocks have {plan.sub_block_bytes}"
+                )
+        self._group_bytes = [
+            sum(t.shape[1] * t.element_size() for t in tensors) for tensors in self._groups
+        ]
+        self._current = _Attachment(RegionIdentity.of_session(session), self._groups, plan, rank)
+        self._jobs: dict[int, _Job] = {}  # submitted, not yet reported
+        self._done: dict[CopyEngine, set[int]] = {}  # engine job ids finished, per engine
+        self._results: list[TransferResult] = []  # finished, not yet reported
+
+    @property
+    def region(self) -> RegionIdentity:
+        return self._current.identity
+
+    # -- vLLM's OffloadingWorker API -------------------------------------------------
+
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
+    ) -> bool:
+        """GPU blocks -> region rows. Always returns True (vLLM asserts it); a job that
+        cannot run is reported by ``get_finished`` as failed, after an error log."""
+        self._submit(job_id, src_spec, dst_spec, is_load=False)
+        return True
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+        """Region rows -> GPU blocks; see :meth:`submit_store`."""
+        self._submit(job_id, dst_spec, src_spec, is_load=True)
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        self._collect()
+        results, self._results = self._results, []
+        return results
+
+    def wait(self, job_ids: set[int]) -> None:
+        for job_id in job_ids:
+            job = self._jobs.get(job_id)
+            if job is None:
+                continue
+            for engine, part_id in job.parts:
+                engine.wait([part_id])
+
+    def shutdown(self) -> None:
+        """Waits for every copy, unmaps the region and closes the daemon session."""
+        try:
+            self._current.close()
+        finally:
+            self._client.close()
+
+    # -- internals -------------------------------------------------------------------
+
+    def _submit(
+        self, job_id: int, gpu: GPULoadStoreSpec, rows: LoadStoreSpec, *, is_load: bool
+    ) -> None:
+        job = _Job(job_id, is_load, 0, time.perf_counter())
+        try:
+            if not isinstance(rows, KvtierdLoadStoreSpec):
+                raise TypeError(f"expected a KvtierdLoadStoreSpec, got {type(rows).__name__}")
+            if not rows.valid or rows.region is None:
+                raise RuntimeError("the scheduler could not pin the rows of this load")
+            attachment = self._attachment_for(rows.region)
+            if attachment is None:
+                if is_load:
+                    raise RuntimeError(
+                        f"region {rows.region.path} of this load is gone (daemon restarted)"
+                    )
+                log.warning(
+                    "kvtierd: dropping store job %d: its region %s is gone (daemon "
+                    "restarted); its blocks will be misses", job_id, rows.region.path,
+                )  # fmt: skip
+                self._jobs[job_id] = job
+                return
+            plan = plan_copies(gpu, rows.block_ids, self._plan.blocks_per_chunk)
+            for (g, j), pairs in plan.items():
+                engine = attachment.engines[g][j]
+                if is_load:
+                    part = engine.submit_load([(row, blk) for blk, row in pairs])
+                else:
+                    part = engine.submit_store(pairs)
+                job.parts.append((engine, part))
+                job.num_bytes += len(pairs) * self._group_bytes[g]
+        except Exception as err:
+            log.error(
+                "kvtierd: %s job %d failed: %s", "load" if is_load else "store", job_id, err,
+                exc_info=not isinstance(err, (RuntimeError, TypeError)),
+            )  # fmt: skip
+            self._wait_parts(job)
+            self._results.append(TransferResult(job_id, success=False))
+            return
+        self._jobs[job_id] = job
+
+    def _finish(self, job: _Job) -> None:
+        del self._jobs[job.job_id]
+        self._results.append(
+            TransferResult(
+                job.job_id,
+                success=True,
+                transfer_size=job.num_bytes,
+                transfer_time=time.perf_counter() - job.started,
+            )
+        )
+
+    def _wait_parts(self, job: _Job) -> None:
+        """Parts of a failed job already submitted must end before it is reported."""
+        for engine, part_id in job.parts:
+            engine.wait([part_id])
+
+    def _collect(self, wait: bool = False) -> None:
+        """Moves finished jobs (all their parts done) to the results; with ``wait``,
+        waits for every job in flight first."""
+        if wait:
+            for job in self._jobs.values():
+                self._wait_parts(job)
+        for engines in self._current.engines:
+            for engine in engines:
+                self._done.setdefault(engine, set()).update(engine.poll())
+        for job in list(self._jobs.values()):
+            if all(part_id in self._done.get(e, ()) for e, part_id in job.parts):
+                for e, part_id in job.parts:
+                    self._done[e].discard(part_id)
+                self._finish(job)
+
+    def _attachment_for(self, identity: RegionIdentity) -> _Attachment | None:
+        """The attachment of ``identity``, attaching it when it is a new region of the
+        pool (daemon restarted); None when that region is gone."""
+        if identity == self._current.identity:
+            return self._current
+        if not identity.still_current():
+            return None
+        fresh = _Attachment(identity, self._groups, self._plan, self._rank)
+        # Every job in flight ends (and is queued for reporting) before the old
+        # region is unmapped.
+        self._collect(wait=True)
+        old, self._current = self._current, fresh
+        for engines in old.engines:
+            for engine in engines:
+                self._done.pop(engine, None)
+        old.close()
+        log.warning("kvtierd: worker attached the pool's new region %s", identity.path)
+        return fresh
+
+
+def plan_copies(
+    gpu: GPULoadStoreSpec, chunk_ids: np.ndarray, blocks_per_chunk: int
+) -> dict[tuple[int, int], list[tuple[int, int]]]:
+    """(group, sub-block) -> [(GPU block id, row id)] for one job.
+
+    GPU blocks are listed group by group (``group_sizes``), rows (chunks) too;
+    group ``g``'s first GPU block has logical index ``block_indices[g]``, so the
+    group's first chunk is entered at sub-block ``block_indices[g] % bpc`` and the
+    group spans ``ceil((size + skip) / bpc)`` chunks. Raises ValueError when the
+    two specs disagree on the number of chunks.
+    """
+    gpu_ids = np.asarray(gpu.block_ids).tolist()
+    rows = np.asarray(chunk_ids).tolist()
+    sizes = list(gpu.group_sizes) if gpu.group_sizes is not None else [len(gpu_ids)]
+    starts = list(gpu.block_indices) if gpu.block_indices is not None else [0] * len(sizes)
+    out: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    gi = ci = 0
+    for g, (size, first) in enumerate(zip(sizes, starts, strict=True)):
+        if size == 0:
+            continue
+        skip = first % blocks_per_chunk
+        num_chunks = math.ceil((size + skip) / blocks_per_chunk)
+        if ci + num_chunks > len(rows):
+            raise ValueError(
+                f"group {g}: {size} GPU blocks from logical block {first} need {num_chunks} "
+                f"rows, the job names {len(rows) - ci}"
+            )
+        for k in range(size):
+            pos = skip + k
+            out.setdefault((g, pos % blocks_per_chunk), []).append(
+                (gpu_ids[gi + k], rows[ci + pos // blocks_per_chunk])
+            )
+        gi += size
+        ci += num_chunks
+    if ci != len(rows) or gi != len(gpu_ids):
+        raise ValueError(
+            f"the job names {len(rows)} rows and {len(gpu_ids)} GPU blocks; its groups "
+            f"cover {ci} and {gi}"
+        )
+    return out
+
+
+def _group_tensors(kv_caches: CanonicalKVCaches) -> list[list[torch.Tensor]]:
+    """Per KV group, its distinct canonical tensors in vLLM's order."""
+    groups: list[list[torch.Tensor]] = []
+    for refs in kv_caches.group_data_refs:
+        indices = list(dict.fromkeys(ref.tensor_idx for ref in refs))
+        groups.append([kv_caches.tensors[i].tensor for i in indices])
+    if not groups or any(not g for g in groups):
+        raise ValueError("kvtierd: vLLM passed a KV group without tensors")
+    return groups
+
+
+def _attach_exactly(identity: RegionIdentity) -> AttachedRegion:
+    """Maps the region file ``identity`` names, checking before and after that the
+    file at that path is that very file (same device and inode)."""
+    if not identity.still_current():
+        raise FileNotFoundError(f"region {identity.path} is gone or was replaced")
+    region = AttachedRegion.attach(identity.path, identity.num_blocks, identity.block_bytes)
+    if not identity.still_current():
+        region.close()
+        raise FileNotFoundError(f"region {identity.path} was replaced while attaching")
+    return region
