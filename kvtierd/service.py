@@ -43,6 +43,8 @@ from kvtierd_client.proto import pb2, pb2_grpc
 
 log = logging.getLogger("kvtierd.service")
 
+MAX_BATCH_OPS = 4096
+
 Request = TypeVar("Request")
 Response = TypeVar("Response")
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Any]
@@ -54,24 +56,24 @@ def _handle(method: Handler) -> Callable[..., Awaitable[Any]]:
 
     @functools.wraps(method)
     async def wrapper(self: KVTierService, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        # Each outcome is observed before the answer leaves, so a client that
+        # scrapes metrics after its call returned always sees the call counted.
         start = time.perf_counter()
-        code = "OK"
         try:
             self.authorize(context)
-            return method(self, request, context)
+            response = method(self, request, context)
         except KvtierdError as exc:
-            code = exc.code.name
+            self._observe(name, exc.code.name, start)
             await context.abort(exc.code, str(exc))
         except Exception as exc:
-            code = "INTERNAL"
+            self._observe(name, "INTERNAL", start)
             log.exception("%s failed with an internal error", name)
             await context.abort(
                 grpc.StatusCode.INTERNAL,
                 f"internal error in {name}: {type(exc).__name__}: {exc} (see the daemon log)",
             )
-        finally:
-            if self.observe_rpc is not None:
-                self.observe_rpc(name, code, time.perf_counter() - start)
+        self._observe(name, "OK", start)
+        return response
 
     return wrapper
 
@@ -93,6 +95,10 @@ class KVTierService(pb2_grpc.KVTierServicer):
         self.shutting_down = False
         # (method, status code name, seconds) per handled call; set by the daemon
         self.observe_rpc: Callable[[str, str, float], None] | None = None
+
+    def _observe(self, method: str, code: str, start: float) -> None:
+        if self.observe_rpc is not None:
+            self.observe_rpc(method, code, time.perf_counter() - start)
 
     # ----------------------------------------------------------------- auth
 
@@ -162,44 +168,55 @@ class KVTierService(pb2_grpc.KVTierServicer):
 
     @_handle
     def Lookup(self, request: pb2.LookupRequest, context: Any) -> Any:
-        session, keys = self._session_and_keys(request)
-        return pb2.LookupResponse(results=session.pool.lookup(keys))
+        return _lookup(*self._session_and_keys(request), request)
 
     @_handle
     def Touch(self, request: pb2.TouchRequest, context: Any) -> Any:
-        session, keys = self._session_and_keys(request)
-        session.pool.touch(keys)
-        return pb2.TouchResponse()
+        return _touch(*self._session_and_keys(request), request)
 
     @_handle
     def PrepareLoad(self, request: pb2.PrepareLoadRequest, context: Any) -> Any:
-        session, keys = self._session_and_keys(request)
-        return pb2.PrepareLoadResponse(block_ids=session.pool.prepare_load(session.id, keys))
+        return _prepare_load(*self._session_and_keys(request), request)
 
     @_handle
     def CompleteLoad(self, request: pb2.CompleteLoadRequest, context: Any) -> Any:
-        session, keys = self._session_and_keys(request)
-        session.pool.complete_load(session.id, keys)
-        return pb2.CompleteLoadResponse()
+        return _complete_load(*self._session_and_keys(request), request)
 
     @_handle
     def PrepareStore(self, request: pb2.PrepareStoreRequest, context: Any) -> Any:
-        session, keys = self._session_and_keys(request)
-        grant = session.pool.prepare_store(session.id, keys)
-        if grant is None:
-            return pb2.PrepareStoreResponse(accepted=False)
-        return pb2.PrepareStoreResponse(
-            accepted=True,
-            keys_to_store=grant.keys_to_store,
-            block_ids=grant.block_ids,
-            evicted_keys=grant.evicted_keys,
-        )
+        return _prepare_store(*self._session_and_keys(request), request)
 
     @_handle
     def CompleteStore(self, request: pb2.CompleteStoreRequest, context: Any) -> Any:
-        session, keys = self._session_and_keys(request)
-        session.pool.complete_store(session.id, keys, request.success)
-        return pb2.CompleteStoreResponse()
+        return _complete_store(*self._session_and_keys(request), request)
+
+    @_handle
+    def Batch(self, request: pb2.BatchRequest, context: Any) -> Any:
+        """Runs the ops in order on one loop turn; each op's error is its own result."""
+        if len(request.ops) > MAX_BATCH_OPS:
+            raise InvalidArgument(
+                f"ops: {len(request.ops)} operations; at most {MAX_BATCH_OPS} per Batch"
+            )
+        session = self._sessions.get(request.session_id)
+        return pb2.BatchResponse(results=[self._batch_op(session, op) for op in request.ops])
+
+    def _batch_op(self, session: Session, op: pb2.BatchOp) -> pb2.BatchResult:
+        which = op.WhichOneof("op")
+        try:
+            if which is None:
+                raise InvalidArgument("ops: an operation with no call set")
+            call = getattr(op, which)
+            if call.session_id and call.session_id != session.id:
+                raise InvalidArgument(
+                    f"ops.{which}.session_id: {call.session_id!r} is not the batch's session; "
+                    "leave it empty"
+                )
+            keys = list(call.keys)
+            check_keys(keys, self._max_keys)
+            response = _BATCH_OPS[which](session, keys, call)
+        except KvtierdError as exc:
+            return pb2.BatchResult(code=exc.code.value[0], error=str(exc))
+        return pb2.BatchResult(**{which: response})
 
     # ----------------------------------------------------------------- events
 
@@ -291,6 +308,58 @@ class KVTierService(pb2_grpc.KVTierServicer):
             ],
             summary=report.summary,
         )
+
+
+# ----------------------------------------------------------------- manager calls
+# One function per manager call, shared by the single RPCs and Batch: the
+# session is resolved and the keys validated by the caller.
+
+
+def _lookup(session: Session, keys: list[bytes], request: Any) -> pb2.LookupResponse:
+    return pb2.LookupResponse(results=session.pool.lookup(keys))
+
+
+def _touch(session: Session, keys: list[bytes], request: Any) -> pb2.TouchResponse:
+    session.pool.touch(keys)
+    return pb2.TouchResponse()
+
+
+def _prepare_load(session: Session, keys: list[bytes], request: Any) -> pb2.PrepareLoadResponse:
+    return pb2.PrepareLoadResponse(block_ids=session.pool.prepare_load(session.id, keys))
+
+
+def _complete_load(session: Session, keys: list[bytes], request: Any) -> pb2.CompleteLoadResponse:
+    session.pool.complete_load(session.id, keys)
+    return pb2.CompleteLoadResponse()
+
+
+def _prepare_store(session: Session, keys: list[bytes], request: Any) -> pb2.PrepareStoreResponse:
+    grant = session.pool.prepare_store(session.id, keys)
+    if grant is None:
+        return pb2.PrepareStoreResponse(accepted=False)
+    return pb2.PrepareStoreResponse(
+        accepted=True,
+        keys_to_store=grant.keys_to_store,
+        block_ids=grant.block_ids,
+        evicted_keys=grant.evicted_keys,
+    )
+
+
+def _complete_store(
+    session: Session, keys: list[bytes], request: Any
+) -> pb2.CompleteStoreResponse:
+    session.pool.complete_store(session.id, keys, request.success)
+    return pb2.CompleteStoreResponse()
+
+
+_BATCH_OPS: dict[str, Callable[[Session, list[bytes], Any], Any]] = {
+    "lookup": _lookup,
+    "touch": _touch,
+    "prepare_load": _prepare_load,
+    "complete_load": _complete_load,
+    "prepare_store": _prepare_store,
+    "complete_store": _complete_store,
+}
 
 
 def _pool_spec_message(spec: PoolSpec) -> pb2.PoolSpec:

@@ -38,6 +38,7 @@ from kvtierd_client.errors import (
     InvalidArgument,
     KvtierError,
     NotFound,
+    error_class,
     from_rpc_error,
 )
 from kvtierd_client.proto import pb2, pb2_grpc
@@ -53,6 +54,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvtierd_client")
+
+_STATUS_BY_VALUE = {status.value[0]: status for status in grpc.StatusCode}
 
 DEFAULT_TIMEOUT = 5.0
 """Seconds each call may take before it fails with ``DeadlineExceeded``."""
@@ -212,6 +215,19 @@ GET_STATS = _Op("GetStats", lambda pool: pb2.GetStatsRequest(pool=pool), _same)
 FLUSH_POOL = _Op(
     "FlushPool", lambda pool: pb2.FlushPoolRequest(pool=pool), lambda r: r.evicted_blocks
 )
+BATCH = _Op(
+    "Batch", lambda sid, ops: pb2.BatchRequest(session_id=sid, ops=ops), lambda r: r.results
+)
+# the BatchOp / BatchResult field of each call that a Batch can carry
+_BATCH_FIELD = {
+    "Lookup": "lookup",
+    "Touch": "touch",
+    "PrepareLoad": "prepare_load",
+    "CompleteLoad": "complete_load",
+    "PrepareStore": "prepare_store",
+    "CompleteStore": "complete_store",
+}
+DEFAULT_FLUSH_AFTER = 0.005  # seconds a queued completion may wait for a carrier call
 EXPLAIN = _Op("Explain", lambda pool, key: pb2.ExplainRequest(pool=pool, key=key), _same)
 WATCH_EVENTS = _Op(
     "WatchEvents", lambda pool, after: pb2.WatchEventsRequest(pool=pool, after_seq=after), _same
@@ -390,6 +406,7 @@ class Client:
         eviction_policy: str = "",
         client_name: str = "",
         keepalive: bool = True,
+        queue_completions: bool = False,
     ) -> Session:
         """Creates or joins ``pool`` and returns a session bound to it (RPC ``OpenSession``).
 
@@ -397,6 +414,13 @@ class Client:
         fingerprint every session of the pool must share; ``eviction_policy`` is
         "lru" (default) or "arc". With ``keepalive`` a daemon thread renews the
         lease every ``lease_ms / 3`` until the session is closed.
+
+        With ``queue_completions``, ``complete_store`` / ``complete_load`` / ``touch``
+        return at once and are sent, in call order, with the session's next call
+        that needs an answer (one ``Batch`` round trip), or after a few ms, or by
+        ``flush()`` / ``close()``. The daemon applies the session's calls in the
+        order they were made; a queued call's error is logged and kept in
+        ``session.deferred_errors`` instead of raising.
 
         Raises ``InvalidArgument`` (bad name, block size, policy), ``FailedPrecondition``
         (the pool exists with another block size or layout), ``ResourceExhausted``
@@ -406,7 +430,7 @@ class Client:
         response = self._call(
             OPEN_SESSION, pool, block_bytes, num_blocks, layout, eviction_policy, client_name
         )
-        session = Session(self, response, keepalive=keepalive)
+        session = Session(self, response, keepalive=keepalive, queue_completions=queue_completions)
         with self._lock:
             self._sessions.add(session)
         return session
@@ -541,12 +565,28 @@ class Session(_SessionState):
     """
 
     def __init__(
-        self, client: Client, response: pb2.OpenSessionResponse, *, keepalive: bool = True
+        self,
+        client: Client,
+        response: pb2.OpenSessionResponse,
+        *,
+        keepalive: bool = True,
+        queue_completions: bool = False,
+        flush_after: float = DEFAULT_FLUSH_AFTER,
     ) -> None:
         super().__init__(client.address, response)
         self.client = client
         self._stop = threading.Event()
         self._keepalive_thread: threading.Thread | None = None
+        self.queue_completions = queue_completions
+        self._flush_after = flush_after
+        # Invariant: _queued holds the completions not yet sent, in call order; a
+        # call that needs an answer sends them first, in the same Batch, so the
+        # daemon applies every call in the order this session made them.
+        self._queued: list[pb2.BatchOp] = []
+        self._queue_lock = threading.RLock()
+        self._flush_timer: threading.Timer | None = None
+        self.deferred_errors: list[KvtierError] = []  # failures of queued ops (last 100)
+        self.rpcs = 0  # round trips made by this session's manager calls (not keepalives)
         if keepalive:
             self._start_keepalive()
 
@@ -559,6 +599,85 @@ class Session(_SessionState):
         except NotFound:
             self._mark_gone()
             raise
+
+    def _answer(self, op: _Op[_R], keys: Sequence[bytes], **fields: Any) -> _R:
+        """A call that needs its answer: alone, or carrying the queued completions."""
+        with self._queue_lock:
+            if not self._queued:
+                self.rpcs += 1
+                return self._call(op, keys, **fields)
+            ops = self._take_queued()
+            ops.append(self._batch_op(op, keys, **fields))
+            results = self._send_batch(ops)
+        return self._result(op, results[-1])
+
+    def _complete(self, op: _Op[None], keys: Sequence[bytes], **fields: Any) -> None:
+        """A completion: queued when ``queue_completions``, else sent at once."""
+        if not self.queue_completions:
+            self.rpcs += 1
+            self._call(op, keys, **fields)
+            return
+        self._check_usable()
+        batch_op = self._batch_op(op, keys, **fields)
+        with self._queue_lock:
+            self._queued.append(batch_op)
+            if self._flush_timer is None:
+                self._flush_timer = threading.Timer(self._flush_after, self._flush_from_timer)
+                self._flush_timer.daemon = True
+                self._flush_timer.start()
+
+    def flush(self) -> None:
+        """Sends the queued completions now (one ``Batch``). Errors of queued ops are
+        appended to ``deferred_errors`` and logged; transport errors raise."""
+        with self._queue_lock:
+            ops = self._take_queued()
+            if ops:
+                self._send_batch(ops)
+
+    def _flush_from_timer(self) -> None:
+        try:
+            self.flush()
+        except KvtierError as err:
+            log.warning("session %s: sending queued completions failed: %s", self.session_id, err)
+
+    def _take_queued(self) -> list[pb2.BatchOp]:
+        ops, self._queued = self._queued, []
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
+        return ops
+
+    @staticmethod
+    def _batch_op(op: _Op[Any], keys: Sequence[bytes], **fields: Any) -> pb2.BatchOp:
+        request = op.request("", keys, **fields)  # the batch carries the session id
+        return pb2.BatchOp(**{_BATCH_FIELD[op.rpc]: request})
+
+    def _send_batch(self, ops: list[pb2.BatchOp]) -> list[pb2.BatchResult]:
+        """One ``Batch`` round trip; failures of all but the last op are recorded."""
+        self.rpcs += 1
+        results = self._call(BATCH, ops)
+        for result in results[:-1] if len(results) > 0 else ():
+            if result.code:
+                self._record_deferred(result)
+        return list(results)
+
+    def _record_deferred(self, result: pb2.BatchResult) -> None:
+        err = self._error_of(result)
+        log.warning("session %s: a queued completion failed: %s", self.session_id, err)
+        self.deferred_errors.append(err)
+        del self.deferred_errors[:-100]
+
+    def _error_of(self, result: pb2.BatchResult) -> KvtierError:
+        code = _STATUS_BY_VALUE.get(result.code, grpc.StatusCode.UNKNOWN)
+        return error_class(code)(result.error, code, self.address)
+
+    def _result(self, op: _Op[_R], result: pb2.BatchResult) -> _R:
+        if result.code:
+            err = self._error_of(result)
+            if isinstance(err, NotFound):
+                self._mark_gone()
+            raise err
+        return op.decode(getattr(result, _BATCH_FIELD[op.rpc]))
 
     def _mark_gone(self) -> None:
         super()._mark_gone()
@@ -579,25 +698,27 @@ class Session(_SessionState):
 
     def lookup(self, keys: Sequence[bytes], request_id: str = "") -> list[LookupResult]:
         """One ``LookupResult`` per key (RPC ``Lookup``); never changes recency."""
-        return self._call(LOOKUP, keys, request_id=request_id)
+        return self._answer(LOOKUP, keys, request_id=request_id)
 
     def touch(self, keys: Sequence[bytes]) -> None:
-        """Marks ``keys`` recently used, the first most recent (RPC ``Touch``)."""
-        self._call(TOUCH, keys)
+        """Marks ``keys`` recently used, the first most recent (RPC ``Touch``; queued
+        with ``queue_completions``)."""
+        self._complete(TOUCH, keys)
 
     def prepare_load(self, keys: Sequence[bytes], request_id: str = "") -> list[int]:
         """Pins ``keys`` for reading; returns their block ids, co-indexed (RPC ``PrepareLoad``).
 
         Raises ``FailedPrecondition`` when a key is not HIT (nothing is pinned then).
         """
-        return self._call(PREPARE_LOAD, keys, request_id=request_id)
+        return self._answer(PREPARE_LOAD, keys, request_id=request_id)
 
     def complete_load(self, keys: Sequence[bytes]) -> None:
         """Releases this session's pins on ``keys`` (RPC ``CompleteLoad``).
 
-        Raises ``FailedPrecondition`` for keys this session did not pin.
+        Raises ``FailedPrecondition`` for keys this session did not pin (with
+        ``queue_completions`` the error lands in ``deferred_errors`` instead).
         """
-        self._call(COMPLETE_LOAD, keys)
+        self._complete(COMPLETE_LOAD, keys)
 
     def prepare_store(self, keys: Sequence[bytes], request_id: str = "") -> StoreResult | None:
         """Reserves rows for the keys not already present (RPC ``PrepareStore``).
@@ -605,12 +726,13 @@ class Session(_SessionState):
         Returns the ``StoreResult`` (rows to write, evicted keys), or None when
         there is no room now (nothing changed).
         """
-        return self._call(PREPARE_STORE, keys, request_id=request_id)
+        return self._answer(PREPARE_STORE, keys, request_id=request_id)
 
     def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
         """Makes this session's reserved ``keys`` readable, or frees them when not
-        ``success`` (RPC ``CompleteStore``); ready or absent keys are ignored."""
-        self._call(COMPLETE_STORE, keys, success=success)
+        ``success`` (RPC ``CompleteStore``; queued with ``queue_completions``);
+        ready or absent keys are ignored."""
+        self._complete(COMPLETE_STORE, keys, success=success)
 
     def take_events(self) -> list[pb2.Event]:
         """The pool's events since this session's last take (RPC ``TakeEvents``)."""
@@ -630,6 +752,13 @@ class Session(_SessionState):
         if self._closed:
             return
         usable = not self._gone and not self.client.closed
+        if usable:
+            try:
+                self.flush()  # queued completions reach the daemon before the close
+            except KvtierError as err:
+                log.warning(
+                    "session %s: queued completions lost at close: %s", self.session_id, err
+                )
         self._closed = True
         self._stop.set()
         self.client._forget(self)
