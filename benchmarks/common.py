@@ -85,6 +85,11 @@ class BenchDaemon:
         self.socket = os.path.join(self.workdir, "kvtierd.sock")
         self.address = "unix://" + self.socket
         self.log = open(os.path.join(self.workdir, "daemon.log"), "wb")  # noqa: SIM115
+        if "--config" not in args:  # primary tier only unless the caller configures tiers
+            config = os.path.join(self.workdir, "primary-only.toml")
+            with open(config, "w") as f:
+                f.write("# no [[tiers]]: the primary tier alone\n")
+            args = ("--config", config, *args)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvtierd", "--listen", self.address, "--shm-dir",
              self.shm_dir, "--metrics-address", "", "--log-level", "warning", *args],

@@ -122,6 +122,58 @@ def _daemon_cpu_per_key_store(daemon: BenchDaemon, session, keys: int, calls: in
     return (cost(keys) - cost(1)) / (calls * (keys - 1))
 
 
+BATCH_OPS = 32  # ops per Batch: e.g. 8 requests x (lookup, prepare, complete, touch)
+
+
+def _batched_vs_single(daemon: BenchDaemon, rounds: int = 200) -> list[Row]:
+    """Block operations per second at 16 keys per op: single RPCs vs one Batch of
+    BATCH_OPS ops. Same ops, same order: Lookup, PrepareLoad, CompleteLoad, Touch."""
+    from kvtierd_client.proto import pb2, pb2_grpc
+
+    client = Client(daemon.address)
+    session = client.open_session(POOL, block_bytes=BLOCK)
+    keys16 = _keys("hot", 16)
+    steps = BATCH_OPS // 4
+
+    def single() -> None:
+        for _ in range(steps):
+            session.lookup(keys16)
+            session.prepare_load(keys16)
+            session.complete_load(keys16)
+            session.touch(keys16)
+
+    ops = []
+    for _ in range(steps):
+        ops += [
+            pb2.BatchOp(lookup=pb2.LookupRequest(keys=keys16)),
+            pb2.BatchOp(prepare_load=pb2.PrepareLoadRequest(keys=keys16)),
+            pb2.BatchOp(complete_load=pb2.CompleteLoadRequest(keys=keys16)),
+            pb2.BatchOp(touch=pb2.TouchRequest(keys=keys16)),
+        ]
+    request = pb2.BatchRequest(session_id=session.session_id, ops=ops)
+    with grpc.insecure_channel("unix:" + daemon.socket) as channel:
+        stub = pb2_grpc.KVTierStub(channel)
+
+        def batched() -> None:
+            results = stub.Batch(request, timeout=10).results
+            if any(r.code for r in results):
+                raise RuntimeError(f"batch op failed: {next(r.error for r in results if r.code)}")
+
+        single_s = sum(_timed(single, rounds // 4))
+        batched_s = sum(_timed(batched, rounds))
+    block_ops = BATCH_OPS * 16
+    single_rate = (rounds // 4) * block_ops / single_s
+    batched_rate = rounds * block_ops / batched_s
+    session.close()
+    client.close()
+    group = "batch, 1 client"
+    return [
+        Row(group, f"single RPCs, 16 keys/op ({BATCH_OPS} ops)", single_rate, "block ops/s"),
+        Row(group, f"one Batch of {BATCH_OPS} ops x 16 keys", batched_rate, "block ops/s",
+            "single RPCs", batched_rate / single_rate, ">= 5x"),
+    ]  # fmt: skip
+
+
 def run() -> list[Row]:
     rows: list[Row] = []
     with BenchDaemon("--memory-budget", "2GiB") as daemon:
@@ -129,6 +181,7 @@ def run() -> list[Row]:
         setup = client.open_session(POOL, block_bytes=BLOCK, num_blocks=262144)
         hot = _keys("hot", 32)
         setup.complete_store(setup.prepare_store(hot).keys_to_store)
+        rows += _batched_vs_single(daemon)
         for processes in (1, 8):
             results = _run_clients(daemon.address, processes)
             empty_p50 = percentile(results["empty RPC (health Check)"][0], 0.5)
