@@ -125,3 +125,38 @@ def test_fs_tier_serves_after_a_daemon_restart_and_drops_corrupted_blocks(make_l
     assert again == cold
     assert cached < FULL_BLOCKS * TOKENS_PER_BLOCK and cached % TOKENS_PER_BLOCK == 0
     assert fs.failures >= 1
+
+
+def test_a_daemon_restart_turns_into_misses_then_the_new_daemon_serves(make_llm, tmp_path):
+    """The engine outlives its daemon: misses while it is gone (same tokens, nothing
+    loaded), then a new session and region on the restarted daemon, then hits."""
+    address = "unix://" + str(tmp_path / "k.sock")  # both daemons listen here too
+    prompt = random_prompt(PROMPT_TOKENS, seed=5)
+    daemon = start_daemon("--listen", address)
+    try:
+        llm = make_llm(address, kvtierd_retry_interval=0.2)
+        manager = manager_of(llm)
+        cold, _ = generate(llm, prompt)
+        first_region = manager.region
+        assert daemon.stop() == 0
+    finally:
+        daemon.cleanup()
+
+    assert llm.reset_prefix_cache()
+    without_daemon, cached = generate(llm, prompt)
+    assert without_daemon == cold and cached == 0
+
+    daemon = start_daemon("--listen", address)
+    try:
+        time.sleep(0.3)  # past the retry interval
+        assert llm.reset_prefix_cache()
+        fresh, cached = generate(llm, prompt)  # the new daemon is empty: computed, stored
+        assert fresh == cold and cached == 0
+        assert manager.counters.reconnects == 1
+        assert manager.region != first_region and manager.region.still_current()
+        assert llm.reset_prefix_cache()
+        warm, cached = generate(llm, prompt)  # loaded from the new daemon's region
+        assert warm == cold and cached == FULL_BLOCKS * TOKENS_PER_BLOCK
+        assert daemon.stop() == 0
+    finally:
+        daemon.cleanup()

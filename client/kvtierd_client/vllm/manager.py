@@ -366,14 +366,12 @@ class KvtierdOffloadingManager(OffloadingManager):
         return self._plan.name
 
     def _lookup_batch(self, key: bytes, ctx: ReqContext) -> LookupResult:
-        gen = self._usable()
-        if gen is None:
-            return LookupResult.MISS
         batch = [key, *self._following_keys(key, ctx)]
         for _attempt in range(2):
-            answers = self._call(gen, "Lookup", gen.session.lookup, batch, ctx.req_id)
-            if answers is None or self._gen is not gen:
+            answered = self._lookup_rpc(batch, ctx.req_id)
+            if answered is None:
                 return LookupResult.MISS
+            gen, answers = answered
             results = [_RESULTS[a] for a in answers]
             # Pin the run of HITs starting at `key`; vLLM's prefix scan stops at the
             # first MISS and defers on HIT_PENDING / RETRY, so later HITs are not
@@ -401,6 +399,22 @@ class KvtierdOffloadingManager(OffloadingManager):
             if result is not LookupResult.HIT or k in self._step_pins:
                 self._step_results[k] = result
         return results[0]
+
+    def _lookup_rpc(
+        self, batch: list[bytes], req_id: str
+    ) -> tuple[_Generation, list[DaemonLookup]] | None:
+        """``Lookup`` of ``batch``; a session the daemon forgot (restart) is replaced and
+        asked again at once. None when the daemon cannot answer."""
+        for _ in range(2):
+            gen = self._usable()
+            if gen is None:
+                return None
+            answers = self._call(gen, "Lookup", gen.session.lookup, batch, req_id)
+            if answers is not None and self._gen is gen:
+                return gen, answers
+            if self._gen is not None:  # failed for another reason than a lost session
+                return None
+        return None
 
     def _following_keys(self, key: bytes, ctx: ReqContext) -> list[bytes]:
         """The request's next keys of ``key``'s KV group, in prefix order, not yet
