@@ -62,6 +62,10 @@ def test_example_config_is_valid():
     config = load_config(str(REPO / "deploy/systemd/kvtierd.toml"), env={})
     assert config.server.listen == ("unix:///run/kvtierd/kvtierd.sock",)
     assert config.memory.budget == 64 << 30
+    (tier,) = config.tiers  # inside the unit's StateDirectory, created on first start
+    assert tier.settings.root == "/var/lib/kvtierd/fs" and tier.settings.create_root
+    unit = (REPO / "deploy/systemd/kvtierd.service").read_text()
+    assert "StateDirectory=kvtierd" in unit and "ReadWritePaths=" in unit
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze missing")
