@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import re
 import sys
@@ -9,6 +10,12 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# tests/vllm needs vLLM (`make test-vllm` builds .venv-vllm for it); elsewhere a bare
+# `pytest` leaves it out instead of failing on the import
+_vllm = importlib.util.find_spec("vllm")
+if _vllm is None or _vllm.origin is None:  # origin None: only tests/vllm, a namespace dir
+    collect_ignore = ["vllm"]
 
 from daemon_harness import DaemonProcess, start_daemon  # noqa: E402
 
