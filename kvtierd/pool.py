@@ -37,6 +37,8 @@ from kvtierd.validation import key_repr
 
 log = logging.getLogger("kvtierd.pool")
 
+_SERVABLE = (LookupResult.HIT, LookupResult.HIT_PENDING)
+
 
 @dataclass(frozen=True, slots=True)
 class PoolSpec:
@@ -146,10 +148,16 @@ class Pool:
 
     # ----------------------------------------------------------------- manager ops
 
-    def lookup(self, keys: Sequence[BlockKey]) -> list[LookupResult]:
+    def lookup(self, keys: Sequence[BlockKey], *, prefix: bool = False) -> list[LookupResult]:
         """Primary state per key; a primary miss that a secondary tier holds starts
-        a promotion and answers HIT_PENDING (see Tiering.lookup)."""
-        results = self.tiering.lookup(keys, self.manager.lookup(keys))
+        a promotion and answers HIT_PENDING (see Tiering.lookup).
+
+        ``prefix``: the keys are a prefix chain; every key after the first one that
+        is neither HIT nor HIT_PENDING answers MISS and starts no promotion."""
+        results = self.tiering.lookup(keys, self.manager.lookup(keys), prefix=prefix)
+        if prefix:
+            cut = next((i for i, r in enumerate(results) if r not in _SERVABLE), len(results))
+            results[cut + 1 :] = [LookupResult.MISS] * (len(results) - cut - 1)
         self._lookups.update(results)
         return results
 

@@ -316,7 +316,7 @@ class KVTierService(pb2_grpc.KVTierServicer):
 
 
 def _lookup(session: Session, keys: list[bytes], request: Any) -> pb2.LookupResponse:
-    return pb2.LookupResponse(results=session.pool.lookup(keys))
+    return pb2.LookupResponse(results=session.pool.lookup(keys, prefix=request.prefix))
 
 
 def _touch(session: Session, keys: list[bytes], request: Any) -> pb2.TouchResponse:
@@ -345,9 +345,7 @@ def _prepare_store(session: Session, keys: list[bytes], request: Any) -> pb2.Pre
     )
 
 
-def _complete_store(
-    session: Session, keys: list[bytes], request: Any
-) -> pb2.CompleteStoreResponse:
+def _complete_store(session: Session, keys: list[bytes], request: Any) -> pb2.CompleteStoreResponse:
     session.pool.complete_store(session.id, keys, request.success)
     return pb2.CompleteStoreResponse()
 

@@ -127,40 +127,60 @@ class Tiering:
 
     # ----------------------------------------------------------------- promotion
 
-    def lookup(self, keys: Sequence[BlockKey], results: list[LookupResult]) -> list[LookupResult]:
+    def lookup(
+        self, keys: Sequence[BlockKey], results: list[LookupResult], *, prefix: bool = False
+    ) -> list[LookupResult]:
         """Completes a primary lookup with the secondary tiers: a primary MISS that a
         tier holds becomes HIT_PENDING (promotion started), or RETRY when a tier
-        cannot answer yet and no tier holds it; ``results`` is updated in place."""
+        cannot answer yet and no tier holds it; ``results`` is updated in place.
+
+        ``prefix``: only keys before the first one that no tier can serve are
+        promoted (a prefix cache loads nothing after its first miss)."""
         if not self.tiers or self.closed:
             return results
         waiting = [i for i, result in enumerate(results) if result is _MISS]
         if not waiting:
             return results
+        holders, retry = self._locate(keys, waiting)
+        if prefix:
+            cut = next((i for i in waiting if i not in holders), len(keys))
+            holders = {i: tier for i, tier in holders.items() if i < cut}
         protected = set(keys)
-        retry: set[int] = set()
-        now = time.monotonic()
-        for index, tier in enumerate(self.tiers):
-            answers = tier.lookup([keys[i] for i in waiting])
-            hits: list[int] = []
-            still: list[int] = []
-            for i, answer in zip(waiting, answers, strict=True):
-                if answer is _HIT and not self._recently_failed(index, keys[i], now):
-                    hits.append(i)
-                    continue
-                if answer is _RETRY:
-                    retry.add(i)
-                still.append(i)
-            if hits:
-                self._promote(index, [keys[i] for i in hits], protected)
-                for i in hits:  # promoted -> HIT_PENDING; no room -> stays MISS
-                    results[i] = self._manager.lookup((keys[i],))[0]
-            waiting = still
-            if not waiting:
-                break
+        for index in range(len(self.tiers)):
+            hits = [i for i, tier in holders.items() if tier == index]
+            if not hits:
+                continue
+            self._promote(index, [keys[i] for i in hits], protected)
+            for i in hits:  # promoted -> HIT_PENDING; no room -> stays MISS
+                results[i] = self._manager.lookup((keys[i],))[0]
         for i in retry:
             if results[i] is _MISS:
                 results[i] = _RETRY
         return results
+
+    def _locate(
+        self, keys: Sequence[BlockKey], waiting: list[int]
+    ) -> tuple[dict[int, int], set[int]]:
+        """For primary misses: ``{position: first tier holding it}`` (skipping a tier
+        whose promotion of it failed recently), and the positions some tier could
+        not answer (RETRY). One lookup per tier, in tier order."""
+        holders: dict[int, int] = {}
+        retry: set[int] = set()
+        now = time.monotonic()
+        for index, tier in enumerate(self.tiers):
+            answers = tier.lookup([keys[i] for i in waiting])
+            still: list[int] = []
+            for i, answer in zip(waiting, answers, strict=True):
+                if answer is _HIT and not self._recently_failed(index, keys[i], now):
+                    holders[i] = index
+                    continue
+                if answer is _RETRY:
+                    retry.add(i)
+                still.append(i)
+            waiting = still
+            if not waiting:
+                break
+        return holders, retry
 
     def _promote(self, index: int, keys: list[BlockKey], protected: set[BlockKey]) -> None:
         grant = self._manager.prepare_promotion(keys, protected)

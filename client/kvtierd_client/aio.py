@@ -288,9 +288,11 @@ class AsyncSession(_SessionState):
 
     # -- RPCs ------------------------------------------------------------------------
 
-    async def lookup(self, keys: Sequence[bytes], request_id: str = "") -> list[LookupResult]:
-        """One ``LookupResult`` per key (RPC ``Lookup``); never changes recency."""
-        return await self._call(LOOKUP, keys, request_id=request_id)
+    async def lookup(
+        self, keys: Sequence[bytes], request_id: str = "", *, prefix: bool = False
+    ) -> list[LookupResult]:
+        """As :meth:`kvtierd_client.client.Session.lookup`."""
+        return await self._call(LOOKUP, keys, request_id=request_id, prefix=prefix)
 
     async def touch(self, keys: Sequence[bytes]) -> None:
         """Marks ``keys`` recently used, the first most recent (RPC ``Touch``)."""

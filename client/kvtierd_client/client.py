@@ -696,9 +696,16 @@ class Session(_SessionState):
 
     # -- RPCs ------------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[bytes], request_id: str = "") -> list[LookupResult]:
-        """One ``LookupResult`` per key (RPC ``Lookup``); never changes recency."""
-        return self._answer(LOOKUP, keys, request_id=request_id)
+    def lookup(
+        self, keys: Sequence[bytes], request_id: str = "", *, prefix: bool = False
+    ) -> list[LookupResult]:
+        """One ``LookupResult`` per key (RPC ``Lookup``); never changes recency.
+
+        ``prefix``: ``keys`` are a prefix chain; every key after the first one that is
+        neither HIT nor HIT_PENDING answers MISS and starts no promotion from a
+        secondary tier (nothing after a miss would be loaded anyway).
+        """
+        return self._answer(LOOKUP, keys, request_id=request_id, prefix=prefix)
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Marks ``keys`` recently used, the first most recent (RPC ``Touch``; queued

@@ -418,3 +418,18 @@ def test_fsck_reports_and_removes_bad_files(tiered, fs_root, pool_name):
     assert clean.returncode == 0 and "2 block files in 1 pools checked: 0 bad" in clean.stdout
     missing = fsck(str(fs_root / "nope"))
     assert missing.returncode == 2 and "is not a directory" in missing.stderr
+
+
+def test_prefix_lookup_stops_at_the_first_miss(tiered, fs_root, pool_name):
+    engine = Engine(tiered, pool_name, num_blocks=8)
+    chain = block_keys("chain", 4)
+    engine.store(chain)
+    engine.settle_cascades()
+    engine.client.flush_pool(pool_name)
+    missing = block_keys("never", 1)  # the chain breaks at its second block
+    results = engine.session.lookup([chain[0], *missing, chain[2], chain[3]], prefix=True)
+    assert results == [PENDING, MISS, MISS, MISS]
+    engine.settle_cascades()
+    stats = engine.tier_stats()
+    assert stats.promoted_blocks == 1  # chain[2], chain[3] were not read from disk
+    engine.close()

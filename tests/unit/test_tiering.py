@@ -135,3 +135,14 @@ def test_promotion_never_evicts_a_key_of_the_same_lookup(manager):
     ks = keys("a", "b", "c", "x", "y")  # one free row; a, b, c are protected
     assert tiering.lookup(ks, manager.lookup(ks)) == [HIT, HIT, HIT, PENDING, MISS]
     assert tiering.counters(0)["promotion_no_room"] == 1
+
+
+def test_prefix_lookup_promotes_nothing_after_the_first_unservable_key(manager):
+    tiering = Tiering("p", manager)
+    tier = ScriptedTier("t", keys("a", "c"))
+    tiering.attach(tier)
+    ks = keys("a", "b", "c")  # b is nowhere: c would never be loaded by a prefix cache
+    assert tiering.lookup(ks, manager.lookup(ks), prefix=True) == [PENDING, MISS, MISS]
+    (job,) = tier.loads
+    assert job.keys == (b"a",)
+    assert tiering.lookup(keys("c"), manager.lookup(keys("c"))) == [PENDING]  # not prefix
