@@ -73,3 +73,10 @@ lint: install
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(GENDIR) .pytest_cache .ruff_cache
+
+# Trace replay (opt-in, the whole trace): make replay TRACE=path/to/trace.jsonl [REPLAY_ARGS=...]
+.PHONY: replay
+TRACE ?=
+REPLAY_ARGS ?= --batch
+replay: install
+	$(BIN)/python -m benchmarks.replay $(TRACE) $(REPLAY_ARGS)

@@ -7,10 +7,10 @@ import os
 import sys
 import time
 
-from benchmarks import copy, memory, rpc
+from benchmarks import copy, memory, replay, rpc
 from benchmarks.common import machine, print_table
 
-SUITES = {"rpc": rpc.run, "copy": copy.run, "memory": memory.run}
+SUITES = {"rpc": rpc.run, "copy": copy.run, "memory": memory.run, "replay": replay.run}
 
 
 def main() -> int:

@@ -1,0 +1,721 @@
+"""Trace replay: N engine processes replay a Mooncake-format trace through a live daemon.
+
+Usage::
+
+    python -m benchmarks.replay TRACE [--engines 4] [--assign rr|hash] [--capacity-blocks C]
+                                      [--limit N] [--batch] [--copy] [--fs-root DIR]
+
+The trace is JSON lines with ``timestamp``, ``input_length``, ``output_length`` and
+``hash_ids`` (one id per 512-token block; a request's ids are its prefix chain). Each
+engine is a process with its own ``Client`` and ``Session``; requests go to engines
+round-robin (``rr``) or by a hash of their first block (``hash``). Every request is one
+engine step doing vLLM's manager call pattern:
+
+    lookup(chain) -> leading HITs k -> prepare_load(chain[:k]) + complete_load + touch
+                  -> prepare_store(chain[k:]) + complete_store(keys_to_store)
+
+Keys are the hash ids as 8-byte big-endian integers. No KV bytes are copied unless
+``--copy`` (then numpy copies the rows between a per-engine buffer and the attached
+region; the copy is excluded from the control latency). The step's control latency is
+the wall time of its RPCs; an empty RPC (health Check) is timed by every engine during
+the same replay, under the same load, as the floor.
+
+One run compares, at the same total capacity C: ``isolated`` (N pools of C/N blocks,
+what in-engine offloading gives) vs ``shared`` (one pool of C blocks: kvtierd), each with
+the ``lru`` and ``arc`` eviction policies. Every (mode, policy) uses its own pools, so
+modes never see each other's keys. Engines advance through the trace in its order: a
+request starts only when every request more than ``--window`` places before it is done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import inspect
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import BenchDaemon, Row, machine, percentile
+
+TOKENS_PER_BLOCK = 512
+KEY_BYTES = 8
+DONE = 1 << 62  # progress of an engine that has finished its requests
+DEFAULT_TRACE_ENV = "KVTIERD_REPLAY_TRACE"
+# convenience only: the synthetic trace next to this checkout, when it exists
+_SIBLING_TRACE = Path(__file__).resolve().parents[2] / "shared/traces/synthetic_trace.jsonl"
+
+
+# --------------------------------------------------------------------------------------
+# Pure parts (unit tested): trace parsing, assignment, prefix-hit counting
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Request:
+    index: int  # position in the trace (0-based), the replay order
+    timestamp: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def parse_trace(lines: Iterable[str], limit: int | None = None) -> list[Request]:
+    """Requests of a Mooncake-format JSONL trace (blank lines skipped); ``limit`` keeps the
+    first requests. Raises ``ValueError`` naming the line for a malformed record."""
+    requests: list[Request] = []
+    for number, line in enumerate(lines, 1):
+        if limit is not None and len(requests) >= limit:
+            break
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            hash_ids = tuple(int(h) for h in record["hash_ids"])
+            request = Request(
+                index=len(requests),
+                timestamp=float(record.get("timestamp", 0)),
+                input_length=int(record.get("input_length", len(hash_ids) * TOKENS_PER_BLOCK)),
+                output_length=int(record.get("output_length", 0)),
+                hash_ids=hash_ids,
+            )
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"trace line {number}: {type(err).__name__}: {err}") from None
+        if any(h < 0 or h >= 1 << (8 * KEY_BYTES) for h in hash_ids):
+            raise ValueError(f"trace line {number}: hash ids must be in [0, 2**64)")
+        requests.append(request)
+    return requests
+
+
+def load_trace(path: str | os.PathLike[str], limit: int | None = None) -> list[Request]:
+    with open(path) as handle:
+        return parse_trace(handle, limit)
+
+
+def block_key(hash_id: int) -> bytes:
+    """The key of one block: its hash id as 8 bytes, big-endian."""
+    return hash_id.to_bytes(KEY_BYTES, "big")
+
+
+def request_keys(request: Request) -> list[bytes]:
+    """The request's prefix chain as keys, duplicates dropped (a call names a key once)."""
+    return [block_key(h) for h in dict.fromkeys(request.hash_ids)]
+
+
+def engine_of(request: Request, engines: int, how: str) -> int:
+    """The engine that serves ``request``: ``rr`` round-robin by trace position, ``hash``
+    a stable hash of its first block (requests without blocks fall back to ``rr``)."""
+    if how == "rr" or not request.hash_ids:
+        return request.index % engines
+    if how == "hash":
+        digest = hashlib.blake2b(block_key(request.hash_ids[0]), digest_size=8).digest()
+        return int.from_bytes(digest, "big") % engines
+    raise ValueError(f"unknown assignment {how!r}; use rr or hash")
+
+
+def assign(requests: Sequence[Request], engines: int, how: str) -> list[list[Request]]:
+    """Each engine's requests, in trace order."""
+    if engines < 1:
+        raise ValueError("engines must be >= 1")
+    queues: list[list[Request]] = [[] for _ in range(engines)]
+    for request in requests:
+        queues[engine_of(request, engines, how)].append(request)
+    return queues
+
+
+def leading_hits(results: Sequence[Any], hit: Any) -> int:
+    """How many results, from the first, are ``hit`` (the loadable prefix)."""
+    count = 0
+    for result in results:
+        if result != hit:
+            break
+        count += 1
+    return count
+
+
+def distinct_blocks(requests: Iterable[Request]) -> int:
+    return len({h for request in requests for h in request.hash_ids})
+
+
+def unbounded_hit_rate(requests: Sequence[Request]) -> float:
+    """Prefix hit rate of one cache of unlimited size (the ceiling for every mode)."""
+    seen: set[int] = set()
+    hits = looked_up = 0
+    for request in requests:
+        chain = list(dict.fromkeys(request.hash_ids))
+        hits += leading_hits([h in seen for h in chain], True)
+        looked_up += len(chain)
+        seen.update(chain)
+    return hits / looked_up if looked_up else 0.0
+
+
+def default_capacity(distinct: int, engines: int, fraction: float = 0.25) -> int:
+    """``fraction`` of the distinct blocks, a multiple of ``engines`` (>= engines)."""
+    per_engine = max(1, int(distinct * fraction) // engines)
+    return per_engine * engines
+
+
+# --------------------------------------------------------------------------------------
+# Engine processes
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    mode: str  # "isolated" | "shared"
+    policy: str  # "lru" | "arc"
+    batch: bool  # Session(queue_completions=True): completions ride on the next call
+    pool_blocks: int  # capacity of each pool this run opens
+
+    @property
+    def label(self) -> str:
+        return f"{self.mode} {self.policy}{' batch' if self.batch else ''}"
+
+    def pool(self, tag: str, engine: int) -> str:
+        suffix = f"/e{engine}" if self.mode == "isolated" else ""
+        return f"replay-{tag}/{self.mode}-{self.policy}-{'b' if self.batch else 'u'}{suffix}"
+
+
+@dataclass
+class EngineResult:
+    steps: int = 0
+    looked_up: int = 0  # blocks named in lookups (one per block of each request)
+    hits: int = 0  # leading HIT blocks loaded
+    pending_hits: int = 0  # of those, blocks that answered HIT_PENDING first (promotions)
+    loaded: int = 0
+    stored: int = 0
+    evicted: int = 0
+    store_rejected: int = 0  # PrepareStore answered "no room"
+    load_races: int = 0  # PrepareLoad refused: a hit was evicted after the lookup
+    rpcs: int = 0
+    latencies: list[float] = field(default_factory=list)  # seconds per step
+    step_rpcs: list[int] = field(default_factory=list)
+    empty: list[float] = field(default_factory=list)  # empty RPC round trips
+    wall: float = 0.0
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    address: str
+    engine: int
+    requests: list[tuple[int, list[bytes]]]  # (trace index, keys)
+    runs: list[RunSpec]
+    tag: str
+    block_bytes: int
+    window: int
+    floor_every: int
+    copy: bool
+    pending_wait: float  # seconds to wait for HIT_PENDING blocks (promotions)
+
+
+def _wait_turn(progress: Any, engine: int, index: int, window: int) -> None:
+    """Blocks until every other engine has reached ``index - window`` in trace order."""
+    while True:
+        slowest = min(progress[j] for j in range(len(progress)) if j != engine)
+        if slowest >= index - window:
+            return
+        time.sleep(0.0002)
+
+
+def _engine_main(args: EngineArgs, barrier: Any, progress: Any, results: Any) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvtierd_client.client import Client
+
+    client = Client(args.address, timeout=30)
+    channel = grpc.insecure_channel(args.address.replace("unix://", "unix:", 1))
+    health = health_pb2_grpc.HealthStub(channel)
+    check = health_pb2.HealthCheckRequest()
+    try:
+        for run in args.runs:
+            extra = {"queue_completions": True} if run.batch else {}
+            session = client.open_session(
+                run.pool(args.tag, args.engine),
+                block_bytes=args.block_bytes,
+                num_blocks=run.pool_blocks,
+                eviction_policy=run.policy,
+                client_name=f"replay-e{args.engine}",
+                **extra,
+            )
+            barrier.wait()
+            progress[args.engine] = args.requests[0][0] if args.requests else DONE
+            barrier.wait()
+            result = _replay(args, session, lambda: health.Check(check, timeout=30), progress)
+            session.close()
+            result.rpcs = session.rpcs
+            results.put((run.label, args.engine, result))
+    finally:
+        channel.close()
+        client.close()
+
+
+def _replay(args: EngineArgs, session: Any, empty_rpc: Any, progress: Any) -> EngineResult:
+    from kvtierd_client.client import LookupResult
+    from kvtierd_client.errors import FailedPrecondition
+
+    out = EngineResult()
+    region = kv = None
+    if args.copy:
+        import numpy as np
+
+        from kvtierd_client.region import AttachedRegion
+
+        attached = AttachedRegion.attach(
+            session.region.path, session.region.num_blocks, session.region.block_bytes
+        )
+        region = attached.numpy()
+        longest = max((len(keys) for _, keys in args.requests), default=1)
+        kv = np.full((longest, args.block_bytes), args.engine, dtype=np.uint8)
+    hit, pending = LookupResult.HIT, LookupResult.HIT_PENDING
+    started = time.perf_counter()
+    for step, (index, keys) in enumerate(args.requests):
+        _wait_turn(progress, args.engine, index, args.window)
+        rpcs_before = session.rpcs
+        copy_s = 0.0
+        t0 = time.perf_counter()
+        results = session.lookup(keys)
+        k = leading_hits(results, hit)
+        waited = 0
+        if k < len(keys) and results[k] == pending and args.pending_wait > 0:
+            # a promotion (or another engine's write) is in flight: ask again shortly
+            deadline = time.perf_counter() + args.pending_wait
+            first = k
+            while k < len(keys) and results[k] == pending and time.perf_counter() < deadline:
+                time.sleep(0.0005)
+                results = session.lookup(keys)
+                k = leading_hits(results, hit)
+            waited = max(0, k - first)
+        if k:
+            try:
+                block_ids = session.prepare_load(keys[:k])
+            except FailedPrecondition:  # evicted by another engine since the lookup
+                out.load_races += 1
+                k = leading_hits(session.lookup(keys), hit)
+                try:
+                    block_ids = session.prepare_load(keys[:k]) if k else []
+                except FailedPrecondition:
+                    k, block_ids = 0, []
+            if k:
+                if region is not None:
+                    c0 = time.perf_counter()
+                    kv[:k] = region[block_ids]
+                    copy_s += time.perf_counter() - c0
+                session.complete_load(keys[:k])
+                session.touch(keys[:k])
+        if k < len(keys):
+            grant = session.prepare_store(keys[k:])
+            if grant is None:
+                out.store_rejected += 1
+            elif grant.keys_to_store:
+                if region is not None:
+                    c0 = time.perf_counter()
+                    region[grant.block_ids] = kv[: len(grant.block_ids)]
+                    copy_s += time.perf_counter() - c0
+                session.complete_store(grant.keys_to_store)
+                out.stored += len(grant.keys_to_store)
+                out.evicted += len(grant.evicted_keys)
+        out.latencies.append(time.perf_counter() - t0 - copy_s)
+        out.step_rpcs.append(session.rpcs - rpcs_before)
+        out.steps += 1
+        out.looked_up += len(keys)
+        out.hits += k
+        out.loaded += k
+        out.pending_hits += min(waited, k)
+        progress[args.engine] = (
+            args.requests[step + 1][0] if step + 1 < len(args.requests) else DONE
+        )
+        if args.floor_every and step % args.floor_every == 0:
+            t0 = time.perf_counter()
+            empty_rpc()
+            out.empty.append(time.perf_counter() - t0)
+    out.wall = time.perf_counter() - started
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModeResult:
+    run: RunSpec
+    engines: int
+    capacity: int
+    block_bytes: int
+    merged: EngineResult
+    daemon_stats: dict[str, int]
+
+    @property
+    def hit_rate(self) -> float:
+        return self.merged.hits / self.merged.looked_up if self.merged.looked_up else 0.0
+
+    @property
+    def rpcs_per_step(self) -> float:
+        return self.merged.rpcs / self.merged.steps if self.merged.steps else 0.0
+
+    def latency(self, q: float) -> float:
+        return percentile(self.merged.latencies, q) if self.merged.latencies else 0.0
+
+    @property
+    def empty_p50(self) -> float:
+        return percentile(self.merged.empty, 0.5) if self.merged.empty else 0.0
+
+
+def batch_supported() -> bool:
+    from kvtierd_client.client import Client
+
+    return "queue_completions" in inspect.signature(Client.open_session).parameters
+
+
+def _merge(parts: list[EngineResult]) -> EngineResult:
+    merged = EngineResult()
+    for part in parts:
+        for name in ("steps", "looked_up", "hits", "pending_hits", "loaded", "stored",
+                     "evicted", "store_rejected", "load_races", "rpcs"):  # fmt: skip
+            setattr(merged, name, getattr(merged, name) + getattr(part, name))
+        merged.latencies += part.latencies
+        merged.step_rpcs += part.step_rpcs
+        merged.empty += part.empty
+        merged.wall = max(merged.wall, part.wall)
+    return merged
+
+
+def _pool_stats(client: Any, pools: list[str]) -> dict[str, int]:
+    totals: dict[str, int] = {}
+    for name in pools:
+        for pool in client.get_stats(name).pools:
+            for tier in pool.tiers:
+                prefix = "primary" if tier.tier == "primary" else "secondary"
+                for stat in ("hits", "misses", "evictions", "promoted_blocks"):
+                    key = f"{prefix}_{stat}"
+                    totals[key] = totals.get(key, 0) + int(getattr(tier, stat))
+    return totals
+
+
+def replay(
+    requests: Sequence[Request],
+    *,
+    engines: int = 4,
+    how: str = "rr",
+    capacity: int,
+    block_bytes: int = 4096,
+    modes: Sequence[str] = ("isolated", "shared"),
+    policies: Sequence[str] = ("lru", "arc"),
+    batch: bool = False,
+    window: int | None = None,
+    floor_every: int = 4,
+    copy: bool = False,
+    fs_root: str | None = None,
+    pending_wait_ms: float = 20.0,
+    log: Any = sys.stderr,
+) -> list[ModeResult]:
+    """Replays ``requests`` once per (mode, policy) through one fresh daemon; with
+    ``batch`` also once unbatched in the shared LRU mode (the RPC-count reference)."""
+    from kvtierd_client.client import Client
+
+    runs = [RunSpec(mode, policy, batch, capacity // engines if mode == "isolated" else capacity)
+            for mode in modes for policy in policies]  # fmt: skip
+    if batch and "shared" in modes:
+        runs.append(RunSpec("shared", policies[0], False, capacity))
+    queues = assign(requests, engines, how)
+    tag = f"{os.getpid()}-{time.monotonic_ns() % 10**9}"
+    budget = sum(r.pool_blocks * (engines if r.mode == "isolated" else 1) for r in runs)
+    budget = budget * block_bytes + (64 << 20)
+    args: list[str] = ["--memory-budget", str(budget)]
+    daemon = None
+    try:
+        if fs_root is not None:
+            daemon = _fs_daemon(fs_root, args)
+        else:
+            daemon = BenchDaemon(*args)
+        ctx = mp.get_context("spawn")
+        barrier, results, progress = (
+            ctx.Barrier(engines),
+            ctx.Queue(),
+            ctx.Array("q", engines, lock=False),
+        )
+        procs = []
+        for engine, queue in enumerate(queues):
+            engine_args = EngineArgs(
+                daemon.address, engine, [(r.index, request_keys(r)) for r in queue], runs, tag,
+                block_bytes, engines * 2 if window is None else window, floor_every, copy,
+                pending_wait_ms / 1000.0,
+            )  # fmt: skip
+            procs.append(ctx.Process(target=_engine_main,
+                                     args=(engine_args, barrier, progress, results)))  # fmt: skip
+        for proc in procs:
+            proc.start()
+        out: list[ModeResult] = []
+        with Client(daemon.address) as client:
+            for run in runs:
+                print(f"replay: {run.label} ({run.pool_blocks} blocks per pool) ...",
+                      file=log, flush=True)  # fmt: skip
+                parts = [results.get(timeout=3600) for _ in range(engines)]
+                if any(label != run.label for label, _, _ in parts):
+                    raise RuntimeError("engines out of step")
+                pools = sorted({run.pool(tag, e) for e in range(engines)})
+                stats = _pool_stats(client, pools)
+                merged = _merge([part for _, _, part in parts])
+                out.append(ModeResult(run, engines, capacity, block_bytes, merged, stats))
+        for proc in procs:
+            proc.join(60)
+            if proc.exitcode != 0:
+                raise RuntimeError(f"engine process exited with {proc.exitcode}")
+        return out
+    finally:
+        if daemon is not None:
+            daemon.close()
+
+
+def _fs_daemon(fs_root: str, args: list[str]) -> BenchDaemon:
+    import tempfile
+
+    os.makedirs(fs_root, exist_ok=True)
+    config = tempfile.NamedTemporaryFile(  # noqa: SIM115
+        "w", prefix="kvtierd-replay-", suffix=".toml", delete=False
+    )
+    with config:
+        config.write(f'[[tiers]]\ntype = "fs"\nname = "fs0"\nroot = "{fs_root}"\n')
+    try:
+        return BenchDaemon("--config", config.name, *args)
+    finally:
+        os.unlink(config.name)
+
+
+# --------------------------------------------------------------------------------------
+# Reporting
+# --------------------------------------------------------------------------------------
+
+COLUMNS = ["mode", "policy", "batch", "pool blocks", "hit rate", "tokens saved",
+           "blocks loaded", "blocks stored", "bytes moved", "evicted", "no room",
+           "RPCs/step", "step p50 ms", "step p99 ms", "empty p50 ms", "p50/empty",
+           "wall s"]  # fmt: skip
+
+
+def table_rows(results: Sequence[ModeResult]) -> list[list[str]]:
+    rows = []
+    for r in results:
+        m = r.merged
+        moved = (m.loaded + m.stored) * r.block_bytes
+        empty = r.empty_p50
+        rows.append([
+            r.run.mode, r.run.policy, "yes" if r.run.batch else "no",
+            f"{r.engines}x{r.run.pool_blocks}" if r.run.mode == "isolated"
+            else str(r.run.pool_blocks),
+            f"{r.hit_rate:.2%}", f"{m.hits * TOKENS_PER_BLOCK:,}", f"{m.loaded:,}",
+            f"{m.stored:,}", f"{moved / 2**20:,.1f} MiB", f"{m.evicted:,}",
+            str(m.store_rejected), f"{r.rpcs_per_step:.2f}", f"{r.latency(0.5) * 1e3:.2f}",
+            f"{r.latency(0.99) * 1e3:.2f}", f"{empty * 1e3:.2f}",
+            f"{r.latency(0.5) / empty:.2f}x" if empty else "", f"{m.wall:.1f}",
+        ])  # fmt: skip
+    return rows
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    table = [header, *rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |"
+             for row in table]  # fmt: skip
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def bench_rows(results: Sequence[ModeResult], group: str) -> list[Row]:
+    """The replay in `make bench`'s table: every run's hit rate (shared next to isolated);
+    RPCs per step and step latency (vs the empty RPC of the same run) of the shared runs."""
+    rows: list[Row] = []
+    isolated = {r.run.policy: r.hit_rate for r in results if r.run.mode == "isolated"}
+    for r in results:
+        label = r.run.label + ("" if r.run.batch else " (unbatched)")
+        base = isolated.get(r.run.policy) if r.run.mode == "shared" else None
+        rows.append(Row(group, f"{label}: hit rate", r.hit_rate * 100, "%",
+                        "" if base is None else f"isolated {base:.1%}",
+                        r.hit_rate / base if base else None,
+                        "" if base is None else ">= isolated"))  # fmt: skip
+    for r in results:
+        if r.run.mode != "shared":
+            continue
+        label = r.run.label + ("" if r.run.batch else " (unbatched)")
+        empty = r.empty_p50
+        rows.append(Row(group, f"{label}: RPCs per step", r.rpcs_per_step, "RPCs",
+                        target="<= 1.2 (8 engines)"))  # fmt: skip
+        rows.append(Row(group, f"{label}: step p50", r.latency(0.5) * 1e6, "us",
+                        f"empty RPC p50 {empty * 1e6:.0f} us" if empty else "",
+                        r.latency(0.5) / empty if empty else None, "<= 1.5x"))  # fmt: skip
+        rows.append(Row(group, f"{label}: step p99", r.latency(0.99) * 1e6, "us"))
+    return rows
+
+
+def default_trace() -> str | None:
+    path = os.environ.get(DEFAULT_TRACE_ENV)
+    if path:
+        return path
+    return str(_SIBLING_TRACE) if _SIBLING_TRACE.exists() else None
+
+
+SHORT_REQUESTS = 2000
+
+
+def run() -> list[Row]:
+    """`make bench` suite: the first 2,000 requests, 4 engines, 25 % of their distinct blocks;
+    batched when the client can queue completions. The trace: $KVTIERD_REPLAY_TRACE, else the
+    synthetic trace next to the checkout; without one the suite is skipped."""
+    trace = default_trace()
+    if trace is None:
+        print(f"replay: skipped (no trace; set {DEFAULT_TRACE_ENV})", file=sys.stderr)
+        return []
+    requests = load_trace(trace, SHORT_REQUESTS)
+    engines = 4
+    capacity = default_capacity(distinct_blocks(requests), engines)
+    results = replay(requests, engines=engines, capacity=capacity, batch=batch_supported())
+    group = f"replay {len(requests)} req, {engines} engines, C={capacity}"
+    return bench_rows(results, group)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.replay", description=__doc__.split("\n\n")[0]
+    )
+    trace = default_trace()
+    parser.add_argument(
+        "trace",
+        nargs="?" if trace else None,
+        default=trace,
+        help="Mooncake-format JSONL trace" + (f" (default {trace})" if trace else ""),
+    )
+    parser.add_argument("--engines", type=int, default=4, help="engine processes (4)")
+    parser.add_argument(
+        "--assign",
+        choices=("rr", "hash"),
+        default="rr",
+        help="requests to engines: round-robin or hash of the first block",
+    )
+    parser.add_argument(
+        "--capacity-blocks",
+        type=int,
+        default=0,
+        help="total capacity C (default: 25%% of the distinct blocks)",
+    )
+    parser.add_argument(
+        "--capacity-fraction",
+        type=float,
+        default=0.25,
+        help="default C as a fraction of the distinct blocks (0.25)",
+    )
+    parser.add_argument(
+        "--block-bytes",
+        type=int,
+        default=4096,
+        help="bytes per block; bytes moved are reported at this size (4096)",
+    )
+    parser.add_argument("--limit", type=int, default=None, help="replay the first N requests")
+    parser.add_argument("--modes", default="isolated,shared", help="isolated,shared")
+    parser.add_argument("--policies", default="lru,arc", help="lru,arc")
+    parser.add_argument(
+        "--batch",
+        action="store_true",
+        help="queue completions (Batch RPC); adds an unbatched shared row",
+    )
+    parser.add_argument(
+        "--copy",
+        action="store_true",
+        help="copy the rows with numpy (excluded from control latency)",
+    )
+    parser.add_argument(
+        "--window",
+        type=int,
+        default=None,
+        help="how far (requests) an engine may run ahead (2 x engines)",
+    )
+    parser.add_argument(
+        "--floor-every", type=int, default=4, help="time an empty RPC after every Nth step (4)"
+    )
+    parser.add_argument("--fs-root", default=None, help="add an fs tier at this directory")
+    parser.add_argument(
+        "--pending-wait-ms",
+        type=float,
+        default=20.0,
+        help="how long a step waits for HIT_PENDING blocks (20)",
+    )
+    parser.add_argument("--out", default=None, help="also write the table (markdown) here")
+    args = parser.parse_args(argv)
+    if args.trace is None:
+        parser.error(f"give a trace file (or set {DEFAULT_TRACE_ENV})")
+    if args.engines < 1:
+        parser.error("--engines must be >= 1")
+    if args.batch and not batch_supported():
+        print("replay: this client cannot queue completions; --batch ignored", file=sys.stderr)
+        args.batch = False
+
+    requests = load_trace(args.trace, args.limit)
+    if not requests:
+        parser.error(f"{args.trace}: no requests")
+    distinct = distinct_blocks(requests)
+    capacity = args.capacity_blocks or default_capacity(
+        distinct, args.engines, args.capacity_fraction
+    )
+    capacity -= capacity % args.engines
+    if capacity < args.engines:
+        parser.error("--capacity-blocks must be at least --engines")
+    looked_up = sum(len(set(r.hash_ids)) for r in requests)
+    per_engine = [len(q) for q in assign(requests, args.engines, args.assign)]
+    tier = "primary + fs" if args.fs_root else "primary only"
+    header = (
+        f"trace {args.trace}: {len(requests)} requests, {looked_up:,} blocks looked up, "
+        f"{distinct:,} distinct blocks; unbounded-cache prefix hit rate "
+        f"{unbounded_hit_rate(requests):.2%}\n"
+        f"engines {args.engines} (assign {args.assign}: {per_engine} requests), capacity "
+        f"C = {capacity:,} blocks ({capacity / distinct:.0%} of distinct) x {args.block_bytes} B;"
+        f" isolated = {args.engines} x {capacity // args.engines:,}; "
+        f"copy {'numpy' if args.copy else 'none'}; tier {tier}\n"
+        f"machine: {machine()}"
+    )
+    print(header, flush=True)
+    results = replay(
+        requests,
+        engines=args.engines,
+        how=args.assign,
+        capacity=capacity,
+        block_bytes=args.block_bytes,
+        modes=[m for m in args.modes.split(",") if m],
+        policies=[p for p in args.policies.split(",") if p],
+        batch=args.batch,
+        window=args.window,
+        floor_every=args.floor_every,
+        copy=args.copy,
+        fs_root=args.fs_root,
+        pending_wait_ms=args.pending_wait_ms,
+    )
+    text = markdown_table(COLUMNS, table_rows(results))
+    print()
+    print(text)
+    notes = []
+    for r in results:
+        m, s = r.merged, r.daemon_stats
+        note = f"{r.run.label}: load races {m.load_races}, mean RPCs/step {r.rpcs_per_step:.2f}"
+        if args.fs_root:
+            note += (
+                f", primary hits (daemon) {s.get('primary_hits', 0):,}, fs hits "
+                f"{s.get('secondary_hits', 0):,}, "
+                f"promoted {s.get('secondary_promoted_blocks', 0):,}"
+                f", hits after HIT_PENDING {m.pending_hits:,}"
+            )
+        notes.append(note)
+    print("\n" + "\n".join(notes), flush=True)
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as handle:
+            handle.write(f"{header}\n\n{text}\n\n" + "\n".join(notes) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
