@@ -161,6 +161,26 @@ class Pool:
         self._lookups.update(results)
         return results
 
+    def lookup_and_pin(
+        self, session_id: str, keys: Sequence[BlockKey], *, prefix: bool = False
+    ) -> tuple[list[LookupResult], list[int]]:
+        """:meth:`lookup`, then pins the keys answered HIT for the session (with
+        ``prefix`` the leading HITs only), as ``prepare_load`` would. Returns the
+        results and, co-indexed, the pinned rows (-1 where not pinned)."""
+        results = self.lookup(keys, prefix=prefix)
+        if prefix:
+            end = next((i for i, r in enumerate(results) if r is not LookupResult.HIT), len(keys))
+            chosen = list(range(end))
+        else:
+            chosen = [i for i, r in enumerate(results) if r is LookupResult.HIT]
+        block_ids = [-1] * len(keys)
+        if chosen:
+            pinned = [keys[i] for i in chosen]
+            for i, row in zip(chosen, self.manager.prepare_load(pinned), strict=True):
+                block_ids[i] = row
+            self._pins[session_id].update(pinned)  # owned by the session, as PrepareLoad
+        return results, block_ids
+
     def touch(self, keys: Sequence[BlockKey]) -> None:
         self.manager.touch(keys)
         self.tiering.touch(keys)

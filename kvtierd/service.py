@@ -316,6 +316,9 @@ class KVTierService(pb2_grpc.KVTierServicer):
 
 
 def _lookup(session: Session, keys: list[bytes], request: Any) -> pb2.LookupResponse:
+    if request.pin:
+        results, block_ids = session.pool.lookup_and_pin(session.id, keys, prefix=request.prefix)
+        return pb2.LookupResponse(results=results, block_ids=block_ids)
     return pb2.LookupResponse(results=session.pool.lookup(keys, prefix=request.prefix))
 
 

@@ -205,6 +205,11 @@ OPEN_SESSION = _Op("OpenSession", _encode_open_session, _same)
 KEEP_ALIVE = _Op("KeepAlive", lambda sid: pb2.KeepAliveRequest(session_id=sid), _decode_lease)
 CLOSE_SESSION = _Op("CloseSession", lambda sid: pb2.CloseSessionRequest(session_id=sid), _nothing)
 LOOKUP = _Op("Lookup", _keys_request(pb2.LookupRequest), _decode_lookup)
+LOOKUP_AND_PIN = _Op(
+    "Lookup",
+    _keys_request(pb2.LookupRequest),
+    lambda r: (_decode_lookup(r), list(r.block_ids)),
+)
 TOUCH = _Op("Touch", _keys_request(pb2.TouchRequest), _nothing)
 PREPARE_LOAD = _Op("PrepareLoad", _keys_request(pb2.PrepareLoadRequest), _decode_block_ids)
 COMPLETE_LOAD = _Op("CompleteLoad", _keys_request(pb2.CompleteLoadRequest), _nothing)
@@ -226,6 +231,15 @@ _BATCH_FIELD = {
     "CompleteLoad": "complete_load",
     "PrepareStore": "prepare_store",
     "CompleteStore": "complete_store",
+}
+_BATCH_METHODS = {
+    "lookup": LOOKUP,
+    "lookup_and_pin": LOOKUP_AND_PIN,
+    "touch": TOUCH,
+    "prepare_load": PREPARE_LOAD,
+    "complete_load": COMPLETE_LOAD,
+    "prepare_store": PREPARE_STORE,
+    "complete_store": COMPLETE_STORE,
 }
 DEFAULT_FLUSH_AFTER = 0.005  # seconds a queued completion may wait for a carrier call
 EXPLAIN = _Op("Explain", lambda pool, key: pb2.ExplainRequest(pool=pool, key=key), _same)
@@ -652,14 +666,15 @@ class Session(_SessionState):
         request = op.request("", keys, **fields)  # the batch carries the session id
         return pb2.BatchOp(**{_BATCH_FIELD[op.rpc]: request})
 
-    def _send_batch(self, ops: list[pb2.BatchOp]) -> list[pb2.BatchResult]:
-        """One ``Batch`` round trip; failures of all but the last op are recorded."""
+    def _send_batch(self, ops: list[pb2.BatchOp], answered: int = 1) -> list[pb2.BatchResult]:
+        """One ``Batch`` round trip; failures of the queued ops (all but the last
+        ``answered``) are recorded in ``deferred_errors``."""
         self.rpcs += 1
-        results = self._call(BATCH, ops)
-        for result in results[:-1] if len(results) > 0 else ():
+        results = list(self._call(BATCH, ops))
+        for result in results[: max(0, len(results) - answered)]:
             if result.code:
                 self._record_deferred(result)
-        return list(results)
+        return results
 
     def _record_deferred(self, result: pb2.BatchResult) -> None:
         err = self._error_of(result)
@@ -706,6 +721,42 @@ class Session(_SessionState):
         secondary tier (nothing after a miss would be loaded anyway).
         """
         return self._answer(LOOKUP, keys, request_id=request_id, prefix=prefix)
+
+    def lookup_and_pin(
+        self, keys: Sequence[bytes], request_id: str = "", *, prefix: bool = False
+    ) -> tuple[list[LookupResult], list[int]]:
+        """``lookup`` that also pins the keys answered HIT for this session, as
+        ``prepare_load`` would (with ``prefix``, the leading HITs only), in the same
+        round trip. Returns the results and the block ids, co-indexed with ``keys``
+        (-1 where not pinned). Release the pins with ``complete_load``."""
+        return self._answer(LOOKUP_AND_PIN, keys, request_id=request_id, prefix=prefix, pin=True)
+
+    def batch(self, calls: Sequence[tuple[str, Sequence[bytes], dict[str, Any]]]) -> list[Any]:
+        """Several manager calls in one ``Batch`` round trip, after any queued
+        completions; the daemon runs them in order.
+
+        ``calls``: ``(method, keys, options)`` with method one of ``lookup``,
+        ``lookup_and_pin``, ``touch``, ``prepare_load``, ``complete_load``,
+        ``prepare_store``, ``complete_store`` and options its keyword arguments
+        (``request_id``, ``prefix``, ``success``). Returns per call what the method
+        returns, or the ``KvtierError`` it failed with (returned, not raised: the
+        other calls ran anyway).
+        """
+        ops = [_BATCH_METHODS[method] for method, _keys, _options in calls]
+        carried = [
+            self._batch_op(op, keys, **options, **({"pin": True} if op is LOOKUP_AND_PIN else {}))
+            for op, (_method, keys, options) in zip(ops, calls, strict=True)
+        ]
+        with self._queue_lock:
+            queued = self._take_queued()
+            results = self._send_batch(queued + carried, answered=len(carried))
+        out: list[Any] = []
+        for op, result in zip(ops, results[len(queued) :], strict=True):
+            try:
+                out.append(self._result(op, result))
+            except KvtierError as err:
+                out.append(err)
+        return out
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Marks ``keys`` recently used, the first most recent (RPC ``Touch``; queued

@@ -133,3 +133,36 @@ def test_queued_completions_flush_on_a_timer_and_at_close(daemon, pool_name):
         session.complete_store(keys_of("u"))
         session.close()  # flushes first
         assert other.lookup(keys_of("u")) == [HIT]
+
+
+def test_lookup_and_pin_and_a_whole_step_in_one_round_trip(daemon, pool_name):
+    with Client(daemon.address) as client:
+        session = client.open_session(
+            pool_name, block_bytes=4096, num_blocks=8, queue_completions=True
+        )
+        a, b, c, d = keys_of("a", "b", "c", "d")
+        session.prepare_store([a, b, d])
+        session.complete_store([a, b, d])  # queued
+        results, block_ids = session.lookup_and_pin([a, b, c, d], prefix=True)
+        assert results == [HIT, HIT, MISS, MISS] and block_ids == [0, 1, -1, -1]
+        with pytest.raises(FailedPrecondition):  # pinned: a flush cannot take them
+            session.prepare_load([c])
+        assert client.flush_pool(pool_name) == 1  # only d was evictable
+        session.rpcs = 0
+        out = session.batch(
+            [
+                ("complete_load", [a, b], {}),
+                ("prepare_store", [c], {}),
+                ("lookup_and_pin", [a, c], {}),
+                ("prepare_load", [d], {}),  # d was flushed: this one fails alone
+            ]
+        )
+        assert session.rpcs == 1
+        assert out[0] is None
+        assert out[1].keys_to_store == [c]
+        assert out[2] == ([HIT, PENDING], [0, -1])
+        assert isinstance(out[3], FailedPrecondition)
+        session.complete_load([a])
+        session.complete_store([c])
+        assert session.lookup([a, c]) == [HIT, HIT]
+        assert client.flush_pool(pool_name) == 3  # no pin left behind
