@@ -172,14 +172,17 @@ class RunSpec:
     policy: str  # "lru" | "arc"
     batch: bool  # Session(queue_completions=True): completions ride on the next call
     pool_blocks: int  # capacity of each pool this run opens
+    pipelined: bool = False  # one Batch per step: previous stores + this lookup (pinned)
 
     @property
     def label(self) -> str:
-        return f"{self.mode} {self.policy}{' batch' if self.batch else ''}"
+        kind = " pipelined" if self.pipelined else " batch" if self.batch else ""
+        return f"{self.mode} {self.policy}{kind}"
 
     def pool(self, tag: str, engine: int) -> str:
         suffix = f"/e{engine}" if self.mode == "isolated" else ""
-        return f"replay-{tag}/{self.mode}-{self.policy}-{'b' if self.batch else 'u'}{suffix}"
+        kind = "p" if self.pipelined else "b" if self.batch else "u"
+        return f"replay-{tag}/{self.mode}-{self.policy}-{kind}{suffix}"
 
 
 @dataclass
@@ -247,7 +250,8 @@ def _engine_main(args: EngineArgs, barrier: Any, progress: Any, results: Any) ->
             barrier.wait()
             progress[args.engine] = args.requests[0][0] if args.requests else DONE
             barrier.wait()
-            result = _replay(args, session, lambda: health.Check(check, timeout=30), progress)
+            replay_one = _replay_pipelined if run.pipelined else _replay
+            result = replay_one(args, session, lambda: health.Check(check, timeout=30), progress)
             session.close()
             result.rpcs = session.rpcs
             results.put((run.label, args.engine, result))
@@ -339,6 +343,73 @@ def _replay(args: EngineArgs, session: Any, empty_rpc: Any, progress: Any) -> En
     return out
 
 
+def _replay_pipelined(
+    args: EngineArgs, session: Any, empty_rpc: Any, progress: Any
+) -> EngineResult:
+    """One ``Batch`` round trip per step, as an engine scheduler would issue it:
+    the previous step's completions (queued by the session), the PrepareStore of
+    the previous request's computed blocks, and this request's prefix Lookup with
+    pins (``lookup_and_pin``: no separate PrepareLoad). Stored blocks become
+    readable one step later than in the unpipelined replay, as in vLLM, where a
+    block computed in step N is stored after the step."""
+    from kvtierd_client.errors import KvtierError
+
+    out = EngineResult()
+    to_store: list[bytes] = []
+    started = time.perf_counter()
+    for step, (index, keys) in enumerate(args.requests):
+        _wait_turn(progress, args.engine, index, args.window)
+        rpcs_before = session.rpcs
+        t0 = time.perf_counter()
+        calls: list[tuple[str, list[bytes], dict[str, Any]]] = []
+        if to_store:
+            calls.append(("prepare_store", to_store, {}))
+        calls.append(("lookup_and_pin", keys, {"prefix": True}))
+        answers = session.batch(calls)
+        if to_store:
+            _complete_pipelined_store(session, answers[0], out)
+        looked = answers[-1]
+        if isinstance(looked, KvtierError):
+            raise looked
+        _results, block_ids = looked
+        k = next((i for i, row in enumerate(block_ids) if row < 0), len(keys))
+        if k:
+            session.complete_load(keys[:k])  # queued: rides on the next step's Batch
+            session.touch(keys[:k])
+        to_store = keys[k:]
+        out.latencies.append(time.perf_counter() - t0)
+        out.step_rpcs.append(session.rpcs - rpcs_before)
+        out.steps += 1
+        out.looked_up += len(keys)
+        out.hits += k
+        out.loaded += k
+        progress[args.engine] = (
+            args.requests[step + 1][0] if step + 1 < len(args.requests) else DONE
+        )
+        if args.floor_every and step % args.floor_every == 0:
+            t0 = time.perf_counter()
+            empty_rpc()
+            out.empty.append(time.perf_counter() - t0)
+    if to_store:  # the last request's blocks, after the last step
+        _complete_pipelined_store(session, session.batch([("prepare_store", to_store, {})])[0], out)
+    session.flush()
+    out.wall = time.perf_counter() - started
+    return out
+
+
+def _complete_pipelined_store(session: Any, grant: Any, out: EngineResult) -> None:
+    from kvtierd_client.errors import KvtierError
+
+    if isinstance(grant, KvtierError):
+        raise grant
+    if grant is None:
+        out.store_rejected += 1
+    elif grant.keys_to_store:
+        session.complete_store(grant.keys_to_store)  # queued
+        out.stored += len(grant.keys_to_store)
+        out.evicted += len(grant.evicted_keys)
+
+
 # --------------------------------------------------------------------------------------
 # Driver
 # --------------------------------------------------------------------------------------
@@ -425,6 +496,7 @@ def replay(
             for mode in modes for policy in policies]  # fmt: skip
     if batch and "shared" in modes:
         runs.append(RunSpec("shared", policies[0], False, capacity))
+        runs.append(RunSpec("shared", policies[0], True, capacity, pipelined=True))
     queues = assign(requests, engines, how)
     tag = f"{os.getpid()}-{time.monotonic_ns() % 10**9}"
     budget = sum(r.pool_blocks * (engines if r.mode == "isolated" else 1) for r in runs)
@@ -507,7 +579,8 @@ def table_rows(results: Sequence[ModeResult]) -> list[list[str]]:
         moved = (m.loaded + m.stored) * r.block_bytes
         empty = r.empty_p50
         rows.append([
-            r.run.mode, r.run.policy, "yes" if r.run.batch else "no",
+            r.run.mode, r.run.policy,
+            "pipelined" if r.run.pipelined else "yes" if r.run.batch else "no",
             f"{r.engines}x{r.run.pool_blocks}" if r.run.mode == "isolated"
             else str(r.run.pool_blocks),
             f"{r.hit_rate:.2%}", f"{m.hits * TOKENS_PER_BLOCK:,}", f"{m.loaded:,}",
