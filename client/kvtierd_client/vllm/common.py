@@ -90,11 +90,38 @@ class DaemonStartError(RuntimeError):
     """The engine cannot start: the daemon is unreachable or refuses the pool."""
 
 
+def open_session_on(
+    client: Client,
+    settings: PluginSettings,
+    plan: PoolPlan,
+    client_name: str,
+    *,
+    queue_completions: bool = False,
+) -> Session:
+    """One ``OpenSession`` on ``plan``'s pool. With ``queue_completions`` the session
+    queues its completions (see ``Client.open_session``) and sends them alone after
+    ``settings.flush_after`` seconds at the latest (instead of the client's 5 ms)."""
+    session = client.open_session(
+        plan.name,
+        block_bytes=plan.block_bytes,
+        num_blocks=plan.num_blocks,
+        layout=plan.layout,
+        eviction_policy=settings.eviction_policy,
+        client_name=client_name,
+        queue_completions=queue_completions,
+    )
+    if queue_completions:
+        # open_session does not take the timer's delay; Session reads it per timer
+        session._flush_after = settings.flush_after
+    return session
+
+
 def open_pool_session(
-    settings: PluginSettings, plan: PoolPlan, client_name: str
+    settings: PluginSettings, plan: PoolPlan, client_name: str, *, queue_completions: bool = False
 ) -> tuple[Client, Session]:
-    """Opens a session on ``plan``'s pool, retrying ``settings.start_timeout`` seconds
-    while the daemon is unreachable. The caller owns both and closes them.
+    """Opens a session on ``plan``'s pool (see :func:`open_session_on`), retrying
+    ``settings.start_timeout`` seconds while the daemon is unreachable. The caller
+    owns both and closes them.
 
     Raises DaemonStartError naming the address, the pool and what to do.
     """
@@ -102,13 +129,8 @@ def open_pool_session(
     deadline = time.monotonic() + settings.start_timeout
     while True:
         try:
-            session = client.open_session(
-                plan.name,
-                block_bytes=plan.block_bytes,
-                num_blocks=plan.num_blocks,
-                layout=plan.layout,
-                eviction_policy=settings.eviction_policy,
-                client_name=client_name,
+            session = open_session_on(
+                client, settings, plan, client_name, queue_completions=queue_completions
             )
             return client, session
         except (Unavailable, DeadlineExceeded) as err:

@@ -29,6 +29,47 @@ of older generations died with their session and are never completed against the
 new one. Row ids always travel with the identity of their region
 (:class:`KvtierdLoadStoreSpec`), so a worker never applies them to another region.
 
+Round trips (one per scheduler step in the steady state). The manager's session
+queues completions (``queue_completions``): ``complete_store``, ``complete_load``,
+``touch`` and the release of unclaimed lookup pins cost no round trip; they travel
+inside the ``Batch`` of the session's next call that needs an answer. A lookup
+that is not answered from the step cache is *one* ``Batch``: the queued
+completions, ``Lookup`` of the request's next keys and ``PrepareLoad`` of the
+leading keys this manager believes present (its *presence hint*: keys it stored
+or saw HIT, minus keys it saw evicted or missing). Only when the hint was wrong
+does a second round trip pin the rest of the HIT run. ``prepare_store`` is one
+round trip (carrying whatever is queued). Queued completions nothing carried are
+sent alone at ``on_schedule_end`` once they have waited a whole scheduler step,
+or by the session's timer after ``flush_after`` seconds when the engine stops
+stepping, so a step costs at most max(1, calls that need an answer) round trips.
+
+Ordering guarantees relied on (kvtierd's ``Batch`` and the client's queue):
+
+1. The daemon applies this session's operations in the order the manager made
+   them: a queued completion always travels before the call that carries it, and
+   a ``Batch`` runs its ops in order in one event-loop turn. So a ``Lookup`` sees
+   every ``CompleteStore`` / ``CompleteLoad`` the manager made before it (our own
+   stores are HIT, our released pins are released), exactly as with single RPCs.
+2. The ops of one ``Batch`` are atomic with respect to other sessions: nothing
+   another engine does falls between the ``Lookup`` and the ``PrepareLoad`` of one
+   lookup, so a key the ``Lookup`` answers HIT inside the pinned prefix is pinned.
+3. An op's failure undoes nothing and stops nothing: a ``PrepareLoad`` that fails
+   because the hint was wrong (a key is not HIT) pins nothing and leaves the
+   ``Lookup``'s answer valid; the manager then pins the HIT run in a second call.
+4. Calls that cannot ride in a ``Batch`` (``FlushPool``, ``TakeEvents``,
+   ``GetStats``) are client or session RPCs of their own: ``reset_cache`` sends the
+   queue first, so the flush sees every pin released before it; ``take_events``
+   does not (events of completions still queued come with the next take).
+5. Errors of queued completions cannot be raised by the call that queued them: the
+   client logs them and keeps them in ``session.deferred_errors``; a session the
+   daemon forgot fails the next call that needs an answer (``NotFound``: a new
+   generation, as before); a transport failure loses the queued ops with the call
+   (the daemon releases their pins and reservations with the session).
+
+Counting: ``step_stats()`` (steps, steps with daemon work, round trips) and the
+``vllm:kv_offload_kvtierd_round_trips`` / ``..._scheduler_steps`` counters of
+``get_stats``; a step is one ``on_schedule_end``.
+
 Step-local cache: ``Lookup`` is batched over the request's following keys (vLLM
 calls ``lookup`` key by key in prefix order; the request context records every
 key's position) and the answers are reused for the rest of the scheduler step;
@@ -42,7 +83,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections import Counter
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -59,14 +100,19 @@ from vllm.v1.kv_offload.base import (
     ScheduleEndContext,
 )
 
-from kvtierd_client.client import Client, Session
+from kvtierd_client.client import LOOKUP, PREPARE_LOAD, Client, Session
 from kvtierd_client.client import LookupResult as DaemonLookup
 from kvtierd_client.errors import FailedPrecondition, KvtierError, NotFound
 from kvtierd_client.proto import pb2
-from kvtierd_client.vllm.common import KvtierdLoadStoreSpec, RegionIdentity, log
+from kvtierd_client.vllm.common import (
+    KvtierdLoadStoreSpec,
+    RegionIdentity,
+    log,
+    open_session_on,
+)
 from kvtierd_client.vllm.settings import PluginSettings, PoolPlan
 
-__all__ = ["KvtierdOffloadingManager", "ManagerCounters", "METRIC_NAMES"]
+__all__ = ["KvtierdOffloadingManager", "ManagerCounters", "METRIC_NAMES", "StepStats"]
 
 _T = TypeVar("_T")
 
@@ -75,6 +121,13 @@ LOOKUP_BATCH = 256
 
 GRAVE_STEPS = 2
 """Scheduler steps after ``reset_cache`` before abandoned pins/reservations are released."""
+
+QUEUE_STEPS = 2
+"""A queued completion nothing carried is sent alone at the ``on_schedule_end`` this
+many steps after it was queued (it has then waited one whole scheduler step)."""
+
+STEP_HISTORY = 4096
+"""Round trips of this many recent steps are kept (``step_round_trips``)."""
 
 _RESULTS = {
     DaemonLookup.MISS: LookupResult.MISS,
@@ -90,6 +143,8 @@ METRIC_NAMES = {
     "reconnects": "vllm:kv_offload_kvtierd_reconnects",
     "used_blocks": "vllm:kv_offload_kvtierd_pool_used_blocks",
     "capacity_blocks": "vllm:kv_offload_kvtierd_pool_capacity_blocks",
+    "round_trips": "vllm:kv_offload_kvtierd_round_trips",
+    "steps": "vllm:kv_offload_kvtierd_scheduler_steps",
 }
 
 
@@ -98,10 +153,44 @@ class ManagerCounters:
     """Counts since the manager started (``get_stats`` reports the deltas)."""
 
     lookups: Counter[str] = field(default_factory=Counter)  # by vLLM result name
-    rpcs: Counter[str] = field(default_factory=Counter)  # by RPC name
+    ops: Counter[str] = field(default_factory=Counter)  # daemon operations by name, sent or queued
     rpc_failures: int = 0
     reconnects: int = 0
     lookup_pins_released: int = 0
+    hint_right: int = 0  # lookups whose pin rode in the Lookup's Batch (one round trip)
+    hint_wrong: int = 0  # lookups that needed a second round trip to pin the HIT run
+    round_trips: int = 0  # as of the last get_stats (see StepStats for the live count)
+    steps: int = 0
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """Scheduler steps and daemon round trips since the manager started.
+
+    ``busy_steps``: steps in which the manager made at least one daemon operation
+    (sent or queued). Subtract two snapshots for a window: ``round_trips /
+    busy_steps`` is the cost of a step that has work, ``round_trips / steps`` the
+    average over every step (idle decode steps cost nothing).
+    """
+
+    steps: int
+    busy_steps: int
+    round_trips: int
+
+    def __sub__(self, other: StepStats) -> StepStats:
+        return StepStats(
+            self.steps - other.steps,
+            self.busy_steps - other.busy_steps,
+            self.round_trips - other.round_trips,
+        )
+
+    @property
+    def per_step(self) -> float:
+        return self.round_trips / self.steps if self.steps else 0.0
+
+    @property
+    def per_busy_step(self) -> float:
+        return self.round_trips / self.busy_steps if self.busy_steps else 0.0
 
 
 @dataclass
@@ -159,6 +248,19 @@ class KvtierdOffloadingManager(OffloadingManager):
         self.counters = ManagerCounters()
         self._reported = ManagerCounters()
         self._next_stats = 0.0
+        # presence hint: keys believed present in the pool (a guess, never trusted for
+        # correctness: the daemon checks every PrepareLoad), oldest first
+        self._hint: OrderedDict[bytes, None] = OrderedDict()
+        self._hint_capacity = max(1, int(session.region.num_blocks))
+        # round trips and steps
+        self._queued_at: int | None = None  # step of the oldest completion not yet sent
+        self._dead_round_trips = 0  # of sessions of older generations
+        self._own_round_trips = 0  # calls the session does not count (FlushPool, ...)
+        self._busy_steps = 0
+        self._step_busy = False  # this step made a daemon operation
+        self._round_trips_at_step = 0
+        self.step_round_trips: deque[int] = deque(maxlen=STEP_HISTORY)
+        """Round trips of each recent scheduler step (``on_schedule_end`` to the next)."""
 
     # -- vLLM's OffloadingManager API ------------------------------------------------
 
@@ -242,6 +344,7 @@ class KvtierdOffloadingManager(OffloadingManager):
         self._reserved.update(grant.keys_to_store)
         for key in (*grant.keys_to_store, *grant.evicted_keys):
             self._step_results.pop(key, None)
+        self._hint_drop(grant.evicted_keys)
         return PrepareStoreOutput(
             keys_to_store=[OffloadKey(k) for k in grant.keys_to_store],
             store_spec=KvtierdLoadStoreSpec(grant.block_ids, gen.region),
@@ -256,6 +359,10 @@ class KvtierdOffloadingManager(OffloadingManager):
         self._reserved.difference_update(mine)
         for key in mine:
             self._step_results.pop(key, None)
+        if success:
+            self._hint_add(mine)
+        else:
+            self._hint_drop(mine)
         gen = self._gen
         if gen is not None and mine:
             self._call(gen, "CompleteStore", gen.session.complete_store, mine, success, quiet=True)
@@ -281,7 +388,9 @@ class KvtierdOffloadingManager(OffloadingManager):
         ]
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        """Releases the lookup pins no ``prepare_load`` claimed; forgets the step's answers."""
+        """Releases the lookup pins no ``prepare_load`` claimed (queued); forgets the
+        step's answers; sends the completions that waited a whole step; ends the
+        step's round-trip count."""
         self._step += 1
         unclaimed = [k for k, n in self._step_pins.items() for _ in range(n)]
         self._clear_step()
@@ -290,6 +399,13 @@ class KvtierdOffloadingManager(OffloadingManager):
             self.counters.lookup_pins_released += len(unclaimed)
             self._release_pins(gen, unclaimed)
         self._bury_due()
+        if self._queued_at is not None and self._step - self._queued_at >= QUEUE_STEPS:
+            self._send_queued()
+        round_trips = self._round_trips()
+        self.step_round_trips.append(round_trips - self._round_trips_at_step)
+        self._round_trips_at_step = round_trips
+        self._busy_steps += self._step_busy
+        self._step_busy = False
 
     def has_pending_work(self) -> bool:
         return bool(self._graves)
@@ -313,8 +429,10 @@ class KvtierdOffloadingManager(OffloadingManager):
         self._load_pins = Counter()
         self._reserved = set()
         self._clear_step()
+        self._hint.clear()
         gen = self._usable()
         if gen is not None:
+            self._send_queued()  # the flush must see the pins released above
             self._call(gen, "FlushPool", self._client.flush_pool, self._plan.name)
 
     def get_stats(self) -> Any:
@@ -329,7 +447,10 @@ class KvtierdOffloadingManager(OffloadingManager):
             delta = count - self._reported.lookups[name]
             if delta:
                 stats.increase_counter(METRIC_NAMES["lookups"], delta, (name,))
-        for attr in ("rpc_failures", "reconnects"):
+        step_stats = self.step_stats()
+        self.counters.round_trips = step_stats.round_trips
+        self.counters.steps = step_stats.steps
+        for attr in ("rpc_failures", "reconnects", "round_trips", "steps"):
             delta = getattr(self.counters, attr) - getattr(self._reported, attr)
             if delta:
                 stats.increase_counter(METRIC_NAMES[attr], delta)
@@ -337,6 +458,8 @@ class KvtierdOffloadingManager(OffloadingManager):
             lookups=Counter(self.counters.lookups),
             rpc_failures=self.counters.rpc_failures,
             reconnects=self.counters.reconnects,
+            round_trips=self.counters.round_trips,
+            steps=self.counters.steps,
         )
         now = time.monotonic()
         gen = self._usable()
@@ -365,31 +488,47 @@ class KvtierdOffloadingManager(OffloadingManager):
     def pool_name(self) -> str:
         return self._plan.name
 
+    def step_stats(self) -> StepStats:
+        """Scheduler steps and daemon round trips so far (subtract two for a window)."""
+        return StepStats(self._step, self._busy_steps, self._round_trips())
+
+    def _round_trips(self) -> int:
+        gen = self._gen
+        live = 0 if gen is None else gen.session.rpcs
+        return self._dead_round_trips + self._own_round_trips + live
+
     def _lookup_batch(self, key: bytes, ctx: ReqContext) -> LookupResult:
         batch = [key, *self._following_keys(key, ctx)]
         for _attempt in range(2):
             answered = self._lookup_rpc(batch, ctx.req_id)
             if answered is None:
                 return LookupResult.MISS
-            gen, answers = answered
+            gen, answers, rows = answered
             results = [_RESULTS[a] for a in answers]
+            self._note_presence(batch, results)
             # Pin the run of HITs starting at `key`; vLLM's prefix scan stops at the
             # first MISS and defers on HIT_PENDING / RETRY, so later HITs are not
             # cached (a later lookup of them pins them then).
             run = 0
             while run < len(results) and results[run] is LookupResult.HIT:
                 run += 1
-            if run == 0:
-                break
-            try:
-                rows = gen.session.prepare_load(batch[:run], ctx.req_id)
-                self.counters.rpcs["PrepareLoad"] += 1
-            except FailedPrecondition:
-                continue  # evicted between Lookup and PrepareLoad: ask again once
-            except KvtierError as err:
-                self._failed(gen, "PrepareLoad", err)
-                return LookupResult.MISS
-            for k, row in zip(batch[:run], rows, strict=True):
+            if len(rows) == run:
+                self.counters.hint_right += 1
+            else:  # the hint was wrong: pin the rest of the run (a second round trip)
+                self.counters.hint_wrong += 1
+                rest = batch[len(rows) : run]
+                more = self._call(
+                    gen, "PrepareLoad", gen.session.prepare_load, rest, ctx.req_id, quiet=True
+                )
+                if self._gen is not gen:
+                    return LookupResult.MISS  # the session died, and its pins with it
+                if more is None:  # evicted between Lookup and PrepareLoad
+                    self._hint_drop(rest)
+                else:
+                    rows = [*rows, *more]
+            if run and not rows:
+                continue  # not one key of the run could be pinned: ask again once
+            for k, row in zip(batch, rows, strict=False):
                 self._step_pins[k] += 1
                 self._step_rows[k] = row
             break
@@ -402,19 +541,58 @@ class KvtierdOffloadingManager(OffloadingManager):
 
     def _lookup_rpc(
         self, batch: list[bytes], req_id: str
-    ) -> tuple[_Generation, list[DaemonLookup]] | None:
-        """``Lookup`` of ``batch``; a session the daemon forgot (restart) is replaced and
-        asked again at once. None when the daemon cannot answer."""
+    ) -> tuple[_Generation, list[DaemonLookup], list[int]] | None:
+        """``Lookup`` of ``batch`` and, in the same ``Batch``, ``PrepareLoad`` of the
+        leading keys the presence hint believes present: the answers and the rows of
+        ``batch[:len(rows)]``, now pinned (none when the hint was wrong). A session the
+        daemon forgot (restart) is replaced and asked again at once. None when the
+        daemon cannot answer."""
         for _ in range(2):
             gen = self._usable()
             if gen is None:
                 return None
-            answers = self._call(gen, "Lookup", gen.session.lookup, batch, req_id)
-            if answers is not None and self._gen is gen:
-                return gen, answers
+            guess = self._guess(batch)
+            got = self._call(gen, "Lookup", _lookup_and_pin, gen.session, batch, guess, req_id)
+            if got is not None and self._gen is gen:
+                answers, rows = got
+                if guess:
+                    self.counters.ops["PrepareLoad"] += 1
+                return gen, answers, rows or []
             if self._gen is not None:  # failed for another reason than a lost session
                 return None
         return None
+
+    def _guess(self, batch: list[bytes]) -> int:
+        """How many leading keys of ``batch`` the presence hint believes present."""
+        n = 0
+        for key in batch:
+            if key not in self._hint:
+                break
+            n += 1
+        return n
+
+    def _note_presence(self, batch: list[bytes], results: list[LookupResult]) -> None:
+        self._hint_add([k for k, r in zip(batch, results, strict=True) if r is LookupResult.HIT])
+        self._hint_drop([k for k, r in zip(batch, results, strict=True) if r is LookupResult.MISS])
+
+    def _hint_add(self, keys: Iterable[bytes]) -> None:
+        hint = self._hint
+        for key in keys:
+            hint[key] = None
+            hint.move_to_end(key)
+        while len(hint) > self._hint_capacity:
+            hint.popitem(last=False)
+
+    def _hint_drop(self, keys: Iterable[bytes]) -> None:
+        for key in keys:
+            self._hint.pop(key, None)
+
+    def _send_queued(self) -> None:
+        """Sends the session's queued completions now (one ``Batch``, none if empty)."""
+        gen = self._gen
+        self._queued_at = None
+        if gen is not None:
+            self._call(gen, "Flush", gen.session.flush, quiet=True)
 
     def _following_keys(self, key: bytes, ctx: ReqContext) -> list[bytes]:
         """The request's next keys of ``key``'s KV group, in prefix order, not yet
@@ -470,14 +648,14 @@ class KvtierdOffloadingManager(OffloadingManager):
             return None
         if self._gen is not None:
             return self._gen
+        self._own_round_trips += 1  # OpenSession
         try:
-            session = self._client.open_session(
-                self._plan.name,
-                block_bytes=self._plan.block_bytes,
-                num_blocks=self._plan.num_blocks,
-                layout=self._plan.layout,
-                eviction_policy=self._settings.eviction_policy,
-                client_name=self._client_name,
+            session = open_session_on(
+                self._client,
+                self._settings,
+                self._plan,
+                self._client_name,
+                queue_completions=True,
             )
             region = RegionIdentity.of_session(session)
         except (KvtierError, OSError) as err:
@@ -497,13 +675,26 @@ class KvtierdOffloadingManager(OffloadingManager):
     def _call(
         self, gen: _Generation, rpc: str, fn: Callable[..., _T], *args: Any, quiet: bool = False
     ) -> _T | None:
-        """``fn(*args)``; None after a failure, which it handles (see the module doc)."""
+        """``fn(*args)``; None after a failure, which it handles (see the module doc).
+
+        Bookkeeping of the queue and of the step: a completion marks when the queue
+        started waiting; a call that needs an answer empties it (it carries the queue,
+        or loses it with a transport failure)."""
+        if rpc not in _SESSION_OPS:
+            self._own_round_trips += 1  # a round trip session.rpcs does not count
+        if rpc not in _NOT_WORK:
+            self._step_busy = True
+        if rpc in _QUEUED_OPS:
+            if self._queued_at is None and gen.session.queue_completions:
+                self._queued_at = self._step
+        elif rpc in _ANSWERED_OPS:
+            self._queued_at = None
         try:
             result = fn(*args)
         except KvtierError as err:
             self._failed(gen, rpc, err, quiet=quiet)
             return None
-        self.counters.rpcs[rpc] += 1
+        self.counters.ops[rpc] += 1
         return result
 
     def _failed(self, gen: _Generation, rpc: str, err: KvtierError, quiet: bool = False) -> None:
@@ -526,11 +717,55 @@ class KvtierdOffloadingManager(OffloadingManager):
         self._down_until = time.monotonic() + self._settings.retry_interval
 
     def _new_generation_needed(self) -> None:
-        """Forgets the dead session: its pins, reservations and this step's answers."""
+        """Forgets the dead session: its pins, reservations, queue and this step's answers."""
+        if self._gen is not None:
+            self._dead_round_trips += self._gen.session.rpcs
         self._gen = None
+        self._queued_at = None
+        self._hint.clear()
         self._load_pins = Counter()
         self._reserved = set()
         self._clear_step()
+
+
+_QUEUED_OPS = frozenset({"Touch", "CompleteLoad", "CompleteStore"})
+"""Session calls queued by the client (``queue_completions``)."""
+_ANSWERED_OPS = frozenset({"Lookup", "PrepareLoad", "PrepareStore", "Flush"})
+"""Session calls that send the queue with them."""
+_SESSION_OPS = _QUEUED_OPS | _ANSWERED_OPS
+"""Calls whose round trips the session counts (``Session.rpcs``)."""
+_NOT_WORK = frozenset({"Flush", "GetStats"})
+"""Calls that do not make a step busy (they only send earlier work, or read gauges)."""
+
+
+def _lookup_and_pin(
+    session: Session, batch: list[bytes], guess: int, req_id: str
+) -> tuple[list[DaemonLookup], list[int] | None]:
+    """One round trip: the queued completions, ``Lookup(batch)`` and, when ``guess``,
+    ``PrepareLoad(batch[:guess])``, in one ``Batch`` (ops in order, one loop turn).
+
+    Returns the answers and the pinned rows of ``batch[:guess]``, or None for the
+    rows when one of those keys is not HIT (that op failed and pinned nothing).
+    Raises like ``Session.lookup``.
+
+    Uses the session's queue internals (``Session`` has no public call for a Batch
+    of several answered ops that also carries its queue).
+    """
+    if not guess:
+        return session.lookup(batch, req_id), []
+    ops = [
+        session._batch_op(LOOKUP, batch, request_id=req_id),
+        session._batch_op(PREPARE_LOAD, batch[:guess], request_id=req_id),
+    ]
+    with session._queue_lock:
+        queued = session._take_queued()
+        results = session._send_batch([*queued, *ops])
+    answers = session._result(LOOKUP, results[-2])
+    try:
+        rows = session._result(PREPARE_LOAD, results[-1])
+    except FailedPrecondition:
+        rows = None
+    return answers, rows
 
 
 def _primary_tier(response: Any) -> Any:

@@ -62,6 +62,10 @@ EXTRA_KEYS: dict[str, str] = {
     "before it tries again (default 1)",
     "kvtierd_stats_interval": "seconds between two GetStats calls feeding the pool gauges "
     "(default 10; 0 turns them off)",
+    "kvtierd_flush_after": "seconds a queued completion (complete_store / complete_load / "
+    "touch) may wait for the scheduler's next daemon call before it is sent alone "
+    "(default 0.1); while the engine steps, completions ride on the next call or are "
+    "sent at the latest two scheduler steps later",
     "kvtierd_pool": "pool name; default derived from the model and parallel layout",
     "kvtierd_token": "bearer token (TCP daemons only)",
     "cpu_bytes_to_use": "pool capacity in bytes (rows = this // row stride); "
@@ -80,6 +84,7 @@ class PluginSettings:
     start_timeout: float
     retry_interval: float
     stats_interval: float
+    flush_after: float
     pool_name: str | None
     token: str | None
     capacity_bytes: int
@@ -107,6 +112,7 @@ class PluginSettings:
             start_timeout=_seconds(extra, "kvtierd_start_timeout", 10.0, minimum=0.0),
             retry_interval=_seconds(extra, "kvtierd_retry_interval", 1.0, minimum=0.0),
             stats_interval=_seconds(extra, "kvtierd_stats_interval", 10.0, minimum=0.0),
+            flush_after=_seconds(extra, "kvtierd_flush_after", 0.1, minimum=0.0),
             pool_name=str(pool) if pool else None,
             token=str(token) if token else None,
             capacity_bytes=_non_negative_int(extra, "cpu_bytes_to_use"),

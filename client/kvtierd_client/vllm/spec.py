@@ -66,6 +66,13 @@ class KvtierdOffloadingSpec(OffloadingSpec):
             METRIC_NAMES["reconnects"]: OffloadingCounterMetadata(
                 documentation="New kvtierd sessions after the daemon forgot the old one.",
             ),
+            METRIC_NAMES["round_trips"]: OffloadingCounterMetadata(
+                documentation="Round trips to kvtierd made by the scheduler's manager.",
+            ),
+            METRIC_NAMES["steps"]: OffloadingCounterMetadata(
+                documentation="Scheduler steps seen by the kvtierd manager "
+                "(round_trips / scheduler_steps: round trips per step).",
+            ),
             METRIC_NAMES["used_blocks"]: OffloadingGaugeMetadata(
                 documentation="Rows in use in the kvtierd pool (every engine sharing it).",
             ),
@@ -85,7 +92,9 @@ class KvtierdOffloadingSpec(OffloadingSpec):
         """The scheduler's manager over a new daemon session (created once)."""
         if self._manager is None:
             name = default_client_name("scheduler")
-            client, session = open_pool_session(self.settings, self.plan, name)
+            client, session = open_pool_session(
+                self.settings, self.plan, name, queue_completions=True
+            )
             self._manager = KvtierdOffloadingManager(
                 client,
                 session,
