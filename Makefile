@@ -7,7 +7,7 @@ PROTO  := proto/kvtier/v1/kvtier.proto
 GENDIR := client/kvtierd_client/_proto
 GEN    := $(GENDIR)/kvtier/v1/kvtier_pb2.py
 
-.PHONY: install gen run test bench lint clean install-vllm test-vllm bench-vllm
+.PHONY: install gen run test test-tools bench lint clean install-vllm test-vllm bench-vllm
 
 install: $(STAMP) $(GEN)
 
@@ -31,8 +31,16 @@ $(GEN): $(PROTO) $(STAMP)
 run: install
 	$(BIN)/kvtierd
 
-test: install
+test: install test-tools
 	$(BIN)/python -m pytest -q --ignore=tests/vllm
+
+# Tools some tests drive for real; installed when missing and possible (root + apt),
+# otherwise the tests that need them say so and skip.
+test-tools:
+	@command -v systemd-analyze >/dev/null 2>&1 || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	    apt-get install -y -q --no-install-recommends systemd >/dev/null 2>&1; } || \
+	  echo "systemd-analyze not available: the unit-file check will be skipped"
 
 bench: install
 	$(BIN)/python -m benchmarks
