@@ -326,21 +326,33 @@ def _replay(args: EngineArgs, session: Any, empty_rpc: Any, progress: Any) -> En
                 out.stored += len(grant.keys_to_store)
                 out.evicted += len(grant.evicted_keys)
         out.latencies.append(time.perf_counter() - t0 - copy_s)
-        out.step_rpcs.append(session.rpcs - rpcs_before)
-        out.steps += 1
-        out.looked_up += len(keys)
-        out.hits += k
-        out.loaded += k
         out.pending_hits += min(waited, k)
-        progress[args.engine] = (
-            args.requests[step + 1][0] if step + 1 < len(args.requests) else DONE
-        )
-        if args.floor_every and step % args.floor_every == 0:
-            t0 = time.perf_counter()
-            empty_rpc()
-            out.empty.append(time.perf_counter() - t0)
+        _end_step(args, out, step, len(keys), k, session.rpcs - rpcs_before, empty_rpc, progress)
     out.wall = time.perf_counter() - started
     return out
+
+
+def _end_step(
+    args: EngineArgs,
+    out: EngineResult,
+    step: int,
+    looked_up: int,
+    hits: int,
+    rpcs: int,
+    empty_rpc: Any,
+    progress: Any,
+) -> None:
+    """Books one step, publishes progress, and times the empty-RPC floor every few steps."""
+    out.step_rpcs.append(rpcs)
+    out.steps += 1
+    out.looked_up += looked_up
+    out.hits += hits
+    out.loaded += hits
+    progress[args.engine] = args.requests[step + 1][0] if step + 1 < len(args.requests) else DONE
+    if args.floor_every and step % args.floor_every == 0:
+        t0 = time.perf_counter()
+        empty_rpc()
+        out.empty.append(time.perf_counter() - t0)
 
 
 def _replay_pipelined(
@@ -378,18 +390,7 @@ def _replay_pipelined(
             session.touch(keys[:k])
         to_store = keys[k:]
         out.latencies.append(time.perf_counter() - t0)
-        out.step_rpcs.append(session.rpcs - rpcs_before)
-        out.steps += 1
-        out.looked_up += len(keys)
-        out.hits += k
-        out.loaded += k
-        progress[args.engine] = (
-            args.requests[step + 1][0] if step + 1 < len(args.requests) else DONE
-        )
-        if args.floor_every and step % args.floor_every == 0:
-            t0 = time.perf_counter()
-            empty_rpc()
-            out.empty.append(time.perf_counter() - t0)
+        _end_step(args, out, step, len(keys), k, session.rpcs - rpcs_before, empty_rpc, progress)
     if to_store:  # the last request's blocks, after the last step
         _complete_pipelined_store(session, session.batch([("prepare_store", to_store, {})])[0], out)
     session.flush()
