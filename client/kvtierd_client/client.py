@@ -421,6 +421,7 @@ class Client:
         client_name: str = "",
         keepalive: bool = True,
         queue_completions: bool = False,
+        flush_after: float = DEFAULT_FLUSH_AFTER,
     ) -> Session:
         """Creates or joins ``pool`` and returns a session bound to it (RPC ``OpenSession``).
 
@@ -431,10 +432,10 @@ class Client:
 
         With ``queue_completions``, ``complete_store`` / ``complete_load`` / ``touch``
         return at once and are sent, in call order, with the session's next call
-        that needs an answer (one ``Batch`` round trip), or after a few ms, or by
-        ``flush()`` / ``close()``. The daemon applies the session's calls in the
-        order they were made; a queued call's error is logged and kept in
-        ``session.deferred_errors`` instead of raising.
+        that needs an answer (one ``Batch`` round trip), or after ``flush_after``
+        seconds (default 5 ms), or by ``flush()`` / ``close()``. The daemon applies
+        the session's calls in the order they were made; a queued call's error is
+        logged and kept in ``session.deferred_errors`` instead of raising.
 
         Raises ``InvalidArgument`` (bad name, block size, policy), ``FailedPrecondition``
         (the pool exists with another block size or layout), ``ResourceExhausted``
@@ -444,7 +445,13 @@ class Client:
         response = self._call(
             OPEN_SESSION, pool, block_bytes, num_blocks, layout, eviction_policy, client_name
         )
-        session = Session(self, response, keepalive=keepalive, queue_completions=queue_completions)
+        session = Session(
+            self,
+            response,
+            keepalive=keepalive,
+            queue_completions=queue_completions,
+            flush_after=flush_after,
+        )
         with self._lock:
             self._sessions.add(session)
         return session
