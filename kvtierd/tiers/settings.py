@@ -49,7 +49,7 @@ FS_OPTION_HELP: Mapping[str, str] = {
     "capacity": "bytes of block files, all pools together; least recently used files go first",
     "create_root": "create the root directory if it is missing (default false)",
     "fsync": "fdatasync every block file before it becomes visible (default false)",
-    "o_direct": "auto | on | off: bypass the page cache where the filesystem allows it",
+    "o_direct": "auto | on | off: bypass the page cache (auto: where supported and faster)",
     "read_threads": "I/O threads that prefer reads (promotions); default 8",
     "write_threads": "I/O threads that prefer writes (cascades); default 8",
     "max_queue_bytes": "cascade bytes queued before new cascade writes are dropped; default 1GiB",
