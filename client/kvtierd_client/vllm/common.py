@@ -101,7 +101,7 @@ def open_session_on(
     """One ``OpenSession`` on ``plan``'s pool. With ``queue_completions`` the session
     queues its completions (see ``Client.open_session``) and sends them alone after
     ``settings.flush_after`` seconds at the latest (instead of the client's 5 ms)."""
-    session = client.open_session(
+    return client.open_session(
         plan.name,
         block_bytes=plan.block_bytes,
         num_blocks=plan.num_blocks,
@@ -109,11 +109,8 @@ def open_session_on(
         eviction_policy=settings.eviction_policy,
         client_name=client_name,
         queue_completions=queue_completions,
+        flush_after=settings.flush_after,
     )
-    if queue_completions:
-        # open_session does not take the timer's delay; Session reads it per timer
-        session._flush_after = settings.flush_after
-    return session
 
 
 def open_pool_session(

@@ -6,11 +6,11 @@ session and keeps only bookkeeping that makes the translation safe.
 
 Ownership of daemon state (all of it belongs to this manager's *session*):
 
-* **lookup pins**: when ``lookup`` answers HIT it has already pinned the key
-  (``PrepareLoad``), so the row cannot be evicted by another engine between
-  vLLM's lookup and its ``prepare_load``. A lookup pin is either *claimed* by
-  ``prepare_load`` in the same scheduler step (it becomes a load pin) or released
-  at ``on_schedule_end`` (``CompleteLoad``).
+* **lookup pins**: when ``lookup`` answers HIT it has already pinned the key (the
+  ``Lookup`` pins it, ``Session.lookup_and_pin``), so the row cannot be evicted by
+  another engine between vLLM's lookup and its ``prepare_load``. A lookup pin is
+  either *claimed* by ``prepare_load`` in the same scheduler step (it becomes a
+  load pin) or released at ``on_schedule_end`` (``CompleteLoad``, queued).
 * **load pins**: taken by ``prepare_load``, released by ``complete_load`` (after
   every worker copied the rows).
 * **reservations**: rows reserved by ``prepare_store``, completed by
@@ -33,38 +33,47 @@ Round trips (one per scheduler step in the steady state). The manager's session
 queues completions (``queue_completions``): ``complete_store``, ``complete_load``,
 ``touch`` and the release of unclaimed lookup pins cost no round trip; they travel
 inside the ``Batch`` of the session's next call that needs an answer. A lookup
-that is not answered from the step cache is *one* ``Batch``: the queued
-completions, ``Lookup`` of the request's next keys and ``PrepareLoad`` of the
-leading keys this manager believes present (its *presence hint*: keys it stored
-or saw HIT, minus keys it saw evicted or missing). Only when the hint was wrong
-does a second round trip pin the rest of the HIT run. ``prepare_store`` is one
-round trip (carrying whatever is queued). Queued completions nothing carried are
-sent alone at ``on_schedule_end`` once they have waited a whole scheduler step,
-or by the session's timer after ``flush_after`` seconds when the engine stops
-stepping, so a step costs at most max(1, calls that need an answer) round trips.
+that is not answered from the step cache is *one* round trip:
+``Session.lookup_and_pin(keys, prefix=True)`` of the request's next keys, after the
+queued completions; the daemon answers and pins the leading run of HITs in the
+same op, so no second call and no guess of what is present is needed.
+``prepare_load`` of keys this step's lookups pinned costs nothing (it claims the
+pins); only keys looked up in an earlier step are pinned by a ``PrepareLoad`` of
+their own. ``prepare_store`` is one round trip (carrying whatever is queued).
+Queued completions nothing carried are sent alone at ``on_schedule_end`` once they
+have waited a whole scheduler step, or by the session's timer after
+``flush_after`` seconds (``kvtierd_flush_after``, passed to ``open_session``) when
+the engine stops stepping, so a step costs at most max(1, calls that need an
+answer) round trips.
 
-Ordering guarantees relied on (kvtierd's ``Batch`` and the client's queue):
+Ordering guarantees relied on (kvtierd's ``Batch`` and ``Lookup``, the client's queue):
 
 1. The daemon applies this session's operations in the order the manager made
    them: a queued completion always travels before the call that carries it, and
    a ``Batch`` runs its ops in order in one event-loop turn. So a ``Lookup`` sees
    every ``CompleteStore`` / ``CompleteLoad`` the manager made before it (our own
    stores are HIT, our released pins are released), exactly as with single RPCs.
-2. The ops of one ``Batch`` are atomic with respect to other sessions: nothing
-   another engine does falls between the ``Lookup`` and the ``PrepareLoad`` of one
-   lookup, so a key the ``Lookup`` answers HIT inside the pinned prefix is pinned.
-3. An op's failure undoes nothing and stops nothing: a ``PrepareLoad`` that fails
-   because the hint was wrong (a key is not HIT) pins nothing and leaves the
-   ``Lookup``'s answer valid; the manager then pins the HIT run in a second call.
+2. A pinning ``Lookup`` answers and pins in one event-loop turn: nothing another
+   engine does falls between the answer and the pin, so every key of the leading
+   HIT run is pinned (its row is >= 0). The manager answers HIT only for a key it
+   holds a row for; an unpinned HIT (after a HIT_PENDING) is not answered HIT and
+   not cached, a later lookup of it pins it then.
+3. Lookups are prefix lookups (``prefix=True``; the keys are the request's chain
+   in order, up to the first key already answered this step): every key after
+   the first one that is neither HIT nor HIT_PENDING answers MISS and starts no
+   promotion from a secondary tier (the fs tier), since vLLM loads nothing past
+   its first miss. Those MISSes are cached for the step like any answer, so
+   vLLM's scan stops there instead of asking again from that key on.
 4. Calls that cannot ride in a ``Batch`` (``FlushPool``, ``TakeEvents``,
    ``GetStats``) are client or session RPCs of their own: ``reset_cache`` sends the
    queue first, so the flush sees every pin released before it; ``take_events``
    does not (events of completions still queued come with the next take).
 5. Errors of queued completions cannot be raised by the call that queued them: the
-   client logs them and keeps them in ``session.deferred_errors``; a session the
-   daemon forgot fails the next call that needs an answer (``NotFound``: a new
-   generation, as before); a transport failure loses the queued ops with the call
-   (the daemon releases their pins and reservations with the session).
+   client logs them and keeps them in ``session.deferred_errors`` (a failed queued
+   op stops nothing after it in its ``Batch``); a session the daemon forgot fails
+   the next call that needs an answer (``NotFound``: a new generation, as before);
+   a transport failure loses the queued ops with the call (the daemon releases
+   their pins and reservations with the session).
 
 Counting: ``step_stats()`` (steps, steps with daemon work, round trips) and the
 ``vllm:kv_offload_kvtierd_round_trips`` / ``..._scheduler_steps`` counters of
@@ -83,7 +92,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -100,7 +109,7 @@ from vllm.v1.kv_offload.base import (
     ScheduleEndContext,
 )
 
-from kvtierd_client.client import LOOKUP, PREPARE_LOAD, Client, Session
+from kvtierd_client.client import Client, Session
 from kvtierd_client.client import LookupResult as DaemonLookup
 from kvtierd_client.errors import FailedPrecondition, KvtierError, NotFound
 from kvtierd_client.proto import pb2
@@ -156,9 +165,7 @@ class ManagerCounters:
     ops: Counter[str] = field(default_factory=Counter)  # daemon operations by name, sent or queued
     rpc_failures: int = 0
     reconnects: int = 0
-    lookup_pins_released: int = 0
-    hint_right: int = 0  # lookups whose pin rode in the Lookup's Batch (one round trip)
-    hint_wrong: int = 0  # lookups that needed a second round trip to pin the HIT run
+    lookup_pins_released: int = 0  # lookup pins no prepare_load claimed in their step
     round_trips: int = 0  # as of the last get_stats (see StepStats for the live count)
     steps: int = 0
 
@@ -248,10 +255,6 @@ class KvtierdOffloadingManager(OffloadingManager):
         self.counters = ManagerCounters()
         self._reported = ManagerCounters()
         self._next_stats = 0.0
-        # presence hint: keys believed present in the pool (a guess, never trusted for
-        # correctness: the daemon checks every PrepareLoad), oldest first
-        self._hint: OrderedDict[bytes, None] = OrderedDict()
-        self._hint_capacity = max(1, int(session.region.num_blocks))
         # round trips and steps
         self._queued_at: int | None = None  # step of the oldest completion not yet sent
         self._dead_round_trips = 0  # of sessions of older generations
@@ -344,7 +347,6 @@ class KvtierdOffloadingManager(OffloadingManager):
         self._reserved.update(grant.keys_to_store)
         for key in (*grant.keys_to_store, *grant.evicted_keys):
             self._step_results.pop(key, None)
-        self._hint_drop(grant.evicted_keys)
         return PrepareStoreOutput(
             keys_to_store=[OffloadKey(k) for k in grant.keys_to_store],
             store_spec=KvtierdLoadStoreSpec(grant.block_ids, gen.region),
@@ -359,10 +361,6 @@ class KvtierdOffloadingManager(OffloadingManager):
         self._reserved.difference_update(mine)
         for key in mine:
             self._step_results.pop(key, None)
-        if success:
-            self._hint_add(mine)
-        else:
-            self._hint_drop(mine)
         gen = self._gen
         if gen is not None and mine:
             self._call(gen, "CompleteStore", gen.session.complete_store, mine, success, quiet=True)
@@ -429,7 +427,6 @@ class KvtierdOffloadingManager(OffloadingManager):
         self._load_pins = Counter()
         self._reserved = set()
         self._clear_step()
-        self._hint.clear()
         gen = self._usable()
         if gen is not None:
             self._send_queued()  # the flush must see the pins released above
@@ -498,94 +495,50 @@ class KvtierdOffloadingManager(OffloadingManager):
         return self._dead_round_trips + self._own_round_trips + live
 
     def _lookup_batch(self, key: bytes, ctx: ReqContext) -> LookupResult:
+        """Asks the daemon about ``key`` and the request's next keys (one round trip),
+        keeps the pins of the leading HIT run and caches the answers for the step."""
         batch = [key, *self._following_keys(key, ctx)]
-        for _attempt in range(2):
-            answered = self._lookup_rpc(batch, ctx.req_id)
-            if answered is None:
-                return LookupResult.MISS
-            gen, answers, rows = answered
-            results = [_RESULTS[a] for a in answers]
-            self._note_presence(batch, results)
-            # Pin the run of HITs starting at `key`; vLLM's prefix scan stops at the
-            # first MISS and defers on HIT_PENDING / RETRY, so later HITs are not
-            # cached (a later lookup of them pins them then).
-            run = 0
-            while run < len(results) and results[run] is LookupResult.HIT:
-                run += 1
-            if len(rows) == run:
-                self.counters.hint_right += 1
-            else:  # the hint was wrong: pin the rest of the run (a second round trip)
-                self.counters.hint_wrong += 1
-                rest = batch[len(rows) : run]
-                more = self._call(
-                    gen, "PrepareLoad", gen.session.prepare_load, rest, ctx.req_id, quiet=True
-                )
-                if self._gen is not gen:
-                    return LookupResult.MISS  # the session died, and its pins with it
-                if more is None:  # evicted between Lookup and PrepareLoad
-                    self._hint_drop(rest)
-                else:
-                    rows = [*rows, *more]
-            if run and not rows:
-                continue  # not one key of the run could be pinned: ask again once
-            for k, row in zip(batch, rows, strict=False):
+        answered = self._lookup_rpc(batch, ctx.req_id)
+        if answered is None:
+            return LookupResult.MISS
+        answers, rows = answered
+        # The daemon pinned the leading run of HITs (prefix lookup: -1 from the first
+        # key that is not HIT on). vLLM's prefix scan stops at the first MISS and
+        # defers on HIT_PENDING / RETRY; a HIT after those is not pinned, hence not
+        # cached (a later lookup of it pins it then). Keys after the first key that is
+        # neither HIT nor HIT_PENDING answer MISS (the daemon looked no further): they
+        # are cached too, so the scan stops there instead of asking from that key on.
+        results: list[LookupResult | None] = []
+        for k, answer, row in zip(batch, answers, rows, strict=True):
+            result: LookupResult | None = _RESULTS[answer]
+            if row >= 0:
                 self._step_pins[k] += 1
                 self._step_rows[k] = row
-            break
-        else:
-            return LookupResult.MISS  # the daemon kept evicting what it just answered HIT
-        for k, result in zip(batch, results, strict=True):
-            if result is not LookupResult.HIT or k in self._step_pins:
+            elif result is LookupResult.HIT:
+                result = None  # not pinned: never answered HIT, not cached
+            if result is not None:
                 self._step_results[k] = result
-        return results[0]
+            results.append(result)
+        return results[0] or LookupResult.MISS
 
     def _lookup_rpc(
         self, batch: list[bytes], req_id: str
-    ) -> tuple[_Generation, list[DaemonLookup], list[int]] | None:
-        """``Lookup`` of ``batch`` and, in the same ``Batch``, ``PrepareLoad`` of the
-        leading keys the presence hint believes present: the answers and the rows of
-        ``batch[:len(rows)]``, now pinned (none when the hint was wrong). A session the
-        daemon forgot (restart) is replaced and asked again at once. None when the
-        daemon cannot answer."""
+    ) -> tuple[list[DaemonLookup], list[int]] | None:
+        """``Session.lookup_and_pin(batch, prefix=True)``: one round trip (a ``Batch``
+        of the queued completions, if any, then the ``Lookup``) that pins the leading
+        HITs for this session; the answers and the rows, co-indexed with ``batch``
+        (-1 where not pinned). A session the daemon forgot (restart) is replaced and
+        asked again at once. None when the daemon cannot answer."""
         for _ in range(2):
             gen = self._usable()
             if gen is None:
                 return None
-            guess = self._guess(batch)
-            got = self._call(gen, "Lookup", _lookup_and_pin, gen.session, batch, guess, req_id)
+            got = self._call(gen, "Lookup", gen.session.lookup_and_pin, batch, req_id, prefix=True)
             if got is not None and self._gen is gen:
-                answers, rows = got
-                if guess:
-                    self.counters.ops["PrepareLoad"] += 1
-                return gen, answers, rows or []
+                return got
             if self._gen is not None:  # failed for another reason than a lost session
                 return None
         return None
-
-    def _guess(self, batch: list[bytes]) -> int:
-        """How many leading keys of ``batch`` the presence hint believes present."""
-        n = 0
-        for key in batch:
-            if key not in self._hint:
-                break
-            n += 1
-        return n
-
-    def _note_presence(self, batch: list[bytes], results: list[LookupResult]) -> None:
-        self._hint_add([k for k, r in zip(batch, results, strict=True) if r is LookupResult.HIT])
-        self._hint_drop([k for k, r in zip(batch, results, strict=True) if r is LookupResult.MISS])
-
-    def _hint_add(self, keys: Iterable[bytes]) -> None:
-        hint = self._hint
-        for key in keys:
-            hint[key] = None
-            hint.move_to_end(key)
-        while len(hint) > self._hint_capacity:
-            hint.popitem(last=False)
-
-    def _hint_drop(self, keys: Iterable[bytes]) -> None:
-        for key in keys:
-            self._hint.pop(key, None)
 
     def _send_queued(self) -> None:
         """Sends the session's queued completions now (one ``Batch``, none if empty)."""
@@ -595,18 +548,21 @@ class KvtierdOffloadingManager(OffloadingManager):
             self._call(gen, "Flush", gen.session.flush, quiet=True)
 
     def _following_keys(self, key: bytes, ctx: ReqContext) -> list[bytes]:
-        """The request's next keys of ``key``'s KV group, in prefix order, not yet
-        answered this step (from vLLM's per-request key positions, when present)."""
+        """The request's next keys of ``key``'s KV group, in prefix order, up to the
+        first one already answered this step (the lookup is a prefix chain: a gap
+        would make the daemon pin and promote past a key it was not asked about).
+        From vLLM's per-request key positions, when present."""
         positions: dict[bytes, int] | None = getattr(ctx, "_offload_key_positions", None)
         if not positions or key not in positions:
             return []
         start, group = positions[key], key[-4:]
-        later = sorted(
-            (pos, k)
-            for k, pos in positions.items()
-            if pos > start and k[-4:] == group and k not in self._step_results
-        )
-        return [k for _, k in later[: LOOKUP_BATCH - 1]]
+        later = sorted((pos, k) for k, pos in positions.items() if pos > start and k[-4:] == group)
+        chain: list[bytes] = []
+        for _, k in later[: LOOKUP_BATCH - 1]:
+            if k in self._step_results:
+                break
+            chain.append(k)
+        return chain
 
     def _release_pins(self, gen: _Generation, keys: list[bytes]) -> None:
         # A key pinned n times is released in n calls (keys are unique per call).
@@ -673,9 +629,15 @@ class KvtierdOffloadingManager(OffloadingManager):
         return self._gen
 
     def _call(
-        self, gen: _Generation, rpc: str, fn: Callable[..., _T], *args: Any, quiet: bool = False
+        self,
+        gen: _Generation,
+        rpc: str,
+        fn: Callable[..., _T],
+        *args: Any,
+        quiet: bool = False,
+        **kwargs: Any,
     ) -> _T | None:
-        """``fn(*args)``; None after a failure, which it handles (see the module doc).
+        """``fn(*args, **kwargs)``; None after a failure, which it handles (see the module doc).
 
         Bookkeeping of the queue and of the step: a completion marks when the queue
         started waiting; a call that needs an answer empties it (it carries the queue,
@@ -690,7 +652,7 @@ class KvtierdOffloadingManager(OffloadingManager):
         elif rpc in _ANSWERED_OPS:
             self._queued_at = None
         try:
-            result = fn(*args)
+            result = fn(*args, **kwargs)
         except KvtierError as err:
             self._failed(gen, rpc, err, quiet=quiet)
             return None
@@ -722,7 +684,6 @@ class KvtierdOffloadingManager(OffloadingManager):
             self._dead_round_trips += self._gen.session.rpcs
         self._gen = None
         self._queued_at = None
-        self._hint.clear()
         self._load_pins = Counter()
         self._reserved = set()
         self._clear_step()
@@ -736,36 +697,6 @@ _SESSION_OPS = _QUEUED_OPS | _ANSWERED_OPS
 """Calls whose round trips the session counts (``Session.rpcs``)."""
 _NOT_WORK = frozenset({"Flush", "GetStats"})
 """Calls that do not make a step busy (they only send earlier work, or read gauges)."""
-
-
-def _lookup_and_pin(
-    session: Session, batch: list[bytes], guess: int, req_id: str
-) -> tuple[list[DaemonLookup], list[int] | None]:
-    """One round trip: the queued completions, ``Lookup(batch)`` and, when ``guess``,
-    ``PrepareLoad(batch[:guess])``, in one ``Batch`` (ops in order, one loop turn).
-
-    Returns the answers and the pinned rows of ``batch[:guess]``, or None for the
-    rows when one of those keys is not HIT (that op failed and pinned nothing).
-    Raises like ``Session.lookup``.
-
-    Uses the session's queue internals (``Session`` has no public call for a Batch
-    of several answered ops that also carries its queue).
-    """
-    if not guess:
-        return session.lookup(batch, req_id), []
-    ops = [
-        session._batch_op(LOOKUP, batch, request_id=req_id),
-        session._batch_op(PREPARE_LOAD, batch[:guess], request_id=req_id),
-    ]
-    with session._queue_lock:
-        queued = session._take_queued()
-        results = session._send_batch([*queued, *ops])
-    answers = session._result(LOOKUP, results[-2])
-    try:
-        rows = session._result(PREPARE_LOAD, results[-1])
-    except FailedPrecondition:
-        rows = None
-    return answers, rows
 
 
 def _primary_tier(response: Any) -> Any:
