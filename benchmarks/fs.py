@@ -441,7 +441,7 @@ def run() -> list[Row]:
                 on, off = _gbs(payload, tiers["on"][phase]), _gbs(payload, tiers["off"][phase])
                 rows.append(Row("fs tier, O_DIRECT on vs off", f"{_short(phase)}, o_direct=on",
                                 on, "GB/s", f"o_direct=off {off:.2f} GB/s", on / off,
-                                f"auto picks {auto}"))  # fmt: skip
+                                "auto: on only if faster"))  # fmt: skip
         for mode, result in tiers.items():
             gbs = _gbs(payload, result["store_one_call"])
             rows.append(Row("fs tier, phases", f"store, ONE CompleteStore of {BLOCKS} keys, "
