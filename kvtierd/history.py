@@ -10,7 +10,7 @@ threads). Event-loop only; memory is bounded by ``max_keys * per_key``.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvtierd.contract import BlockKey
@@ -27,28 +27,31 @@ class KeyRecord:
 
 
 class RemovalLog:
-    """``key -> last records`` in recency order; bounded in keys and records per key."""
+    """``key -> last records`` in recency order; bounded in keys and records per key.
+
+    Compact on purpose (it sits on the eviction path and lives as long as the
+    pool): one tuple of ``(unix time, tier, what)`` tuples per key; ``tier`` and
+    ``what`` are the callers' shared strings. About 300 bytes per remembered key,
+    so ~20 MiB for a full default log.
+    """
 
     def __init__(self, max_keys: int = DEFAULT_MAX_KEYS, per_key: int = DEFAULT_PER_KEY) -> None:
         self._max_keys = max_keys
         self._per_key = per_key
-        self._records: OrderedDict[BlockKey, deque[KeyRecord]] = OrderedDict()
+        self._records: OrderedDict[BlockKey, tuple[tuple[float, str, str], ...]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._records)
 
     def record(self, keys: tuple[BlockKey, ...] | list[BlockKey], tier: str, what: str) -> None:
-        now = time.time()
+        entry = (time.time(), tier, what)  # one record object shared by the keys
         records = self._records
+        keep = self._per_key - 1
         for key in keys:
-            entry = records.get(key)
-            if entry is None:
-                entry = records[key] = deque(maxlen=self._per_key)
-            else:
-                records.move_to_end(key)
-            entry.append(KeyRecord(now, tier, what))
+            old = records.pop(key, ())
+            records[key] = (*old[max(0, len(old) - keep) :], entry)
         while len(records) > self._max_keys:
             records.popitem(last=False)
 
     def get(self, key: BlockKey) -> list[KeyRecord]:
-        return list(self._records.get(key, ()))
+        return [KeyRecord(*entry) for entry in self._records.get(key, ())]

@@ -1,0 +1,24 @@
+"""The removal record behind Explain: bounded in keys and in records per key."""
+
+from __future__ import annotations
+
+from kvtierd.history import RemovalLog
+
+
+def test_keeps_the_last_records_per_key_oldest_first():
+    log = RemovalLog(per_key=3)
+    for i in range(5):
+        log.record([b"k"], "primary", f"r{i}")
+    assert [r.what for r in log.get(b"k")] == ["r2", "r3", "r4"]
+    assert log.get(b"absent") == []
+
+
+def test_forgets_the_least_recently_recorded_keys_first():
+    log = RemovalLog(max_keys=2)
+    log.record([b"a", b"b"], "primary", "evicted")
+    log.record([b"a"], "fs0", "evicted")  # a is now the most recent
+    log.record([b"c"], "primary", "flushed")
+    assert len(log) == 2
+    assert log.get(b"b") == []
+    assert [(r.tier, r.what) for r in log.get(b"a")] == [("primary", "evicted"), ("fs0", "evicted")]
+    assert log.get(b"c")[0].unix_time >= log.get(b"a")[0].unix_time
