@@ -19,14 +19,16 @@ Ownership and invariants:
   leftover ``*.tmp`` at start.
 * Index: ``{key: (file bytes, last use)}`` in LRU order, plus ``_used`` (sum of
   indexed file sizes) and ``_reserved`` (writes in flight); all guarded by
-  ``_lock``, which I/O threads and the loop share and hold only briefly (an
-  eviction unlinks under it so that a concurrent rewrite of the key cannot be
-  removed).
-* Capacity: every byte in ``_used + _reserved`` is charged to a
-  :class:`DiskBudget`, which the pools of one configured tier share; a write is
-  admitted only once its bytes fit (evicting this pool's least recently used
-  files first), so the budget's total never exceeds its capacity through a
-  write. Lock order: ``FsTier._lock`` then ``DiskBudget._lock``.
+  ``_lock``, which I/O threads and the loop share and hold only briefly: no
+  data I/O and no unlink happens under it (an eviction renames its victim
+  aside under the lock, metadata only, and unlinks it after, so a concurrent
+  rewrite of the key is never the file removed).
+* Capacity: every byte in ``_used + _reserved``, plus evicted files renamed
+  aside and not yet unlinked, is charged to a :class:`DiskBudget`, which the
+  pools of one configured tier share; a write is admitted only once its bytes
+  fit (evicting this pool's least recently used files first), so the bytes on
+  disk never exceed the capacity through a write. Lock order:
+  ``FsTier._lock`` then ``DiskBudget._lock``.
 * Threads: a tier either owns its :class:`IoPool` or uses one shared by the
   pools of one configured tier (then it never shuts it down).
 * Every submitted job reports exactly once through ``on_done`` on the loop.
@@ -394,13 +396,8 @@ class FsTier(SecondaryTier):
         """
         fsformat.check_key(key)
         row = self._row(block_id)
-        with self._lock:
-            if key in self._index or key in self._writing:
-                self._touch_locked((key,))
-                return False
-            self._make_room_locked(self.file_bytes)  # charges the budget
-            self._writing.add(key)
-            self._reserved += self.file_bytes
+        if not self._reserve_write(key):
+            return False
         try:
             self._write_file(self._path(key), key, row)
         except BaseException:
@@ -412,6 +409,27 @@ class FsTier(SecondaryTier):
             self._index_add_locked(key, self.file_bytes, time.time())
             self._counters["bytes_written"] += self.file_bytes
         return True
+
+    def _reserve_write(self, key: BlockKey) -> bool:
+        """Charges one file's bytes for writing ``key`` (evicting LRU files until they
+        fit) and marks the key as being written; False if the key is present or being
+        written already (then it is touched instead).
+
+        Victims are renamed aside under ``_lock`` and unlinked after it is released:
+        unlinking a large file can take milliseconds (page cache, writeback), and
+        ``_lock`` is shared with every other I/O thread and with the event loop.
+        """
+        while True:
+            with self._lock:
+                if key in self._index or key in self._writing:
+                    self._touch_locked((key,))
+                    return False
+                if self.budget.try_charge(self.file_bytes):
+                    self._writing.add(key)
+                    self._reserved += self.file_bytes
+                    return True
+                doomed = self._doom_lru_locked(self.file_bytes)
+            self._remove_doomed(doomed)
 
     def _write_file(self, path: str, key: BlockKey, row: memoryview) -> None:
         directory = os.path.dirname(path)
@@ -541,23 +559,53 @@ class FsTier(SecondaryTier):
             self._used -= old[0]
             self.budget.release(old[0])
 
-    def _make_room_locked(self, size: int) -> None:
-        """Charges ``size`` bytes to the budget, evicting this pool's LRU files (never
-        one being read) until they fit; with ``size`` 0, evicts until the budget is
-        not over its capacity. Raises TierFull (nothing charged) when it cannot."""
-        budget = self.budget
-        while not (budget.try_charge(size) if size else not budget.over):
-            victim = next((k for k in self._index if k not in self._reading), None)
-            if victim is None:
-                raise TierFull(
-                    f"FS tier {self.name}: {size} bytes do not fit in {budget.capacity_bytes} "
-                    f"({budget.charged} used or being written by the pools of this tier) and "
-                    "nothing of this pool is evictable"
-                )
-            _unlink_quietly(self._path(victim))
-            self._index_remove_locked(victim)
-            self._note_removed_locked(victim, "evicted: least recently used at capacity")
-            self._counters["evictions"] += 1
+    def _doom_lru_locked(self, size: int) -> tuple[str, int]:
+        """Takes this pool's least recently used file that is not being read out of
+        the index and renames it aside; returns ``(aside path, bytes)``. Its bytes
+        stay charged to the budget until :meth:`_remove_doomed` unlinks it, so the
+        bytes on disk never exceed the capacity. Raises TierFull when nothing of
+        this pool can be evicted (``size``: what the caller wanted room for)."""
+        victim = next((k for k in self._index if k not in self._reading), None)
+        if victim is None:
+            raise TierFull(
+                f"FS tier {self.name}: {size} bytes do not fit in {self.budget.capacity_bytes} "
+                f"({self.budget.charged} used or being written by the pools of this tier) and "
+                "nothing of this pool is evictable"
+            )
+        nbytes, _ = self._index.pop(victim)
+        self._used -= nbytes
+        self._note_removed_locked(victim, "evicted: least recently used at capacity")
+        self._counters["evictions"] += 1
+        path = self._path(victim)
+        aside = f"{path}.{secrets.token_hex(8)}.evicted{TEMP_SUFFIX}"
+        try:
+            os.rename(path, aside)  # metadata only: fast, and a rewrite of the key is safe
+        except FileNotFoundError:
+            return "", nbytes
+        except OSError:
+            _unlink_quietly(path)  # cannot rename: unlink here, holding the lock
+            return "", nbytes
+        return aside, nbytes
+
+    def _remove_doomed(self, doomed: tuple[str, int]) -> None:
+        """Unlinks a file :meth:`_doom_lru_locked` renamed aside, then uncharges it.
+        A crash in between leaves a ``*.tmp`` file, removed by the next start's scan."""
+        aside, nbytes = doomed
+        try:
+            if aside:
+                _unlink_quietly(aside)
+        finally:
+            self.budget.release(nbytes)
+
+    def _evict_to_capacity(self) -> None:
+        """Evicts this pool's LRU files until the shared budget is within capacity
+        (after the start-up scan charged the files it found)."""
+        while True:
+            with self._lock:
+                if not self.budget.over:
+                    return
+                doomed = self._doom_lru_locked(0)
+            self._remove_doomed(doomed)
 
     # -- start-up --------------------------------------------------------------------
 
@@ -738,10 +786,11 @@ class FsTier(SecondaryTier):
                 self._index_add_locked(key, size, last_use)
             self.scan_report.indexed = len(self._index)
             self.scan_report.seconds = seconds
-            try:
-                self._make_room_locked(0)
-            except TierFull:
-                log.warning("FS tier %s: over capacity after the scan", self.name)
+        try:
+            self._evict_to_capacity()
+        except TierFull:
+            log.warning("FS tier %s: over capacity after the scan", self.name)
+        with self._lock:
             self._scanned = True
         log.info(
             "FS tier %s: index of %s ready: %d blocks, %d bytes, %d corrupt and %d temp files "

@@ -21,6 +21,7 @@ import pytest
 
 from kvtierd.contract import LookupResult
 from kvtierd.region import Region
+from kvtierd.tiers import fs as fs_module
 from kvtierd.tiers import fsformat
 from kvtierd.tiers.base import JobResult, TierJob
 from kvtierd.tiers.fs import FsTier, FsTierError, PoolMismatchError, fsck
@@ -130,6 +131,10 @@ def _o_direct_works(directory: Path) -> bool:
 
 def block_path(tier: FsTier, key: bytes) -> Path:
     return Path(tier.pool_dir) / fsformat.block_rel_path(key)
+
+
+def temp_files(tier: FsTier) -> list[Path]:
+    return list(Path(tier.pool_dir).rglob("*.tmp"))
 
 
 def disk_bytes(tier: FsTier) -> int:
@@ -352,6 +357,51 @@ def test_capacity_evicts_least_recently_used_first(region: Region, tmp_path: Pat
             stats = tier.statistics()
             assert stats.evictions == 1 and stats.used_bytes == 3 * FILE_BYTES
         finally:
+            tier.shutdown()
+
+    run(region, tmp_path, body)
+
+
+def test_a_slow_eviction_unlink_blocks_neither_lookups_nor_the_budget(
+    region: Region, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unlinking an evicted file can take milliseconds; it happens outside the tier
+    lock (which the event loop takes for every lookup), and its bytes stay charged
+    until the file is gone, so the disk never holds more than the capacity."""
+    unlinking, gate = threading.Event(), threading.Event()
+    real_unlink = fs_module._unlink_quietly
+
+    def slow_unlink(path: str) -> None:
+        if ".evicted" in path:
+            unlinking.set()
+            gate.wait()
+        real_unlink(path)
+
+    monkeypatch.setattr(fs_module, "_unlink_quietly", slow_unlink)
+
+    async def body(h: Harness) -> None:
+        tier = await h.ready_tier(capacity_bytes=FILE_BYTES)
+        try:
+            h.fill(0, 1)
+            data = h.fill(1, 2)
+            assert (await h.store(tier, [b"old"], [0])).success
+            job = h._job([b"new"], [1], False)
+            assert tier.submit_store(job)
+            assert await h.loop.run_in_executor(None, unlinking.wait, 10)  # renamed aside
+            answers = await asyncio.wait_for(
+                h.loop.run_in_executor(None, tier.lookup, [b"old", b"new"]), timeout=5
+            )
+            assert answers == [LookupResult.MISS, LookupResult.MISS]  # old is out, new not in
+            assert tier.statistics().evictions == 1
+            assert tier.budget.charged == FILE_BYTES  # the doomed file is still charged
+            gate.set()
+            assert (await h.waiters[job.job_id]).success
+            assert tier.lookup([b"new"]) == [LookupResult.HIT]
+            assert tier.budget.charged == FILE_BYTES and disk_bytes(tier) == FILE_BYTES
+            assert not temp_files(tier)
+            assert (await h.load(tier, [b"new"], [3])).success and h.read(3) == data
+        finally:
+            gate.set()
             tier.shutdown()
 
     run(region, tmp_path, body)
