@@ -107,7 +107,7 @@ class Pool:
         self.history = RemovalLog()
         self._removal_reason = "evicted: least recently used, to make room"
         self.manager = PrimaryManager(spec.num_blocks, spec.eviction_policy, on_event=self._event)
-        self.tiering = Tiering(spec.name, self.manager, self.history)
+        self.tiering = Tiering(spec.name, self.manager, self.history, on_event=self.events.append)
         # Invariant: sum over sessions of _pins[s][k] + cascade jobs naming k ==
         # manager.ref_count(k) for every pinned key.
         self._pins: dict[str, Counter[BlockKey]] = {}

@@ -17,6 +17,10 @@ tiers (DESIGN.md §5; vLLM's ``TieringOffloadingManager``, reference §5).
 * Tiers are consulted in configuration order; a key promoted from tier *i* is
   cascaded to the tiers before *i* (a shared filesystem block lands on the
   local disk too).
+* Events: a cascade job's stored keys become one stored event of that tier
+  (its medium, its name), as vLLM's FS tier reports them; keys a tier dropped
+  (evicted, failed verification, vanished) become one removed event, emitted
+  when any of its jobs reports and before that job's stored event.
 
 Invariants: for every key, ``manager.ref_count(key)`` = session pins + the
 number of in-flight cascade jobs naming it; every row reserved here has
@@ -33,7 +37,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvtierd.contract import BlockKey, LookupResult
+from kvtierd.contract import BlockEvent, BlockKey, LookupResult
 from kvtierd.history import RemovalLog
 from kvtierd.primary import PrimaryManager
 from kvtierd.tiers.base import JobResult, SecondaryTier, TierJob
@@ -74,9 +78,14 @@ class Tiering:
     """The secondary tiers of one pool and the jobs between them and its primary."""
 
     def __init__(
-        self, pool_name: str, manager: PrimaryManager, history: RemovalLog | None = None
+        self,
+        pool_name: str,
+        manager: PrimaryManager,
+        history: RemovalLog | None = None,
+        on_event: Callable[[BlockEvent], None] | None = None,
     ) -> None:
         self.pool_name = pool_name
+        self._on_event = on_event
         self.history = history if history is not None else RemovalLog()
         self.tiers: list[SecondaryTier] = []
         self._manager = manager
@@ -229,19 +238,28 @@ class Tiering:
         if self.observe_job is not None:
             tier_name = self.tiers[in_flight.tier_index].name
             self.observe_job(self.pool_name, tier_name, in_flight.job.is_promotion, result.seconds)
+        self._emit_removed(self.tiers[in_flight.tier_index])
         if in_flight.job.is_promotion:
             self._promotion_done(in_flight, result)
         else:
             self._cascade_done(in_flight, result)
+
+    def _emit_removed(self, tier: SecondaryTier) -> None:
+        dropped = tier.take_removed()
+        if dropped and self._on_event is not None:
+            self._on_event(BlockEvent(tuple(dropped), tier.medium, removed=True, tier=tier.name))
 
     def _cascade_done(self, in_flight: _InFlight, result: JobResult) -> None:
         job = in_flight.job
         self._manager.complete_load(job.keys)  # the job's pins, success or not
         counters = self._counters[in_flight.tier_index]
         counters["cascade_jobs_finished" if result.success else "cascade_jobs_failed"] += 1
-        if result.success:
-            for key in job.keys:  # a fresh copy: promotions from this tier may retry
-                self._failed.pop((in_flight.tier_index, key), None)
+        stored = job.keys if result.success else (result.successful_keys or ())
+        for key in stored:  # a fresh copy: promotions from this tier may retry
+            self._failed.pop((in_flight.tier_index, key), None)
+        if stored and self._on_event is not None:
+            tier = self.tiers[in_flight.tier_index]
+            self._on_event(BlockEvent(tuple(stored), tier.medium, removed=False, tier=tier.name))
 
     def _promotion_done(self, in_flight: _InFlight, result: JobResult) -> None:
         job = in_flight.job

@@ -35,8 +35,9 @@ class TierJob:
 
 @dataclass(frozen=True, slots=True)
 class JobResult:
-    """How a job ended. For a failed promotion, ``successful_keys`` lists the keys
-    whose rows were filled and verified (None: none of them)."""
+    """How a job ended. For a failed job, ``successful_keys`` lists the keys that
+    made it (a promotion: rows filled and verified; a store: the tier holds the
+    block now); None: none of them."""
 
     job_id: int
     success: bool
@@ -92,6 +93,13 @@ class SecondaryTier(abc.ABC):
 
     def touch(self, keys: Sequence[BlockKey]) -> None:  # noqa: B027 - optional hook
         """Marks keys recently used (tiers with eviction order them)."""
+
+    def take_removed(self) -> list[BlockKey]:
+        """Keys this tier dropped since the last call (evicted, failed verification,
+        vanished), oldest first; the caller turns them into removed events. Called
+        on the loop after each job report, so a store job's evictions come out
+        before that job's stored keys."""
+        return []
 
     def contains(self, key: BlockKey) -> bool | None:
         """Whether the tier holds ``key`` now, without touching it or counting a

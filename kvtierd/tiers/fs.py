@@ -220,6 +220,7 @@ class FsTier(SecondaryTier):
         self._reading: dict[BlockKey, int] = {}  # _lock: reads in flight per key
         self._counters = dict.fromkeys(_COUNTERS, 0)  # _lock
         self._removed: OrderedDict[BlockKey, tuple[float, str]] = OrderedDict()  # _lock
+        self._dropped: list[BlockKey] = []  # _lock: removed since take_removed()
         self._scanned = False  # _lock
         self._stop = threading.Event()
         self._scan_thread: threading.Thread | None = None
@@ -301,7 +302,13 @@ class FsTier(SecondaryTier):
             entry = self._removed.get(key)
         return [entry] if entry is not None else []
 
+    def take_removed(self) -> list[BlockKey]:
+        with self._lock:
+            dropped, self._dropped = self._dropped, []
+        return dropped
+
     def _note_removed_locked(self, key: BlockKey, why: str) -> None:
+        """Records why ``key`` left the index (for Explain)."""
         self._removed[key] = (time.time(), why)
         self._removed.move_to_end(key)
         if len(self._removed) > _REMOVALS_KEPT:
@@ -354,18 +361,20 @@ class FsTier(SecondaryTier):
     # -- job completion (loop thread) ----------------------------------------------
 
     def _store_done(self, job: TierJob, outcomes: list[Outcome], start: float) -> None:
-        failed = [job.keys[i] for i, o in enumerate(outcomes) if not o.ok]
+        stored = tuple(key for key, o in zip(job.keys, outcomes, strict=True) if o.ok)
         for key, outcome in zip(job.keys, outcomes, strict=True):
             if not outcome.ok:
                 log.debug("FS tier %s: store of %s failed: %s", self.name, key.hex(), outcome.error)
         written = sum(1 for o in outcomes if o.ok and o.value)
-        if failed:
+        failures = len(job.keys) - len(stored)
+        if failures:
             with self._lock:
-                self._counters["store_failures"] += len(failed)
+                self._counters["store_failures"] += failures
         self._on_done(
             JobResult(
                 job_id=job.job_id,
-                success=not failed,
+                success=failures == 0,
+                successful_keys=stored or None,
                 seconds=time.perf_counter() - start,
                 bytes_moved=written * self.file_bytes,
             )
@@ -554,10 +563,12 @@ class FsTier(SecondaryTier):
         self.budget.charge(size)
 
     def _index_remove_locked(self, key: BlockKey) -> None:
+        """Drops ``key`` from the index and uncharges its file (which is gone)."""
         old = self._index.pop(key, None)
         if old is not None:
             self._used -= old[0]
             self.budget.release(old[0])
+            self._dropped.append(key)
 
     def _doom_lru_locked(self, size: int) -> tuple[str, int]:
         """Takes this pool's least recently used file that is not being read out of
@@ -574,6 +585,7 @@ class FsTier(SecondaryTier):
             )
         nbytes, _ = self._index.pop(victim)
         self._used -= nbytes
+        self._dropped.append(victim)
         self._note_removed_locked(victim, "evicted: least recently used at capacity")
         self._counters["evictions"] += 1
         path = self._path(victim)

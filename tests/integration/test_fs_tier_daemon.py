@@ -29,6 +29,7 @@ from daemon_harness import (
 from kvtierd.tiers import fsformat
 from kvtierd_client.client import Client, LookupResult, Session
 from kvtierd_client.errors import FailedPrecondition
+from kvtierd_client.proto import pb2
 from kvtierd_client.region import AttachedRegion
 
 BLOCK = 65536
@@ -433,3 +434,34 @@ def test_prefix_lookup_stops_at_the_first_miss(tiered, fs_root, pool_name):
     stats = engine.tier_stats()
     assert stats.promoted_blocks == 1  # chain[2], chain[3] were not read from disk
     engine.close()
+
+
+def test_tier_events_report_cascades_evictions_and_bad_files(fs_root, pool_name):
+    """A cascade job's keys come out as a stored event of the fs tier (medium
+    STORAGE); an eviction as a removed event before the stored event of the job
+    that made room; a file failing verification as a removed event."""
+    daemon = start_daemon(config=fs_tiers_config(fs_root, capacity="1MiB"))  # 15 files
+    try:
+        engine = Engine(daemon, pool_name, num_blocks=16)
+        first, second = block_keys("ev-a", 14), block_keys("ev-b", 2)
+        engine.store(first)
+        engine.settle_cascades()
+        engine.store(second)
+        engine.settle_cascades()
+        tier = [e for e in engine.session.take_events() if e.tier == "fs0"]
+        assert [(e.removed, len(e.keys)) for e in tier] == [(False, 14), (True, 1), (False, 2)]
+        assert all(e.medium == pb2.MEDIUM_STORAGE for e in tier)
+        assert set(tier[0].keys) == set(first) and set(tier[2].keys) == set(second)
+        evicted = tier[1].keys[0]
+        assert evicted in first and not file_of(fs_root, pool_name, evicted).exists()
+
+        kept = next(k for k in first if k != evicted)
+        _flip_payload_byte(file_of(fs_root, pool_name, kept), kept, fs_root)
+        engine.client.flush_pool(pool_name)
+        assert engine.wait_settled([kept]) == [MISS]
+        tier = [e for e in engine.session.take_events() if e.tier == "fs0"]
+        assert [(e.removed, list(e.keys)) for e in tier] == [(True, [kept])]
+        engine.close()
+        assert daemon.stop() == 0
+    finally:
+        daemon.cleanup()
