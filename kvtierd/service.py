@@ -237,11 +237,22 @@ class KVTierService(pb2_grpc.KVTierServicer):
             pool, cursor = self._watch_start(request)
         except KvtierdError as exc:
             await context.abort(exc.code, str(exc))
+        # Invariant: every event with seq <= cursor was sent, none after it. Events
+        # appended while a yield waits for the transport are sent on the next turn;
+        # events the bounded log dropped before this stream sent them end it with
+        # OUT_OF_RANGE (a gap is never skipped silently).
         while not self.shutting_down:
-            events, _ = pool.events.since(cursor)
+            events, dropped = pool.events.since(cursor)
+            if dropped:
+                await context.abort(
+                    grpc.StatusCode.OUT_OF_RANGE,
+                    f"this WatchEvents stream fell {dropped} events behind pool "
+                    f"{pool.spec.name!r}'s log (limits.events_retained); read faster or "
+                    f"resume from after_seq {pool.events.oldest_seq - 1}",
+                )
             for seq, event in events:
                 yield _event_message(seq, event)
-            cursor = max(cursor, pool.events.last_seq)
+                cursor = seq
             await pool.events.wait_beyond(cursor)
 
     def _watch_start(self, request: pb2.WatchEventsRequest) -> tuple[Pool, int]:

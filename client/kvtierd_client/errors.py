@@ -56,6 +56,13 @@ class ResourceExhausted(KvtierError):
     default_code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class OutOfRange(KvtierError):
+    """Events asked for (or not yet sent on a stream) are no longer in the pool's
+    bounded log; the message says which ``after_seq`` to resume from."""
+
+    default_code = grpc.StatusCode.OUT_OF_RANGE
+
+
 class Unavailable(KvtierError):
     """The daemon cannot be reached: it is not running or its socket is not accessible."""
 
@@ -93,6 +100,7 @@ _BY_CODE: dict[grpc.StatusCode, type[KvtierError]] = {
         NotFound,
         FailedPrecondition,
         ResourceExhausted,
+        OutOfRange,
         Unavailable,
         DeadlineExceeded,
         Unauthenticated,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import threading
 
 import grpc
 import pytest
@@ -13,7 +14,7 @@ from daemon_harness import start_daemon
 
 from kvtierd_client.aio import AsyncClient
 from kvtierd_client.client import Client, LookupResult
-from kvtierd_client.errors import Unauthenticated
+from kvtierd_client.errors import OutOfRange, Unauthenticated
 from kvtierd_client.proto import pb2, pb2_grpc
 
 
@@ -118,3 +119,45 @@ def test_async_client_round_trip(daemon, pool_name):
             await client.close()
 
     assert asyncio.run(scenario()) == [LookupResult.HIT, LookupResult.HIT, LookupResult.MISS]
+
+
+def test_watch_events_never_skips_events_appended_while_sending(daemon, pool_name):
+    """Events appended while the stream waits on the transport are sent later, in
+    order: the stream's seqs are consecutive."""
+    with Client(daemon.address) as client:
+        sessions = [
+            client.open_session(pool_name, block_bytes=4096, num_blocks=512) for _ in range(3)
+        ]
+
+        def storm(n: int) -> None:
+            for i in range(100):
+                store(sessions[n], b"w%d-%d" % (n, i))
+
+        with client.watch_events(pool_name, after_seq=-1, timeout=30) as stream:
+            writers = [threading.Thread(target=storm, args=(n,)) for n in range(3)]
+            for writer in writers:
+                writer.start()
+            for writer in writers:
+                writer.join()
+            seqs = [next(stream).seq for _ in range(300)]
+    assert seqs == list(range(seqs[0], seqs[0] + 300))
+
+
+def test_watch_events_that_falls_behind_the_log_ends_with_out_of_range(pool_name):
+    """A stream whose unsent events the bounded log dropped ends with OUT_OF_RANGE
+    naming where to resume, instead of skipping the gap."""
+    daemon = start_daemon("--events-retained", "16")
+    try:
+        with Client(daemon.address) as client:
+            session = client.open_session(pool_name, block_bytes=4096, num_blocks=8192)
+            stream = client.watch_events(pool_name, after_seq=-1, timeout=60)
+            keys = [b"%0200d" % i for i in range(60 * 1000)]  # 60 events of 200 KB each
+            for i in range(0, len(keys), 1000):
+                store(session, *keys[i : i + 1000])
+            with pytest.raises(OutOfRange, match="fell .* behind"):
+                for _ in stream:  # what was sent before the gap, then the error
+                    pass
+            stream.cancel()
+        assert daemon.stop() == 0
+    finally:
+        daemon.cleanup()

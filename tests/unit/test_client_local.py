@@ -30,6 +30,7 @@ from kvtierd_client.errors import (
     InvalidArgument,
     KvtierError,
     NotFound,
+    OutOfRange,
     PermissionDenied,
     ResourceExhausted,
     Unauthenticated,
@@ -138,7 +139,8 @@ class FakeRpcError(grpc.RpcError):
         (grpc.StatusCode.PERMISSION_DENIED, PermissionDenied),
         (grpc.StatusCode.INTERNAL, Internal),
         (grpc.StatusCode.UNKNOWN, KvtierError),
-        (grpc.StatusCode.OUT_OF_RANGE, KvtierError),
+        (grpc.StatusCode.OUT_OF_RANGE, OutOfRange),
+        (grpc.StatusCode.ABORTED, KvtierError),
     ],
 )
 def test_from_rpc_error_maps_codes(code, cls):
@@ -177,7 +179,7 @@ def test_errors_pickle():
     err = from_rpc_error(FakeRpcError(grpc.StatusCode.OUT_OF_RANGE, "far"), "addr")
     again = pickle.loads(pickle.dumps(err))
     assert (type(again), again.code, again.details, again.address) == (
-        KvtierError, grpc.StatusCode.OUT_OF_RANGE, "far", "addr",
+        OutOfRange, grpc.StatusCode.OUT_OF_RANGE, "far", "addr",
     )  # fmt: skip
     assert str(pickle.loads(pickle.dumps(NotFound("gone")))) == "NOT_FOUND: gone"
 
