@@ -1,9 +1,10 @@
 """A dual-queue I/O thread pool whose completions land on an asyncio loop.
 
-Work is submitted in *batches* (one tier job = one batch of tasks, usually one
-task per block). Read-priority threads (``kvtierd-fs-r<i>``) pop the read queue
-first, write-priority threads (``kvtierd-fs-w<i>``) the write queue first; both
-drain either queue, so no thread idles while work waits.
+Work is submitted in *batches* (one tier job = one batch of tasks; the FS tier
+makes one task per group of blocks, about 16 MiB). Read-priority threads
+(``kvtierd-fs-r<i>``) pop the read queue first, write-priority threads
+(``kvtierd-fs-w<i>``) the write queue first; both drain either queue, so no
+thread idles while work waits.
 
 Invariants:
 

@@ -444,6 +444,37 @@ def test_a_file_being_read_is_never_evicted(region: Region, tmp_path: Path) -> N
     run(region, tmp_path, body)
 
 
+def test_a_job_queued_at_shutdown_fails_every_block(region: Region, tmp_path: Path) -> None:
+    """Blocks travel in groups per I/O task; a group the pool never ran still
+    reports each of its blocks failed (the job reports once, nothing loaded)."""
+
+    async def body(h: Harness) -> None:
+        GatedReadTier.started, GatedReadTier.gate = threading.Event(), threading.Event()
+        tier = await h.ready_tier(GatedReadTier, read_threads=1, write_threads=0)
+        try:
+            for i in range(4):
+                h.fill(i, i)
+            keys = [b"q%d" % i for i in range(4)]
+            assert (await h.store(tier, keys, [0, 1, 2, 3])).success
+            running = h._job(keys[:1], [4], True)
+            tier.submit_load(running)
+            await h.loop.run_in_executor(None, GatedReadTier.started.wait)
+            queued = h._job(keys[1:], [5, 6, 7], True)
+            tier.submit_load(queued)
+            stopping = h.loop.run_in_executor(None, tier.shutdown)
+            result = await asyncio.wait_for(h.waiters[queued.job_id], timeout=10)
+            assert not result.success and result.successful_keys is None
+            GatedReadTier.gate.set()
+            await stopping
+            assert (await h.waiters[running.job_id]).success
+            assert h.calls[queued.job_id] == 1 and h.calls[running.job_id] == 1
+        finally:
+            GatedReadTier.gate.set()
+            tier.shutdown()
+
+    run(region, tmp_path, body)
+
+
 def test_write_fails_when_nothing_fits(region: Region, tmp_path: Path) -> None:
     async def body(h: Harness) -> None:
         tier = await h.ready_tier(capacity_bytes=FILE_BYTES - 1)
