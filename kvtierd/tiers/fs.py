@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import itertools
 import json
 import logging
 import mmap
@@ -228,6 +229,8 @@ class FsTier(SecondaryTier):
         self._ready: asyncio.Future[None] | None = None
         self._made_dirs: set[str] = set()
         self._local = threading.local()
+        self._temp_tag = secrets.token_hex(6)  # temp names: tag + counter, no syscall each
+        self._temp_counter = itertools.count()
 
     # -- lifecycle (loop thread) ---------------------------------------------------
 
@@ -459,7 +462,7 @@ class FsTier(SecondaryTier):
             payload_length=self.block_bytes,
             payload_checksum=fsformat.payload_checksum(row),
         )
-        tmp = f"{path}.{secrets.token_hex(8)}{TEMP_SUFFIX}"
+        tmp = f"{path}.{self._temp_name()}{TEMP_SUFFIX}"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         fd = os.open(tmp, flags | (_O_DIRECT if self.use_o_direct else 0), 0o644)
         try:
@@ -597,7 +600,7 @@ class FsTier(SecondaryTier):
         self._note_removed_locked(victim, "evicted: least recently used at capacity")
         self._counters["evictions"] += 1
         path = self._path(victim)
-        aside = f"{path}.{secrets.token_hex(8)}.evicted{TEMP_SUFFIX}"
+        aside = f"{path}.{self._temp_name()}.evicted{TEMP_SUFFIX}"
         try:
             os.rename(path, aside)  # metadata only: fast, and a rewrite of the key is safe
         except FileNotFoundError:
@@ -840,6 +843,11 @@ class FsTier(SecondaryTier):
             raise ValueError(f"block id {block_id} outside the region (0..{self._num_rows - 1})")
         start = block_id * self.block_bytes
         return self._region[start : start + self.block_bytes]
+
+    def _temp_name(self) -> str:
+        """A name no other writer uses: a random tag per tier instance (so not one of
+        a crashed run's leftovers) and a counter (``next`` on it is atomic)."""
+        return f"{self._temp_tag}-{next(self._temp_counter)}"
 
     def _header_buffer(self) -> mmap.mmap:
         """This thread's page-aligned header buffer (O_DIRECT needs aligned memory)."""
