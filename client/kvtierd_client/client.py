@@ -41,6 +41,7 @@ from kvtierd_client.errors import (
     error_class,
     from_rpc_error,
 )
+from kvtierd_client.flusher import FlushDeadline
 from kvtierd_client.proto import pb2, pb2_grpc
 
 __all__ = [
@@ -599,13 +600,14 @@ class Session(_SessionState):
         self._stop = threading.Event()
         self._keepalive_thread: threading.Thread | None = None
         self.queue_completions = queue_completions
-        self._flush_after = flush_after
         # Invariant: _queued holds the completions not yet sent, in call order; a
         # call that needs an answer sends them first, in the same Batch, so the
         # daemon applies every call in the order this session made them.
         self._queued: list[pb2.BatchOp] = []
         self._queue_lock = threading.RLock()
-        self._flush_timer: threading.Timer | None = None
+        self._deadline = FlushDeadline(
+            _weak_flush(weakref.ref(self)), flush_after, f"kvtierd-flush-{self.session_id[:12]}"
+        )
         self.deferred_errors: list[KvtierError] = []  # failures of queued ops (last 100)
         self.rpcs = 0  # round trips made by this session's manager calls (not keepalives)
         if keepalive:
@@ -642,10 +644,8 @@ class Session(_SessionState):
         batch_op = self._batch_op(op, keys, **fields)
         with self._queue_lock:
             self._queued.append(batch_op)
-            if self._flush_timer is None:
-                self._flush_timer = threading.Timer(self._flush_after, self._flush_from_timer)
-                self._flush_timer.daemon = True
-                self._flush_timer.start()
+            if len(self._queued) == 1:
+                self._deadline.arm()
 
     def flush(self) -> None:
         """Sends the queued completions now (one ``Batch``). Errors of queued ops are
@@ -655,7 +655,10 @@ class Session(_SessionState):
             if ops:
                 self._send_batch(ops)
 
-    def _flush_from_timer(self) -> None:
+    def _flush_on_deadline(self) -> None:
+        """Run by the flush deadline's thread when no call carried the queue in time."""
+        if self._closed or self._gone:
+            return
         try:
             self.flush()
         except KvtierError as err:
@@ -663,9 +666,8 @@ class Session(_SessionState):
 
     def _take_queued(self) -> list[pb2.BatchOp]:
         ops, self._queued = self._queued, []
-        if self._flush_timer is not None:
-            self._flush_timer.cancel()
-            self._flush_timer = None
+        if ops:
+            self._deadline.disarm()
         return ops
 
     @staticmethod
@@ -704,6 +706,7 @@ class Session(_SessionState):
     def _mark_gone(self) -> None:
         super()._mark_gone()
         self._stop.set()
+        self._deadline.stop()
 
     def _start_keepalive(self) -> None:
         interval = keepalive_interval(self.lease_ms)
@@ -826,6 +829,7 @@ class Session(_SessionState):
                 )
         self._closed = True
         self._stop.set()
+        self._deadline.stop()
         self.client._forget(self)
         if not usable:
             return
@@ -844,6 +848,19 @@ class Session(_SessionState):
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def _weak_flush(ref: weakref.ref[Session]) -> Callable[[], bool]:
+    """The flush deadline's callback: flushes the session if it still exists."""
+
+    def flush() -> bool:
+        session = ref()
+        if session is None:
+            return False
+        session._flush_on_deadline()
+        return True
+
+    return flush
 
 
 def _keepalive_loop(ref: weakref.ref[Session], stop: threading.Event, interval: float) -> None:

@@ -3,11 +3,13 @@ queued completions that ride on it."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
 import pytest
 
+from kvtierd_client import flusher
 from kvtierd_client.client import Client, LookupResult
 from kvtierd_client.errors import FailedPrecondition
 from kvtierd_client.proto import pb2
@@ -133,6 +135,54 @@ def test_queued_completions_flush_on_a_timer_and_at_close(daemon, pool_name):
         session.complete_store(keys_of("u"))
         session.close()  # flushes first
         assert other.lookup(keys_of("u")) == [HIT]
+
+
+def test_steady_state_steps_start_no_thread_per_queued_completion(daemon, pool_name):
+    """Each step's call carries the previous step's completions; the flush deadline
+    must not cost a thread start per step (``Thread.start`` waits for the new thread
+    to run: milliseconds on a loaded machine, on the caller's critical path)."""
+    started = []  # one entry per thread started (thread idents get reused: not a set)
+    seen = threading.local()
+
+    def count_new_threads(frame, event, arg):  # noqa: ANN001, ANN202 (trace hook)
+        if not getattr(seen, "counted", False):
+            seen.counted = True
+            started.append(threading.current_thread().name)
+
+    with Client(daemon.address) as client:
+        session = client.open_session(
+            pool_name, block_bytes=4096, num_blocks=4, queue_completions=True
+        )
+        threading.settrace(count_new_threads)  # runs first in every thread started later
+        try:
+            for step in range(50):
+                key = keys_of(f"s{step}")
+                session.prepare_store(key)  # carries the previous step's completion
+                session.complete_store(key)  # queued
+        finally:
+            threading.settrace(None)  # type: ignore[arg-type]
+        assert session.rpcs == 50
+        assert len(started) <= 1, f"{len(started)} threads started for 50 steps"
+        session.close()
+
+
+def test_flush_deadline_thread_exits_when_idle_and_comes_back(daemon, pool_name, monkeypatch):
+    monkeypatch.setattr(flusher, "IDLE_EXIT", 0.05)
+    with Client(daemon.address) as client, Client(daemon.address) as other_client:
+        session = client.open_session(pool_name, block_bytes=4096, queue_completions=True)
+        other = other_client.open_session(pool_name, block_bytes=4096)
+        name = f"kvtierd-flush-{session.session_id[:12]}"
+        for key in keys_of("i1", "i2"):
+            session.prepare_store([key])
+            session.complete_store([key])  # no carrier call: the deadline sends it
+            deadline = time.monotonic() + 5
+            while other.lookup([key]) != [HIT]:
+                assert time.monotonic() < deadline, "queued completion never sent"
+                time.sleep(0.002)
+            while any(t.name == name for t in threading.enumerate()):  # idle: it exits
+                assert time.monotonic() < deadline, "idle flush thread never exited"
+                time.sleep(0.01)
+        session.close()
 
 
 def test_lookup_and_pin_and_a_whole_step_in_one_round_trip(daemon, pool_name):
