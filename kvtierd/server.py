@@ -13,11 +13,12 @@ import errno
 import logging
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from kvtierd.service import KVTierService
 from kvtierd_client.proto import pb2, pb2_grpc
@@ -40,13 +41,37 @@ def build_server(service: KVTierService) -> tuple[grpc.aio.Server, health.aio.He
             ("grpc.so_reuseport", 0),
         ]
     )
-    pb2_grpc.add_KVTierServicer_to_server(service, server)
+    generic = _GenericHandlersOnly(server)
+    pb2_grpc.add_KVTierServicer_to_server(service, generic)
     health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, generic)
+    names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
+        reflection.aio.ReflectionServicer(names), generic
     )
     return server, health_servicer
+
+
+class _GenericHandlersOnly:
+    """What a generated ``add_*Servicer_to_server`` sees of the server: it takes the
+    service's generic handler and drops its *registered* method handlers.
+
+    grpc.aio's server waits for its next call with ``asyncio.wait`` over one
+    pending request per registered method plus one for generic methods, and
+    re-arms that wait after every call: with the ~25 methods of these three
+    services that cost about 35 µs of the loop's CPU per RPC (a tenth of an
+    empty call). Served through the generic handler, each call is found by one
+    dict lookup in its service's handler instead.
+    """
+
+    def __init__(self, server: grpc.aio.Server) -> None:
+        self._server = server
+
+    def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
+        self._server.add_generic_rpc_handlers(handlers)
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        """Dropped on purpose: the generic handler serves the same methods."""
 
 
 async def set_health(servicer: health.aio.HealthServicer, serving: bool) -> None:
