@@ -220,7 +220,7 @@ class EngineArgs:
 def _wait_turn(progress: Any, engine: int, index: int, window: int) -> None:
     """Blocks until every other engine has reached ``index - window`` in trace order."""
     while True:
-        slowest = min(progress[j] for j in range(len(progress)) if j != engine)
+        slowest = min((progress[j] for j in range(len(progress)) if j != engine), default=index)
         if slowest >= index - window:
             return
         time.sleep(0.0002)
@@ -531,7 +531,7 @@ def replay(
             for run in runs:
                 print(f"replay: {run.label} ({run.pool_blocks} blocks per pool) ...",
                       file=log, flush=True)  # fmt: skip
-                parts = [results.get(timeout=3600) for _ in range(engines)]
+                parts = [_next_result(results, procs) for _ in range(engines)]
                 if any(label != run.label for label, _, _ in parts):
                     raise RuntimeError("engines out of step")
                 pools = sorted({run.pool(tag, e) for e in range(engines)})
@@ -546,6 +546,25 @@ def replay(
     finally:
         if daemon is not None:
             daemon.close()
+
+
+def _next_result(results: Any, procs: list[Any], timeout: float = 3600.0) -> Any:
+    """The next engine result; raises as soon as an engine died without one."""
+    import queue
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return results.get(timeout=0.5)
+        except queue.Empty:
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(
+                    f"engine process {dead[0].name} exited with {dead[0].exitcode} "
+                    "(its traceback is above)"
+                ) from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no engine result in {timeout:.0f} s") from None
 
 
 def _fs_daemon(fs_root: str, args: list[str]) -> BenchDaemon:
