@@ -174,6 +174,59 @@ def _batched_vs_single(daemon: BenchDaemon, rounds: int = 200) -> list[Row]:
     ]  # fmt: skip
 
 
+STEP_KEYS = 25  # a replayed request's typical prefix chain (synthetic trace mean)
+CPU_CALLS = 1500
+
+
+def _cpu_per_call(daemon: BenchDaemon) -> list[Row]:
+    """Daemon and client CPU (``/proc``, ``process_time``) per empty RPC and per
+    pipelined engine step: one ``Batch`` carrying the previous step's queued
+    completions, the PrepareStore of its missing keys and a ``lookup_and_pin`` of
+    STEP_KEYS keys, the replay's pipelined call pattern. What a step costs beyond
+    an empty call is the control plane's own price; the rest is gRPC's."""
+    client = Client(daemon.address)
+    session = client.open_session("bench/step", block_bytes=BLOCK, num_blocks=4096,
+                                  queue_completions=True)  # fmt: skip
+    previous: list[bytes] = []
+
+    def step(i: int) -> None:
+        nonlocal previous
+        keys = [((i * 7919 + j) % 20000).to_bytes(8, "big") for j in range(STEP_KEYS)]
+        calls = [("prepare_store", previous, {})] if previous else []
+        answers = session.batch([*calls, ("lookup_and_pin", keys, {"prefix": True})])
+        grant = answers[0] if previous else None
+        if grant is not None and grant.keys_to_store:
+            session.complete_store(grant.keys_to_store)
+        _results, rows = answers[-1]
+        hits = next((j for j, row in enumerate(rows) if row < 0), len(keys))
+        if hits:
+            session.complete_load(keys[:hits])
+            session.touch(keys[:hits])
+        previous = keys[hits:]
+
+    rows: list[Row] = []
+    with grpc.insecure_channel("unix:" + daemon.socket) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        check = health_pb2.HealthCheckRequest()
+        calls = {
+            "empty RPC (health Check)": lambda i: health.Check(check, timeout=10),
+            f"pipelined step, {STEP_KEYS} keys": step,
+        }
+        for name, fn in calls.items():
+            for i in range(WARMUP):
+                fn(i)
+            daemon0, client0 = cpu_seconds(daemon.proc.pid), time.process_time()
+            for i in range(CPU_CALLS):
+                fn(i)
+            daemon_us = (cpu_seconds(daemon.proc.pid) - daemon0) / CPU_CALLS * 1e6
+            client_us = (time.process_time() - client0) / CPU_CALLS * 1e6
+            rows.append(Row("cpu per call, 1 client", f"{name}: daemon CPU", daemon_us, "us"))
+            rows.append(Row("cpu per call, 1 client", f"{name}: client CPU", client_us, "us"))
+    session.close()
+    client.close()
+    return rows
+
+
 def run() -> list[Row]:
     rows: list[Row] = []
     with BenchDaemon("--memory-budget", "2GiB") as daemon:
@@ -182,6 +235,7 @@ def run() -> list[Row]:
         hot = _keys("hot", 32)
         setup.complete_store(setup.prepare_store(hot).keys_to_store)
         rows += _batched_vs_single(daemon)
+        rows += _cpu_per_call(daemon)
         for processes in (1, 8):
             results = _run_clients(daemon.address, processes)
             empty_p50 = percentile(results["empty RPC (health Check)"][0], 0.5)
