@@ -364,8 +364,6 @@ def _replay_pipelined(
     pins (``lookup_and_pin``: no separate PrepareLoad). Stored blocks become
     readable one step later than in the unpipelined replay, as in vLLM, where a
     block computed in step N is stored after the step."""
-    from kvtierd_client.errors import KvtierError
-
     out = EngineResult()
     to_store: list[bytes] = []
     started = time.perf_counter()
@@ -373,21 +371,7 @@ def _replay_pipelined(
         _wait_turn(progress, args.engine, index, args.window)
         rpcs_before = session.rpcs
         t0 = time.perf_counter()
-        calls: list[tuple[str, list[bytes], dict[str, Any]]] = []
-        if to_store:
-            calls.append(("prepare_store", to_store, {}))
-        calls.append(("lookup_and_pin", keys, {"prefix": True}))
-        answers = session.batch(calls)
-        if to_store:
-            _complete_pipelined_store(session, answers[0], out)
-        looked = answers[-1]
-        if isinstance(looked, KvtierError):
-            raise looked
-        _results, block_ids = looked
-        k = next((i for i, row in enumerate(block_ids) if row < 0), len(keys))
-        if k:
-            session.complete_load(keys[:k])  # queued: rides on the next step's Batch
-            session.touch(keys[:k])
+        k = pipelined_step(session, keys, to_store, out)
         to_store = keys[k:]
         out.latencies.append(time.perf_counter() - t0)
         _end_step(args, out, step, len(keys), k, session.rpcs - rpcs_before, empty_rpc, progress)
@@ -396,6 +380,31 @@ def _replay_pipelined(
     session.flush()
     out.wall = time.perf_counter() - started
     return out
+
+
+def pipelined_step(
+    session: Any, keys: list[bytes], to_store: list[bytes], out: EngineResult
+) -> int:
+    """One engine step in one ``Batch``: the session's queued completions, the
+    PrepareStore of ``to_store`` (the previous request's computed blocks; their
+    CompleteStore is queued) and a pinned prefix Lookup of ``keys``, whose hit
+    prefix is then completed (queued: it rides on the next step's Batch). Returns
+    the hit prefix length; ``keys[k:]`` are the next step's ``to_store``."""
+    from kvtierd_client.errors import KvtierError
+
+    calls = [("prepare_store", to_store, {})] if to_store else []
+    answers = session.batch([*calls, ("lookup_and_pin", keys, {"prefix": True})])
+    if to_store:
+        _complete_pipelined_store(session, answers[0], out)
+    looked = answers[-1]
+    if isinstance(looked, KvtierError):
+        raise looked
+    _results, block_ids = looked
+    k = next((i for i, row in enumerate(block_ids) if row < 0), len(keys))
+    if k:
+        session.complete_load(keys[:k])
+        session.touch(keys[:k])
+    return k
 
 
 def _complete_pipelined_store(session: Any, grant: Any, out: EngineResult) -> None:

@@ -16,6 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from benchmarks.common import BenchDaemon, Row, cpu_seconds, percentile
+from benchmarks.replay import EngineResult, pipelined_step
 from kvtierd_client.client import Client
 
 POOL = "bench/rpc"
@@ -188,21 +189,12 @@ def _cpu_per_call(daemon: BenchDaemon) -> list[Row]:
     session = client.open_session("bench/step", block_bytes=BLOCK, num_blocks=4096,
                                   queue_completions=True)  # fmt: skip
     previous: list[bytes] = []
+    tally = EngineResult()
 
     def step(i: int) -> None:
         nonlocal previous
         keys = [((i * 7919 + j) % 20000).to_bytes(8, "big") for j in range(STEP_KEYS)]
-        calls = [("prepare_store", previous, {})] if previous else []
-        answers = session.batch([*calls, ("lookup_and_pin", keys, {"prefix": True})])
-        grant = answers[0] if previous else None
-        if grant is not None and grant.keys_to_store:
-            session.complete_store(grant.keys_to_store)
-        _results, rows = answers[-1]
-        hits = next((j for j, row in enumerate(rows) if row < 0), len(keys))
-        if hits:
-            session.complete_load(keys[:hits])
-            session.touch(keys[:hits])
-        previous = keys[hits:]
+        previous = keys[pipelined_step(session, keys, previous, tally) :]
 
     rows: list[Row] = []
     with grpc.insecure_channel("unix:" + daemon.socket) as channel:
