@@ -44,13 +44,20 @@ class RemovalLog:
         return len(self._records)
 
     def record(self, keys: tuple[BlockKey, ...] | list[BlockKey], tier: str, what: str) -> None:
+        """Appends one record to each key (dropping its oldest beyond ``per_key``) and
+        makes the keys the most recent; forgets the least recent keys beyond ``max_keys``.
+
+        On the eviction path of every full pool: most keys have no record yet, so that
+        case is one ``pop`` and one insertion of a tuple shared by all of them."""
         entry = (time.time(), tier, what)  # one record object shared by the keys
+        first = (entry,)
         records = self._records
+        pop = records.pop
         keep = self._per_key - 1
         for key in keys:
-            old = records.pop(key, ())
-            records[key] = (*old[max(0, len(old) - keep) :], entry)
-        while len(records) > self._max_keys:
+            old = pop(key, None)
+            records[key] = first if old is None else (*old[max(0, len(old) - keep) :], entry)
+        for _ in range(len(records) - self._max_keys):
             records.popitem(last=False)
 
     def get(self, key: BlockKey) -> list[KeyRecord]:

@@ -13,6 +13,20 @@ def test_keeps_the_last_records_per_key_oldest_first():
     assert log.get(b"absent") == []
 
 
+def test_keeps_every_record_until_per_key_is_reached():
+    log = RemovalLog(per_key=4)
+    for i in range(3):
+        log.record([b"k"], "primary", f"r{i}")
+        assert [r.what for r in log.get(b"k")] == [f"r{j}" for j in range(i + 1)]
+
+
+def test_per_key_one_keeps_only_the_latest():
+    log = RemovalLog(per_key=1)
+    log.record([b"k"], "primary", "first")
+    log.record([b"k"], "fs0", "second")
+    assert [(r.tier, r.what) for r in log.get(b"k")] == [("fs0", "second")]
+
+
 def test_forgets_the_least_recently_recorded_keys_first():
     log = RemovalLog(max_keys=2)
     log.record([b"a", b"b"], "primary", "evicted")
