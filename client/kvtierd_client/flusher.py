@@ -8,13 +8,17 @@ seconds of the oldest one being queued. That deadline used to be a
 ``Thread.start`` blocks until the new thread has run, which on a loaded machine
 costs the caller a scheduling slice (milliseconds) on its critical path.
 
-:class:`FlushDeadline` keeps one thread per session instead. Its thread sleeps
-until the oldest queued completion is ``after`` old, flushes if the queue is
-still non-empty, and exits after :data:`IDLE_EXIT` seconds with nothing
-queued (the next queued completion starts a new one). In the steady state,
-where each step's call carries the previous step's completions, nobody starts a
-thread and nobody wakes the flusher: :meth:`FlushDeadline.arm` only notifies a
-flusher that sleeps with no deadline.
+:class:`FlushDeadline` keeps one thread per session instead. While the
+session is active (something was queued in the last :data:`IDLE_EXIT` seconds),
+the thread wakes every ``after`` seconds on its own (a *tick*), and flushes a
+queue whose oldest entry is ``after`` old. A completion queued during a tick has
+its deadline after that tick ends, so :meth:`FlushDeadline.arm` wakes nobody: it
+records the time and returns. It notifies only a thread that sleeps past the
+new deadline (``after`` below :data:`MIN_TICK`). In the steady state, where each
+step's call carries the previous step's completions, no step starts a thread or
+signals one; the flusher costs one wakeup per ``after`` seconds. After
+:data:`IDLE_EXIT` seconds with nothing queued the thread exits, and the next
+queued completion starts a new one.
 
 Invariants:
 
@@ -22,6 +26,9 @@ Invariants:
   when it is emptied, both under the session's queue lock. Lock order: the
   session's queue lock, then the deadline's condition lock. The flusher calls
   ``flush`` holding neither.
+* ``_wake_at`` is the time the sleeping flusher wakes by itself, 0 while it is
+  awake (then it reads ``_since`` before it sleeps again); ``arm`` notifies iff
+  ``_wake_at`` is later than the new deadline. So no deadline is ever missed.
 * the flusher holds the session only through ``flush`` (a callable that holds a
   weak reference), so a session nobody references can be collected.
 * ``flush`` may find the queue already taken by a call (it then sends nothing).
@@ -36,7 +43,8 @@ from collections.abc import Callable
 
 log = logging.getLogger("kvtierd_client")
 
-IDLE_EXIT = 1.0  # seconds a flusher with nothing queued waits before its thread exits
+IDLE_EXIT = 1.0  # seconds a flusher with nothing queued ticks before its thread exits
+MIN_TICK = 0.001  # seconds; the shortest tick (a shorter ``after`` is met by notifying)
 
 
 class FlushDeadline:
@@ -51,8 +59,9 @@ class FlushDeadline:
         self._name = name
         self._cond = threading.Condition(threading.Lock())
         self._since: float | None = None  # _cond: when the queue last became non-empty
+        self._last_arm = 0.0  # _cond: when arm was last called (idleness is measured from it)
+        self._wake_at = 0.0  # _cond: when the sleeping flusher wakes by itself; 0: awake
         self._thread: threading.Thread | None = None  # _cond: the running flusher
-        self._idle = False  # _cond: the flusher waits with no deadline
         self._stopped = False  # _cond
 
     def arm(self) -> None:
@@ -60,11 +69,12 @@ class FlushDeadline:
         with self._cond:
             if self._stopped:
                 return
-            self._since = time.monotonic()
+            now = time.monotonic()
+            self._since = self._last_arm = now
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
-            elif self._idle:
+            elif self._wake_at > now + self._after:
                 self._cond.notify()
 
     def disarm(self) -> None:
@@ -88,14 +98,17 @@ class FlushDeadline:
 
     def _loop(self) -> None:
         """The flusher's body; runs holding ``_cond`` except while flushing."""
+        tick = max(self._after, MIN_TICK)
         while not self._stopped:
+            now = time.monotonic()
             if self._since is None:
-                if not self._wait_idle():
+                if now - self._last_arm >= IDLE_EXIT:
                     return
+                self._sleep_until(now + tick)
                 continue
-            remaining = self._since + self._after - time.monotonic()
-            if remaining > 0:
-                self._cond.wait(remaining)
+            deadline = self._since + self._after
+            if deadline > now:
+                self._sleep_until(deadline)
                 continue
             self._since = None
             self._cond.release()
@@ -113,14 +126,10 @@ class FlushDeadline:
             log.exception("%s: flushing queued completions failed", self._name)
             return True
 
-    def _wait_idle(self) -> bool:
-        """Waits (holding ``_cond``) for ``arm``; False when idle too long (exit).
-
-        Woken by ``arm``, the queue may be empty again by the time this thread
-        runs (a call carried it): that is not idleness, so only a timeout is."""
-        self._idle = True
+    def _sleep_until(self, wake_at: float) -> None:
+        """Sleeps (releasing ``_cond``) until ``wake_at``, ``arm`` or ``stop``."""
+        self._wake_at = wake_at
         try:
-            woken = self._cond.wait(IDLE_EXIT)
+            self._cond.wait(max(0.0, wake_at - time.monotonic()))
         finally:
-            self._idle = False
-        return woken or self._since is not None or self._stopped
+            self._wake_at = 0.0
