@@ -48,6 +48,11 @@ TOKENS_PER_BLOCK = 512
 KEY_BYTES = 8
 DONE = 1 << 62  # progress of an engine that has finished its requests
 DEFAULT_TRACE_ENV = "KVTIERD_REPLAY_TRACE"
+DEFAULT_FLUSH_AFTER = 0.1
+"""Seconds a batch run's queued completion waits for the engine's next call: the vLLM
+adapter's ``kvtierd_flush_after`` default (``kvtierd_client.vllm.settings``; a test in
+tests/vllm keeps them equal), since the engines replay vLLM's call pattern. A real
+scheduler step (10-50 ms) is longer than the client library's own 5 ms default."""
 # convenience only: the synthetic trace next to this checkout, when it exists
 _SIBLING_TRACE = Path(__file__).resolve().parents[2] / "shared/traces/synthetic_trace.jsonl"
 
@@ -215,6 +220,7 @@ class EngineArgs:
     floor_every: int
     copy: bool
     pending_wait: float  # seconds to wait for HIT_PENDING blocks (promotions)
+    flush_after: float  # seconds a queued completion waits for a carrier call (batch runs)
 
 
 def _wait_turn(progress: Any, engine: int, index: int, window: int) -> None:
@@ -238,7 +244,9 @@ def _engine_main(args: EngineArgs, barrier: Any, progress: Any, results: Any) ->
     check = health_pb2.HealthCheckRequest()
     try:
         for run in args.runs:
-            extra = {"queue_completions": True} if run.batch else {}
+            extra = (
+                {"queue_completions": True, "flush_after": args.flush_after} if run.batch else {}
+            )
             session = client.open_session(
                 run.pool(args.tag, args.engine),
                 block_bytes=args.block_bytes,
@@ -496,6 +504,7 @@ def replay(
     copy: bool = False,
     fs_root: str | None = None,
     pending_wait_ms: float = 20.0,
+    flush_after: float = DEFAULT_FLUSH_AFTER,
     log: Any = sys.stderr,
 ) -> list[ModeResult]:
     """Replays ``requests`` once per (mode, policy) through one fresh daemon; with
@@ -529,7 +538,7 @@ def replay(
             engine_args = EngineArgs(
                 daemon.address, engine, [(r.index, request_keys(r)) for r in queue], runs, tag,
                 block_bytes, engines * 2 if window is None else window, floor_every, copy,
-                pending_wait_ms / 1000.0,
+                pending_wait_ms / 1000.0, flush_after,
             )  # fmt: skip
             procs.append(ctx.Process(target=_engine_main,
                                      args=(engine_args, barrier, progress, results)))  # fmt: skip
@@ -747,6 +756,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=20.0,
         help="how long a step waits for HIT_PENDING blocks (20)",
     )
+    parser.add_argument(
+        "--flush-after-ms",
+        type=float,
+        default=DEFAULT_FLUSH_AFTER * 1000.0,
+        help="with --batch: how long a queued completion waits for the engine's next call "
+        "before it is sent alone (%(default)g: the vLLM adapter's kvtierd_flush_after; "
+        "the client library's own default is 5)",
+    )
     parser.add_argument("--out", default=None, help="also write the table (markdown) here")
     args = parser.parse_args(argv)
     if args.trace is None:
@@ -777,7 +794,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"engines {args.engines} (assign {args.assign}: {per_engine} requests), capacity "
         f"C = {capacity:,} blocks ({capacity / distinct:.0%} of distinct) x {args.block_bytes} B;"
         f" isolated = {args.engines} x {capacity // args.engines:,}; "
-        f"copy {'numpy' if args.copy else 'none'}; tier {tier}\n"
+        f"copy {'numpy' if args.copy else 'none'}; tier {tier}"
+        f"{f'; flush after {args.flush_after_ms:g} ms' if args.batch else ''}\n"
         f"machine: {machine()}"
     )
     print(header, flush=True)
@@ -795,6 +813,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         copy=args.copy,
         fs_root=args.fs_root,
         pending_wait_ms=args.pending_wait_ms,
+        flush_after=args.flush_after_ms / 1000.0,
     )
     text = markdown_table(COLUMNS, table_rows(results))
     print()

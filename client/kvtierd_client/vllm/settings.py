@@ -47,6 +47,7 @@ __all__ = [
 
 ROW_ALIGNMENT = 4096
 LAYOUT_VERSION = "kvtierd-vllm/1"
+DEFAULT_FLUSH_AFTER = 0.1  # kvtierd_flush_after: longer than a scheduler step (10-50 ms)
 """Bumped whenever the row layout written by the worker changes."""
 
 _POOL_NAME_CHARS = re.compile(r"[^A-Za-z0-9._-]+")
@@ -112,7 +113,7 @@ class PluginSettings:
             start_timeout=_seconds(extra, "kvtierd_start_timeout", 10.0, minimum=0.0),
             retry_interval=_seconds(extra, "kvtierd_retry_interval", 1.0, minimum=0.0),
             stats_interval=_seconds(extra, "kvtierd_stats_interval", 10.0, minimum=0.0),
-            flush_after=_seconds(extra, "kvtierd_flush_after", 0.1, minimum=0.0),
+            flush_after=_seconds(extra, "kvtierd_flush_after", DEFAULT_FLUSH_AFTER, minimum=0.0),
             pool_name=str(pool) if pool else None,
             token=str(token) if token else None,
             capacity_bytes=_non_negative_int(extra, "cpu_bytes_to_use"),
