@@ -770,6 +770,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"give a trace file (or set {DEFAULT_TRACE_ENV})")
     if args.engines < 1:
         parser.error("--engines must be >= 1")
+    if args.flush_after_ms < 0:
+        parser.error("--flush-after-ms must be >= 0")
     if args.batch and not batch_supported():
         print("replay: this client cannot queue completions; --batch ignored", file=sys.stderr)
         args.batch = False

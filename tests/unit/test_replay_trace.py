@@ -20,6 +20,7 @@ from benchmarks.replay import (  # noqa: E402
     distinct_blocks,
     engine_of,
     leading_hits,
+    main,
     parse_trace,
     request_keys,
     unbounded_hit_rate,
@@ -106,3 +107,19 @@ def test_default_capacity_is_a_multiple_of_the_engines() -> None:
     assert default_capacity(43924, 4) == 10980
     assert default_capacity(10, 4) == 4  # at least one block per engine
     assert default_capacity(1000, 3, 0.5) % 3 == 0
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        ("--engines=0", "--engines must be >= 1"),
+        ("--flush-after-ms=-1", "--flush-after-ms must be"),
+    ],
+)
+def test_cli_rejects_bad_numbers_naming_the_flag(tmp_path, capsys, flag, message) -> None:
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(_lines()))
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(trace), flag])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
