@@ -10,8 +10,8 @@ costs the caller a scheduling slice (milliseconds) on its critical path.
 
 :class:`FlushDeadline` keeps one thread per session instead. While the
 session is active (something was queued in the last :data:`IDLE_EXIT` seconds),
-the thread wakes every ``after`` seconds on its own (a *tick*), and flushes a
-queue whose oldest entry is ``after`` old. A completion queued during a tick has
+the thread wakes every ``after`` seconds on its own (a *tick*; at most
+:data:`IDLE_EXIT`), and flushes a queue whose oldest entry is ``after`` old. A completion queued during a tick has
 its deadline after that tick ends, so :meth:`FlushDeadline.arm` wakes nobody: it
 records the time and returns. It notifies only a thread that sleeps past the
 new deadline (``after`` below :data:`MIN_TICK`). In the steady state, where each
@@ -98,7 +98,9 @@ class FlushDeadline:
 
     def _loop(self) -> None:
         """The flusher's body; runs holding ``_cond`` except while flushing."""
-        tick = max(self._after, MIN_TICK)
+        # A tick no longer than ``after``: a deadline armed during it falls after it ends
+        # (no notify needed); no longer than IDLE_EXIT: an idle thread exits on time.
+        tick = min(max(self._after, MIN_TICK), IDLE_EXIT)
         while not self._stopped:
             now = time.monotonic()
             if self._since is None:

@@ -141,3 +141,20 @@ def test_stop_ends_the_flusher_at_once_and_flushes_nothing(queued):
     assert recorder.times == []
     deadline.arm()  # after stop: ignored, no new thread
     assert flusher_threads() == []
+
+
+def test_a_long_deadline_does_not_keep_an_idle_flusher_alive(monkeypatch):
+    """The tick is capped at IDLE_EXIT, so a session with a 30 s deadline that stops
+    queueing does not keep its thread for 30 s."""
+    monkeypatch.setattr(flusher, "IDLE_EXIT", 0.05)
+    deadline, recorder, _ = make(after=30.0)
+    try:
+        deadline.arm()
+        deadline.disarm()
+        end = time.monotonic() + 5
+        while flusher_threads():
+            assert time.monotonic() < end, "the idle flusher outlived IDLE_EXIT by seconds"
+            time.sleep(0.01)
+        assert recorder.times == []
+    finally:
+        deadline.stop()

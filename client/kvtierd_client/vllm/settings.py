@@ -47,8 +47,10 @@ __all__ = [
 
 ROW_ALIGNMENT = 4096
 LAYOUT_VERSION = "kvtierd-vllm/1"
-DEFAULT_FLUSH_AFTER = 0.1  # kvtierd_flush_after: longer than a scheduler step (10-50 ms)
 """Bumped whenever the row layout written by the worker changes."""
+DEFAULT_FLUSH_AFTER = 0.1
+"""Seconds (``kvtierd_flush_after``): longer than a scheduler step (10-50 ms), so a
+stepping engine's completions ride on its next call instead of being sent alone."""
 
 _POOL_NAME_CHARS = re.compile(r"[^A-Za-z0-9._-]+")
 _MAX_POOL_NAME = 128
