@@ -12,13 +12,13 @@ costs the caller a scheduling slice (milliseconds) on its critical path.
 session is active (something was queued in the last :data:`IDLE_EXIT` seconds),
 the thread wakes every ``after`` seconds on its own (a *tick*; at most
 :data:`IDLE_EXIT`), and flushes a queue whose oldest entry is ``after`` old. A
-completion queued during a tick has its deadline after that tick ends, so :meth:`FlushDeadline.arm` wakes nobody: it
-records the time and returns. It notifies only a thread that sleeps past the
-new deadline (``after`` below :data:`MIN_TICK`). In the steady state, where each
-step's call carries the previous step's completions, no step starts a thread or
-signals one; the flusher costs one wakeup per ``after`` seconds. After
-:data:`IDLE_EXIT` seconds with nothing queued the thread exits, and the next
-queued completion starts a new one.
+completion queued during a tick has its deadline after that tick ends, so
+:meth:`FlushDeadline.arm` wakes nobody: it records the time and returns. It
+notifies only a thread that sleeps past the new deadline (``after`` below
+:data:`MIN_TICK`). In the steady state, where each step's call carries the
+previous step's completions, no step starts a thread or signals one; the flusher
+costs one wakeup per tick. After :data:`IDLE_EXIT` seconds with nothing queued
+the thread exits, and the next queued completion starts a new one.
 
 Invariants:
 
