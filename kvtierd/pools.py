@@ -136,6 +136,7 @@ class PoolTable:
                         pool.region.buffer(),
                         pool.tiering.on_done,
                         loop,
+                        region_file=(pool.region.path, *pool.region.identity()),
                     )
                 )
         except (FsTierError, OSError) as exc:

@@ -202,6 +202,10 @@ class Region:
     def closed(self) -> bool:
         return self._mmap is None
 
+    def identity(self) -> tuple[int, int]:
+        """``(st_dev, st_ino)`` of the region file (I/O workers check it when they map it)."""
+        return self._inode
+
     def buffer(self) -> memoryview:
         """The whole region as one flat, writable, zero-copy memoryview (``size`` bytes).
 

@@ -21,6 +21,7 @@ import tempfile
 from kvtierd.tiers.base import JobCallback
 from kvtierd.tiers.fs import DiskBudget, FsTier
 from kvtierd.tiers.iopool import IoPool
+from kvtierd.tiers.ioworker import IoWorkers
 from kvtierd.tiers.settings import FsTierSettings
 
 
@@ -38,6 +39,7 @@ class ConfiguredFsTier:
         self.settings = settings
         self.budget = DiskBudget(settings.capacity)
         self._io: IoPool | None = None  # started with the first pool
+        self._workers: IoWorkers | None = None  # started with the first pool (if any)
 
     def check(self) -> None:
         """Raises TierRootError unless the root exists (or may be created) and this
@@ -76,9 +78,25 @@ class ConfiguredFsTier:
         region_buffer: memoryview,
         on_done: JobCallback,
         loop: asyncio.AbstractEventLoop,
+        *,
+        region_file: tuple[str, int, int] | None = None,
     ) -> FsTier:
-        """A started FsTier for one pool (its index scan runs in the background)."""
+        """A started FsTier for one pool (its index scan runs in the background).
+
+        ``region_file`` (path, st_dev, st_ino of the pool's region) lets the
+        tier's block I/O run in I/O worker processes (``io_processes``); without
+        it the I/O threads do the file work themselves.
+        """
         s = self.settings
+        workers = None
+        if s.io_processes and region_file is not None:
+            if self._workers is None:
+                self._workers = IoWorkers(
+                    s.io_processes,
+                    channels=s.read_threads + s.write_threads,
+                    name=f"kvtierd-{self.name}-io",
+                )
+            workers = self._workers
         if self._io is None:
             self._io = IoPool(
                 loop,
@@ -102,6 +120,8 @@ class ConfiguredFsTier:
             o_direct=s.o_direct,
             io_pool=self._io,
             budget=self.budget,
+            workers=workers,
+            region_file=region_file if workers is not None else None,
         )
         tier.start()
         return tier
@@ -114,3 +134,5 @@ class ConfiguredFsTier:
         """Fails queued jobs and joins the I/O threads (running ones finish). Idempotent."""
         if self._io is not None:
             self._io.shutdown()
+        if self._workers is not None:
+            self._workers.stop()

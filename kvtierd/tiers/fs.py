@@ -12,6 +12,12 @@ Ownership and invariants:
   rows are reserved and only this tier writes them (``preadv`` straight into
   the row). A row is never touched after its job's ``on_done`` ran. A row whose
   block failed verification may hold garbage; it is never reported as loaded.
+* Block I/O: the file work of a group of blocks (:mod:`~kvtierd.tiers.blockfile`)
+  is one request to ``_block_io``, run inline on the I/O thread or in an I/O
+  worker process (:mod:`~kvtierd.tiers.ioworker`) that maps the region itself.
+  The index, the budget and the locks stay here: a group's keys are reserved
+  (writes) or marked being read before the request and settled after its
+  replies, and the request returns before the group's outcomes are recorded.
 * Files are immutable once renamed into place (temp file + full write +
   optional fdatasync + rename). A file is removed only (a) by eviction, never
   while a read of it is in flight, (b) when it fails verification (load, scan
@@ -39,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import itertools
 import json
 import logging
@@ -53,8 +60,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtierd.contract import BlockKey, LookupResult, Medium
-from kvtierd.tiers import fsformat
+from kvtierd.tiers import blockfile, fsformat, ioworker
 from kvtierd.tiers.base import JobCallback, JobResult, SecondaryTier, TierJob, TierStats
+from kvtierd.tiers.blockfile import CorruptFile
 from kvtierd.tiers.fsformat import (
     BLOCK_SUFFIX,
     HEADER_SIZE,
@@ -64,11 +72,12 @@ from kvtierd.tiers.fsformat import (
     PoolIdentity,
 )
 from kvtierd.tiers.iopool import IoPool, Outcome
+from kvtierd.tiers.ioworker import BlockIo, InlineIo, IoWorkers, RegionRef
 
 log = logging.getLogger("kvtierd.tiers.fs")
 
 O_DIRECT_MODES = ("auto", "on", "off")
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_O_DIRECT = blockfile.O_DIRECT
 _SCAN_LOG_EVERY = 10_000
 _REMOVALS_KEPT = 65536  # recent removals remembered for Explain
 _GROUP_BYTES = 16 << 20  # blocks per I/O task: this many bytes (at least one block)
@@ -182,6 +191,8 @@ class FsTier(SecondaryTier):
         max_queue_jobs: int = 1024,
         io_pool: IoPool | None = None,
         budget: DiskBudget | None = None,
+        workers: IoWorkers | None = None,
+        region_file: tuple[str, int, int] | None = None,
     ) -> None:
         if o_direct not in O_DIRECT_MODES:
             raise ValueError(f"o_direct must be one of {O_DIRECT_MODES}, got {o_direct!r}")
@@ -189,6 +200,8 @@ class FsTier(SecondaryTier):
             raise ValueError(f"block_bytes must be a positive multiple of {mmap.PAGESIZE}")
         if len(region_buffer) % block_bytes:
             raise ValueError("region_buffer length is not a multiple of block_bytes")
+        if workers is not None and region_file is None:
+            raise ValueError("I/O workers need region_file: (path, st_dev, st_ino)")
         self.name = name
         self.root = os.fspath(root)
         self.identity = PoolIdentity(pool_name, block_bytes, layout)
@@ -228,7 +241,9 @@ class FsTier(SecondaryTier):
         self._scan_thread: threading.Thread | None = None
         self._ready: asyncio.Future[None] | None = None
         self._made_dirs: set[str] = set()
-        self._local = threading.local()
+        # Block file I/O: in worker processes, or inline on the calling I/O thread.
+        self._block_io: BlockIo = workers if workers is not None else InlineIo(self._region)
+        self._region_ref: RegionRef = (*(region_file or ("", 0, 0)), block_bytes)
         self._temp_tag = secrets.token_hex(6)  # temp names: tag + counter, no syscall each
         self._temp_counter = itertools.count()
 
@@ -319,7 +334,7 @@ class FsTier(SecondaryTier):
             self._removed.popitem(last=False)
 
     def _tasks(
-        self, job: TierJob, per_block: Callable[[BlockKey, int], Any]
+        self, job: TierJob, per_group: Callable[[list[tuple[BlockKey, int]]], list[Outcome]]
     ) -> tuple[list[Callable[[], list[Outcome]]], list[int]]:
         """The job's (key, row) pairs in groups of up to ``_GROUP_BYTES``, and the
         group sizes. A task runs its group in order and returns one
@@ -329,11 +344,11 @@ class FsTier(SecondaryTier):
         pairs = list(zip(job.keys, job.block_ids, strict=True))
         size = max(1, _GROUP_BYTES // self.block_bytes)
         groups = [pairs[i : i + size] for i in range(0, len(pairs), size)]
-        return [_bind_group(per_block, group) for group in groups], [len(g) for g in groups]
+        return [functools.partial(per_group, group) for group in groups], [len(g) for g in groups]
 
     def submit_store(self, job: TierJob) -> bool:
         io = self._require_io()
-        tasks, sizes = self._tasks(job, self._store_block)
+        tasks, sizes = self._tasks(job, self._store_group)
         start = time.perf_counter()
         accepted = io.submit_write(
             tasks, lambda outcomes: self._store_done(job, _flatten(outcomes, sizes), start),
@@ -346,7 +361,7 @@ class FsTier(SecondaryTier):
 
     def submit_load(self, job: TierJob) -> None:
         io = self._require_io()
-        tasks, sizes = self._tasks(job, self._load_block)
+        tasks, sizes = self._tasks(job, self._load_group)
         start = time.perf_counter()
         io.submit_read(
             tasks, lambda outcomes: self._load_done(job, _flatten(outcomes, sizes), start)
@@ -409,26 +424,70 @@ class FsTier(SecondaryTier):
 
     # -- block I/O (I/O threads) -----------------------------------------------------
 
-    def _store_block(self, key: BlockKey, block_id: int) -> bool:
-        """Writes one block file; False when it was already present (not rewritten).
+    def _store_group(self, pairs: list[tuple[BlockKey, int]]) -> list[Outcome]:
+        """Writes a group's block files; one Outcome per block, in order: True
+        (written), False (present already, not rewritten) or the error (TierFull
+        when no room can be made, OSError/ValueError otherwise).
 
-        Raises TierFull when no room can be made, OSError/ValueError otherwise.
+        Blocks are reserved one by one and written together (one request to the
+        block I/O per group). A block that does not fit while earlier blocks of
+        the group wait to be written is tried again once they are written, so
+        they can be evicted for it, as if the group were written block by block.
         """
-        fsformat.check_key(key)
-        row = self._row(block_id)
-        if not self._reserve_write(key):
-            return False
+        outcomes: list[Outcome | None] = [None] * len(pairs)
+        reserved: list[tuple[int, BlockKey, int]] = []
         try:
-            self._write_file(self._path(key), key, row)
+            for i, (key, block_id) in enumerate(pairs):
+                try:
+                    fsformat.check_key(key)
+                    self._check_block_id(block_id)
+                    try:
+                        fresh = self._reserve_write(key)
+                    except TierFull:
+                        if not reserved:
+                            raise
+                        batch, reserved = reserved, []
+                        self._write_reserved(batch, outcomes)
+                        fresh = self._reserve_write(key)
+                except Exception as exc:  # one block's failure is that block's outcome
+                    outcomes[i] = Outcome(error=exc)
+                    continue
+                if fresh:
+                    reserved.append((i, key, block_id))
+                else:
+                    outcomes[i] = Outcome(value=False)
+            batch, reserved = reserved, []
+            self._write_reserved(batch, outcomes)
         except BaseException:
             with self._lock:
-                self._end_write_locked(key)
+                for _, key, _ in reserved:
+                    self._end_write_locked(key)
             raise
+        return [o if o is not None else Outcome(error=RuntimeError("not run")) for o in outcomes]
+
+    def _write_reserved(
+        self, reserved: list[tuple[int, BlockKey, int]], outcomes: list[Outcome | None]
+    ) -> None:
+        """Writes blocks whose keys this thread reserved; ends every reservation."""
+        if not reserved:
+            return
+        try:
+            errors = self._write_files([(key, block_id) for _, key, block_id in reserved])
+        except BaseException:
+            with self._lock:
+                for _, key, _ in reserved:
+                    self._end_write_locked(key)
+            raise
+        now = time.time()
         with self._lock:
-            self._end_write_locked(key)
-            self._index_add_locked(key, self.file_bytes, time.time())
-            self._counters["bytes_written"] += self.file_bytes
-        return True
+            for (i, key, _), error in zip(reserved, errors, strict=True):
+                self._end_write_locked(key)
+                if error is None:
+                    self._index_add_locked(key, self.file_bytes, now)
+                    self._counters["bytes_written"] += self.file_bytes
+                    outcomes[i] = Outcome(value=True)
+                else:
+                    outcomes[i] = Outcome(error=error)
 
     def _reserve_write(self, key: BlockKey) -> bool:
         """Charges one file's bytes for writing ``key`` (evicting LRU files until they
@@ -451,90 +510,98 @@ class FsTier(SecondaryTier):
                 doomed = self._doom_lru_locked(self.file_bytes)
             self._remove_doomed(doomed)
 
-    def _write_file(self, path: str, key: BlockKey, row: memoryview) -> None:
-        directory = os.path.dirname(path)
-        if directory not in self._made_dirs:
-            os.makedirs(directory, exist_ok=True)
-            self._made_dirs.add(directory)
-        header = fsformat.encode_header(
-            key=key,
-            fingerprint=self._fingerprint,
-            payload_length=self.block_bytes,
-            payload_checksum=fsformat.payload_checksum(row),
-        )
-        tmp = f"{path}.{self._temp_name()}{TEMP_SUFFIX}"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-        fd = os.open(tmp, flags | (_O_DIRECT if self.use_o_direct else 0), 0o644)
-        try:
+    def _write_files(self, items: list[tuple[BlockKey, int]]) -> list[BaseException | None]:
+        """Writes row ``block_id`` as ``key``'s file for each ``(key, block_id)``, in one
+        block I/O request; per item None (written) or the error. The caller holds
+        the keys' write reservations, so no one else reads or writes these paths."""
+        errors: list[BaseException | None] = [None] * len(items)
+        todo: list[tuple[int, tuple[int, str, str, BlockKey]]] = []
+        for n, (key, block_id) in enumerate(items):
+            path = self._path(key)
             try:
-                head = self._header_buffer()
-                head[:] = header
-                _write_all(fd, [memoryview(head), row])
-                if self.fsync:
-                    os.fdatasync(fd)
-            finally:
-                os.close(fd)
-            os.rename(tmp, path)
-        except BaseException:
-            _unlink_quietly(tmp)
-            raise
-        if self.fsync:
-            _fsync_dir(directory)
-
-    def _load_block(self, key: BlockKey, block_id: int) -> None:
-        """Reads and verifies one block into its row; raises on any failure.
-
-        Corrupt files are removed (and counted); transient errors keep the file;
-        a vanished file (ENOENT) is dropped from the index.
-        """
-        row = self._row(block_id)
-        path = self._path(key)
-        with self._lock:
-            self._reading[key] = self._reading.get(key, 0) + 1
+                self._make_dir(os.path.dirname(path))
+            except OSError as exc:
+                errors[n] = exc
+                continue
+            todo.append((n, (block_id, path, f"{path}.{self._temp_name()}{TEMP_SUFFIX}", key)))
+        params = (self._fingerprint, self.use_o_direct, self.fsync)
         try:
-            self._read_verified(path, key, row)
+            replies = self._block_io.call(
+                (ioworker.WRITE, self._region_ref, params, [item for _, item in todo])
+            )
+        except OSError as exc:  # the worker died: whether it renamed a file is unknown
+            for n, (_, path, temp_path, _) in todo:
+                blockfile.unlink_quietly(temp_path)
+                blockfile.unlink_quietly(path)
+                errors[n] = exc
+            return errors
+        for (n, _), reply in zip(todo, replies, strict=True):
+            errors[n] = ioworker.error_of(reply)
+        return errors
+
+    def _load_group(self, pairs: list[tuple[BlockKey, int]]) -> list[Outcome]:
+        """Reads and verifies a group's blocks into their rows (one block I/O
+        request); one Outcome per block, None or the error.
+
+        The keys count as being read (so eviction spares their files) until
+        every block of the group is done. Corrupt files are removed (and
+        counted); transient errors keep the file; a vanished file (ENOENT) is
+        dropped from the index.
+        """
+        outcomes: list[Outcome] = [Outcome()] * len(pairs)
+        todo: list[tuple[int, BlockKey, int]] = []
+        for i, (key, block_id) in enumerate(pairs):
+            try:
+                self._check_block_id(block_id)
+            except ValueError as exc:
+                outcomes[i] = Outcome(error=exc)
+                continue
+            todo.append((i, key, block_id))
+        with self._lock:
+            for _, key, _ in todo:
+                self._reading[key] = self._reading.get(key, 0) + 1
+        try:
+            errors = self._read_files([(key, block_id) for _, key, block_id in todo])
+            for (i, key, _), error in zip(todo, errors, strict=True):
+                if error is not None:
+                    self._read_failed(key, error)
+                    outcomes[i] = Outcome(error=error)
         finally:
             with self._lock:
-                left = self._reading[key] - 1
-                if left:
-                    self._reading[key] = left
-                else:
-                    del self._reading[key]
+                for _, key, _ in todo:
+                    left = self._reading[key] - 1
+                    if left:
+                        self._reading[key] = left
+                    else:
+                        del self._reading[key]
+        loaded = [key for (i, key, _) in todo if outcomes[i].ok]
         with self._lock:
-            self._counters["bytes_read"] += self.file_bytes
-            self._touch_locked((key,))
+            self._counters["bytes_read"] += len(loaded) * self.file_bytes
+            self._touch_locked(loaded)
+        return outcomes
 
-    def _read_verified(self, path: str, key: BlockKey, row: memoryview) -> None:
-        flags = os.O_RDONLY | os.O_CLOEXEC | (_O_DIRECT if self.use_o_direct else 0)
+    def _read_files(self, items: list[tuple[BlockKey, int]]) -> list[BaseException | None]:
+        """Reads ``key``'s file into row ``block_id`` for each ``(key, block_id)``, in one
+        block I/O request; per item None (read and verified) or the error."""
+        params = (self._fingerprint, self.use_o_direct)
+        request = [(block_id, self._path(key), key) for key, block_id in items]
         try:
-            fd = os.open(path, flags)
-        except FileNotFoundError:
+            replies = self._block_io.call((ioworker.READ, self._region_ref, params, request))
+        except OSError as exc:  # the worker died
+            return [exc] * len(items)
+        return [ioworker.error_of(reply) for reply in replies]
+
+    def _read_failed(self, key: BlockKey, error: BaseException) -> None:
+        if isinstance(error, FileNotFoundError):
             with self._lock:
                 self._index_remove_locked(key)
                 self._note_removed_locked(key, "file vanished (removed outside the daemon)")
-            raise
-        try:
-            st = os.fstat(fd)
-            try:
-                if st.st_size != self.file_bytes:
-                    raise CorruptBlock(f"file is {st.st_size} bytes, expected {self.file_bytes}")
-                head = self._header_buffer()
-                got = _read_all(fd, [memoryview(head), row])
-                if got != self.file_bytes:
-                    raise CorruptBlock(f"short read: {got} of {self.file_bytes} bytes")
-                header = fsformat.decode_header(head)
-                fsformat.verify_header(
-                    header, key=key, fingerprint=self._fingerprint, block_bytes=self.block_bytes
-                )
-                if fsformat.payload_checksum(row) != header.payload_checksum:
-                    raise CorruptBlock("payload checksum mismatch")
-            except CorruptBlock as exc:
-                self._discard_corrupt(path, key, st, exc.reason)
-                raise
-        finally:
-            os.close(fd)
+        elif isinstance(error, CorruptFile):
+            self._discard_corrupt(self._path(key), key, error.identity, error.reason)
 
-    def _discard_corrupt(self, path: str, key: BlockKey, st: os.stat_result, reason: str) -> None:
+    def _discard_corrupt(
+        self, path: str, key: BlockKey, identity: tuple[int, int], reason: str
+    ) -> None:
         """Removes a file that failed verification, if the path still names that inode."""
         log.warning("FS tier %s: removing corrupt block file %s: %s", self.name, path, reason)
         with self._lock:
@@ -544,8 +611,8 @@ class FsTier(SecondaryTier):
             except FileNotFoundError:
                 self._index_remove_locked(key)
                 return
-            if (current.st_dev, current.st_ino) == (st.st_dev, st.st_ino):
-                _unlink_quietly(path)
+            if (current.st_dev, current.st_ino) == identity:
+                blockfile.unlink_quietly(path)
                 self._index_remove_locked(key)
                 self._note_removed_locked(key, f"file failed verification ({reason}); removed")
 
@@ -606,7 +673,7 @@ class FsTier(SecondaryTier):
         except FileNotFoundError:
             return "", nbytes
         except OSError:
-            _unlink_quietly(path)  # cannot rename: unlink here, holding the lock
+            blockfile.unlink_quietly(path)  # cannot rename: unlink here, holding the lock
             return "", nbytes
         return aside, nbytes
 
@@ -616,7 +683,7 @@ class FsTier(SecondaryTier):
         aside, nbytes = doomed
         try:
             if aside:
-                _unlink_quietly(aside)
+                blockfile.unlink_quietly(aside)
         finally:
             self.budget.release(nbytes)
 
@@ -676,7 +743,7 @@ class FsTier(SecondaryTier):
                 f.write("\n")
             os.rename(tmp, path)
         except OSError as exc:
-            _unlink_quietly(tmp)
+            blockfile.unlink_quietly(tmp)
             raise FsTierError(
                 f"FS tier {self.name}: cannot write {path}: {exc.strerror or exc}"
             ) from exc
@@ -752,7 +819,7 @@ class FsTier(SecondaryTier):
                 if self._stop.is_set():
                     return
                 if rel.endswith(TEMP_SUFFIX):
-                    _unlink_quietly(full)
+                    blockfile.unlink_quietly(full)
                     report.removed_temp += 1
                     continue
                 if not rel.endswith(BLOCK_SUFFIX):
@@ -788,7 +855,7 @@ class FsTier(SecondaryTier):
             return None
         except (CorruptBlock, OSError) as exc:
             log.warning("FS tier %s: removing unreadable block file %s: %s", self.name, full, exc)
-            _unlink_quietly(full)
+            blockfile.unlink_quietly(full)
             self.scan_report.removed_corrupt += 1
             with self._lock:
                 self._counters["checksum_failures"] += 1
@@ -838,23 +905,19 @@ class FsTier(SecondaryTier):
     def _path(self, key: BlockKey) -> str:
         return os.path.join(self.pool_dir, fsformat.block_rel_path(key))
 
-    def _row(self, block_id: int) -> memoryview:
+    def _check_block_id(self, block_id: int) -> None:
         if not 0 <= block_id < self._num_rows:
             raise ValueError(f"block id {block_id} outside the region (0..{self._num_rows - 1})")
-        start = block_id * self.block_bytes
-        return self._region[start : start + self.block_bytes]
+
+    def _make_dir(self, directory: str) -> None:
+        if directory not in self._made_dirs:
+            os.makedirs(directory, exist_ok=True)
+            self._made_dirs.add(directory)
 
     def _temp_name(self) -> str:
         """A name no other writer uses: a random tag per tier instance (so not one of
         a crashed run's leftovers) and a counter (``next`` on it is atomic)."""
         return f"{self._temp_tag}-{next(self._temp_counter)}"
-
-    def _header_buffer(self) -> mmap.mmap:
-        """This thread's page-aligned header buffer (O_DIRECT needs aligned memory)."""
-        buf = getattr(self._local, "header", None)
-        if buf is None:
-            buf = self._local.header = mmap.mmap(-1, HEADER_SIZE)
-        return buf
 
 
 # -- fsck ------------------------------------------------------------------------------
@@ -916,7 +979,7 @@ def fsck(
             if reason is not None:
                 report.bad.append((full, reason))
                 if remove:
-                    _unlink_quietly(full)
+                    blockfile.unlink_quietly(full)
                     report.removed += 1
             if progress is not None:
                 progress(report.files_checked, full)
@@ -948,19 +1011,6 @@ def _check_file(full: str, rel: str, fingerprint: bytes, block_bytes: int) -> st
 # -- module helpers -----------------------------------------------------------------------
 
 
-def _bind_group(
-    fn: Callable[[BlockKey, int], Any], pairs: list[tuple[BlockKey, int]]
-) -> Callable[[], list[Outcome]]:
-    return lambda: [_run_block(fn, key, block_id) for key, block_id in pairs]
-
-
-def _run_block(fn: Callable[[BlockKey, int], Any], key: BlockKey, block_id: int) -> Outcome:
-    try:
-        return Outcome(value=fn(key, block_id))
-    except Exception as exc:  # one block's failure is that block's outcome
-        return Outcome(error=exc)
-
-
 def _flatten(outcomes: list[Outcome], sizes: list[int]) -> list[Outcome]:
     """Per-block outcomes from per-group ones (a group that failed as a whole, e.g.
     when the pool shut down before running it, fails each of its blocks)."""
@@ -979,41 +1029,6 @@ def _walk_pool(pool_dir: str):  # -> Iterator[tuple[str, str]]
             yield os.path.join(dirpath, name), rel
 
 
-def _remaining(buffers: Sequence[memoryview], done: int) -> list[memoryview]:
-    """The parts of ``buffers`` after the first ``done`` bytes."""
-    out = []
-    for buf in buffers:
-        if done >= len(buf):
-            done -= len(buf)
-            continue
-        out.append(buf[done:] if done else buf)
-        done = 0
-    return out
-
-
-def _write_all(fd: int, buffers: Sequence[memoryview]) -> None:
-    """pwritev until every byte is written (loops on short writes)."""
-    total = sum(len(b) for b in buffers)
-    done = 0
-    while done < total:
-        n = os.pwritev(fd, _remaining(buffers, done), done)
-        if n <= 0:
-            raise OSError(errno.EIO, "write made no progress")
-        done += n
-
-
-def _read_all(fd: int, buffers: Sequence[memoryview]) -> int:
-    """preadv until the buffers are full or EOF; returns bytes read."""
-    total = sum(len(b) for b in buffers)
-    done = 0
-    while done < total:
-        n = os.preadv(fd, _remaining(buffers, done), done)
-        if n <= 0:
-            break
-        done += n
-    return done
-
-
 def _time_write_read(directory: str, buffer: mmap.mmap, extra_flags: int) -> float:
     """Seconds to write ``buffer`` to a new file in ``directory`` and read it back."""
     path = os.path.join(directory, f".speed-{secrets.token_hex(8)}{TEMP_SUFFIX}")
@@ -1021,14 +1036,14 @@ def _time_write_read(directory: str, buffer: mmap.mmap, extra_flags: int) -> flo
     start = time.perf_counter()
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | extra_flags, 0o600)
     try:
-        _write_all(fd, [view])
-        if _read_all(fd, [view]) != len(view):
+        blockfile.write_all(fd, [view])
+        if blockfile.read_all(fd, [view]) != len(view):
             raise OSError(errno.EIO, f"speed probe {path} read back short")
         return time.perf_counter() - start
     finally:
         view.release()
         os.close(fd)
-        _unlink_quietly(path)
+        blockfile.unlink_quietly(path)
 
 
 def _probe_file(directory: str, extra_flags: int) -> None:
@@ -1038,10 +1053,11 @@ def _probe_file(directory: str, extra_flags: int) -> None:
         page[:8] = b"kvtierd!"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | extra_flags, 0o600)
         try:
-            _write_all(fd, [memoryview(page)])
+            blockfile.write_all(fd, [memoryview(page)])
             back = mmap.mmap(-1, mmap.PAGESIZE)
             try:
-                if _read_all(fd, [memoryview(back)]) != mmap.PAGESIZE or back[:8] != b"kvtierd!":
+                got = blockfile.read_all(fd, [memoryview(back)])
+                if got != mmap.PAGESIZE or back[:8] != b"kvtierd!":
                     raise OSError(errno.EIO, f"probe file {path} read back wrong bytes")
             finally:
                 back.close()
@@ -1049,19 +1065,4 @@ def _probe_file(directory: str, extra_flags: int) -> None:
             os.close(fd)
     finally:
         page.close()
-        _unlink_quietly(path)
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        blockfile.unlink_quietly(path)

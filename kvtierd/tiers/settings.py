@@ -18,6 +18,7 @@ from kvtierd.units import parse_size
 
 DEFAULT_FS_CAPACITY = 10 << 30
 MAX_IO_THREADS = 256
+DEFAULT_IO_PROCESSES = 2
 
 
 class TierOptionError(ValueError):
@@ -42,6 +43,7 @@ class FsTierSettings:
     write_threads: int = 8  # I/O threads preferring writes (cascades)
     max_queue_bytes: int = 1 << 30  # cascade bytes in flight before writes are dropped
     max_queue_jobs: int = 1024  # cascade jobs in flight before writes are dropped
+    io_processes: int = DEFAULT_IO_PROCESSES  # block I/O worker processes; 0: in the daemon
 
 
 FS_OPTION_HELP: Mapping[str, str] = {
@@ -54,6 +56,10 @@ FS_OPTION_HELP: Mapping[str, str] = {
     "write_threads": "I/O threads that prefer writes (cascades); default 8",
     "max_queue_bytes": "cascade bytes queued before new cascade writes are dropped; default 1GiB",
     "max_queue_jobs": "cascade jobs queued before new cascade writes are dropped; default 1024",
+    "io_processes": (
+        "worker processes that do the block file I/O (checksum, write, read) off the daemon's "
+        f"interpreter lock; 0 = in the daemon's I/O threads; default {DEFAULT_IO_PROCESSES}"
+    ),
 }
 
 
@@ -91,6 +97,8 @@ def parse_fs_settings(options: Mapping[str, Any]) -> FsTierSettings:
         raise TierOptionError("read_threads", "read_threads + write_threads must be at least 1")
     if "max_queue_bytes" in options:
         values["max_queue_bytes"] = _size(options, "max_queue_bytes", minimum=4096)
+    if "io_processes" in options:
+        values["io_processes"] = _int(options, "io_processes", 0, MAX_IO_THREADS)
     if "max_queue_jobs" in options:
         values["max_queue_jobs"] = _int(options, "max_queue_jobs", 1, 1 << 20)
     return FsTierSettings(**values)

@@ -67,6 +67,10 @@ def test_bad_environment_value_names_the_key():
         ("[[tiers]]\ntype = 'fs'\nroot = '/x'\nthreads = 4\n", "tiers[0].threads: unknown"),
         ("[[tiers]]\ntype = 'fs'\nroot = '/x'\nfsync = 'yes'\n", "tiers[0].fsync"),
         (
+            "[[tiers]]\ntype = 'fs'\nroot = '/x'\nio_processes = -1\n",
+            "tiers[0].io_processes: expected an integer in [0, 256]",
+        ),
+        (
             "[[tiers]]\ntype = 'fs'\nroot = '/x'\n[[tiers]]\ntype = 'fs'\nroot = '/x/'\n",
             "tiers[1].root: /x is already another tier's root",
         ),

@@ -324,6 +324,32 @@ def test_tiers_consulted_in_order_and_promotion_fills_earlier_tiers(tmp_path, po
         daemon.cleanup()
 
 
+def _children(pid: int) -> list[int]:
+    """Process ids of ``pid``'s children (every thread's), from /proc."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def _all_exit(pids: list[int], timeout: float) -> bool:
+    """Whether every pid exited (or is a zombie) within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except FileNotFoundError:
+                continue
+            if stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                alive.append(pid)
+        if not alive:
+            return True
+        time.sleep(0.01)
+    return False
+
+
 def test_sigkill_during_cascade_storm_leaves_a_clean_root(fs_root, pool_name):
     config = fs_tiers_config(fs_root, write_threads=4)
     daemon = start_daemon("--memory-budget", "64MiB", config=config)
@@ -348,6 +374,7 @@ def test_sigkill_during_cascade_storm_leaves_a_clean_root(fs_root, pool_name):
         deadline = time.monotonic() + 30
         while len(block_files(fs_root)) < 40 and time.monotonic() < deadline:
             time.sleep(0.01)
+        io_workers = _children(daemon.proc.pid)
         daemon.proc.send_signal(signal.SIGKILL)
         daemon.proc.wait()
     finally:
@@ -355,6 +382,10 @@ def test_sigkill_during_cascade_storm_leaves_a_clean_root(fs_root, pool_name):
         worker.join()
         daemon.cleanup()
     assert len(block_files(fs_root)) >= 40
+    # the I/O worker processes die with the daemon: none finishes a write behind
+    # the back of the restarted daemon's scan
+    assert io_workers, "the storm ran no block I/O in worker processes"
+    assert _all_exit(io_workers, timeout=5.0), "an I/O worker outlived the daemon"
 
     fsck = subprocess.run(
         daemon_command("fsck", "--quiet", str(fs_root)), capture_output=True, text=True

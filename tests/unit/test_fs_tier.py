@@ -21,11 +21,11 @@ import pytest
 
 from kvtierd.contract import LookupResult
 from kvtierd.region import Region
-from kvtierd.tiers import fs as fs_module
-from kvtierd.tiers import fsformat
+from kvtierd.tiers import blockfile, fsformat
 from kvtierd.tiers.base import JobResult, TierJob
 from kvtierd.tiers.fs import FsTier, FsTierError, PoolMismatchError, fsck
 from kvtierd.tiers.iopool import IoPool, PoolShutDown
+from kvtierd.tiers.ioworker import IoWorkers
 
 BLOCK = 16384
 ROWS = 8
@@ -49,9 +49,13 @@ def region() -> Iterator[Region]:
 class Harness:
     """Builds tiers on the running loop and turns on_done callbacks into futures."""
 
-    def __init__(self, region: Region, root: Path, o_direct: str = "auto") -> None:
+    def __init__(
+        self, region: Region, root: Path, o_direct: str = "auto", io_processes: int = 0
+    ) -> None:
         self.region = region
         self.o_direct = o_direct
+        # io_processes > 0: block I/O in worker processes, as the daemon does by default
+        self.workers = IoWorkers(io_processes, channels=4) if io_processes else None
         self.root = root
         self.loop = asyncio.get_running_loop()
         self.waiters: dict[int, asyncio.Future[JobResult]] = {}
@@ -67,6 +71,11 @@ class Harness:
         args: dict[str, Any] = dict(
             capacity_bytes=1 << 30, read_threads=2, write_threads=2, o_direct=self.o_direct
         )
+        if self.workers is not None:
+            args.update(
+                workers=self.workers,
+                region_file=(self.region.path, *self.region.identity()),
+            )
         args.update(kw)
         return cls(
             "fs",
@@ -110,11 +119,22 @@ class Harness:
         return bytes(self.region.row(row))
 
 
-def run(region: Region, root: Path, body: Any, o_direct: str = "auto") -> Any:
+def run(
+    region: Region, root: Path, body: Any, o_direct: str = "auto", io_processes: int = 0
+) -> Any:
     async def main() -> Any:
-        return await body(Harness(region, root, o_direct))
+        harness = Harness(region, root, o_direct, io_processes)
+        try:
+            return await body(harness)
+        finally:
+            if harness.workers is not None:
+                harness.workers.stop()
 
     return asyncio.run(main())
+
+
+# Where the block file I/O runs: on the tier's I/O threads, or in worker processes.
+BLOCK_IO = pytest.mark.parametrize("io_processes", [0, 2], ids=["inline-io", "worker-io"])
 
 
 def _o_direct_works(directory: Path) -> bool:
@@ -144,9 +164,10 @@ def disk_bytes(tier: FsTier) -> int:
 # -- store / load / restart ------------------------------------------------------------
 
 
+@BLOCK_IO
 @pytest.mark.parametrize("o_direct", ["on", "auto", "off"])
 def test_store_then_load_into_other_rows_is_bit_exact(
-    region: Region, tmp_path: Path, o_direct: str
+    region: Region, tmp_path: Path, o_direct: str, io_processes: int
 ) -> None:
     keys = [b"k0", b"\x00\x01", LONG_KEY, b"k3"]
     works = _o_direct_works(tmp_path)
@@ -181,11 +202,12 @@ def test_store_then_load_into_other_rows_is_bit_exact(
         long_file = block_path(tier, LONG_KEY)
         assert long_file.is_file() and len(long_file.stem) == 64  # sha256-named
 
-    run(region, tmp_path, body, o_direct)
+    run(region, tmp_path, body, o_direct, io_processes)
 
 
+@BLOCK_IO
 def test_load_of_a_missing_file_fails_without_checksum_failure(
-    region: Region, tmp_path: Path
+    region: Region, tmp_path: Path, io_processes: int
 ) -> None:
     async def body(h: Harness) -> None:
         tier = await h.ready_tier()
@@ -201,7 +223,7 @@ def test_load_of_a_missing_file_fails_without_checksum_failure(
         finally:
             tier.shutdown()
 
-    run(region, tmp_path, body)
+    run(region, tmp_path, body, io_processes=io_processes)
 
 
 class GatedScanTier(FsTier):
@@ -305,10 +327,16 @@ def _other_pool(tier: FsTier, path: Path) -> None:
     path.write_bytes(forged + raw[fsformat.HEADER_SIZE :])
 
 
+@BLOCK_IO
 @pytest.mark.parametrize("o_direct", ["auto", "off"])
 @pytest.mark.parametrize("corrupt", [_flip_payload, _truncate, _other_key, _other_pool])
 def test_corrupt_file_fails_its_key_only_and_is_removed(
-    region: Region, tmp_path: Path, corrupt: Any, o_direct: str, caplog: pytest.LogCaptureFixture
+    region: Region,
+    tmp_path: Path,
+    corrupt: Any,
+    o_direct: str,
+    io_processes: int,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     async def body(h: Harness) -> None:
         tier = await h.ready_tier()
@@ -330,7 +358,7 @@ def test_corrupt_file_fails_its_key_only_and_is_removed(
         finally:
             tier.shutdown()
 
-    run(region, tmp_path, body, o_direct)
+    run(region, tmp_path, body, o_direct, io_processes)
 
 
 # -- capacity and backpressure ------------------------------------------------------------
@@ -362,6 +390,32 @@ def test_capacity_evicts_least_recently_used_first(region: Region, tmp_path: Pat
     run(region, tmp_path, body)
 
 
+@BLOCK_IO
+def test_a_job_larger_than_the_capacity_writes_every_block_and_keeps_the_last(
+    region: Region, tmp_path: Path, io_processes: int
+) -> None:
+    """A job's blocks travel to the disk in groups; a block that does not fit while
+    earlier blocks of its group wait to be written gets room once they are written
+    (by evicting them), exactly as if they were written one at a time."""
+
+    async def body(h: Harness) -> None:
+        tier = await h.ready_tier(capacity_bytes=2 * FILE_BYTES)
+        try:
+            data = [h.fill(i, 50 + i) for i in range(4)]
+            keys = [b"g%d" % i for i in range(4)]
+            result = await h.store(tier, keys, [0, 1, 2, 3])
+            assert result.success and result.bytes_moved == 4 * FILE_BYTES
+            assert tier.lookup(keys) == [LookupResult.MISS] * 2 + [LookupResult.HIT] * 2
+            assert disk_bytes(tier) == 2 * FILE_BYTES and not temp_files(tier)
+            assert tier.statistics().evictions == 2
+            assert (await h.load(tier, keys[2:], [4, 5])).success
+            assert [h.read(4), h.read(5)] == data[2:]
+        finally:
+            tier.shutdown()
+
+    run(region, tmp_path, body, io_processes=io_processes)
+
+
 def test_a_slow_eviction_unlink_blocks_neither_lookups_nor_the_budget(
     region: Region, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -369,7 +423,7 @@ def test_a_slow_eviction_unlink_blocks_neither_lookups_nor_the_budget(
     lock (which the event loop takes for every lookup), and its bytes stay charged
     until the file is gone, so the disk never holds more than the capacity."""
     unlinking, gate = threading.Event(), threading.Event()
-    real_unlink = fs_module._unlink_quietly
+    real_unlink = blockfile.unlink_quietly
 
     def slow_unlink(path: str) -> None:
         if ".evicted" in path:
@@ -377,7 +431,7 @@ def test_a_slow_eviction_unlink_blocks_neither_lookups_nor_the_budget(
             gate.wait()
         real_unlink(path)
 
-    monkeypatch.setattr(fs_module, "_unlink_quietly", slow_unlink)
+    monkeypatch.setattr(blockfile, "unlink_quietly", slow_unlink)
 
     async def body(h: Harness) -> None:
         tier = await h.ready_tier(capacity_bytes=FILE_BYTES)
@@ -411,10 +465,10 @@ class GatedReadTier(FsTier):
     started = threading.Event()
     gate = threading.Event()
 
-    def _read_verified(self, path: str, key: bytes, row: memoryview) -> None:
+    def _read_files(self, items: list[tuple[bytes, int]]) -> list[BaseException | None]:
         self.started.set()
         self.gate.wait()
-        super()._read_verified(path, key, row)
+        return super()._read_files(items)
 
 
 def test_a_file_being_read_is_never_evicted(region: Region, tmp_path: Path) -> None:
@@ -493,9 +547,9 @@ def test_write_fails_when_nothing_fits(region: Region, tmp_path: Path) -> None:
 class GatedWriteTier(FsTier):
     gate = threading.Event()
 
-    def _write_file(self, path: str, key: bytes, row: memoryview) -> None:
+    def _write_files(self, items: list[tuple[bytes, int]]) -> list[BaseException | None]:
         self.gate.wait()
-        super()._write_file(path, key, row)
+        return super()._write_files(items)
 
 
 def test_backpressure_drops_writes_over_the_limits(region: Region, tmp_path: Path) -> None:

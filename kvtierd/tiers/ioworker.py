@@ -1,0 +1,454 @@
+"""FS-tier block I/O in helper processes, off the daemon's GIL.
+
+An I/O thread of the daemon that runs a group of block reads or writes can
+hand the file work (checksum, open, pwritev/preadv, rename) to an *I/O worker*:
+a child process (``python -m kvtierd.tiers.ioworker FD``) that maps the pool's
+shared-memory region itself and runs :mod:`kvtierd.tiers.blockfile` on its
+rows. The daemon's event loop and gRPC threads then no longer compete with
+the I/O for one interpreter lock; the I/O thread only sends a request and
+waits on a socket (GIL released).
+
+Invariants:
+
+* A worker serves one request at a time, for the one I/O thread that checked
+  it out of :class:`IoWorkers`; the reply comes before the thread reports the
+  group done, so no worker touches a row after its job's ``on_done`` ran.
+* The worker opens the region by path and refuses it unless its
+  ``(st_dev, st_ino)`` is the one the daemon sent; it keeps the mapping until
+  it exits (pools live as long as the daemon). It holds no lock on the region
+  file: the daemon's ``flock`` stays the only liveness marker.
+* A worker exits when its socket reaches EOF, i.e. when the daemon closes it
+  or dies. A worker that dies mid-request fails that request's blocks (the
+  daemon removes the temp files it named) and is replaced on the next
+  checkout; a failed read never makes a row visible, so no wrong bytes.
+* Requests and replies are ``marshal``-ed tuples of builtins, length-prefixed
+  on a Unix stream socket.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import itertools
+import logging
+import marshal
+import mmap
+import os
+import queue
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from kvtierd.tiers import blockfile
+from kvtierd.tiers.blockfile import CorruptFile
+
+log = logging.getLogger("kvtierd.tiers.ioworker")
+
+_LENGTH = struct.Struct("<I")
+_PR_SET_PDEATHSIG = 1
+_STOP_WAIT = 5.0  # seconds a worker gets to exit after EOF before it is killed
+
+# A region as a worker sees it: (path, st_dev, st_ino, block_bytes).
+RegionRef = tuple[str, int, int, int]
+# One block's outcome: None (done), or an error tuple (see _error / raise_error).
+Reply = tuple[Any, ...] | None
+
+WRITE = "w"
+READ = "r"
+
+
+class WorkerDied(OSError):
+    """The I/O worker process exited (or its socket broke) during a request."""
+
+
+# -- wire ---------------------------------------------------------------------------------
+
+
+def send_message(sock: socket.socket, obj: object) -> None:
+    data = marshal.dumps(obj)
+    sock.sendall(_LENGTH.pack(len(data)) + data)
+
+
+def receive_message(sock: socket.socket) -> Any:
+    """The next message; EOFError when the peer closed the socket between messages."""
+    (length,) = _LENGTH.unpack(_receive_exactly(sock, _LENGTH.size, at_boundary=True))
+    return marshal.loads(_receive_exactly(sock, length, at_boundary=False))
+
+
+def _receive_exactly(sock: socket.socket, n: int, *, at_boundary: bool) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            if at_boundary and got == 0:
+                raise EOFError
+            raise ConnectionError("socket closed in the middle of a message")
+        got += k
+    return bytes(buf)
+
+
+# -- the worker process ---------------------------------------------------------------
+
+
+class _Regions:
+    """The regions a worker process has mapped, shared by its channel threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._mapped: dict[RegionRef, memoryview] = {}  # _lock
+
+    def rows(self, region: RegionRef) -> memoryview:
+        with self._lock:
+            rows = self._mapped.get(region)
+            if rows is None:
+                rows = self._mapped[region] = _map_region(region)
+            return rows
+
+
+class _Worker:
+    """Runs block I/O requests one at a time (one channel of a worker process,
+    or one I/O thread of :class:`InlineIo`)."""
+
+    def __init__(self, rows_of: Callable[[RegionRef], memoryview]) -> None:
+        self._rows_of = rows_of
+        self._head = blockfile.header_buffer()
+
+    def handle(self, request: tuple[Any, ...]) -> list[Reply]:
+        op, region, params, items = request
+        try:
+            rows = self._rows_of(region)
+        except OSError as exc:
+            return [_error(exc)] * len(items)
+        block_bytes = region[3]
+        run = self._write if op == WRITE else self._read
+        replies: list[Reply] = []
+        for item in items:
+            block_id = item[0]
+            row = rows[block_id * block_bytes : (block_id + 1) * block_bytes]
+            try:
+                run(row, params, item)
+                replies.append(None)
+            except Exception as exc:  # one block's failure is that block's reply
+                replies.append(_error(exc))
+        return replies
+
+    def _write(self, row: memoryview, params: tuple[Any, ...], item: tuple[Any, ...]) -> None:
+        fingerprint, o_direct, fsync = params
+        _, path, temp_path, key = item
+        blockfile.write_block_file(
+            path, temp_path, key, fingerprint, row, self._head, o_direct=o_direct, fsync=fsync
+        )
+
+    def _read(self, row: memoryview, params: tuple[Any, ...], item: tuple[Any, ...]) -> None:
+        fingerprint, o_direct = params
+        _, path, key = item
+        blockfile.read_block_file(path, key, fingerprint, row, self._head, o_direct=o_direct)
+
+
+def _map_region(region: RegionRef) -> memoryview:
+    path, dev, ino, _ = region
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != (dev, ino):
+            raise OSError(errno.ESTALE, f"{path} is no longer the daemon's region file")
+        return memoryview(mmap.mmap(fd, st.st_size))
+    finally:
+        os.close(fd)
+
+
+def _error(exc: BaseException) -> tuple[Any, ...]:
+    """An exception as a reply tuple (rebuilt by :func:`raise_error` in the daemon)."""
+    if isinstance(exc, CorruptFile):
+        return ("corrupt", exc.reason, exc.identity[0], exc.identity[1])
+    if isinstance(exc, OSError):
+        return ("os", exc.errno or 0, exc.strerror or str(exc), exc.filename)
+    return ("error", f"{type(exc).__name__}: {exc}")
+
+
+def error_of(reply: Reply) -> BaseException | None:
+    """The exception a block's reply stands for (None: the block is done)."""
+    if reply is None:
+        return None
+    kind = reply[0]
+    if kind == "corrupt":
+        return CorruptFile(reply[1], (reply[2], reply[3]))
+    if kind == "os":
+        _, code, message, filename = reply
+        if code == errno.ENOENT:
+            return FileNotFoundError(code, message, filename)
+        return OSError(code, message, filename)
+    return RuntimeError(f"block I/O: {reply[1]}")
+
+
+def serve(sock: socket.socket, worker: _Worker) -> None:
+    """Answers one channel's requests until the daemon closes it."""
+    try:
+        while True:
+            try:
+                request = receive_message(sock)
+            except (EOFError, ConnectionError):
+                return
+            send_message(sock, worker.handle(request))
+    except BrokenPipeError:
+        pass  # the daemon went away while we answered
+    finally:
+        sock.close()
+
+
+def main(argv: Sequence[str]) -> int:
+    """Serves each channel socket (inherited file descriptors) on its own thread."""
+    if len(argv) < 2 or not all(arg.isdigit() for arg in argv):
+        print("usage: python -m kvtierd.tiers.ioworker DAEMON_PID FD... (started by kvtierd)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if not _die_with(int(argv[0])):
+        return 1
+    regions = _Regions()
+    threads = [
+        threading.Thread(target=serve, args=(socket.socket(fileno=int(fd)), _Worker(regions.rows)))
+        for fd in argv[1:]
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return 0
+
+
+def _die_with(daemon_pid: int) -> bool:
+    """Asks the kernel to SIGKILL this process when the thread that started it
+    ends (the daemon's spawner thread, which lives as long as the daemon), so a
+    killed daemon leaves no worker finishing a write behind its back (a temp
+    file left by the kill is removed by the next start's scan). False if the
+    daemon is already gone."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the worker still exits at EOF after its request
+    return os.getppid() == daemon_pid
+
+
+# -- the daemon side ------------------------------------------------------------------
+
+
+class BlockIo(Protocol):
+    """Where an FS tier's block file I/O runs."""
+
+    def call(self, request: tuple[Any, ...]) -> list[Reply]:
+        """Runs one request (op, region, params, items); one reply per item.
+
+        Raises OSError when the request as a whole could not run (a worker died).
+        """
+        ...
+
+
+class InlineIo:
+    """Block I/O on the calling I/O thread, in the daemon (``io_processes = 0``)."""
+
+    def __init__(self, rows: memoryview) -> None:
+        self._rows = rows
+        self._local = threading.local()
+
+    def call(self, request: tuple[Any, ...]) -> list[Reply]:
+        worker = getattr(self._local, "worker", None)
+        if worker is None:
+            worker = self._local.worker = _Worker(lambda _region: self._rows)
+        return worker.handle(request)
+
+
+class WorkerProcess:
+    """One running worker process and the daemon's ends of its channel sockets.
+
+    ``users`` (guarded by the owning :class:`IoWorkers`' lock for its index)
+    counts threads inside :meth:`call`; a broken process is stopped by the
+    last of them, so no socket is closed while a thread still uses it.
+    """
+
+    def __init__(self, name: str, channels: int) -> None:
+        pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(channels)]
+        theirs = [pair[1] for pair in pairs]
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "kvtierd.tiers.ioworker", str(os.getpid()),
+                 *(str(sock.fileno()) for sock in theirs)],
+                pass_fds=[sock.fileno() for sock in theirs],
+                stdin=subprocess.DEVNULL,
+            )  # fmt: skip
+        except BaseException:
+            for ours, _ in pairs:
+                ours.close()
+            raise
+        finally:
+            for sock in theirs:
+                sock.close()
+        self.name = name
+        self.socks = [pair[0] for pair in pairs]
+        self.locks = [threading.Lock() for _ in pairs]
+        self.broken = False
+        self.users = 0
+
+    def call(self, channel: int, request: tuple[Any, ...]) -> list[Reply]:
+        """Sends one request on ``channel`` and waits for its replies.
+
+        Raises WorkerDied (and marks the process broken) if the process is gone.
+        """
+        try:
+            with self.locks[channel]:
+                send_message(self.socks[channel], request)
+                replies = receive_message(self.socks[channel])
+        except (OSError, EOFError) as exc:
+            self.broken = True
+            code = self.process.poll()
+            raise WorkerDied(
+                errno.EIO,
+                f"I/O worker {self.name} (pid {self.process.pid}) died"
+                f"{'' if code is None else f' with exit status {code}'}: {exc}",
+            ) from None
+        if len(replies) != len(request[3]):
+            self.broken = True
+            raise WorkerDied(errno.EIO, f"I/O worker {self.name} answered out of step")
+        return replies
+
+    def stop(self) -> None:
+        """Closes the sockets (the worker exits at EOF) and reaps the process."""
+        for sock in self.socks:
+            sock.close()
+        try:
+            self.process.wait(timeout=_STOP_WAIT)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+class _SpawnRequest:
+    """One worker for the spawner thread to start; ``done`` is set when it tried."""
+
+    def __init__(self, name: str, channels: int) -> None:
+        self.name = name
+        self.channels = channels
+        self.done = threading.Event()
+        self.worker: WorkerProcess | None = None
+        self.error: BaseException | None = None
+
+
+class IoWorkers:
+    """``processes`` worker processes with ``channels`` channels (sockets) in all.
+
+    Each calling thread gets a channel for life (the n-th thread to call gets
+    channel n, modulo ``channels``), in process ``channel % processes``; with
+    ``channels`` at least the number of I/O threads no thread ever waits for
+    another's request. A process starts on its channels' first call and is
+    replaced after it died; :meth:`stop` ends them all. Thread-safe.
+    """
+
+    def __init__(self, processes: int, channels: int, name: str = "kvtierd-io") -> None:
+        if processes < 1 or channels < 1:
+            raise ValueError(f"need at least one process and channel, got {processes}, {channels}")
+        self.processes = min(processes, channels)
+        self.name = name
+        self._per_process = -(-channels // self.processes)
+        self._channels = self._per_process * self.processes
+        self._numbering = itertools.count()
+        self._local = threading.local()
+        self._locks = [threading.Lock() for _ in range(self.processes)]
+        self._running: list[WorkerProcess | None] = [None] * self.processes  # _locks[i]
+        self._names = itertools.count(1)
+        self._stopped = False
+        self._spawn_requests: queue.SimpleQueue[_SpawnRequest | None] = queue.SimpleQueue()
+        self._spawner: threading.Thread | None = None
+        self._spawner_lock = threading.Lock()
+
+    def pids(self) -> list[int]:
+        """Process ids of the running workers."""
+        return [w.process.pid for w in self._running if w is not None and not w.broken]
+
+    def call(self, request: tuple[Any, ...]) -> list[Reply]:
+        """Runs ``request`` in this thread's worker; one reply per item."""
+        channel = getattr(self._local, "channel", None)
+        if channel is None:
+            channel = self._local.channel = next(self._numbering) % self._channels
+        index, slot = channel % self.processes, channel // self.processes
+        worker = self._acquire(index)
+        try:
+            return worker.call(slot, request)
+        finally:
+            self._release(index, worker)
+
+    def stop(self) -> None:
+        """Stops every worker; call once no I/O thread can send a request anymore."""
+        self._stopped = True
+        stopping = []
+        for index, lock in enumerate(self._locks):
+            with lock:
+                worker, self._running[index] = self._running[index], None
+            if worker is not None:
+                stopping.append(worker)
+                for sock in worker.socks:
+                    sock.close()  # every worker sees EOF at once
+        for worker in stopping:
+            worker.stop()
+        with self._spawner_lock:
+            if self._spawner is not None:
+                self._spawn_requests.put(None)
+                self._spawner.join()
+                self._spawner = None
+
+    def _spawn(self, name: str) -> WorkerProcess:
+        """A new worker, started by the spawner thread: a worker dies with the thread
+        that started it (see ``_die_with``), and I/O threads may end before the daemon."""
+        with self._spawner_lock:
+            if self._spawner is None:
+                self._spawner = threading.Thread(
+                    target=self._serve_spawns, name=f"{self.name}-spawner", daemon=True
+                )
+                self._spawner.start()
+        request = _SpawnRequest(name, self._per_process)
+        self._spawn_requests.put(request)
+        request.done.wait()
+        if request.error is not None:
+            raise request.error
+        if request.worker is None:
+            raise RuntimeError(f"the spawner gave no worker {name}")
+        return request.worker
+
+    def _serve_spawns(self) -> None:
+        while (request := self._spawn_requests.get()) is not None:
+            try:
+                request.worker = WorkerProcess(request.name, request.channels)
+            except BaseException as exc:  # handed to the waiting I/O thread
+                request.error = exc
+            request.done.set()
+
+    def _acquire(self, index: int) -> WorkerProcess:
+        with self._locks[index]:
+            if self._stopped:
+                raise OSError(errno.ESHUTDOWN, "I/O workers stopped")
+            worker = self._running[index]
+            if worker is None or worker.broken:
+                worker = self._spawn(f"{self.name}-{next(self._names)}")
+                self._running[index] = worker
+            worker.users += 1
+            return worker
+
+    def _release(self, index: int, worker: WorkerProcess) -> None:
+        with self._locks[index]:
+            worker.users -= 1
+            done = worker.broken and worker.users == 0
+            if done and self._running[index] is worker:
+                self._running[index] = None
+        if done:
+            worker.process.kill()  # it may be alive but out of step
+            worker.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

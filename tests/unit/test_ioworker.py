@@ -1,0 +1,184 @@
+"""FS-tier block I/O in worker processes (kvtierd.tiers.ioworker): real processes,
+a real Region in /dev/shm, real files under tmp_path."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from test_fs_tier import BLOCK, FILE_BYTES, Harness, block_path, region, run, temp_files
+
+from kvtierd.contract import LookupResult
+from kvtierd.region import Region
+from kvtierd.tiers import fsformat, ioworker
+from kvtierd.tiers.blockfile import CorruptFile
+from kvtierd.tiers.ioworker import IoWorkers, WorkerDied, WorkerProcess
+
+__all__ = ["region"]  # the fixture, imported for these tests
+
+FINGERPRINT = b"\x07" * fsformat.FINGERPRINT_BYTES
+
+
+def _wait_gone(pid: int, timeout: float = 10.0) -> bool:
+    """Whether ``pid`` exited within ``timeout`` (a zombie not yet reaped counts)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def _write_request(region: Region, tmp_path: Path, key: bytes, row: int) -> tuple:
+    path = str(tmp_path / f"{key.hex()}.kvb")
+    ref = (region.path, *region.identity(), BLOCK)
+    params = (FINGERPRINT, False, False)
+    return (ioworker.WRITE, ref, params, [(row, path, path + ".1.tmp", key)])
+
+
+def _read_request(region: Region, tmp_path: Path, key: bytes, row: int) -> tuple:
+    path = str(tmp_path / f"{key.hex()}.kvb")
+    ref = (region.path, *region.identity(), BLOCK)
+    return (ioworker.READ, ref, (FINGERPRINT, False), [(row, path, key)])
+
+
+def test_a_worker_writes_and_reads_rows_of_the_daemons_region(
+    region: Region, tmp_path: Path
+) -> None:
+    data = os.urandom(BLOCK)
+    region.row(0)[:] = data
+    workers = IoWorkers(1, channels=1)
+    try:
+        assert workers.call(_write_request(region, tmp_path, b"key", 0)) == [None]
+        (worker_pid,) = workers.pids()
+        assert worker_pid != os.getpid()
+        assert (tmp_path / f"{b'key'.hex()}.kvb").stat().st_size == FILE_BYTES
+        assert workers.call(_read_request(region, tmp_path, b"key", 3)) == [None]
+        assert bytes(region.row(3)) == data
+        # a file that fails verification comes back as CorruptFile, naming its inode
+        (reply,) = workers.call(_read_request(region, tmp_path, b"key", 3)[:3] + (
+            [(3, str(tmp_path / f"{b'key'.hex()}.kvb"), b"another key")],
+        ))  # fmt: skip
+        error = ioworker.error_of(reply)
+        assert isinstance(error, CorruptFile) and "header names key" in error.reason
+        st = (tmp_path / f"{b'key'.hex()}.kvb").stat()
+        assert error.identity == (st.st_dev, st.st_ino)
+        (reply,) = workers.call(_read_request(region, tmp_path, b"absent", 3))
+        assert isinstance(ioworker.error_of(reply), FileNotFoundError)
+    finally:
+        workers.stop()
+    assert _wait_gone(worker_pid)
+
+
+def test_a_worker_refuses_a_region_file_that_is_not_the_daemons(
+    region: Region, tmp_path: Path
+) -> None:
+    workers = IoWorkers(1, channels=1)
+    try:
+        kind, (path, dev, ino, block), params, items = _write_request(region, tmp_path, b"k", 0)
+        (reply,) = workers.call((kind, (path, dev, ino + 1, block), params, items))
+        error = ioworker.error_of(reply)
+        assert isinstance(error, OSError) and error.errno == errno.ESTALE
+        assert not list(tmp_path.iterdir())  # nothing written from a wrong mapping
+    finally:
+        workers.stop()
+
+
+def test_a_dead_worker_fails_its_request_and_is_replaced(region: Region, tmp_path: Path) -> None:
+    region.row(1)[:] = os.urandom(BLOCK)
+    workers = IoWorkers(1, channels=2)
+    try:
+        assert workers.call(_write_request(region, tmp_path, b"a", 1)) == [None]
+        (first,) = workers.pids()
+        os.kill(first, signal.SIGKILL)
+        assert _wait_gone(first)
+        with pytest.raises(WorkerDied, match=f"pid {first}"):
+            workers.call(_read_request(region, tmp_path, b"a", 2))
+        assert workers.call(_read_request(region, tmp_path, b"a", 2)) == [None]
+        (second,) = workers.pids()
+        assert second != first
+        assert bytes(region.row(2)) == bytes(region.row(1))
+    finally:
+        workers.stop()
+
+
+def test_a_tier_whose_worker_died_fails_those_blocks_then_recovers(
+    region: Region, tmp_path: Path
+) -> None:
+    """The job reports the blocks failed (nothing indexed, no temp file left),
+    and the next job runs in a new worker."""
+
+    async def body(h: Harness) -> None:
+        tier = await h.ready_tier(read_threads=1, write_threads=0)
+        try:
+            data = h.fill(0, 1)
+            assert (await h.store(tier, [b"first"], [0])).success
+            assert h.workers is not None
+            for pid in h.workers.pids():
+                os.kill(pid, signal.SIGKILL)
+                assert _wait_gone(pid)
+            h.fill(1, 2)
+            failed = await h.store(tier, [b"second"], [1])
+            assert not failed.success and failed.successful_keys is None
+            assert tier.lookup([b"second"]) == [LookupResult.MISS]
+            assert not block_path(tier, b"second").exists() and not temp_files(tier)
+            assert tier.statistics().store_failures == 1
+            loaded = await h.load(tier, [b"first"], [2])
+            assert loaded.success and h.read(2) == data
+        finally:
+            tier.shutdown()
+
+    run(region, tmp_path, body, io_processes=1)
+
+
+def test_workers_exit_when_the_daemon_side_goes_away(region: Region, tmp_path: Path) -> None:
+    """Stopping closes the sockets; a worker takes EOF as the order to exit, which is
+    also what happens when the daemon dies (its socket ends close with it)."""
+    region.row(0)[:] = os.urandom(BLOCK)
+    workers = IoWorkers(2, channels=2)
+    calls = [_write_request(region, tmp_path, b"x%d" % i, 0) for i in range(2)]
+
+    threads = [threading.Thread(target=workers.call, args=(c,)) for c in calls]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    pids = workers.pids()
+    assert len(pids) == 2  # each thread's channel lives in its own process
+    workers.stop()
+    assert all(_wait_gone(pid) for pid in pids)
+    with pytest.raises(OSError, match="stopped"):
+        workers.call(calls[0])
+
+
+def test_a_worker_dies_with_the_thread_that_started_it() -> None:
+    """Even with its socket still open: the kernel kills it (PR_SET_PDEATHSIG), which
+    is what makes a SIGKILLed daemon take its workers along mid-request.
+    IoWorkers starts every worker from one spawner thread that lives until stop()."""
+    started: list[WorkerProcess] = []
+
+    def start_and_end() -> None:
+        worker = WorkerProcess("short-lived", 1)
+        started.append(worker)
+        # an empty request: its answer proves the worker set its death signal
+        assert worker.call(0, (ioworker.READ, ("/nonexistent", 0, 0, BLOCK), (), [])) == []
+
+    thread = threading.Thread(target=start_and_end)
+    thread.start()
+    thread.join()
+    (worker,) = started
+    try:
+        assert _wait_gone(worker.process.pid)
+        assert worker.process.wait(timeout=5) == -signal.SIGKILL
+    finally:
+        worker.stop()
