@@ -19,7 +19,10 @@ real disk (``$KVTIERD_BENCH_FS_ROOT``, default ``/var/tmp``; tmpfs is refused).
   (``ThreadPoolExecutor``) writing header + row to a temp file and renaming it
   (no fsync, as the tier's default), and 16 threads reading each file with
   ``readinto`` into a preallocated buffer.
-* the tier runs twice, ``o_direct = "off"`` and ``"on"`` (fresh root each).
+* the tier runs twice, ``o_direct = "off"`` and ``"on"`` (fresh root each), with
+  the default ``io_processes`` (block I/O in worker processes), and a third
+  time with ``o_direct = "off"`` and ``io_processes = 0`` (block I/O on the
+  daemon's I/O threads, under its interpreter lock) for comparison.
 * vLLM's ``FileSystemTierManager`` (same threads, same block size) when
   ``.venv-vllm`` (or ``$KVTIERD_BENCH_VLLM_PYTHON``) has vLLM; else a skip row.
 
@@ -45,6 +48,7 @@ import xxhash
 
 from benchmarks.common import BenchDaemon, Row
 from kvtierd.tiers.fsformat import HEADER_SIZE
+from kvtierd.tiers.settings import DEFAULT_IO_PROCESSES
 from kvtierd_client.client import Client, LookupResult
 from kvtierd_client.region import AttachedRegion
 
@@ -183,7 +187,7 @@ def baseline_read(directory: str, buffers: np.ndarray, verify: bool = False) -> 
 # -- the tier through a daemon -------------------------------------------------------------
 
 
-def _config(path: str, root: str, o_direct: str) -> str:
+def _config(path: str, root: str, o_direct: str, io_processes: int | None) -> str:
     with open(path, "w") as f:
         f.write(
             f'[[tiers]]\ntype = "fs"\nname = "fs"\nroot = "{root}"\n'
@@ -191,6 +195,8 @@ def _config(path: str, root: str, o_direct: str) -> str:
             f"read_threads = {READ_THREADS}\nwrite_threads = {WRITE_THREADS}\n"
             f'o_direct = "{o_direct}"\nfsync = false\n'
         )
+        if io_processes is not None:  # else the daemon's default
+            f.write(f"io_processes = {io_processes}\n")
     return path
 
 
@@ -250,10 +256,12 @@ class StoredEvents:
         self._thread.join(timeout=5)
 
 
-def tier_run(root: str, o_direct: str, can_drop: bool) -> dict[str, float]:
+def tier_run(
+    root: str, o_direct: str, can_drop: bool, io_processes: int | None = None
+) -> dict[str, float]:
     """Best seconds of REPEATS passes (store, warm and cold promotion) of one daemon."""
     work = tempfile.mkdtemp(prefix="kvtb-fs-", dir="/tmp")
-    config = _config(os.path.join(work, "fs.toml"), root, o_direct)
+    config = _config(os.path.join(work, "fs.toml"), root, o_direct, io_processes)
     out: dict[str, float] = {}
 
     def keep(name: str, seconds: float) -> None:
@@ -495,6 +503,10 @@ def run() -> list[Row]:
             os.makedirs(root)
             tiers[mode] = tier_run(root, mode, can_drop)
             shutil.rmtree(root, ignore_errors=True)
+        root = os.path.join(base, "tier-inline-io")
+        os.makedirs(root)
+        inline = tier_run(root, "off", can_drop, io_processes=0)  # I/O on the daemon's threads
+        shutil.rmtree(root, ignore_errors=True)
 
         for phase in NAMES:
             if phase not in floor:
@@ -519,6 +531,16 @@ def run() -> list[Row]:
                 rows.append(Row("fs tier, O_DIRECT on vs off", f"{_short(phase)}, o_direct=on",
                                 on, "GB/s", f"o_direct=off {off:.2f} GB/s", on / off,
                                 "auto: on only if faster"))  # fmt: skip
+        wgroup = f"fs tier, block I/O in {DEFAULT_IO_PROCESSES} worker processes vs in the daemon"
+        for phase in (p for p in NAMES if p in inline):
+            gbs, base_gbs = _gbs(payload, tiers["off"][phase]), _gbs(payload, inline[phase])
+            rows.append(Row(wgroup, f"{_short(phase)}, o_direct=off", gbs, "GB/s",
+                            f"io_processes=0 {base_gbs:.2f} GB/s", gbs / base_gbs,
+                            ">= 1.0x"))  # fmt: skip
+        rpcs, base_rpcs = tiers["off"]["complete_rpcs"], inline["complete_rpcs"]
+        rows.append(Row(wgroup, f"{BLOCKS // STORE_BATCH} CompleteStore RPCs during the cascade",
+                        rpcs * 1e3, "ms", f"io_processes=0 {base_rpcs * 1e3:.1f} ms",
+                        rpcs / base_rpcs, "< 1.0x"))  # fmt: skip
         for mode, result in tiers.items():
             gbs = _gbs(payload, result["store_one_call"])
             rows.append(Row("fs tier, phases", f"store, ONE CompleteStore of {BLOCKS} keys, "
