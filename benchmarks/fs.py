@@ -575,10 +575,68 @@ def run() -> list[Row]:
     return rows
 
 
+def compare_io_processes(settings: list[int], rounds: int) -> list[Row]:
+    """Median of ``rounds`` tier runs (o_direct=off) per ``io_processes`` setting, the
+    settings alternated within each round so the machine's drift hits them alike."""
+    parent = os.environ.get("KVTIERD_BENCH_FS_ROOT", "/var/tmp")
+    can_drop = drop_caches()
+    results: dict[int, list[dict[str, float]]] = {n: [] for n in settings}
+    for r in range(rounds):
+        for n in settings:
+            root = tempfile.mkdtemp(prefix="kvtierd-bench-fs-io-", dir=parent)
+            try:
+                results[n].append(tier_run(root, "off", can_drop, io_processes=n))
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
+            print(f"round {r + 1}/{rounds}, io_processes={n}: done", file=sys.stderr, flush=True)
+    payload = BLOCKS * BLOCK
+    rows = []
+    for n, runs in results.items():
+        group = f"fs tier, io_processes={n}, median of {rounds}"
+        for phase in (p for p in NAMES if p in runs[0]):
+            values = sorted(_gbs(payload, run[phase]) for run in runs)
+            rows.append(Row(group, f"{_short(phase)}, o_direct=off", values[len(values) // 2],
+                            "GB/s", f"range {values[0]:.2f}-{values[-1]:.2f}"))  # fmt: skip
+        values = sorted(run["complete_rpcs"] * 1e3 for run in runs)
+        rows.append(Row(group, f"{BLOCKS // STORE_BATCH} CompleteStore RPCs during the cascade",
+                        values[len(values) // 2], "ms",
+                        f"range {values[0]:.1f}-{values[-1]:.1f}"))  # fmt: skip
+    return rows
+
+
+def _main(argv: list[str]) -> None:
+    import argparse
+
+    from benchmarks.common import print_table
+
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.fs",
+        description="The fs tier's GB/s next to plain Python and vLLM (the make bench suite).",
+    )
+    parser.add_argument(
+        "--compare-io-processes", metavar="N,N,...",
+        help="instead: run the tier (o_direct=off) with each io_processes setting, "
+             "alternating, and print medians (e.g. 0,2)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="rounds for --compare-io-processes (default 5)"
+    )
+    args = parser.parse_args(argv)
+    if args.compare_io_processes is None:
+        print_table(run())
+        return
+    try:
+        settings = [int(n) for n in args.compare_io_processes.split(",")]
+    except ValueError:
+        parser.error(f"--compare-io-processes: expected integers like 0,2; got "
+                     f"{args.compare_io_processes!r}")  # fmt: skip
+    if args.rounds < 1 or any(n < 0 for n in settings):
+        parser.error("--rounds must be at least 1 and io_processes settings at least 0")
+    print_table(compare_io_processes(settings, args.rounds))
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--vllm-worker"]:  # run by vllm_run() with the vLLM venv's Python
         print(json.dumps(_vllm_worker(sys.argv[2], sys.argv[3] == "1")))
     else:
-        from benchmarks.common import print_table
-
-        print_table(run())
+        _main(sys.argv[1:])

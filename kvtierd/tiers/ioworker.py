@@ -1,28 +1,32 @@
 """FS-tier block I/O in helper processes, off the daemon's GIL.
 
-An I/O thread of the daemon that runs a group of block reads or writes can
-hand the file work (checksum, open, pwritev/preadv, rename) to an *I/O worker*:
-a child process (``python -m kvtierd.tiers.ioworker FD``) that maps the pool's
-shared-memory region itself and runs :mod:`kvtierd.tiers.blockfile` on its
-rows. The daemon's event loop and gRPC threads then no longer compete with
-the I/O for one interpreter lock; the I/O thread only sends a request and
-waits on a socket (GIL released).
+An I/O thread of the daemon that runs a group of block reads or writes hands
+the file work (checksum, open, pwritev/preadv, rename) to an *I/O worker*: a
+child process (``python -m kvtierd.tiers.ioworker DAEMON_PID FD...``) that
+maps the pool's shared-memory region itself and runs
+:mod:`kvtierd.tiers.blockfile` on its rows. The daemon's event loop and gRPC
+threads then no longer compete with the I/O for one interpreter lock; the I/O
+thread only sends a request and waits on a socket (GIL released).
 
 Invariants:
 
-* A worker serves one request at a time, for the one I/O thread that checked
-  it out of :class:`IoWorkers`; the reply comes before the thread reports the
-  group done, so no worker touches a row after its job's ``on_done`` ran.
+* A worker process serves several *channels* (socket pairs), one thread each;
+  an I/O thread of the daemon keeps one channel for life and holds the
+  channel's lock for its request, so a channel carries one request at a time.
+  The reply comes before the I/O thread records the group's outcomes, so no
+  worker touches a row after its job's ``on_done`` ran.
 * The worker opens the region by path and refuses it unless its
   ``(st_dev, st_ino)`` is the one the daemon sent; it keeps the mapping until
   it exits (pools live as long as the daemon). It holds no lock on the region
   file: the daemon's ``flock`` stays the only liveness marker.
-* A worker exits when its socket reaches EOF, i.e. when the daemon closes it
-  or dies. A worker that dies mid-request fails that request's blocks (the
-  daemon removes the temp files it named) and is replaced on the next
-  checkout; a failed read never makes a row visible, so no wrong bytes.
+* A worker exits when its sockets reach EOF (the daemon stopped it), and is
+  killed by the kernel when the daemon's spawner thread ends, which includes
+  the daemon dying: a killed daemon leaves no worker writing behind its back.
+  A worker that dies alone fails the requests in flight on it (the daemon
+  removes the temp files it named) and is replaced on the next request; a
+  failed read never makes a row visible, so no wrong bytes are served.
 * Requests and replies are ``marshal``-ed tuples of builtins, length-prefixed
-  on a Unix stream socket.
+  on a Unix stream socket; nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -424,7 +428,10 @@ class IoWorkers:
         while (request := self._spawn_requests.get()) is not None:
             try:
                 request.worker = WorkerProcess(request.name, request.channels)
+                log.debug("started I/O worker %s (pid %d, %d channels)", request.name,
+                          request.worker.process.pid, request.channels)  # fmt: skip
             except BaseException as exc:  # handed to the waiting I/O thread
+                log.error("cannot start I/O worker %s: %s", request.name, exc)
                 request.error = exc
             request.done.set()
 
@@ -448,6 +455,11 @@ class IoWorkers:
         if done:
             worker.process.kill()  # it may be alive but out of step
             worker.stop()
+            log.warning(
+                "I/O worker %s (pid %d) is gone (exit status %s); its requests failed, "
+                "the next one starts a new worker",
+                worker.name, worker.process.pid, worker.process.returncode,
+            )  # fmt: skip
 
 
 if __name__ == "__main__":
