@@ -309,7 +309,7 @@ class WorkerProcess:
             with self.locks[channel]:
                 send_message(self.socks[channel], request)
                 replies = receive_message(self.socks[channel])
-        except (OSError, EOFError) as exc:
+        except (OSError, EOFError, ValueError, TypeError) as exc:  # gone, or garbled
             self.broken = True
             code = self.process.poll()
             raise WorkerDied(
