@@ -3,8 +3,8 @@
 One :class:`ConfiguredFsTier` exists per configured fs tier for the daemon's
 whole life. Each pool gets its own :class:`~kvtierd.tiers.fs.FsTier` (its own
 directory, index and fingerprint) from :meth:`ConfiguredFsTier.attach`; all of
-them share the configured tier's I/O threads (so threads do not multiply with
-pools), its write-queue limits and its byte capacity.
+them share the configured tier's I/O threads and I/O worker processes (so
+neither multiplies with pools), its write-queue limits and its byte capacity.
 
 Lifecycle (event loop): :meth:`check` at daemon start (refuses an unusable
 root, naming it) -> :meth:`attach` per pool -> :meth:`shutdown` once every pool
@@ -131,7 +131,8 @@ class ConfiguredFsTier:
             await self._io.drain()
 
     def shutdown(self) -> None:
-        """Fails queued jobs and joins the I/O threads (running ones finish). Idempotent."""
+        """Fails queued jobs, joins the I/O threads (running ones finish), then stops
+        the I/O worker processes (no thread can send them a request anymore). Idempotent."""
         if self._io is not None:
             self._io.shutdown()
         if self._workers is not None:
