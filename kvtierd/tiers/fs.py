@@ -77,7 +77,6 @@ from kvtierd.tiers.ioworker import BlockIo, InlineIo, IoWorkers, RegionRef
 log = logging.getLogger("kvtierd.tiers.fs")
 
 O_DIRECT_MODES = ("auto", "on", "off")
-_O_DIRECT = blockfile.O_DIRECT
 _SCAN_LOG_EVERY = 10_000
 _REMOVALS_KEPT = 65536  # recent removals remembered for Explain
 _GROUP_BYTES = 16 << 20  # blocks per I/O task: this many bytes (at least one block)
@@ -756,10 +755,10 @@ class FsTier(SecondaryTier):
         20 % faster with it than through the page cache; "off": never. Also proves
         the directory writable (FsTierError naming it otherwise).
         """
-        wanted = self.o_direct != "off" and _O_DIRECT != 0
+        wanted = self.o_direct != "off" and blockfile.O_DIRECT != 0
         if wanted:
             try:
-                _probe_file(self.pool_dir, _O_DIRECT)
+                _probe_file(self.pool_dir, blockfile.O_DIRECT)
                 return self.o_direct == "on" or self._direct_is_faster()
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
@@ -790,7 +789,7 @@ class FsTier(SecondaryTier):
         try:
             buffer.write(os.urandom(4096) * (nbytes // 4096))
             buffered = _time_write_read(self.pool_dir, buffer, 0)
-            direct = _time_write_read(self.pool_dir, buffer, _O_DIRECT)
+            direct = _time_write_read(self.pool_dir, buffer, blockfile.O_DIRECT)
         except OSError as exc:
             log.info("FS tier %s: O_DIRECT speed probe failed (%s); using the page cache",
                      self.name, exc)  # fmt: skip

@@ -59,7 +59,7 @@ _STOP_WAIT = 5.0  # seconds a worker gets to exit after EOF before it is killed
 
 # A region as a worker sees it: (path, st_dev, st_ino, block_bytes).
 RegionRef = tuple[str, int, int, int]
-# One block's outcome: None (done), or an error tuple (see _error / raise_error).
+# One block's outcome: None (done), or an error tuple (see _error / error_of).
 Reply = tuple[Any, ...] | None
 
 WRITE = "w"
@@ -137,6 +137,8 @@ class _Worker:
             block_id = item[0]
             row = rows[block_id * block_bytes : (block_id + 1) * block_bytes]
             try:
+                if block_id < 0 or len(row) != block_bytes:  # the daemon checks; so do we
+                    raise ValueError(f"block id {block_id} is outside the region")
                 run(row, params, item)
                 replies.append(None)
             except Exception as exc:  # one block's failure is that block's reply
@@ -169,7 +171,7 @@ def _map_region(region: RegionRef) -> memoryview:
 
 
 def _error(exc: BaseException) -> tuple[Any, ...]:
-    """An exception as a reply tuple (rebuilt by :func:`raise_error` in the daemon)."""
+    """An exception as a reply tuple (rebuilt by :func:`error_of` in the daemon)."""
     if isinstance(exc, CorruptFile):
         return ("corrupt", exc.reason, exc.identity[0], exc.identity[1])
     if isinstance(exc, OSError):

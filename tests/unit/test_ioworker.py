@@ -75,6 +75,10 @@ def test_a_worker_writes_and_reads_rows_of_the_daemons_region(
         assert error.identity == (st.st_dev, st.st_ino)
         (reply,) = workers.call(_read_request(region, tmp_path, b"absent", 3))
         assert isinstance(ioworker.error_of(reply), FileNotFoundError)
+        # a row outside the region is refused, not written short
+        (reply,) = workers.call(_write_request(region, tmp_path, b"far", region.num_blocks))
+        assert "outside the region" in str(ioworker.error_of(reply))
+        assert not (tmp_path / f"{b'far'.hex()}.kvb").exists()
     finally:
         workers.stop()
     assert _wait_gone(worker_pid)
