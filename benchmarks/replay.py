@@ -17,8 +17,10 @@ engine step doing vLLM's manager call pattern:
 Keys are the hash ids as 8-byte big-endian integers. No KV bytes are copied unless
 ``--copy`` (then numpy copies the rows between a per-engine buffer and the attached
 region; the copy is excluded from the control latency). The step's control latency is
-the wall time of its RPCs; an empty RPC (health Check) is timed by every engine during
-the same replay, under the same load, as the floor.
+the wall time of its RPCs. Two floors are timed by every engine during the same replay,
+under the same load: an empty RPC (the gRPC health ``Check``, no daemon code) and a
+``Batch`` of no operations on the engine's session (the method a step uses, so it waits
+where a step's call waits, whatever the server does per method).
 
 One run compares, at the same total capacity C: ``isolated`` (N pools of C/N blocks,
 what in-engine offloading gives) vs ``shared`` (one pool of C blocks: kvtierd), each with
@@ -37,7 +39,7 @@ import multiprocessing as mp
 import os
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -204,7 +206,8 @@ class EngineResult:
     rpcs: int = 0
     latencies: list[float] = field(default_factory=list)  # seconds per step
     step_rpcs: list[int] = field(default_factory=list)
-    empty: list[float] = field(default_factory=list)  # empty RPC round trips
+    empty: list[float] = field(default_factory=list)  # empty RPC (health Check) round trips
+    empty_batch: list[float] = field(default_factory=list)  # Batch of no ops, same session
     wall: float = 0.0
 
 
@@ -259,7 +262,11 @@ def _engine_main(args: EngineArgs, barrier: Any, progress: Any, results: Any) ->
             progress[args.engine] = args.requests[0][0] if args.requests else DONE
             barrier.wait()
             replay_one = _replay_pipelined if run.pipelined else _replay
-            result = replay_one(args, session, lambda: health.Check(check, timeout=30), progress)
+            floors = _Floors(
+                check=lambda: health.Check(check, timeout=30),
+                batch=_empty_batch(channel, session.session_id),
+            )
+            result = replay_one(args, session, floors, progress)
             session.close()
             result.rpcs = session.rpcs
             results.put((run.label, args.engine, result))
@@ -268,7 +275,25 @@ def _engine_main(args: EngineArgs, barrier: Any, progress: Any, results: Any) ->
         client.close()
 
 
-def _replay(args: EngineArgs, session: Any, empty_rpc: Any, progress: Any) -> EngineResult:
+@dataclass(frozen=True)
+class _Floors:
+    """The two empty calls an engine times between its steps: the health ``Check``
+    (no daemon code) and a ``Batch`` of no operations on the engine's own session
+    (the step's method and handler, minus the operations)."""
+
+    check: Callable[[], Any]
+    batch: Callable[[], Any]
+
+
+def _empty_batch(channel: Any, session_id: str) -> Callable[[], Any]:
+    from kvtierd_client.proto import pb2, pb2_grpc
+
+    stub = pb2_grpc.KVTierStub(channel)
+    request = pb2.BatchRequest(session_id=session_id)
+    return lambda: stub.Batch(request, timeout=30)
+
+
+def _replay(args: EngineArgs, session: Any, floors: _Floors, progress: Any) -> EngineResult:
     from kvtierd_client.client import LookupResult
     from kvtierd_client.errors import FailedPrecondition
 
@@ -335,7 +360,7 @@ def _replay(args: EngineArgs, session: Any, empty_rpc: Any, progress: Any) -> En
                 out.evicted += len(grant.evicted_keys)
         out.latencies.append(time.perf_counter() - t0 - copy_s)
         out.pending_hits += min(waited, k)
-        _end_step(args, out, step, len(keys), k, session.rpcs - rpcs_before, empty_rpc, progress)
+        _end_step(args, out, step, len(keys), k, session.rpcs - rpcs_before, floors, progress)
     out.wall = time.perf_counter() - started
     return out
 
@@ -347,10 +372,11 @@ def _end_step(
     looked_up: int,
     hits: int,
     rpcs: int,
-    empty_rpc: Any,
+    floors: _Floors,
     progress: Any,
 ) -> None:
-    """Books one step, publishes progress, and times the empty-RPC floor every few steps."""
+    """Books one step, publishes progress, and times both empty-call floors every few
+    steps (alternating which goes first, so neither always runs right after a step)."""
     out.step_rpcs.append(rpcs)
     out.steps += 1
     out.looked_up += looked_up
@@ -358,13 +384,17 @@ def _end_step(
     out.loaded += hits
     progress[args.engine] = args.requests[step + 1][0] if step + 1 < len(args.requests) else DONE
     if args.floor_every and step % args.floor_every == 0:
-        t0 = time.perf_counter()
-        empty_rpc()
-        out.empty.append(time.perf_counter() - t0)
+        timed = [(floors.check, out.empty), (floors.batch, out.empty_batch)]
+        if (step // args.floor_every) % 2:
+            timed.reverse()
+        for call, samples in timed:
+            t0 = time.perf_counter()
+            call()
+            samples.append(time.perf_counter() - t0)
 
 
 def _replay_pipelined(
-    args: EngineArgs, session: Any, empty_rpc: Any, progress: Any
+    args: EngineArgs, session: Any, floors: _Floors, progress: Any
 ) -> EngineResult:
     """One ``Batch`` round trip per step, as an engine scheduler would issue it:
     the previous step's completions (queued by the session), the PrepareStore of
@@ -382,7 +412,7 @@ def _replay_pipelined(
         k = pipelined_step(session, keys, to_store, out)
         to_store = keys[k:]
         out.latencies.append(time.perf_counter() - t0)
-        _end_step(args, out, step, len(keys), k, session.rpcs - rpcs_before, empty_rpc, progress)
+        _end_step(args, out, step, len(keys), k, session.rpcs - rpcs_before, floors, progress)
     if to_store:  # the last request's blocks, after the last step
         _complete_pipelined_store(session, session.batch([("prepare_store", to_store, {})])[0], out)
     session.flush()
@@ -457,6 +487,10 @@ class ModeResult:
     def empty_p50(self) -> float:
         return percentile(self.merged.empty, 0.5) if self.merged.empty else 0.0
 
+    @property
+    def empty_batch_p50(self) -> float:
+        return percentile(self.merged.empty_batch, 0.5) if self.merged.empty_batch else 0.0
+
 
 def batch_supported() -> bool:
     from kvtierd_client.client import Client
@@ -473,6 +507,7 @@ def _merge(parts: list[EngineResult]) -> EngineResult:
         merged.latencies += part.latencies
         merged.step_rpcs += part.step_rpcs
         merged.empty += part.empty
+        merged.empty_batch += part.empty_batch
         merged.wall = max(merged.wall, part.wall)
     return merged
 
@@ -607,7 +642,7 @@ def _fs_daemon(fs_root: str, args: list[str]) -> BenchDaemon:
 COLUMNS = ["mode", "policy", "batch", "pool blocks", "hit rate", "tokens saved",
            "blocks loaded", "blocks stored", "bytes moved", "evicted", "no room",
            "RPCs/step", "step p50 ms", "step p99 ms", "empty p50 ms", "p50/empty",
-           "wall s"]  # fmt: skip
+           "empty Batch p50 ms", "p50/empty Batch", "wall s"]  # fmt: skip
 
 
 def table_rows(results: Sequence[ModeResult]) -> list[list[str]]:
@@ -615,7 +650,7 @@ def table_rows(results: Sequence[ModeResult]) -> list[list[str]]:
     for r in results:
         m = r.merged
         moved = (m.loaded + m.stored) * r.block_bytes
-        empty = r.empty_p50
+        empty, empty_batch = r.empty_p50, r.empty_batch_p50
         rows.append([
             r.run.mode, r.run.policy,
             "pipelined" if r.run.pipelined else "yes" if r.run.batch else "no",
@@ -625,7 +660,8 @@ def table_rows(results: Sequence[ModeResult]) -> list[list[str]]:
             f"{m.stored:,}", f"{moved / 2**20:,.1f} MiB", f"{m.evicted:,}",
             str(m.store_rejected), f"{r.rpcs_per_step:.2f}", f"{r.latency(0.5) * 1e3:.2f}",
             f"{r.latency(0.99) * 1e3:.2f}", f"{empty * 1e3:.2f}",
-            f"{r.latency(0.5) / empty:.2f}x" if empty else "", f"{m.wall:.1f}",
+            f"{r.latency(0.5) / empty:.2f}x" if empty else "", f"{empty_batch * 1e3:.2f}",
+            f"{r.latency(0.5) / empty_batch:.2f}x" if empty_batch else "", f"{m.wall:.1f}",
         ])  # fmt: skip
     return rows
 
@@ -661,6 +697,10 @@ def bench_rows(results: Sequence[ModeResult], group: str) -> list[Row]:
         rows.append(Row(group, f"{label}: step p50", r.latency(0.5) * 1e6, "us",
                         f"empty RPC p50 {empty * 1e6:.0f} us" if empty else "",
                         r.latency(0.5) / empty if empty else None, "<= 1.5x"))  # fmt: skip
+        batch = r.empty_batch_p50
+        rows.append(Row(group, f"{label}: step p50 vs a Batch of no ops", r.latency(0.5) * 1e6,
+                        "us", f"empty Batch p50 {batch * 1e6:.0f} us" if batch else "",
+                        r.latency(0.5) / batch if batch else None, "<= 1.5x"))  # fmt: skip
         rows.append(Row(group, f"{label}: step p99", r.latency(0.99) * 1e6, "us"))
     return rows
 
