@@ -15,6 +15,7 @@ from vllm_e2e import TOKENS_PER_BLOCK, generate, manager_of, pool_stats, shutdow
 
 from benchmarks.vllm_model import random_prompt
 from kvtierd_client.client import Client
+from kvtierd_client.errors import Unavailable
 
 PROMPT_TOKENS = 1100
 FULL_BLOCKS = PROMPT_TOKENS // TOKENS_PER_BLOCK  # 8
@@ -148,7 +149,8 @@ def test_a_daemon_restart_turns_into_misses_then_the_new_daemon_serves(make_llm,
 
     daemon = start_daemon("--listen", address)
     try:
-        time.sleep(0.3)  # past the retry interval
+        wait_until_reachable(manager._client)
+        time.sleep(0.3)  # past the manager's retry interval
         assert llm.reset_prefix_cache()
         fresh, cached = generate(llm, prompt)  # the new daemon is empty: computed, stored
         assert fresh == cold and cached == 0
@@ -160,3 +162,19 @@ def test_a_daemon_restart_turns_into_misses_then_the_new_daemon_serves(make_llm,
         assert daemon.stop() == 0
     finally:
         daemon.cleanup()
+
+
+def wait_until_reachable(client: Client, timeout: float = 10.0) -> None:
+    """Until ``client``'s own channel reaches the daemon: while the daemon was gone
+    the channel backed off its reconnects (up to ``grpc.max_reconnect_backoff_ms``,
+    1 s, plus jitter), and until that backoff ends its calls fail at once even
+    though the new daemon is up. A fixed sleep made this test flaky under load."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            client.get_stats()
+            return
+        except Unavailable:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
