@@ -184,6 +184,28 @@ def baseline_read(directory: str, buffers: np.ndarray, verify: bool = False) -> 
         return time.perf_counter() - t0
 
 
+def floor_pass(
+    plain: str, source: np.ndarray, buffers: np.ndarray, can_drop: bool
+) -> tuple[dict[str, float], dict[str, float]]:
+    """One pass of the plain-Python floors in directory ``plain`` (removed after):
+    seconds of store, warm and (``can_drop``) cold reads, and of store and warm
+    read with the tier's xxh3 of each block."""
+    drop_caches()
+    seconds = {"store": baseline_write(plain, source)}
+    os.sync()
+    seconds["warm"] = baseline_read(plain, buffers)
+    verified = {"warm": baseline_read(plain, buffers, verify=True)}
+    shutil.rmtree(plain, ignore_errors=True)
+    drop_caches()
+    verified["store"] = baseline_write(plain, source, checksum=True)
+    os.sync()
+    if can_drop:
+        drop_caches()
+        seconds["cold"] = baseline_read(plain, buffers)
+    shutil.rmtree(plain, ignore_errors=True)
+    return seconds, verified
+
+
 # -- the tier through a daemon -------------------------------------------------------------
 
 
@@ -449,6 +471,8 @@ NAMES = {
     "cold": "promotion, cold page cache (first Lookup -> all HIT)",
 }
 FLOOR_NAMES = {"store": "python write", "warm": "python read warm", "cold": "python read cold"}
+COMPARED = {"store": "store", "store_one_call": "store", "warm": "warm", "cold": "cold"}
+"""Phases of a tier run compared with a floor phase by --compare-io-processes."""
 
 
 def _short(phase: str) -> str:
@@ -474,22 +498,9 @@ def run() -> list[Row]:
         floor: dict[str, float] = {}
         verified: dict[str, float] = {}  # the same plus the tier's xxh3 of each block
         for r in range(REPEATS):
-            plain = os.path.join(base, f"plain-{r}")
-            drop_caches()
-            seconds = {"store": baseline_write(plain, source)}
-            os.sync()
-            seconds["warm"] = baseline_read(plain, buffers)
-            check = {"warm": baseline_read(plain, buffers, verify=True)}
-            shutil.rmtree(plain, ignore_errors=True)
-            drop_caches()
-            check["store"] = baseline_write(plain, source, checksum=True)
-            os.sync()
+            seconds, check = floor_pass(os.path.join(base, f"plain-{r}"), source, buffers, can_drop)
             for name, value in check.items():
                 verified[name] = min(verified.get(name, value), value)
-            if can_drop:
-                drop_caches()
-                seconds["cold"] = baseline_read(plain, buffers)
-            shutil.rmtree(plain, ignore_errors=True)
             for name, value in seconds.items():
                 floor[name] = min(floor.get(name, value), value)
         del source, buffers
@@ -577,10 +588,17 @@ def run() -> list[Row]:
 
 def compare_io_processes(settings: list[int], rounds: int) -> list[Row]:
     """Median of ``rounds`` tier runs (o_direct=off) per ``io_processes`` setting, the
-    settings alternated within each round so the machine's drift hits them alike."""
+    settings alternated within each round so the machine's drift hits them alike. Each
+    round also runs the plain-Python floors once, and every ratio is the median of the
+    per-round ratios (tier / floor of the same round), which this VM's drift moves far
+    less than it moves a ratio of two best-ofs taken minutes apart."""
     parent = os.environ.get("KVTIERD_BENCH_FS_ROOT", "/var/tmp")
     can_drop = drop_caches()
+    source = np.empty((BLOCKS, BLOCK), dtype=np.uint8)
+    _fill(source, list(range(BLOCKS)))
+    buffers = np.ones((BLOCKS, FILE_BYTES), dtype=np.uint8)  # prefaulted
     results: dict[int, list[dict[str, float]]] = {n: [] for n in settings}
+    floors: list[dict[str, float]] = []
     for r in range(rounds):
         for n in settings:
             root = tempfile.mkdtemp(prefix="kvtierd-bench-fs-io-", dir=parent)
@@ -589,18 +607,49 @@ def compare_io_processes(settings: list[int], rounds: int) -> list[Row]:
             finally:
                 shutil.rmtree(root, ignore_errors=True)
             print(f"round {r + 1}/{rounds}, io_processes={n}: done", file=sys.stderr, flush=True)
+        best: dict[str, float] = {}  # best of REPEATS, like the tier's passes
+        for _ in range(REPEATS):
+            plain, verified = floor_pass(tempfile.mkdtemp(dir=parent), source, buffers, can_drop)
+            for name, value in {**plain, **{f"{k}+xxh3": v for k, v in verified.items()}}.items():
+                best[name] = min(best.get(name, value), value)
+        floors.append(best)
+    return _compare_rows(results, floors, rounds)
+
+
+def _compare_rows(
+    results: dict[int, list[dict[str, float]]], floors: list[dict[str, float]], rounds: int
+) -> list[Row]:
     payload = BLOCKS * BLOCK
+
+    def median(values: list[float]) -> tuple[float, str]:
+        values = sorted(values)
+        return values[len(values) // 2], f"range {values[0]:.2f}-{values[-1]:.2f}"
+
     rows = []
+    fgroup = f"plain-Python floors, median of {rounds}"
+    for name in floors[0]:
+        value, spread = median([_gbs(payload, f[name]) for f in floors])
+        phase = name.removesuffix("+xxh3")
+        label = FLOOR_NAMES[phase] + (" + xxh3" if name != phase else "")
+        rows.append(Row(fgroup, label, value, "GB/s", spread))
     for n, runs in results.items():
         group = f"fs tier, io_processes={n}, median of {rounds}"
-        for phase in (p for p in NAMES if p in runs[0]):
-            values = sorted(_gbs(payload, run[phase]) for run in runs)
-            rows.append(Row(group, f"{_short(phase)}, o_direct=off", values[len(values) // 2],
-                            "GB/s", f"range {values[0]:.2f}-{values[-1]:.2f}"))  # fmt: skip
-        values = sorted(run["complete_rpcs"] * 1e3 for run in runs)
+        for phase, floor in COMPARED.items():
+            if phase not in runs[0]:
+                continue
+            label = f"{_short(floor)}, one CompleteStore" if phase != floor else _short(phase)
+            value, spread = median([_gbs(payload, run[phase]) for run in runs])
+            rows.append(Row(group, f"{label}, o_direct=off", value, "GB/s", spread))
+            for name in (floor, f"{floor}+xxh3"):
+                if name not in floors[0]:
+                    continue
+                pairs = zip(floors, runs, strict=True)  # floor seconds / tier seconds
+                ratio, spread = median([f[name] / run[phase] for f, run in pairs])
+                rows.append(Row(group, f"{label} / {name} floor of the same round", ratio, "x",
+                                f"ratio {spread}", ratio, TARGET))  # fmt: skip
+        value, spread = median([run["complete_rpcs"] * 1e3 for run in runs])
         rows.append(Row(group, f"{BLOCKS // STORE_BATCH} CompleteStore RPCs during the cascade",
-                        values[len(values) // 2], "ms",
-                        f"range {values[0]:.1f}-{values[-1]:.1f}"))  # fmt: skip
+                        value, "ms", spread))  # fmt: skip
     return rows
 
 
@@ -616,7 +665,8 @@ def _main(argv: list[str]) -> None:
     parser.add_argument(
         "--compare-io-processes", metavar="N,N,...",
         help="instead: run the tier (o_direct=off) with each io_processes setting, "
-             "alternating, and print medians (e.g. 0,2)",
+             "alternating, plus the plain-Python floors, each round; print medians and "
+             "the median of per-round tier/floor ratios (e.g. 0,2, or 2 alone)",
     )  # fmt: skip
     parser.add_argument(
         "--rounds", type=int, default=5, help="rounds for --compare-io-processes (default 5)"
