@@ -589,10 +589,10 @@ def run() -> list[Row]:
 def compare_io_processes(settings: list[int], rounds: int) -> list[Row]:
     """Median of ``rounds`` tier runs (o_direct=off) per ``io_processes`` setting, the
     settings alternated within each round so the machine's drift hits them alike. Each
-    round then runs the plain-Python floors (best of REPEATS passes, as a tier run is), and
-    every ratio is the median of the
-    per-round ratios (tier / floor of the same round), which this VM's drift moves far
-    less than it moves a ratio of two best-ofs taken minutes apart."""
+    round then runs the plain-Python floors (best of REPEATS passes, as a tier run is),
+    and every ratio is the median of the per-round ratios (tier / floor of the same
+    round), which this VM's drift moves far less than a ratio of two best-ofs taken
+    minutes apart."""
     parent = os.environ.get("KVTIERD_BENCH_FS_ROOT", "/var/tmp")
     can_drop = drop_caches()
     source = np.empty((BLOCKS, BLOCK), dtype=np.uint8)
