@@ -184,6 +184,12 @@ def baseline_read(directory: str, buffers: np.ndarray, verify: bool = False) -> 
         return time.perf_counter() - t0
 
 
+def keep_best(best: dict[str, float], seconds: dict[str, float]) -> None:
+    """Keeps in ``best`` the smallest seconds seen for each name."""
+    for name, value in seconds.items():
+        best[name] = min(best.get(name, value), value)
+
+
 def floor_pass(
     plain: str, source: np.ndarray, buffers: np.ndarray, can_drop: bool
 ) -> tuple[dict[str, float], dict[str, float]]:
@@ -457,8 +463,7 @@ def _vllm_worker(root: str, can_drop: bool) -> dict[str, dict[str, float]]:
             if can_drop:
                 drop_caches()
                 seconds["cold"] = _vllm_jobs(tier, job_ids, context, keys, LOOKUP_BATCH, True)
-            for name, value in seconds.items():
-                out[name] = min(out.get(name, value), value)
+            keep_best(out, seconds)
         tier.shutdown()
     return results  # the mapping goes with the process (the tier keeps views of it)
 
@@ -499,10 +504,8 @@ def run() -> list[Row]:
         verified: dict[str, float] = {}  # the same plus the tier's xxh3 of each block
         for r in range(REPEATS):
             seconds, check = floor_pass(os.path.join(base, f"plain-{r}"), source, buffers, can_drop)
-            for name, value in check.items():
-                verified[name] = min(verified.get(name, value), value)
-            for name, value in seconds.items():
-                floor[name] = min(floor.get(name, value), value)
+            keep_best(verified, check)
+            keep_best(floor, seconds)
         del source, buffers
 
         tiers: dict[str, dict[str, float]] = {}
@@ -610,9 +613,12 @@ def compare_io_processes(settings: list[int], rounds: int) -> list[Row]:
             print(f"round {r + 1}/{rounds}, io_processes={n}: done", file=sys.stderr, flush=True)
         best: dict[str, float] = {}  # best of REPEATS, like the tier's passes
         for _ in range(REPEATS):
-            plain, verified = floor_pass(tempfile.mkdtemp(dir=parent), source, buffers, can_drop)
-            for name, value in {**plain, **{f"{k}+xxh3": v for k, v in verified.items()}}.items():
-                best[name] = min(best.get(name, value), value)
+            directory = tempfile.mkdtemp(dir=parent)
+            try:
+                plain, verified = floor_pass(directory, source, buffers, can_drop)
+            finally:
+                shutil.rmtree(directory, ignore_errors=True)
+            keep_best(best, {**plain, **{f"{k}+xxh3": v for k, v in verified.items()}})
         floors.append(best)
     return _compare_rows(results, floors, rounds)
 
