@@ -246,6 +246,15 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "sessions",
+        "write_quarantine",
+        _duration_in(0.0, 3600.0),
+        lambda: 10.0,
+        "how long the rows of a store left unfinished by an expired or closed session "
+        "stay unused (its writer may still be copying into them)",
+        flag="--write-quarantine",
+    ),
+    Option(
+        "sessions",
         "max_sessions",
         _int_in(1, 1 << 20),
         lambda: 4096,
@@ -315,6 +324,7 @@ class MemoryConfig:
 @dataclass(frozen=True, slots=True)
 class SessionsConfig:
     lease: float  # seconds
+    write_quarantine: float  # seconds
     max_sessions: int
 
 

@@ -1,7 +1,7 @@
 """The daemon's lifecycle: start, serve, and an ordered shutdown.
 
 Start: secondary tier roots checked -> pools and sessions tables -> gRPC
-server with health (NOT_SERVING) -> listeners -> reaper -> health SERVING.
+server with health (NOT_SERVING) -> listeners -> supervisor (leases, loop lag) -> health SERVING.
 Shutdown (SIGTERM / SIGINT; a second signal forces exit): health NOT_SERVING ->
 stop accepting calls and let in-flight ones finish (``server.shutdown_grace``) ->
 close every session (pins released, reservations aborted) -> let the tier
@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import tempfile
+import time
 
 import grpc
 
@@ -52,7 +53,11 @@ class Daemon:
         tokens = read_tokens(config.security.tokens_file) if config.security.tokens_file else ()
         self.tiers = [ConfiguredFsTier(tier.name, tier.settings) for tier in config.tiers]
         self.pools = PoolTable(config.memory, config.limits, self.gid, self.tiers)
-        self.sessions = SessionTable(config.sessions.lease, config.sessions.max_sessions)
+        self.sessions = SessionTable(
+            config.sessions.lease,
+            config.sessions.max_sessions,
+            write_quarantine=config.sessions.write_quarantine,
+        )
         self.service = KVTierService(
             self.pools,
             self.sessions,
@@ -65,7 +70,7 @@ class Daemon:
         self._metrics_server: asyncio.Server | None = None
         self._stop = asyncio.Event()
         self._server: grpc.aio.Server | None = None
-        self._reaper: asyncio.Task[None] | None = None
+        self._supervisor: asyncio.Task[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self._sockets: list[str] = []  # unix socket files this daemon created
 
@@ -78,7 +83,7 @@ class Daemon:
         add_listeners(server, self.config.server.listen, self.gid, self._sockets)
         await server.start()
         self._server = server
-        self._reaper = asyncio.create_task(self._reap_forever(), name="kvtierd-reaper")
+        self._supervisor = asyncio.create_task(self._supervise_forever(), name="kvtierd-supervisor")
         await set_health(self._health, serving=True)
         interval = watchdog_interval()
         if interval is not None:
@@ -106,7 +111,7 @@ class Daemon:
         if self._server is not None:
             await set_health(self._health, serving=False)
             await self._server.stop(self.config.server.shutdown_grace)
-        for task in (self._reaper, self._watchdog):
+        for task in (self._supervisor, self._watchdog):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -115,7 +120,7 @@ class Daemon:
         await self._drain_tiers()
         for tier in self.tiers:
             tier.shutdown()  # joins the I/O threads: nothing touches a region after this
-        self.pools.close_all()
+        await self.pools.close_all()
         remove_unix_sockets(self._sockets)
         if self._metrics_server is not None:
             self._metrics_server.close()
@@ -157,14 +162,41 @@ class Daemon:
             notify("WATCHDOG=1")
             await asyncio.sleep(interval)
 
-    async def _reap_forever(self) -> None:
-        interval = min(1.0, self.config.sessions.lease / 4)
+    async def _supervise_forever(self) -> None:
+        """Every tick: measure how late the loop woke us (its lag), credit a stall
+        to every lease, free quarantined rows whose time came, and expire leases.
+
+        A tick that wakes ``lag`` seconds late means nothing ran on the loop for
+        that long (region creation used to block it for seconds): no client
+        could be heard, so the leases are moved forward by the lag before any
+        expiry is decided. A lease never expires because the daemon stalled.
+        """
+        tick = min(_SUPERVISOR_TICK, self.config.sessions.lease / 8)
+        loop = asyncio.get_running_loop()
         while True:
-            await asyncio.sleep(interval)
+            before = loop.time()
+            await asyncio.sleep(tick)
+            lag = loop.time() - before - tick
             try:
-                self.sessions.expire()
+                self._supervise_once(lag)
             except Exception:  # a bug here must not stop lease enforcement
-                log.exception("session reaper failed; continuing")
+                log.exception("session supervisor failed; continuing")
+
+    def _supervise_once(self, lag: float) -> None:
+        self.metrics.observe_loop_lag(max(lag, 0.0))
+        if lag > _STALL_CREDITED_AFTER:
+            self.sessions.credit_stall(lag)
+            log.warning("the event loop stalled for %.3fs; every lease was extended by that", lag)
+        now = time.monotonic()
+        for pool in self.pools:
+            pool.release_quarantine(now)
+        self.sessions.expire()
+
+
+# The supervisor's period, and the loop lag above which a stall is credited to
+# the leases (below it, lag is scheduling noise well inside any lease).
+_SUPERVISOR_TICK = 0.1
+_STALL_CREDITED_AFTER = 0.25
 
 
 def _check_shm_dir(path: str) -> None:

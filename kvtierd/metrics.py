@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvtierd.metrics")
 
 RPC_BUCKETS = (50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 50e-3, 0.25, 1.0)
+LAG_BUCKETS = (1e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 1.0, 5.0)
 JOB_BUCKETS = (1e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 _RESULT_LABELS = {
     LookupResult.HIT: "hit",
@@ -72,7 +73,17 @@ class Metrics:
             buckets=JOB_BUCKETS,
             registry=self.registry,
         )
+        self.loop_lag_seconds = Histogram(
+            "kvtierd_event_loop_lag_seconds",
+            "How late the daemon's event loop ran its 100 ms supervisor tick "
+            "(stalls above 0.25 s are credited to every lease)",
+            buckets=LAG_BUCKETS,
+            registry=self.registry,
+        )
         self.registry.register(DaemonCollector(pools, sessions))
+
+    def observe_loop_lag(self, seconds: float) -> None:
+        self.loop_lag_seconds.observe(seconds)
 
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
         self.rpc_requests.labels(method, code).inc()

@@ -130,11 +130,14 @@ class Pool:
         self._pins[session_id] = Counter()
         self._reserved_by[session_id] = set()
 
-    def release_session(self, session_id: str) -> tuple[int, int]:
+    def release_session(self, session_id: str, quarantine_until: float) -> tuple[int, int]:
         """Drops every pin and aborts every reservation of the session.
 
-        Returns (pins released, reservations aborted). Called once per session,
-        when it closes or its lease expires.
+        The rows of the aborted reservations stay quarantined (neither mapped nor
+        free) until :meth:`release_quarantine` is called at or after
+        ``quarantine_until``: the session's writer may still be copying into them
+        (README, "Lost leases"). Returns (pins released, reservations aborted).
+        Called once per session, when it closes or its lease expires.
         """
         pins = self._pins.pop(session_id, Counter())
         reserved = self._reserved_by.pop(session_id, set())
@@ -142,9 +145,13 @@ class Pool:
         if unpin:
             self.manager.complete_load(unpin)  # pin n -> n-1, per pin held
         if reserved:
-            aborted = self.manager.complete_store(list(reserved), success=False)
+            aborted = self.manager.abort_and_quarantine(list(reserved), quarantine_until)
             self._stores_aborted += len(aborted)
         return len(unpin), len(reserved)
+
+    def release_quarantine(self, now: float) -> int:
+        """Frees the quarantined rows whose time has come; returns how many."""
+        return self.manager.release_quarantine(now)
 
     # ----------------------------------------------------------------- manager ops
 
@@ -289,9 +296,15 @@ class Pool:
             stores_refused=self._stores_refused,
         )
 
-    def close(self) -> None:
-        """Stops the tiers, releases the region (unlinks the file). The pool is
-        unusable afterwards. The caller has joined the tiers' I/O threads first."""
+    def close_tiers(self) -> None:
+        """Wakes the event watchers and stops the tiers (on the loop). The caller
+        then closes the region (unlinks the file; slow for a big region, so off the
+        loop). The caller has joined the tiers' I/O threads first."""
         self.events.wake_all()
         self.tiering.close()
+
+    def close(self) -> None:
+        """:meth:`close_tiers`, then releases the region (unlinks the file). The pool
+        is unusable afterwards."""
+        self.close_tiers()
         self.region.close()

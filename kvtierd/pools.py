@@ -3,6 +3,12 @@
 A pool is created by the first OpenSession that names it and lives until the
 daemon shuts down (blocks outlive the engines that stored them). The budget
 counts every region's bytes; a pool that does not fit is refused with the numbers.
+
+Creating a region (ftruncate, posix_fallocate, pre-faulting: seconds per GiB)
+and removing one (munmap, unlink) run on a worker thread, never on the event
+loop: the daemon keeps answering every other client meanwhile. A pool being
+created is in ``_creating`` (its bytes already charged to the budget); every
+OpenSession of it waits for that one creation.
 """
 
 from __future__ import annotations
@@ -39,12 +45,20 @@ class PoolTable:
         # given to each new pool's Tiering (metrics); set by the daemon
         self.observe_job: Callable[[str, str, bool, float], None] | None = None
         self._pools: dict[str, Pool] = {}
-        # Invariant: used_bytes == sum(p.region.size for p in self._pools.values())
-        self.used_bytes = 0
+        self._creating: dict[str, asyncio.Future[Pool]] = {}  # name -> its creation
+        # Invariants: _region_bytes == sum(p.region.size for p in _pools.values());
+        # _creating_bytes == the sizes of the pools in _creating.
+        self._region_bytes = 0
+        self._creating_bytes = 0
 
     @property
     def budget_bytes(self) -> int:
         return self._memory.budget
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the budget taken: regions, and regions being created."""
+        return self._region_bytes + self._creating_bytes
 
     def __iter__(self) -> Iterator[Pool]:
         return iter(self._pools.values())
@@ -61,42 +75,64 @@ class PoolTable:
     def names(self) -> str:
         return ", ".join(sorted(self._pools)) or "(none)"
 
-    def open(self, requested: PoolSpec) -> Pool:
+    async def open(self, requested: PoolSpec) -> Pool:
         """Returns the pool named by ``requested``, creating it if needed.
 
         ``requested.num_blocks`` 0 means the default; ``eviction_policy`` "" means lru.
+        A pool being created by another call is waited for (then checked alike).
         """
         existing = self._pools.get(requested.name)
         if existing is not None:
             _check_compatible(existing.spec, requested)
             return existing
-        spec = PoolSpec(
-            name=requested.name,
-            block_bytes=requested.block_bytes,
-            num_blocks=requested.num_blocks or self._memory.default_pool_blocks,
-            layout=requested.layout,
-            eviction_policy=requested.eviction_policy or "lru",
-        )
-        return self._create(spec)
+        creating = self._creating.get(requested.name)
+        if creating is None:
+            spec = PoolSpec(
+                name=requested.name,
+                block_bytes=requested.block_bytes,
+                num_blocks=requested.num_blocks or self._memory.default_pool_blocks,
+                layout=requested.layout,
+                eviction_policy=requested.eviction_policy or "lru",
+            )
+            self._check_room(spec)
+            creating = asyncio.ensure_future(self._create(spec))
+            self._creating[spec.name] = creating
+            self._creating_bytes += spec.num_blocks * spec.block_bytes
+            creating.add_done_callback(lambda _: self._creation_ended(spec))
+        # shield: a caller that gives up (deadline, cancelled) does not stop the
+        # creation the other callers wait for
+        pool = await asyncio.shield(creating)
+        _check_compatible(pool.spec, requested)
+        return pool
 
-    def _create(self, spec: PoolSpec) -> Pool:
-        if len(self._pools) >= self._limits.max_pools:
+    def _creation_ended(self, spec: PoolSpec) -> None:
+        del self._creating[spec.name]
+        self._creating_bytes -= spec.num_blocks * spec.block_bytes
+
+    def _check_room(self, spec: PoolSpec) -> None:
+        pools = len(self._pools) + len(self._creating)
+        if pools >= self._limits.max_pools:
             raise ResourceExhausted(
-                f"pool {spec.name!r}: {len(self._pools)} pools exist, the limit is "
+                f"pool {spec.name!r}: {pools} pools exist, the limit is "
                 f"{self._limits.max_pools} (limits.max_pools)"
             )
         size = spec.num_blocks * spec.block_bytes
-        free = self._memory.budget - self.used_bytes
+        used = self.used_bytes
+        free = self._memory.budget - used
         if size > free:
             raise ResourceExhausted(
                 f"pool {spec.name!r} needs {format_bytes(size)} ({spec.num_blocks} blocks x "
                 f"{spec.block_bytes} bytes) but only {format_bytes(free)} of the "
                 f"{format_bytes(self._memory.budget)} memory budget is free "
-                f"({format_bytes(self.used_bytes)} used by {len(self._pools)} pools); ask for "
+                f"({format_bytes(used)} used by {pools} pools); ask for "
                 "fewer blocks or raise memory.budget"
             )
+
+    async def _create(self, spec: PoolSpec) -> Pool:
+        """Creates the region on a worker thread, then the pool on the loop."""
         try:
-            region = Region.create(
+            region = await asyncio.to_thread(
+                Region.create,
                 self._memory.shm_dir,
                 spec.name,
                 spec.num_blocks,
@@ -110,14 +146,19 @@ class PoolTable:
             raise FailedPrecondition(f"pool {spec.name!r}: {exc}") from None
         pool = Pool(spec, region, self._limits.events_retained)
         pool.tiering.observe_job = self.observe_job
-        self._attach_tiers(pool)
+        try:
+            self._attach_tiers(pool)
+        except FailedPrecondition:
+            await asyncio.to_thread(region.close)
+            raise
         self._pools[spec.name] = pool
-        self.used_bytes += region.size
+        self._region_bytes += region.size
         log.info(
             "pool %s created: %d blocks x %d bytes (%s), policy %s, layout %r, region %s "
-            "(prefaulted in %.2fs)",
+            "(allocated in %.2fs, prefaulted in %.2fs, off the event loop)",
             spec.name, spec.num_blocks, spec.block_bytes, format_bytes(region.size),
-            spec.eviction_policy, spec.layout, region.path, region.prefault_seconds,
+            spec.eviction_policy, spec.layout, region.path, region.allocate_seconds,
+            region.prefault_seconds,
         )  # fmt: skip
         return pool
 
@@ -140,7 +181,7 @@ class PoolTable:
                     )
                 )
         except (FsTierError, OSError) as exc:
-            pool.close()
+            pool.close_tiers()
             raise FailedPrecondition(f"pool {spec.name!r}: {exc}") from None
 
     async def drain(self) -> None:
@@ -148,15 +189,19 @@ class PoolTable:
         for pool in self._pools.values():
             await pool.tiering.drain()
 
-    def close_all(self) -> None:
-        """Closes every pool (their region files are unlinked). Shutdown only."""
+    async def close_all(self) -> None:
+        """Closes every pool (their region files are unlinked, on a worker thread),
+        after the creations in flight ended. Shutdown only."""
+        if self._creating:
+            await asyncio.gather(*self._creating.values(), return_exceptions=True)
         for pool in self._pools.values():
             try:
-                pool.close()
+                pool.close_tiers()
+                await asyncio.to_thread(pool.region.close)
             except Exception:  # keep closing the others; report each
                 log.exception("pool %s: closing its region failed", pool.spec.name)
         self._pools.clear()
-        self.used_bytes = 0
+        self._region_bytes = 0
 
 
 def _check_compatible(existing: PoolSpec, requested: PoolSpec) -> None:

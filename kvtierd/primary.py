@@ -12,7 +12,10 @@ Who may change a ref count, and when:
 * ``prepare_load`` pins a ready block: ``n -> n + 1`` (``n >= 0``);
   ``complete_load`` releases one pin: ``n -> n - 1`` (``n > 0``);
 * only blocks with ref ``0`` are ever evicted (by ``prepare_store`` to make room,
-  or by ``evict_all_evictable``).
+  or by ``evict_all_evictable``);
+* ``abort_and_quarantine`` drops writes like a failed ``complete_store`` but keeps
+  their rows out of use (neither mapped nor free) until ``release_quarantine``:
+  the fence against a writer that lost its lease (README, "Lost leases").
 
 Slots are handed out as vLLM does: never-used rows first in ascending order (a
 high-water mark), then freed rows last-freed-first (freed rows are appended in
@@ -37,7 +40,7 @@ the ``*_rows`` hooks (one call per manager call, not per key).
 from __future__ import annotations
 
 from array import array
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -83,7 +86,8 @@ class PrimaryStats:
     """A snapshot of the primary tier.
 
     ``used_blocks == evictable_blocks + pinned_blocks + pending_blocks`` and
-    ``used_blocks + free_blocks == num_blocks``. The last three are cumulative.
+    ``used_blocks + free_blocks + quarantined_blocks == num_blocks``.
+    ``evictions``, ``stored_blocks`` and ``failed_stores`` are cumulative.
     """
 
     num_blocks: int
@@ -95,6 +99,7 @@ class PrimaryStats:
     evictions: int  # blocks evicted (to make room, or flushed)
     stored_blocks: int  # stores completed
     failed_stores: int  # reserved blocks aborted
+    quarantined_blocks: int = 0  # rows of aborted writes not yet reusable (see quarantine)
 
 
 class PrimaryManager:
@@ -134,6 +139,12 @@ class PrimaryManager:
         self._refs = array("i", [0]) * num_blocks
         self._allocated = 0  # high-water mark: rows [0, _allocated) were handed out once
         self._free: list[int] = []  # freed rows; the last one is reused first
+        # Rows of writes aborted because their writer's session ended (lease
+        # expired, closed): a writer that lost its lease may still be copying into
+        # them, so they are neither mapped nor free until ``release_quarantine``
+        # passes their time. (release time, rows) in release-time order.
+        self._quarantine: deque[tuple[float, list[int]]] = deque()
+        self._quarantined = 0  # rows in _quarantine
         self._evictable = 0
         self._pinned = 0
         self._pending = 0
@@ -196,7 +207,8 @@ class PrimaryManager:
             evictable_blocks=self._evictable,
             pinned_blocks=self._pinned,
             pending_blocks=self._pending,
-            free_blocks=self._num_blocks - used,
+            free_blocks=self._num_blocks - used - self._quarantined,
+            quarantined_blocks=self._quarantined,
             evictions=self._evictions,
             stored_blocks=self._stored,
             failed_stores=self._failed,
@@ -309,6 +321,40 @@ class PrimaryManager:
         else:
             done = self._abort_writes(keys)
         return done
+
+    def abort_and_quarantine(self, keys: Sequence[BlockKey], until: float) -> list[BlockKey]:
+        """Aborts the writes of ``keys`` whose ref is -1 (as ``complete_store(success=
+        False)``), but their rows are not free again before ``release_quarantine(now)``
+        is called with ``now >= until``.
+
+        For writes whose writer's session ended without completing them: that
+        writer may still be copying into the rows (a stopped process resumed, a
+        copy in flight when its lease ran out), so handing a row to another key at
+        once could let the stale copy overwrite the new key's bytes. ``until`` is
+        on the caller's clock; calls must pass non-decreasing values.
+        """
+        done, rows = self._unmap_writes(keys)
+        if rows:
+            self._quarantine.append((until, rows))
+            self._quarantined += len(rows)
+        return done
+
+    def release_quarantine(self, now: float) -> int:
+        """Frees the quarantined rows whose time has come (``until <= now``), in the
+        order they were quarantined; returns how many."""
+        released = 0
+        quarantine = self._quarantine
+        while quarantine and quarantine[0][0] <= now:
+            _, rows = quarantine.popleft()
+            self._free.extend(rows)
+            released += len(rows)
+        self._quarantined -= released
+        return released
+
+    @property
+    def next_quarantine_release(self) -> float | None:
+        """The earliest ``until`` still quarantined, None when nothing is."""
+        return self._quarantine[0][0] if self._quarantine else None
 
     def evict_all_evictable(self) -> list[BlockKey]:
         """Evicts every ready block (ref 0); pinned and in-flight blocks stay.
@@ -459,12 +505,19 @@ class PrimaryManager:
         return done
 
     def _abort_writes(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
+        done, rows = self._unmap_writes(keys)
+        self._free.extend(rows)
+        return done
+
+    def _unmap_writes(self, keys: Sequence[BlockKey]) -> tuple[list[BlockKey], list[int]]:
+        """Drops the in-flight writes among ``keys``; returns them and their rows,
+        which the caller puts on the free list or into quarantine."""
         block_of = self._block_of
         key_of = self._key_of
         refs = self._refs
-        free = self._free
         remove = self._policy.remove
         done: list[BlockKey] = []
+        rows: list[int] = []
         for key in keys:
             row = block_of.get(key)
             if row is not None and refs[row] == _PENDING:
@@ -472,11 +525,11 @@ class PrimaryManager:
                 del block_of[key]
                 key_of[row] = None
                 refs[row] = 0
-                free.append(row)
+                rows.append(row)
                 done.append(key)
         self._pending -= len(done)
         self._failed += len(done)
-        return done
+        return done, rows
 
     # ----------------------------------------------------------------- debugging
 
@@ -486,7 +539,13 @@ class PrimaryManager:
         free = set(self._free)
         assert len(free) == len(self._free), "a row is on the free list twice"
         assert all(row < self._allocated for row in free), "never-used row on the free list"
-        assert len(self._block_of) + len(free) == self._allocated
+        held = [row for _, rows in self._quarantine for row in rows]
+        assert len(held) == self._quarantined, "quarantine count out of sync"
+        assert not free.intersection(held), "a quarantined row is on the free list"
+        assert len(set(held)) == len(held), "a row is quarantined twice"
+        times = [until for until, _ in self._quarantine]
+        assert times == sorted(times), "quarantine out of release order"
+        assert len(self._block_of) + len(free) + len(held) == self._allocated
         counts = {0: 0, 1: 0, -1: 0}
         for key, row in self._block_of.items():
             assert row not in free, "mapped row on the free list"
@@ -494,7 +553,7 @@ class PrimaryManager:
             ref = refs[row]
             assert ref >= -1
             counts[min(ref, 1)] += 1
-        for row in free:
+        for row in (*free, *held):
             assert self._key_of[row] is None
         for row in range(self._allocated, self._num_blocks):
             assert self._key_of[row] is None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import hmac
+import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -62,6 +63,8 @@ def _handle(method: Handler) -> Callable[..., Awaitable[Any]]:
         try:
             self.authorize(context)
             response = method(self, request, context)
+            if inspect.iscoroutine(response):  # OpenSession may wait for a pool's creation
+                response = await response
         except KvtierdError as exc:
             self._observe(name, exc.code.name, start)
             await context.abort(exc.code, str(exc))
@@ -119,7 +122,7 @@ class KVTierService(pb2_grpc.KVTierServicer):
     # ----------------------------------------------------------------- sessions
 
     @_handle
-    def OpenSession(self, request: pb2.OpenSessionRequest, context: Any) -> Any:
+    async def OpenSession(self, request: pb2.OpenSessionRequest, context: Any) -> Any:
         spec = request.pool
         check_pool_name(spec.name)
         check_block_bytes(spec.block_bytes)
@@ -128,7 +131,7 @@ class KVTierService(pb2_grpc.KVTierServicer):
         check_text(request.client_name, "client_name")
         if spec.num_blocks > (1 << 40):
             raise InvalidArgument(f"pool.num_blocks: {spec.num_blocks} is absurdly large")
-        pool = self._pools.open(
+        pool = await self._pools.open(
             PoolSpec(
                 name=spec.name,
                 block_bytes=spec.block_bytes,
@@ -407,6 +410,7 @@ def _pool_stats(pool: Pool) -> pb2.PoolStats:
         failures=counters.stores_aborted,
         pinned_blocks=primary.pinned_blocks,
         pending_blocks=primary.pending_blocks,
+        quarantined_blocks=primary.quarantined_blocks,
         capacity_bytes=spec.num_blocks * spec.block_bytes,
         used_bytes=primary.used_blocks * spec.block_bytes,
     )

@@ -1,10 +1,17 @@
 """Sessions and their leases.
 
 A session is one connected client bound to one pool. Any call on a session, and
-KeepAlive, renews its lease; a session whose lease ran out is closed by the
-reaper, which releases its pins and aborts its reservations through the pool
-(``Pool.release_session``). Session ids are random 128-bit hex strings, so a
-restarted daemon never mistakes an old client for a live one.
+KeepAlive, renews its lease (:meth:`SessionTable.renew`); a session whose lease
+ran out is closed by the reaper, which releases its pins and aborts its
+reservations through the pool (``Pool.release_session``). The rows of those
+aborted reservations stay quarantined for ``write_quarantine`` seconds, so a
+writer that lost its lease cannot overwrite a block another session stored in
+the same row (README, "Lost leases"). Session ids are random 128-bit hex
+strings, so a restarted daemon never mistakes an old client for a live one.
+
+Leases measure the clients, not the daemon: when the daemon's own event loop
+did not run for a while (a stall), :meth:`SessionTable.credit_stall` moves every
+lease forward by that time, so no session expires because the daemon was busy.
 
 Event-loop only. ``clock`` is injectable for tests.
 """
@@ -40,8 +47,13 @@ class SessionTable:
         lease_seconds: float,
         max_sessions: int,
         clock: Callable[[], float] = time.monotonic,
+        write_quarantine: float | None = None,
     ) -> None:
+        """``write_quarantine``: seconds the rows of reservations aborted by a
+        session's end stay unusable (default: one lease)."""
         self.lease_seconds = lease_seconds
+        self.write_quarantine = lease_seconds if write_quarantine is None else write_quarantine
+        self.stalls_credited = 0.0  # seconds of daemon stalls added to every lease
         self._max_sessions = max_sessions
         self._clock = clock
         self._sessions: dict[str, Session] = {}
@@ -90,6 +102,15 @@ class SessionTable:
         session.expires_at = self._clock() + self.lease_seconds
         return session
 
+    def credit_stall(self, seconds: float) -> None:
+        """Moves every lease ``seconds`` forward: the daemon's loop did not run for
+        that long, so no client could be heard (their calls waited in the sockets)."""
+        if seconds <= 0:
+            return
+        for session in self._sessions.values():
+            session.expires_at += seconds
+        self.stalls_credited += seconds
+
     def close(self, session_id: str, reason: str = "closed by client") -> None:
         session = self._sessions.pop(session_id, None)
         if session is None:
@@ -110,9 +131,9 @@ class SessionTable:
             _, session = self._sessions.popitem()
             self._release(session, reason)
 
-    @staticmethod
-    def _release(session: Session, reason: str) -> None:
-        pins, reservations = session.pool.release_session(session.id)
+    def _release(self, session: Session, reason: str) -> None:
+        quarantine_until = self._clock() + self.write_quarantine
+        pins, reservations = session.pool.release_session(session.id, quarantine_until)
         log.info(
             "session %s (%r, pool %s) %s: released %d pins, aborted %d reservations",
             session.id, session.client_name, session.pool.spec.name, reason, pins,

@@ -25,7 +25,7 @@ _pool_counter = itertools.count()
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[DaemonProcess]:
     """One real daemon per test module (tests use distinct pool names)."""
-    proc = start_daemon("--memory-budget", "256MiB", "--lease", "2s")
+    proc = start_daemon("--memory-budget", "256MiB", "--lease", "2s", "--write-quarantine", "1s")
     try:
         yield proc
         code = proc.stop()

@@ -14,6 +14,7 @@ from kvtierd_client.client import Client, LookupResult
 from kvtierd_client.errors import NotFound
 
 LEASE = 2.0  # the module daemon's --lease
+QUARANTINE = 1.0  # and its --write-quarantine
 
 
 def primary(stats):
@@ -61,6 +62,13 @@ def test_sigkilled_client_releases_pins_and_reservations(daemon, pool_name):
         assert owner.lookup([b"half-written-1", b"half-written-2", b"shared"]) == [
             LookupResult.MISS, LookupResult.MISS, LookupResult.HIT,
         ]  # fmt: skip
+        # the two aborted rows are quarantined (the dead writer might still write
+        # them): 4 keys cannot fit into 4 rows yet, even by evicting "shared"
+        assert primary(client.get_stats(pool_name)).quarantined_blocks == 2
+        assert owner.prepare_store([b"n1", b"n2", b"n3", b"n4"]) is None
+        while primary(client.get_stats(pool_name)).quarantined_blocks:
+            assert time.monotonic() - killed_at < LEASE + QUARANTINE + 2.0, "rows never freed"
+            time.sleep(0.05)
         grant = owner.prepare_store([b"n1", b"n2", b"n3", b"n4"])  # needs the shared row too
         assert grant is not None and grant.evicted_keys == [b"shared"]
         assert "lease expired" in daemon.log()
