@@ -16,6 +16,7 @@ errors are the same ``kvtierd_client.errors.KvtierError`` subclasses.
 from __future__ import annotations
 
 import asyncio
+import time
 import weakref
 from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
@@ -130,10 +131,12 @@ class AsyncClient:
         (pool mismatch), ``ResourceExhausted`` (memory budget), ``Unavailable``,
         ``DeadlineExceeded``, ``Unauthenticated`` / ``PermissionDenied``.
         """
+        sent_at = time.monotonic()
         response = await self._call(
             OPEN_SESSION, pool, block_bytes, num_blocks, layout, eviction_policy, client_name
         )
         session = AsyncSession(self, response, keepalive=keepalive)
+        session._renewed(sent_at)
         self._sessions.add(session)
         return session
 
@@ -269,11 +272,14 @@ class AsyncSession(_SessionState):
         self, op: _Op[_R], *args: Any, timeout: float | None = None, **kwargs: Any
     ) -> _R:
         self._check_usable()
+        sent_at = time.monotonic()
         try:
-            return await self.client._call(op, self.session_id, *args, timeout=timeout, **kwargs)
+            answer = await self.client._call(op, self.session_id, *args, timeout=timeout, **kwargs)
         except NotFound:
             self._mark_gone()
             raise
+        self._renewed(sent_at)
+        return answer
 
     def _mark_gone(self) -> None:
         super()._mark_gone()

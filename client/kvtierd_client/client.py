@@ -24,6 +24,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -264,6 +265,12 @@ def keepalive_deadline(interval: float, timeout: float) -> float:
     return max(min(timeout, interval), _MIN_KEEPALIVE_DEADLINE)
 
 
+def fence_margin(lease_ms: int) -> float:
+    """Seconds the write deadline keeps short of the proven lease: a tenth of it,
+    at most half a second (time between the deadline check and the copy's start)."""
+    return min(0.5, lease_ms / 10000.0)
+
+
 def client_closed_error(address: str) -> KvtierError:
     return KvtierError("the client is closed", grpc.StatusCode.CANCELLED, address)
 
@@ -286,6 +293,32 @@ class _SessionState:
         self.lease_ms: int = int(response.lease_ms)
         self._closed = False
         self._gone = False  # the daemon answered NOT_FOUND for this session
+        # The write fence (README, "Lost leases"). The daemon renews a lease when a
+        # call *arrives*, which is after this client sent it, so the send time of
+        # the newest answered call plus the lease is a lower bound of the daemon's
+        # expiry. Monotonic seconds (CLOCK_MONOTONIC: one clock for every process
+        # of the host). Set from the OpenSession call by the client.
+        self._lease_proven_until = 0.0
+
+    def _renewed(self, sent_at: float) -> None:
+        """An answered call sent at ``sent_at`` (monotonic) proved the lease alive."""
+        until = sent_at + self.lease_ms / 1000.0
+        if until > self._lease_proven_until:
+            self._lease_proven_until = until
+
+    @property
+    def write_deadline(self) -> float:
+        """Monotonic time until which rows this session reserved may be written.
+
+        A copy into reserved rows must *start* before it (``CopyEngine.submit_store``
+        checks, with ``write_deadline=``) and its end is checked against it too. It
+        stays ahead while keepalives are answered; once it passes, the daemon may
+        have expired the session and aborted its reservations. 0 once the session
+        is closed or gone.
+        """
+        if self._closed or self._gone:
+            return 0.0
+        return self._lease_proven_until - fence_margin(self.lease_ms)
 
     @property
     def closed(self) -> bool:
@@ -443,6 +476,7 @@ class Client:
         (the memory budget cannot fit the pool), ``Unavailable``, ``DeadlineExceeded``,
         ``Unauthenticated`` / ``PermissionDenied``.
         """
+        sent_at = time.monotonic()
         response = self._call(
             OPEN_SESSION, pool, block_bytes, num_blocks, layout, eviction_policy, client_name
         )
@@ -453,6 +487,7 @@ class Client:
             queue_completions=queue_completions,
             flush_after=flush_after,
         )
+        session._renewed(sent_at)
         with self._lock:
             self._sessions.add(session)
         return session
@@ -617,11 +652,14 @@ class Session(_SessionState):
 
     def _call(self, op: _Op[_R], *args: Any, timeout: float | None = None, **kwargs: Any) -> _R:
         self._check_usable()
+        sent_at = time.monotonic()
         try:
-            return self.client._call(op, self.session_id, *args, timeout=timeout, **kwargs)
+            answer = self.client._call(op, self.session_id, *args, timeout=timeout, **kwargs)
         except NotFound:
             self._mark_gone()
             raise
+        self._renewed(sent_at)
+        return answer
 
     def _answer(self, op: _Op[_R], keys: Sequence[bytes], **fields: Any) -> _R:
         """A call that needs its answer: alone, or carrying the queued completions."""

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import math
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -76,6 +77,11 @@ class _Job:
     num_blocks: int
     num_bytes: int
     event: Any = None  # torch.cuda.Event on CUDA; None on CPU (finished at submit)
+    write_deadline: float | None = None  # stores: the write fence (monotonic seconds)
+
+
+class LeaseLostError(RuntimeError):
+    """A store into region rows was refused: its session's lease is not proven alive."""
 
 
 @dataclass(frozen=True)
@@ -166,6 +172,9 @@ class CopyEngine:
         # greater than every unreported id (one stream: jobs finish in order).
         self._pending: collections.deque[_Job] = collections.deque()  # CUDA only
         self._unreported: list[int] = []  # finished, not yet returned by poll()
+        # finished stores that ended past their write deadline, not yet returned by
+        # late_jobs(); a subset of the finished jobs (bounded like _unreported)
+        self._late: list[int] = []
         self._closed = False
         self._jobs_finished = 0
         self._blocks = {"store": 0, "load": 0}
@@ -173,13 +182,27 @@ class CopyEngine:
 
     # -- submission -----------------------------------------------------------
 
-    def submit_store(self, pairs: Sequence[tuple[int, int]]) -> int:
+    def submit_store(
+        self, pairs: Sequence[tuple[int, int]], *, write_deadline: float | None = None
+    ) -> int:
         """Copies engine blocks into region rows: (engine block id, region block id) pairs.
 
         Every id is checked first: ValueError naming the first bad one, and
         nothing is copied. Region block ids must be distinct. Returns the job id.
+
+        ``write_deadline`` (monotonic seconds; ``Session.write_deadline`` of the
+        session that reserved the rows) is the write fence (README, "Lost
+        leases"): past it, :class:`LeaseLostError` is raised and nothing is
+        copied; a job that *finishes* past it is reported by :meth:`late_jobs`,
+        and its store must be completed with ``success=False``.
         """
-        return self._submit("store", pairs)
+        if write_deadline is not None and time.monotonic() >= write_deadline:
+            raise LeaseLostError(
+                "store refused: the lease of the session that reserved these rows is not "
+                "proven alive (no keepalive answered in time); the daemon may have given "
+                "the rows to another session"
+            )
+        return self._submit("store", pairs, write_deadline)
 
     def submit_load(self, pairs: Sequence[tuple[int, int]]) -> int:
         """Copies region rows into engine blocks: (region block id, engine block id) pairs.
@@ -213,6 +236,13 @@ class CopyEngine:
         if ids:
             self._collect(block_until=max(ids))
 
+    def late_jobs(self) -> list[int]:
+        """Ids of finished store jobs that ended after their ``write_deadline``, each
+        reported once: their rows may no longer be theirs, so the store failed
+        (``complete_store(success=False)``). Call after :meth:`poll` or :meth:`wait`."""
+        late, self._late = self._late, []
+        return late
+
     def statistics(self) -> CopyEngineStatistics:
         return CopyEngineStatistics(
             jobs_submitted=self._next_job_id - 1,
@@ -243,7 +273,12 @@ class CopyEngine:
 
     # -- internals ------------------------------------------------------------
 
-    def _submit(self, direction: Direction, pairs: Sequence[tuple[int, int]]) -> int:
+    def _submit(
+        self,
+        direction: Direction,
+        pairs: Sequence[tuple[int, int]],
+        write_deadline: float | None = None,
+    ) -> int:
         if self._closed:
             raise RuntimeError("this copy engine is closed")
         engine = ("engine", self.num_engine_blocks)
@@ -259,6 +294,7 @@ class CopyEngine:
             direction=direction,
             num_blocks=len(plan.src),
             num_bytes=len(plan.src) * self._bytes_per_block,
+            write_deadline=write_deadline,
         )
         # inference_mode: KV caches allocated under it are inference tensors, which
         # refuse in-place writes outside it; ordinary tensors accept them inside.
@@ -305,6 +341,8 @@ class CopyEngine:
             self._finish(job)
 
     def _finish(self, job: _Job) -> None:
+        if job.write_deadline is not None and time.monotonic() >= job.write_deadline:
+            self._late.append(job.job_id)
         self._unreported.append(job.job_id)
         self._jobs_finished += 1
         self._blocks[job.direction] += job.num_blocks

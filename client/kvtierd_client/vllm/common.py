@@ -69,17 +69,25 @@ class KvtierdLoadStoreSpec(CPULoadStoreSpec):
     """vLLM's ``CPULoadStoreSpec`` of region row ids, tagged with the region they index.
 
     ``block_ids[i]`` is the row of the i-th key the manager was asked about (for a
-    store: of ``keys_to_store[i]``). ``region`` is None only for a load the
-    manager could not pin (``valid`` False): the worker fails that job loudly
-    instead of copying bytes nobody protects.
+    store: of ``keys_to_store[i]``, with the session's ``write_deadline``).
+    ``region`` is None only for a load the manager could not pin (``valid``
+    False): the worker fails that job loudly instead of copying bytes nobody
+    protects.
     """
 
     def __init__(
-        self, block_ids: Sequence[int], region: RegionIdentity | None, valid: bool = True
+        self,
+        block_ids: Sequence[int],
+        region: RegionIdentity | None,
+        valid: bool = True,
+        write_deadline: float | None = None,
     ) -> None:
         super().__init__(list(block_ids))
         self.region = region
         self.valid = valid and region is not None
+        # stores: the reserving session's write fence (monotonic seconds; one clock
+        # for every process of the host): the worker copies only before it
+        self.write_deadline = write_deadline
 
     def __repr__(self) -> str:
         where = self.region.path if self.region else "no region"

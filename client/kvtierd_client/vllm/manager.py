@@ -349,7 +349,9 @@ class KvtierdOffloadingManager(OffloadingManager):
             self._step_results.pop(key, None)
         return PrepareStoreOutput(
             keys_to_store=[OffloadKey(k) for k in grant.keys_to_store],
-            store_spec=KvtierdLoadStoreSpec(grant.block_ids, gen.region),
+            store_spec=KvtierdLoadStoreSpec(
+                grant.block_ids, gen.region, write_deadline=gen.session.write_deadline
+            ),
             evicted_keys=[OffloadKey(k) for k in grant.evicted_keys],
         )
 

@@ -134,6 +134,7 @@ class KvtierdOffloadingWorker(OffloadingWorker):
         self._current = _Attachment(RegionIdentity.of_session(session), self._groups, plan, rank)
         self._jobs: dict[int, _Job] = {}  # submitted, not yet reported
         self._done: dict[CopyEngine, set[int]] = {}  # engine job ids finished, per engine
+        self._late: dict[CopyEngine, set[int]] = {}  # of those, stores past their deadline
         self._results: list[TransferResult] = []  # finished, not yet reported
 
     @property
@@ -204,7 +205,7 @@ class KvtierdOffloadingWorker(OffloadingWorker):
                 if is_load:
                     part = engine.submit_load([(row, blk) for blk, row in pairs])
                 else:
-                    part = engine.submit_store(pairs)
+                    part = engine.submit_store(pairs, write_deadline=rows.write_deadline)
                 job.parts.append((engine, part))
                 job.num_bytes += len(pairs) * self._group_bytes[g]
         except Exception as err:
@@ -242,11 +243,29 @@ class KvtierdOffloadingWorker(OffloadingWorker):
         for engines in self._current.engines:
             for engine in engines:
                 self._done.setdefault(engine, set()).update(engine.poll())
+                self._late.setdefault(engine, set()).update(engine.late_jobs())
         for job in list(self._jobs.values()):
             if all(part_id in self._done.get(e, ()) for e, part_id in job.parts):
+                late = False
                 for e, part_id in job.parts:
                     self._done[e].discard(part_id)
-                self._finish(job)
+                    if part_id in self._late.get(e, ()):
+                        self._late[e].discard(part_id)
+                        late = True
+                if late:
+                    self._fail_late(job)
+                else:
+                    self._finish(job)
+
+    def _fail_late(self, job: _Job) -> None:
+        """A store that ended after its session's write deadline: its rows may have
+        been given to another session meanwhile, so the store is reported failed."""
+        del self._jobs[job.job_id]
+        log.error(
+            "kvtierd: store job %d finished after its session's lease ran out; reported "
+            "failed (its rows were quarantined by the daemon)", job.job_id,
+        )  # fmt: skip
+        self._results.append(TransferResult(job.job_id, success=False))
 
     def _attachment_for(self, identity: RegionIdentity) -> _Attachment | None:
         """The attachment of ``identity``, attaching it when it is a new region of the
