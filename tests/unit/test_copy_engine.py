@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -372,3 +373,33 @@ def test_cuda_load_lands_after_queued_compute(writer):
         target[0].fill_(1)  # queued behind it
         engine.wait([engine.submit_load([(3, 0)])])
     assert (target[0] == 7).all()
+
+
+# -- the write fence (README, "Lost leases") -------------------------------------------
+
+
+def test_a_store_past_its_write_deadline_is_refused_and_copies_nothing(writer):
+    before = writer.numpy().copy()
+    with CopyEngine(writer, kv_tensors(7)[1:], page_bytes=PAGE) as engine:
+        past = time.monotonic() - 0.001
+        with pytest.raises(copy_engine_mod.LeaseLostError, match="lease"):
+            engine.submit_store([(0, 0), (1, 1)], write_deadline=past)
+        assert engine.statistics().jobs_submitted == 0
+    assert np.array_equal(writer.numpy(), before)
+
+
+def test_a_store_that_ends_past_its_write_deadline_is_reported_late(writer, monkeypatch):
+    """The deadline passed between the check and the copy's end (a stopped process,
+    a slow copy): the job is reported late, once, and the caller fails the store."""
+    with CopyEngine(writer, kv_tensors(7)[1:], page_bytes=PAGE) as engine:
+        on_time = engine.submit_store([(0, 0)], write_deadline=time.monotonic() + 60)
+        clock = iter([100.0, 200.0])  # the check, then the end of the copy
+        monkeypatch.setattr(copy_engine_mod.time, "monotonic", lambda: next(clock))
+        late = engine.submit_store([(1, 1)], write_deadline=150.0)
+        monkeypatch.undo()
+        assert engine.poll() == [on_time, late]
+        assert engine.late_jobs() == [late]
+        assert engine.late_jobs() == []
+        unfenced = engine.submit_store([(2, 2)])  # no deadline: never late
+        engine.wait([unfenced])
+        assert engine.late_jobs() == []

@@ -731,3 +731,55 @@ def test_lru_manager_matches_ordereddict_model(seed):
         if step % 50 == 0:
             m.check_invariants()
     m.check_invariants()
+
+
+# ----------------------------------------------------------------- quarantine
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_quarantined_rows_are_neither_mapped_nor_reused_until_released(policy):
+    """Rows of writes aborted for an ended session stay out of use until their time."""
+    manager = PrimaryManager(3, policy)
+    manager.prepare_store([b"a", b"b"])
+    assert manager.abort_and_quarantine([b"a", b"b", b"absent"], until=10.0) == [b"a", b"b"]
+    manager.check_invariants()
+    assert manager.lookup([b"a", b"b"]) == [LookupResult.MISS] * 2
+    stats = manager.statistics()
+    assert (stats.used_blocks, stats.free_blocks, stats.quarantined_blocks) == (0, 1, 2)
+    assert stats.failed_stores == 2
+    # one free row: two keys cannot be stored, and no quarantined row is handed out
+    assert manager.prepare_store([b"x", b"y"]) is None
+    grant = manager.prepare_store([b"x"])
+    assert grant is not None and grant.block_ids == [2]
+    assert manager.release_quarantine(9.9) == 0
+    assert manager.next_quarantine_release == 10.0
+    assert manager.release_quarantine(10.0) == 2
+    assert manager.next_quarantine_release is None
+    manager.check_invariants()
+    grant = manager.prepare_store([b"y", b"z"])
+    assert grant is not None and sorted(grant.block_ids) == [0, 1]
+    manager.check_invariants()
+
+
+def test_quarantines_are_released_in_their_order():
+    manager = PrimaryManager(4)
+    manager.prepare_store([b"a", b"b", b"c"])
+    manager.abort_and_quarantine([b"a"], until=1.0)
+    manager.abort_and_quarantine([b"b", b"c"], until=2.0)
+    assert manager.release_quarantine(1.5) == 1
+    manager.check_invariants()
+    assert manager.statistics().quarantined_blocks == 2
+    assert manager.release_quarantine(5.0) == 2
+    manager.check_invariants()
+    assert manager.statistics().free_blocks == 4
+
+
+def test_a_ready_or_pinned_key_is_never_quarantined():
+    """Only writes in flight are aborted; a completed block stays where it is."""
+    manager = PrimaryManager(2)
+    manager.prepare_store([b"a", b"b"])
+    manager.complete_store([b"a"], success=True)
+    manager.prepare_load([b"a"])
+    assert manager.abort_and_quarantine([b"a", b"b"], until=1.0) == [b"b"]
+    assert manager.lookup([b"a"]) == [LookupResult.HIT]
+    manager.check_invariants()

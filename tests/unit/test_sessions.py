@@ -1,0 +1,68 @@
+"""SessionTable: leases on an injected clock, stalls credited, quarantined rows."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtierd.errors import SessionNotFound
+from kvtierd.pool import Pool, PoolSpec
+from kvtierd.region import Region
+from kvtierd.sessions import SessionTable
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def pool(tmp_path):
+    region = Region.create(tmp_path, "p", 4, 4096, prefault=False)
+    pool = Pool(PoolSpec("p", 4096, 4, "", "lru"), region, events_retained=64)
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+def test_a_lease_runs_out_without_calls_and_is_renewed_by_one(pool):
+    clock = Clock()
+    table = SessionTable(2.0, 8, clock=clock, write_quarantine=5.0)
+    session = table.open(pool, "c", "unix:")
+    clock.now += 1.5
+    table.get(session.id)  # a call: renewed until 103.5
+    clock.now += 1.9
+    assert table.expire() == 0
+    clock.now += 0.1
+    assert table.expire() == 1
+    with pytest.raises(SessionNotFound):
+        table.get(session.id)
+
+
+def test_a_stall_of_the_daemon_is_credited_to_every_lease(pool):
+    clock = Clock()
+    table = SessionTable(2.0, 8, clock=clock)
+    sessions = [table.open(pool, f"c{i}", "unix:") for i in range(3)]
+    clock.now += 10.0  # the loop did not run for 10 s
+    table.credit_stall(10.0)
+    assert table.expire() == 0
+    assert table.stalls_credited == 10.0
+    clock.now += 2.0
+    assert table.expire() == len(sessions)
+
+
+def test_an_ended_sessions_reservations_are_quarantined_for_write_quarantine(pool):
+    clock = Clock()
+    table = SessionTable(2.0, 8, clock=clock, write_quarantine=5.0)
+    session = table.open(pool, "writer", "unix:")
+    pool.prepare_store(session.id, [b"a", b"b"])
+    clock.now += 2.0
+    assert table.expire() == 1
+    stats = pool.manager.statistics()
+    assert (stats.pending_blocks, stats.quarantined_blocks) == (0, 2)
+    assert pool.release_quarantine(clock.now + 4.9) == 0
+    assert pool.release_quarantine(clock.now + 5.0) == 2
+    pool.manager.check_invariants()
