@@ -171,6 +171,11 @@ class _PoolFamilies:
         self.pending = GaugeMetricFamily(
             "kvtierd_pending_blocks", "Primary blocks with a write in flight", labels=["pool"]
         )
+        self.quarantined = GaugeMetricFamily(
+            "kvtierd_quarantined_blocks",
+            "Primary rows of stores an ended session left unfinished, not yet reusable",
+            labels=["pool"],
+        )
         jobs = ["pool", "tier", "kind"]
         self.jobs_started = CounterMetricFamily(
             "kvtierd_tier_jobs_started",
@@ -238,6 +243,7 @@ class _PoolFamilies:
         self.evictions.add_metric(labels, stats.evictions)
         self.pinned.add_metric([name], stats.pinned_blocks)
         self.pending.add_metric([name], stats.pending_blocks)
+        self.quarantined.add_metric([name], stats.quarantined_blocks)
 
     def _secondary(self, pool: str, stats, jobs: dict[str, int]) -> None:  # noqa: ANN001
         labels = [pool, stats.name]
