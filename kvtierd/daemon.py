@@ -120,7 +120,7 @@ class Daemon:
         await self._drain_tiers()
         for tier in self.tiers:
             tier.shutdown()  # joins the I/O threads: nothing touches a region after this
-        await self.pools.close_all()
+        await self.pools.close_all(wait_for_creations=self.config.server.shutdown_grace)
         remove_unix_sockets(self._sockets)
         if self._metrics_server is not None:
             self._metrics_server.close()

@@ -14,8 +14,11 @@ OpenSession of it waits for that one creation.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import threading
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 from kvtierd.config import LimitsConfig, MemoryConfig
 from kvtierd.errors import FailedPrecondition, PoolNotFound, ResourceExhausted
@@ -26,6 +29,8 @@ from kvtierd.tiers.fs import FsTierError
 from kvtierd.units import format_bytes
 
 log = logging.getLogger("kvtierd.pools")
+
+_T = TypeVar("_T")
 
 
 class PoolTable:
@@ -131,7 +136,7 @@ class PoolTable:
     async def _create(self, spec: PoolSpec) -> Pool:
         """Creates the region on a worker thread, then the pool on the loop."""
         try:
-            region = await asyncio.to_thread(
+            region = await off_loop(
                 Region.create,
                 self._memory.shm_dir,
                 spec.name,
@@ -149,7 +154,7 @@ class PoolTable:
         try:
             self._attach_tiers(pool)
         except FailedPrecondition:
-            await asyncio.to_thread(region.close)
+            await off_loop(region.close)
             raise
         self._pools[spec.name] = pool
         self._region_bytes += region.size
@@ -189,19 +194,61 @@ class PoolTable:
         for pool in self._pools.values():
             await pool.tiering.drain()
 
-    async def close_all(self) -> None:
+    async def close_all(self, wait_for_creations: float) -> None:
         """Closes every pool (their region files are unlinked, on a worker thread),
-        after the creations in flight ended. Shutdown only."""
+        after the creations in flight ended or ``wait_for_creations`` seconds
+        passed. Shutdown only."""
         if self._creating:
-            await asyncio.gather(*self._creating.values(), return_exceptions=True)
+            _done, pending = await asyncio.wait(
+                list(self._creating.values()), timeout=wait_for_creations
+            )
+            for creation in pending:
+                log.warning(
+                    "a pool creation is still running after %gs; shutting down without it "
+                    "(a region file it leaves is removed as stale at the next start)",
+                    wait_for_creations,
+                )
+                creation.cancel()
         for pool in self._pools.values():
             try:
                 pool.close_tiers()
-                await asyncio.to_thread(pool.region.close)
+                await off_loop(pool.region.close)
             except Exception:  # keep closing the others; report each
                 log.exception("pool %s: closing its region failed", pool.spec.name)
         self._pools.clear()
         self._region_bytes = 0
+
+
+async def off_loop(function: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    """``function(*args, **kwargs)`` on a new daemon thread; its result or error.
+
+    Not the loop's default executor: its threads are joined when the loop
+    closes, so a call stuck in the kernel would hold the daemon's exit. A daemon
+    thread is never waited for; if the awaiting task is cancelled, the call runs
+    on and its outcome is dropped. For rare, slow calls (regions: seconds per GiB).
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[_T] = loop.create_future()
+
+    def settle(outcome: Callable[[], None]) -> None:
+        if not future.done():
+            outcome()
+
+    def body() -> None:
+        try:
+            result = function(*args, **kwargs)
+        except BaseException as exc:  # handed to the awaiting task
+            report = functools.partial(settle, functools.partial(future.set_exception, exc))
+        else:
+            report = functools.partial(settle, functools.partial(future.set_result, result))
+        try:
+            loop.call_soon_threadsafe(report)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    name = getattr(function, "__qualname__", "call")
+    threading.Thread(target=body, name=f"kvtierd-off-loop-{name}", daemon=True).start()
+    return await future
 
 
 def _check_compatible(existing: PoolSpec, requested: PoolSpec) -> None:

@@ -22,7 +22,9 @@ import pytest
 from daemon_harness import DaemonProcess, start_daemon
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvtierd.region import region_file_name
 from kvtierd_client.client import Client, LookupResult
+from kvtierd_client.errors import FailedPrecondition
 from kvtierd_client.region import AttachedRegion
 
 BLOCK = 64 << 10
@@ -239,4 +241,33 @@ def test_the_write_deadline_follows_the_answered_keepalives():
             assert session.write_deadline == 0.0
         assert daemon.stop() == 0
     finally:
+        daemon.cleanup()
+
+
+@pytest.mark.parametrize("plant", ["fifo", "symlink", "directory"])
+def test_a_file_planted_at_a_region_path_is_refused_without_hanging(tmp_path, plant):
+    """Anyone who can write shm_dir can plant something at a pool's future region
+    path: OpenSession is refused at once naming it, the daemon keeps serving, the
+    planted file is left alone, and SIGTERM completes."""
+    daemon = start_daemon()
+    try:
+        path = os.path.join(daemon.shm_dir, region_file_name("planted"))
+        target = tmp_path / "elsewhere"
+        target.write_bytes(b"not a region")
+        {
+            "fifo": lambda: os.mkfifo(path, 0o666),
+            "symlink": lambda: os.symlink(target, path),
+            "directory": lambda: os.mkdir(path),
+        }[plant]()
+        with Client(daemon.address, timeout=5) as client:
+            with pytest.raises(FailedPrecondition, match=r"not a region file.*Remove it"):
+                client.open_session("planted", block_bytes=4096, num_blocks=1)
+            other = client.open_session("fine", block_bytes=4096, num_blocks=1)
+            assert other.lookup([b"k"]) == [LookupResult.MISS]
+        assert os.path.lexists(path)
+        assert target.read_bytes() == b"not a region"
+        assert daemon.stop(timeout=10) == 0
+    finally:
+        if os.path.isdir(path) and not os.path.islink(path):
+            os.rmdir(path)
         daemon.cleanup()
