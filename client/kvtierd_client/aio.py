@@ -347,6 +347,7 @@ class AsyncSession(_SessionState):
             return
         usable = not self._gone and not self.client.closed
         self._closed = True
+        self._end_beacon()  # copiers stop before the daemon aborts the reservations
         task = self._stop_keepalive()
         self.client._forget(self)
         if task is not None:

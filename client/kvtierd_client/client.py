@@ -43,6 +43,7 @@ from kvtierd_client.errors import (
     from_rpc_error,
 )
 from kvtierd_client.flusher import FlushDeadline
+from kvtierd_client.lease_beacon import LeaseBeacon
 from kvtierd_client.proto import pb2, pb2_grpc
 
 __all__ = [
@@ -299,12 +300,30 @@ class _SessionState:
         # expiry. Monotonic seconds (CLOCK_MONOTONIC: one clock for every process
         # of the host). Set from the OpenSession call by the client.
         self._lease_proven_until = 0.0
+        self._beacon: LeaseBeacon | None = None
 
     def _renewed(self, sent_at: float) -> None:
         """An answered call sent at ``sent_at`` (monotonic) proved the lease alive."""
         until = sent_at + self.lease_ms / 1000.0
         if until > self._lease_proven_until:
             self._lease_proven_until = until
+            if self._beacon is not None:
+                self._beacon.publish(until)
+
+    def lease_beacon(self) -> LeaseBeacon:
+        """This session's lease proof, published live in shared memory for the
+        processes that copy its rows (``kvtierd_client.lease_beacon``; the vLLM
+        plug-in's workers). Created on first use; removed when the session closes."""
+        if self._beacon is None:
+            self._beacon = LeaseBeacon()
+            self._beacon.publish(self._lease_proven_until)
+            if self._closed or self._gone:
+                self._beacon.declare_dead()
+        return self._beacon
+
+    def _end_beacon(self) -> None:
+        if self._beacon is not None:
+            self._beacon.close()
 
     @property
     def write_deadline(self) -> float:
@@ -333,6 +352,8 @@ class _SessionState:
 
     def _mark_gone(self) -> None:
         self._gone = True
+        if self._beacon is not None:
+            self._beacon.declare_dead()
 
     def __repr__(self) -> str:
         state = "gone" if self._gone else "closed" if self._closed else "open"
@@ -491,6 +512,13 @@ class Client:
         with self._lock:
             self._sessions.add(session)
         return session
+
+    def renew_lease(self, session_id: str, *, timeout: float | None = None) -> int:
+        """Renews the lease of session ``session_id`` (RPC ``KeepAlive``), which may
+        belong to another process of the same engine (the session id is its
+        capability); returns the lease in ms. Raises ``NotFound`` once the daemon
+        forgot the session, ``Unavailable`` / ``DeadlineExceeded``."""
+        return self._call(KEEP_ALIVE, session_id, timeout=timeout)
 
     def get_stats(self, pool: str = "") -> pb2.GetStatsResponse:
         """Statistics of ``pool``, or of every pool when empty (RPC ``GetStats``).
@@ -866,6 +894,7 @@ class Session(_SessionState):
                     "session %s: queued completions lost at close: %s", self.session_id, err
                 )
         self._closed = True
+        self._end_beacon()  # copiers stop before the daemon aborts the reservations
         self._stop.set()
         self._deadline.stop()
         self.client._forget(self)

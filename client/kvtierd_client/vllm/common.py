@@ -69,7 +69,8 @@ class KvtierdLoadStoreSpec(CPULoadStoreSpec):
     """vLLM's ``CPULoadStoreSpec`` of region row ids, tagged with the region they index.
 
     ``block_ids[i]`` is the row of the i-th key the manager was asked about (for a
-    store: of ``keys_to_store[i]``, with the session's ``write_deadline``).
+    store: of ``keys_to_store[i]``); ``lease_beacon`` names the scheduler session's
+    lease proof, which the worker checks before it copies.
     ``region`` is None only for a load the manager could not pin (``valid``
     False): the worker fails that job loudly instead of copying bytes nobody
     protects.
@@ -80,14 +81,16 @@ class KvtierdLoadStoreSpec(CPULoadStoreSpec):
         block_ids: Sequence[int],
         region: RegionIdentity | None,
         valid: bool = True,
-        write_deadline: float | None = None,
+        lease_beacon: str | None = None,
+        session_id: str | None = None,
     ) -> None:
         super().__init__(list(block_ids))
         self.region = region
         self.valid = valid and region is not None
-        # stores: the reserving session's write fence (monotonic seconds; one clock
-        # for every process of the host): the worker copies only before it
-        self.write_deadline = write_deadline
+        # the path of the scheduler session's lease beacon: the worker copies only
+        # while it proves the lease that holds these rows (kvtierd_client.lease_beacon)
+        self.lease_beacon = lease_beacon
+        self.session_id = session_id  # the session holding the rows (worker's fallback proof)
 
     def __repr__(self) -> str:
         where = self.region.path if self.region else "no region"

@@ -200,6 +200,11 @@ class StepStats:
         return self.round_trips / self.busy_steps if self.busy_steps else 0.0
 
 
+def _fence_of(session: Session) -> dict[str, str]:
+    """What a worker needs to check that ``session`` still holds a job's rows."""
+    return {"lease_beacon": session.lease_beacon().path, "session_id": session.session_id}
+
+
 @dataclass
 class _Generation:
     """One session of the manager and the region its row ids index."""
@@ -311,7 +316,7 @@ class KvtierdOffloadingManager(OffloadingManager):
             rows.update(zip(missing, got, strict=True))
             self._load_pins.update(missing)
         assert gen is not None
-        return KvtierdLoadStoreSpec([rows[k] for k in keys], gen.region)
+        return KvtierdLoadStoreSpec([rows[k] for k in keys], gen.region, **_fence_of(gen.session))
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         gen = self._usable()
@@ -349,9 +354,7 @@ class KvtierdOffloadingManager(OffloadingManager):
             self._step_results.pop(key, None)
         return PrepareStoreOutput(
             keys_to_store=[OffloadKey(k) for k in grant.keys_to_store],
-            store_spec=KvtierdLoadStoreSpec(
-                grant.block_ids, gen.region, write_deadline=gen.session.write_deadline
-            ),
+            store_spec=KvtierdLoadStoreSpec(grant.block_ids, gen.region, **_fence_of(gen.session)),
             evicted_keys=[OffloadKey(k) for k in grant.evicted_keys],
         )
 

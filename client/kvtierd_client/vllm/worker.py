@@ -20,7 +20,9 @@ protect them while the job runs. A job names the region its rows belong to; the
 worker copies only into or out of that very region file (same inode), attaching a
 new one after a daemon restart. A store into a region whose daemon is gone is
 dropped (nobody can ever read those rows), a load that cannot be served safely is
-reported failed, never filled with unprotected bytes.
+reported failed, never filled with unprotected bytes. A job is copied only while
+the scheduler session holding its rows is proven alive (:mod:`kvtierd_client.lease_fence`): jobs
+wait while it is unknown, and are never copied once it is gone.
 
 Not thread-safe: vLLM drives a worker from one thread.
 """
@@ -43,6 +45,8 @@ from vllm.v1.kv_offload.base import (
 
 from kvtierd_client.client import Client, Session
 from kvtierd_client.copy_engine import CopyEngine
+from kvtierd_client.lease_beacon import LeaseState
+from kvtierd_client.lease_fence import LeaseFence
 from kvtierd_client.region import AttachedRegion
 from kvtierd_client.vllm.common import KvtierdLoadStoreSpec, RegionIdentity, log
 from kvtierd_client.vllm.settings import PoolPlan
@@ -134,7 +138,9 @@ class KvtierdOffloadingWorker(OffloadingWorker):
         self._current = _Attachment(RegionIdentity.of_session(session), self._groups, plan, rank)
         self._jobs: dict[int, _Job] = {}  # submitted, not yet reported
         self._done: dict[CopyEngine, set[int]] = {}  # engine job ids finished, per engine
-        self._late: dict[CopyEngine, set[int]] = {}  # of those, stores past their deadline
+        # jobs whose rows' session is not proven alive yet, in submission order
+        self._deferred: dict[int, tuple[GPULoadStoreSpec, KvtierdLoadStoreSpec, bool]] = {}
+        self._fence = LeaseFence(client, session.lease_ms)
         self._results: list[TransferResult] = []  # finished, not yet reported
 
     @property
@@ -162,6 +168,10 @@ class KvtierdOffloadingWorker(OffloadingWorker):
         return results
 
     def wait(self, job_ids: set[int]) -> None:
+        while any(job_id in self._deferred for job_id in job_ids):
+            self._retry_deferred()
+            if any(job_id in self._deferred for job_id in job_ids):
+                time.sleep(0.01)  # the lease is unknown: wait for its proof
         for job_id in job_ids:
             job = self._jobs.get(job_id)
             if job is None:
@@ -170,10 +180,13 @@ class KvtierdOffloadingWorker(OffloadingWorker):
                 engine.wait([part_id])
 
     def shutdown(self) -> None:
-        """Waits for every copy, unmaps the region and closes the daemon session."""
+        """Waits for every copy, unmaps the region and closes the daemon session.
+        Deferred copies are dropped: nobody waits for them any more."""
+        self._deferred.clear()
         try:
             self._current.close()
         finally:
+            self._fence.close()
             self._client.close()
 
     # -- internals -------------------------------------------------------------------
@@ -187,6 +200,13 @@ class KvtierdOffloadingWorker(OffloadingWorker):
                 raise TypeError(f"expected a KvtierdLoadStoreSpec, got {type(rows).__name__}")
             if not rows.valid or rows.region is None:
                 raise RuntimeError("the scheduler could not pin the rows of this load")
+            lease = self._fence.state(rows.lease_beacon, rows.session_id)
+            if lease is LeaseState.UNPROVEN:
+                self._defer(job_id, gpu, rows, is_load)
+                return
+            if lease is LeaseState.DEAD:
+                self._drop_dead(job, rows, is_load)
+                return
             attachment = self._attachment_for(rows.region)
             if attachment is None:
                 if is_load:
@@ -205,7 +225,7 @@ class KvtierdOffloadingWorker(OffloadingWorker):
                 if is_load:
                     part = engine.submit_load([(row, blk) for blk, row in pairs])
                 else:
-                    part = engine.submit_store(pairs, write_deadline=rows.write_deadline)
+                    part = engine.submit_store(pairs)
                 job.parts.append((engine, part))
                 job.num_bytes += len(pairs) * self._group_bytes[g]
         except Exception as err:
@@ -217,6 +237,30 @@ class KvtierdOffloadingWorker(OffloadingWorker):
             self._results.append(TransferResult(job_id, success=False))
             return
         self._jobs[job_id] = job
+
+    def _defer(
+        self, job_id: int, gpu: GPULoadStoreSpec, rows: KvtierdLoadStoreSpec, is_load: bool
+    ) -> None:
+        if not self._deferred:
+            log.warning(
+                "kvtierd: the scheduler's session is not proven alive (keepalives "
+                "unanswered); copies wait until it is, or until it is known gone",
+            )
+        self._deferred[job_id] = (gpu, rows, is_load)
+
+    def _drop_dead(self, job: _Job, rows: KvtierdLoadStoreSpec, is_load: bool) -> None:
+        """The session holding the rows is gone: never copy. A store is dropped (the
+        daemon ignores completions of a forgotten session); a load fails."""
+        if is_load:
+            raise RuntimeError(
+                "the scheduler session that pinned the rows of this load is gone (lease "
+                "expired or daemon restarted); the rows may hold other blocks now"
+            )
+        log.warning(
+            "kvtierd: dropping store job %d: the scheduler session that reserved its "
+            "rows is gone; its blocks will be misses", job.job_id,
+        )  # fmt: skip
+        self._jobs[job.job_id] = job
 
     def _finish(self, job: _Job) -> None:
         del self._jobs[job.job_id]
@@ -240,32 +284,23 @@ class KvtierdOffloadingWorker(OffloadingWorker):
         if wait:
             for job in self._jobs.values():
                 self._wait_parts(job)
+        self._retry_deferred()
         for engines in self._current.engines:
             for engine in engines:
                 self._done.setdefault(engine, set()).update(engine.poll())
-                self._late.setdefault(engine, set()).update(engine.late_jobs())
         for job in list(self._jobs.values()):
             if all(part_id in self._done.get(e, ()) for e, part_id in job.parts):
-                late = False
                 for e, part_id in job.parts:
                     self._done[e].discard(part_id)
-                    if part_id in self._late.get(e, ()):
-                        self._late[e].discard(part_id)
-                        late = True
-                if late:
-                    self._fail_late(job)
-                else:
-                    self._finish(job)
+                self._finish(job)
 
-    def _fail_late(self, job: _Job) -> None:
-        """A store that ended after its session's write deadline: its rows may have
-        been given to another session meanwhile, so the store is reported failed."""
-        del self._jobs[job.job_id]
-        log.error(
-            "kvtierd: store job %d finished after its session's lease ran out; reported "
-            "failed (its rows were quarantined by the daemon)", job.job_id,
-        )  # fmt: skip
-        self._results.append(TransferResult(job.job_id, success=False))
+    def _retry_deferred(self) -> None:
+        """Submits the deferred jobs whose session's lease is known again, in order."""
+        for job_id, (gpu, rows, is_load) in list(self._deferred.items()):
+            if self._fence.state(rows.lease_beacon, rows.session_id) is LeaseState.UNPROVEN:
+                return  # keep the order: later jobs wait behind this one
+            del self._deferred[job_id]
+            self._submit(job_id, gpu, rows, is_load=is_load)
 
     def _attachment_for(self, identity: RegionIdentity) -> _Attachment | None:
         """The attachment of ``identity``, attaching it when it is a new region of the

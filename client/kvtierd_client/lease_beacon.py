@@ -1,0 +1,128 @@
+"""A session's lease proof, published in shared memory for the processes that copy
+its rows (README, "Lost leases").
+
+The process that owns a session (vLLM's scheduler) is not the one that copies
+bytes into the rows the session reserved (vLLM's workers). A worker must not
+write a row once the daemon may have expired the session and handed the row to
+another session; and it must not skip a write the session will still complete
+(the row would be served with whatever it held). So the owner publishes, live,
+what it knows of its lease, and a worker reads it before each copy:
+
+* ``proven_until`` > now: the lease is proven alive (send time of the newest
+  answered call + lease, on ``CLOCK_MONOTONIC``, which every process of a host
+  shares): copy.
+* ``proven_until`` <= now: unknown (keepalives unanswered: a daemon stall, a
+  cut socket, a frozen owner): wait, and copy once it is proven again. Sessions
+  never come back, so a proof that resumes means the lease never ran out.
+* :data:`DEAD` (the daemon said the session is gone, or its owner closed it):
+  the rows are no longer the session's; never copy, and nothing will complete
+  the reservation (the daemon ignores completions of a session it forgot).
+
+Layout: one page, the proof as a native ``double`` at offset 0 (one aligned
+8-byte store: readers never see half of it). The file is created 0600 with
+``O_EXCL`` in a private temp name and unlinked by its owner on close; readers
+open it with ``O_NOFOLLOW | O_NONBLOCK`` and refuse anything that is not a
+regular file of their own user.
+"""
+
+from __future__ import annotations
+
+import enum
+import mmap
+import os
+import stat
+import struct
+import tempfile
+import time
+import weakref
+
+DEAD = -1.0
+_PROOF = struct.Struct("=d")
+_SIZE = mmap.PAGESIZE
+_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
+
+
+class LeaseState(enum.Enum):
+    PROVEN = "proven"  # copy
+    UNPROVEN = "unproven"  # wait until proven again (or dead)
+    DEAD = "dead"  # never copy
+
+
+class LeaseBeacon:
+    """The owner's side: publishes a session's lease proof. Not thread-safe for
+    several writers; one session publishes into one beacon."""
+
+    def __init__(self, directory: str | None = None) -> None:
+        directory = directory or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+        fd, self.path = tempfile.mkstemp(prefix="kvtierd-lease-", dir=directory)
+        try:
+            os.ftruncate(fd, _SIZE)
+            self._map: mmap.mmap | None = mmap.mmap(fd, _SIZE)
+        finally:
+            os.close(fd)
+        # the file goes with the beacon even if nobody calls close()
+        self._unlink = weakref.finalize(self, _unlink_quietly, self.path)
+        self.publish(0.0)
+
+    def publish(self, proven_until: float) -> None:
+        """The lease is proven until ``proven_until`` (monotonic seconds)."""
+        if self._map is not None:
+            _PROOF.pack_into(self._map, 0, proven_until)
+
+    def declare_dead(self) -> None:
+        """The session is gone: readers must never copy into its rows again."""
+        self.publish(DEAD)
+
+    def close(self) -> None:
+        """Declares the session dead and removes the file (mapped readers keep
+        reading DEAD). Idempotent."""
+        if self._map is None:
+            return
+        self.declare_dead()
+        self._map.close()
+        self._map = None
+        self._unlink()
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class LeaseBeaconReader:
+    """A copying process's view of one beacon."""
+
+    def __init__(self, path: str) -> None:
+        fd = os.open(path, _READ_FLAGS)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size < _SIZE:
+                raise PermissionError(
+                    f"{path} is not a lease beacon of this user (uid {os.geteuid()}); "
+                    "refusing to trust it"
+                )
+            self._map: mmap.mmap | None = mmap.mmap(fd, _SIZE, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        self.path = path
+
+    def proven_until(self) -> float:
+        if self._map is None:
+            return DEAD
+        return float(_PROOF.unpack_from(self._map, 0)[0])
+
+    def state(self, margin: float = 0.0) -> LeaseState:
+        """What a copy may do now; ``margin`` seconds are kept short of the proof."""
+        proven = self.proven_until()
+        if proven == DEAD:
+            return LeaseState.DEAD
+        if time.monotonic() < proven - margin:
+            return LeaseState.PROVEN
+        return LeaseState.UNPROVEN
+
+    def close(self) -> None:
+        if self._map is not None:
+            self._map.close()
+            self._map = None

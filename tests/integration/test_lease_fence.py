@@ -1,0 +1,96 @@
+"""The copier's fence against a real daemon: a session's lease proof, published in
+shared memory (LeaseBeacon), read by another client's LeaseFence, which proves the
+lease itself with a KeepAlive when the proof lapses (README, "Lost leases")."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+
+import pytest
+from daemon_harness import start_daemon
+
+from kvtierd_client.client import Client
+from kvtierd_client.lease_beacon import LeaseBeaconReader, LeaseState
+from kvtierd_client.lease_fence import LeaseFence
+
+
+def eventually(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout}s: {what}")
+        time.sleep(0.02)
+
+
+def test_the_fence_follows_the_owner_sessions_lease(daemon, pool_name):
+    with Client(daemon.address) as owner_client, Client(daemon.address) as copier:
+        owner = owner_client.open_session(pool_name, block_bytes=4096, num_blocks=2)
+        beacon = owner.lease_beacon()
+        fence = LeaseFence(copier, owner.lease_ms)
+        assert fence.state(beacon.path, owner.session_id) is LeaseState.PROVEN
+        assert LeaseBeaconReader(beacon.path).proven_until() > time.monotonic()
+        owner.close()  # the copier must never copy into its rows again
+        assert fence.state(beacon.path, owner.session_id) is LeaseState.DEAD
+        assert not os.path.exists(beacon.path), "the beacon file outlived its session"
+        fence.close()
+
+
+def test_a_silent_owner_is_proven_alive_by_the_copier_until_it_expires(daemon, pool_name):
+    """The owner stops renewing (no keepalive): its beacon lapses, the copier's own
+    KeepAlive proves the session alive; once the daemon expired it, DEAD."""
+    with Client(daemon.address) as owner_client, Client(daemon.address) as copier:
+        owner = owner_client.open_session(
+            pool_name, block_bytes=4096, num_blocks=2, keepalive=False
+        )
+        beacon = owner.lease_beacon()
+        fence = LeaseFence(copier, owner.lease_ms)
+        eventually(
+            lambda: LeaseBeaconReader(beacon.path).proven_until() < time.monotonic(),
+            5, "the owner's proof lapsed",
+        )  # fmt: skip
+        # the copier renews the owner's lease itself (the session id is its capability)
+        assert fence.state(beacon.path, owner.session_id) is LeaseState.PROVEN
+        assert not owner.closed and owner.lookup([b"k"]) is not None
+        # a fence that stops asking lets the lease run out: then the session is gone
+        time.sleep(2.0 * 1.5)
+        other = LeaseFence(copier, owner.lease_ms)
+        assert other.state(beacon.path, owner.session_id) is LeaseState.DEAD
+        fence.close()
+        other.close()
+
+
+def test_an_unreachable_daemon_makes_the_lease_unknown_not_dead():
+    """While the daemon's loop does not run, no proof can be had: UNPROVEN (the
+    copier waits), and PROVEN again once it answers (the lease never ran out)."""
+    daemon = start_daemon("--lease", "1s")
+    try:
+        with Client(daemon.address) as owner_client, Client(daemon.address) as copier:
+            owner = owner_client.open_session("unknown", block_bytes=4096, num_blocks=2)
+            beacon = owner.lease_beacon()
+            fence = LeaseFence(copier, owner.lease_ms)
+            os.kill(daemon.proc.pid, signal.SIGSTOP)
+            try:
+                eventually(
+                    lambda: fence.state(beacon.path, owner.session_id) is LeaseState.UNPROVEN,
+                    5, "unknown while the daemon is stopped",
+                )  # fmt: skip
+            finally:
+                os.kill(daemon.proc.pid, signal.SIGCONT)
+            eventually(
+                lambda: fence.state(beacon.path, owner.session_id) is LeaseState.PROVEN,
+                5, "proven again",
+            )  # fmt: skip
+            fence.close()
+        assert daemon.stop() == 0
+    finally:
+        daemon.cleanup()
+
+
+def test_a_planted_beacon_is_refused(tmp_path):
+    path = tmp_path / "beacon"
+    os.mkfifo(path)
+    with pytest.raises(PermissionError, match="not a lease beacon"):
+        LeaseBeaconReader(str(path))
