@@ -281,6 +281,16 @@ OPTIONS: tuple[Option, ...] = (
         flag="--events-retained",
     ),
     Option(
+        "limits",
+        "promotion_hold",
+        _duration_in(0.0, 600.0),
+        lambda: 2.0,
+        "how long a block promoted from a secondary tier for a Lookup (and the ready "
+        "blocks that Lookup waits with) stays pinned for the engine that asked, unless a "
+        "session pins it first; held blocks are never evicted ('0s' turns holds off)",
+        flag="--promotion-hold",
+    ),
+    Option(
         "security",
         "tokens_file",
         _abs_file_or_empty,
@@ -333,6 +343,7 @@ class LimitsConfig:
     max_keys_per_call: int
     max_pools: int
     events_retained: int
+    promotion_hold: float  # seconds; 0 = no promotion holds
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,8 +12,11 @@ Ownership (DESIGN.md §4):
   aborts every reservation it still holds.
 
 Secondary tiers (cascade after CompleteStore, promotion on Lookup) are driven
-by :class:`kvtierd.tiering.Tiering`, which owns the pins of its cascade jobs and
-the reservations of its promotions; sessions never see or release those.
+by :class:`kvtierd.tiering.Tiering`, which owns the pins of its cascade jobs,
+the reservations of its promotions and the promotion holds (pins that keep a
+promoted block until a session pins it, :mod:`kvtierd.holds`); sessions never
+see or release those. A session's pin *claims* the hold of its key: PrepareLoad
+always, a pinning Lookup when its request waits for nothing (no HIT_PENDING).
 
 Every method runs on the daemon's event loop; none blocks. Each mutator
 validates everything first and then applies, so a rejected call changes nothing.
@@ -100,16 +103,25 @@ def _summary(
 class Pool:
     """One pool. Owned by the PoolTable; its sessions hold references to it."""
 
-    def __init__(self, spec: PoolSpec, region: Region, events_retained: int) -> None:
+    def __init__(
+        self, spec: PoolSpec, region: Region, events_retained: int, *, promotion_hold: float
+    ) -> None:
+        """``promotion_hold``: seconds a promotion hold lasts (0: no holds)."""
         self.spec = spec
         self.region = region
         self.events = EventLog(events_retained)
         self.history = RemovalLog()
         self._removal_reason = "evicted: least recently used, to make room"
         self.manager = PrimaryManager(spec.num_blocks, spec.eviction_policy, on_event=self._event)
-        self.tiering = Tiering(spec.name, self.manager, self.history, on_event=self.events.append)
-        # Invariant: sum over sessions of _pins[s][k] + cascade jobs naming k ==
-        # manager.ref_count(k) for every pinned key.
+        self.tiering = Tiering(
+            spec.name,
+            self.manager,
+            self.history,
+            on_event=self.events.append,
+            hold_seconds=promotion_hold,
+        )
+        # Invariant: sum over sessions of _pins[s][k] + cascade jobs naming k + (1 if
+        # k is held) == manager.ref_count(k) for every pinned key.
         self._pins: dict[str, Counter[BlockKey]] = {}
         # Invariant: the sets are disjoint, and k is in _reserved_by[s] iff session s
         # reserved k and has not completed it (so manager.ref_count(k) == -1).
@@ -186,6 +198,8 @@ class Pool:
             for i, row in zip(chosen, self.manager.prepare_load(pinned), strict=True):
                 block_ids[i] = row
             self._pins[session_id].update(pinned)  # owned by the session, as PrepareLoad
+            if LookupResult.HIT_PENDING not in results:  # the request can run: it loads
+                self.tiering.claim_holds(pinned)
         return results, block_ids
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
@@ -202,6 +216,7 @@ class Pool:
                 "load only those that answered HIT"
             ) from None
         self._pins[session_id].update(keys)  # pin 0 -> 1 (or n -> n+1), owned by session
+        self.tiering.claim_holds(keys)  # the pins above keep the rows: hold n -> n-1
         return block_ids
 
     def complete_load(self, session_id: str, keys: Sequence[BlockKey]) -> None:
@@ -221,7 +236,9 @@ class Pool:
         self._loads_completed += len(keys)
 
     def prepare_store(self, session_id: str, keys: Sequence[BlockKey]) -> StoreGrant | None:
-        """Reserves rows for the keys not present; None when no room (nothing changed)."""
+        """Reserves rows for the keys not present; None when no room (nothing changed).
+        Held blocks are not evicted for it (expired holds are released first)."""
+        self.tiering.expire_holds()
         grant = self.manager.prepare_store(keys)
         if grant is None:
             self._stores_refused += 1
@@ -245,7 +262,9 @@ class Pool:
         return len(done)
 
     def flush(self) -> int:
-        """Evicts every ready, unpinned block (pinned and in-flight ones stay)."""
+        """Evicts every ready, unpinned block (pinned, held and in-flight ones stay;
+        expired holds are released first)."""
+        self.tiering.expire_holds()
         self._removal_reason = "flushed (FlushPool)"
         try:
             return len(self.manager.evict_all_evictable())

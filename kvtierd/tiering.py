@@ -14,6 +14,18 @@ tiers (DESIGN.md §5; vLLM's ``TieringOffloadingManager``, reference §5).
   (their rows freed: MISS). A key whose promotion failed is not promoted from
   that tier again for :data:`PROMOTION_RETRY_AFTER` seconds (no retry loop on a
   file that keeps failing); a verification failure removes the file anyway.
+* Promotion holds (:mod:`kvtierd.holds`): the blocks a promotion brought in
+  stay pinned by the pool (one *hold* each) until a session pins them or
+  ``hold_seconds`` pass; so do the ready blocks a prefix Lookup answers HIT in
+  front of a key it answers HIT_PENDING (the request loads them together). A
+  held block is never evicted, so promotions are admitted only as far as free
+  or ready, unheld rows can hold them (a key without room answers MISS), and a
+  promoted block is read from the disk once per request that waits for it, not
+  once per promotion of another request. A loop timer releases holds at their
+  deadlines (and every Lookup first releases the expired ones); closing the
+  tiering releases them all.
+* Repeated lookups of a key whose promotion is in flight answer HIT_PENDING
+  from the primary's table: no tier is consulted, no job started.
 * Tiers are consulted in configuration order; a key promoted from tier *i* is
   cascaded to the tiers before *i* (a shared filesystem block lands on the
   local disk too).
@@ -23,13 +35,15 @@ tiers (DESIGN.md §5; vLLM's ``TieringOffloadingManager``, reference §5).
   when any of its jobs reports and before that job's stored event.
 
 Invariants: for every key, ``manager.ref_count(key)`` = session pins + the
-number of in-flight cascade jobs naming it; every row reserved here has
-exactly one in-flight promotion job. Event-loop only; tier completions arrive
-through :meth:`on_done`, which the tiers schedule on the loop.
+number of in-flight cascade jobs naming it + 1 if it is held; every row
+reserved here has exactly one in-flight promotion job (:meth:`check_invariants`).
+Event-loop only; tier completions arrive through :meth:`on_done`, which the
+tiers schedule on the loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import time
@@ -39,6 +53,7 @@ from dataclasses import dataclass
 
 from kvtierd.contract import BlockEvent, BlockKey, LookupResult
 from kvtierd.history import RemovalLog
+from kvtierd.holds import HoldStats, HoldTable
 from kvtierd.primary import PrimaryManager
 from kvtierd.tiers.base import JobResult, SecondaryTier, TierJob
 
@@ -83,7 +98,11 @@ class Tiering:
         manager: PrimaryManager,
         history: RemovalLog | None = None,
         on_event: Callable[[BlockEvent], None] | None = None,
+        *,
+        hold_seconds: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``hold_seconds``: how long a promotion hold lasts (0: no holds)."""
         self.pool_name = pool_name
         self._on_event = on_event
         self.history = history if history is not None else RemovalLog()
@@ -93,6 +112,11 @@ class Tiering:
         self._job_ids = itertools.count(1)
         self._failed: OrderedDict[tuple[int, BlockKey], float] = OrderedDict()
         self._counters: list[Counter[str]] = []
+        self._holds = HoldTable(manager, hold_seconds, clock)
+        self._clock = clock
+        # the loop timer of the earliest hold deadline (None: not armed); each firing
+        # releases the expired holds and arms the next one
+        self._hold_timer: asyncio.TimerHandle | None = None
         self.closed = False
         # (pool, tier name, is_promotion, seconds) per reported job; set by the daemon
         self.observe_job: Callable[[str, str, bool, float], None] | None = None
@@ -147,9 +171,18 @@ class Tiering:
         promoted (a prefix cache loads nothing after its first miss)."""
         if not self.tiers or self.closed:
             return results
+        self.expire_holds()
+        if _MISS in results:
+            self._promote_misses(keys, results, prefix)
+        if prefix:
+            self._hold_waited_for(keys, results)
+        return results
+
+    def _promote_misses(
+        self, keys: Sequence[BlockKey], results: list[LookupResult], prefix: bool
+    ) -> None:
+        """Starts the promotions of :meth:`lookup`; updates ``results`` in place."""
         waiting = [i for i, result in enumerate(results) if result is _MISS]
-        if not waiting:
-            return results
         holders, retry = self._locate(keys, waiting)
         if prefix:
             cut = next((i for i in waiting if i not in holders), len(keys))
@@ -165,7 +198,23 @@ class Tiering:
         for i in retry:
             if results[i] is _MISS:
                 results[i] = _RETRY
-        return results
+
+    def _hold_waited_for(self, keys: Sequence[BlockKey], results: list[LookupResult]) -> None:
+        """A prefix lookup that answers HIT_PENDING waits for that key and will load
+        the run in front of it together: holds (or renews) the HITs of that run."""
+        waited_for: list[BlockKey] = []  # HITs in front of the last HIT_PENDING
+        since_pending: list[BlockKey] = []
+        for key, result in zip(keys, results, strict=True):
+            if result is _HIT:
+                since_pending.append(key)
+            elif result is _HIT_PENDING:
+                waited_for += since_pending
+                since_pending.clear()
+            else:
+                break  # the prefix ends: nothing after it is loaded
+        if waited_for:
+            self._holds.hold(waited_for)
+            self._arm_hold_timer()
 
     def _locate(
         self, keys: Sequence[BlockKey], waiting: list[int]
@@ -281,12 +330,74 @@ class Tiering:
                 "pool %s: promotion of %d of %d blocks from tier %s failed; they answer MISS",
                 self.pool_name, len(failed), len(job.keys), self.tiers[index].name,
             )  # fmt: skip
+        if done:
+            self._holds.hold(done)  # until the engine that asked pins them
+            self._arm_hold_timer()
         counters = self._counters[index]
         counters["promotion_jobs_finished" if result.success else "promotion_jobs_failed"] += 1
         counters["promotion_blocks_loaded"] += len(done)
         counters["promotion_blocks_failed"] += len(failed)
         if done and index > 0:
             self.cascade(done, before=index)
+
+    # ----------------------------------------------------------------- holds
+
+    def claim_holds(self, keys: Sequence[BlockKey]) -> None:
+        """A session has just pinned ``keys`` to load them: their holds end (the
+        session's pins keep the rows)."""
+        self._holds.claim(keys)
+
+    def expire_holds(self) -> None:
+        """Releases the holds whose deadline has passed (their blocks become
+        evictable). Called by the hold timer and before anything needs rows."""
+        expired = self._holds.expire()
+        if expired:
+            log.debug("pool %s: %d promotion holds expired unclaimed", self.pool_name, expired)
+
+    def hold_statistics(self) -> HoldStats:
+        return self._holds.statistics()
+
+    def _arm_hold_timer(self) -> None:
+        """Arms the loop timer for the earliest hold deadline, unless armed. Without a
+        running loop (unit tests drive the tiering by hand) holds expire at the next
+        :meth:`lookup` or :meth:`expire_holds`."""
+        deadline = self._holds.next_deadline()
+        if self._hold_timer is not None or deadline is None or self.closed:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        delay = max(0.0, deadline - self._clock())
+        self._hold_timer = loop.call_later(delay, self._on_hold_timer)
+
+    def _on_hold_timer(self) -> None:
+        self._hold_timer = None
+        if self.closed:
+            return
+        self.expire_holds()
+        self._arm_hold_timer()  # the next deadline (renewed holds moved it later)
+
+    def check_invariants(self, session_pins: Counter[BlockKey]) -> None:
+        """Verifies that the primary's ref counts are exactly the pins their owners
+        hold: ``session_pins`` (given by the caller) + cascade jobs + holds, and that
+        every pending promotion row belongs to one in-flight job (tests, debugging)."""
+        self._holds.check_invariants()
+        owned = Counter(session_pins)
+        promoting: list[BlockKey] = []
+        for in_flight in self._jobs.values():
+            if in_flight.job.is_promotion:
+                promoting.extend(in_flight.job.keys)
+            else:
+                owned.update(in_flight.job.keys)
+        owned.update(self._holds.keys())
+        for key, count in owned.items():
+            ref = self._manager.ref_count(key)
+            assert ref == count, f"key {key!r}: ref {ref}, owners hold {count} pins"
+        assert self._manager.statistics().pinned_blocks == len(+owned), "a pin without owner"
+        assert len(set(promoting)) == len(promoting), "a row in two promotion jobs"
+        for key in promoting:
+            assert self._manager.ref_count(key) == -1, f"promoting {key!r} is not pending"
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -300,8 +411,13 @@ class Tiering:
             await tier.drain()
 
     def close(self) -> None:
-        """Stops the tiers' own threads (scans); completions after this are ignored."""
+        """Stops the tiers' own threads (scans) and releases every hold; completions
+        after this are ignored."""
         self.closed = True
+        if self._hold_timer is not None:
+            self._hold_timer.cancel()
+            self._hold_timer = None
+        self._holds.release_all()
         for tier in self.tiers:
             try:
                 tier.shutdown()

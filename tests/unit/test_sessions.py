@@ -21,7 +21,7 @@ class Clock:
 @pytest.fixture
 def pool(tmp_path):
     region = Region.create(tmp_path, "p", 4, 4096, prefault=False)
-    pool = Pool(PoolSpec("p", 4096, 4, "", "lru"), region, events_retained=64)
+    pool = Pool(PoolSpec("p", 4096, 4, "", "lru"), region, events_retained=64, promotion_hold=0.0)
     try:
         yield pool
     finally:
