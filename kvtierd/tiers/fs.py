@@ -56,7 +56,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvtierd.contract import BlockKey, LookupResult, Medium
@@ -998,94 +998,6 @@ class FsTier(SecondaryTier):
         return f"{self._temp_tag}-{next(self._temp_counter)}"
 
 
-# -- fsck ------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class FsckReport:
-    """What :func:`fsck` found: ``bad`` lists ``(path, reason)``."""
-
-    root: str
-    pools: int = 0
-    files_checked: int = 0
-    bad: list[tuple[str, str]] = field(default_factory=list)
-    removed: int = 0
-    temp_files: int = 0
-
-    @property
-    def clean(self) -> bool:
-        return not self.bad
-
-
-def fsck(
-    root: str | os.PathLike[str],
-    *,
-    remove: bool = False,
-    progress: Callable[[int, str], None] | None = None,
-) -> FsckReport:
-    """Verifies every block file under every pool dir of ``root`` completely.
-
-    Checks header, pool fingerprint, payload length, file name vs key and the
-    payload checksum. ``remove=True`` unlinks bad files (safe while a daemon runs:
-    it treats a vanished file as a miss). Temp files are counted, never removed
-    (a live daemon may be writing them). ``progress(files_checked, path)`` is
-    called after each file.
-    """
-    root = os.fspath(root)
-    report = FsckReport(root=root)
-    for entry in sorted(os.scandir(root), key=lambda e: e.name):
-        pool_file = os.path.join(entry.path, POOL_FILE)
-        if not entry.is_dir() or not os.path.isfile(pool_file):
-            continue
-        report.pools += 1
-        try:
-            with open(pool_file, encoding="utf-8") as f:
-                desc = json.load(f)
-            fingerprint = bytes.fromhex(desc["fingerprint"])
-            block_bytes = int(desc["block_bytes"])
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            report.bad.append((pool_file, f"unreadable pool description: {exc}"))
-            continue
-        for full, rel in _walk_pool(entry.path):
-            if rel.endswith(TEMP_SUFFIX):
-                report.temp_files += 1
-                continue
-            if not rel.endswith(BLOCK_SUFFIX):
-                continue
-            reason = _check_file(full, rel, fingerprint, block_bytes)
-            report.files_checked += 1
-            if reason is not None:
-                report.bad.append((full, reason))
-                if remove:
-                    blockfile.unlink_quietly(full)
-                    report.removed += 1
-            if progress is not None:
-                progress(report.files_checked, full)
-    return report
-
-
-def _check_file(full: str, rel: str, fingerprint: bytes, block_bytes: int) -> str | None:
-    """None if the file verifies completely, else the reason it does not."""
-    try:
-        with open(full, "rb") as f:
-            data = f.read()
-    except OSError as exc:
-        return f"unreadable: {exc}"
-    view = memoryview(data)
-    try:
-        header = fsformat.decode_header(view[:HEADER_SIZE])
-        fsformat.verify_header(header, key=None, fingerprint=fingerprint, block_bytes=block_bytes)
-        if fsformat.block_rel_path(header.key) != rel:
-            raise CorruptBlock(f"header names key {header.key.hex()}, not this file")
-        if len(data) != HEADER_SIZE + block_bytes:
-            raise CorruptBlock(f"file is {len(data)} bytes, expected {HEADER_SIZE + block_bytes}")
-        if fsformat.payload_checksum(view[HEADER_SIZE:]) != header.payload_checksum:
-            raise CorruptBlock("payload checksum mismatch")
-    except CorruptBlock as exc:
-        return exc.reason
-    return None
-
-
 # -- module helpers -----------------------------------------------------------------------
 
 
@@ -1096,15 +1008,6 @@ def _flatten(outcomes: list[Outcome], sizes: list[int]) -> list[Outcome]:
     for outcome, size in zip(outcomes, sizes, strict=True):
         flat.extend(outcome.value if outcome.ok else [outcome] * size)
     return flat
-
-
-def _walk_pool(pool_dir: str):  # -> Iterator[tuple[str, str]]
-    """(full path, path relative to ``pool_dir`` with '/') of every file below the pool dir."""
-    for dirpath, _dirnames, filenames in os.walk(pool_dir):
-        rel_dir = os.path.relpath(dirpath, pool_dir)
-        for name in filenames:
-            rel = name if rel_dir == "." else f"{rel_dir}/{name}".replace(os.sep, "/")
-            yield os.path.join(dirpath, name), rel
 
 
 def _name(rel: str) -> str:

@@ -23,7 +23,8 @@ from kvtierd.contract import LookupResult
 from kvtierd.region import Region
 from kvtierd.tiers import fsformat, safefs
 from kvtierd.tiers.base import JobResult, TierJob
-from kvtierd.tiers.fs import FsTier, FsTierError, PoolMismatchError, fsck
+from kvtierd.tiers.fs import FsTier, FsTierError, PoolMismatchError
+from kvtierd.tiers.fsck import fsck
 from kvtierd.tiers.iopool import IoPool, PoolShutDown
 from kvtierd.tiers.ioworker import IoWorkers
 
