@@ -83,6 +83,7 @@ _REMOVALS_KEPT = 65536  # recent removals remembered for Explain
 _GROUP_BYTES = 16 << 20  # blocks per I/O task: this many bytes (at least one block)
 _SPEED_PROBE_BYTES = 16 << 20  # at most this much written twice by the o_direct=auto probe
 _POOL_FILE_MAX_BYTES = 64 << 10  # a pool.json larger than this is not ours
+SCAN_JOIN_S = 2.0  # shutdown waits this long for a scan stuck in the file system
 _COUNTERS = (
     "hits",
     "misses",
@@ -281,12 +282,23 @@ class FsTier(SecondaryTier):
             await self._io.drain()
 
     def shutdown(self) -> None:
-        """Stops the scan and the I/O threads; queued jobs are reported failed."""
+        """Stops the scan and the I/O threads; queued jobs are reported failed.
+
+        Bounded: a scan thread stuck in the file system (a hung mount) is waited
+        for at most :data:`SCAN_JOIN_S` seconds, then left behind (a daemon
+        thread; it touches no region).
+        """
         self._stop.set()
         if self._io is not None and self._owns_io:
             self._io.shutdown()
         if self._scan_thread is not None:
-            self._scan_thread.join()
+            self._scan_thread.join(SCAN_JOIN_S)
+            if self._scan_thread.is_alive():
+                log.warning(
+                    "FS tier %s: the index scan of %s did not stop within %gs (file system "
+                    "not answering?); leaving it behind",
+                    self.name, self.pool_dir, SCAN_JOIN_S,
+                )  # fmt: skip
 
     # -- SecondaryTier (loop thread) -----------------------------------------------
 

@@ -49,6 +49,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -61,6 +62,7 @@ log = logging.getLogger("kvtierd.tiers.ioworker")
 _LENGTH = struct.Struct("<I")
 _PR_SET_PDEATHSIG = 1
 _STOP_WAIT = 5.0  # seconds a worker gets to exit after EOF before it is killed
+_KILL_WAIT = 1.0  # seconds to wait for a killed worker to be reaped
 
 # A region as a worker sees it: (path, st_dev, st_ino, block_bytes).
 RegionRef = tuple[str, int, int, int]
@@ -357,15 +359,25 @@ class WorkerProcess:
             raise WorkerDied(errno.EIO, f"I/O worker {self.name} answered out of step")
         return replies
 
-    def stop(self) -> None:
-        """Closes the sockets (the worker exits at EOF) and reaps the process."""
+    def stop(self, deadline: float | None = None) -> None:
+        """Closes the sockets (the worker exits at EOF) and reaps the process; kills
+        it if it has not exited by ``deadline`` (monotonic; default: now +
+        ``_STOP_WAIT``). Bounded: a process that does not even die when killed
+        (stuck in the kernel) is left behind, with a WARNING."""
         for sock in self.socks:
             sock.close()
+        if deadline is None:
+            deadline = time.monotonic() + _STOP_WAIT
         try:
-            self.process.wait(timeout=_STOP_WAIT)
+            self.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            return
         except subprocess.TimeoutExpired:
             self.process.kill()
-            self.process.wait()
+        try:
+            self.process.wait(timeout=_KILL_WAIT)
+        except subprocess.TimeoutExpired:
+            log.warning("I/O worker %s (pid %d) does not exit even when killed; leaving it",
+                        self.name, self.process.pid)  # fmt: skip
 
 
 class _SpawnRequest:
@@ -433,8 +445,9 @@ class IoWorkers:
                 stopping.append(worker)
                 for sock in worker.socks:
                     sock.close()  # every worker sees EOF at once
+        deadline = time.monotonic() + _STOP_WAIT  # one wait for all of them, not one each
         for worker in stopping:
-            worker.stop()
+            worker.stop(deadline)
         with self._spawner_lock:
             if self._spawner is not None:
                 self._spawn_requests.put(None)

@@ -13,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 import stat
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,8 +25,9 @@ from test_fs_tier import BLOCK_IO, Harness, block_path, region, run
 
 from kvtierd.contract import LookupResult
 from kvtierd.region import Region
-from kvtierd.tiers import fsformat
+from kvtierd.tiers import fs, fsformat, iopool, ioworker
 from kvtierd.tiers.fs import FsTier, FsTierError
+from kvtierd.tiers.iopool import IoPool
 
 __all__ = ["region"]  # the fixture, imported for these tests
 
@@ -250,3 +253,78 @@ def test_a_symlinked_pool_directory_or_planted_pool_json_refuses_the_pool(
         assert "pool.json is a FIFO, not a regular file; remove it" in str(outcome[0])
 
     run(region, root, body)
+
+
+# -- shutdown stays bounded while I/O is stuck --------------------------------------------
+
+
+def test_iopool_shutdown_leaves_a_stuck_thread_behind_after_its_bound(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        pool = IoPool(loop, read_threads=1, write_threads=0, name="stuck-test")
+        started, gate = threading.Event(), threading.Event()
+        done: asyncio.Future[list[iopool.Outcome]] = loop.create_future()
+
+        def stuck() -> int:
+            started.set()
+            gate.wait()
+            return 1
+
+        pool.submit_read([stuck], done.set_result)
+        await loop.run_in_executor(None, started.wait)
+        begin = time.monotonic()
+        await loop.run_in_executor(None, pool.shutdown, 0.2)
+        assert time.monotonic() - begin < 2.0
+        assert "stuck-test-r0 still run a task after 0.2s" in caplog.text
+        gate.set()  # the file system answers at last: the batch still reports once
+        assert (await asyncio.wait_for(done, QUICK_S))[0].value == 1
+
+    asyncio.run(main())
+
+
+def test_tier_shutdown_is_bounded_with_a_scan_and_a_worker_stuck(
+    region: Region, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Scenario: the index scan is stuck, and the I/O worker process running a
+    promotion is stopped (SIGSTOP: as stuck as a hung mount). Shutdown of the tier
+    and of the workers returns within its bounds; the stuck promotion then
+    reports failed, once."""
+    monkeypatch.setattr(fs, "SCAN_JOIN_S", 0.2)
+    monkeypatch.setattr(iopool, "JOIN_S", 0.2)
+    monkeypatch.setattr(ioworker, "_STOP_WAIT", 0.2)
+    gate = threading.Event()
+
+    class StuckScanTier(FsTier):
+        def _scan_hook(self) -> None:
+            gate.wait()
+
+    async def body(h: Harness) -> None:
+        tier = await h.ready_tier(read_threads=1, write_threads=0)
+        assert h.workers is not None
+        h.fill(0, 1)
+        assert (await h.store(tier, [b"k"], [0])).success
+        (pid,) = h.workers.pids()
+        os.kill(pid, signal.SIGSTOP)
+        job = h._job([b"k"], [3], True)
+        tier.submit_load(job)
+        deadline = time.monotonic() + QUICK_S
+        while tier.statistics().queued_jobs:  # until an I/O thread took the read
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        scanning = h.tier(StuckScanTier)
+        scanning.start()
+        try:
+            begin = time.monotonic()
+            await h.loop.run_in_executor(None, scanning.shutdown)
+            await h.loop.run_in_executor(None, tier.shutdown)
+            await h.loop.run_in_executor(None, h.workers.stop)
+            assert time.monotonic() - begin < 3.0
+            result = await asyncio.wait_for(h.waiters[job.job_id], QUICK_S)
+            assert not result.success  # the killed worker failed it
+            assert h.calls[job.job_id] == 1
+        finally:
+            gate.set()
+
+    run(region, tmp_path, body, io_processes=1)
