@@ -74,6 +74,7 @@ from kvtierd.tiers.fsformat import (
 from kvtierd.tiers.iopool import IoPool, Outcome
 from kvtierd.tiers.ioworker import BlockIo, InlineIo, IoWorkers, RegionRef
 from kvtierd.tiers.safefs import DIRECTORY, REGULAR, Entry, PoolDir, UnexpectedEntry
+from kvtierd.tiers.writelog import WriteFailureLog
 
 log = logging.getLogger("kvtierd.tiers.fs")
 
@@ -196,6 +197,7 @@ class FsTier(SecondaryTier):
         budget: DiskBudget | None = None,
         workers: IoWorkers | None = None,
         region_file: tuple[str, int, int] | None = None,
+        write_log: WriteFailureLog | None = None,
     ) -> None:
         if o_direct not in O_DIRECT_MODES:
             raise ValueError(f"o_direct must be one of {O_DIRECT_MODES}, got {o_direct!r}")
@@ -243,6 +245,7 @@ class FsTier(SecondaryTier):
         self._stop = threading.Event()
         self._scan_thread: threading.Thread | None = None
         self._ready: asyncio.Future[None] | None = None
+        self._write_log = write_log if write_log is not None else WriteFailureLog(name, log)
         # Block file I/O: in worker processes, or inline on the calling I/O thread.
         self._block_io: BlockIo = workers if workers is not None else InlineIo(self._region)
         self._region_ref: RegionRef = (*(region_file or ("", 0, 0)), block_bytes)
@@ -402,9 +405,13 @@ class FsTier(SecondaryTier):
     def _store_done(self, job: TierJob, outcomes: list[Outcome], start: float) -> None:
         stored = tuple(key for key, o in zip(job.keys, outcomes, strict=True) if o.ok)
         for key, outcome in zip(job.keys, outcomes, strict=True):
-            if not outcome.ok:
+            if isinstance(outcome.error, OSError):  # the disk refused: the operator hears
+                self._write_log.failed(outcome.error, self._path(key))
+            elif not outcome.ok:  # capacity, shutdown: counted only
                 log.debug("FS tier %s: store of %s failed: %s", self.name, key.hex(), outcome.error)
         written = sum(1 for o in outcomes if o.ok and o.value)
+        if written:
+            self._write_log.succeeded()
         failures = len(job.keys) - len(stored)
         if failures:
             with self._lock:

@@ -157,6 +157,7 @@ def test_a_symlinked_fan_out_directory_is_never_followed(
             assert f"{fan_out} is a symlink, not a directory: not followed" in caplog.text
             stored = await asyncio.wait_for(h.store(tier, [second], [1]), QUICK_S)
             assert not stored.success and tier.statistics().store_failures == 1
+            assert "ELOOP" in caplog.text and str(block_path(tier, second)) in caplog.text
             assert sorted(p.name for p in outside.iterdir()) == before
             assert fan_out.is_symlink()  # reported, not removed
         finally:
