@@ -68,7 +68,8 @@ class _OpenHow(ctypes.Structure):
     )
 
 
-def _load_openat2() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def _load_openat2() -> Callable[..., int] | None:
+    """libc's ``syscall`` (to call openat2, which Python does not wrap), or None."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -76,11 +77,12 @@ def _load_openat2() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     except (OSError, AttributeError):
         return None
     syscall.restype = ctypes.c_long
-    return syscall
+    return syscall  # type: ignore[no-any-return]
 
 
 _syscall = _load_openat2()
-_have_openat2 = _syscall is not None  # set False for good at the first ENOSYS / EPERM
+_have_openat2 = _syscall is not None  # False for good after ENOSYS, EPERM, EINVAL, E2BIG
+_NO_OPENAT2 = (errno.ENOSYS, errno.EPERM, errno.EINVAL, errno.E2BIG)  # kernel or seccomp
 
 
 def _open_beneath(dir_fd: int, rel: str, flags: int) -> int | None:
@@ -91,13 +93,19 @@ def _open_beneath(dir_fd: int, rel: str, flags: int) -> int | None:
     if not _have_openat2 or _syscall is None:
         return None
     how = _OpenHow(flags, 0, _RESOLVE_NO_SYMLINKS | _RESOLVE_BENEATH)
-    fd = _syscall(_SYS_OPENAT2, dir_fd, rel.encode(), ctypes.byref(how), ctypes.sizeof(how))
+    fd = _syscall(
+        ctypes.c_long(_SYS_OPENAT2),  # variadic: pass every argument at its C width
+        ctypes.c_long(dir_fd),
+        ctypes.c_char_p(rel.encode()),
+        ctypes.byref(how),
+        ctypes.c_size_t(ctypes.sizeof(how)),
+    )
     if fd >= 0:
         return int(fd)
     code = ctypes.get_errno()
     if code == errno.ENOENT:
         raise _missing(rel)
-    if code in (errno.ENOSYS, errno.EPERM):  # no openat2 here (old kernel, seccomp)
+    if code in _NO_OPENAT2:  # no (usable) openat2 here: walk from now on
         _have_openat2 = False
     return None
 
