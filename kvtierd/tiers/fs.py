@@ -22,7 +22,15 @@ Ownership and invariants:
   optional fdatasync + rename). A file is removed only (a) by eviction, never
   while a read of it is in flight, (b) when it fails verification (load, scan
   or fsck), and only if the path still names the inode that failed, or (c) as a
-  leftover ``*.tmp`` at start.
+  leftover ``*.tmp`` at start. A directory is never removed.
+* Paths: everything below the pool directory is opened through
+  :class:`~kvtierd.tiers.safefs.PoolDir` (no symlink followed, no open that can
+  block). Anything but a regular file where a block file belongs (a FIFO,
+  socket, device, directory, symlink) fails verification like a corrupt file:
+  the key answers MISS, is counted in ``checksum_failures`` and logged with the
+  path and type; a symlinked ``<hh>`` directory is never entered.
+* Shutdown is bounded: a scan or I/O thread stuck in the file system is left
+  behind after :data:`SCAN_JOIN_S` / :data:`~kvtierd.tiers.iopool.JOIN_S`.
 * Index: ``{key: (file bytes, last use)}`` in LRU order, plus ``_used`` (sum of
   indexed file sizes) and ``_reserved`` (writes in flight); all guarded by
   ``_lock``, which I/O threads and the loop share and hold only briefly: no
