@@ -2,40 +2,54 @@
 
 These functions are the FS tier's data path. They run on an I/O thread of the
 daemon or in an I/O worker process (:mod:`kvtierd.tiers.ioworker`), so they
-touch nothing but the file system and the row they are given.
+touch nothing but the file system and the row they are given. Every path is
+resolved below an open :class:`~kvtierd.tiers.safefs.PoolDir`: no symlink is
+followed and no open can block.
 
 Invariants:
 
 * :func:`write_block_file` makes a file visible only complete: it writes a temp
   file in the target directory (header + payload, optional fdatasync) and
-  renames it into place; on any failure it removes the temp file and raises.
-* :func:`read_block_file` fills ``row`` and returns only if the file's size,
-  header (magic, version, checksum, pool fingerprint, key, payload length) and
-  payload checksum all verify. Otherwise ``row`` may hold garbage and it raises
-  :class:`CorruptFile` (naming the inode that failed, so the caller removes
-  only that file), FileNotFoundError, or another OSError (a transient error:
-  the file is kept).
+  renames it into place; on any failure it removes the temp file and raises an
+  OSError whose ``filename`` is the block file's full path.
+* :func:`read_block_file` fills ``row`` and returns only if the file is a
+  regular file and its size, header (magic, version, checksum, pool
+  fingerprint, key, payload length) and payload checksum all verify. Otherwise
+  ``row`` may hold garbage and it raises :class:`CorruptFile` (naming the inode
+  that failed, so the caller removes only that file; a FIFO, socket, device,
+  directory or symlink in its place is one too), FileNotFoundError, or another
+  OSError (a transient error: the file is kept).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import mmap
 import os
 from collections.abc import Sequence
 
 from kvtierd.tiers import fsformat
 from kvtierd.tiers.fsformat import HEADER_SIZE, CorruptBlock
+from kvtierd.tiers.safefs import REGULAR, Identity, PoolDir, UnexpectedEntry
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 class CorruptFile(CorruptBlock):
-    """A block file failed verification; ``identity`` is its ``(st_dev, st_ino)``."""
+    """A block file failed verification.
 
-    def __init__(self, reason: str, identity: tuple[int, int]) -> None:
+    ``identity`` is the ``(st_dev, st_ino)`` of what failed, if the caller may
+    unlink it (when the path still names it); None when it must be left alone
+    (a directory, or a symlinked directory on the way). ``kind`` is what was
+    found at the path ("regular file" for a file whose contents failed).
+    """
+
+    def __init__(self, reason: str, identity: Identity | None, kind: str = REGULAR) -> None:
         super().__init__(reason)
         self.identity = identity
+        self.kind = kind
 
 
 def header_buffer() -> mmap.mmap:
@@ -44,8 +58,9 @@ def header_buffer() -> mmap.mmap:
 
 
 def write_block_file(
-    path: str,
-    temp_path: str,
+    pool: PoolDir,
+    rel: str,
+    temp_name: str,
     key: bytes,
     fingerprint: bytes,
     row: memoryview,
@@ -54,10 +69,12 @@ def write_block_file(
     o_direct: bool,
     fsync: bool,
 ) -> None:
-    """Writes ``row`` as the block file of ``key`` at ``path`` (its directory exists).
+    """Writes ``row`` as the block file of ``key`` at ``rel`` below ``pool``
+    (missing directories on the way are created; symlinked ones are refused).
 
-    ``temp_path`` must be a name no other writer uses, in the same directory.
-    ``head`` is a :func:`header_buffer` owned by the calling thread.
+    ``temp_name`` must be a name no other writer uses; it is created in the
+    block file's directory. ``head`` is a :func:`header_buffer` owned by the
+    calling thread.
     """
     head[:] = fsformat.encode_header(
         key=key,
@@ -65,25 +82,47 @@ def write_block_file(
         payload_length=len(row),
         payload_checksum=fsformat.payload_checksum(row),
     )
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-    fd = os.open(temp_path, flags | (O_DIRECT if o_direct else 0), 0o644)
+    try:
+        with pool.parent(rel, create=True) as (dir_fd, name):
+            _write_and_rename(dir_fd, name, temp_name, [memoryview(head), row], o_direct, fsync)
+    except UnexpectedEntry as exc:
+        code = errno.ELOOP if exc.kind == "symlink" else errno.ENOTDIR
+        raise OSError(code, f"{exc}: not followed", pool.full(rel)) from None
+    except OSError as exc:  # name the block file, whichever step failed
+        if exc.errno is None:
+            raise
+        raise OSError(exc.errno, exc.strerror, pool.full(rel)) from None
+
+
+def _write_and_rename(
+    dir_fd: int,
+    name: str,
+    temp_name: str,
+    buffers: Sequence[memoryview],
+    o_direct: bool,
+    fsync: bool,
+) -> None:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (O_DIRECT if o_direct else 0)
+    fd = os.open(temp_name, flags, 0o644, dir_fd=dir_fd)
     try:
         try:
-            write_all(fd, [memoryview(head), row])
+            write_all(fd, buffers)
             if fsync:
                 os.fdatasync(fd)
         finally:
             os.close(fd)
-        os.rename(temp_path, path)
+        os.rename(temp_name, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
-        unlink_quietly(temp_path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp_name, dir_fd=dir_fd)
         raise
     if fsync:
-        fsync_dir(os.path.dirname(path))
+        os.fsync(dir_fd)
 
 
 def read_block_file(
-    path: str,
+    pool: PoolDir,
+    rel: str,
     key: bytes,
     fingerprint: bytes,
     row: memoryview,
@@ -91,10 +130,15 @@ def read_block_file(
     *,
     o_direct: bool,
 ) -> None:
-    """Reads the block file of ``key`` into ``row`` and verifies it completely."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (O_DIRECT if o_direct else 0))
+    """Reads the block file of ``key`` at ``rel`` below ``pool`` into ``row`` and
+    verifies it completely."""
     try:
-        st = os.fstat(fd)
+        fd, st = pool.open_file(rel)
+    except UnexpectedEntry as exc:
+        raise bad_entry(exc) from None
+    try:
+        if o_direct:  # after the fstat: O_DIRECT on a FIFO would fail the open (EINVAL)
+            fcntl.fcntl(fd, fcntl.F_SETFL, O_DIRECT)  # also clears O_NONBLOCK
         try:
             expected = HEADER_SIZE + len(row)
             if st.st_size != expected:
@@ -110,6 +154,16 @@ def read_block_file(
             raise CorruptFile(exc.reason, (st.st_dev, st.st_ino)) from None
     finally:
         os.close(fd)
+
+
+def bad_entry(exc: UnexpectedEntry) -> CorruptFile:
+    """The CorruptFile standing for something other than a regular file at a block
+    file's path (its own identity: removable unless a directory), or for a
+    directory on the way that is not one (left alone: the message names it)."""
+    if exc.expected == REGULAR:
+        identity = exc.identity if exc.removable else None
+        return CorruptFile(f"a {exc.kind}, not a regular file", identity, exc.kind)
+    return CorruptFile(str(exc) + ": not followed", None, exc.kind)
 
 
 def remaining(buffers: Sequence[memoryview], done: int) -> list[memoryview]:
@@ -152,11 +206,3 @@ def unlink_quietly(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
-
-
-def fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

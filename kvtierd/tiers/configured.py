@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 import os
 import tempfile
 
@@ -23,6 +24,7 @@ from kvtierd.tiers.fs import DiskBudget, FsTier
 from kvtierd.tiers.iopool import IoPool
 from kvtierd.tiers.ioworker import IoWorkers
 from kvtierd.tiers.settings import FsTierSettings
+from kvtierd.tiers.writelog import WriteFailureLog
 
 
 class TierRootError(Exception):
@@ -38,6 +40,8 @@ class ConfiguredFsTier:
         self.name = name
         self.settings = settings
         self.budget = DiskBudget(settings.capacity)
+        # one report stream of write failures for all its pools
+        self.write_log = WriteFailureLog(name, logging.getLogger("kvtierd.tiers.fs"))
         self._io: IoPool | None = None  # started with the first pool
         self._workers: IoWorkers | None = None  # started with the first pool (if any)
 
@@ -122,6 +126,7 @@ class ConfiguredFsTier:
             budget=self.budget,
             workers=workers,
             region_file=region_file if workers is not None else None,
+            write_log=self.write_log,
         )
         tier.start()
         return tier

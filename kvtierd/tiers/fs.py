@@ -22,7 +22,15 @@ Ownership and invariants:
   optional fdatasync + rename). A file is removed only (a) by eviction, never
   while a read of it is in flight, (b) when it fails verification (load, scan
   or fsck), and only if the path still names the inode that failed, or (c) as a
-  leftover ``*.tmp`` at start.
+  leftover ``*.tmp`` at start. A directory is never removed.
+* Paths: everything below the pool directory is opened through
+  :class:`~kvtierd.tiers.safefs.PoolDir` (no symlink followed, no open that can
+  block). Anything but a regular file where a block file belongs (a FIFO,
+  socket, device, directory, symlink) fails verification like a corrupt file:
+  the key answers MISS, is counted in ``checksum_failures`` and logged with the
+  path and type; a symlinked ``<hh>`` directory is never entered.
+* Shutdown is bounded: a scan or I/O thread stuck in the file system is left
+  behind after :data:`SCAN_JOIN_S` / :data:`~kvtierd.tiers.iopool.JOIN_S`.
 * Index: ``{key: (file bytes, last use)}`` in LRU order, plus ``_used`` (sum of
   indexed file sizes) and ``_reserved`` (writes in flight); all guarded by
   ``_lock``, which I/O threads and the loop share and hold only briefly: no
@@ -56,11 +64,11 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvtierd.contract import BlockKey, LookupResult, Medium
-from kvtierd.tiers import blockfile, fsformat, ioworker
+from kvtierd.tiers import blockfile, fsformat, ioworker, safefs
 from kvtierd.tiers.base import JobCallback, JobResult, SecondaryTier, TierJob, TierStats
 from kvtierd.tiers.blockfile import CorruptFile
 from kvtierd.tiers.fsformat import (
@@ -73,6 +81,8 @@ from kvtierd.tiers.fsformat import (
 )
 from kvtierd.tiers.iopool import IoPool, Outcome
 from kvtierd.tiers.ioworker import BlockIo, InlineIo, IoWorkers, RegionRef
+from kvtierd.tiers.safefs import DIRECTORY, REGULAR, Entry, PoolDir, UnexpectedEntry
+from kvtierd.tiers.writelog import WriteFailureLog
 
 log = logging.getLogger("kvtierd.tiers.fs")
 
@@ -81,6 +91,8 @@ _SCAN_LOG_EVERY = 10_000
 _REMOVALS_KEPT = 65536  # recent removals remembered for Explain
 _GROUP_BYTES = 16 << 20  # blocks per I/O task: this many bytes (at least one block)
 _SPEED_PROBE_BYTES = 16 << 20  # at most this much written twice by the o_direct=auto probe
+_POOL_FILE_MAX_BYTES = 64 << 10  # a pool.json larger than this is not ours
+SCAN_JOIN_S = 2.0  # shutdown waits this long for a scan stuck in the file system
 _COUNTERS = (
     "hits",
     "misses",
@@ -158,6 +170,7 @@ class ScanReport:
     indexed: int = 0
     removed_corrupt: int = 0
     removed_temp: int = 0
+    bad_entries: int = 0  # not regular files where block files belong (kept if directories)
     seconds: float = 0.0
 
 
@@ -192,6 +205,7 @@ class FsTier(SecondaryTier):
         budget: DiskBudget | None = None,
         workers: IoWorkers | None = None,
         region_file: tuple[str, int, int] | None = None,
+        write_log: WriteFailureLog | None = None,
     ) -> None:
         if o_direct not in O_DIRECT_MODES:
             raise ValueError(f"o_direct must be one of {O_DIRECT_MODES}, got {o_direct!r}")
@@ -239,7 +253,7 @@ class FsTier(SecondaryTier):
         self._stop = threading.Event()
         self._scan_thread: threading.Thread | None = None
         self._ready: asyncio.Future[None] | None = None
-        self._made_dirs: set[str] = set()
+        self._write_log = write_log if write_log is not None else WriteFailureLog(name, log)
         # Block file I/O: in worker processes, or inline on the calling I/O thread.
         self._block_io: BlockIo = workers if workers is not None else InlineIo(self._region)
         self._region_ref: RegionRef = (*(region_file or ("", 0, 0)), block_bytes)
@@ -279,12 +293,23 @@ class FsTier(SecondaryTier):
             await self._io.drain()
 
     def shutdown(self) -> None:
-        """Stops the scan and the I/O threads; queued jobs are reported failed."""
+        """Stops the scan and the I/O threads; queued jobs are reported failed.
+
+        Bounded: a scan thread stuck in the file system (a hung mount) is waited
+        for at most :data:`SCAN_JOIN_S` seconds, then left behind (a daemon
+        thread; it touches no region).
+        """
         self._stop.set()
         if self._io is not None and self._owns_io:
             self._io.shutdown()
         if self._scan_thread is not None:
-            self._scan_thread.join()
+            self._scan_thread.join(SCAN_JOIN_S)
+            if self._scan_thread.is_alive():
+                log.warning(
+                    "FS tier %s: the index scan of %s did not stop within %gs (file system "
+                    "not answering?); leaving it behind",
+                    self.name, self.pool_dir, SCAN_JOIN_S,
+                )  # fmt: skip
 
     # -- SecondaryTier (loop thread) -----------------------------------------------
 
@@ -388,9 +413,13 @@ class FsTier(SecondaryTier):
     def _store_done(self, job: TierJob, outcomes: list[Outcome], start: float) -> None:
         stored = tuple(key for key, o in zip(job.keys, outcomes, strict=True) if o.ok)
         for key, outcome in zip(job.keys, outcomes, strict=True):
-            if not outcome.ok:
+            if isinstance(outcome.error, OSError):  # the disk refused: the operator hears
+                self._write_log.failed(outcome.error, self._path(key))
+            elif not outcome.ok:  # capacity, shutdown: counted only
                 log.debug("FS tier %s: store of %s failed: %s", self.name, key.hex(), outcome.error)
         written = sum(1 for o in outcomes if o.ok and o.value)
+        if written:
+            self._write_log.succeeded()
         failures = len(job.keys) - len(stored)
         if failures:
             with self._lock:
@@ -513,30 +542,19 @@ class FsTier(SecondaryTier):
         """Writes row ``block_id`` as ``key``'s file for each ``(key, block_id)``, in one
         block I/O request; per item None (written) or the error. The caller holds
         the keys' write reservations, so no one else reads or writes these paths."""
-        errors: list[BaseException | None] = [None] * len(items)
-        todo: list[tuple[int, tuple[int, str, str, BlockKey]]] = []
-        for n, (key, block_id) in enumerate(items):
-            path = self._path(key)
-            try:
-                self._make_dir(os.path.dirname(path))
-            except OSError as exc:
-                errors[n] = exc
-                continue
-            todo.append((n, (block_id, path, f"{path}.{self._temp_name()}{TEMP_SUFFIX}", key)))
-        params = (self._fingerprint, self.use_o_direct, self.fsync)
+        todo = []
+        for key, block_id in items:
+            rel = fsformat.block_rel_path(key)
+            todo.append((block_id, rel, f"{_name(rel)}.{self._temp_name()}{TEMP_SUFFIX}", key))
+        params = (self._fingerprint, self.use_o_direct, self.fsync, self.pool_dir)
         try:
-            replies = self._block_io.call(
-                (ioworker.WRITE, self._region_ref, params, [item for _, item in todo])
-            )
+            replies = self._block_io.call((ioworker.WRITE, self._region_ref, params, todo))
         except OSError as exc:  # the worker died: whether it renamed a file is unknown
-            for n, (_, path, temp_path, _) in todo:
-                blockfile.unlink_quietly(temp_path)
-                blockfile.unlink_quietly(path)
-                errors[n] = exc
-            return errors
-        for (n, _), reply in zip(todo, replies, strict=True):
-            errors[n] = ioworker.error_of(reply)
-        return errors
+            for _, rel, temp_name, _ in todo:
+                self._unlink_quietly(rel)
+                self._unlink_quietly(_beside(rel, temp_name))
+            return [exc] * len(items)
+        return [ioworker.error_of(reply) for reply in replies]
 
     def _load_group(self, pairs: list[tuple[BlockKey, int]]) -> list[Outcome]:
         """Reads and verifies a group's blocks into their rows (one block I/O
@@ -582,8 +600,8 @@ class FsTier(SecondaryTier):
     def _read_files(self, items: list[tuple[BlockKey, int]]) -> list[BaseException | None]:
         """Reads ``key``'s file into row ``block_id`` for each ``(key, block_id)``, in one
         block I/O request; per item None (read and verified) or the error."""
-        params = (self._fingerprint, self.use_o_direct)
-        request = [(block_id, self._path(key), key) for key, block_id in items]
+        params = (self._fingerprint, self.use_o_direct, self.pool_dir)
+        request = [(block_id, fsformat.block_rel_path(key), key) for key, block_id in items]
         try:
             replies = self._block_io.call((ioworker.READ, self._region_ref, params, request))
         except OSError as exc:  # the worker died
@@ -596,24 +614,39 @@ class FsTier(SecondaryTier):
                 self._index_remove_locked(key)
                 self._note_removed_locked(key, "file vanished (removed outside the daemon)")
         elif isinstance(error, CorruptFile):
-            self._discard_corrupt(self._path(key), key, error.identity, error.reason)
+            self._discard_corrupt(key, error)
 
-    def _discard_corrupt(
-        self, path: str, key: BlockKey, identity: tuple[int, int], reason: str
-    ) -> None:
-        """Removes a file that failed verification, if the path still names that inode."""
-        log.warning("FS tier %s: removing corrupt block file %s: %s", self.name, path, reason)
+    def _discard_corrupt(self, key: BlockKey, error: CorruptFile) -> None:
+        """Drops a key whose file failed verification from the index and removes the
+        file if the path still names the inode that failed (never a directory, never
+        through a symlink; something else at the path is left there)."""
+        path, rel = self._path(key), fsformat.block_rel_path(key)
+        if error.kind == REGULAR:
+            log.warning("FS tier %s: removing corrupt block file %s: %s", self.name, path,
+                        error.reason)  # fmt: skip
+        else:
+            action = "removing it" if error.identity is not None else "leaving it there"
+            log.warning("FS tier %s: bad block file %s: %s; %s", self.name, path, error.reason,
+                        action)  # fmt: skip
         with self._lock:
             self._counters["checksum_failures"] += 1
-            try:
-                current = os.stat(path)
-            except FileNotFoundError:
-                self._index_remove_locked(key)
-                return
-            if (current.st_dev, current.st_ino) == identity:
-                blockfile.unlink_quietly(path)
-                self._index_remove_locked(key)
-                self._note_removed_locked(key, f"file failed verification ({reason}); removed")
+            if error.identity is not None and self._remove_bad(rel, error.identity):
+                return  # a fresh file of the key replaced the bad one meanwhile: keep it
+            self._index_remove_locked(key)
+            self._note_removed_locked(key, f"file failed verification ({error.reason}); dropped")
+
+    def _remove_bad(self, rel: str, identity: tuple[int, int]) -> bool:
+        """Unlinks the bad file at ``rel`` if the path still names it; True when the
+        path names another file now (rewritten since it was judged)."""
+        try:
+            with PoolDir(self.pool_dir) as pool:
+                current = pool.lstat(rel)
+                if current is not None and safefs.identity_of(current) != identity:
+                    return True
+                pool.unlink_if_same(rel, identity)
+        except (OSError, UnexpectedEntry) as exc:
+            log.warning("FS tier %s: cannot remove %s: %s", self.name, self._full(rel), exc)
+        return False
 
     # -- index helpers (caller holds _lock) ----------------------------------------
 
@@ -649,10 +682,11 @@ class FsTier(SecondaryTier):
 
     def _doom_lru_locked(self, size: int) -> tuple[str, int]:
         """Takes this pool's least recently used file that is not being read out of
-        the index and renames it aside; returns ``(aside path, bytes)``. Its bytes
-        stay charged to the budget until :meth:`_remove_doomed` unlinks it, so the
-        bytes on disk never exceed the capacity. Raises TierFull when nothing of
-        this pool can be evicted (``size``: what the caller wanted room for)."""
+        the index and renames it aside; returns ``(aside path relative to the pool
+        directory, bytes)``. Its bytes stay charged to the budget until
+        :meth:`_remove_doomed` unlinks it, so the bytes on disk never exceed the
+        capacity. Raises TierFull when nothing of this pool can be evicted
+        (``size``: what the caller wanted room for)."""
         victim = next((k for k in self._index if k not in self._reading), None)
         if victim is None:
             raise TierFull(
@@ -665,16 +699,21 @@ class FsTier(SecondaryTier):
         self._dropped.append(victim)
         self._note_removed_locked(victim, "evicted: least recently used at capacity")
         self._counters["evictions"] += 1
-        path = self._path(victim)
-        aside = f"{path}.{self._temp_name()}.evicted{TEMP_SUFFIX}"
+        rel = fsformat.block_rel_path(victim)
+        aside = f"{_name(rel)}.{self._temp_name()}.evicted{TEMP_SUFFIX}"
         try:
-            os.rename(path, aside)  # metadata only: fast, and a rewrite of the key is safe
-        except FileNotFoundError:
+            with PoolDir(self.pool_dir) as pool:
+                try:
+                    pool.rename(rel, aside)  # metadata only: a rewrite of the key is safe
+                except FileNotFoundError:
+                    return "", nbytes
+                except OSError:
+                    pool.unlink(rel)  # cannot rename: unlink here, holding the lock
+                    return "", nbytes
+        except (OSError, UnexpectedEntry) as exc:  # a directory on the way is gone or bad
+            log.warning("FS tier %s: cannot evict %s: %s", self.name, self._path(victim), exc)
             return "", nbytes
-        except OSError:
-            blockfile.unlink_quietly(path)  # cannot rename: unlink here, holding the lock
-            return "", nbytes
-        return aside, nbytes
+        return _beside(rel, aside), nbytes
 
     def _remove_doomed(self, doomed: tuple[str, int]) -> None:
         """Unlinks a file :meth:`_doom_lru_locked` renamed aside, then uncharges it.
@@ -682,7 +721,7 @@ class FsTier(SecondaryTier):
         aside, nbytes = doomed
         try:
             if aside:
-                blockfile.unlink_quietly(aside)
+                self._unlink_quietly(aside)
         finally:
             self.budget.release(nbytes)
 
@@ -709,7 +748,13 @@ class FsTier(SecondaryTier):
         if not os.access(self.root, os.W_OK | os.X_OK):
             raise FsTierError(f"FS tier {self.name}: root directory {self.root} is not writable")
         try:
-            os.makedirs(self.pool_dir, exist_ok=True)
+            PoolDir(self.pool_dir, create=True).close()
+        except UnexpectedEntry as exc:  # planted: a symlink would lead out of the root
+            log.warning("FS tier %s: %s: not followed; refusing the pool", self.name, exc)
+            raise FsTierError(
+                f"FS tier {self.name}: {exc}: not followed; remove it (the daemon creates "
+                "the pool directory)"
+            ) from None
         except OSError as exc:
             raise FsTierError(
                 f"FS tier {self.name}: cannot create pool directory {self.pool_dir} under root "
@@ -717,35 +762,39 @@ class FsTier(SecondaryTier):
             ) from exc
 
     def _write_pool_file(self) -> None:
+        """Checks ``pool.json`` against this pool, or writes it when missing. The file
+        is opened without blocking or following a symlink and read only if small."""
         path = os.path.join(self.pool_dir, POOL_FILE)
         ours = self.identity.describe()
         try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except FileNotFoundError:
-            text = None
-        if text is not None:
-            try:
-                theirs = json.loads(text)
-            except ValueError:
-                theirs = text
-            if theirs != ours:
-                raise PoolMismatchError(
-                    f"FS tier {self.name}: {path} describes {theirs!r}, but this pool is "
-                    f"{ours!r}; remove the directory {self.pool_dir} or use another root"
-                )
-            return
-        tmp = f"{path}.{secrets.token_hex(8)}{TEMP_SUFFIX}"
-        try:
-            with open(tmp, "x", encoding="utf-8") as f:
-                json.dump(ours, f, indent=2, sort_keys=True)
-                f.write("\n")
-            os.rename(tmp, path)
+            with PoolDir(self.pool_dir) as pool:
+                raw = pool.read_small(POOL_FILE, _POOL_FILE_MAX_BYTES)
+                if raw is None:
+                    text = json.dumps(ours, indent=2, sort_keys=True) + "\n"
+                    pool.write_new(POOL_FILE, text.encode(), f"{POOL_FILE}.{secrets.token_hex(8)}"
+                                   f"{TEMP_SUFFIX}")  # fmt: skip
+                    return
+        except UnexpectedEntry as exc:
+            log.warning("FS tier %s: %s; refusing the pool", self.name, exc)
+            raise FsTierError(f"FS tier {self.name}: {exc}; remove it") from None
+        except ValueError as exc:
+            raise PoolMismatchError(
+                f"FS tier {self.name}: {exc}; remove the directory {self.pool_dir} or use "
+                "another root"
+            ) from None
         except OSError as exc:
-            blockfile.unlink_quietly(tmp)
             raise FsTierError(
-                f"FS tier {self.name}: cannot write {path}: {exc.strerror or exc}"
+                f"FS tier {self.name}: cannot read or write {path}: {exc.strerror or exc}"
             ) from exc
+        try:
+            theirs = json.loads(raw)
+        except ValueError:
+            theirs = raw.decode(errors="replace")
+        if theirs != ours:
+            raise PoolMismatchError(
+                f"FS tier {self.name}: {path} describes {theirs!r}, but this pool is "
+                f"{ours!r}; remove the directory {self.pool_dir} or use another root"
+            )
 
     def _probe_o_direct(self) -> bool:
         """Whether block files are written and read with O_DIRECT.
@@ -808,29 +857,23 @@ class FsTier(SecondaryTier):
         """Called on the scan thread before scanning (tests hold the scan here)."""
 
     def _scan(self) -> None:
-        """Rebuilds the index from file headers (scan thread); lookups RETRY until done."""
-        report = self.scan_report
+        """Rebuilds the index from file headers (scan thread); lookups RETRY until done.
+
+        Always ends (then lookups answer HIT/MISS): nothing below the pool
+        directory is followed through a symlink or opened in a way that can
+        block, and an error ends the scan with a partial index.
+        """
         start = time.perf_counter()
         entries: list[tuple[float, BlockKey, int]] = []
         try:
             self._scan_hook()
-            for full, rel in _walk_pool(self.pool_dir):
-                if self._stop.is_set():
-                    return
-                if rel.endswith(TEMP_SUFFIX):
-                    blockfile.unlink_quietly(full)
-                    report.removed_temp += 1
-                    continue
-                if not rel.endswith(BLOCK_SUFFIX):
-                    continue
-                report.files += 1
-                if report.files % _SCAN_LOG_EVERY == 0:
-                    log.info(
-                        "FS tier %s: scanned %d files in %s", self.name, report.files, self.pool_dir
-                    )
-                entry = self._scan_file(full, rel)
-                if entry is not None:
-                    entries.append(entry)
+            with PoolDir(self.pool_dir) as pool:
+                for entry in pool.walk(self._scan_error):
+                    if self._stop.is_set():
+                        return
+                    found = self._scan_entry(pool, entry)
+                    if found is not None:
+                        entries.append(found)
         except Exception:
             log.exception(
                 "FS tier %s: scan of %s failed; index is partial", self.name, self.pool_dir
@@ -838,28 +881,80 @@ class FsTier(SecondaryTier):
         finally:
             self._finish_scan(entries, time.perf_counter() - start)
 
-    def _scan_file(self, full: str, rel: str) -> tuple[float, BlockKey, int] | None:
+    def _scan_error(self, path: str, exc: BaseException) -> None:
+        log.warning("FS tier %s: not scanning %s: %s", self.name, path, exc)
+
+    def _scan_entry(self, pool: PoolDir, entry: Entry) -> tuple[float, BlockKey, int] | None:
+        """What the scan does with one entry below the pool directory."""
+        report = self.scan_report
+        if entry.name.endswith(TEMP_SUFFIX) and entry.kind != DIRECTORY:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.name, dir_fd=entry.dir_fd)
+            report.removed_temp += 1
+            return None
+        if entry.name.endswith(BLOCK_SUFFIX):
+            report.files += 1
+            if report.files % _SCAN_LOG_EVERY == 0:
+                log.info(
+                    "FS tier %s: scanned %d files in %s", self.name, report.files, self.pool_dir
+                )
+            return self._scan_file(pool, entry)
+        if entry.kind == "symlink":
+            log.warning("FS tier %s: %s is a symlink: not followed", self.name,
+                        pool.full(entry.rel))  # fmt: skip
+        return None
+
+    def _scan_file(self, pool: PoolDir, entry: Entry) -> tuple[float, BlockKey, int] | None:
+        """The index entry of one ``*.kvb`` file if its header verifies; otherwise
+        the file is removed (a directory in its place is left there), counted
+        and logged."""
+        path = pool.full(entry.rel)
+        identity: tuple[int, int] | None = None
         try:
-            with open(full, "rb", buffering=0) as f:
-                st = os.fstat(f.fileno())
-                header = fsformat.decode_header(os.pread(f.fileno(), HEADER_SIZE, 0))
+            bad = None
+            if entry.kind != REGULAR:  # known from the directory entry: not even opened
+                bad = safefs.recheck(entry.dir_fd, entry.name, path, REGULAR)
+            if bad is not None:
+                raise bad
+            fd, st = safefs.open_regular(entry.dir_fd, entry.name, path)
+            identity = safefs.identity_of(st)
+            try:
+                header = fsformat.decode_header(os.pread(fd, HEADER_SIZE, 0))
+            finally:
+                os.close(fd)
             fsformat.verify_header(
                 header, key=None, fingerprint=self._fingerprint, block_bytes=self.block_bytes
             )
-            if fsformat.block_rel_path(header.key) != rel:
+            if fsformat.block_rel_path(header.key) != entry.rel:
                 raise CorruptBlock(f"header names key {header.key.hex()}, not this file")
             if st.st_size != self.file_bytes:
                 raise CorruptBlock(f"file is {st.st_size} bytes, expected {self.file_bytes}")
         except FileNotFoundError:
             return None
+        except UnexpectedEntry as exc:
+            self._scan_drops(entry, blockfile.bad_entry(exc), path)
+            return None
         except (CorruptBlock, OSError) as exc:
-            log.warning("FS tier %s: removing unreadable block file %s: %s", self.name, full, exc)
-            blockfile.unlink_quietly(full)
-            self.scan_report.removed_corrupt += 1
-            with self._lock:
-                self._counters["checksum_failures"] += 1
+            self._scan_drops(entry, CorruptFile(str(exc), identity), path)
             return None
         return st.st_mtime, header.key, st.st_size
+
+    def _scan_drops(self, entry: Entry, error: CorruptFile, path: str) -> None:
+        """Logs, counts and (unless a directory) removes a bad entry the scan met."""
+        report = self.scan_report
+        if error.kind == REGULAR:
+            log.warning("FS tier %s: removing unreadable block file %s: %s", self.name, path,
+                        error.reason)  # fmt: skip
+            report.removed_corrupt += 1
+        else:
+            action = "removing it" if error.identity is not None else "leaving it there"
+            log.warning("FS tier %s: bad block file %s: %s; %s", self.name, path, error.reason,
+                        action)  # fmt: skip
+            report.bad_entries += 1
+        if error.identity is not None:
+            safefs.unlink_if_same(entry.dir_fd, entry.name, error.identity)
+        with self._lock:
+            self._counters["checksum_failures"] += 1
 
     def _finish_scan(self, entries: list[tuple[float, BlockKey, int]], seconds: float) -> None:
         """Merges the scanned files under the blocks written meanwhile (more recent)."""
@@ -883,9 +978,10 @@ class FsTier(SecondaryTier):
             self._scanned = True
         log.info(
             "FS tier %s: index of %s ready: %d blocks, %d bytes, %d corrupt and %d temp files "
-            "removed, %.2fs",
+            "removed, %d bad entries (not regular files), %.2fs",
             self.name, self.pool_dir, len(self._index), self._used,
-            self.scan_report.removed_corrupt, self.scan_report.removed_temp, seconds,
+            self.scan_report.removed_corrupt, self.scan_report.removed_temp,
+            self.scan_report.bad_entries, seconds,
         )  # fmt: skip
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self._set_ready)
@@ -908,103 +1004,25 @@ class FsTier(SecondaryTier):
         if not 0 <= block_id < self._num_rows:
             raise ValueError(f"block id {block_id} outside the region (0..{self._num_rows - 1})")
 
-    def _make_dir(self, directory: str) -> None:
-        if directory not in self._made_dirs:
-            os.makedirs(directory, exist_ok=True)
-            self._made_dirs.add(directory)
+    def _full(self, rel: str) -> str:
+        """``rel`` (relative to the pool directory) as a full path, for messages."""
+        return os.path.join(self.pool_dir, rel)
+
+    def _unlink_quietly(self, rel: str) -> None:
+        """Unlinks ``rel`` below the pool directory (not a directory, never through a
+        symlink); a failure is logged, not raised."""
+        try:
+            with PoolDir(self.pool_dir) as pool:
+                pool.unlink(rel)
+        except FileNotFoundError:
+            pass
+        except (OSError, UnexpectedEntry) as exc:
+            log.warning("FS tier %s: cannot remove %s: %s", self.name, self._full(rel), exc)
 
     def _temp_name(self) -> str:
         """A name no other writer uses: a random tag per tier instance (so not one of
         a crashed run's leftovers) and a counter (``next`` on it is atomic)."""
         return f"{self._temp_tag}-{next(self._temp_counter)}"
-
-
-# -- fsck ------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class FsckReport:
-    """What :func:`fsck` found: ``bad`` lists ``(path, reason)``."""
-
-    root: str
-    pools: int = 0
-    files_checked: int = 0
-    bad: list[tuple[str, str]] = field(default_factory=list)
-    removed: int = 0
-    temp_files: int = 0
-
-    @property
-    def clean(self) -> bool:
-        return not self.bad
-
-
-def fsck(
-    root: str | os.PathLike[str],
-    *,
-    remove: bool = False,
-    progress: Callable[[int, str], None] | None = None,
-) -> FsckReport:
-    """Verifies every block file under every pool dir of ``root`` completely.
-
-    Checks header, pool fingerprint, payload length, file name vs key and the
-    payload checksum. ``remove=True`` unlinks bad files (safe while a daemon runs:
-    it treats a vanished file as a miss). Temp files are counted, never removed
-    (a live daemon may be writing them). ``progress(files_checked, path)`` is
-    called after each file.
-    """
-    root = os.fspath(root)
-    report = FsckReport(root=root)
-    for entry in sorted(os.scandir(root), key=lambda e: e.name):
-        pool_file = os.path.join(entry.path, POOL_FILE)
-        if not entry.is_dir() or not os.path.isfile(pool_file):
-            continue
-        report.pools += 1
-        try:
-            with open(pool_file, encoding="utf-8") as f:
-                desc = json.load(f)
-            fingerprint = bytes.fromhex(desc["fingerprint"])
-            block_bytes = int(desc["block_bytes"])
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            report.bad.append((pool_file, f"unreadable pool description: {exc}"))
-            continue
-        for full, rel in _walk_pool(entry.path):
-            if rel.endswith(TEMP_SUFFIX):
-                report.temp_files += 1
-                continue
-            if not rel.endswith(BLOCK_SUFFIX):
-                continue
-            reason = _check_file(full, rel, fingerprint, block_bytes)
-            report.files_checked += 1
-            if reason is not None:
-                report.bad.append((full, reason))
-                if remove:
-                    blockfile.unlink_quietly(full)
-                    report.removed += 1
-            if progress is not None:
-                progress(report.files_checked, full)
-    return report
-
-
-def _check_file(full: str, rel: str, fingerprint: bytes, block_bytes: int) -> str | None:
-    """None if the file verifies completely, else the reason it does not."""
-    try:
-        with open(full, "rb") as f:
-            data = f.read()
-    except OSError as exc:
-        return f"unreadable: {exc}"
-    view = memoryview(data)
-    try:
-        header = fsformat.decode_header(view[:HEADER_SIZE])
-        fsformat.verify_header(header, key=None, fingerprint=fingerprint, block_bytes=block_bytes)
-        if fsformat.block_rel_path(header.key) != rel:
-            raise CorruptBlock(f"header names key {header.key.hex()}, not this file")
-        if len(data) != HEADER_SIZE + block_bytes:
-            raise CorruptBlock(f"file is {len(data)} bytes, expected {HEADER_SIZE + block_bytes}")
-        if fsformat.payload_checksum(view[HEADER_SIZE:]) != header.payload_checksum:
-            raise CorruptBlock("payload checksum mismatch")
-    except CorruptBlock as exc:
-        return exc.reason
-    return None
 
 
 # -- module helpers -----------------------------------------------------------------------
@@ -1019,13 +1037,15 @@ def _flatten(outcomes: list[Outcome], sizes: list[int]) -> list[Outcome]:
     return flat
 
 
-def _walk_pool(pool_dir: str):  # -> Iterator[tuple[str, str]]
-    """(full path, path relative to ``pool_dir`` with '/') of every file below the pool dir."""
-    for dirpath, _dirnames, filenames in os.walk(pool_dir):
-        rel_dir = os.path.relpath(dirpath, pool_dir)
-        for name in filenames:
-            rel = name if rel_dir == "." else f"{rel_dir}/{name}".replace(os.sep, "/")
-            yield os.path.join(dirpath, name), rel
+def _name(rel: str) -> str:
+    """The last component of a path relative to the pool directory."""
+    return rel.rsplit("/", 1)[-1]
+
+
+def _beside(rel: str, name: str) -> str:
+    """``name`` in the directory of ``rel`` (both relative to the pool directory)."""
+    head, _, _ = rel.rpartition("/")
+    return f"{head}/{name}" if head else name
 
 
 def _time_write_read(directory: str, buffer: mmap.mmap, extra_flags: int) -> float:

@@ -33,6 +33,7 @@ from typing import Any
 log = logging.getLogger("kvtierd.tiers.iopool")
 
 Task = Callable[[], Any]
+JOIN_S = 2.0  # shutdown waits this long in all for the threads to finish their tasks
 
 
 class PoolShutDown(Exception):
@@ -166,11 +167,17 @@ class IoPool:
         self._idle_waiters.append(waiter)
         await waiter
 
-    def shutdown(self) -> None:
+    def shutdown(self, join_s: float | None = None) -> None:
         """Fails every queued task (their batches still report once) and joins the threads.
 
-        Tasks already running finish normally. Idempotent.
+        Tasks already running finish normally. Bounded: threads still running a
+        task after ``join_s`` seconds in all (stuck in the file system) are left
+        behind, named in a WARNING; they are daemon threads, so they never hold
+        the process up, and their batches report when (if) their tasks end.
+        ``join_s`` defaults to :data:`JOIN_S`. Idempotent.
         """
+        if join_s is None:
+            join_s = JOIN_S
         with self._cond:
             self._stopping = True
             queued = list(self._reads) + list(self._writes)
@@ -180,9 +187,16 @@ class IoPool:
         for _, batch, index in queued:
             self._record(batch, index, Outcome(error=PoolShutDown("I/O pool shut down")))
         current = threading.current_thread()
+        deadline = time.monotonic() + join_s
         for thread in self._threads:
             if thread is not current:
-                thread.join()
+                thread.join(max(0.0, deadline - time.monotonic()))
+        stuck = [t.name for t in self._threads if t is not current and t.is_alive()]
+        if stuck:
+            log.warning(
+                "I/O threads %s still run a task after %gs (file system not answering?); "
+                "leaving them behind", ", ".join(stuck), join_s,
+            )  # fmt: skip
 
     # -- workers --------------------------------------------------------------------
 

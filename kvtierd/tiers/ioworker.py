@@ -27,6 +27,10 @@ Invariants:
   failed read never makes a row visible, so no wrong bytes are served.
 * Requests and replies are ``marshal``-ed tuples of builtins, length-prefixed
   on a Unix stream socket; nothing is unpickled.
+* A request names its pool directory and each block file relative to it; the
+  worker resolves them with :class:`~kvtierd.tiers.safefs.PoolDir`, so no
+  symlink below the pool directory is followed and no open blocks (a FIFO in
+  place of a block file is a bad file, not a hang).
 """
 
 from __future__ import annotations
@@ -45,17 +49,20 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from kvtierd.tiers import blockfile
 from kvtierd.tiers.blockfile import CorruptFile
+from kvtierd.tiers.safefs import PoolDir, UnexpectedEntry
 
 log = logging.getLogger("kvtierd.tiers.ioworker")
 
 _LENGTH = struct.Struct("<I")
 _PR_SET_PDEATHSIG = 1
 _STOP_WAIT = 5.0  # seconds a worker gets to exit after EOF before it is killed
+_KILL_WAIT = 1.0  # seconds to wait for a killed worker to be reaped
 
 # A region as a worker sees it: (path, st_dev, st_ino, block_bytes).
 RegionRef = tuple[str, int, int, int]
@@ -125,12 +132,28 @@ class _Worker:
         self._head = blockfile.header_buffer()
 
     def handle(self, request: tuple[Any, ...]) -> list[Reply]:
+        """Runs one request; one reply per item. The pool directory (the last of
+        ``params``) is opened once for the request, without following a symlink
+        (created when writing and missing)."""
         op, region, params, items = request
         try:
             rows = self._rows_of(region)
-        except OSError as exc:
-            return [_error(exc)] * len(items)
-        block_bytes = region[3]
+            pool = PoolDir(params[-1], create=op == WRITE)
+        except (OSError, UnexpectedEntry) as exc:
+            error = _error(_refused(exc) if isinstance(exc, UnexpectedEntry) else exc)
+            return [error] * len(items)
+        with pool:
+            return self._run(pool, op, rows, region[3], params, items)
+
+    def _run(
+        self,
+        pool: PoolDir,
+        op: str,
+        rows: memoryview,
+        block_bytes: int,
+        params: tuple[Any, ...],
+        items: Sequence[tuple[Any, ...]],
+    ) -> list[Reply]:
         run = self._write if op == WRITE else self._read
         replies: list[Reply] = []
         for item in items:
@@ -139,23 +162,33 @@ class _Worker:
             try:
                 if block_id < 0 or len(row) != block_bytes:  # the daemon checks; so do we
                     raise ValueError(f"block id {block_id} is outside the region")
-                run(row, params, item)
+                run(pool, row, params, item)
                 replies.append(None)
             except Exception as exc:  # one block's failure is that block's reply
                 replies.append(_error(exc))
         return replies
 
-    def _write(self, row: memoryview, params: tuple[Any, ...], item: tuple[Any, ...]) -> None:
-        fingerprint, o_direct, fsync = params
-        _, path, temp_path, key = item
+    def _write(
+        self, pool: PoolDir, row: memoryview, params: tuple[Any, ...], item: tuple[Any, ...]
+    ) -> None:
+        fingerprint, o_direct, fsync, _ = params
+        _, rel, temp_name, key = item
         blockfile.write_block_file(
-            path, temp_path, key, fingerprint, row, self._head, o_direct=o_direct, fsync=fsync
+            pool, rel, temp_name, key, fingerprint, row, self._head, o_direct=o_direct, fsync=fsync
         )
 
-    def _read(self, row: memoryview, params: tuple[Any, ...], item: tuple[Any, ...]) -> None:
-        fingerprint, o_direct = params
-        _, path, key = item
-        blockfile.read_block_file(path, key, fingerprint, row, self._head, o_direct=o_direct)
+    def _read(
+        self, pool: PoolDir, row: memoryview, params: tuple[Any, ...], item: tuple[Any, ...]
+    ) -> None:
+        fingerprint, o_direct, _ = params
+        _, rel, key = item
+        blockfile.read_block_file(pool, rel, key, fingerprint, row, self._head, o_direct=o_direct)
+
+
+def _refused(exc: UnexpectedEntry) -> OSError:
+    """A pool directory that is not a directory (a symlink, say): every block fails."""
+    code = errno.ELOOP if exc.kind == "symlink" else errno.ENOTDIR
+    return OSError(code, f"{exc}: not followed", exc.path)
 
 
 def _map_region(region: RegionRef) -> memoryview:
@@ -173,7 +206,8 @@ def _map_region(region: RegionRef) -> memoryview:
 def _error(exc: BaseException) -> tuple[Any, ...]:
     """An exception as a reply tuple (rebuilt by :func:`error_of` in the daemon)."""
     if isinstance(exc, CorruptFile):
-        return ("corrupt", exc.reason, exc.identity[0], exc.identity[1])
+        dev, ino = exc.identity if exc.identity is not None else (-1, -1)
+        return ("corrupt", exc.reason, dev, ino, exc.kind)
     if isinstance(exc, OSError):
         return ("os", exc.errno or 0, exc.strerror or str(exc), exc.filename)
     return ("error", f"{type(exc).__name__}: {exc}")
@@ -185,7 +219,8 @@ def error_of(reply: Reply) -> BaseException | None:
         return None
     kind = reply[0]
     if kind == "corrupt":
-        return CorruptFile(reply[1], (reply[2], reply[3]))
+        _, reason, dev, ino, what = reply
+        return CorruptFile(reason, None if ino == -1 else (dev, ino), what)
     if kind == "os":
         _, code, message, filename = reply
         if code == errno.ENOENT:
@@ -324,15 +359,25 @@ class WorkerProcess:
             raise WorkerDied(errno.EIO, f"I/O worker {self.name} answered out of step")
         return replies
 
-    def stop(self) -> None:
-        """Closes the sockets (the worker exits at EOF) and reaps the process."""
+    def stop(self, deadline: float | None = None) -> None:
+        """Closes the sockets (the worker exits at EOF) and reaps the process; kills
+        it if it has not exited by ``deadline`` (monotonic; default: now +
+        ``_STOP_WAIT``). Bounded: a process that does not even die when killed
+        (stuck in the kernel) is left behind, with a WARNING."""
         for sock in self.socks:
             sock.close()
+        if deadline is None:
+            deadline = time.monotonic() + _STOP_WAIT
         try:
-            self.process.wait(timeout=_STOP_WAIT)
+            self.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            return
         except subprocess.TimeoutExpired:
             self.process.kill()
-            self.process.wait()
+        try:
+            self.process.wait(timeout=_KILL_WAIT)
+        except subprocess.TimeoutExpired:
+            log.warning("I/O worker %s (pid %d) does not exit even when killed; leaving it",
+                        self.name, self.process.pid)  # fmt: skip
 
 
 class _SpawnRequest:
@@ -400,8 +445,9 @@ class IoWorkers:
                 stopping.append(worker)
                 for sock in worker.socks:
                     sock.close()  # every worker sees EOF at once
+        deadline = time.monotonic() + _STOP_WAIT  # one wait for all of them, not one each
         for worker in stopping:
-            worker.stop()
+            worker.stop(deadline)
         with self._spawner_lock:
             if self._spawner is not None:
                 self._spawn_requests.put(None)

@@ -21,9 +21,10 @@ import pytest
 
 from kvtierd.contract import LookupResult
 from kvtierd.region import Region
-from kvtierd.tiers import blockfile, fsformat
+from kvtierd.tiers import fsformat, safefs
 from kvtierd.tiers.base import JobResult, TierJob
-from kvtierd.tiers.fs import FsTier, FsTierError, PoolMismatchError, fsck
+from kvtierd.tiers.fs import FsTier, FsTierError, PoolMismatchError
+from kvtierd.tiers.fsck import fsck
 from kvtierd.tiers.iopool import IoPool, PoolShutDown
 from kvtierd.tiers.ioworker import IoWorkers
 
@@ -423,15 +424,15 @@ def test_a_slow_eviction_unlink_blocks_neither_lookups_nor_the_budget(
     lock (which the event loop takes for every lookup), and its bytes stay charged
     until the file is gone, so the disk never holds more than the capacity."""
     unlinking, gate = threading.Event(), threading.Event()
-    real_unlink = blockfile.unlink_quietly
+    real_unlink = safefs.PoolDir.unlink
 
-    def slow_unlink(path: str) -> None:
-        if ".evicted" in path:
+    def slow_unlink(self: safefs.PoolDir, rel: str) -> None:
+        if ".evicted" in rel:
             unlinking.set()
             gate.wait()
-        real_unlink(path)
+        real_unlink(self, rel)
 
-    monkeypatch.setattr(blockfile, "unlink_quietly", slow_unlink)
+    monkeypatch.setattr(safefs.PoolDir, "unlink", slow_unlink)
 
     async def body(h: Harness) -> None:
         tier = await h.ready_tier(capacity_bytes=FILE_BYTES)

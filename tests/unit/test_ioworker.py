@@ -40,16 +40,20 @@ def _wait_gone(pid: int, timeout: float = 10.0) -> bool:
 
 
 def _write_request(region: Region, tmp_path: Path, key: bytes, row: int) -> tuple:
-    path = str(tmp_path / f"{key.hex()}.kvb")
+    rel = f"{key.hex()}.kvb"  # relative to the pool directory (tmp_path here)
     ref = (region.path, *region.identity(), BLOCK)
-    params = (FINGERPRINT, False, False)
-    return (ioworker.WRITE, ref, params, [(row, path, path + ".1.tmp", key)])
+    params = (FINGERPRINT, False, False, str(tmp_path))
+    return (ioworker.WRITE, ref, params, [(row, rel, rel + ".1.tmp", key)])
 
 
 def _read_request(region: Region, tmp_path: Path, key: bytes, row: int) -> tuple:
-    path = str(tmp_path / f"{key.hex()}.kvb")
     ref = (region.path, *region.identity(), BLOCK)
-    return (ioworker.READ, ref, (FINGERPRINT, False), [(row, path, key)])
+    return (
+        ioworker.READ,
+        ref,
+        (FINGERPRINT, False, str(tmp_path)),
+        [(row, f"{key.hex()}.kvb", key)],
+    )
 
 
 def test_a_worker_writes_and_reads_rows_of_the_daemons_region(
@@ -67,7 +71,7 @@ def test_a_worker_writes_and_reads_rows_of_the_daemons_region(
         assert bytes(region.row(3)) == data
         # a file that fails verification comes back as CorruptFile, naming its inode
         (reply,) = workers.call(_read_request(region, tmp_path, b"key", 3)[:3] + (
-            [(3, str(tmp_path / f"{b'key'.hex()}.kvb"), b"another key")],
+            [(3, f"{b'key'.hex()}.kvb", b"another key")],
         ))  # fmt: skip
         error = ioworker.error_of(reply)
         assert isinstance(error, CorruptFile) and "header names key" in error.reason
