@@ -157,7 +157,7 @@ class PoolTable:
         )
         pool.tiering.observe_job = self.observe_job
         try:
-            self._attach_tiers(pool)
+            await self._attach_tiers(pool)
         except FailedPrecondition:
             await off_loop(region.close)
             raise
@@ -172,24 +172,26 @@ class PoolTable:
         )  # fmt: skip
         return pool
 
-    def _attach_tiers(self, pool: Pool) -> None:
-        """Gives the new pool one tier per configured tier; on failure closes the
-        pool (region included) and refuses it with the tier's message."""
+    async def _attach_tiers(self, pool: Pool) -> None:
+        """Gives the new pool one tier per configured tier (each one's file work,
+        root checks, ``pool.json`` and the O_DIRECT probe, off the loop); on failure
+        stops the tiers attached so far and refuses the pool with the tier's message."""
         loop = asyncio.get_running_loop()
         spec = pool.spec
         try:
             for configured in self._tiers:
-                pool.tiering.attach(
-                    configured.attach(
-                        spec.name,
-                        spec.block_bytes,
-                        spec.layout,
-                        pool.region.buffer(),
-                        pool.tiering.on_done,
-                        loop,
-                        region_file=(pool.region.path, *pool.region.identity()),
-                    )
+                tier = configured.create(
+                    spec.name,
+                    spec.block_bytes,
+                    spec.layout,
+                    pool.region.buffer(),
+                    pool.tiering.on_done,
+                    loop,
+                    region_file=(pool.region.path, *pool.region.identity()),
                 )
+                await off_loop(tier.prepare)
+                tier.launch()
+                pool.tiering.attach(tier)
         except (FsTierError, OSError) as exc:
             pool.close_tiers()
             raise FailedPrecondition(f"pool {spec.name!r}: {exc}") from None

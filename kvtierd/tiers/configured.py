@@ -85,7 +85,27 @@ class ConfiguredFsTier:
         *,
         region_file: tuple[str, int, int] | None = None,
     ) -> FsTier:
-        """A started FsTier for one pool (its index scan runs in the background).
+        """A started FsTier for one pool (its index scan runs in the background):
+        :meth:`create`, then ``FsTier.start`` (its file I/O on the calling thread)."""
+        tier = self.create(
+            pool_name, block_bytes, layout, region_buffer, on_done, loop, region_file=region_file
+        )
+        tier.start()
+        return tier
+
+    def create(
+        self,
+        pool_name: str,
+        block_bytes: int,
+        layout: str,
+        region_buffer: memoryview,
+        on_done: JobCallback,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        region_file: tuple[str, int, int] | None = None,
+    ) -> FsTier:
+        """An FsTier for one pool, not started (no file touched). On the loop: it
+        creates the shared I/O pool and worker processes on first use.
 
         ``region_file`` (path, st_dev, st_ino of the pool's region) lets the
         tier's block I/O run in I/O worker processes (``io_processes``); without
@@ -128,7 +148,6 @@ class ConfiguredFsTier:
             region_file=region_file if workers is not None else None,
             write_log=self.write_log,
         )
-        tier.start()
         return tier
 
     async def drain(self) -> None:

@@ -263,14 +263,24 @@ class FsTier(SecondaryTier):
     # -- lifecycle (loop thread) ---------------------------------------------------
 
     def start(self) -> None:
-        """Checks the root, writes/verifies ``pool.json``, probes O_DIRECT, starts the scan.
+        """:meth:`prepare`, then :meth:`launch` (both on the calling thread)."""
+        self.prepare()
+        self.launch()
 
-        Raises FsTierError (naming the path) when the root is unusable and
-        PoolMismatchError when ``pool.json`` describes another pool.
+    def prepare(self) -> None:
+        """Checks the root, writes/verifies ``pool.json``, probes O_DIRECT.
+
+        File I/O (up to two 16 MiB probe files): the daemon runs it off the event
+        loop, on any thread, before :meth:`launch`. Raises FsTierError (naming the
+        path) when the root is unusable and PoolMismatchError when ``pool.json``
+        describes another pool.
         """
         self._prepare_root()
         self._write_pool_file()
         self.use_o_direct = self._probe_o_direct()
+
+    def launch(self) -> None:
+        """Starts the I/O pool (if the tier owns one) and the index scan. On the loop."""
         if self._io is None:
             self._io = IoPool(self._loop, **self._pool_args)
         self._ready = self._loop.create_future()
