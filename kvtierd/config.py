@@ -17,6 +17,8 @@ from typing import Any
 
 import tomllib
 
+from kvtierd.events import KEY_OVERHEAD_BYTES, MAX_EVENT_BYTES
+from kvtierd.history import KEY_OVERHEAD_BYTES as REMOVAL_OVERHEAD_BYTES
 from kvtierd.tiers.settings import FsTierSettings, TierOptionError, parse_fs_settings
 from kvtierd.units import format_bytes, parse_duration, parse_size
 from kvtierd_client.address import default_socket_path
@@ -272,6 +274,24 @@ OPTIONS: tuple[Option, ...] = (
         flag="--events-retained",
     ),
     Option(
+        "limits",
+        "events_retained_bytes",
+        _size_in(MAX_EVENT_BYTES, 1 << 40),
+        lambda: 64 << 20,
+        "bytes of events each pool keeps for TakeEvents / WatchEvents (keys plus "
+        f"{KEY_OVERHEAD_BYTES} bytes per key); the oldest go first, as for events_retained",
+        flag="--events-retained-bytes",
+    ),
+    Option(
+        "limits",
+        "removals_retained_bytes",
+        _size_in(64 << 10, 1 << 40),
+        lambda: 16 << 20,
+        "bytes of recent removals each pool remembers for Explain (keys plus "
+        f"{REMOVAL_OVERHEAD_BYTES} bytes per key)",
+        flag="--removals-retained-bytes",
+    ),
+    Option(
         "security",
         "tokens_file",
         _abs_file_or_empty,
@@ -322,7 +342,9 @@ class SessionsConfig:
 class LimitsConfig:
     max_keys_per_call: int
     max_pools: int
-    events_retained: int
+    events_retained: int  # per pool
+    events_retained_bytes: int  # per pool
+    removals_retained_bytes: int  # per pool, Explain's history
 
 
 @dataclass(frozen=True, slots=True)

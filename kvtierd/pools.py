@@ -108,7 +108,7 @@ class PoolTable:
             raise ResourceExhausted(f"pool {spec.name!r}: {exc}") from None
         except RegionError as exc:
             raise FailedPrecondition(f"pool {spec.name!r}: {exc}") from None
-        pool = Pool(spec, region, self._limits.events_retained)
+        pool = Pool(spec, region, self._limits)
         pool.tiering.observe_job = self.observe_job
         self._attach_tiers(pool)
         self._pools[spec.name] = pool
