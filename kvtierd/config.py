@@ -292,6 +292,23 @@ OPTIONS: tuple[Option, ...] = (
         flag="--removals-retained-bytes",
     ),
     Option(
+        "limits",
+        "max_watch_streams",
+        _int_in(1, 1 << 16),
+        lambda: 64,
+        "WatchEvents streams open at once (all pools); more are refused with RESOURCE_EXHAUSTED",
+        flag="--max-watch-streams",
+    ),
+    Option(
+        "limits",
+        "watch_write_timeout",
+        _duration_in(0.05, 3600.0),
+        lambda: 10.0,
+        "a WatchEvents stream whose client has not taken an event for this long ends "
+        "with OUT_OF_RANGE",
+        flag="--watch-write-timeout",
+    ),
+    Option(
         "security",
         "tokens_file",
         _abs_file_or_empty,
@@ -345,6 +362,8 @@ class LimitsConfig:
     events_retained: int  # per pool
     events_retained_bytes: int  # per pool
     removals_retained_bytes: int  # per pool, Explain's history
+    max_watch_streams: int  # all pools together
+    watch_write_timeout: float  # seconds
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,6 +58,8 @@ class Daemon:
             self.sessions,
             max_keys_per_call=config.limits.max_keys_per_call,
             tokens=tokens,
+            max_watch_streams=config.limits.max_watch_streams,
+            watch_write_timeout=config.limits.watch_write_timeout,
         )
         self.metrics = Metrics(self.pools, self.sessions)
         self.service.observe_rpc = self.metrics.observe_rpc
