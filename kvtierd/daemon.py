@@ -75,7 +75,7 @@ class Daemon:
         _check_shm_dir(self.config.memory.shm_dir)
         self._check_tier_roots()
         await self._start_metrics()
-        server, self._health = build_server(self.service)
+        server, self._health = build_server(self.service, self.config.limits)
         await set_health(self._health, serving=False)
         add_listeners(server, self.config.server.listen, self.gid, self._sockets)
         await server.start()

@@ -167,3 +167,33 @@ def test_watch_streams_beyond_the_limit_are_refused_until_one_ends(make_daemon, 
         time.sleep(0.02)
     stream.cancel()
     streams[1].cancel()
+
+
+# ----------------------------------------------------------------- request size
+
+
+def test_a_request_over_the_receive_limit_is_refused_before_it_is_parsed(make_daemon, pool_name):
+    """Scenario: with limits.max_keys_per_call = 1024 the daemon reads requests of
+    at most ~1.5 MiB (a Batch of two calls of 1,024 256-byte keys, plus 1 MiB).
+    4 MiB of garbage gets RESOURCE_EXHAUSTED from gRPC (parsed, it would fail to
+    decode), so does a well-formed 4 MiB Lookup; a request under the size limit
+    but over the key limit is parsed and refused with INVALID_ARGUMENT; the
+    daemon keeps serving."""
+    daemon = make_daemon("--max-keys-per-call", "1024")
+    stub = daemon.stub()
+    session = open_session(stub, pool_name, 16)
+    with grpc.insecure_channel(daemon.target) as channel:
+        raw_lookup = channel.unary_unary("/kvtier.v1.KVTier/Lookup")  # bytes in, bytes out
+        with pytest.raises(grpc.RpcError) as garbage:
+            raw_lookup(b"\xff" * (4 << 20), timeout=10)
+    assert garbage.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    huge = pb2.LookupRequest(session_id=session, keys=long_keys(0, 16384))
+    with pytest.raises(grpc.RpcError) as too_big:
+        stub.Lookup(huge, timeout=10)
+    assert too_big.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with pytest.raises(grpc.RpcError) as too_many:
+        stub.Lookup(pb2.LookupRequest(session_id=session, keys=long_keys(0, 2048)), timeout=10)
+    assert too_many.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "limits.max_keys_per_call" in too_many.value.details()
+    answer = stub.Lookup(pb2.LookupRequest(session_id=session, keys=long_keys(0, 1024)))
+    assert set(answer.results) == {pb2.LOOKUP_RESULT_MISS}
