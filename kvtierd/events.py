@@ -10,7 +10,8 @@ Each retained event is at most :data:`MAX_EVENT_BYTES`: a longer one (a
 PrepareStore of 65,536 long keys, a flush) is split on append into consecutive
 events of the same kind, in key order, each with its own sequence number. So
 one WatchEvents message, the unit a stream holds while its client does not
-read, stays small, and the byte limit is exact to within one event.
+read, stays small, and no single event can exceed the byte limit (it is at
+least MAX_EVENT_BYTES): the newest event is always retained.
 
 Invariants: the retained entries have consecutive sequence numbers ending at
 ``last_seq``; the oldest retained one is ``last_seq - len(ring) + 1``. Sequence
