@@ -7,11 +7,11 @@ import os
 import sys
 import time
 
-from benchmarks import copy, fs, memory, replay, rpc, stall
+from benchmarks import buffers, copy, fs, memory, replay, rpc, stall
 from benchmarks.common import machine, print_table
 
 SUITES = {"rpc": rpc.run, "copy": copy.run, "memory": memory.run, "replay": replay.run,
-          "fs": fs.run, "stall": stall.run}  # fmt: skip
+          "fs": fs.run, "stall": stall.run, "buffers": buffers.run}  # fmt: skip
 
 
 def main() -> int:

@@ -17,6 +17,8 @@ from typing import Any
 
 import tomllib
 
+from kvtierd.events import KEY_OVERHEAD_BYTES, MAX_EVENT_BYTES
+from kvtierd.history import KEY_OVERHEAD_BYTES as REMOVAL_OVERHEAD_BYTES
 from kvtierd.tiers.settings import FsTierSettings, TierOptionError, parse_fs_settings
 from kvtierd.units import format_bytes, parse_duration, parse_size
 from kvtierd_client.address import default_socket_path
@@ -291,6 +293,41 @@ OPTIONS: tuple[Option, ...] = (
         flag="--promotion-hold",
     ),
     Option(
+        "limits",
+        "events_retained_bytes",
+        _size_in(MAX_EVENT_BYTES, 1 << 40),
+        lambda: 64 << 20,
+        "bytes of events each pool keeps for TakeEvents / WatchEvents (keys plus "
+        f"{KEY_OVERHEAD_BYTES} bytes per key); the oldest go first, as for events_retained",
+        flag="--events-retained-bytes",
+    ),
+    Option(
+        "limits",
+        "removals_retained_bytes",
+        _size_in(64 << 10, 1 << 40),
+        lambda: 16 << 20,
+        "bytes of recent removals each pool remembers for Explain (keys plus "
+        f"{REMOVAL_OVERHEAD_BYTES} bytes per key)",
+        flag="--removals-retained-bytes",
+    ),
+    Option(
+        "limits",
+        "max_watch_streams",
+        _int_in(1, 1 << 16),
+        lambda: 64,
+        "WatchEvents streams open at once (all pools); more are refused with RESOURCE_EXHAUSTED",
+        flag="--max-watch-streams",
+    ),
+    Option(
+        "limits",
+        "watch_write_timeout",
+        _duration_in(0.05, 3600.0),
+        lambda: 10.0,
+        "a WatchEvents stream whose client has not taken an event for this long ends "
+        "with OUT_OF_RANGE",
+        flag="--watch-write-timeout",
+    ),
+    Option(
         "security",
         "tokens_file",
         _abs_file_or_empty,
@@ -342,7 +379,11 @@ class SessionsConfig:
 class LimitsConfig:
     max_keys_per_call: int
     max_pools: int
-    events_retained: int
+    events_retained: int  # per pool
+    events_retained_bytes: int  # per pool
+    removals_retained_bytes: int  # per pool, Explain's history
+    max_watch_streams: int  # all pools together
+    watch_write_timeout: float  # seconds
     promotion_hold: float  # seconds; 0 = no promotion holds
 
 

@@ -63,6 +63,8 @@ class Daemon:
             self.sessions,
             max_keys_per_call=config.limits.max_keys_per_call,
             tokens=tokens,
+            max_watch_streams=config.limits.max_watch_streams,
+            watch_write_timeout=config.limits.watch_write_timeout,
         )
         self.metrics = Metrics(self.pools, self.sessions)
         self.service.observe_rpc = self.metrics.observe_rpc
@@ -78,7 +80,7 @@ class Daemon:
         _check_shm_dir(self.config.memory.shm_dir)
         self._check_tier_roots()
         await self._start_metrics()
-        server, self._health = build_server(self.service)
+        server, self._health = build_server(self.service, self.config.limits)
         await set_health(self._health, serving=False)
         add_listeners(server, self.config.server.listen, self.gid, self._sockets)
         await server.start()

@@ -29,6 +29,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvtierd.config import LimitsConfig
 from kvtierd.contract import PRIMARY_TIER, BlockEvent, BlockKey, LookupResult, StoreGrant
 from kvtierd.errors import FailedPrecondition
 from kvtierd.events import EventLog
@@ -103,14 +104,11 @@ def _summary(
 class Pool:
     """One pool. Owned by the PoolTable; its sessions hold references to it."""
 
-    def __init__(
-        self, spec: PoolSpec, region: Region, events_retained: int, *, promotion_hold: float
-    ) -> None:
-        """``promotion_hold``: seconds a promotion hold lasts (0: no holds)."""
+    def __init__(self, spec: PoolSpec, region: Region, limits: LimitsConfig) -> None:
         self.spec = spec
         self.region = region
-        self.events = EventLog(events_retained)
-        self.history = RemovalLog()
+        self.events = EventLog(limits.events_retained, limits.events_retained_bytes)
+        self.history = RemovalLog(max_bytes=limits.removals_retained_bytes)
         self._removal_reason = "evicted: least recently used, to make room"
         self.manager = PrimaryManager(spec.num_blocks, spec.eviction_policy, on_event=self._event)
         self.tiering = Tiering(
@@ -118,7 +116,7 @@ class Pool:
             self.manager,
             self.history,
             on_event=self.events.append,
-            hold_seconds=promotion_hold,
+            hold_seconds=limits.promotion_hold,
         )
         # Invariant: sum over sessions of _pins[s][k] + cascade jobs naming k + (1 if
         # k is held) == manager.ref_count(k) for every pinned key.

@@ -149,12 +149,7 @@ class PoolTable:
             raise ResourceExhausted(f"pool {spec.name!r}: {exc}") from None
         except RegionError as exc:
             raise FailedPrecondition(f"pool {spec.name!r}: {exc}") from None
-        pool = Pool(
-            spec,
-            region,
-            self._limits.events_retained,
-            promotion_hold=self._limits.promotion_hold,
-        )
+        pool = Pool(spec, region, self._limits)
         pool.tiering.observe_job = self.observe_job
         try:
             await self._attach_tiers(pool)

@@ -20,24 +20,45 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
+from kvtierd.config import LimitsConfig
 from kvtierd.service import KVTierService
+from kvtierd.validation import MAX_KEY_BYTES
 from kvtierd_client.proto import pb2, pb2_grpc
 
 log = logging.getLogger("kvtierd.server")
 
 SERVICE_NAME = pb2.DESCRIPTOR.services_by_name["KVTier"].full_name
-MAX_MESSAGE_BYTES = 64 << 20  # 65,536 keys of 256 bytes fit with room to spare
+KEY_WIRE_BYTES = MAX_KEY_BYTES + 3  # a longest key as a repeated bytes field: tag, length
+MESSAGE_SLACK_BYTES = 1 << 20  # every other field of a request or response
 
 
 class ListenError(RuntimeError):
     """A listen address cannot be served (in use, no permission, bad directory)."""
 
 
-def build_server(service: KVTierService) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+def max_receive_bytes(limits: LimitsConfig) -> int:
+    """The largest request the daemon reads: a Batch carrying two calls of
+    ``max_keys_per_call`` keys of the longest allowed length (a client's step: its
+    queued CompleteStore plus the PrepareStore that carries it), plus slack.
+    gRPC refuses a larger one with RESOURCE_EXHAUSTED before it is parsed
+    (default 65,536 keys: ~35 MiB)."""
+    return 2 * limits.max_keys_per_call * KEY_WIRE_BYTES + MESSAGE_SLACK_BYTES
+
+
+def max_send_bytes(limits: LimitsConfig) -> int:
+    """The largest answer: a PrepareStore (or Batch) answer names at most twice the
+    keys of its request (stored and evicted); a TakeEvents answer at most the
+    pool's retained events (their wire size is below what they count)."""
+    return max(2 * max_receive_bytes(limits), limits.events_retained_bytes + MESSAGE_SLACK_BYTES)
+
+
+def build_server(
+    service: KVTierService, limits: LimitsConfig
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     server = grpc.aio.server(
         options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", max_receive_bytes(limits)),
+            ("grpc.max_send_message_length", max_send_bytes(limits)),
             ("grpc.so_reuseport", 0),
         ]
     )

@@ -15,7 +15,7 @@ import hmac
 import inspect
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
@@ -40,6 +40,7 @@ from kvtierd.validation import (
     check_pool_name,
     check_text,
 )
+from kvtierd.watch import WatchStreams, end_stream
 from kvtierd_client.proto import pb2, pb2_grpc
 
 log = logging.getLogger("kvtierd.service")
@@ -89,12 +90,15 @@ class KVTierService(pb2_grpc.KVTierServicer):
         *,
         max_keys_per_call: int,
         tokens: tuple[str, ...] = (),
+        max_watch_streams: int = 64,
+        watch_write_timeout: float = 10.0,
     ) -> None:
         self._pools = pools
         self._sessions = sessions
         self._max_keys = max_keys_per_call
         self._tokens = tuple(token.encode() for token in tokens)
         self._started = time.monotonic()
+        self.watches = WatchStreams(max_watch_streams, watch_write_timeout)
         self.shutting_down = False
         # (method, status code name, seconds) per handled call; set by the daemon
         self.observe_rpc: Callable[[str, str, float], None] | None = None
@@ -232,31 +236,41 @@ class KVTierService(pb2_grpc.KVTierServicer):
             events=[_event_message(seq, event) for seq, event in events], dropped=dropped
         )
 
-    async def WatchEvents(
-        self, request: pb2.WatchEventsRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb2.Event]:
+    async def WatchEvents(self, request: pb2.WatchEventsRequest, context: Any) -> None:
+        """Streams a pool's events. A coroutine writing with ``context.write`` (not a
+        generator: a write must be able to time out); bounded by ``self.watches``."""
         try:
             self.authorize(context)
             pool, cursor = self._watch_start(request)
+            self.watches.reserve()
         except KvtierdError as exc:
             await context.abort(exc.code, str(exc))
-        # Invariant: every event with seq <= cursor was sent, none after it. Events
-        # appended while a yield waits for the transport are sent on the next turn;
-        # events the bounded log dropped before this stream sent them end it with
+        with self.watches.held():  # until the status is out: gRPC holds the last write
+            try:
+                await self._stream_events(pool, cursor, context)
+            except KvtierdError as exc:
+                await end_stream(context, exc)
+
+    async def _stream_events(self, pool: Pool, cursor: int, context: Any) -> None:
+        # Invariant: every event with seq <= cursor was sent, none after it. The
+        # stream holds one event at a time (never a list the log has dropped), and
+        # events dropped by the bounded log before it sent them end it with
         # OUT_OF_RANGE (a gap is never skipped silently).
+        events = pool.events
         while not self.shutting_down:
-            events, dropped = pool.events.since(cursor)
-            if dropped:
-                await context.abort(
-                    grpc.StatusCode.OUT_OF_RANGE,
-                    f"this WatchEvents stream fell {dropped} events behind pool "
-                    f"{pool.spec.name!r}'s log (limits.events_retained); read faster or "
-                    f"resume from after_seq {pool.events.oldest_seq - 1}",
+            if cursor + 1 < events.oldest_seq:
+                raise OutOfRange(
+                    f"this WatchEvents stream fell {events.oldest_seq - cursor - 1} events "
+                    f"behind pool {pool.spec.name!r}'s log (limits.events_retained, "
+                    f"limits.events_retained_bytes); read faster or resume from after_seq "
+                    f"{events.oldest_seq - 1}"
                 )
-            for seq, event in events:
-                yield _event_message(seq, event)
-                cursor = seq
-            await pool.events.wait_beyond(cursor)
+            event = events.get(cursor + 1)
+            if event is None:
+                await events.wait_beyond(cursor)
+                continue
+            await self.watches.write(context, _event_message(cursor + 1, event), cursor + 1)
+            cursor += 1
 
     def _watch_start(self, request: pb2.WatchEventsRequest) -> tuple[Pool, int]:
         check_pool_name(request.pool, "pool")
@@ -275,8 +289,8 @@ class KVTierService(pb2_grpc.KVTierServicer):
         if after + 1 < events.oldest_seq:
             raise OutOfRange(
                 f"events {after + 1}..{events.oldest_seq - 1} of pool {pool.spec.name!r} were "
-                f"dropped (limits.events_retained); resume from after_seq "
-                f"{events.oldest_seq - 1} or -1"
+                f"dropped (limits.events_retained, limits.events_retained_bytes); resume "
+                f"from after_seq {events.oldest_seq - 1} or -1"
             )
         return pool, after
 

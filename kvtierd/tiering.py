@@ -60,7 +60,9 @@ from kvtierd.tiers.base import JobResult, SecondaryTier, TierJob
 log = logging.getLogger("kvtierd.tiering")
 
 PROMOTION_RETRY_AFTER = 30.0  # seconds a (tier, key) whose promotion failed is not retried
-FAILED_PROMOTIONS_KEPT = 65536  # bound of that memory
+# Bound of that memory: an entry takes at most ~450 bytes (a 256-byte key, its
+# (tier, key) tuple, the deadline, the OrderedDict node), so at most ~7 MiB per pool.
+FAILED_PROMOTIONS_KEPT = 16384
 
 _MISS = LookupResult.MISS
 _HIT = LookupResult.HIT

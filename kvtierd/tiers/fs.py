@@ -88,7 +88,9 @@ log = logging.getLogger("kvtierd.tiers.fs")
 
 O_DIRECT_MODES = ("auto", "on", "off")
 _SCAN_LOG_EVERY = 10_000
-_REMOVALS_KEPT = 65536  # recent removals remembered for Explain
+# Recent removals remembered for Explain, per pool: an entry takes at most ~450
+# bytes (a 256-byte key, its (time, why) tuple, the OrderedDict node): ~7 MiB.
+_REMOVALS_KEPT = 16384
 _GROUP_BYTES = 16 << 20  # blocks per I/O task: this many bytes (at least one block)
 _SPEED_PROBE_BYTES = 16 << 20  # at most this much written twice by the o_direct=auto probe
 _POOL_FILE_MAX_BYTES = 64 << 10  # a pool.json larger than this is not ours

@@ -2,8 +2,17 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from kvtierd.contract import BlockEvent, Medium
-from kvtierd.events import EventLog
+from kvtierd.events import (
+    EVENT_OVERHEAD_BYTES,
+    KEY_OVERHEAD_BYTES,
+    MAX_EVENT_BYTES,
+    EventLog,
+    EventLogStats,
+    event_bytes,
+)
 
 
 def event(i: int) -> BlockEvent:
@@ -11,7 +20,7 @@ def event(i: int) -> BlockEvent:
 
 
 def test_sequence_numbers_start_at_one_and_are_consecutive():
-    log = EventLog(retained=16)
+    log = EventLog(retained=16, retained_bytes=MAX_EVENT_BYTES)
     assert [log.append(event(i)) for i in range(3)] == [1, 2, 3]
     events, dropped = log.since(0)
     assert [seq for seq, _ in events] == [1, 2, 3] and dropped == 0
@@ -20,7 +29,7 @@ def test_sequence_numbers_start_at_one_and_are_consecutive():
 
 
 def test_overflow_reports_dropped_events():
-    log = EventLog(retained=4)
+    log = EventLog(retained=4, retained_bytes=MAX_EVENT_BYTES)
     for i in range(10):
         log.append(event(i))
     assert log.oldest_seq == 7
@@ -31,7 +40,7 @@ def test_overflow_reports_dropped_events():
 
 def test_wait_beyond_wakes_on_append():
     async def scenario() -> list[int]:
-        log = EventLog(retained=8)
+        log = EventLog(retained=8, retained_bytes=MAX_EVENT_BYTES)
         woke: list[int] = []
 
         async def watcher() -> None:
@@ -46,3 +55,63 @@ def test_wait_beyond_wakes_on_append():
         return woke
 
     assert asyncio.run(scenario()) == [1]
+
+
+def keys_event(count: int, length: int, *, removed: bool = False) -> BlockEvent:
+    keys = tuple(i.to_bytes(4, "big") * (length // 4) for i in range(count))
+    return BlockEvent(keys, Medium.STORAGE, removed=removed, tier="fs0")
+
+
+def test_event_bytes_are_the_keys_plus_fixed_costs():
+    event = BlockEvent((b"ab", b"c"), Medium.CPU, removed=False)
+    assert event_bytes(event) == 3 + 2 * KEY_OVERHEAD_BYTES + EVENT_OVERHEAD_BYTES
+
+
+def test_byte_limit_drops_the_oldest_events_like_the_count_limit():
+    """Scenario: events of ~14 KB each under a 64 KiB limit and a count limit that
+    never binds: the oldest go, readers behind them learn how many they missed."""
+    log = EventLog(retained=1000, retained_bytes=MAX_EVENT_BYTES)
+    size = event_bytes(keys_event(100, 100))
+    fits = MAX_EVENT_BYTES // size
+    for i in range(10):
+        assert log.append(keys_event(100, 100)) == i + 1
+        assert log.retained_bytes <= MAX_EVENT_BYTES
+    assert log.oldest_seq == 10 - fits + 1
+    events, dropped = log.since(0)
+    assert [seq for seq, _ in events] == list(range(10 - fits + 1, 11))
+    assert dropped == 10 - fits
+    assert log.statistics() == EventLogStats(
+        last_seq=10, retained_events=fits, retained_bytes=fits * size, dropped_events=10 - fits
+    )
+
+
+def test_a_long_event_is_split_in_key_order_under_consecutive_seqs():
+    event = keys_event(1000, 256, removed=True)
+    log = EventLog(retained=1000, retained_bytes=8 * MAX_EVENT_BYTES)
+    last = log.append(event)
+    parts, dropped = log.since(0)
+    assert dropped == 0 and last == len(parts) > 1
+    assert [seq for seq, _ in parts] == list(range(1, last + 1))
+    assert tuple(key for _, part in parts for key in part.keys) == event.keys
+    for _, part in parts:
+        assert event_bytes(part) <= MAX_EVENT_BYTES
+        assert (part.medium, part.removed, part.tier) == (Medium.STORAGE, True, "fs0")
+    # each part but the last is full: one more key would not have fitted
+    for (_, part), (_, following) in zip(parts, parts[1:], strict=False):
+        assert event_bytes(part) + len(following.keys[0]) + KEY_OVERHEAD_BYTES > MAX_EVENT_BYTES
+    assert log.retained_bytes == sum(event_bytes(part) for _, part in parts)
+
+
+def test_get_answers_retained_events_only():
+    log = EventLog(retained=4, retained_bytes=MAX_EVENT_BYTES)
+    for i in range(6):
+        log.append(event(i))
+    assert log.get(2) is None  # dropped by the count limit
+    assert log.get(3) is not None and log.get(3).keys == (b"2",)
+    assert log.get(6).keys == (b"5",)
+    assert log.get(7) is None  # not yet
+
+
+def test_byte_limit_below_one_event_is_refused():
+    with pytest.raises(ValueError, match="retained_bytes"):
+        EventLog(retained=16, retained_bytes=MAX_EVENT_BYTES - 1)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtierd.history import RemovalLog
+from kvtierd.history import KEY_OVERHEAD_BYTES, RemovalLog
 
 
 def test_keeps_the_last_records_per_key_oldest_first():
@@ -36,3 +36,26 @@ def test_forgets_the_least_recently_recorded_keys_first():
     assert log.get(b"b") == []
     assert [(r.tier, r.what) for r in log.get(b"a")] == [("primary", "evicted"), ("fs0", "evicted")]
     assert log.get(b"c")[0].unix_time >= log.get(b"a")[0].unix_time
+
+
+def test_byte_limit_forgets_the_least_recent_keys_first():
+    """Scenario: 100-byte keys under a limit of ten of them and a count limit that
+    never binds: the five oldest are forgotten, the newest ten kept."""
+    per_key = 100 + KEY_OVERHEAD_BYTES
+    log = RemovalLog(max_keys=1000, max_bytes=10 * per_key)
+    keys = [b"%0100d" % i for i in range(15)]
+    for key in keys:
+        log.record([key], "primary", "evicted")
+        assert log.nbytes <= 10 * per_key
+    assert len(log) == 10 and log.nbytes == 10 * per_key
+    assert all(log.get(key) == [] for key in keys[:5])
+    assert all(log.get(key) for key in keys[5:])
+
+
+def test_another_record_of_a_remembered_key_costs_no_bytes():
+    log = RemovalLog(max_bytes=1 << 20)
+    log.record([b"k" * 50], "primary", "evicted")
+    before = log.nbytes
+    log.record([b"k" * 50], "fs0", "evicted")
+    assert log.nbytes == before == 50 + KEY_OVERHEAD_BYTES
+    assert len(log.get(b"k" * 50)) == 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvtierd.config import load_config
 from kvtierd.errors import SessionNotFound
 from kvtierd.pool import Pool, PoolSpec
 from kvtierd.region import Region
@@ -21,7 +22,8 @@ class Clock:
 @pytest.fixture
 def pool(tmp_path):
     region = Region.create(tmp_path, "p", 4, 4096, prefault=False)
-    pool = Pool(PoolSpec("p", 4096, 4, "", "lru"), region, events_retained=64, promotion_hold=0.0)
+    limits = load_config(env={}).limits  # the defaults
+    pool = Pool(PoolSpec("p", 4096, 4, "", "lru"), region, limits)
     try:
         yield pool
     finally:
