@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
+from kvtierd import guards
 from kvtierd.service import KVTierService
 from kvtierd_client.proto import pb2, pb2_grpc
 
@@ -34,6 +35,7 @@ class ListenError(RuntimeError):
 
 
 def build_server(service: KVTierService) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    """The server with its three services; call ``add_listeners`` then start it."""
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -41,7 +43,7 @@ def build_server(service: KVTierService) -> tuple[grpc.aio.Server, health.aio.He
             ("grpc.so_reuseport", 0),
         ]
     )
-    generic = _GenericHandlersOnly(server)
+    generic = _GenericHandlersOnly(server, maps_errors={SERVICE_NAME})
     pb2_grpc.add_KVTierServicer_to_server(service, generic)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, generic)
@@ -49,29 +51,49 @@ def build_server(service: KVTierService) -> tuple[grpc.aio.Server, health.aio.He
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
         reflection.aio.ReflectionServicer(names), generic
     )
+    if generic.services != set(names):
+        raise RuntimeError(f"served {sorted(generic.services)}, expected {sorted(names)}")
     return server, health_servicer
 
 
 class _GenericHandlersOnly:
-    """What a generated ``add_*Servicer_to_server`` sees of the server: it takes the
-    service's generic handler and drops its *registered* method handlers.
+    """What a generated ``add_*Servicer_to_server`` sees of the server: each
+    service is served through one generic handler built from its method
+    handlers, each guarded by ``guards.guard`` (unparsable requests are
+    INVALID_ARGUMENT, unimplemented methods UNIMPLEMENTED, neither a traceback).
 
-    grpc.aio's server waits for its next call with ``asyncio.wait`` over one
-    pending request per registered method plus one for generic methods, and
-    re-arms that wait after every call: with the ~25 methods of these three
-    services that cost about 6 % of the daemon's CPU per empty call (measured:
-    BENCHMARKS.md, engine steps). Served through the generic handler, each call
-    is found by one dict lookup in its service's handler instead.
+    Why generic only: grpc.aio's server waits for its next call with
+    ``asyncio.wait`` over one pending request per registered method plus one for
+    generic methods, and re-arms that wait after every call: with the ~25
+    methods of these three services that cost about 6 % of the daemon's CPU per
+    empty call (measured: BENCHMARKS.md, engine steps). Served through the
+    generic handler, each call is found by one dict lookup in its service's
+    handler instead.
+
+    Generated code (grpcio-tools >= 1.62) passes every service twice: as a
+    generic handler, dropped here, and as the dict of its method handlers, which
+    is wrapped and served. ``services`` lists the names served, so a service
+    that arrived only one way is noticed at start.
     """
 
-    def __init__(self, server: grpc.aio.Server) -> None:
+    def __init__(self, server: grpc.aio.Server, *, maps_errors: set[str]) -> None:
         self._server = server
+        self._maps_errors = maps_errors  # services whose handlers map KvtierdError
+        self.services: set[str] = set()
 
     def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
-        self._server.add_generic_rpc_handlers(handlers)
+        """Dropped on purpose: ``add_registered_method_handlers`` serves the same
+        methods, guarded."""
 
     def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
-        """Dropped on purpose: the generic handler serves the same methods."""
+        maps_errors = service in self._maps_errors
+        guarded = {
+            name: guards.guard(handler, f"/{service}/{name}", maps_errors=maps_errors)
+            for name, handler in handlers.items()
+        }
+        generic = grpc.method_handlers_generic_handler(service, guarded)
+        self._server.add_generic_rpc_handlers((generic,))
+        self.services.add(service)
 
 
 async def set_health(servicer: health.aio.HealthServicer, serving: bool) -> None:

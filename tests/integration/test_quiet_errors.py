@@ -1,0 +1,133 @@
+"""Client mistakes get a status that says what to fix and leave no traceback in
+the daemon log: bytes that do not parse, methods the daemon does not implement.
+The daemon keeps serving and nothing changes."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import grpc
+import pytest
+from daemon_harness import start_daemon
+
+from kvtierd_client.proto import pb2
+
+KVTIER = "/kvtier.v1.KVTier/"
+HEALTH = "/grpc.health.v1.Health/"
+REFLECTION = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
+
+CORRUPT = b"\xff\xff\xff\xff"  # field 31, wire type 7: no such wire type
+TRUNCATED = b"\x0a\x05ab"  # field 1 claims 5 bytes, 2 follow
+BAD_UTF8 = b"\x0a\x02\xff\xfe"  # string field 1 (session_id, pool) is not UTF-8
+BAD_UTF8_NESTED = b"\x0a\x04" + BAD_UTF8  # OpenSession: pool.name is not UTF-8
+
+UNARY = [
+    ("OpenSession", "kvtier.v1.OpenSessionRequest"),
+    ("Lookup", "kvtier.v1.LookupRequest"),
+    ("PrepareStore", "kvtier.v1.PrepareStoreRequest"),
+    ("CompleteStore", "kvtier.v1.CompleteStoreRequest"),
+    ("Batch", "kvtier.v1.BatchRequest"),
+    ("KeepAlive", "kvtier.v1.KeepAliveRequest"),
+    ("GetStats", "kvtier.v1.GetStatsRequest"),
+]
+
+
+def expect_invalid(call, *fragments: str) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    for fragment in fragments:
+        assert fragment in info.value.details(), info.value.details()
+
+
+def state(stub) -> tuple:
+    stats = stub.GetStats(pb2.GetStatsRequest(), timeout=5)
+    return (
+        stats.sessions,
+        stats.memory_used_bytes,
+        [(p.name, p.last_event_seq) for p in stats.pools],
+    )
+
+
+def assert_quiet(log: str) -> None:
+    assert "Traceback" not in log and " ERROR " not in log, log
+
+
+@pytest.fixture
+def channel(daemon):
+    with grpc.insecure_channel(daemon.target) as channel:
+        yield channel
+
+
+@pytest.mark.parametrize(("method", "message_type"), UNARY)
+def test_garbage_is_invalid_argument_naming_method_and_type(daemon, channel, method, message_type):
+    stub = daemon.stub()
+    before = state(stub)
+    raw = channel.unary_unary(KVTIER + method)  # no serializers: bytes in, bytes out
+    bad_utf8 = BAD_UTF8_NESTED if method == "OpenSession" else BAD_UTF8
+    for garbage in (CORRUPT, TRUNCATED, bad_utf8):
+        expect_invalid(
+            lambda garbage=garbage: raw(garbage, timeout=5),
+            f"{KVTIER}{method}: the request is not a valid {message_type}",
+        )
+    assert state(stub) == before
+    assert_quiet(daemon.log())
+
+
+def test_garbage_to_streams_and_standard_services(daemon, channel):
+    watch = channel.unary_stream(KVTIER + "WatchEvents")
+    expect_invalid(
+        lambda: list(watch(CORRUPT, timeout=5)), "not a valid kvtier.v1.WatchEventsRequest"
+    )
+    check = channel.unary_unary(HEALTH + "Check")
+    expect_invalid(
+        lambda: check(CORRUPT, timeout=5), "not a valid grpc.health.v1.HealthCheckRequest"
+    )
+    health_watch = channel.unary_stream(HEALTH + "Watch")
+    expect_invalid(lambda: next(health_watch(CORRUPT, timeout=5)), f"{HEALTH}Watch")
+    reflect = channel.stream_stream(REFLECTION)
+    expect_invalid(
+        lambda: list(reflect(iter([CORRUPT]), timeout=5)),
+        "not a valid grpc.reflection.v1alpha.ServerReflectionRequest",
+    )
+    assert_quiet(daemon.log())
+    # the same services still answer well-formed requests
+    assert check(b"", timeout=5) == b"\x08\x01"  # HealthCheckResponse{status: SERVING}
+    assert next(health_watch(b"", timeout=5)) == b"\x08\x01"
+
+
+def test_unimplemented_method_is_unimplemented_without_traceback(daemon, channel):
+    health_list = channel.unary_unary(HEALTH + "List")
+    for request in (b"", CORRUPT):
+        with pytest.raises(grpc.RpcError) as info:
+            health_list(request, timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert f"{HEALTH}List is not implemented" in info.value.details()
+    assert_quiet(daemon.log())
+
+
+def test_garbage_over_tcp_needs_a_token_first(tmp_path):
+    token = "t0ken-for-quiet-errors-0123456789"
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{token}\n")
+    os.chmod(tokens, 0o600)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    daemon = start_daemon("--tokens-file", str(tokens), "--listen", f"127.0.0.1:{port}")
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as tcp:
+            lookup = tcp.unary_unary(KVTIER + "Lookup")
+            with pytest.raises(grpc.RpcError) as info:
+                lookup(CORRUPT, timeout=5)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError) as info:
+                list(tcp.unary_stream(KVTIER + "WatchEvents")(CORRUPT, timeout=5))
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            bearer = (("authorization", f"Bearer {token}"),)
+            expect_invalid(lambda: lookup(CORRUPT, timeout=5, metadata=bearer), "LookupRequest")
+        assert_quiet(daemon.log())
+    finally:
+        assert daemon.stop() == 0
+        daemon.cleanup()
