@@ -20,7 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
-from kvtierd import guards
+from kvtierd import grpclog, guards
 from kvtierd.service import KVTierService
 from kvtierd_client.proto import pb2, pb2_grpc
 
@@ -36,6 +36,7 @@ class ListenError(RuntimeError):
 
 def build_server(service: KVTierService) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     """The server with its three services; call ``add_listeners`` then start it."""
+    grpclog.install()
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
