@@ -3,7 +3,9 @@
 Unix sockets are created with mode 0660 (umask tightened around the bind, so the
 socket is never reachable by others, not even for an instant), in a directory
 created 0750 if missing. A leftover socket file from a crashed daemon is
-removed; a socket another live daemon is serving is refused.
+removed; a socket another live daemon is serving is refused, and so is anything
+at the path that is not a socket (a regular file, FIFO, directory, symlink...),
+which is left as it is.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import errno
 import logging
 import os
 import socket
+import stat
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -21,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from kvtierd import grpclog, guards
+from kvtierd.config import ConfigError
 from kvtierd.service import KVTierService
 from kvtierd_client.proto import pb2, pb2_grpc
 
@@ -28,6 +32,7 @@ log = logging.getLogger("kvtierd.server")
 
 SERVICE_NAME = pb2.DESCRIPTOR.services_by_name["KVTier"].full_name
 MAX_MESSAGE_BYTES = 64 << 20  # 65,536 keys of 256 bytes fit with room to spare
+STALE_PROBE_TIMEOUT = 1.0  # seconds a connect to a leftover socket file may take
 
 
 class ListenError(RuntimeError):
@@ -142,20 +147,56 @@ def _add_unix(server: grpc.aio.Server, path: str, gid: int | None) -> None:
 
 
 def _remove_stale_socket(path: str) -> None:
-    if not os.path.exists(path):
+    """Clears ``path`` for binding: a socket file nobody answers on (left by a
+    crashed daemon) is removed with a WARNING. Anything else refuses the start:
+    a socket another process serves (``ListenError``), and any other kind of
+    file, a symlink included, never followed (``ConfigError``, exit code 2);
+    those are left untouched."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
         return
+    except OSError as exc:
+        raise ListenError(f"cannot inspect socket path {path}: {exc.strerror}") from None
+    if not stat.S_ISSOCK(info.st_mode):
+        raise ConfigError(
+            "server.listen",
+            f"{path} is {_file_kind(path, info.st_mode)}, not a socket; "
+            "remove it or choose another listen path",
+        )
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(STALE_PROBE_TIMEOUT)  # a full backlog must not hang the start
     try:
         probe.connect(path)
+    except (TimeoutError, BlockingIOError):
+        raise ListenError(f"socket {path} exists and does not accept; is it in use?") from None
     except OSError as exc:
-        if exc.errno not in (errno.ECONNREFUSED, errno.ENOTSOCK, errno.ENOENT):
+        if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT):
             raise ListenError(f"socket {path} exists and cannot be probed: {exc}") from None
         log.warning("removing stale socket %s left by a previous daemon", path)
-        os.unlink(path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
     else:
         raise ListenError(f"another process is already serving {path}; stop it first")
     finally:
         probe.close()
+
+
+def _file_kind(path: str, mode: int) -> str:
+    """``a regular file``, ``a symbolic link to '/x'``, ... for error messages."""
+    if stat.S_ISLNK(mode):
+        try:
+            return f"a symbolic link to {os.readlink(path)!r}"
+        except OSError:
+            return "a symbolic link"
+    kinds = (
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    )
+    return next((name for test, name in kinds if test(mode)), "a file of an unknown kind")
 
 
 def remove_unix_sockets(paths: list[str]) -> None:

@@ -1,13 +1,16 @@
 """Client mistakes get a status that says what to fix and leave no traceback in
 the daemon log: bytes that do not parse, methods the daemon does not implement.
 The daemon keeps serving and nothing changes. Calls the client or the transport
-cancels in bursts log one rate-limited WARNING, not a traceback per call."""
+cancels in bursts log one rate-limited WARNING, not a traceback per call. A file
+that is not a socket at a listen path refuses the start, naming it, untouched."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import socket
+import stat
+from pathlib import Path
 
 import grpc
 import pytest
@@ -197,3 +200,67 @@ def test_cancelled_bursts_log_one_warning_and_no_traceback(pool_name):
     assert_quiet(log)
     warnings = [line for line in log.splitlines() if " WARNING " in line]
     assert len(warnings) <= 2, "\n".join(warnings)  # the rate-limited line, at most twice
+
+
+# ----------------------------------------------------------------- socket path
+
+
+def plant_regular(path: str) -> str:
+    with open(path, "w") as planted:
+        planted.write("precious\n")
+    return "is a regular file"
+
+
+def plant_fifo(path: str) -> str:
+    os.mkfifo(path)
+    return "is a FIFO"
+
+
+def plant_directory(path: str) -> str:
+    os.mkdir(path)
+    return "is a directory"
+
+
+def plant_symlink_to_file(path: str) -> str:
+    target = path + ".target"
+    plant_regular(target)
+    os.symlink(target, path)
+    return f"is a symbolic link to {target!r}"
+
+
+def plant_symlink_to_socket(path: str) -> str:
+    """A symlink to a stale socket: following it would unlink another path."""
+    target = path + ".sock"
+    with socket.socket(socket.AF_UNIX) as bound:
+        bound.bind(target)
+    os.symlink(target, path)
+    return f"is a symbolic link to {target!r}"
+
+
+@pytest.mark.parametrize(
+    "plant",
+    [plant_regular, plant_fifo, plant_directory, plant_symlink_to_file, plant_symlink_to_socket],
+)
+def test_non_socket_at_listen_path_refuses_start_untouched(tmp_path, plant):
+    path = str(tmp_path / "kvtierd.sock")
+    kind = plant(path)
+    before = os.lstat(path)
+    daemon = start_daemon("--listen", "unix://" + path, wait=False)
+    try:
+        assert daemon.proc.wait(30) == 2, daemon.log()
+        log = daemon.log()
+        assert (
+            f"server.listen: {path} {kind}, not a socket; remove it or choose another listen path"
+            in log
+        )
+        assert "Traceback" not in log, log
+    finally:
+        daemon.cleanup()
+    after = os.lstat(path)
+    assert (after.st_ino, after.st_mode, after.st_mtime_ns) == (
+        before.st_ino, before.st_mode, before.st_mtime_ns,
+    )  # fmt: skip
+    if stat.S_ISLNK(after.st_mode):
+        assert os.path.exists(os.readlink(path))  # nor was its target removed
+    if plant is plant_regular:
+        assert Path(path).read_text() == "precious\n"
