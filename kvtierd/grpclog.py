@@ -11,8 +11,7 @@ cancelled WatchEvents streams wrote up to 185 tracebacks. The same record comes
 from an answer over ``grpc.max_send_message_length`` (the client gets
 RESOURCE_EXHAUSTED). Either way the traceback says nothing useful, so those
 records are replaced by one WARNING on ``kvtierd.server`` per ``INTERVAL``
-seconds (``ratelimit.RateLimitedLog``), which counts the others. The same holds
-for grpc's WARNING per call still running when the server stops.
+seconds (``ratelimit.RateLimitedLog``), which counts the others.
 
 Every other grpc record passes unchanged: a servicer bug still logs its
 traceback (``Unexpected [...] raised by servicer method``).
@@ -29,7 +28,6 @@ GRPC_LOGGER = "grpc._cython.cygrpc"
 INTERVAL = 10.0
 
 _TRANSPORT_ENDED = "ExecuteBatchError raised in core by servicer method"
-_SERVER_STOPPED = "Aborting method"  # "Aborting method [M] due to server stop."
 _METHOD = re.compile(r"\[([^\]]*)\]")
 
 
@@ -53,12 +51,6 @@ class TransportNoiseFilter(logging.Filter):
                 "the message size limit)",
                 _method(record.getMessage()),
             )
-            return False
-        if message.startswith(_SERVER_STOPPED) and "server stop" in message:
-            self._limited.warning(
-                "server-stopped", "calls still running at shutdown were aborted, e.g. %s",
-                _method(record.getMessage()),
-            )  # fmt: skip
             return False
         return True
 
