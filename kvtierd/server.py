@@ -3,7 +3,9 @@
 Unix sockets are created with mode 0660 (umask tightened around the bind, so the
 socket is never reachable by others, not even for an instant), in a directory
 created 0750 if missing. A leftover socket file from a crashed daemon is
-removed; a socket another live daemon is serving is refused.
+removed; a socket another live daemon is serving is refused, and so is anything
+at the path that is not a socket (a regular file, FIFO, directory, symlink...),
+which is left as it is.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import errno
 import logging
 import os
 import socket
+import stat
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -20,7 +23,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
-from kvtierd.config import LimitsConfig
+from kvtierd import grpclog, guards
+from kvtierd.config import ConfigError, LimitsConfig
 from kvtierd.service import KVTierService
 from kvtierd.validation import MAX_KEY_BYTES
 from kvtierd_client.proto import pb2, pb2_grpc
@@ -30,6 +34,7 @@ log = logging.getLogger("kvtierd.server")
 SERVICE_NAME = pb2.DESCRIPTOR.services_by_name["KVTier"].full_name
 KEY_WIRE_BYTES = MAX_KEY_BYTES + 3  # a longest key as a repeated bytes field: tag, length
 MESSAGE_SLACK_BYTES = 1 << 20  # every other field of a request or response
+STALE_PROBE_TIMEOUT = 1.0  # seconds a connect to a leftover socket file may take
 
 
 class ListenError(RuntimeError):
@@ -55,6 +60,8 @@ def max_send_bytes(limits: LimitsConfig) -> int:
 def build_server(
     service: KVTierService, limits: LimitsConfig
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    """The server with its three services; call ``add_listeners`` then start it."""
+    grpclog.install()
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", max_receive_bytes(limits)),
@@ -62,7 +69,7 @@ def build_server(
             ("grpc.so_reuseport", 0),
         ]
     )
-    generic = _GenericHandlersOnly(server)
+    generic = _GenericHandlersOnly(server, maps_errors={SERVICE_NAME})
     pb2_grpc.add_KVTierServicer_to_server(service, generic)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, generic)
@@ -70,29 +77,49 @@ def build_server(
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
         reflection.aio.ReflectionServicer(names), generic
     )
+    if generic.services != set(names):
+        raise RuntimeError(f"served {sorted(generic.services)}, expected {sorted(names)}")
     return server, health_servicer
 
 
 class _GenericHandlersOnly:
-    """What a generated ``add_*Servicer_to_server`` sees of the server: it takes the
-    service's generic handler and drops its *registered* method handlers.
+    """What a generated ``add_*Servicer_to_server`` sees of the server: each
+    service is served through one generic handler built from its method
+    handlers, each guarded by ``guards.guard`` (unparsable requests are
+    INVALID_ARGUMENT, unimplemented methods UNIMPLEMENTED, neither a traceback).
 
-    grpc.aio's server waits for its next call with ``asyncio.wait`` over one
-    pending request per registered method plus one for generic methods, and
-    re-arms that wait after every call: with the ~25 methods of these three
-    services that cost about 6 % of the daemon's CPU per empty call (measured:
-    BENCHMARKS.md, engine steps). Served through the generic handler, each call
-    is found by one dict lookup in its service's handler instead.
+    Why generic only: grpc.aio's server waits for its next call with
+    ``asyncio.wait`` over one pending request per registered method plus one for
+    generic methods, and re-arms that wait after every call: with the ~25
+    methods of these three services that cost about 6 % of the daemon's CPU per
+    empty call (measured: BENCHMARKS.md, engine steps). Served through the
+    generic handler, each call is found by one dict lookup in its service's
+    handler instead.
+
+    Generated code (grpcio-tools >= 1.62) passes every service twice: as a
+    generic handler, dropped here, and as the dict of its method handlers, which
+    is wrapped and served. ``services`` lists the names served, so a service
+    that arrived only one way is noticed at start.
     """
 
-    def __init__(self, server: grpc.aio.Server) -> None:
+    def __init__(self, server: grpc.aio.Server, *, maps_errors: set[str]) -> None:
         self._server = server
+        self._maps_errors = maps_errors  # services whose handlers map KvtierdError
+        self.services: set[str] = set()
 
     def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
-        self._server.add_generic_rpc_handlers(handlers)
+        """Dropped on purpose: ``add_registered_method_handlers`` serves the same
+        methods, guarded."""
 
     def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
-        """Dropped on purpose: the generic handler serves the same methods."""
+        maps_errors = service in self._maps_errors
+        guarded = {
+            name: guards.guard(handler, f"/{service}/{name}", maps_errors=maps_errors)
+            for name, handler in handlers.items()
+        }
+        generic = grpc.method_handlers_generic_handler(service, guarded)
+        self._server.add_generic_rpc_handlers((generic,))
+        self.services.add(service)
 
 
 async def set_health(servicer: health.aio.HealthServicer, serving: bool) -> None:
@@ -140,20 +167,56 @@ def _add_unix(server: grpc.aio.Server, path: str, gid: int | None) -> None:
 
 
 def _remove_stale_socket(path: str) -> None:
-    if not os.path.exists(path):
+    """Clears ``path`` for binding: a socket file nobody answers on (left by a
+    crashed daemon) is removed with a WARNING. Anything else refuses the start:
+    a socket another process serves (``ListenError``), and any other kind of
+    file, a symlink included, never followed (``ConfigError``, exit code 2);
+    those are left untouched."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
         return
+    except OSError as exc:
+        raise ListenError(f"cannot inspect socket path {path}: {exc.strerror}") from None
+    if not stat.S_ISSOCK(info.st_mode):
+        raise ConfigError(
+            "server.listen",
+            f"{path} is {_file_kind(path, info.st_mode)}, not a socket; "
+            "remove it or choose another listen path",
+        )
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(STALE_PROBE_TIMEOUT)  # a full backlog must not hang the start
     try:
         probe.connect(path)
+    except (TimeoutError, BlockingIOError):
+        raise ListenError(f"socket {path} exists and does not accept; is it in use?") from None
     except OSError as exc:
-        if exc.errno not in (errno.ECONNREFUSED, errno.ENOTSOCK, errno.ENOENT):
+        if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT):
             raise ListenError(f"socket {path} exists and cannot be probed: {exc}") from None
         log.warning("removing stale socket %s left by a previous daemon", path)
-        os.unlink(path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
     else:
         raise ListenError(f"another process is already serving {path}; stop it first")
     finally:
         probe.close()
+
+
+def _file_kind(path: str, mode: int) -> str:
+    """``a regular file``, ``a symbolic link to '/x'``, ... for error messages."""
+    if stat.S_ISLNK(mode):
+        try:
+            return f"a symbolic link to {os.readlink(path)!r}"
+        except OSError:
+            return "a symbolic link"
+    kinds = (
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    )
+    return next((name for test, name in kinds if test(mode)), "a file of an unknown kind")
 
 
 def remove_unix_sockets(paths: list[str]) -> None:

@@ -3,7 +3,15 @@
 No state lives here. Every handler validates every field before touching any
 state, so a rejected call changes nothing. ``KvtierdError`` subclasses map to
 their status code in one place (``_handle``); anything else is a bug, logged
-with its trace and answered INTERNAL — the daemon keeps serving.
+with its trace and answered INTERNAL — the daemon keeps serving. Client
+mistakes are never logged with a trace.
+
+Requests whose bytes do not parse arrive as ``guards.UnparsableRequest``
+(server.py installs the lenient deserializers): reading any of its fields
+raises ``InvalidArgument``. Invariant: handlers read their request only inside
+``_handle`` (or WatchEvents' own mapping), after ``authorize``, and before
+changing any state, so garbage is INVALID_ARGUMENT over the Unix socket and
+UNAUTHENTICATED over TCP without a token.
 
 The request path reads top to bottom: service -> session -> pool -> manager.
 """
@@ -53,7 +61,9 @@ Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Any]
 
 
 def _handle(method: Handler) -> Callable[..., Awaitable[Any]]:
-    """Runs a synchronous handler body on the loop and maps its errors to statuses."""
+    """Runs a synchronous handler body on the loop and maps its errors to statuses:
+    ``KvtierdError`` (an unparsable request's included) to its code with its
+    message, nothing logged; anything else to INTERNAL, logged with its trace."""
     name = method.__name__
 
     @functools.wraps(method)

@@ -3,10 +3,9 @@
 A full or read-only disk fails every cascade write, thousands a second: each
 one is counted in the tier's statistics, but the log gets at most one WARNING
 line per tier per :data:`REPORT_EVERY_S` seconds (errno name, strerror, path,
-and how many failures the previous interval suppressed), and once writes work
-again, one line saying so with the number of failures in between.
-
-Kept deliberately tiny; a generic rate-limited logger may replace it.
+and how many lines were suppressed since the previous one:
+:class:`kvtierd.ratelimit.RateLimitedLog`), and once writes work again, one line
+saying so with the number of failures in between.
 """
 
 from __future__ import annotations
@@ -16,17 +15,16 @@ import logging
 import time
 from collections.abc import Callable
 
+from kvtierd.ratelimit import RateLimitedLog
+
 REPORT_EVERY_S = 10.0
 
 
 class WriteFailureLog:
     """The write-failure reports of one configured tier (shared by its pools).
 
-    Loop thread only (job completions call it), so no lock.
-
-    Invariants: ``_failures`` counts failures since the last success (0: writes
-    work); ``_suppressed`` counts failures not reported since the last WARNING
-    line; ``_suppressed <= _failures``.
+    Loop thread only (job completions call it). Invariant: ``failures`` counts
+    the failures since the last success (0: writes work).
     """
 
     def __init__(
@@ -39,47 +37,27 @@ class WriteFailureLog:
     ) -> None:
         self.tier = tier
         self._log = logger
-        self._every_s = every_s
-        self._clock = clock
-        self._failures = 0
-        self._suppressed = 0
-        self._last_report = -float("inf")
-
-    @property
-    def failures(self) -> int:
-        """Write failures since the last successful write."""
-        return self._failures
+        self._limited = RateLimitedLog(logger, every_s, max_keys=1, clock=clock)
+        self.failures = 0
 
     def failed(self, error: OSError, path: str) -> None:
         """One block write failed with ``error`` (``path``: where, if the error does
         not name it). Logs a WARNING unless one was logged in the last interval."""
-        self._failures += 1
-        now = self._clock()
-        if now - self._last_report < self._every_s:
-            self._suppressed += 1
-            return
+        self.failures += 1
         code = errno.errorcode.get(error.errno or 0, f"errno {error.errno}")
-        more = (
-            f" ({self._suppressed} more failed writes since the last report)"
-            if self._suppressed
-            else ""
-        )
-        self._log.warning(
-            "tier %s: block write failed: %s (%s) at %s%s; writes to this tier fail, "
+        self._limited.warning(
+            self.tier,
+            "tier %s: block write failed: %s (%s) at %s; writes to this tier fail, "
             "the primary tier keeps serving",
-            self.tier, code, error.strerror or error, error.filename or path, more,
+            self.tier, code, error.strerror or error, error.filename or path,
         )  # fmt: skip
-        self._suppressed = 0
-        self._last_report = now
-        assert self._suppressed <= self._failures
 
     def succeeded(self) -> None:
         """A block write succeeded; after failures, says once that writes work again."""
-        if not self._failures:
+        if not self.failures:
             return
         self._log.warning(
-            "tier %s: writes succeed again after %d failures", self.tier, self._failures
+            "tier %s: writes succeed again after %d failures", self.tier, self.failures
         )
-        self._failures = 0
-        self._suppressed = 0
-        self._last_report = -float("inf")
+        self.failures = 0
+        self._limited.forget(self.tier)

@@ -37,9 +37,9 @@ def test_one_line_per_interval_with_the_count_of_suppressed_failures_then_one_re
     assert [r.levelno for r in lines] == [logging.WARNING] * 2
     first = lines[0].getMessage()
     assert first.startswith("tier nvme: block write failed: ENOSPC (No space left on device) at ")
-    assert "at /fs/p/ab/cd/abcd.kvb; " in first and "more failed" not in first
+    assert "at /fs/p/ab/cd/abcd.kvb; " in first and "suppressed" not in first
     assert "EROFS (Read-only file system) at /fs/p/12/34/1234.kvb" in lines[1].getMessage()
-    assert "(999 more failed writes since the last report)" in lines[1].getMessage()
+    assert "(999 similar lines suppressed since the previous one)" in lines[1].getMessage()
     assert reports.failures == 1001
 
     caplog.clear()
@@ -51,4 +51,4 @@ def test_one_line_per_interval_with_the_count_of_suppressed_failures_then_one_re
     assert reports.failures == 0
     caplog.clear()
     reports.failed(enospc(), "/unused")  # a new episode reports at once
-    assert len(caplog.records) == 1 and "more failed" not in caplog.records[0].getMessage()
+    assert len(caplog.records) == 1 and "suppressed" not in caplog.records[0].getMessage()
