@@ -57,6 +57,7 @@ import time
 import weakref
 from typing import Any
 
+from kvtierd import filekind
 from kvtierd.units import format_bytes
 
 log = logging.getLogger("kvtierd.region")
@@ -387,25 +388,12 @@ def _remove_if_stale(path: str) -> None:
 
 def _not_a_region(path: str, st: os.stat_result) -> RegionError:
     """The error for a file at a region path that no kvtierd of this user made."""
-    kind = _file_kind(st.st_mode)
+    kind = filekind.describe(path, st.st_mode)
     return RegionError(
         f"{path} exists and is {kind} owned by uid {st.st_uid}, not a region file this "
         f"kvtierd (uid {os.geteuid()}) left behind; it is left alone. Remove it, or give "
         "memory.shm_dir a directory only kvtierd can write"
     )
-
-
-def _file_kind(mode: int) -> str:
-    kinds = (
-        (stat.S_ISREG, "a regular file"),
-        (stat.S_ISLNK, "a symbolic link"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-    )
-    return next((name for test, name in kinds if test(mode)), "an unknown kind of file")
 
 
 def _path_names(path: str, inode: tuple[int, int]) -> bool:

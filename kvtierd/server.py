@@ -23,7 +23,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
-from kvtierd import grpclog, guards
+from kvtierd import filekind, grpclog, guards
 from kvtierd.config import ConfigError, LimitsConfig
 from kvtierd.service import KVTierService
 from kvtierd.validation import MAX_KEY_BYTES
@@ -181,7 +181,7 @@ def _remove_stale_socket(path: str) -> None:
     if not stat.S_ISSOCK(info.st_mode):
         raise ConfigError(
             "server.listen",
-            f"{path} is {_file_kind(path, info.st_mode)}, not a socket; "
+            f"{path} is {filekind.describe(path, info.st_mode)}, not a socket; "
             "remove it or choose another listen path",
         )
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -200,23 +200,6 @@ def _remove_stale_socket(path: str) -> None:
         raise ListenError(f"another process is already serving {path}; stop it first")
     finally:
         probe.close()
-
-
-def _file_kind(path: str, mode: int) -> str:
-    """``a regular file``, ``a symbolic link to '/x'``, ... for error messages."""
-    if stat.S_ISLNK(mode):
-        try:
-            return f"a symbolic link to {os.readlink(path)!r}"
-        except OSError:
-            return "a symbolic link"
-    kinds = (
-        (stat.S_ISREG, "a regular file"),
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-    )
-    return next((name for test, name in kinds if test(mode)), "a file of an unknown kind")
 
 
 def remove_unix_sockets(paths: list[str]) -> None:

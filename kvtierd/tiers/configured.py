@@ -2,7 +2,7 @@
 
 One :class:`ConfiguredFsTier` exists per configured fs tier for the daemon's
 whole life. Each pool gets its own :class:`~kvtierd.tiers.fs.FsTier` (its own
-directory, index and fingerprint) from :meth:`ConfiguredFsTier.attach`; all of
+directory, index and fingerprint) from :meth:`ConfiguredFsTier.create`; all of
 them share the configured tier's I/O threads and I/O worker processes (so
 neither multiplies with pools), its write-queue limits and its byte capacity.
 
@@ -73,25 +73,6 @@ class ConfiguredFsTier:
                 f"fs tier {self.name}: root directory {root} is {reason or 'unusable'} for this "
                 f"process (uid {os.geteuid()}): {exc.strerror or exc}"
             ) from None
-
-    def attach(
-        self,
-        pool_name: str,
-        block_bytes: int,
-        layout: str,
-        region_buffer: memoryview,
-        on_done: JobCallback,
-        loop: asyncio.AbstractEventLoop,
-        *,
-        region_file: tuple[str, int, int] | None = None,
-    ) -> FsTier:
-        """A started FsTier for one pool (its index scan runs in the background):
-        :meth:`create`, then ``FsTier.start`` (its file I/O on the calling thread)."""
-        tier = self.create(
-            pool_name, block_bytes, layout, region_buffer, on_done, loop, region_file=region_file
-        )
-        tier.start()
-        return tier
 
     def create(
         self,

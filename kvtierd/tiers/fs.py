@@ -923,12 +923,7 @@ class FsTier(SecondaryTier):
         path = pool.full(entry.rel)
         identity: tuple[int, int] | None = None
         try:
-            bad = None
-            if entry.kind != REGULAR:  # known from the directory entry: not even opened
-                bad = safefs.recheck(entry.dir_fd, entry.name, path, REGULAR)
-            if bad is not None:
-                raise bad
-            fd, st = safefs.open_regular(entry.dir_fd, entry.name, path)
+            fd, st = safefs.open_regular_entry(entry, path)
             identity = safefs.identity_of(st)
             try:
                 header = fsformat.decode_header(os.pread(fd, HEADER_SIZE, 0))

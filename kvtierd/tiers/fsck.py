@@ -29,7 +29,7 @@ import xxhash
 
 from kvtierd.tiers import fsformat, safefs
 from kvtierd.tiers.fsformat import BLOCK_SUFFIX, HEADER_SIZE, POOL_FILE, TEMP_SUFFIX, CorruptBlock
-from kvtierd.tiers.safefs import DIRECTORY, REGULAR, Entry, Identity, PoolDir, UnexpectedEntry
+from kvtierd.tiers.safefs import DIRECTORY, Entry, Identity, PoolDir, UnexpectedEntry
 
 CHUNK_BYTES = 1 << 20  # payload bytes read and hashed at a time
 POOL_FILE_MAX_BYTES = 64 << 10  # a pool.json larger than this is not a pool description
@@ -159,12 +159,7 @@ class _Checker:
         """None if the block file verifies; else why not and, if it may be removed,
         its identity."""
         try:
-            bad = None
-            if entry.kind != REGULAR:  # known from the directory entry: not even opened
-                bad = safefs.recheck(entry.dir_fd, entry.name, path, REGULAR)
-            if bad is not None:
-                raise bad
-            fd, st = safefs.open_regular(entry.dir_fd, entry.name, path)
+            fd, st = safefs.open_regular_entry(entry, path)
         except FileNotFoundError:
             return None  # removed meanwhile (a live daemon evicted it)
         except UnexpectedEntry as exc:

@@ -37,21 +37,11 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from kvtierd.filekind import DIRECTORY, REGULAR, kind_of
+
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 FILE_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 DIR_MODE = 0o777  # new directories: as os.makedirs makes them (the umask applies)
-REGULAR = "regular file"
-DIRECTORY = "directory"
-
-_KINDS = (
-    (stat.S_ISREG, REGULAR),
-    (stat.S_ISDIR, DIRECTORY),
-    (stat.S_ISLNK, "symlink"),
-    (stat.S_ISFIFO, "FIFO"),
-    (stat.S_ISSOCK, "socket"),
-    (stat.S_ISCHR, "character device"),
-    (stat.S_ISBLK, "block device"),
-)
 
 Identity = tuple[int, int]  # (st_dev, st_ino)
 
@@ -108,11 +98,6 @@ def _open_beneath(dir_fd: int, rel: str, flags: int) -> int | None:
     if code in _NO_OPENAT2:  # no (usable) openat2 here: walk from now on
         _have_openat2 = False
     return None
-
-
-def kind_of(mode: int) -> str:
-    """The file type of ``st_mode`` in words ("FIFO", "symlink", "directory", ...)."""
-    return next((name for test, name in _KINDS if test(mode)), f"file of type {mode:o}")
 
 
 class UnexpectedEntry(Exception):
@@ -316,6 +301,17 @@ def _checked_regular(fd: int, path: str) -> tuple[int, os.stat_result]:
         os.close(fd)
         raise
     return fd, st
+
+
+def open_regular_entry(entry: Entry, path: str) -> tuple[int, os.stat_result]:
+    """:func:`open_regular` of a walked entry; one the directory entry says is not
+    a regular file is checked by ``lstat`` and never opened. Raises
+    UnexpectedEntry naming what it is, FileNotFoundError if it is gone."""
+    if entry.kind != REGULAR:
+        bad = recheck(entry.dir_fd, entry.name, path, REGULAR)
+        if bad is not None:
+            raise bad
+    return open_regular(entry.dir_fd, entry.name, path)
 
 
 def recheck(dir_fd: int, name: str, path: str, expected: str) -> UnexpectedEntry | None:

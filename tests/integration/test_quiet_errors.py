@@ -225,7 +225,7 @@ def plant_symlink_to_file(path: str) -> str:
     target = path + ".target"
     plant_regular(target)
     os.symlink(target, path)
-    return f"is a symbolic link to {target!r}"
+    return f"is a symlink to {target!r}"
 
 
 def plant_symlink_to_socket(path: str) -> str:
@@ -234,7 +234,7 @@ def plant_symlink_to_socket(path: str) -> str:
     with socket.socket(socket.AF_UNIX) as bound:
         bound.bind(target)
     os.symlink(target, path)
-    return f"is a symbolic link to {target!r}"
+    return f"is a symlink to {target!r}"
 
 
 @pytest.mark.parametrize(
