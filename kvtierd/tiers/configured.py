@@ -7,7 +7,7 @@ them share the configured tier's I/O threads and I/O worker processes (so
 neither multiplies with pools), its write-queue limits and its byte capacity.
 
 Lifecycle (event loop): :meth:`check` at daemon start (refuses an unusable
-root, naming it) -> :meth:`attach` per pool -> :meth:`shutdown` once every pool
+root, naming it) -> :meth:`create` per pool -> :meth:`shutdown` once every pool
 has drained (joins the I/O threads, so no thread touches a region afterwards).
 """
 
