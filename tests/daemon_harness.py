@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -145,6 +146,16 @@ def start_daemon(
             daemon.cleanup()
             raise
     return daemon
+
+
+def eventually(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    """Polls ``condition`` every 20 ms until it holds; AssertionError naming ``what``
+    after ``timeout`` seconds. For state the daemon offers no event for."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout}s: {what}")
+        time.sleep(0.02)
 
 
 def wait_serving(daemon: DaemonProcess, timeout: float = 30.0) -> None:

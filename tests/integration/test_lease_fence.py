@@ -7,22 +7,13 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable
 
 import pytest
-from daemon_harness import start_daemon
+from daemon_harness import eventually, start_daemon
 
 from kvtierd_client.client import Client
 from kvtierd_client.lease_beacon import LeaseBeaconReader, LeaseState
 from kvtierd_client.lease_fence import LeaseFence
-
-
-def eventually(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout}s: {what}")
-        time.sleep(0.02)
 
 
 def test_the_fence_follows_the_owner_sessions_lease(daemon, pool_name):

@@ -14,12 +14,12 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import grpc
 import numpy as np
 import pytest
-from daemon_harness import DaemonProcess, start_daemon
+from daemon_harness import DaemonProcess, eventually, start_daemon
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvtierd.region import region_file_name
@@ -33,14 +33,6 @@ BIG_POOL_BLOCKS = (3 << 30) // BLOCK  # a 3 GiB region: seconds to allocate and 
 
 def primary(client: Client, pool: str):
     return client.get_stats(pool).pools[0].tiers[0]
-
-
-def eventually(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout}s: {what}")
-        time.sleep(0.02)
 
 
 @pytest.fixture
