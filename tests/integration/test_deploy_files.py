@@ -256,6 +256,8 @@ def test_prometheus_scrape_config_and_alerts():
         "KvtierdDroppedWrites",
         "KvtierdPromotionFailures",
         "KvtierdHitRateCollapse",
+        "KvtierdEventLoopStalls",
+        "KvtierdQuarantinedRows",
     ):
         assert wanted in rules, wanted
     assert 'up{job="kvtierd"}' in rules["KvtierdDown"]
@@ -263,6 +265,8 @@ def test_prometheus_scrape_config_and_alerts():
     assert "kvtierd_dropped_writes_total" in rules["KvtierdDroppedWrites"]
     assert 'outcome="failed"' in rules["KvtierdPromotionFailures"]
     assert "kvtierd_lookups_total" in rules["KvtierdHitRateCollapse"]
+    assert "kvtierd_event_loop_lag_seconds_bucket" in rules["KvtierdEventLoopStalls"]
+    assert "kvtierd_quarantined_blocks" in rules["KvtierdQuarantinedRows"]
     assert len(rules) == ALERTS.read_text().count("- alert:")
 
 
