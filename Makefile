@@ -17,16 +17,24 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $@
 
-# Stubs are generated, not committed; imports are rewritten to live under
-# kvtierd_client._proto so the proto package name stays kvtier.v1 on the wire.
+# Stubs are generated, not committed: by setup.py's build hook in every build (the editable
+# install above writes them into the tree) and by `make gen`, both with tools/gen_stubs.py
+# (imports rewritten under kvtierd_client._proto; the proto package stays kvtier.v1 on the
+# wire). `make gen` needs grpcio-tools only: a small venv with the pin of pyproject.toml's
+# [build-system], made when the stubs are out of date.
+GEN_VENV   ?= .venv-gen
+GEN_STAMP  := $(GEN_VENV)/.installed
+GRPC_TOOLS := $(shell sed -n 's/^requires = .*"\(grpcio-tools==[^"]*\)".*/\1/p' pyproject.toml)
+
 gen: $(GEN)
-$(GEN): $(PROTO) $(STAMP)
-	rm -rf $(GENDIR) && mkdir -p $(GENDIR)/kvtier/v1
-	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=$(GENDIR) \
-		--grpc_python_out=$(GENDIR) --pyi_out=$(GENDIR) $(PROTO)
-	sed -i 's/^from kvtier\.v1 import/from kvtierd_client._proto.kvtier.v1 import/' \
-		$(GENDIR)/kvtier/v1/kvtier_pb2_grpc.py
-	touch $(GENDIR)/__init__.py $(GENDIR)/kvtier/__init__.py $(GENDIR)/kvtier/v1/__init__.py
+$(GEN): $(PROTO) tools/gen_stubs.py
+	@$(MAKE) --no-print-directory $(GEN_STAMP)
+	$(GEN_VENV)/bin/python tools/gen_stubs.py --out $(GENDIR)
+
+$(GEN_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(GEN_VENV)
+	$(GEN_VENV)/bin/python -m pip install -q '$(GRPC_TOOLS)'
+	touch $@
 
 run: install
 	$(BIN)/kvtierd
@@ -77,11 +85,11 @@ bench-vllm: install-vllm
 	$(VLLM_ENV) $(VLLM_BIN)/python -m benchmarks.vllm_managers $(TRACE)
 
 lint: install
-	$(BIN)/ruff check kvtierd client tests benchmarks
-	$(BIN)/ruff format --check kvtierd client tests benchmarks
+	$(BIN)/ruff check kvtierd client tests benchmarks tools setup.py
+	$(BIN)/ruff format --check kvtierd client tests benchmarks tools setup.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(GENDIR) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(GEN_VENV) $(GENDIR) .pytest_cache .ruff_cache
 
 # Trace replay (opt-in, the whole trace): make replay TRACE=path/to/trace.jsonl [REPLAY_ARGS=...]
 .PHONY: replay
