@@ -121,26 +121,64 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-STATS_COLUMNS = (
+def _hit_percent(t: Any) -> str:
+    answered = t.hits + t.misses
+    return f"{100 * t.hits / answered:.1f}" if answered else "-"
+
+
+# One column per GetStats field shown, nothing summed: the table, --json and the
+# metrics endpoint tell the same numbers (README, "Operating it").
+STATS_COLUMNS: tuple[tuple[str, Callable[[Any, Any], str]], ...] = (
     ("pool", lambda p, t: p.name),
     ("tier", lambda p, t: t.tier),
     ("used", lambda p, t: str(t.used_blocks)),
     ("capacity", lambda p, t: str(t.capacity_blocks)),
     ("hits", lambda p, t: str(t.hits)),
+    ("pending", lambda p, t: str(t.hits_pending) if t.tier == "primary" else "-"),
     ("misses", lambda p, t: str(t.misses)),
-    (
-        "hit%",
-        lambda p, t: f"{100 * t.hits / (t.hits + t.misses):.1f}" if t.hits + t.misses else "-",
-    ),
+    ("retries", lambda p, t: str(t.retries)),
+    ("hit%", lambda p, t: _hit_percent(t)),
     ("in", lambda p, t: _human_bytes(t.bytes_in)),
     ("out", lambda p, t: _human_bytes(t.bytes_out)),
     ("evictions", lambda p, t: str(t.evictions)),
-    ("failures", lambda p, t: str(t.failures + t.checksum_failures + t.promotion_failures)),
+    ("failures", lambda p, t: str(t.failures)),
+    ("checksum", lambda p, t: str(t.checksum_failures)),
     ("dropped", lambda p, t: str(t.dropped_blocks)),
 )
 
+WATCH_MIN_SECONDS = 0.1
+WATCH_MAX_SECONDS = 86400.0
+CLEAR_SCREEN = "\x1b[H\x1b[2J"  # cursor home, erase the screen (VT100 / xterm)
+
+
+def watch_seconds(text: str) -> float:
+    """argparse type of ``stats --watch``: a refresh interval in seconds."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not WATCH_MIN_SECONDS <= seconds <= WATCH_MAX_SECONDS:  # also NaN
+        raise argparse.ArgumentTypeError(
+            f"{text} is out of range; give {WATCH_MIN_SECONDS:g} to {WATCH_MAX_SECONDS:g} seconds"
+        )
+    return seconds
+
+
+def stats_table(stats: Any) -> list[str]:
+    """The lines of the ``kvtierctl stats`` table of a GetStats answer."""
+    rows = [[c[0] for c in STATS_COLUMNS]]
+    rows += [[c[1](p, t) for c in STATS_COLUMNS] for p in stats.pools for t in p.tiers]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(cell.ljust(w) if i < 2 else cell.rjust(w)
+                  for i, (cell, w) in enumerate(zip(row, widths, strict=True)))
+        for row in rows
+    ]  # fmt: skip
+
 
 def cmd_stats(args: argparse.Namespace) -> int:
+    if args.watch is not None:
+        return watch_stats(args)
     with _client(args) as client:
         stats = client.get_stats(args.pool or "")
     if args.json:
@@ -148,13 +186,29 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
         print(json.dumps(MessageToDict(stats, preserving_proto_field_name=True), indent=2))
         return EXIT_OK
-    rows = [[c[0] for c in STATS_COLUMNS]]
-    rows += [[c[1](p, t) for c in STATS_COLUMNS] for p in stats.pools for t in p.tiers]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(cell.ljust(w) if i < 2 else cell.rjust(w)
-                        for i, (cell, w) in enumerate(zip(row, widths, strict=True))))  # fmt: skip
+    print("\n".join(stats_table(stats)))
     return EXIT_OK
+
+
+def watch_stats(args: argparse.Namespace) -> int:
+    """Redraws the stats table every ``args.watch`` seconds (the screen is cleared
+    first on a terminal) until Ctrl-C, which exits 0 without a word."""
+    clear = CLEAR_SCREEN if sys.stdout.isatty() else ""
+    try:
+        with _client(args) as client:
+            next_at = time.monotonic()
+            while True:
+                stats = client.get_stats(args.pool or "")
+                header = (
+                    f"kvtierd stats every {args.watch:g}s, {time.strftime('%H:%M:%S')} "
+                    "(Ctrl-C exits)"
+                )
+                sys.stdout.write(clear + "\n".join([header, *stats_table(stats)]) + "\n")
+                sys.stdout.flush()
+                next_at = max(next_at + args.watch, time.monotonic())
+                time.sleep(max(0.0, next_at - time.monotonic()))
+    except KeyboardInterrupt:
+        return EXIT_OK
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
@@ -248,7 +302,15 @@ def build_parser(prog: str = "kvtierctl") -> argparse.ArgumentParser:
     commands.add_parser("status", help="daemon, pools, tiers and usage in a few lines")
     stats = commands.add_parser("stats", help="per pool and tier counters as a table")
     stats.add_argument("--pool", help="only this pool (default: every pool)")
-    stats.add_argument("--json", action="store_true", help="the full GetStats answer as JSON")
+    shown = stats.add_mutually_exclusive_group()
+    shown.add_argument("--json", action="store_true", help="the full GetStats answer as JSON")
+    shown.add_argument(
+        "--watch",
+        type=watch_seconds,
+        metavar="SECONDS",
+        help="redraw the table every SECONDS (0.1 to 86400; the screen is cleared on a "
+        "terminal) until Ctrl-C",
+    )
     watch = commands.add_parser("watch", help="stream a pool's events (Ctrl-C stops)")
     watch.add_argument("pool", metavar="POOL", help="pool name")
     watch.add_argument(

@@ -4,8 +4,9 @@ and ``tier`` where they apply. The README's metrics table documents each one.
 Two kinds of source:
 
 * *state read at scrape time* (:class:`DaemonCollector`): counters and gauges
-  derived from the pools, tiers and sessions the daemon already keeps. Nothing
-  is added to the request path for them.
+  converted from each pool's :meth:`kvtierd.pool.Pool.statistics` snapshot (the
+  one GetStats converts too, so both always tell the same numbers) and from the
+  sessions. Nothing is added to the request path for them.
 * *observations* (histograms and the RPC counter): recorded as they happen
   through :meth:`Metrics.observe_rpc` and :meth:`Metrics.observe_job`.
 
@@ -28,9 +29,10 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
 from kvtierd import __version__
-from kvtierd.contract import PRIMARY_TIER, LookupResult
+from kvtierd.contract import PRIMARY_TIER
 
 if TYPE_CHECKING:
+    from kvtierd.pool import PoolStatistics, SecondaryStatistics
     from kvtierd.pools import PoolTable
     from kvtierd.sessions import SessionTable
 
@@ -39,12 +41,6 @@ log = logging.getLogger("kvtierd.metrics")
 RPC_BUCKETS = (50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 50e-3, 0.25, 1.0)
 LAG_BUCKETS = (1e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 1.0, 5.0)
 JOB_BUCKETS = (1e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
-_RESULT_LABELS = {
-    LookupResult.HIT: "hit",
-    LookupResult.HIT_PENDING: "hit_pending",
-    LookupResult.MISS: "miss",
-    LookupResult.RETRY: "retry",
-}
 
 
 class Metrics:
@@ -140,9 +136,20 @@ class _PoolFamilies:
         self.lookups = CounterMetricFamily(
             "kvtierd_lookups", "Keys looked up, by answer", labels=["pool", "result"]
         )
-        self.hits = CounterMetricFamily("kvtierd_hit_blocks", "Blocks found in the tier", labels=pt)
+        self.hits = CounterMetricFamily(
+            "kvtierd_hit_blocks",
+            "Primary: keys answered HIT; secondary: blocks promoted from the tier",
+            labels=pt,
+        )
         self.misses = CounterMetricFamily(
-            "kvtierd_miss_blocks", "Blocks looked up and not found in the tier", labels=pt
+            "kvtierd_miss_blocks",
+            "Primary: keys answered MISS; secondary: primary misses the tier did not serve",
+            labels=pt,
+        )
+        self.retries = CounterMetricFamily(
+            "kvtierd_retry_blocks",
+            "Primary: keys answered RETRY; secondary: primary misses the tier could not answer yet",
+            labels=pt,
         )
         self.used = GaugeMetricFamily("kvtierd_blocks_used", "Blocks held by the tier", labels=pt)
         self.capacity = GaugeMetricFamily(
@@ -160,7 +167,19 @@ class _PoolFamilies:
             "kvtierd_stored_bytes", "Bytes stored into the tier", labels=pt
         )
         self.loaded = CounterMetricFamily(
-            "kvtierd_loaded_bytes", "Bytes loaded out of the tier", labels=pt
+            "kvtierd_loaded_bytes",
+            "Bytes loaded out of the tier (primary: pins released by CompleteLoad as loads)",
+            labels=pt,
+        )
+        self.unused_pins = CounterMetricFamily(
+            "kvtierd_unused_pins",
+            "Primary pins released by CompleteLoad with unused (nobody read the rows)",
+            labels=["pool"],
+        )
+        self.failed = CounterMetricFamily(
+            "kvtierd_failed_blocks",
+            "Primary: stores aborted; secondary: blocks the tier failed to write or read",
+            labels=pt,
         )
         self.evictions = CounterMetricFamily(
             "kvtierd_evictions", "Blocks evicted from the tier", labels=pt
@@ -216,57 +235,67 @@ class _PoolFamilies:
 
     def collect(self) -> Iterator[Metric]:
         for pool in self._pools:
-            self._primary(pool)
-            tiering = pool.tiering
-            for index, tier in enumerate(tiering.tiers):
-                self._secondary(pool.spec.name, tier.statistics(), tiering.counters(index))
+            stats = pool.statistics()
+            self._primary(stats)
+            for secondary in stats.secondaries:
+                self._secondary(stats.spec.name, secondary)
         yield from (value for value in vars(self).values() if isinstance(value, Metric))
 
-    def _primary(self, pool) -> None:  # noqa: ANN001 - kvtierd.pool.Pool
-        name = pool.spec.name
-        spec = pool.spec
-        stats = pool.manager.statistics()
-        counters = pool.counters()
+    def _primary(self, stats: PoolStatistics) -> None:
+        name = stats.spec.name
+        primary = stats.primary
         labels = [name, PRIMARY_TIER]
-        self.region.add_metric([name], pool.region.size)
-        self.sessions.add_metric([name], pool.session_count)
-        for result, label in _RESULT_LABELS.items():
-            self.lookups.add_metric([name, label], pool.lookup_count(result))
-        self.hits.add_metric(labels, counters.lookups_hit + counters.lookups_hit_pending)
-        self.misses.add_metric(labels, counters.lookups_miss + counters.lookups_retry)
-        self.used.add_metric(labels, stats.used_blocks)
-        self.capacity.add_metric(labels, spec.num_blocks)
-        self.used_bytes.add_metric(labels, stats.used_blocks * spec.block_bytes)
-        self.capacity_bytes.add_metric(labels, spec.num_blocks * spec.block_bytes)
-        self.stored.add_metric(labels, counters.bytes_in)
-        self.loaded.add_metric(labels, counters.bytes_out)
-        self.evictions.add_metric(labels, stats.evictions)
-        self.pinned.add_metric([name], stats.pinned_blocks)
-        self.pending.add_metric([name], stats.pending_blocks)
-        self.quarantined.add_metric([name], stats.quarantined_blocks)
+        self.region.add_metric([name], stats.region_bytes)
+        self.sessions.add_metric([name], stats.sessions)
+        answers = {
+            "hit": primary.hits,
+            "hit_pending": primary.hits_pending,
+            "miss": primary.misses,
+            "retry": primary.retries,
+        }
+        for result, count in answers.items():
+            self.lookups.add_metric([name, result], count)
+        self.hits.add_metric(labels, primary.hits)
+        self.misses.add_metric(labels, primary.misses)
+        self.retries.add_metric(labels, primary.retries)
+        self.used.add_metric(labels, primary.used_blocks)
+        self.capacity.add_metric(labels, primary.capacity_blocks)
+        self.used_bytes.add_metric(labels, primary.used_blocks * primary.block_bytes)
+        self.capacity_bytes.add_metric(labels, primary.capacity_blocks * primary.block_bytes)
+        self.stored.add_metric(labels, primary.bytes_in)
+        self.loaded.add_metric(labels, primary.bytes_out)
+        self.unused_pins.add_metric([name], primary.unused_pins)
+        self.failed.add_metric(labels, primary.stores_aborted)
+        self.evictions.add_metric(labels, primary.evictions)
+        self.pinned.add_metric([name], primary.pinned_blocks)
+        self.pending.add_metric([name], primary.pending_blocks)
+        self.quarantined.add_metric([name], primary.quarantined_blocks)
 
-    def _secondary(self, pool: str, stats, jobs: dict[str, int]) -> None:  # noqa: ANN001
+    def _secondary(self, pool: str, secondary: SecondaryStatistics) -> None:
+        stats, jobs = secondary.tier, secondary.counters
         labels = [pool, stats.name]
-        self.hits.add_metric(labels, stats.hits)
-        self.misses.add_metric(labels, stats.misses)
+        self.hits.add_metric(labels, jobs.hits)
+        self.misses.add_metric(labels, jobs.misses)
+        self.retries.add_metric(labels, jobs.retries)
         self.used.add_metric(labels, stats.blocks)
         self.capacity.add_metric(labels, stats.capacity_bytes // stats.bytes_per_block)
         self.used_bytes.add_metric(labels, stats.used_bytes)
         self.capacity_bytes.add_metric(labels, stats.capacity_bytes)
         self.stored.add_metric(labels, stats.bytes_written)
         self.loaded.add_metric(labels, stats.bytes_read)
+        self.failed.add_metric(labels, stats.store_failures + stats.load_failures)
         self.evictions.add_metric(labels, stats.evictions)
         for kind in ("cascade", "promotion"):
             job_labels = [*labels, kind]
-            self.jobs_started.add_metric(job_labels, jobs[f"{kind}_jobs_started"])
-            self.jobs_finished.add_metric(job_labels, jobs[f"{kind}_jobs_finished"])
-            self.jobs_failed.add_metric(job_labels, jobs[f"{kind}_jobs_failed"])
-        self.jobs_in_flight.add_metric(labels, jobs["jobs_in_flight"])
-        self.promoted.add_metric([*labels, "loaded"], jobs["promotion_blocks_loaded"])
-        self.promoted.add_metric([*labels, "failed"], jobs["promotion_blocks_failed"])
-        self.no_room.add_metric(labels, jobs["promotion_no_room"])
-        self.cascaded.add_metric(labels, jobs["cascade_blocks"])
-        self.dropped.add_metric(labels, jobs["cascade_blocks_dropped"])
+            self.jobs_started.add_metric(job_labels, getattr(jobs, f"{kind}_jobs_started"))
+            self.jobs_finished.add_metric(job_labels, getattr(jobs, f"{kind}_jobs_finished"))
+            self.jobs_failed.add_metric(job_labels, getattr(jobs, f"{kind}_jobs_failed"))
+        self.jobs_in_flight.add_metric(labels, jobs.jobs_in_flight)
+        self.promoted.add_metric([*labels, "loaded"], jobs.promotion_blocks_loaded)
+        self.promoted.add_metric([*labels, "failed"], jobs.promotion_blocks_failed)
+        self.no_room.add_metric(labels, jobs.promotion_no_room)
+        self.cascaded.add_metric(labels, jobs.cascade_blocks)
+        self.dropped.add_metric(labels, jobs.cascade_blocks_dropped)
         self.checksum.add_metric(labels, stats.checksum_failures)
         self.queue_jobs.add_metric(labels, stats.queued_jobs)
         self.queue_bytes.add_metric(labels, stats.queued_bytes)

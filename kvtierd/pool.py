@@ -36,7 +36,8 @@ from kvtierd.events import EventLog
 from kvtierd.history import KeyRecord, RemovalLog
 from kvtierd.primary import NotLoadableError, PrimaryManager
 from kvtierd.region import Region
-from kvtierd.tiering import Tiering
+from kvtierd.tiering import TierCounters, Tiering
+from kvtierd.tiers.base import TierStats
 from kvtierd.validation import key_repr
 
 log = logging.getLogger("kvtierd.pool")
@@ -56,19 +57,67 @@ class PoolSpec:
 
 
 @dataclass(frozen=True, slots=True)
-class PoolCounters:
-    """Cumulative primary-tier counters of a pool (a snapshot)."""
+class PrimaryStatistics:
+    """The primary tier of a pool at one instant: its state and cumulative counters.
 
-    lookups_hit: int
-    lookups_hit_pending: int
-    lookups_miss: int
-    lookups_retry: int
-    bytes_in: int
-    bytes_out: int
-    loads_completed: int
+    Lookup answers, one per key and Lookup (a client that polls a promotion counts
+    once per poll): ``hits`` HIT, ``hits_pending`` HIT_PENDING, ``misses`` MISS,
+    ``retries`` RETRY. Loads: ``loads`` pins (PrepareLoad's, or a pinning
+    Lookup's) released by CompleteLoad as loads; ``unused_pins`` those released
+    with ``unused`` (read by nobody); pins dropped with their session count in
+    neither.
+    """
+
+    block_bytes: int
+    capacity_blocks: int
+    used_blocks: int
+    pinned_blocks: int
+    pending_blocks: int
+    quarantined_blocks: int
+    evictions: int
+    hits: int
+    hits_pending: int
+    misses: int
+    retries: int
+    loads: int
+    unused_pins: int
     stores_completed: int
-    stores_aborted: int
+    stores_aborted: int  # CompleteStore(success=false), or left unfinished by an ended session
     stores_refused: int  # PrepareStore answered accepted=false
+
+    @property
+    def bytes_in(self) -> int:
+        return self.stores_completed * self.block_bytes
+
+    @property
+    def bytes_out(self) -> int:
+        return self.loads * self.block_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class SecondaryStatistics:
+    """One secondary tier of a pool at one instant. ``tier`` is the tier's own view
+    (capacity, usage, bytes moved, evictions, failures, queue); its ``hits`` and
+    ``misses`` are raw index answers, superseded by ``counters``' (what this pool
+    got from the tier)."""
+
+    tier: TierStats
+    ready: bool  # index rebuilt: the tier answers HIT / MISS, not RETRY
+    counters: TierCounters
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStatistics:
+    """One pool at one instant: the single snapshot GetStats, the metrics endpoint
+    and (through GetStats) kvtierctl convert from, so they cannot disagree."""
+
+    spec: PoolSpec
+    sessions: int
+    region_path: str
+    region_bytes: int
+    last_event_seq: int
+    primary: PrimaryStatistics
+    secondaries: tuple[SecondaryStatistics, ...]  # in lookup order
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +174,8 @@ class Pool:
         # reserved k and has not completed it (so manager.ref_count(k) == -1).
         self._reserved_by: dict[str, set[BlockKey]] = {}
         self._lookups = Counter({r: 0 for r in LookupResult})
-        self._loads_completed = 0
+        self._loads_completed = 0  # pins released by CompleteLoad as loads
+        self._unused_pins = 0  # pins released by CompleteLoad(unused=True)
         self._stores_completed = 0
         self._stores_aborted = 0
         self._stores_refused = 0
@@ -217,8 +267,11 @@ class Pool:
         self.tiering.claim_holds(keys)  # the pins above keep the rows: hold n -> n-1
         return block_ids
 
-    def complete_load(self, session_id: str, keys: Sequence[BlockKey]) -> None:
-        """Releases the session's pins on ``keys``; each must be pinned by it."""
+    def complete_load(
+        self, session_id: str, keys: Sequence[BlockKey], *, unused: bool = False
+    ) -> None:
+        """Releases the session's pins on ``keys``; each must be pinned by it. They
+        count as loads, or as ``unused_pins`` when ``unused`` (nobody read the rows)."""
         pins = self._pins[session_id]
         for key in keys:
             if pins[key] <= 0:
@@ -231,7 +284,10 @@ class Pool:
             pins[key] -= 1
             if pins[key] == 0:
                 del pins[key]
-        self._loads_completed += len(keys)
+        if unused:
+            self._unused_pins += len(keys)
+        else:
+            self._loads_completed += len(keys)
 
     def prepare_store(self, session_id: str, keys: Sequence[BlockKey]) -> StoreGrant | None:
         """Reserves rows for the keys not present; None when no room (nothing changed).
@@ -294,23 +350,45 @@ class Pool:
 
     # ----------------------------------------------------------------- read-only
 
-    def lookup_count(self, result: LookupResult) -> int:
-        """Keys answered ``result`` by Lookup since the pool was created."""
-        return self._lookups[result]
-
-    def counters(self) -> PoolCounters:
-        block_bytes = self.spec.block_bytes
-        return PoolCounters(
-            lookups_hit=self._lookups[LookupResult.HIT],
-            lookups_hit_pending=self._lookups[LookupResult.HIT_PENDING],
-            lookups_miss=self._lookups[LookupResult.MISS],
-            lookups_retry=self._lookups[LookupResult.RETRY],
-            bytes_in=self._stores_completed * block_bytes,
-            bytes_out=self._loads_completed * block_bytes,
-            loads_completed=self._loads_completed,
-            stores_completed=self._stores_completed,
-            stores_aborted=self._stores_aborted,
-            stores_refused=self._stores_refused,
+    def statistics(self) -> PoolStatistics:
+        """The pool's state and counters, primary and secondary, in one snapshot
+        (taken on the loop, so nothing changes while it is built)."""
+        spec = self.spec
+        primary = self.manager.statistics()
+        lookups = self._lookups
+        tiering = self.tiering
+        return PoolStatistics(
+            spec=spec,
+            sessions=self.session_count,
+            region_path=self.region.path,
+            region_bytes=self.region.size,
+            last_event_seq=self.events.last_seq,
+            primary=PrimaryStatistics(
+                block_bytes=spec.block_bytes,
+                capacity_blocks=spec.num_blocks,
+                used_blocks=primary.used_blocks,
+                pinned_blocks=primary.pinned_blocks,
+                pending_blocks=primary.pending_blocks,
+                quarantined_blocks=primary.quarantined_blocks,
+                evictions=primary.evictions,
+                hits=lookups[LookupResult.HIT],
+                hits_pending=lookups[LookupResult.HIT_PENDING],
+                misses=lookups[LookupResult.MISS],
+                retries=lookups[LookupResult.RETRY],
+                loads=self._loads_completed,
+                unused_pins=self._unused_pins,
+                stores_completed=self._stores_completed,
+                stores_aborted=self._stores_aborted,
+                stores_refused=self._stores_refused,
+            ),
+            secondaries=tuple(
+                SecondaryStatistics(
+                    tier=tier.statistics(),
+                    ready=getattr(tier, "ready", True),
+                    counters=tiering.counters(index),
+                )
+                for index, tier in enumerate(tiering.tiers)
+            ),
         )
 
     def close_tiers(self) -> None:

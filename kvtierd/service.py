@@ -37,10 +37,9 @@ from kvtierd.errors import (
     ShuttingDown,
     Unauthenticated,
 )
-from kvtierd.pool import Pool, PoolSpec
+from kvtierd.pool import Pool, PoolSpec, PoolStatistics, PrimaryStatistics, SecondaryStatistics
 from kvtierd.pools import PoolTable
 from kvtierd.sessions import Session, SessionTable
-from kvtierd.tiers.base import TierStats
 from kvtierd.validation import (
     check_block_bytes,
     check_eviction_policy,
@@ -314,7 +313,7 @@ class KVTierService(pb2_grpc.KVTierServicer):
         else:
             pools = list(self._pools)
         return pb2.GetStatsResponse(
-            pools=[_pool_stats(pool) for pool in pools],
+            pools=[_pool_stats(pool.statistics()) for pool in pools],
             memory_budget_bytes=self._pools.budget_bytes,
             memory_used_bytes=self._pools.used_bytes,
             uptime_seconds=time.monotonic() - self._started,
@@ -370,7 +369,7 @@ def _prepare_load(session: Session, keys: list[bytes], request: Any) -> pb2.Prep
 
 
 def _complete_load(session: Session, keys: list[bytes], request: Any) -> pb2.CompleteLoadResponse:
-    session.pool.complete_load(session.id, keys)
+    session.pool.complete_load(session.id, keys, unused=request.unused)
     return pb2.CompleteLoadResponse()
 
 
@@ -417,66 +416,69 @@ def _event_message(seq: int, event: BlockEvent) -> pb2.Event:
     )
 
 
-def _pool_stats(pool: Pool) -> pb2.PoolStats:
-    spec = pool.spec
-    primary = pool.manager.statistics()
-    counters = pool.counters()
-    tier = pb2.TierStats(
-        tier=PRIMARY_TIER,
-        medium=int(Medium.CPU),
-        capacity_blocks=spec.num_blocks,
-        used_blocks=primary.used_blocks,
-        hits=counters.lookups_hit + counters.lookups_hit_pending,
-        misses=counters.lookups_miss,
-        bytes_in=counters.bytes_in,
-        bytes_out=counters.bytes_out,
-        evictions=primary.evictions,
-        failures=counters.stores_aborted,
-        pinned_blocks=primary.pinned_blocks,
-        pending_blocks=primary.pending_blocks,
-        quarantined_blocks=primary.quarantined_blocks,
-        capacity_bytes=spec.num_blocks * spec.block_bytes,
-        used_bytes=primary.used_blocks * spec.block_bytes,
-    )
-    tiers = [tier]
-    tiering = pool.tiering
-    for index, secondary in enumerate(tiering.tiers):
-        tiers.append(_secondary_stats(secondary.statistics(), tiering.counters(index)))
-        tiers[-1].ready = getattr(secondary, "ready", True)
+def _pool_stats(stats: PoolStatistics) -> pb2.PoolStats:
+    """GetStats' view of one pool snapshot (field by field, no other source)."""
+    spec = stats.spec
     return pb2.PoolStats(
         name=spec.name,
         block_bytes=spec.block_bytes,
         num_blocks=spec.num_blocks,
         layout=spec.layout,
         eviction_policy=spec.eviction_policy,
-        sessions=pool.session_count,
-        region_path=pool.region.path,
-        last_event_seq=pool.events.last_seq,
-        tiers=tiers,
+        sessions=stats.sessions,
+        region_path=stats.region_path,
+        last_event_seq=stats.last_event_seq,
+        tiers=[_primary_stats(stats.primary), *map(_secondary_stats, stats.secondaries)],
     )
 
 
-def _secondary_stats(stats: TierStats, jobs: dict[str, int]) -> pb2.TierStats:
+def _primary_stats(primary: PrimaryStatistics) -> pb2.TierStats:
+    return pb2.TierStats(
+        tier=PRIMARY_TIER,
+        medium=int(Medium.CPU),
+        capacity_blocks=primary.capacity_blocks,
+        used_blocks=primary.used_blocks,
+        hits=primary.hits,
+        hits_pending=primary.hits_pending,
+        misses=primary.misses,
+        retries=primary.retries,
+        bytes_in=primary.bytes_in,
+        bytes_out=primary.bytes_out,
+        unused_pins=primary.unused_pins,
+        evictions=primary.evictions,
+        failures=primary.stores_aborted,
+        pinned_blocks=primary.pinned_blocks,
+        pending_blocks=primary.pending_blocks,
+        quarantined_blocks=primary.quarantined_blocks,
+        capacity_bytes=primary.capacity_blocks * primary.block_bytes,
+        used_bytes=primary.used_blocks * primary.block_bytes,
+    )
+
+
+def _secondary_stats(secondary: SecondaryStatistics) -> pb2.TierStats:
+    stats, jobs = secondary.tier, secondary.counters
     return pb2.TierStats(
         tier=stats.name,
         medium=int(stats.medium),
         capacity_blocks=stats.capacity_bytes // stats.bytes_per_block,
         used_blocks=stats.blocks,
-        hits=stats.hits,
-        misses=stats.misses,
+        hits=jobs.hits,
+        misses=jobs.misses,
+        retries=jobs.retries,
         bytes_in=stats.bytes_written,
         bytes_out=stats.bytes_read,
         evictions=stats.evictions,
         failures=stats.store_failures + stats.load_failures,
         capacity_bytes=stats.capacity_bytes,
         used_bytes=stats.used_bytes,
-        jobs_in_flight=jobs["jobs_in_flight"],
-        cascade_blocks=jobs["cascade_blocks"],
-        cascade_failures=jobs["cascade_jobs_failed"],
-        dropped_blocks=jobs["cascade_blocks_dropped"],
-        promoted_blocks=jobs["promotion_blocks_loaded"],
-        promotion_failures=jobs["promotion_blocks_failed"],
-        promotion_no_room=jobs["promotion_no_room"],
+        ready=secondary.ready,
+        jobs_in_flight=jobs.jobs_in_flight,
+        cascade_blocks=jobs.cascade_blocks,
+        cascade_failures=jobs.cascade_jobs_failed,
+        dropped_blocks=jobs.cascade_blocks_dropped,
+        promoted_blocks=jobs.promotion_blocks_loaded,
+        promotion_failures=jobs.promotion_blocks_failed,
+        promotion_no_room=jobs.promotion_no_room,
         checksum_failures=stats.checksum_failures,
         queued_bytes=stats.queued_bytes,
     )

@@ -49,7 +49,7 @@ import logging
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 from kvtierd.contract import BlockEvent, BlockKey, LookupResult
 from kvtierd.history import RemovalLog
@@ -69,26 +69,58 @@ _HIT = LookupResult.HIT
 _HIT_PENDING = LookupResult.HIT_PENDING
 _RETRY = LookupResult.RETRY
 
-COUNTERS = (
-    "cascade_jobs_started",
-    "cascade_jobs_finished",
-    "cascade_jobs_failed",
-    "cascade_blocks",
-    "cascade_blocks_dropped",  # refused by a tier's backpressure
-    "promotion_jobs_started",
-    "promotion_jobs_finished",
-    "promotion_jobs_failed",
-    "promotion_blocks",
-    "promotion_blocks_loaded",
-    "promotion_blocks_failed",
-    "promotion_no_room",  # a secondary hit with no primary row to promote into: MISS
-)
+
+@dataclass(frozen=True, slots=True)
+class TierCounters:
+    """What went through one secondary tier for this pool (cumulative), plus its
+    jobs in flight: a snapshot (:meth:`Tiering.counters`).
+
+    Lookup outcomes. The tiers are asked, in order, about the pool's primary
+    misses, each tier only about what the tiers before it could not serve, and a
+    prefix Lookup only up to its first key that no tier holds. Each key asked of
+    this tier ends as exactly one of: ``hits`` (promoted from this tier: counted
+    once, when the verified block arrived in the primary; polling Lookups that
+    answer HIT_PENDING meanwhile ask no tier), ``misses`` (not held, or its
+    promotion from this tier failed, now or within :data:`PROMOTION_RETRY_AFTER`),
+    ``retries`` (the tier could not answer yet), ``promotion_no_room``, or a
+    promotion still in flight.
+    """
+
+    hits: int
+    misses: int
+    retries: int
+    cascade_jobs_started: int
+    cascade_jobs_finished: int
+    cascade_jobs_failed: int
+    cascade_blocks: int
+    cascade_blocks_dropped: int  # refused by a tier's backpressure
+    promotion_jobs_started: int
+    promotion_jobs_finished: int
+    promotion_jobs_failed: int
+    promotion_blocks: int  # submitted
+    promotion_blocks_loaded: int  # == hits
+    promotion_blocks_failed: int  # also counted in misses
+    promotion_no_room: int  # held by the tier, no primary row to promote into: MISS
+    jobs_in_flight: int  # a gauge: this pool's jobs on the tier not yet reported
+
+
+COUNTERS = tuple(f.name for f in fields(TierCounters) if f.name != "jobs_in_flight")
 
 
 @dataclass(frozen=True, slots=True)
 class _InFlight:
     tier_index: int
     job: TierJob
+
+
+@dataclass(slots=True)
+class _Located:
+    """Where the tiers found a Lookup's primary misses (positions in its keys)."""
+
+    holders: dict[int, int] = field(default_factory=dict)  # position -> first tier holding it
+    retry: set[int] = field(default_factory=set)  # positions some tier could not answer yet
+    # per tier: (position, True if RETRY else MISS) of what it was asked and could not serve
+    unserved: list[list[tuple[int, bool]]] = field(default_factory=list)
 
 
 class Tiering:
@@ -132,13 +164,10 @@ class Tiering:
     def jobs_in_flight(self) -> int:
         return len(self._jobs)
 
-    def counters(self, tier_index: int) -> dict[str, int]:
-        """Job counters of one tier, plus its ``jobs_in_flight`` for this pool."""
-        counters = dict(self._counters[tier_index])
-        counters["jobs_in_flight"] = sum(
-            1 for job in self._jobs.values() if job.tier_index == tier_index
-        )
-        return counters
+    def counters(self, tier_index: int) -> TierCounters:
+        """The counters of one tier for this pool, and its jobs in flight."""
+        in_flight = sum(1 for job in self._jobs.values() if job.tier_index == tier_index)
+        return TierCounters(**self._counters[tier_index], jobs_in_flight=in_flight)
 
     # ----------------------------------------------------------------- cascade
 
@@ -185,10 +214,13 @@ class Tiering:
     ) -> None:
         """Starts the promotions of :meth:`lookup`; updates ``results`` in place."""
         waiting = [i for i, result in enumerate(results) if result is _MISS]
-        holders, retry = self._locate(keys, waiting)
+        located = self._locate(keys, waiting)
+        holders = located.holders
+        last_asked = len(keys)  # positions after it were not asked (prefix: past its end)
         if prefix:
-            cut = next((i for i in waiting if i not in holders), len(keys))
-            holders = {i: tier for i, tier in holders.items() if i < cut}
+            last_asked = next((i for i in waiting if i not in holders), len(keys))
+            holders = {i: tier for i, tier in holders.items() if i < last_asked}
+        self._count_unserved(located, last_asked)
         protected = set(keys)
         for index in range(len(self.tiers)):
             hits = [i for i, tier in holders.items() if tier == index]
@@ -197,7 +229,7 @@ class Tiering:
             self._promote(index, [keys[i] for i in hits], protected)
             for i in hits:  # promoted -> HIT_PENDING; no room -> stays MISS
                 results[i] = self._manager.lookup((keys[i],))[0]
-        for i in retry:
+        for i in located.retry:
             if results[i] is _MISS:
                 results[i] = _RETRY
 
@@ -218,29 +250,35 @@ class Tiering:
             self._holds.hold(waited_for)
             self._arm_hold_timer()
 
-    def _locate(
-        self, keys: Sequence[BlockKey], waiting: list[int]
-    ) -> tuple[dict[int, int], set[int]]:
-        """For primary misses: ``{position: first tier holding it}`` (skipping a tier
-        whose promotion of it failed recently), and the positions some tier could
-        not answer (RETRY). One lookup per tier, in tier order."""
-        holders: dict[int, int] = {}
-        retry: set[int] = set()
+    def _locate(self, keys: Sequence[BlockKey], waiting: list[int]) -> _Located:
+        """For primary misses: the first tier holding each (skipping a tier whose
+        promotion of it failed recently), and per tier what it could not serve.
+        One lookup per tier, in tier order."""
+        located = _Located(unserved=[[] for _ in self.tiers])
         now = time.monotonic()
         for index, tier in enumerate(self.tiers):
             answers = tier.lookup([keys[i] for i in waiting])
             still: list[int] = []
             for i, answer in zip(waiting, answers, strict=True):
                 if answer is _HIT and not self._recently_failed(index, keys[i], now):
-                    holders[i] = index
+                    located.holders[i] = index
                     continue
                 if answer is _RETRY:
-                    retry.add(i)
+                    located.retry.add(i)
+                located.unserved[index].append((i, answer is _RETRY))
                 still.append(i)
             waiting = still
             if not waiting:
                 break
-        return holders, retry
+        return located
+
+    def _count_unserved(self, located: _Located, last_asked: int) -> None:
+        """Counts each tier's misses and retries among positions up to ``last_asked``
+        (a prefix Lookup asks nothing past its end; see :class:`TierCounters`)."""
+        for counters, unserved in zip(self._counters, located.unserved, strict=True):
+            for i, retry in unserved:
+                if i <= last_asked:
+                    counters["retries" if retry else "misses"] += 1
 
     def _promote(self, index: int, keys: list[BlockKey], protected: set[BlockKey]) -> None:
         grant = self._manager.prepare_promotion(keys, protected)
@@ -339,6 +377,8 @@ class Tiering:
         counters["promotion_jobs_finished" if result.success else "promotion_jobs_failed"] += 1
         counters["promotion_blocks_loaded"] += len(done)
         counters["promotion_blocks_failed"] += len(failed)
+        counters["hits"] += len(done)  # promoted from this tier: its hit, once
+        counters["misses"] += len(failed)  # this tier could not serve them after all
         if done and index > 0:
             self.cascade(done, before=index)
 

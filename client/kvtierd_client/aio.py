@@ -311,12 +311,14 @@ class AsyncSession(_SessionState):
         """
         return await self._call(PREPARE_LOAD, keys, request_id=request_id)
 
-    async def complete_load(self, keys: Sequence[bytes]) -> None:
-        """Releases this session's pins on ``keys`` (RPC ``CompleteLoad``).
+    async def complete_load(self, keys: Sequence[bytes], *, unused: bool = False) -> None:
+        """Releases this session's pins on ``keys`` (RPC ``CompleteLoad``); they count
+        as loads unless ``unused`` (the rows were not read, e.g. lookup pins no load
+        claimed).
 
         Raises ``FailedPrecondition`` for keys this session did not pin.
         """
-        await self._call(COMPLETE_LOAD, keys)
+        await self._call(COMPLETE_LOAD, keys, unused=unused)
 
     async def prepare_store(
         self, keys: Sequence[bytes], request_id: str = ""

@@ -846,13 +846,15 @@ class Session(_SessionState):
         """
         return self._answer(PREPARE_LOAD, keys, request_id=request_id)
 
-    def complete_load(self, keys: Sequence[bytes]) -> None:
-        """Releases this session's pins on ``keys`` (RPC ``CompleteLoad``).
+    def complete_load(self, keys: Sequence[bytes], *, unused: bool = False) -> None:
+        """Releases this session's pins on ``keys`` (RPC ``CompleteLoad``; queued with
+        ``queue_completions``). They count as loads in the daemon's statistics unless
+        ``unused``: the rows were not read (e.g. lookup pins no load claimed).
 
         Raises ``FailedPrecondition`` for keys this session did not pin (with
         ``queue_completions`` the error lands in ``deferred_errors`` instead).
         """
-        self._complete(COMPLETE_LOAD, keys)
+        self._complete(COMPLETE_LOAD, keys, unused=unused)
 
     def prepare_store(self, keys: Sequence[bytes], request_id: str = "") -> StoreResult | None:
         """Reserves rows for the keys not already present (RPC ``PrepareStore``).

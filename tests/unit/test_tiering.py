@@ -86,7 +86,7 @@ def test_cascade_pins_until_the_tier_reports(manager):
     (job,) = tier.stores
     tiering.on_done(JobResult(job.job_id, success=False))  # failure releases the pins too
     assert manager.ref_count(b"a") == 0 and tiering.jobs_in_flight == 0
-    assert tiering.counters(0)["cascade_jobs_failed"] == 1
+    assert tiering.counters(0).cascade_jobs_failed == 1
 
 
 def test_refused_cascade_is_counted_and_pins_nothing(manager):
@@ -94,7 +94,7 @@ def test_refused_cascade_is_counted_and_pins_nothing(manager):
     tiering.attach(ScriptedTier("t", accept_writes=False))
     stored(manager, tiering, keys("a", "b"))
     assert manager.ref_count(b"a") == 0
-    assert tiering.counters(0)["cascade_blocks_dropped"] == 2
+    assert tiering.counters(0).cascade_blocks_dropped == 2
 
 
 def test_partial_promotion_keeps_what_arrived_and_does_not_retry_the_rest(manager):
@@ -111,7 +111,7 @@ def test_partial_promotion_keeps_what_arrived_and_does_not_retry_the_rest(manage
     assert tiering.lookup(ks, manager.lookup(ks)) == [HIT, MISS, MISS]
     assert len(tier.loads) == 1
     counters = tiering.counters(0)
-    assert counters["promotion_blocks_loaded"] == 1 and counters["promotion_blocks_failed"] == 2
+    assert counters.promotion_blocks_loaded == 1 and counters.promotion_blocks_failed == 2
 
 
 def test_retry_while_a_tier_is_not_ready_unless_a_later_tier_holds_the_key(manager):
@@ -137,7 +137,7 @@ def test_promotion_never_evicts_a_key_of_the_same_lookup(manager):
     tiering.on_done(JobResult(tier.stores[0].job_id, success=True))
     ks = keys("a", "b", "c", "x", "y")  # one free row; a, b, c are protected
     assert tiering.lookup(ks, manager.lookup(ks)) == [HIT, HIT, HIT, PENDING, MISS]
-    assert tiering.counters(0)["promotion_no_room"] == 1
+    assert tiering.counters(0).promotion_no_room == 1
 
 
 def test_prefix_lookup_promotes_nothing_after_the_first_unservable_key(manager):
@@ -149,6 +149,42 @@ def test_prefix_lookup_promotes_nothing_after_the_first_unservable_key(manager):
     (job,) = tier.loads
     assert job.keys == (b"a",)
     assert tiering.lookup(keys("c"), manager.lookup(keys("c"))) == [PENDING]  # not prefix
+
+
+def outcomes(tiering: Tiering, index: int) -> tuple[int, int, int, int]:
+    """(hits, misses, retries, promotion_no_room) of tier ``index``."""
+    c = tiering.counters(index)
+    return c.hits, c.misses, c.retries, c.promotion_no_room
+
+
+def test_each_key_asked_of_a_tier_is_counted_once_as_what_it_got(manager):
+    """Scenario: issue #16. Tier counters are what the pool got from the tier: a
+    promoted block is one hit when it arrives (not once per polling Lookup), a
+    failed promotion a miss, a rebuilding tier a retry, a hit without a primary row
+    no_room, and keys past a prefix Lookup's end are not counted."""
+    near, far = ScriptedTier("near"), ScriptedTier("far", keys("x", "y", "z", "w"))
+    near.ready = False
+    tiering = Tiering("p", manager)
+    tiering.attach(near)
+    tiering.attach(far)
+    ks = keys("x", "y", "q")
+    assert tiering.lookup(ks, manager.lookup(ks)) == [PENDING, PENDING, RETRY]
+    assert outcomes(tiering, 0) == (0, 0, 3, 0) and outcomes(tiering, 1) == (0, 1, 0, 0)
+    for _ in range(3):  # polling while the promotion is in flight asks no tier
+        assert tiering.lookup(ks[:2], manager.lookup(ks[:2])) == [PENDING] * 2
+    (job,) = far.loads
+    tiering.on_done(JobResult(job.job_id, success=False, successful_keys=(b"x",)))
+    assert outcomes(tiering, 1) == (1, 2, 0, 0)  # x arrived: a hit; y failed: a miss
+    assert tiering.lookup(keys("y"), manager.lookup(keys("y"))) == [RETRY]
+    assert outcomes(tiering, 1) == (1, 3, 0, 0)  # failed recently: far cannot serve it
+    prefix = keys("q", "z")  # q is nowhere: z, past the prefix's end, is not counted
+    assert tiering.lookup(prefix, manager.lookup(prefix), prefix=True) == [RETRY] * 2
+    assert not far.loads[1:]  # z was not promoted (the pool answers MISS past the end)
+    assert outcomes(tiering, 0) == (0, 0, 5, 0) and outcomes(tiering, 1) == (1, 4, 0, 0)
+    stored(manager, tiering, keys("a", "b", "c"))  # x (cascading to near) + a, b, c pinned
+    assert tiering.lookup(keys("w"), manager.lookup(keys("w"))) == [RETRY]  # no room
+    assert outcomes(tiering, 0) == (0, 0, 6, 0) and outcomes(tiering, 1) == (1, 4, 0, 1)
+    assert tiering.counters(1).promotion_blocks_loaded == 1
 
 
 # ----------------------------------------------------------------- promotion holds
@@ -211,7 +247,7 @@ def test_a_promoted_block_is_held_until_a_session_pins_it(manager, clock):
     # one free row: x is promoted into it, y and z find no room and answer MISS
     assert tiering.lookup(second, manager.lookup(second), prefix=True) == [PENDING, MISS, MISS]
     assert manager.prepare_store(keys("s")) is None  # held rows are not evicted for a store
-    assert tiering.counters(0)["promotion_no_room"] == 2
+    assert tiering.counters(0).promotion_no_room == 2
     pins: Counter[bytes] = Counter()
     pin(manager, tiering, first, pins)  # the first request comes back and loads
     assert tiering.hold_statistics().claimed == 3
@@ -312,7 +348,7 @@ def test_repeated_lookups_of_a_pending_key_cost_no_tier_work(manager, clock):
     for _ in range(5):
         assert tiering.lookup(ks, manager.lookup(ks), prefix=True) == [PENDING, PENDING]
     assert tier.lookups == consulted and len(tier.loads) == 1
-    assert tiering.counters(0)["promotion_jobs_started"] == 1
+    assert tiering.counters(0).promotion_jobs_started == 1
 
 
 def test_the_hold_timer_releases_expired_holds_on_a_running_loop(manager):

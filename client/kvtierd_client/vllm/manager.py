@@ -10,7 +10,8 @@ Ownership of daemon state (all of it belongs to this manager's *session*):
   ``Lookup`` pins it, ``Session.lookup_and_pin``), so the row cannot be evicted by
   another engine between vLLM's lookup and its ``prepare_load``. A lookup pin is
   either *claimed* by ``prepare_load`` in the same scheduler step (it becomes a
-  load pin) or released at ``on_schedule_end`` (``CompleteLoad``, queued).
+  load pin) or released at ``on_schedule_end`` (``CompleteLoad`` with ``unused``,
+  queued: the daemon does not count it as a load).
 * **load pins**: taken by ``prepare_load``, released by ``complete_load`` (after
   every worker copied the rows).
 * **reservations**: rows reserved by ``prepare_store``, completed by
@@ -400,7 +401,7 @@ class KvtierdOffloadingManager(OffloadingManager):
         gen = self._gen
         if unclaimed and gen is not None:
             self.counters.lookup_pins_released += len(unclaimed)
-            self._release_pins(gen, unclaimed)
+            self._release_pins(gen, unclaimed, unused=True)
         self._bury_due()
         if self._queued_at is not None and self._step - self._queued_at >= QUEUE_STEPS:
             self._send_queued()
@@ -428,7 +429,7 @@ class KvtierdOffloadingManager(OffloadingManager):
                 )
             unclaimed = [k for k, n in self._step_pins.items() for _ in range(n)]
             if unclaimed:
-                self._release_pins(gen, unclaimed)
+                self._release_pins(gen, unclaimed, unused=True)
         self._load_pins = Counter()
         self._reserved = set()
         self._clear_step()
@@ -569,13 +570,18 @@ class KvtierdOffloadingManager(OffloadingManager):
             chain.append(k)
         return chain
 
-    def _release_pins(self, gen: _Generation, keys: list[bytes]) -> None:
+    def _release_pins(self, gen: _Generation, keys: list[bytes], *, unused: bool = False) -> None:
+        """Releases pins (queued ``CompleteLoad``); ``unused``: lookup pins no load
+        claimed, which the daemon then does not count as loads (its loaded bytes
+        are the blocks the workers were given to copy)."""
         # A key pinned n times is released in n calls (keys are unique per call).
         while keys:
             batch = list(dict.fromkeys(keys))
             for k in batch:
                 keys.remove(k)
-            self._call(gen, "CompleteLoad", gen.session.complete_load, batch, quiet=True)
+            self._call(
+                gen, "CompleteLoad", gen.session.complete_load, batch, unused=unused, quiet=True
+            )
 
     def _bury_due(self) -> None:
         due = [g for g in self._graves if g.release_step <= self._step]
