@@ -110,7 +110,9 @@ class FlushDeadline:
                 continue
             deadline = self._since + self._after
             if deadline > now:
-                self._sleep_until(deadline)
+                # at most a tick: a disarm does not notify, and an emptied queue
+                # must not keep an idle thread until a long deadline
+                self._sleep_until(min(deadline, now + tick))
                 continue
             self._since = None
             self._cond.release()
