@@ -52,8 +52,22 @@ def test_a_full_disk_is_reported_once_the_primary_serves_and_recovery_is_reporte
         stats = engine.tier_stats()
         assert stats.failures > 0 and stats.cascade_failures > 0
         assert 0 < stats.used_blocks < len(keys)
-        warnings = [line for line in daemon.log().splitlines() if "block write failed" in line]
-        assert len(warnings) == 1, warnings  # rate-limited: one line per tier per 10 s
+        reports = [
+            line
+            for line in daemon.log().splitlines()
+            if "block write failed" in line or "writes succeed again" in line
+        ]
+        warnings = [line for line in reports if "block write failed" in line]
+        # rate-limited: one line per tier per 10 s within an episode of failures; a
+        # write that squeezes in between (another one's temp file removed) ends the
+        # episode with one recovery line, and the next failure starts a new one
+        episodes = 1 + sum("writes succeed again" in line for line in reports)
+        assert 1 <= len(warnings) <= episodes, reports
+        assert all(
+            "writes succeed again" in first
+            for first, second in zip(reports, reports[1:], strict=False)
+            if "block write failed" in second
+        ), reports  # never two failure lines in a row
         assert "WARNING" in warnings[0] and "tier fs0: " in warnings[0]
         assert f"ENOSPC (No space left on device) at {small_disk}/" in warnings[0]
 
