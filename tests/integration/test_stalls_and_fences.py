@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -236,7 +237,7 @@ def test_the_write_deadline_follows_the_answered_keepalives():
         daemon.cleanup()
 
 
-@pytest.mark.parametrize("plant", ["fifo", "symlink", "directory"])
+@pytest.mark.parametrize("plant", ["fifo", "symlink", "directory", "socket"])
 def test_a_file_planted_at_a_region_path_is_refused_without_hanging(tmp_path, plant):
     """Anyone who can write shm_dir can plant something at a pool's future region
     path: OpenSession is refused at once naming it, the daemon keeps serving, the
@@ -246,10 +247,12 @@ def test_a_file_planted_at_a_region_path_is_refused_without_hanging(tmp_path, pl
         path = os.path.join(daemon.shm_dir, region_file_name("planted"))
         target = tmp_path / "elsewhere"
         target.write_bytes(b"not a region")
+        bound = socket.socket(socket.AF_UNIX)
         {
             "fifo": lambda: os.mkfifo(path, 0o666),
             "symlink": lambda: os.symlink(target, path),
             "directory": lambda: os.mkdir(path),
+            "socket": lambda: bound.bind(path),  # open() fails with ENXIO, not ELOOP
         }[plant]()
         with Client(daemon.address, timeout=5) as client:
             with pytest.raises(FailedPrecondition, match=r"not a region file.*Remove it"):
@@ -260,6 +263,7 @@ def test_a_file_planted_at_a_region_path_is_refused_without_hanging(tmp_path, pl
         assert target.read_bytes() == b"not a region"
         assert daemon.stop(timeout=10) == 0
     finally:
+        bound.close()
         if os.path.isdir(path) and not os.path.islink(path):
             os.rmdir(path)
         daemon.cleanup()
