@@ -1,5 +1,6 @@
 """The copier's fence (LeaseFence) against a scripted daemon: what it trusts when
-the beacon file is gone, and how long its own KeepAlive proves a lease."""
+the beacon file is gone, and how long its own KeepAlive proves a lease; and the
+owner's beacon (LeaseBeacon): once DEAD, always DEAD."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import time
 
 import pytest
 
+from kvtierd_client.client import _SessionState
 from kvtierd_client.errors import NotFound, Unavailable
-from kvtierd_client.lease_beacon import LeaseBeacon, LeaseState
+from kvtierd_client.lease_beacon import LeaseBeacon, LeaseBeaconReader, LeaseState
 from kvtierd_client.lease_fence import LeaseFence
+from kvtierd_client.proto import pb2
 
 
 class ScriptedDaemon:
@@ -93,3 +96,27 @@ def test_an_old_generations_removed_beacon_never_makes_the_live_one_dead(clock):
     finally:
         fence.close()
         new.close()
+
+
+def test_a_keepalive_answered_after_the_session_ended_never_revives_its_beacon():
+    """A KeepAlive in flight while the owner closes the session (or learns it is
+    gone) is answered after the beacon said DEAD: the copiers must keep reading
+    DEAD, or they would copy into rows the daemon has quarantined and freed."""
+    state = _SessionState(
+        "unix:///nowhere", pb2.OpenSessionResponse(session_id="s", lease_ms=10_000)
+    )
+    beacon = state.lease_beacon()
+    reader = LeaseBeaconReader(beacon.path)
+    try:
+        state._renewed(time.monotonic())
+        assert reader.state() is LeaseState.PROVEN
+        state._mark_gone()
+        state._renewed(time.monotonic())  # the late answer
+        assert reader.state() is LeaseState.DEAD
+        beacon.publish(time.monotonic() + 100)
+        assert reader.state() is LeaseState.DEAD
+        beacon.close()
+        beacon.publish(time.monotonic() + 100)  # after close: nothing, no error
+        assert reader.state() is LeaseState.DEAD
+    finally:
+        reader.close()
