@@ -123,6 +123,29 @@ def test_a_loop_stall_is_credited_to_every_lease():
         daemon.cleanup()
 
 
+def test_a_stall_shorter_than_the_credit_threshold_never_outlasts_a_short_lease():
+    """With a 0.2 s lease (allowed: 0.1 s and up) a daemon stall of 0.22 s is under
+    the 0.25 s a stall needs to be credited at longer leases, yet longer than the
+    whole lease: sessions that keep themselves alive must survive it."""
+    daemon = start_daemon("--lease", "0.2s")
+    try:
+        with Client(daemon.address) as client:
+            sessions = [
+                client.open_session("short", block_bytes=4096, num_blocks=4) for _ in range(3)
+            ]
+            for _ in range(3):
+                os.kill(daemon.proc.pid, signal.SIGSTOP)
+                time.sleep(0.22)  # the stall being tested
+                os.kill(daemon.proc.pid, signal.SIGCONT)
+                time.sleep(0.3)
+            for session in sessions:
+                assert session.lookup([b"k"]) == [LookupResult.MISS]
+        assert "lease expired" not in daemon.log()
+        assert daemon.stop() == 0
+    finally:
+        daemon.cleanup()
+
+
 WRITER = textwrap.dedent("""
     import sys, numpy as np, torch
     from kvtierd_client.client import Client
