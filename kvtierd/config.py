@@ -295,7 +295,9 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "limits",
         "events_retained_bytes",
-        _size_in(MAX_EVENT_BYTES, 1 << 40),
+        # at most 1 GiB: one TakeEvents answer may carry them all, and gRPC and
+        # protobuf messages stay below 2 GiB
+        _size_in(MAX_EVENT_BYTES, 1 << 30),
         lambda: 64 << 20,
         "bytes of events each pool keeps for TakeEvents / WatchEvents (keys plus "
         f"{KEY_OVERHEAD_BYTES} bytes per key); the oldest go first, as for events_retained",

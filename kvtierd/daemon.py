@@ -186,9 +186,14 @@ class Daemon:
 
     def _supervise_once(self, lag: float) -> None:
         self.metrics.observe_loop_lag(max(lag, 0.0))
-        if lag > _STALL_CREDITED_AFTER:
+        # A quarter of a short lease: a stall below 0.25 s can outlast a whole lease
+        # of 0.1-0.25 s (sessions that kept themselves alive expired with it).
+        if lag > min(_STALL_CREDITED_AFTER, self.config.sessions.lease / 4):
             self.sessions.credit_stall(lag)
-            log.warning("the event loop stalled for %.3fs; every lease was extended by that", lag)
+            log.log(
+                logging.WARNING if lag > _STALL_CREDITED_AFTER else logging.DEBUG,
+                "the event loop stalled for %.3fs; every lease was extended by that", lag,
+            )  # fmt: skip
         now = time.monotonic()
         for pool in self.pools:
             pool.release_quarantine(now)
@@ -196,7 +201,8 @@ class Daemon:
 
 
 # The supervisor's period, and the loop lag above which a stall is credited to
-# the leases (below it, lag is scheduling noise well inside any lease).
+# the leases (below it, lag is scheduling noise well inside any lease; for a
+# lease under 1 s the bound is a quarter of the lease).
 _SUPERVISOR_TICK = 0.1
 _STALL_CREDITED_AFTER = 0.25
 

@@ -72,7 +72,7 @@ class Metrics:
         self.loop_lag_seconds = Histogram(
             "kvtierd_event_loop_lag_seconds",
             "How late the daemon's event loop ran its 100 ms supervisor tick "
-            "(stalls above 0.25 s are credited to every lease)",
+            "(stalls above 0.25 s, or a quarter of a shorter lease, are credited to every lease)",
             buckets=LAG_BUCKETS,
             registry=self.registry,
         )

@@ -359,10 +359,14 @@ def _remove_if_stale(path: str) -> None:
         fd = os.open(path, _PROBE_FLAGS)
     except FileNotFoundError:
         return
-    except OSError as exc:
-        if exc.errno != errno.ELOOP:
-            raise
-        raise _not_a_region(path, os.lstat(path)) from None
+    except OSError:
+        # ELOOP (a symlink), ENXIO (a socket), EACCES (another user's file we may
+        # not read), ...: not a region file this daemon could have left
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        raise _not_a_region(path, st) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():

@@ -34,6 +34,7 @@ log = logging.getLogger("kvtierd.server")
 SERVICE_NAME = pb2.DESCRIPTOR.services_by_name["KVTier"].full_name
 KEY_WIRE_BYTES = MAX_KEY_BYTES + 3  # a longest key as a repeated bytes field: tag, length
 MESSAGE_SLACK_BYTES = 1 << 20  # every other field of a request or response
+_GRPC_MAX_MESSAGE_BYTES = (1 << 31) - 1  # gRPC's message length options are C ints
 STALE_PROBE_TIMEOUT = 1.0  # seconds a connect to a leftover socket file may take
 
 
@@ -54,7 +55,8 @@ def max_send_bytes(limits: LimitsConfig) -> int:
     """The largest answer: a PrepareStore (or Batch) answer names at most twice the
     keys of its request (stored and evicted); a TakeEvents answer at most the
     pool's retained events (their wire size is below what they count)."""
-    return max(2 * max_receive_bytes(limits), limits.events_retained_bytes + MESSAGE_SLACK_BYTES)
+    wanted = max(2 * max_receive_bytes(limits), limits.events_retained_bytes + MESSAGE_SLACK_BYTES)
+    return min(wanted, _GRPC_MAX_MESSAGE_BYTES)
 
 
 def build_server(

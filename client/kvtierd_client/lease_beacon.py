@@ -33,6 +33,7 @@ import os
 import stat
 import struct
 import tempfile
+import threading
 import time
 import weakref
 
@@ -49,8 +50,10 @@ class LeaseState(enum.Enum):
 
 
 class LeaseBeacon:
-    """The owner's side: publishes a session's lease proof. Not thread-safe for
-    several writers; one session publishes into one beacon."""
+    """The owner's side: publishes a session's lease proof. Thread-safe: a session's
+    keepalive thread and its caller publish into it concurrently. DEAD is final:
+    nothing published after :meth:`declare_dead` (an answer that was in flight
+    while the session was closed) can make the session look alive again."""
 
     def __init__(self, directory: str | None = None) -> None:
         directory = directory or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
@@ -62,25 +65,33 @@ class LeaseBeacon:
             os.close(fd)
         # the file goes with the beacon even if nobody calls close()
         self._unlink = weakref.finalize(self, _unlink_quietly, self.path)
+        self._lock = threading.Lock()
+        self._dead = False
         self.publish(0.0)
 
     def publish(self, proven_until: float) -> None:
-        """The lease is proven until ``proven_until`` (monotonic seconds)."""
-        if self._map is not None:
-            _PROOF.pack_into(self._map, 0, proven_until)
+        """The lease is proven until ``proven_until`` (monotonic seconds); ignored
+        once the session was declared dead."""
+        with self._lock:
+            if self._map is not None and not self._dead:
+                _PROOF.pack_into(self._map, 0, proven_until)
 
     def declare_dead(self) -> None:
         """The session is gone: readers must never copy into its rows again."""
-        self.publish(DEAD)
+        with self._lock:
+            self._dead = True
+            if self._map is not None:
+                _PROOF.pack_into(self._map, 0, DEAD)
 
     def close(self) -> None:
         """Declares the session dead and removes the file (mapped readers keep
         reading DEAD). Idempotent."""
-        if self._map is None:
-            return
         self.declare_dead()
-        self._map.close()
-        self._map = None
+        with self._lock:
+            if self._map is None:
+                return
+            self._map.close()
+            self._map = None
         self._unlink()
 
 

@@ -52,7 +52,12 @@ class LeaseFence:
             return LeaseState.PROVEN  # a spec of an older scheduler: no fence to apply
         if session_id in self._dead:
             return LeaseState.DEAD
-        state = self._beacon(beacon_path).state(self._margin)
+        try:
+            state = self._beacon(beacon_path).state(self._margin)
+        except OSError:
+            # No readable beacon (its owner already removed it, or it is not one):
+            # the daemon, not the file, is the authority on the session.
+            state = LeaseState.UNPROVEN
         if state is not LeaseState.UNPROVEN:
             return state
         return self._renew(session_id)
@@ -60,9 +65,10 @@ class LeaseFence:
     def _beacon(self, path: str) -> LeaseBeaconReader:
         reader = self._beacons.get(path)
         if reader is None:
+            reader = LeaseBeaconReader(path)  # raises: the open readers stay as they are
             for old in self._beacons.values():  # one live generation at a time
-                old.close()
-            self._beacons = {path: (reader := LeaseBeaconReader(path))}
+                old.close()  # a closed reader reads DEAD: it must never stay cached
+            self._beacons = {path: reader}
         return reader
 
     def _renew(self, session_id: str) -> LeaseState:
@@ -74,7 +80,7 @@ class LeaseFence:
         if now - tried < RENEW_EVERY:
             return LeaseState.UNPROVEN
         try:
-            self._client.renew_lease(session_id, timeout=RENEW_TIMEOUT)
+            lease_ms = self._client.renew_lease(session_id, timeout=RENEW_TIMEOUT)
         except NotFound:
             self._dead.add(session_id)
             self._renewed.pop(session_id, None)
@@ -82,6 +88,10 @@ class LeaseFence:
         except KvtierError:
             self._renewed[session_id] = (proven, now)
             return LeaseState.UNPROVEN
+        # The lease the daemon answered, not the one this fence was made with: a
+        # daemon restarted with a shorter lease would otherwise be trusted too long.
+        self._lease = lease_ms / 1000.0
+        self._margin = fence_margin(lease_ms)
         self._renewed = {session_id: (now + self._lease, now)}
         return LeaseState.PROVEN
 

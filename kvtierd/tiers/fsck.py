@@ -27,6 +27,7 @@ from typing import Any
 
 import xxhash
 
+from kvtierd import filekind
 from kvtierd.tiers import fsformat, safefs
 from kvtierd.tiers.fsformat import BLOCK_SUFFIX, HEADER_SIZE, POOL_FILE, TEMP_SUFFIX, CorruptBlock
 from kvtierd.tiers.safefs import DIRECTORY, Entry, Identity, PoolDir, UnexpectedEntry
@@ -73,6 +74,8 @@ def fsck(
                 checker.bad_link(entry.path, lambda e=entry: os.unlink(e.path))
         elif entry.is_dir(follow_symlinks=False):
             checker.pool_dir(entry.path)
+        elif _POOL_DIR_NAME.search(entry.name):  # a FIFO, file... where a pool dir belongs
+            checker.not_a_pool_dir(entry, lambda e=entry: os.unlink(e.path))
     return checker.report
 
 
@@ -93,6 +96,15 @@ class _Checker:
 
     def bad_link(self, path: str, unlink: Callable[[], None]) -> None:
         self._bad(path, "a symlink, not a directory: not followed", unlink)
+
+    def not_a_pool_dir(self, entry: os.DirEntry[str], unlink: Callable[[], None]) -> None:
+        """The daemon refuses the pool whose directory name this takes (it creates the
+        directory itself): listed, so that a clean fsck means a usable root."""
+        try:
+            kind = filekind.describe(entry.path, entry.stat(follow_symlinks=False).st_mode)
+        except OSError:  # raced away
+            return
+        self._bad(entry.path, f"{kind}, not a directory", unlink)
 
     def pool_dir(self, path: str) -> None:
         try:

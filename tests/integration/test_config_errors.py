@@ -36,6 +36,13 @@ def run_daemon(*args: str, env: dict[str, str] | None = None, config: str | None
         (["--listen", "unix://relative.sock"], ["server.listen", "absolute"]),
         (["--listen", "127.0.0.1:7070"], ["server.listen", "security.tokens_file"]),
         (["--shm-dir", "relative"], ["memory.shm_dir", "absolute"]),
+        # above 2 GiB gRPC's send limit (a C int) overflowed: a traceback and exit 1
+        (["--events-retained-bytes", "3GiB"], ["limits.events_retained_bytes", "1.0 GiB"]),
+        (["--max-watch-streams", "0"], ["limits.max_watch_streams", "[1, 65536]"]),
+        (["--watch-write-timeout", "10ms"], ["limits.watch_write_timeout", "between"]),
+        (["--write-quarantine", "2h"], ["sessions.write_quarantine", "between 0s and 3600s"]),
+        (["--promotion-hold", "soon"], ["limits.promotion_hold", "duration"]),
+        (["--removals-retained-bytes", "1"], ["limits.removals_retained_bytes", "between"]),
         (["--config", "/nonexistent/kvtierd.toml"], ["--config", "no such file"]),
     ],
 )

@@ -273,6 +273,8 @@ def test_fsck_lists_planted_entries_without_hanging_or_following(tmp_path):
     other_dir, other_fingerprint = write_pool(outside, "elsewhere", BLOCK)
     write_block(other_dir, other_fingerprint, b"x", BLOCK)
     (root / other_dir.name).symlink_to(other_dir)
+    fifo_pool = root / fsformat.PoolIdentity("fifo", BLOCK, "L").dir_name
+    os.mkfifo(fifo_pool)  # where a pool directory belongs: the daemon refuses that pool
     good = write_block(pool_dir, fingerprint, b"good", BLOCK)
 
     result, took = fsck(str(root))
@@ -283,12 +285,14 @@ def test_fsck_lists_planted_entries_without_hanging_or_following(tmp_path):
     assert f"BAD {root / other_dir.name}: a symlink, not a directory: not followed" in (
         result.stdout
     )
+    assert f"BAD {fifo_pool}: a FIFO, not a directory" in result.stdout
     assert str(good) not in result.stdout
-    assert "5 block files in 1 pools checked: 6 bad" in result.stdout
+    assert "5 block files in 1 pools checked: 7 bad" in result.stdout
     assert took < 20
 
     removed, _ = fsck("--remove", str(root))
-    assert "5 removed" in removed.stdout, removed.stdout
+    assert "6 removed" in removed.stdout, removed.stdout
+    assert not os.path.lexists(fifo_pool)
     assert planted["directory"].is_dir() and (planted["directory"] / "inside").exists()
     assert not any(os.path.lexists(planted[k]) for k in ("FIFO", "socket", "symlink"))
     assert not os.path.lexists(linked.parent) and not os.path.lexists(root / other_dir.name)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -116,6 +117,29 @@ def test_a_loop_stall_is_credited_to_every_lease():
             session.complete_store([b"k"])  # the reservation was not aborted
             assert session.lookup([b"k"]) == [LookupResult.HIT]
         assert "stalled for" in daemon.log()
+        assert "lease expired" not in daemon.log()
+        assert daemon.stop() == 0
+    finally:
+        daemon.cleanup()
+
+
+def test_a_stall_shorter_than_the_credit_threshold_never_outlasts_a_short_lease():
+    """With a 0.2 s lease (allowed: 0.1 s and up) a daemon stall of 0.22 s is under
+    the 0.25 s a stall needs to be credited at longer leases, yet longer than the
+    whole lease: sessions that keep themselves alive must survive it."""
+    daemon = start_daemon("--lease", "0.2s")
+    try:
+        with Client(daemon.address) as client:
+            sessions = [
+                client.open_session("short", block_bytes=4096, num_blocks=4) for _ in range(3)
+            ]
+            for _ in range(3):
+                os.kill(daemon.proc.pid, signal.SIGSTOP)
+                time.sleep(0.22)  # the stall being tested
+                os.kill(daemon.proc.pid, signal.SIGCONT)
+                time.sleep(0.3)
+            for session in sessions:
+                assert session.lookup([b"k"]) == [LookupResult.MISS]
         assert "lease expired" not in daemon.log()
         assert daemon.stop() == 0
     finally:
@@ -236,7 +260,7 @@ def test_the_write_deadline_follows_the_answered_keepalives():
         daemon.cleanup()
 
 
-@pytest.mark.parametrize("plant", ["fifo", "symlink", "directory"])
+@pytest.mark.parametrize("plant", ["fifo", "symlink", "directory", "socket"])
 def test_a_file_planted_at_a_region_path_is_refused_without_hanging(tmp_path, plant):
     """Anyone who can write shm_dir can plant something at a pool's future region
     path: OpenSession is refused at once naming it, the daemon keeps serving, the
@@ -246,10 +270,12 @@ def test_a_file_planted_at_a_region_path_is_refused_without_hanging(tmp_path, pl
         path = os.path.join(daemon.shm_dir, region_file_name("planted"))
         target = tmp_path / "elsewhere"
         target.write_bytes(b"not a region")
+        bound = socket.socket(socket.AF_UNIX)
         {
             "fifo": lambda: os.mkfifo(path, 0o666),
             "symlink": lambda: os.symlink(target, path),
             "directory": lambda: os.mkdir(path),
+            "socket": lambda: bound.bind(path),  # open() fails with ENXIO, not ELOOP
         }[plant]()
         with Client(daemon.address, timeout=5) as client:
             with pytest.raises(FailedPrecondition, match=r"not a region file.*Remove it"):
@@ -260,6 +286,7 @@ def test_a_file_planted_at_a_region_path_is_refused_without_hanging(tmp_path, pl
         assert target.read_bytes() == b"not a region"
         assert daemon.stop(timeout=10) == 0
     finally:
+        bound.close()
         if os.path.isdir(path) and not os.path.islink(path):
             os.rmdir(path)
         daemon.cleanup()

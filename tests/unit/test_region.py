@@ -28,6 +28,7 @@ from kvtierd import region as region_mod
 from kvtierd.region import (
     InsufficientSpaceError,
     Region,
+    RegionError,
     RegionInUseError,
     region_file_name,
 )
@@ -211,6 +212,37 @@ def test_file_locked_by_a_live_process_is_refused_and_left_alone(region_dir):
     finally:
         holder.stdin.close()
         assert holder.wait(60) == 0
+
+
+def test_a_socket_at_the_region_path_is_not_a_region(region_dir):
+    """Opening a socket fails with ENXIO (not ELOOP): still refused as not a region
+    (FAILED_PRECONDITION upstream), never an internal error; left alone."""
+    import socket
+
+    path = os.path.join(region_dir, region_file_name("pool"))
+    with socket.socket(socket.AF_UNIX) as planted:
+        planted.bind(path)
+        with pytest.raises(RegionError, match=r"is a socket.*not a region file"):
+            Region.create(region_dir, "pool", 8, BLOCK)
+        assert stat.S_ISSOCK(os.lstat(path).st_mode)
+
+
+def test_a_file_the_daemon_may_not_open_is_not_a_region(region_dir, monkeypatch):
+    """Another user's 0600 file in a world-writable shm_dir: open() fails with EACCES
+    for a daemon that is not root. Refused naming its owner, never an internal error."""
+    path = os.path.join(region_dir, region_file_name("pool"))
+    Path(path).write_bytes(b"someone else's")
+    real_open = os.open
+
+    def refusing_open(name, flags, *args):
+        if name == path and not flags & os.O_CREAT:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), name)
+        return real_open(name, flags, *args)
+
+    monkeypatch.setattr(region_mod.os, "open", refusing_open)
+    with pytest.raises(RegionError, match=r"owned by uid \d+, not a region file"):
+        Region.create(region_dir, "pool", 8, BLOCK)
+    assert Path(path).read_bytes() == b"someone else's"
 
 
 def test_insufficient_space_fails_before_allocating_and_leaves_no_file(region_dir):

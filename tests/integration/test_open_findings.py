@@ -1,0 +1,163 @@
+"""Known gaps found by attacking the issue #15 work, kept as strict xfails: each
+test states the promise and fails today; when a fix lands, the xfail turns into
+an unexpected pass (strict) and the marker must go. Real daemon, real socket."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+import time
+
+import grpc
+import pytest
+from daemon_harness import DaemonProcess, health_status
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from test_bounded_buffers import long_keys, make_daemon, open_session, store, vm_rss
+
+from kvtierd_client.proto import pb2, pb2_grpc
+
+__all__ = ["make_daemon"]  # the fixture, imported for these tests
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a stream ended by watch_write_timeout keeps its slot until its client reads "
+    "or disconnects (gRPC holds the last message): max_watch_streams clients that stay "
+    "connected without reading refuse WatchEvents to everyone, forever",
+)
+def test_streams_ended_for_not_reading_give_their_slots_back(make_daemon, pool_name):
+    daemon = make_daemon("--max-watch-streams", "2", "--watch-write-timeout", "200ms")
+    stub = daemon.stub()
+    session = open_session(stub, pool_name, 16384)
+    idle = []
+    for _ in range(2):  # connected, never reading, never leaving
+        channel = grpc.insecure_channel(daemon.target, options=[("grpc.http2.bdp_probe", 0)])
+        request = pb2.WatchEventsRequest(pool=pool_name, after_seq=0)
+        idle.append((channel, pb2_grpc.KVTierStub(channel).WatchEvents(request)))
+    for n in range(16):
+        store(stub, session, long_keys(n * 1000, 1000))
+    deadline = time.monotonic() + 10
+    while daemon.log().count("not taken within") < 2:  # both ended with OUT_OF_RANGE
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(1.0)  # five write timeouts more
+    try:
+        stream = stub.WatchEvents(pb2.WatchEventsRequest(pool=pool_name, after_seq=0), timeout=5)
+        assert next(stream).seq == 1, "a reader that comes later is served"
+        stream.cancel()
+    finally:
+        for channel, _ in idle:
+            channel.close()
+
+
+def _frame(kind: int, flags: int, stream_id: int, payload: bytes) -> bytes:
+    return struct.pack(">I", len(payload))[1:] + bytes([kind, flags]) + struct.pack(
+        ">I", stream_id
+    ) + payload  # fmt: skip
+
+
+def _header(name: bytes, value: bytes) -> bytes:  # HPACK literal, not indexed, no Huffman
+    return b"\x00" + bytes([len(name)]) + name + bytes([len(value)]) + value
+
+
+def unread_unary_call(daemon: DaemonProcess, method: str, request: bytes) -> socket.socket:
+    """Sends one unary call over a raw HTTP/2 connection that then never reads (and
+    never opens its 64 KiB flow-control window): what a stuck client does."""
+    conn = socket.socket(socket.AF_UNIX)
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    conn.connect(daemon.socket_path)
+    conn.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(4, 0, 0, b""))
+    conn.settimeout(1)
+    try:
+        conn.recv(4096)  # the server's SETTINGS
+    except TimeoutError:
+        pass
+    headers = b"".join(
+        _header(name, value)
+        for name, value in (
+            (b":method", b"POST"), (b":scheme", b"http"), (b":path", method.encode()),
+            (b":authority", b"localhost"), (b"content-type", b"application/grpc"),
+            (b"te", b"trailers"),
+        )
+    )  # fmt: skip
+    body = b"\x00" + struct.pack(">I", len(request)) + request
+    conn.sendall(_frame(4, 1, 0, b"") + _frame(1, 4, 1, headers) + _frame(0, 1, 1, body))
+    return conn
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a TakeEvents answer carries every retained event (limits.events_retained_bytes, "
+    "64 MiB by default) and the daemon holds ~3x that per client that does not read it: "
+    "memory grows with the number of such sessions, not bounded in bytes",
+)
+def test_unread_take_events_answers_do_not_grow_the_daemon_without_bound(make_daemon, pool_name):
+    daemon = make_daemon("--events-retained-bytes", "8MiB")
+    stub = daemon.stub()
+    readers = [open_session(stub, pool_name, 8192) for _ in range(4)]
+    writer = open_session(stub, pool_name, 8192)
+    for start in range(0, 32768, 4096):  # stored and evicted: the log holds its 8 MiB
+        store(stub, writer, long_keys(start, 4096, length=248))
+    before = vm_rss(daemon)
+    stuck = [
+        unread_unary_call(
+            daemon,
+            "/kvtier.v1.KVTier/TakeEvents",
+            pb2.TakeEventsRequest(session_id=session).SerializeToString(),
+        )
+        for session in readers
+    ]
+    try:
+        time.sleep(2.0)
+        grown = vm_rss(daemon) - before
+        assert health_status(daemon) == "SERVING"
+        assert grown < 16 << 20, f"4 unread TakeEvents answers grew the daemon {grown >> 20} MiB"
+    finally:
+        for conn in stuck:
+            conn.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a Batch runs all its ops in one event-loop turn; 100 Lookups of 65,536 keys "
+    "each fit the 33 MiB request limit and stall every client (health included) ~3 s",
+)
+def test_one_large_batch_does_not_stall_the_daemon(make_daemon, pool_name):
+    daemon = make_daemon()
+    channel = grpc.insecure_channel(
+        daemon.target, options=[("grpc.max_receive_message_length", 64 << 20)]
+    )
+    stub = pb2_grpc.KVTierStub(channel)
+    session = open_session(stub, pool_name, 16)
+    keys = [i.to_bytes(3, "big") for i in range(65536)]
+    lookup = pb2.BatchOp(lookup=pb2.LookupRequest(keys=keys))
+    batch = pb2.BatchRequest(session_id=session, ops=[lookup] * 100)
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(daemon.target))
+    worst = [0.0]
+    done = threading.Event()
+
+    def probe() -> None:
+        while not done.is_set():
+            begin = time.perf_counter()
+            health.Check(health_pb2.HealthCheckRequest(), timeout=30)
+            worst[0] = max(worst[0], time.perf_counter() - begin)
+            time.sleep(0.01)
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    try:
+        try:
+            stub.Batch(batch, timeout=60)
+            refused = None
+        except grpc.RpcError as error:  # refusing it is a fix too
+            refused = error.code()
+        time.sleep(0.2)
+    finally:
+        done.set()
+        prober.join()
+        channel.close()
+    assert refused in (None, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
+    assert worst[0] < 0.5, f"health waited {worst[0]:.2f}s behind one Batch"
+    assert os.path.exists(daemon.socket_path)

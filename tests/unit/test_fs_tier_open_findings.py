@@ -1,0 +1,54 @@
+"""A known gap of the fs tier, kept as a strict xfail (see
+tests/integration/test_open_findings.py): the tier's lock, which the event loop
+takes on every Lookup, is held across file system calls of an eviction."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+from test_fs_tier import FILE_BYTES, Harness, region, run
+
+from kvtierd.tiers import safefs
+
+__all__ = ["region"]  # the fixture, imported for this test
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="an eviction renames its victim aside while holding the tier lock that "
+    "FsTier.lookup takes on the event loop: a file system that stops answering (a hard "
+    "NFS mount, the README's 'shared' tier) stalls every client, health included",
+)
+def test_a_stuck_rename_during_an_eviction_does_not_block_lookups(region, tmp_path, monkeypatch):
+    root = tmp_path / "fs"
+    root.mkdir()
+    real_rename = safefs.PoolDir.rename
+
+    def stuck_rename(self: safefs.PoolDir, rel: str, new_name: str) -> None:
+        time.sleep(1.5)  # the file system does not answer for a while
+        real_rename(self, rel, new_name)
+
+    async def body(h: Harness) -> float:
+        tier = await h.ready_tier(capacity_bytes=2 * FILE_BYTES, o_direct="off")
+        try:
+            for row in range(2):
+                h.fill(row, row)
+                await h.store(tier, [f"k{row}".encode()], [row])
+            monkeypatch.setattr(safefs.PoolDir, "rename", stuck_rename)
+            h.fill(2, 2)
+            job = h._job([b"k2"], [2], False)  # needs room: evicts k0
+            assert tier.submit_store(job)
+            await asyncio.sleep(0.3)  # the I/O thread is in the rename now
+            begin = time.perf_counter()
+            tier.lookup([b"k1"])  # what the event loop does for every Lookup
+            waited = time.perf_counter() - begin
+            await h.waiters[job.job_id]
+            return waited
+        finally:
+            tier.shutdown()
+
+    waited = run(region, Path(root), body)
+    assert waited < 0.1, f"a Lookup waited {waited:.2f}s for an eviction's rename"
