@@ -116,12 +116,31 @@ class EventLog:
             self._dropped += 1
         assert ring and self._bytes <= self.limit_bytes
 
-    def since(self, after_seq: int) -> tuple[list[tuple[int, BlockEvent]], int]:
-        """Events with seq > ``after_seq``, and how many of those were already dropped."""
+    def since(
+        self, after_seq: int, max_bytes: int | None = None
+    ) -> tuple[list[tuple[int, BlockEvent]], int]:
+        """Events with seq > ``after_seq``, and how many of those were already dropped.
+
+        ``max_bytes``: the oldest of them that fit that many bytes (at least one
+        event, so a reader always moves on); the caller continues from the last
+        one returned."""
         start = max(after_seq + 1, self.oldest_seq)
         dropped = start - (after_seq + 1)
         skip = start - self.oldest_seq
-        return list(itertools.islice(self._ring, skip, None)), dropped
+        if max_bytes is None:
+            return list(itertools.islice(self._ring, skip, None)), dropped
+        taken: list[tuple[int, BlockEvent]] = []
+        total = 0
+        for entry, size in zip(
+            itertools.islice(self._ring, skip, None),
+            itertools.islice(self._sizes, skip, None),
+            strict=True,
+        ):
+            total += size
+            if taken and total > max_bytes:
+                break
+            taken.append(entry)
+        return taken, dropped
 
     def get(self, seq: int) -> BlockEvent | None:
         """The event numbered ``seq``; None when it was dropped or does not exist yet."""

@@ -53,6 +53,10 @@ from kvtierd_client.proto import pb2, pb2_grpc
 log = logging.getLogger("kvtierd.service")
 
 MAX_BATCH_OPS = 4096
+# One TakeEvents answer carries at most this many event bytes (events.event_bytes);
+# ``more`` says the session has further events. A client that does not read its
+# answer then holds the daemon to a few MiB, not to the whole retained log.
+TAKE_EVENTS_MAX_BYTES = 1 << 20
 
 Request = TypeVar("Request")
 Response = TypeVar("Response")
@@ -213,8 +217,25 @@ class KVTierService(pb2_grpc.KVTierServicer):
             raise InvalidArgument(
                 f"ops: {len(request.ops)} operations; at most {MAX_BATCH_OPS} per Batch"
             )
+        self._check_batch_keys(request.ops)
         session = self._sessions.get(request.session_id)
         return pb2.BatchResponse(results=[self._batch_op(session, op) for op in request.ops])
+
+    def _check_batch_keys(self, ops: Any) -> None:
+        """A Batch runs in one event-loop turn: its keys together are bounded like two
+        calls' (a step's queued completions plus the call that carries them), so one
+        Batch cannot hold every other client for seconds."""
+        limit = 2 * self._max_keys
+        total = 0
+        for op in ops:
+            which = op.WhichOneof("op")
+            if which is not None:
+                total += len(getattr(op, which).keys)
+        if total > limit:
+            raise InvalidArgument(
+                f"ops: {total} keys in one Batch; at most {limit} (2 x "
+                "limits.max_keys_per_call): split it into several Batches"
+            )
 
     def _batch_op(self, session: Session, op: pb2.BatchOp) -> pb2.BatchResult:
         which = op.WhichOneof("op")
@@ -239,10 +260,13 @@ class KVTierService(pb2_grpc.KVTierServicer):
     @_handle
     def TakeEvents(self, request: pb2.TakeEventsRequest, context: Any) -> Any:
         session = self._sessions.get(request.session_id)
-        events, dropped = session.pool.events.since(session.events_cursor)
-        session.events_cursor = session.pool.events.last_seq
+        log = session.pool.events
+        events, dropped = log.since(session.events_cursor, TAKE_EVENTS_MAX_BYTES)
+        session.events_cursor = events[-1][0] if events else log.last_seq
         return pb2.TakeEventsResponse(
-            events=[_event_message(seq, event) for seq, event in events], dropped=dropped
+            events=[_event_message(seq, event) for seq, event in events],
+            dropped=dropped,
+            more=session.events_cursor < log.last_seq,
         )
 
     async def WatchEvents(self, request: pb2.WatchEventsRequest, context: Any) -> None:

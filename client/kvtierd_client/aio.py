@@ -333,8 +333,14 @@ class AsyncSession(_SessionState):
         await self._call(COMPLETE_STORE, keys, success=success)
 
     async def take_events(self) -> list[pb2.Event]:
-        """The pool's events since this session's last take (RPC ``TakeEvents``)."""
-        return await self._call(TAKE_EVENTS)
+        """The pool's events since this session's last take (RPC ``TakeEvents``, one
+        call per ~1 MiB of events: the daemon pages its answers)."""
+        events: list[pb2.Event] = []
+        while True:
+            page = await self._call(TAKE_EVENTS)
+            events.extend(page.events)
+            if not page.more:
+                return events
 
     async def keep_alive(self) -> int:
         """Renews the lease now and returns its length in ms (RPC ``KeepAlive``)."""

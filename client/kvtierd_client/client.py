@@ -185,11 +185,12 @@ def _decode_store(response: pb2.PrepareStoreResponse) -> StoreResult | None:
     )
 
 
-def _decode_events(response: pb2.TakeEventsResponse) -> list[pb2.Event]:
+def _decode_events(response: pb2.TakeEventsResponse) -> pb2.TakeEventsResponse:
+    """One page of events (``more``: the session has further events)."""
     if response.dropped:
         log.warning("kvtierd dropped %d events of this session's pool (log overflow)",
                     response.dropped)  # fmt: skip
-    return list(response.events)
+    return response
 
 
 def _decode_lease(response: pb2.KeepAliveResponse) -> int:
@@ -871,8 +872,14 @@ class Session(_SessionState):
         self._complete(COMPLETE_STORE, keys, success=success)
 
     def take_events(self) -> list[pb2.Event]:
-        """The pool's events since this session's last take (RPC ``TakeEvents``)."""
-        return self._call(TAKE_EVENTS)
+        """The pool's events since this session's last take (RPC ``TakeEvents``, one
+        call per ~1 MiB of events: the daemon pages its answers)."""
+        events: list[pb2.Event] = []
+        while True:
+            page = self._call(TAKE_EVENTS)
+            events.extend(page.events)
+            if not page.more:
+                return events
 
     def keep_alive(self) -> int:
         """Renews the lease now and returns its length in ms (RPC ``KeepAlive``)."""

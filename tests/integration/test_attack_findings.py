@@ -1,6 +1,7 @@
-"""Known gaps found by attacking the issue #15 work, kept as strict xfails: each
-test states the promise and fails today; when a fix lands, the xfail turns into
-an unexpected pass (strict) and the marker must go. Real daemon, real socket."""
+"""Findings of attacking the issue #15 work. Fixed ones stay as regression tests;
+one still open is a strict xfail: it states the promise and fails today, and
+when a fix lands it turns into an unexpected pass and the marker must go. Real
+daemon, real socket."""
 
 from __future__ import annotations
 
@@ -87,12 +88,6 @@ def unread_unary_call(daemon: DaemonProcess, method: str, request: bytes) -> soc
     return conn
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a TakeEvents answer carries every retained event (limits.events_retained_bytes, "
-    "64 MiB by default) and the daemon holds ~3x that per client that does not read it: "
-    "memory grows with the number of such sessions, not bounded in bytes",
-)
 def test_unread_take_events_answers_do_not_grow_the_daemon_without_bound(make_daemon, pool_name):
     daemon = make_daemon("--events-retained-bytes", "8MiB")
     stub = daemon.stub()
@@ -119,11 +114,6 @@ def test_unread_take_events_answers_do_not_grow_the_daemon_without_bound(make_da
             conn.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a Batch runs all its ops in one event-loop turn; 100 Lookups of 65,536 keys "
-    "each fit the 33 MiB request limit and stall every client (health included) ~3 s",
-)
 def test_one_large_batch_does_not_stall_the_daemon(make_daemon, pool_name):
     daemon = make_daemon()
     channel = grpc.insecure_channel(
@@ -161,3 +151,28 @@ def test_one_large_batch_does_not_stall_the_daemon(make_daemon, pool_name):
     assert refused in (None, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
     assert worst[0] < 0.5, f"health waited {worst[0]:.2f}s behind one Batch"
     assert os.path.exists(daemon.socket_path)
+
+
+def test_take_events_pages_its_answers_and_the_client_takes_them_all(make_daemon, pool_name):
+    """A TakeEvents answer carries ~1 MiB of events at most and says ``more``; the
+    client library takes page after page, so it still gets every event once."""
+    from kvtierd_client.client import Client
+
+    daemon = make_daemon()
+    stub = daemon.stub()
+    writer = open_session(stub, pool_name, 8192)
+    with Client(daemon.address) as client:
+        reader = client.open_session(pool_name, block_bytes=4096)
+        reader_id = open_session(stub, pool_name, 8192)
+        for start in range(0, 16384, 4096):  # 4 MiB of keys stored, then evicted
+            store(stub, writer, long_keys(start, 4096, length=248))
+        first = stub.TakeEvents(pb2.TakeEventsRequest(session_id=reader_id))
+        assert first.more and len(first.events) > 0
+        assert sum(len(e.keys) * 288 for e in first.events) <= (1 << 20) + (64 << 10)
+        rest = stub.TakeEvents(pb2.TakeEventsRequest(session_id=reader_id))
+        assert rest.events[0].seq == first.events[-1].seq + 1  # nothing skipped
+        events = reader.take_events()
+        seqs = [e.seq for e in events]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+        stored = {k for e in events if not e.removed and e.medium == pb2.MEDIUM_CPU for k in e.keys}
+        assert len(stored) == 16384
