@@ -327,14 +327,15 @@ class _SessionState:
             self._beacon.close()
 
     @property
-    def write_deadline(self) -> float:
-        """Monotonic time until which rows this session reserved may be written.
+    def lease_deadline(self) -> float:
+        """Monotonic time until which rows this session reserved or pinned may be
+        copied to or from.
 
-        A copy into reserved rows must *start* before it (``CopyEngine.submit_store``
-        checks, with ``write_deadline=``) and its end is checked against it too. It
+        A copy must *start* before it (``CopyEngine.submit_store`` / ``submit_load``
+        check, with ``lease_deadline=``) and its end is checked against it too. It
         stays ahead while keepalives are answered; once it passes, the daemon may
-        have expired the session and aborted its reservations. 0 once the session
-        is closed or gone.
+        have expired the session, aborted its reservations and released its pins.
+        0 once the session is closed or gone.
         """
         if self._closed or self._gone:
             return 0.0

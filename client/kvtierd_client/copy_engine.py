@@ -77,11 +77,21 @@ class _Job:
     num_blocks: int
     num_bytes: int
     event: Any = None  # torch.cuda.Event on CUDA; None on CPU (finished at submit)
-    write_deadline: float | None = None  # stores: the write fence (monotonic seconds)
+    lease_deadline: float | None = None  # the fence (monotonic seconds), if any
 
 
 class LeaseLostError(RuntimeError):
-    """A store into region rows was refused: its session's lease is not proven alive."""
+    """A copy to or from region rows was refused: the lease of the session holding
+    them is not proven alive."""
+
+
+def _check_lease(lease_deadline: float | None, direction: Direction) -> None:
+    if lease_deadline is not None and time.monotonic() >= lease_deadline:
+        raise LeaseLostError(
+            f"{direction} refused: the lease of the session holding these rows is not "
+            "proven alive (no keepalive answered in time); the daemon may have given "
+            "the rows to another session"
+        )
 
 
 @dataclass(frozen=True)
@@ -183,34 +193,37 @@ class CopyEngine:
     # -- submission -----------------------------------------------------------
 
     def submit_store(
-        self, pairs: Sequence[tuple[int, int]], *, write_deadline: float | None = None
+        self, pairs: Sequence[tuple[int, int]], *, lease_deadline: float | None = None
     ) -> int:
         """Copies engine blocks into region rows: (engine block id, region block id) pairs.
 
         Every id is checked first: ValueError naming the first bad one, and
         nothing is copied. Region block ids must be distinct. Returns the job id.
 
-        ``write_deadline`` (monotonic seconds; ``Session.write_deadline`` of the
-        session that reserved the rows) is the write fence (README, "Lost
-        leases"): past it, :class:`LeaseLostError` is raised and nothing is
-        copied; a job that *finishes* past it is reported by :meth:`late_jobs`,
-        and its store must be completed with ``success=False``.
+        ``lease_deadline`` (monotonic seconds; ``Session.lease_deadline`` of the
+        session that reserved the rows) is the fence (README, "Lost leases"):
+        past it, :class:`LeaseLostError` is raised and nothing is copied; a job
+        that *finishes* past it is reported by :meth:`late_jobs`, and its store
+        must be completed with ``success=False``.
         """
-        if write_deadline is not None and time.monotonic() >= write_deadline:
-            raise LeaseLostError(
-                "store refused: the lease of the session that reserved these rows is not "
-                "proven alive (no keepalive answered in time); the daemon may have given "
-                "the rows to another session"
-            )
-        return self._submit("store", pairs, write_deadline)
+        _check_lease(lease_deadline, "store")
+        return self._submit("store", pairs, lease_deadline)
 
-    def submit_load(self, pairs: Sequence[tuple[int, int]]) -> int:
+    def submit_load(
+        self, pairs: Sequence[tuple[int, int]], *, lease_deadline: float | None = None
+    ) -> int:
         """Copies region rows into engine blocks: (region block id, engine block id) pairs.
 
         Every id is checked first: ValueError naming the first bad one, and
         nothing is copied. Engine block ids must be distinct. Returns the job id.
+
+        ``lease_deadline``: as for :meth:`submit_store`, for the session that
+        pinned the rows; a load reported by :meth:`late_jobs` may hold another
+        key's bytes (its pins may have been released and the rows reused): do not
+        use it.
         """
-        return self._submit("load", pairs)
+        _check_lease(lease_deadline, "load")
+        return self._submit("load", pairs, lease_deadline)
 
     # -- completion -----------------------------------------------------------
 
@@ -237,9 +250,10 @@ class CopyEngine:
             self._collect(block_until=max(ids))
 
     def late_jobs(self) -> list[int]:
-        """Ids of finished store jobs that ended after their ``write_deadline``, each
-        reported once: their rows may no longer be theirs, so the store failed
-        (``complete_store(success=False)``). Call after :meth:`poll` or :meth:`wait`."""
+        """Ids of finished jobs that ended after their ``lease_deadline``, each
+        reported once: their rows may no longer be theirs, so a store failed
+        (``complete_store(success=False)``) and a load's bytes must not be used.
+        Call after :meth:`poll` or :meth:`wait`."""
         late, self._late = self._late, []
         return late
 
@@ -277,7 +291,7 @@ class CopyEngine:
         self,
         direction: Direction,
         pairs: Sequence[tuple[int, int]],
-        write_deadline: float | None = None,
+        lease_deadline: float | None = None,
     ) -> int:
         if self._closed:
             raise RuntimeError("this copy engine is closed")
@@ -294,7 +308,7 @@ class CopyEngine:
             direction=direction,
             num_blocks=len(plan.src),
             num_bytes=len(plan.src) * self._bytes_per_block,
-            write_deadline=write_deadline,
+            lease_deadline=lease_deadline,
         )
         # inference_mode: KV caches allocated under it are inference tensors, which
         # refuse in-place writes outside it; ordinary tensors accept them inside.
@@ -341,7 +355,7 @@ class CopyEngine:
             self._finish(job)
 
     def _finish(self, job: _Job) -> None:
-        if job.write_deadline is not None and time.monotonic() >= job.write_deadline:
+        if job.lease_deadline is not None and time.monotonic() >= job.lease_deadline:
             self._late.append(job.job_id)
         self._unreported.append(job.job_id)
         self._jobs_finished += 1

@@ -28,6 +28,7 @@ regular file of their own user.
 from __future__ import annotations
 
 import enum
+import fcntl
 import mmap
 import os
 import stat
@@ -38,6 +39,7 @@ import time
 import weakref
 
 DEAD = -1.0
+_PREFIX = "kvtierd-lease-"
 _PROOF = struct.Struct("=d")
 _SIZE = mmap.PAGESIZE
 _READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
@@ -56,15 +58,23 @@ class LeaseBeacon:
     while the session was closed) can make the session look alive again."""
 
     def __init__(self, directory: str | None = None) -> None:
-        directory = directory or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
-        fd, self.path = tempfile.mkstemp(prefix="kvtierd-lease-", dir=directory)
+        directory = directory or (
+            "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        )
+        sweep_orphans(directory)
+        fd, self.path = tempfile.mkstemp(prefix=_PREFIX, dir=directory)
         try:
+            # held for the beacon's life: the kernel drops it when this process
+            # dies however it dies, which tells a later sweep the file is orphaned
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.ftruncate(fd, _SIZE)
             self._map: mmap.mmap | None = mmap.mmap(fd, _SIZE)
-        finally:
+        except BaseException:
             os.close(fd)
+            _unlink_quietly(self.path)
+            raise
         # the file goes with the beacon even if nobody calls close()
-        self._unlink = weakref.finalize(self, _unlink_quietly, self.path)
+        self._unlink = weakref.finalize(self, _release, self.path, fd)
         self._lock = threading.Lock()
         self._dead = False
         self.publish(0.0)
@@ -100,6 +110,45 @@ def _unlink_quietly(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def _release(path: str, fd: int) -> None:
+    _unlink_quietly(path)
+    os.close(fd)  # drops the flock
+
+
+def sweep_orphans(directory: str) -> int:
+    """Removes the beacon files of this user whose owner died without closing
+    them (nobody holds their flock); returns how many. Files of other users,
+    links and anything that is not a regular file are left alone."""
+    removed = 0
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(_PREFIX)]
+    except OSError:
+        return 0
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, _READ_FLAGS)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live owner
+            same = os.lstat(path)
+            if (same.st_dev, same.st_ino) == (st.st_dev, st.st_ino):
+                _unlink_quietly(path)
+                removed += 1
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return removed
 
 
 class LeaseBeaconReader:

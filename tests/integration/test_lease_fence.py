@@ -85,3 +85,34 @@ def test_a_planted_beacon_is_refused(tmp_path):
     os.mkfifo(path)
     with pytest.raises(PermissionError, match="not a lease beacon"):
         LeaseBeaconReader(str(path))
+
+
+def test_beacons_of_killed_owners_are_swept_live_ones_kept(tmp_path):
+    """A beacon's owner holds its flock for life: a SIGKILLed owner's file is
+    removed by the next beacon made in that directory; a live owner's is not."""
+    import subprocess
+    import sys
+
+    from kvtierd_client.lease_beacon import LeaseBeacon
+
+    code = (
+        "import sys, time; from kvtierd_client.lease_beacon import LeaseBeacon; "
+        f"b = LeaseBeacon({str(tmp_path)!r}); print(b.path, flush=True); time.sleep(60)"
+    )
+    owners = [
+        subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    try:
+        paths = [owner.stdout.readline().strip() for owner in owners]
+        owners[0].kill()
+        owners[0].wait()
+        mine = LeaseBeacon(str(tmp_path))
+        assert not os.path.exists(paths[0]), "a dead owner's beacon was left behind"
+        assert os.path.exists(paths[1]), "a live owner's beacon was removed"
+        mine.close()
+        assert not os.path.exists(mine.path)
+    finally:
+        for owner in owners:
+            owner.kill()
+            owner.wait()

@@ -165,7 +165,7 @@ WRITER = textwrap.dedent("""
         kv = torch.full((1, 4096), 0xAA, dtype=torch.uint8)
         engine = CopyEngine(region, [kv])
         try:
-            engine.submit_store([(0, row)], write_deadline=session.write_deadline)
+            engine.submit_store([(0, row)], lease_deadline=session.lease_deadline)
             print("wrote", flush=True)
         except LeaseLostError as err:
             print("refused", err, flush=True)
@@ -238,7 +238,7 @@ def test_a_writer_stopped_past_its_lease_never_overwrites_another_sessions_block
             writer.wait()
 
 
-def test_the_write_deadline_follows_the_answered_keepalives():
+def test_the_lease_deadline_follows_the_answered_keepalives():
     """It stays ahead while keepalives are answered, falls behind while the daemon
     does not answer (the client cannot prove its lease), and recovers after."""
     daemon = start_daemon("--lease", "1s")
@@ -246,15 +246,15 @@ def test_the_write_deadline_follows_the_answered_keepalives():
         with Client(daemon.address) as client:
             session = client.open_session("deadline", block_bytes=4096, num_blocks=2)
             time.sleep(1.5)  # keepalives every 1/3 s keep it ahead
-            assert session.write_deadline > time.monotonic() + 0.2
+            assert session.lease_deadline > time.monotonic() + 0.2
             os.kill(daemon.proc.pid, signal.SIGSTOP)
             try:
-                eventually(lambda: session.write_deadline < time.monotonic(), 3, "deadline passed")
+                eventually(lambda: session.lease_deadline < time.monotonic(), 3, "deadline passed")
             finally:
                 os.kill(daemon.proc.pid, signal.SIGCONT)
-            eventually(lambda: session.write_deadline > time.monotonic(), 3, "deadline renewed")
+            eventually(lambda: session.lease_deadline > time.monotonic(), 3, "deadline renewed")
             session.close()
-            assert session.write_deadline == 0.0
+            assert session.lease_deadline == 0.0
         assert daemon.stop() == 0
     finally:
         daemon.cleanup()

@@ -378,24 +378,24 @@ def test_cuda_load_lands_after_queued_compute(writer):
 # -- the write fence (README, "Lost leases") -------------------------------------------
 
 
-def test_a_store_past_its_write_deadline_is_refused_and_copies_nothing(writer):
+def test_a_store_past_its_lease_deadline_is_refused_and_copies_nothing(writer):
     before = writer.numpy().copy()
     with CopyEngine(writer, kv_tensors(7)[1:], page_bytes=PAGE) as engine:
         past = time.monotonic() - 0.001
         with pytest.raises(copy_engine_mod.LeaseLostError, match="lease"):
-            engine.submit_store([(0, 0), (1, 1)], write_deadline=past)
+            engine.submit_store([(0, 0), (1, 1)], lease_deadline=past)
         assert engine.statistics().jobs_submitted == 0
     assert np.array_equal(writer.numpy(), before)
 
 
-def test_a_store_that_ends_past_its_write_deadline_is_reported_late(writer, monkeypatch):
+def test_a_store_that_ends_past_its_lease_deadline_is_reported_late(writer, monkeypatch):
     """The deadline passed between the check and the copy's end (a stopped process,
     a slow copy): the job is reported late, once, and the caller fails the store."""
     with CopyEngine(writer, kv_tensors(7)[1:], page_bytes=PAGE) as engine:
-        on_time = engine.submit_store([(0, 0)], write_deadline=time.monotonic() + 60)
+        on_time = engine.submit_store([(0, 0)], lease_deadline=time.monotonic() + 60)
         clock = iter([100.0, 200.0])  # the check, then the end of the copy
         monkeypatch.setattr(copy_engine_mod.time, "monotonic", lambda: next(clock))
-        late = engine.submit_store([(1, 1)], write_deadline=150.0)
+        late = engine.submit_store([(1, 1)], lease_deadline=150.0)
         monkeypatch.undo()
         assert engine.poll() == [on_time, late]
         assert engine.late_jobs() == [late]
@@ -403,3 +403,20 @@ def test_a_store_that_ends_past_its_write_deadline_is_reported_late(writer, monk
         unfenced = engine.submit_store([(2, 2)])  # no deadline: never late
         engine.wait([unfenced])
         assert engine.late_jobs() == []
+
+
+def test_a_load_past_its_lease_deadline_is_refused_and_one_ending_past_it_is_late(
+    writer, monkeypatch
+):
+    kv = kv_tensors(7)[1:]
+    before = kv[0].clone()
+    with CopyEngine(writer, kv, page_bytes=PAGE) as engine:
+        with pytest.raises(copy_engine_mod.LeaseLostError, match="load refused"):
+            engine.submit_load([(0, 0)], lease_deadline=time.monotonic() - 0.001)
+        assert torch.equal(kv[0], before)  # nothing copied
+        clock = iter([100.0, 200.0])
+        monkeypatch.setattr(copy_engine_mod.time, "monotonic", lambda: next(clock))
+        late = engine.submit_load([(1, 1)], lease_deadline=150.0)
+        monkeypatch.undo()
+        assert engine.poll() == [late]
+        assert engine.late_jobs() == [late]
