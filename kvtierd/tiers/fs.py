@@ -34,9 +34,11 @@ Ownership and invariants:
 * Index: ``{key: (file bytes, last use)}`` in LRU order, plus ``_used`` (sum of
   indexed file sizes) and ``_reserved`` (writes in flight); all guarded by
   ``_lock``, which I/O threads and the loop share and hold only briefly: no
-  data I/O and no unlink happens under it (an eviction renames its victim
-  aside under the lock, metadata only, and unlinks it after, so a concurrent
-  rewrite of the key is never the file removed).
+  file system call happens under it (a hung mount must not stall Lookups). An
+  eviction takes its victim out of the index and marks it in ``_evicting``
+  under the lock, then renames the file aside and unlinks it outside; a writer
+  of that key waits until the mark is gone, so a concurrent rewrite of the key
+  is never the file removed.
 * Capacity: every byte in ``_used + _reserved``, plus evicted files renamed
   aside and not yet unlinked, is charged to a :class:`DiskBudget`, which the
   pools of one configured tier share; a write is admitted only once its bytes
@@ -95,6 +97,7 @@ _GROUP_BYTES = 16 << 20  # blocks per I/O task: this many bytes (at least one bl
 _SPEED_PROBE_BYTES = 16 << 20  # at most this much written twice by the o_direct=auto probe
 _POOL_FILE_MAX_BYTES = 64 << 10  # a pool.json larger than this is not ours
 SCAN_JOIN_S = 2.0  # shutdown waits this long for a scan stuck in the file system
+EVICTING_WAIT_S = 0.001  # a writer of a key whose old file is being evicted polls this often
 _COUNTERS = (
     "hits",
     "misses",
@@ -247,6 +250,7 @@ class FsTier(SecondaryTier):
         self._used = 0  # _lock: sum of indexed file sizes
         self._reserved = 0  # _lock: file sizes of writes in flight
         self._writing: set[BlockKey] = set()  # _lock
+        self._evicting: set[BlockKey] = set()  # _lock: out of the index, file being removed
         self._reading: dict[BlockKey, int] = {}  # _lock: reads in flight per key
         self._counters = dict.fromkeys(_COUNTERS, 0)  # _lock
         self._removed: OrderedDict[BlockKey, tuple[float, str]] = OrderedDict()  # _lock
@@ -540,14 +544,19 @@ class FsTier(SecondaryTier):
         """
         while True:
             with self._lock:
-                if key in self._index or key in self._writing:
-                    self._touch_locked((key,))
-                    return False
-                if self.budget.try_charge(self.file_bytes):
-                    self._writing.add(key)
-                    self._reserved += self.file_bytes
-                    return True
-                doomed = self._doom_lru_locked(self.file_bytes)
+                evicting = key in self._evicting
+                if not evicting:
+                    if key in self._index or key in self._writing:
+                        self._touch_locked((key,))
+                        return False
+                    if self.budget.try_charge(self.file_bytes):
+                        self._writing.add(key)
+                        self._reserved += self.file_bytes
+                        return True
+                    doomed = self._doom_lru_locked(self.file_bytes)
+            if evicting:  # its old file is being moved aside: a few ms, I/O thread only
+                time.sleep(EVICTING_WAIT_S)
+                continue
             self._remove_doomed(doomed)
 
     def _write_files(self, items: list[tuple[BlockKey, int]]) -> list[BaseException | None]:
@@ -692,13 +701,13 @@ class FsTier(SecondaryTier):
             self.budget.release(old[0])
             self._dropped.append(key)
 
-    def _doom_lru_locked(self, size: int) -> tuple[str, int]:
+    def _doom_lru_locked(self, size: int) -> _Doomed:
         """Takes this pool's least recently used file that is not being read out of
-        the index and renames it aside; returns ``(aside path relative to the pool
-        directory, bytes)``. Its bytes stay charged to the budget until
-        :meth:`_remove_doomed` unlinks it, so the bytes on disk never exceed the
-        capacity. Raises TierFull when nothing of this pool can be evicted
-        (``size``: what the caller wanted room for)."""
+        the index and marks it as being evicted; :meth:`_remove_doomed` (outside
+        the lock) moves the file aside and unlinks it. Its bytes stay charged to
+        the budget until then, so the bytes on disk never exceed the capacity.
+        Raises TierFull when nothing of this pool can be evicted (``size``: what
+        the caller wanted room for)."""
         victim = next((k for k in self._index if k not in self._reading), None)
         if victim is None:
             raise TierFull(
@@ -711,31 +720,31 @@ class FsTier(SecondaryTier):
         self._dropped.append(victim)
         self._note_removed_locked(victim, "evicted: least recently used at capacity")
         self._counters["evictions"] += 1
-        rel = fsformat.block_rel_path(victim)
+        self._evicting.add(victim)
+        return _Doomed(victim, nbytes)
+
+    def _remove_doomed(self, doomed: _Doomed) -> None:
+        """Renames the victim's file aside and unlinks it (outside the lock), then
+        ends its eviction and uncharges it. A crash in between leaves a ``*.tmp``
+        file, removed by the next start's scan."""
+        rel = fsformat.block_rel_path(doomed.key)
         aside = f"{_name(rel)}.{self._temp_name()}.evicted{TEMP_SUFFIX}"
         try:
             with PoolDir(self.pool_dir) as pool:
                 try:
-                    pool.rename(rel, aside)  # metadata only: a rewrite of the key is safe
+                    pool.rename(rel, aside)
                 except FileNotFoundError:
-                    return "", nbytes
+                    return
                 except OSError:
-                    pool.unlink(rel)  # cannot rename: unlink here, holding the lock
-                    return "", nbytes
+                    pool.unlink(rel)  # cannot rename: unlink it where it is
+                    return
+            self._unlink_quietly(_beside(rel, aside))
         except (OSError, UnexpectedEntry) as exc:  # a directory on the way is gone or bad
-            log.warning("FS tier %s: cannot evict %s: %s", self.name, self._path(victim), exc)
-            return "", nbytes
-        return _beside(rel, aside), nbytes
-
-    def _remove_doomed(self, doomed: tuple[str, int]) -> None:
-        """Unlinks a file :meth:`_doom_lru_locked` renamed aside, then uncharges it.
-        A crash in between leaves a ``*.tmp`` file, removed by the next start's scan."""
-        aside, nbytes = doomed
-        try:
-            if aside:
-                self._unlink_quietly(aside)
+            log.warning("FS tier %s: cannot evict %s: %s", self.name, self._path(doomed.key), exc)
         finally:
-            self.budget.release(nbytes)
+            with self._lock:
+                self._evicting.discard(doomed.key)
+            self.budget.release(doomed.nbytes)
 
     def _evict_to_capacity(self) -> None:
         """Evicts this pool's LRU files until the shared budget is within capacity
@@ -1042,6 +1051,14 @@ def _flatten(outcomes: list[Outcome], sizes: list[int]) -> list[Outcome]:
     for outcome, size in zip(outcomes, sizes, strict=True):
         flat.extend(outcome.value if outcome.ok else [outcome] * size)
     return flat
+
+
+@dataclass(frozen=True, slots=True)
+class _Doomed:
+    """An evicted key whose file is still to be removed, and its charged bytes."""
+
+    key: BlockKey
+    nbytes: int
 
 
 def _name(rel: str) -> str:

@@ -72,8 +72,10 @@ def test_a_full_disk_is_reported_once_the_primary_serves_and_recovery_is_reporte
         assert f"ENOSPC (No space left on device) at {small_disk}/" in warnings[0]
 
         # the primary tier keeps serving: hits, loads and new stores
-        recent = keys[-16:]
-        assert engine.session.lookup(recent) == [HIT] * 16
+        # the last batch stored is in the primary (earlier ones may have been evicted
+        # out of order: whichever rows no cascade pinned at that moment)
+        recent = keys[-8:]
+        assert engine.session.lookup(recent) == [HIT] * 8
         assert engine.load(recent) == [payload(k) for k in recent]
         more = block_keys("more", 8)
         engine.store(more, retry_for=10.0)

@@ -1,6 +1,6 @@
-"""A known gap of the fs tier, kept as a strict xfail (see
-tests/integration/test_open_findings.py): the tier's lock, which the event loop
-takes on every Lookup, is held across file system calls of an eviction."""
+"""A finding of attacking the #15 work, now a regression test: the tier's lock,
+which the event loop takes on every Lookup, is never held across a file system
+call of an eviction (a hung mount stalled every client)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import asyncio
 import time
 from pathlib import Path
 
-import pytest
 from test_fs_tier import FILE_BYTES, Harness, region, run
 
 from kvtierd.tiers import safefs
@@ -16,12 +15,6 @@ from kvtierd.tiers import safefs
 __all__ = ["region"]  # the fixture, imported for this test
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="an eviction renames its victim aside while holding the tier lock that "
-    "FsTier.lookup takes on the event loop: a file system that stops answering (a hard "
-    "NFS mount, the README's 'shared' tier) stalls every client, health included",
-)
 def test_a_stuck_rename_during_an_eviction_does_not_block_lookups(region, tmp_path, monkeypatch):
     root = tmp_path / "fs"
     root.mkdir()
