@@ -81,7 +81,8 @@ test-vllm: install-vllm
 	$(VLLM_ENV) $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/vllm
 
 # TRACE=path.jsonl replays another Mooncake-format trace in vllm_managers; empty, the one
-# shipped in benchmarks/traces/.
+# shipped in benchmarks/traces/. The benchmarks set VLLM_CPU_NUM_OF_RESERVED_CPU=1 themselves
+# (unless exported): vLLM's CPU build reserves one more core when a kv_transfer_config is given.
 bench-vllm: install-vllm
 	$(VLLM_ENV) $(VLLM_BIN)/python -m benchmarks.vllm_ttft
 	$(VLLM_ENV) $(VLLM_BIN)/python -m benchmarks.vllm_managers $(TRACE)

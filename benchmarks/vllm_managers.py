@@ -203,6 +203,14 @@ def replay_kvtierd(
 # ---------------------------------------------------------------------- main
 
 
+def set_vllm_env() -> None:
+    """vLLM's CPU build, with the core binding every vLLM benchmark here uses: one reserved
+    core whether or not a kv_transfer_config is given (README, "vLLM on CPU"). Set before
+    vLLM is imported; values the caller exported win."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+
+
 def first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
 
@@ -230,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.trace.is_file():
         parser.error(missing_trace_message(str(args.trace)))
 
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    set_vllm_env()
     from benchmarks.common import BenchDaemon, machine
 
     chains = load_chains(args.trace, args.requests)
