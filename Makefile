@@ -80,6 +80,9 @@ $(VLLM_STAMP): pyproject.toml
 test-vllm: install-vllm
 	$(VLLM_ENV) $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/vllm
 
+# TRACE=path.jsonl replays another Mooncake-format trace in vllm_managers; empty, the one
+# shipped in benchmarks/traces/. The benchmarks set VLLM_CPU_NUM_OF_RESERVED_CPU=1 themselves
+# (unless exported): vLLM's CPU build reserves one more core when a kv_transfer_config is given.
 bench-vllm: install-vllm
 	$(VLLM_ENV) $(VLLM_BIN)/python -m benchmarks.vllm_ttft
 	$(VLLM_ENV) $(VLLM_BIN)/python -m benchmarks.vllm_managers $(TRACE)
@@ -91,7 +94,9 @@ lint: install
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(GEN_VENV) $(GENDIR) .pytest_cache .ruff_cache
 
-# Trace replay (opt-in, the whole trace): make replay TRACE=path/to/trace.jsonl [REPLAY_ARGS=...]
+# Trace replay (opt-in, the whole trace): make replay [TRACE=path/to/trace.jsonl] [REPLAY_ARGS=...]
+# Without TRACE: the env var KVTIERD_REPLAY_TRACE, else benchmarks/traces/synthetic_trace_2000.jsonl (shipped:
+# the first 2,000 requests of Mooncake's synthetic trace; benchmarks/traces/README.md).
 .PHONY: replay
 TRACE ?=
 REPLAY_ARGS ?= --batch

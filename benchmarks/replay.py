@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m benchmarks.replay TRACE [--engines 4] [--assign rr|hash] [--capacity-blocks C]
+    python -m benchmarks.replay [TRACE] [--engines 4] [--assign rr|hash] [--capacity-blocks C]
                                       [--limit N] [--batch] [--copy] [--fs-root DIR]
 
 The trace is JSON lines with ``timestamp``, ``input_length``, ``output_length`` and
@@ -50,13 +50,14 @@ TOKENS_PER_BLOCK = 512
 KEY_BYTES = 8
 DONE = 1 << 62  # progress of an engine that has finished its requests
 DEFAULT_TRACE_ENV = "KVTIERD_REPLAY_TRACE"
+SHIPPED_TRACE = Path(__file__).resolve().parent / "traces" / "synthetic_trace_2000.jsonl"
+"""The default trace when neither an argument nor $KVTIERD_REPLAY_TRACE names one: the first
+2,000 requests of Mooncake's synthetic trace, shipped in the repository (traces/README.md)."""
 DEFAULT_FLUSH_AFTER = 0.1
 """Seconds a batch run's queued completion waits for the engine's next call: the vLLM
 adapter's ``kvtierd_flush_after`` default (``kvtierd_client.vllm.settings``; a test in
 tests/vllm keeps them equal), since the engines replay vLLM's call pattern. A real
 scheduler step (10-50 ms) is longer than the client library's own 5 ms default."""
-# convenience only: the synthetic trace next to this checkout, when it exists
-_SIBLING_TRACE = Path(__file__).resolve().parents[2] / "shared/traces/synthetic_trace.jsonl"
 
 
 # --------------------------------------------------------------------------------------
@@ -705,11 +706,18 @@ def bench_rows(results: Sequence[ModeResult], group: str) -> list[Row]:
     return rows
 
 
-def default_trace() -> str | None:
-    path = os.environ.get(DEFAULT_TRACE_ENV)
-    if path:
-        return path
-    return str(_SIBLING_TRACE) if _SIBLING_TRACE.exists() else None
+def default_trace() -> str:
+    """The trace used when none is given: $KVTIERD_REPLAY_TRACE when set and not empty, else
+    the shipped one (so a fresh clone replays with no arguments). Not checked to exist."""
+    return os.environ.get(DEFAULT_TRACE_ENV) or str(SHIPPED_TRACE)
+
+
+def missing_trace_message(path: str) -> str:
+    """What to tell a user whose trace ``path`` is not a readable file."""
+    return (
+        f"trace {path} not found; give a Mooncake-format JSONL path as the argument "
+        f"(make: TRACE=path) or set {DEFAULT_TRACE_ENV}"
+    )
 
 
 SHORT_REQUESTS = 2000
@@ -718,10 +726,10 @@ SHORT_REQUESTS = 2000
 def run() -> list[Row]:
     """`make bench` suite: the first 2,000 requests, 4 engines, 25 % of their distinct blocks;
     batched when the client can queue completions. The trace: $KVTIERD_REPLAY_TRACE, else the
-    synthetic trace next to the checkout; without one the suite is skipped."""
+    shipped one; when the trace named is missing the suite is skipped."""
     trace = default_trace()
-    if trace is None:
-        print(f"replay: skipped (no trace; set {DEFAULT_TRACE_ENV})", file=sys.stderr)
+    if not Path(trace).is_file():
+        print(f"replay: skipped ({missing_trace_message(trace)})", file=sys.stderr)
         return []
     requests = load_trace(trace, SHORT_REQUESTS)
     engines = 4
@@ -731,16 +739,19 @@ def run() -> list[Row]:
     return bench_rows(results, group)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m benchmarks.replay``; the trace defaults to
+    ``default_trace()`` as it is when this is called."""
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.replay", description=__doc__.split("\n\n")[0]
     )
     trace = default_trace()
     parser.add_argument(
         "trace",
-        nargs="?" if trace else None,
+        nargs="?",
         default=trace,
-        help="Mooncake-format JSONL trace" + (f" (default {trace})" if trace else ""),
+        help=f"Mooncake-format JSONL trace (default {trace}: ${DEFAULT_TRACE_ENV}, else the "
+        "trace shipped in benchmarks/traces/)",
     )
     parser.add_argument("--engines", type=int, default=4, help="engine processes (4)")
     parser.add_argument(
@@ -805,9 +816,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "the client library's own default is 5)",
     )
     parser.add_argument("--out", default=None, help="also write the table (markdown) here")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
-    if args.trace is None:
-        parser.error(f"give a trace file (or set {DEFAULT_TRACE_ENV})")
+    if not Path(args.trace).is_file():
+        parser.error(missing_trace_message(args.trace))
     if args.engines < 1:
         parser.error("--engines must be >= 1")
     if args.flush_after_ms < 0:

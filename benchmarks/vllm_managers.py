@@ -1,9 +1,10 @@
 """vLLM's in-process offloading managers and kvtierd on the same operation sequence.
 
-Run with ``make bench-vllm`` (or ``.venv-vllm/bin/python -m benchmarks.vllm_managers
-TRACE``). Replays the first ``--requests`` requests of a Mooncake-format trace
-(JSONL with ``hash_ids``) as the manager calls of vLLM's offloading scheduler, one
-request after the other, against:
+Run with ``make bench-vllm [TRACE=path]`` (or ``.venv-vllm/bin/python -m
+benchmarks.vllm_managers [TRACE]``). Replays the first ``--requests`` requests of a
+Mooncake-format trace (JSONL with ``hash_ids``; default: ``$KVTIERD_REPLAY_TRACE``, else the
+trace shipped in ``benchmarks/traces/``, as ``benchmarks.replay``) as the manager calls
+of vLLM's offloading scheduler, one request after the other, against:
 
 * vLLM's ``CPUOffloadingManager`` (in-process, LRU);
 * vLLM's ``TieringOffloadingManager`` over a ``CPUPrimaryTierOffloadingManager``
@@ -40,8 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "synthetic_trace.jsonl"
+from benchmarks.replay import default_trace, missing_trace_message
+
 BLOCK_BYTES = 4096  # the manager does not touch the bytes; the smallest row
 
 
@@ -202,20 +203,42 @@ def replay_kvtierd(
 # ---------------------------------------------------------------------- main
 
 
+def set_vllm_env() -> None:
+    """vLLM's CPU build, with the core binding every vLLM benchmark here uses: one reserved
+    core whether or not a kv_transfer_config is given (README, "vLLM on CPU"). Set before
+    vLLM is imported; values the caller exported win."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+
+
 def first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; the trace defaults to ``benchmarks.replay.default_trace()`` as it is
+    when this is called."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("trace", nargs="?", type=Path, default=DEFAULT_TRACE)
+    trace = default_trace()
+    parser.add_argument(
+        "trace",
+        nargs="?",
+        type=Path,
+        default=Path(trace),
+        help=f"Mooncake-format JSONL trace (default {trace})",
+    )
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--capacity", type=int, default=8192, help="blocks, every manager")
-    args = parser.parse_args(argv)
-    if not args.trace.exists():
-        parser.error(f"trace {args.trace} not found; pass a Mooncake-format JSONL path")
+    return parser
 
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.trace.is_file():
+        parser.error(missing_trace_message(str(args.trace)))
+
+    set_vllm_env()
     from benchmarks.common import BenchDaemon, machine
 
     chains = load_chains(args.trace, args.requests)
