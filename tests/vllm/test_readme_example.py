@@ -24,6 +24,7 @@ from openai_server import OpenAIServer
 from vllm_e2e import BLOCK_KV_BYTES
 
 from benchmarks.vllm_model import random_prompt
+from kvtierd.units import parse_size
 from kvtierd_client.client import Client
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -59,6 +60,8 @@ def example_pair(socket_path: str, fs_root: str) -> tuple[str, dict[str, object]
     readme_root = re.search(r'root = "([^"]+)"', daemon_text)
     readme_capacity = re.search(r'capacity = "([^"]+)"', daemon_text)
     assert readme_budget and readme_root and readme_capacity, daemon_text
+    # the budget rule the README states, held by the README's own numbers
+    assert parse_size(readme_budget.group(1)) >= readme_pool_bytes, "budget < cpu_bytes_to_use"
     daemon = substitute(
         daemon_text,
         {
