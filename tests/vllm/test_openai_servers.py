@@ -179,9 +179,10 @@ def test_fs_promotion_after_a_restart_and_corrupted_files_are_refused(cluster: C
     """Scenario: A computes two prompts, both reach the fs tier; the daemon restarts
     under the running servers and its primary is flushed (FlushPool). B loads
     the first prompt's blocks promoted from the fs tier, with A's cold text. The
-    second prompt's files get their payload's last byte flipped (header intact):
-    the daemon refuses them (checksum), B loads nothing and still answers A's cold
-    text, so the promoted bytes are what B used, not a recomputation."""
+    second prompt's files get every payload byte inverted (header intact): the
+    daemon refuses them (checksum), B loads nothing and still answers A's cold
+    text. With the payload check disabled in the daemon, B loads the inverted
+    bytes and its text differs: what the fs tier promotes is what B uses."""
     promoted_prompt = random_prompt(PROMPT_TOKENS, seed=1602)
     corrupted_prompt = random_prompt(PROMPT_TOKENS, seed=1603)
     files: list[set[Path]] = []
@@ -200,11 +201,14 @@ def test_fs_promotion_after_a_restart_and_corrupted_files_are_refused(cluster: C
         colds.append(cold)
     assert [len(f) for f in files] == [FULL_BLOCKS, FULL_BLOCKS]
 
+    block_bytes = cluster.stats().block_bytes
     cluster.restart_daemon()
-    for path in files[1]:
-        data = bytearray(path.read_bytes())
-        data[-1] ^= 0xFF  # the payload's last byte; the header (and its checksum) stay
+    inverted: dict[Path, bytes] = {}
+    for path in files[1]:  # in place: the header (and its checksums) stay, the payload is
+        data = bytearray(path.read_bytes())  # inverted: loaded, it changes the text
+        data[-block_bytes:] = bytes(b ^ 0xFF for b in data[-block_bytes:])
         path.write_bytes(bytes(data))
+        inverted[path] = bytes(data)
     reconnect(cluster, cluster.b)
     cluster.client.flush_pool(cluster.stats().name)  # what a warm restart kept: fs tier only
 
@@ -222,8 +226,20 @@ def test_fs_promotion_after_a_restart_and_corrupted_files_are_refused(cluster: C
     assert loaded == 0
     assert fs_last.checksum_failures - fs_after.checksum_failures >= 1
     assert fs_last.promoted_blocks == fs_after.promoted_blocks
-    # a refused file is removed by the I/O thread that read it, after it counted it
-    eventually(lambda: any(not path.exists() for path in files[1]), 10, "a refused file removed")
+    # the refused files are removed (B's own stores of the prompt may write new ones)
+    eventually(
+        lambda: not any(holds(path, inverted[path]) for path in files[1]),
+        10,
+        "the inverted files removed from the fs tier",
+    )
+
+
+def holds(path: Path, data: bytes) -> bool:
+    """Whether the file at ``path`` exists and holds exactly ``data``."""
+    try:
+        return path.read_bytes() == data
+    except FileNotFoundError:
+        return False
 
 
 def reconnect(cluster: Cluster, server: OpenAIServer) -> None:
