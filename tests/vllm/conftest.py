@@ -1,7 +1,8 @@
 """Fixtures of the vLLM end-to-end tests: a tiny local Llama, a real kvtierd, real engines.
 
 Run with ``make test-vllm`` (its own venv with vLLM's CPU build; in-process engines,
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``). ``make test`` does not collect this folder.
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``; the OpenAI servers of ``openai_server.py`` run
+without it, in vLLM's default multiprocess mode). ``make test`` does not collect this folder.
 """
 
 from __future__ import annotations

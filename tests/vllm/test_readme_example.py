@@ -1,0 +1,136 @@
+"""The README's vLLM example starts as written (issue #16, item 2).
+
+Scenario: the daemon config and the ``--kv-transfer-config`` JSON are read out of
+README.md (the fenced blocks right after ``<!-- readme-example: NAME -->``); only
+the socket path, the fs tier's root and the sizes are replaced (a private socket
+and directory, a budget and pool this machine can hold), every other byte is the
+README's. ``kvtierd --config`` and one OpenAI server (multiprocess) start with
+them and a completion answers 200 with kvtierd's pool in use.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from daemon_harness import DaemonProcess, daemon_command, eventually, wait_serving
+from openai_server import OpenAIServer
+from vllm_e2e import BLOCK_KV_BYTES
+
+from benchmarks.vllm_model import random_prompt
+from kvtierd.units import parse_size
+from kvtierd_client.client import Client
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+MARKER = re.compile(r"<!-- readme-example: ([\w-]+) -->\n```\w*\n(.*?)\n```", re.DOTALL)
+POOL_BYTES = 8 << 20  # 128 rows of 64 KiB
+
+
+def readme_examples() -> dict[str, str]:
+    """The marked fenced blocks of README.md by name."""
+    return {name: body for name, body in MARKER.findall(README.read_text())}
+
+
+def substitute(text: str, replacements: dict[str, str]) -> str:
+    """``text`` with each old value replaced; each must occur exactly once, so a
+    README edit that renames or duplicates a value fails here instead of being
+    silently tested with the README's own (root-only or 16 GiB) value."""
+    for old, new in replacements.items():
+        assert text.count(old) == 1, f"README example: {old!r} found {text.count(old)} times"
+        text = text.replace(old, new)
+    return text
+
+
+def example_pair(socket_path: str, fs_root: str) -> tuple[str, dict[str, object]]:
+    """(daemon TOML, kv-transfer-config) of the README with this test's paths and sizes."""
+    examples = readme_examples()
+    assert {"daemon-config", "kv-transfer-config"} <= examples.keys(), examples.keys()
+    kv_text = examples["kv-transfer-config"]
+    readme_kv = json.loads(kv_text)
+    readme_address = readme_kv["kv_connector_extra_config"]["kvtierd_address"]
+    readme_pool_bytes = readme_kv["kv_connector_extra_config"]["cpu_bytes_to_use"]
+    daemon_text = examples["daemon-config"]
+    readme_budget = re.search(r'budget = "([^"]+)"', daemon_text)
+    readme_root = re.search(r'root = "([^"]+)"', daemon_text)
+    readme_capacity = re.search(r'capacity = "([^"]+)"', daemon_text)
+    assert readme_budget and readme_root and readme_capacity, daemon_text
+    # the budget rule the README states, held by the README's own numbers
+    assert parse_size(readme_budget.group(1)) >= readme_pool_bytes, "budget < cpu_bytes_to_use"
+    daemon = substitute(
+        daemon_text,
+        {
+            readme_address: "unix://" + socket_path,
+            f'"{readme_budget.group(1)}"': '"64MiB"',
+            f'"{readme_root.group(1)}"': f'"{fs_root}"',
+            f'"{readme_capacity.group(1)}"': '"256MiB"',
+        },
+    )
+    kv = json.loads(
+        substitute(
+            kv_text,
+            {readme_address: "unix://" + socket_path, str(readme_pool_bytes): str(POOL_BYTES)},
+        )
+    )
+    return daemon, kv
+
+
+@pytest.fixture
+def workdir() -> Iterator[str]:
+    path = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")  # short: sun_path is 108 bytes
+    yield path
+    subprocess.run(["rm", "-rf", path], check=False)
+
+
+def start_readme_daemon(workdir: str, config_text: str) -> DaemonProcess:
+    """``kvtierd --config FILE`` as the README runs it, plus a private shm directory
+    and no metrics endpoint (other tests on this machine use the default port)."""
+    config = os.path.join(workdir, "kvtierd-vllm.toml")
+    Path(config).write_text(config_text)
+    socket_path = re.search(r'"unix://([^"]+)"', config_text)
+    assert socket_path, config_text
+    shm_dir = tempfile.mkdtemp(prefix="kvtierd-test-", dir="/dev/shm")
+    log_path = os.path.join(workdir, "daemon.log")
+    args = ["--config", config, "--shm-dir", shm_dir, "--metrics-address", ""]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(daemon_command(*args), stdout=log, stderr=subprocess.STDOUT)
+    daemon = DaemonProcess(proc, socket_path.group(1), shm_dir, log_path, workdir)
+    try:
+        wait_serving(daemon)
+    except BaseException:
+        daemon.cleanup()
+        raise
+    return daemon
+
+
+def test_the_readme_example_pair_starts_and_serves(tiny_model: Path, workdir: str) -> None:
+    socket_path = os.path.join(workdir, "run", "kvtierd.sock")  # the daemon creates run/
+    daemon_text, kv = example_pair(socket_path, os.path.join(workdir, "fs"))
+    daemon = start_readme_daemon(workdir, daemon_text)
+    server = None
+    try:
+        server = OpenAIServer(tiny_model, kv)
+        server.wait_ready()
+        status, answer = server.complete(random_prompt(300, seed=16))
+        assert status == 200, answer
+        assert answer["choices"][0]["text"]
+        with Client(daemon.address) as client:
+            (pool,) = client.get_stats("").pools  # the server's pool, sized by the JSON
+        assert pool.num_blocks == POOL_BYTES // BLOCK_KV_BYTES
+        assert [t.tier for t in pool.tiers] == ["primary", "fs0"]  # the fs tier, unnamed
+        with Client(daemon.address) as client:  # the stores complete after the answer
+            eventually(
+                lambda: client.get_stats(pool.name).pools[0].tiers[0].bytes_in > 0,
+                30,
+                "the completion's full blocks stored in the pool",
+            )
+    finally:
+        if server is not None:
+            server.stop()
+        assert daemon.stop() == 0, daemon.log()
+        daemon.cleanup()
