@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -146,6 +147,13 @@ def start_daemon(
             daemon.cleanup()
             raise
     return daemon
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for metrics endpoints)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def eventually(condition: Callable[[], bool], timeout: float, what: str) -> None:

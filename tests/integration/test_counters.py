@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -17,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from daemon_harness import DaemonProcess, fs_tiers_config, start_daemon, wait_tier_jobs
+from daemon_harness import DaemonProcess, free_port, fs_tiers_config, start_daemon, wait_tier_jobs
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtierd_client.client import Client, LookupResult
@@ -65,12 +64,6 @@ SECONDARY = {
 NUMERIC_FIELDS = [
     f.name for f in pb2.TierStats.DESCRIPTOR.fields if f.name not in ("tier", "medium", "ready")
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

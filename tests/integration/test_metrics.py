@@ -10,19 +10,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from daemon_harness import DaemonProcess, fs_tiers_config, start_daemon, wait_tier_jobs
+from daemon_harness import DaemonProcess, free_port, fs_tiers_config, start_daemon, wait_tier_jobs
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtierd_client.client import Client, LookupResult
 from kvtierd_client.errors import InvalidArgument
 
 BLOCK = 8192
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

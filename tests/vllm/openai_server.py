@@ -18,7 +18,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from daemon_harness import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 EXTERNAL_TOKENS = 'vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}'
@@ -47,12 +48,6 @@ def server_env() -> dict[str, str]:
         PYTHONUNBUFFERED="1",
     )
     return env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def server_command(model: str, port: int, kv_transfer_config: dict[str, Any]) -> list[str]:
