@@ -143,25 +143,25 @@ async def _checked(requests: AsyncIterator[Any], context: grpc.aio.ServicerConte
 def _rejecting(behavior: Callable[..., Any], request_streaming: bool) -> Callable[..., Any]:
     """``behavior`` behind a check for ``UnparsableRequest``: same calling
     convention (coroutine or async generator), so grpc.aio drives it alike."""
+
+    async def checked(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if request_streaming:
+            return _checked(request, context)
+        if type(request) is UnparsableRequest:
+            await _abort(context, request)
+        return request
+
     if inspect.isasyncgenfunction(behavior):
 
         async def generator(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            if request_streaming:
-                request = _checked(request, context)
-            elif type(request) is UnparsableRequest:
-                await _abort(context, request)
-            async for response in behavior(request, context):
+            async for response in behavior(await checked(request, context), context):
                 yield response
 
         return generator
     if inspect.iscoroutinefunction(behavior):
 
         async def coroutine(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            if request_streaming:
-                request = _checked(request, context)
-            elif type(request) is UnparsableRequest:
-                await _abort(context, request)
-            return await behavior(request, context)
+            return await behavior(await checked(request, context), context)
 
         return coroutine
     raise TypeError(f"{behavior!r}: only async handlers are served (grpc.aio)")

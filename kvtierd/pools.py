@@ -103,6 +103,7 @@ class PoolTable:
             creating = asyncio.ensure_future(self._create(spec))
             self._creating[spec.name] = creating
             self._creating_bytes += spec.num_blocks * spec.block_bytes
+            # a failed or cancelled creation leaves _creating here
             creating.add_done_callback(lambda _: self._creation_ended(spec))
         # shield: a caller that gives up (deadline, cancelled) does not stop the
         # creation the other callers wait for
@@ -111,8 +112,9 @@ class PoolTable:
         return pool
 
     def _creation_ended(self, spec: PoolSpec) -> None:
-        del self._creating[spec.name]
-        self._creating_bytes -= spec.num_blocks * spec.block_bytes
+        """``spec``'s creation is over (idempotent): its bytes leave ``_creating_bytes``."""
+        if self._creating.pop(spec.name, None) is not None:
+            self._creating_bytes -= spec.num_blocks * spec.block_bytes
 
     def _check_room(self, spec: PoolSpec) -> None:
         pools = len(self._pools) + len(self._creating)
@@ -153,11 +155,16 @@ class PoolTable:
         pool.tiering.observe_job = self.observe_job
         try:
             await self._attach_tiers(pool)
-        except FailedPrecondition:
+        except BaseException as exc:  # refused by a tier, or cancelled at shutdown
+            if not isinstance(exc, FailedPrecondition):  # that one closed its tiers
+                pool.close_tiers()
             await off_loop(region.close)
             raise
+        # one step: from "being created" to "created", so the budget never counts
+        # the region twice (a done callback would run a loop turn later)
         self._pools[spec.name] = pool
         self._region_bytes += region.size
+        self._creation_ended(spec)
         log.info(
             "pool %s created: %d blocks x %d bytes (%s), policy %s, layout %r, region %s "
             "(allocated in %.2fs, prefaulted in %.2fs, off the event loop)",

@@ -268,7 +268,7 @@ def keepalive_deadline(interval: float, timeout: float) -> float:
 
 
 def fence_margin(lease_ms: int) -> float:
-    """Seconds the write deadline keeps short of the proven lease: a tenth of it,
+    """Seconds the lease deadline keeps short of the proven lease: a tenth of it,
     at most half a second (time between the deadline check and the copy's start)."""
     return min(0.5, lease_ms / 10000.0)
 
