@@ -366,6 +366,12 @@ def _promote(session, events: StoredEvents, keys: list[bytes]) -> tuple[float, f
     seconds = events.wait() - t0
     if not all(a == LookupResult.HIT for a in session.lookup(keys)):
         raise RuntimeError("fs bench: a promoted key does not answer HIT")
+    # as an engine does: pin the promoted blocks and release them, which ends their
+    # promotion holds (held blocks are never evicted, so the next FlushPool would keep them)
+    for i in range(0, len(keys), LOOKUP_BATCH):
+        batch = keys[i : i + LOOKUP_BATCH]
+        session.prepare_load(batch)
+        session.complete_load(batch, unused=True)
     return seconds, first
 
 
