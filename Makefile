@@ -7,7 +7,7 @@ PROTO  := proto/kvtier/v1/kvtier.proto
 GENDIR := client/kvtierd_client/_proto
 GEN    := $(GENDIR)/kvtier/v1/kvtier_pb2.py
 
-.PHONY: install gen run test test-tools bench lint clean install-vllm test-vllm bench-vllm
+.PHONY: install gen run test test-tools bench lint typecheck clean install-vllm test-vllm bench-vllm
 
 install: $(STAMP) $(GEN)
 
@@ -90,9 +90,14 @@ bench-vllm: install-vllm
 lint: install
 	$(BIN)/ruff check kvtierd client tests benchmarks tools setup.py
 	$(BIN)/ruff format --check kvtierd client tests benchmarks tools setup.py
+#	$(BIN)/mypy  # enable once `make typecheck` reports no error
+
+# mypy over kvtierd/ and client/ (configured in pyproject.toml's [tool.mypy])
+typecheck: install
+	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(GEN_VENV) $(GENDIR) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(GEN_VENV) $(GENDIR) .pytest_cache .ruff_cache .mypy_cache
 
 # Trace replay (opt-in, the whole trace): make replay [TRACE=path/to/trace.jsonl] [REPLAY_ARGS=...]
 # Without TRACE: the env var KVTIERD_REPLAY_TRACE, else benchmarks/traces/synthetic_trace_2000.jsonl (shipped:

@@ -13,8 +13,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 DEFAULT_INTERVAL = 10.0
 DEFAULT_MAX_KEYS = 256
@@ -24,6 +25,15 @@ DEFAULT_MAX_KEYS = 256
 class _KeyState:
     last_logged: float  # clock time of the last line logged for this key
     suppressed: int = 0  # lines not logged since then
+
+
+@dataclass(frozen=True)
+class RateLimitStatistics:
+    """A snapshot of a :class:`RateLimitedLog` (:meth:`RateLimitedLog.statistics`)."""
+
+    keys_tracked: int  # keys remembered now: at most max_keys
+    # per tracked key: lines suppressed since its last logged line (read-only)
+    suppressed_by_key: Mapping[Hashable, int]
 
 
 class RateLimitedLog:
@@ -78,6 +88,15 @@ class RateLimitedLog:
         the lines suppressed so far are dropped (the caller reported the end)."""
         with self._lock:
             self._keys.pop(key, None)
+
+    def statistics(self) -> RateLimitStatistics:
+        """The keys tracked now and the lines each has suppressed since its last
+        logged line, taken under the lock (one consistent snapshot)."""
+        with self._lock:
+            suppressed = {key: state.suppressed for key, state in self._keys.items()}
+        return RateLimitStatistics(
+            keys_tracked=len(suppressed), suppressed_by_key=MappingProxyType(suppressed)
+        )
 
     def _admit(self, key: Hashable) -> int | None:
         """None: suppress this line (counted). Otherwise log it; the value is the

@@ -466,17 +466,19 @@ def _prefault(mapping: mmap.mmap) -> float:
     """
     start = time.perf_counter()
     try:
-        _madvise_populate_write(mapping)
+        madvise_populate_write(mapping)
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             raise
         log.debug("MADV_POPULATE_WRITE unsupported (%s); touching every page", exc)
-        _touch_pages(mapping)
+        touch_pages(mapping)
     return time.perf_counter() - start
 
 
-def _madvise_populate_write(mapping: mmap.mmap) -> None:
+def madvise_populate_write(mapping: mmap.mmap) -> None:
     """``madvise(MADV_POPULATE_WRITE)`` over the whole mapping, through ctypes.
+
+    Public: replacing it simulates a kernel that refuses it (EINVAL: the fallback).
 
     ctypes releases the GIL for the call; ``mmap.madvise`` holds it for the
     whole call (measured: 4.7 s for 2 GiB here, during which a region created on
@@ -499,8 +501,9 @@ def _libc() -> ctypes.CDLL:
     return libc
 
 
-def _touch_pages(mapping: Any) -> None:
-    """Writes one byte per page with its own value (read-modify-write ``|= 0``).
+def touch_pages(mapping: Any) -> None:
+    """Writes one byte per page with its own value (read-modify-write ``|= 0``): the
+    pre-fault of kernels without MADV_POPULATE_WRITE; the bytes stay as they were.
 
     Only safe while no other process writes the mapping: the daemon calls it on a
     region no client knows yet.

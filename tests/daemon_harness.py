@@ -1,25 +1,41 @@
-"""Starts the real kvtierd process for tests and talks to it over its Unix socket."""
+"""Starts the real kvtierd process for tests and talks to it over its Unix socket.
+
+Waiting: :func:`eventually` is the tests' one wait for a condition. Where the code
+offers an event it blocks on that event between two looks (``wake``: a thread's
+``join``, an fd's readiness, a pool's WatchEvents stream through :class:`PoolEvents`);
+elsewhere it polls. A fixed ``time.sleep`` in a test only lets time pass on purpose
+(a stall, a lease running out, a window in which something must *not* happen) and
+says so beside it.
+"""
 
 from __future__ import annotations
 
 import os
+import queue
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvtierd_client.proto import pb2_grpc
+from kvtierd_client.proto import pb2, pb2_grpc
+
+if TYPE_CHECKING:
+    from kvtierd_client.client import Client
 
 REPO = Path(__file__).resolve().parents[1]
+POLL_INTERVAL_S = 0.02  # between two looks at state that offers no event
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -29,7 +45,8 @@ class DaemonProcess:
     shm_dir: str
     log_path: str
     workdir: str
-    _channels: list[grpc.Channel] = field(default_factory=list)
+    # the channels of stub(): this object's own, closed by stop()
+    _channels: list[grpc.Channel] = field(default_factory=list, init=False, repr=False)
 
     @property
     def address(self) -> str:
@@ -156,25 +173,101 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def eventually(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    """Polls ``condition`` every 20 ms until it holds; AssertionError naming ``what``
-    after ``timeout`` seconds. For state the daemon offers no event for."""
+def eventually(
+    condition: Callable[[], _T],
+    timeout: float,
+    what: str | Callable[[], str],
+    *,
+    wake: Callable[[float], object] | None = None,
+    interval: float = POLL_INTERVAL_S,
+) -> _T:
+    """Returns the first truthy value of ``condition()``, looking again until
+    ``timeout`` seconds have passed (it is looked at once more at the deadline);
+    then AssertionError naming ``what`` (a callable is called then, for details
+    known only at the end: the last answer, a log). An exception ``condition``
+    raises ends the wait at once (a daemon that exited, a refused call).
+
+    Between two looks it blocks in ``wake(seconds_left)`` where the code offers an
+    event: ``wake`` returns when something ``condition`` reads may have changed,
+    or after ``seconds_left`` (``Thread.join``, ``Event.wait``, :meth:`PoolEvents.wait`,
+    a ``select`` on an fd). It must not keep returning at once while nothing
+    changes. Without ``wake`` it sleeps ``interval`` seconds: a poll, for state
+    that offers no event (stats, logs, files).
+    """
     deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout}s: {what}")
-        time.sleep(0.02)
+    while True:
+        value = condition()
+        if value:
+            return value
+        left = deadline - time.monotonic()
+        if left <= 0:
+            details = what() if callable(what) else what
+            raise AssertionError(f"not within {timeout}s: {details}")
+        if wake is not None:
+            wake(left)
+        else:
+            time.sleep(min(interval, left))
+
+
+class PoolEvents:
+    """A pool's WatchEvents stream as something to wake :func:`eventually` with:
+    :meth:`wait` returns at the pool's next event. The stream starts after the
+    pool's last event at construction, so no later event is missed, and a reader
+    thread queues them (gRPC's stream iterator has no timeout of its own). Make
+    it *before* the action whose events it waits for; close it (or use ``with``).
+    """
+
+    def __init__(self, client: Client, pool: str) -> None:
+        after_seq = client.get_stats(pool).pools[0].last_event_seq
+        self._stream = client.watch_events(pool, after_seq=after_seq)
+        # events in arrival order; None once the stream ended (then _ended says why)
+        self._arrived: queue.SimpleQueue[pb2.Event | None] = queue.SimpleQueue()
+        self._ended: str | None = None
+        self._reader = threading.Thread(target=self._read, name="pool-events", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        try:
+            for event in self._stream:
+                self._arrived.put(event)
+            self._ended = "the stream ended"
+        except Exception as err:  # reported by wait(), in the test's thread
+            self._ended = f"the stream failed: {err!r}"
+        self._arrived.put(None)
+
+    def wait(self, seconds: float) -> pb2.Event | None:
+        """The next event of the pool, or None after ``seconds`` without one.
+        AssertionError once the stream ended: no event can come any more."""
+        try:
+            event = self._arrived.get(timeout=seconds)
+        except queue.Empty:
+            return None
+        if event is None:
+            self._arrived.put(None)  # every later wait fails too
+            raise AssertionError(f"no more events of the pool: {self._ended}")
+        return event
+
+    def close(self) -> None:
+        self._stream.cancel()
+        self._reader.join(timeout=10)
+
+    def __enter__(self) -> PoolEvents:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 def wait_serving(daemon: DaemonProcess, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    """Until the daemon's health service answers SERVING; AssertionError with its
+    log if it exits first or is not SERVING within ``timeout`` seconds."""
+
+    def serving() -> bool:
         if not daemon.alive():
             raise AssertionError(f"daemon exited with {daemon.proc.returncode}:\n{daemon.log()}")
-        if os.path.exists(daemon.socket_path) and health_status(daemon) == "SERVING":
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"daemon not SERVING after {timeout}s:\n{daemon.log()}")
+        return os.path.exists(daemon.socket_path) and health_status(daemon) == "SERVING"
+
+    eventually(serving, timeout, lambda: f"daemon SERVING:\n{daemon.log()}", interval=0.05)
 
 
 def health_status(daemon: DaemonProcess, service: str = "") -> str:
@@ -189,14 +282,12 @@ def health_status(daemon: DaemonProcess, service: str = "") -> str:
 
 def wait_tier_jobs(stub: pb2_grpc.KVTierStub, pool: str, timeout: float = 30.0) -> None:
     """Waits until none of ``pool``'s secondary-tier jobs is in flight (cascade pins
-    and promotion reservations are transient)."""
-    from kvtierd_client.proto import pb2
+    and promotion reservations are transient). Polls GetStats: a job that fails
+    sends no event."""
+    last: list[pb2.PoolStats] = []
 
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = stub.GetStats(pb2.GetStatsRequest(pool=pool)).pools[0]
-        if all(tier.jobs_in_flight == 0 for tier in stats.tiers[1:]):
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"tier jobs of pool {pool} still in flight: {stats}")
-        time.sleep(0.01)
+    def idle() -> bool:
+        last[:] = [stub.GetStats(pb2.GetStatsRequest(pool=pool)).pools[0]]
+        return all(tier.jobs_in_flight == 0 for tier in last[0].tiers[1:])
+
+    eventually(idle, timeout, lambda: f"tier jobs of pool {pool} done; still {last}", interval=0.01)

@@ -13,7 +13,7 @@ import time
 
 import grpc
 import pytest
-from daemon_harness import DaemonProcess, health_status
+from daemon_harness import DaemonProcess, eventually, health_status
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_bounded_buffers import long_keys, make_daemon, open_session, store, vm_rss
 
@@ -39,11 +39,11 @@ def test_streams_ended_for_not_reading_give_their_slots_back(make_daemon, pool_n
         idle.append((channel, pb2_grpc.KVTierStub(channel).WatchEvents(request)))
     for n in range(16):
         store(stub, session, long_keys(n * 1000, 1000))
-    deadline = time.monotonic() + 10
-    while daemon.log().count("not taken within") < 2:  # both ended with OUT_OF_RANGE
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    time.sleep(1.0)  # five write timeouts more
+    eventually(
+        lambda: daemon.log().count("not taken within") >= 2,
+        10, "both idle streams ended with OUT_OF_RANGE",
+    )  # fmt: skip
+    time.sleep(1.0)  # on purpose: five write timeouts more, in which the slots could come back
     try:
         stream = stub.WatchEvents(pb2.WatchEventsRequest(pool=pool_name, after_seq=0), timeout=5)
         assert next(stream).seq == 1, "a reader that comes later is served"
@@ -105,7 +105,7 @@ def test_unread_take_events_answers_do_not_grow_the_daemon_without_bound(make_da
         for session in readers
     ]
     try:
-        time.sleep(2.0)
+        time.sleep(2.0)  # on purpose: the daemon's time to pile up the answers nobody reads
         grown = vm_rss(daemon) - before
         assert health_status(daemon) == "SERVING"
         assert grown < 16 << 20, f"4 unread TakeEvents answers grew the daemon {grown >> 20} MiB"
@@ -133,7 +133,7 @@ def test_one_large_batch_does_not_stall_the_daemon(make_daemon, pool_name):
             begin = time.perf_counter()
             health.Check(health_pb2.HealthCheckRequest(), timeout=30)
             worst[0] = max(worst[0], time.perf_counter() - begin)
-            time.sleep(0.01)
+            done.wait(0.01)  # a probe every 10 ms until the batch is done
 
     prober = threading.Thread(target=probe)
     prober.start()
@@ -143,7 +143,7 @@ def test_one_large_batch_does_not_stall_the_daemon(make_daemon, pool_name):
             refused = None
         except grpc.RpcError as error:  # refusing it is a fix too
             refused = error.code()
-        time.sleep(0.2)
+        time.sleep(0.2)  # on purpose: the probes go on a little after the batch
     finally:
         done.set()
         prober.join()

@@ -4,10 +4,10 @@ queued completions that ride on it."""
 from __future__ import annotations
 
 import threading
-import time
 
 import grpc
 import pytest
+from daemon_harness import PoolEvents, eventually
 
 from kvtierd_client import flusher
 from kvtierd_client.client import Client, LookupResult
@@ -125,12 +125,13 @@ def test_queued_completions_flush_on_a_timer_and_at_close(daemon, pool_name):
     with Client(daemon.address) as client, Client(daemon.address) as other_client:
         session = client.open_session(pool_name, block_bytes=4096, queue_completions=True)
         other = other_client.open_session(pool_name, block_bytes=4096)
-        session.prepare_store(keys_of("t"))
-        session.complete_store(keys_of("t"))
-        deadline = time.monotonic() + 5
-        while other.lookup(keys_of("t")) != [HIT]:  # the short timer sends it
-            assert time.monotonic() < deadline, "queued completion never sent"
-            time.sleep(0.002)
+        with PoolEvents(other_client, pool_name) as events:
+            session.prepare_store(keys_of("t"))
+            session.complete_store(keys_of("t"))
+            eventually(  # the short timer sends it
+                lambda: other.lookup(keys_of("t")) == [HIT],
+                5, "the queued completion sent", wake=events.wait,
+            )  # fmt: skip
         session.prepare_store(keys_of("u"))
         session.complete_store(keys_of("u"))
         session.close()  # flushes first
@@ -172,16 +173,26 @@ def test_flush_deadline_thread_exits_when_idle_and_comes_back(daemon, pool_name,
         session = client.open_session(pool_name, block_bytes=4096, queue_completions=True)
         other = other_client.open_session(pool_name, block_bytes=4096)
         name = f"kvtierd-flush-{session.session_id[:12]}"
+
+        def flush_threads() -> list[threading.Thread]:
+            return [t for t in threading.enumerate() if t.name == name]
+
+        def join_flush_threads(seconds: float) -> None:
+            for thread in flush_threads():
+                thread.join(seconds)
+
         for key in keys_of("i1", "i2"):
-            session.prepare_store([key])
-            session.complete_store([key])  # no carrier call: the deadline sends it
-            deadline = time.monotonic() + 5
-            while other.lookup([key]) != [HIT]:
-                assert time.monotonic() < deadline, "queued completion never sent"
-                time.sleep(0.002)
-            while any(t.name == name for t in threading.enumerate()):  # idle: it exits
-                assert time.monotonic() < deadline, "idle flush thread never exited"
-                time.sleep(0.01)
+            with PoolEvents(other_client, pool_name) as events:
+                session.prepare_store([key])
+                session.complete_store([key])  # no carrier call: the deadline sends it
+                eventually(
+                    lambda key=key: other.lookup([key]) == [HIT],
+                    5, "the queued completion sent", wake=events.wait,
+                )  # fmt: skip
+            eventually(  # idle: it exits
+                lambda: not flush_threads(), 5, "the idle flush thread exited",
+                wake=join_flush_threads,
+            )  # fmt: skip
         session.close()
 
 

@@ -4,11 +4,9 @@ under an endless churn of new long keys. Real daemon, real socket."""
 
 from __future__ import annotations
 
-import time
-
 import grpc
 import pytest
-from daemon_harness import DaemonProcess, start_daemon
+from daemon_harness import DaemonProcess, eventually, start_daemon
 
 from kvtierd_client.proto import pb2, pb2_grpc
 
@@ -70,13 +68,6 @@ def vm_rss(daemon: DaemonProcess) -> int:
     with open(f"/proc/{daemon.proc.pid}/status") as status:
         line = next(line for line in status if line.startswith("VmRSS:"))
     return int(line.split()[1]) * 1024
-
-
-def wait_for_log(daemon: DaemonProcess, text: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while text not in daemon.log():
-        assert time.monotonic() < deadline, f"{text!r} not logged within {timeout}s"
-        time.sleep(0.02)
 
 
 # ----------------------------------------------------------------- event log
@@ -155,7 +146,7 @@ def test_a_stream_whose_client_does_not_read_ends_with_out_of_range(make_daemon,
     seqs = [event.seq for _, event in zip(range(last), reader, strict=False)]
     assert seqs == list(range(1, last + 1))
     reader.cancel()
-    wait_for_log(daemon, "not taken within 0.3s")
+    eventually(lambda: "not taken within 0.3s" in daemon.log(), 10, "the write timeout logged")
     received, error = read_until_error(idle)
     unprobed.close()
     assert error.code() == grpc.StatusCode.OUT_OF_RANGE
@@ -183,15 +174,17 @@ def test_watch_streams_beyond_the_limit_are_refused_until_one_ends(make_daemon, 
     assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "limits.max_watch_streams" in error.value.details()
     streams[0].cancel()
-    deadline = time.monotonic() + 10
-    while True:  # the daemon learns of the cancellation asynchronously
+
+    def served() -> grpc.Call | None:
         stream = watch()
         answer = first_seq_or_code(stream)
         if answer == 1:
-            break
+            return stream
         assert answer == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert time.monotonic() < deadline, "the cancelled stream's slot was not freed"
-        time.sleep(0.02)
+        return None
+
+    # the daemon learns of the cancellation asynchronously
+    stream = eventually(served, 10, "the cancelled stream's slot freed")
     stream.cancel()
     streams[1].cancel()
 

@@ -13,7 +13,6 @@ import shutil
 import signal
 import subprocess
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import pytest
 from daemon_harness import (
     DaemonProcess,
     daemon_command,
+    eventually,
     fs_tiers_config,
     start_daemon,
     wait_tier_jobs,
@@ -69,25 +69,26 @@ class Engine:
     def store(self, keys: list[bytes], *, retry_for: float = 0.0) -> None:
         """Stores ``payload(key)`` for each key; retries a refused PrepareStore (rows
         pinned by cascades in flight) for up to ``retry_for`` seconds."""
-        deadline = time.monotonic() + retry_for
-        while (grant := self.session.prepare_store(keys)) is None:
-            assert time.monotonic() < deadline, "primary refused the store"
-            time.sleep(0.002)
+        grant = eventually(
+            lambda: self.session.prepare_store(keys),
+            retry_for, "the primary accepted the store", interval=0.002,
+        )  # fmt: skip
         rows = self.region.numpy()
         for key, block_id in zip(grant.keys_to_store, grant.block_ids, strict=True):
             rows[block_id][:] = memoryview(payload(key))
         self.session.complete_store(grant.keys_to_store)
 
     def wait_settled(self, keys: list[bytes], timeout: float = 20.0) -> list[LookupResult]:
-        """Looks keys up until none is HIT_PENDING or RETRY (promotions done)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            results = self.session.lookup(keys)
-            if not any(r in (PENDING, RETRY) for r in results):
-                return results
-            if time.monotonic() > deadline:
-                raise AssertionError(f"lookups still pending after {timeout}s: {results}")
-            time.sleep(0.01)
+        """Looks keys up until none is HIT_PENDING or RETRY (promotions done). Polls:
+        a Lookup is how a client asks for a promotion (again, after a RETRY)."""
+        results: list[LookupResult] = []
+
+        def settled() -> bool:
+            results[:] = self.session.lookup(keys)
+            return not any(r in (PENDING, RETRY) for r in results)
+
+        eventually(settled, timeout, lambda: f"lookups settled; still {results}", interval=0.01)
+        return results
 
     def load(self, keys: list[bytes]) -> list[bytes]:
         block_ids = self.session.prepare_load(keys)
@@ -332,22 +333,17 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _all_exit(pids: list[int], timeout: float) -> bool:
-    """Whether every pid exited (or is a zombie) within ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        alive = []
-        for pid in pids:
-            try:
-                stat = Path(f"/proc/{pid}/stat").read_text()
-            except FileNotFoundError:
-                continue
-            if stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
-                alive.append(pid)
-        if not alive:
-            return True
-        time.sleep(0.01)
-    return False
+def _running(pids: list[int]) -> list[int]:
+    """Those of ``pids`` that have not exited (a zombie has)."""
+    alive = []
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except FileNotFoundError:
+            continue
+        if stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+            alive.append(pid)
+    return alive
 
 
 def test_sigkill_during_cascade_storm_leaves_a_clean_root(fs_root, pool_name):
@@ -371,9 +367,7 @@ def test_sigkill_during_cascade_storm_leaves_a_clean_root(fs_root, pool_name):
     worker = threading.Thread(target=storm)
     worker.start()
     try:
-        deadline = time.monotonic() + 30
-        while len(block_files(fs_root)) < 40 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        eventually(lambda: len(block_files(fs_root)) >= 40, 30, "40 block files written")
         io_workers = _children(daemon.proc.pid)
         daemon.proc.send_signal(signal.SIGKILL)
         daemon.proc.wait()
@@ -385,7 +379,7 @@ def test_sigkill_during_cascade_storm_leaves_a_clean_root(fs_root, pool_name):
     # the I/O worker processes die with the daemon: none finishes a write behind
     # the back of the restarted daemon's scan
     assert io_workers, "the storm ran no block I/O in worker processes"
-    assert _all_exit(io_workers, timeout=5.0), "an I/O worker outlived the daemon"
+    eventually(lambda: not _running(io_workers), 5.0, "the I/O workers exit with the daemon")
 
     fsck = subprocess.run(
         daemon_command("fsck", "--quiet", str(fs_root)), capture_output=True, text=True

@@ -11,10 +11,10 @@ import select
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from daemon_harness import eventually
 
 from kvtierd.ctl import CLEAR_SCREEN
 from kvtierd_client.client import Client
@@ -27,23 +27,25 @@ def watch_command(address: str, pool: str) -> list[str]:
 
 
 def read_until(fd: int, done, timeout: float) -> bytes:  # noqa: ANN001 - predicate
-    """Reads ``fd`` until ``done(all read so far)`` or ``timeout`` seconds."""
-    out = b""
-    deadline = time.monotonic() + timeout
-    while not done(out):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise AssertionError(f"not within {timeout}s; read so far: {out!r}")
-        ready, _, _ = select.select([fd], [], [], left)
-        if ready:
-            try:
-                chunk = os.read(fd, 65536)
-            except OSError:  # EIO: the other side closed
-                chunk = b""
-            if not chunk:
-                raise AssertionError(f"the terminal closed; read: {out!r}")
-            out += chunk
-    return out
+    """Reads ``fd`` until ``done(all read so far)`` or ``timeout`` seconds; wakes when
+    ``fd`` is readable."""
+    out = bytearray()
+
+    def read_more(seconds: float) -> None:
+        if not select.select([fd], [], [], seconds)[0]:
+            return
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:  # EIO: the other side closed
+            chunk = b""
+        if not chunk:
+            raise AssertionError(f"the terminal closed; read: {bytes(out)!r}")
+        out.extend(chunk)
+
+    eventually(
+        lambda: done(bytes(out)), timeout, lambda: f"read so far: {bytes(out)!r}", wake=read_more
+    )
+    return bytes(out)
 
 
 def drain(fd: int) -> bytes:

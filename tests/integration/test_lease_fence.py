@@ -46,7 +46,11 @@ def test_a_silent_owner_is_proven_alive_by_the_copier_until_it_expires(daemon, p
         assert fence.state(beacon.path, owner.session_id) is LeaseState.PROVEN
         assert not owner.closed and owner.lookup([b"k"]) is not None
         # a fence that stops asking lets the lease run out: then the session is gone
-        time.sleep(2.0 * 1.5)
+        # (watched in GetStats, which renews nothing; a fence's state() would)
+        eventually(
+            lambda: copier.get_stats(pool_name).pools[0].sessions == 0,
+            10, "the daemon expired the silent owner's session",
+        )  # fmt: skip
         other = LeaseFence(copier, owner.lease_ms)
         assert other.state(beacon.path, owner.session_id) is LeaseState.DEAD
         fence.close()

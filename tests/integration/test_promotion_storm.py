@@ -30,6 +30,7 @@ import pytest
 from daemon_harness import (
     DaemonProcess,
     daemon_command,
+    eventually,
     fs_tiers_config,
     start_daemon,
     wait_tier_jobs,
@@ -126,7 +127,7 @@ def serve_request(session: Session, keys: list[bytes], flow: str, tally: EngineT
             session.complete_load(keys[:run])
             tally.loaded += run
             return
-        time.sleep(STEP)
+        time.sleep(STEP)  # on purpose: the engine's next scheduler step
 
 
 def engine(session: Session, seed: int, flow: str, deadline: float, tally: EngineTally) -> None:
@@ -205,11 +206,15 @@ def in_fs_only(daemon: DaemonProcess, session: Session, pool: str, keys: list[by
 
 
 def promoted(session: Session, keys: list[bytes], timeout: float = 20.0) -> None:
-    """Looks ``keys`` up (plain Lookup: pins nothing) until all are HIT."""
-    deadline = time.monotonic() + timeout
-    while (results := session.lookup(keys)) != [HIT] * len(keys):
-        assert time.monotonic() < deadline, f"still {results} after {timeout}s"
-        time.sleep(0.005)
+    """Looks ``keys`` up (plain Lookup: pins nothing) until all are HIT. Polls: a
+    Lookup is how a client asks for a promotion (again, after a RETRY)."""
+    results: list[LookupResult] = []
+
+    def all_hit() -> bool:
+        results[:] = session.lookup(keys)
+        return results == [HIT] * len(keys)
+
+    eventually(all_hit, timeout, lambda: f"all promoted; still {results}", interval=0.005)
 
 
 def primary_stats(session: Session, pool: str):  # noqa: ANN201 - pb2.TierStats
@@ -253,14 +258,19 @@ def test_a_pinning_lookup_that_still_waits_keeps_the_holds(tiered, pool_name):
         assert results == [HIT, PENDING] and rows[0] >= 0 and rows[1] == -1
         session.complete_load([ready])  # end of the step: the request still waits
         assert ref_count(session, pool_name, ready) == 1  # held while it waits
-        deadline = time.monotonic() + 20
-        while True:
-            results, _rows = session.lookup_and_pin([ready, pending], prefix=True)
+        results: list[LookupResult] = []
+
+        def runs() -> bool:
+            """One scheduler step: the request runs once both are HIT (its pins claim
+            both holds); until then the step ends by releasing the front pin."""
+            answer, _rows = session.lookup_and_pin([ready, pending], prefix=True)
+            results[:] = answer
             if results == [HIT, HIT]:
-                break  # the request runs: its pins claim both holds
+                return True
             session.complete_load([ready])
-            assert time.monotonic() < deadline, results
-            time.sleep(0.005)
+            return False
+
+        eventually(runs, 20, lambda: f"the request runs; still {results}", interval=0.005)
         assert [ref_count(session, pool_name, k) for k in (ready, pending)] == [1, 1]
         session.complete_load([ready, pending])
         assert primary_stats(session, pool_name).pinned_blocks == 0
@@ -277,10 +287,10 @@ def test_an_unclaimed_hold_ends_at_its_deadline(tmp_path):
             keys = [b"left-0", b"left-1"]
             in_fs_only(daemon, session, pool, keys)
             promoted(session, keys)
-            start = time.monotonic()
-            while primary_stats(session, pool).pinned_blocks:
-                assert time.monotonic() - start < 10, "holds never released"
-                time.sleep(0.02)
+            eventually(
+                lambda: primary_stats(session, pool).pinned_blocks == 0,
+                10, "the holds released by the daemon's timer",
+            )  # fmt: skip
             assert [ref_count(session, pool, key) for key in keys] == [0, 0]
             assert session.lookup(keys) == [HIT, HIT]  # released, not evicted
         assert daemon.stop() == 0, daemon.log()

@@ -84,7 +84,7 @@ def test_creating_a_big_pool_stalls_nobody(short_lease_daemon):
             t2 = time.perf_counter()
             health_ms.append((t1 - t0) * 1000)
             lookup_ms.append((t2 - t1) * 1000)
-            time.sleep(0.005)
+            created.wait(0.005)  # a sample every 5 ms until the pool exists
         creating.join()
         took = time.monotonic() - started
         assert not failure, failure
@@ -137,7 +137,7 @@ def test_a_stall_shorter_than_the_credit_threshold_never_outlasts_a_short_lease(
                 os.kill(daemon.proc.pid, signal.SIGSTOP)
                 time.sleep(0.22)  # the stall being tested
                 os.kill(daemon.proc.pid, signal.SIGCONT)
-                time.sleep(0.3)
+                time.sleep(0.3)  # on purpose: running time between stalls (keepalives answered)
             for session in sessions:
                 assert session.lookup([b"k"]) == [LookupResult.MISS]
         assert "lease expired" not in daemon.log()
@@ -245,7 +245,7 @@ def test_the_lease_deadline_follows_the_answered_keepalives():
     try:
         with Client(daemon.address) as client:
             session = client.open_session("deadline", block_bytes=4096, num_blocks=2)
-            time.sleep(1.5)  # keepalives every 1/3 s keep it ahead
+            time.sleep(1.5)  # on purpose: more than a lease, kept ahead by keepalives every 1/3 s
             assert session.lease_deadline > time.monotonic() + 0.2
             os.kill(daemon.proc.pid, signal.SIGSTOP)
             try:

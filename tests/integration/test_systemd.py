@@ -10,19 +10,38 @@ import time
 from pathlib import Path
 
 import pytest
-from daemon_harness import REPO, start_daemon
+from daemon_harness import REPO, eventually, start_daemon
 
 from kvtierd.config import load_config
 
 
-def receive_all(sock: socket.socket, until: float) -> list[str]:
-    messages = []
-    sock.settimeout(0.1)
-    while time.monotonic() < until:
-        try:
-            messages.append(sock.recv(4096).decode())
-        except TimeoutError:
-            continue
+def receive(sock: socket.socket, into: list[str], seconds: float) -> None:
+    """Appends the next message of ``sock`` to ``into``, if one comes within ``seconds``."""
+    sock.settimeout(max(seconds, 0.001))
+    try:
+        into.append(sock.recv(4096).decode())
+    except TimeoutError:
+        pass
+
+
+def receive_for(sock: socket.socket, seconds: float) -> list[str]:
+    """Every message of ``sock`` for ``seconds`` (a window in which something must
+    not come: it waits on purpose)."""
+    messages: list[str] = []
+    until = time.monotonic() + seconds
+    while (left := until - time.monotonic()) > 0:
+        receive(sock, messages, left)
+    return messages
+
+
+def messages_until(sock: socket.socket, done, timeout: float) -> list[str]:  # noqa: ANN001
+    """The messages of ``sock`` until ``done(messages)`` holds; AssertionError after
+    ``timeout`` seconds. Wakes at each message."""
+    messages: list[str] = []
+    eventually(
+        lambda: done(messages), timeout, lambda: f"messages: {messages}",
+        wake=lambda seconds: receive(sock, messages, seconds),
+    )  # fmt: skip
     return messages
 
 
@@ -32,12 +51,19 @@ def test_notify_ready_watchdog_and_stopping(tmp_path):
         listener.bind(path)
         daemon = start_daemon(env={"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "200000"})
         try:
-            messages = receive_all(listener, time.monotonic() + 1.0)
+            messages = messages_until(  # within 1 s: a watchdog ping every 100 ms
+                listener,
+                lambda got: (
+                    any(m.startswith("READY=1") for m in got)
+                    and sum(m == "WATCHDOG=1" for m in got) >= 3
+                ),
+                1.0,
+            )
             assert any(m.startswith("READY=1") for m in messages), messages
             assert messages.index(next(m for m in messages if m.startswith("READY=1"))) >= 0
             assert sum(m == "WATCHDOG=1" for m in messages) >= 3  # every 100 ms
             assert daemon.stop() == 0
-            assert "STOPPING=1" in receive_all(listener, time.monotonic() + 0.3)
+            messages_until(listener, lambda got: "STOPPING=1" in got, 0.3)
         finally:
             daemon.cleanup()
 
@@ -50,7 +76,8 @@ def test_watchdog_meant_for_another_pid_is_ignored(tmp_path):
             env={"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "100000", "WATCHDOG_PID": "1"}
         )
         try:
-            messages = receive_all(listener, time.monotonic() + 0.6)
+            # on purpose: 0.6 s, six watchdog periods in which no ping may come
+            messages = receive_for(listener, 0.6)
             assert any(m.startswith("READY=1") for m in messages)
             assert "WATCHDOG=1" not in messages
         finally:

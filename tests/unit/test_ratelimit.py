@@ -69,7 +69,8 @@ def test_memory_is_bounded_by_max_keys(limited, clock, caplog):
         limited.warning(key, key)
     assert not limited.warning("a", "a")  # a: 1 suppressed
     limited.warning("d", "d")  # table full: the least recently logged key (a) is forgotten
-    assert len(limited._keys) == 3
+    assert limited.statistics().keys_tracked == 3
+    assert "a" not in limited.statistics().suppressed_by_key
     assert limited.warning("a", "a again") is True  # a new key now: logged, count lost
     assert messages(caplog)[-1] == "a again"
 
@@ -85,7 +86,21 @@ def test_threads_share_one_instance(limited, caplog):
     for thread in threads:
         thread.join()
     assert messages(caplog) == ["x"]
-    assert limited._keys["k"].suppressed == 3999
+    assert limited.statistics().suppressed_by_key["k"] == 3999
+
+
+def test_statistics_is_a_frozen_snapshot_of_the_suppressed_counts(limited, clock):
+    assert limited.statistics().keys_tracked == 0
+    limited.warning("k", "x")
+    limited.warning("k", "x")
+    before = limited.statistics()
+    assert (before.keys_tracked, dict(before.suppressed_by_key)) == (1, {"k": 1})
+    limited.warning("k", "x")
+    limited.forget("k")
+    assert before.suppressed_by_key["k"] == 1  # taken then: later lines do not change it
+    assert limited.statistics().keys_tracked == 0
+    with pytest.raises(TypeError):
+        before.suppressed_by_key["k"] = 0  # type: ignore[index]
 
 
 def test_rejects_nonsense_settings():

@@ -284,7 +284,7 @@ def test_any_failure_during_create_leaves_no_file(region_dir, monkeypatch):
     def broken(mapping):
         raise OSError(errno.EIO, "injected")
 
-    monkeypatch.setattr(region_mod, "_madvise_populate_write", broken)
+    monkeypatch.setattr(region_mod, "madvise_populate_write", broken)
     with pytest.raises(OSError, match="injected"):
         Region.create(region_dir, "pool", 4, BLOCK)
     assert os.listdir(region_dir) == []
@@ -296,7 +296,7 @@ def test_madvise_einval_falls_back_to_touching_every_page(region_dir, monkeypatc
     def einval(mapping):
         raise OSError(errno.EINVAL, "MADV_POPULATE_WRITE unknown")
 
-    monkeypatch.setattr(region_mod, "_madvise_populate_write", einval)
+    monkeypatch.setattr(region_mod, "madvise_populate_write", einval)
     with Region.create(region_dir, "pool", 8, BLOCK) as created:
         assert created.prefault_seconds > 0
         assert rss_bytes(created.path) == created.size
@@ -309,7 +309,7 @@ def test_page_touching_fallback_preserves_data(region_dir):
         f.write(data)
     with open(path, "r+b") as f, mmap.mmap(f.fileno(), len(data)) as mapping:
         assert rss_bytes(path) == 0
-        region_mod._touch_pages(mapping)
+        region_mod.touch_pages(mapping)
         assert rss_bytes(path) == len(data)
         assert mapping[:] == data
 

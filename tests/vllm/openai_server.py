@@ -21,13 +21,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from daemon_harness import free_port
+from daemon_harness import eventually, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 EXTERNAL_TOKENS = 'vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}'
@@ -86,20 +85,22 @@ class OpenAIServer:
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
         """Polls ``/health`` until it answers 200 (the server offers no other event)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(
-                    f"vLLM server exited with {self.proc.returncode}:\n{self.log_tail()}"
-                )
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.5)
-        raise AssertionError(f"vLLM server not healthy after {timeout:.0f} s:\n{self.log_tail()}")
+        eventually(
+            self._healthy, timeout, lambda: f"vLLM server healthy:\n{self.log_tail()}",
+            interval=0.5,
+        )  # fmt: skip
+
+    def _healthy(self) -> bool:
+        """Whether ``/health`` answers 200; AssertionError if the server exited."""
+        if self.proc.poll() is not None:
+            raise AssertionError(
+                f"vLLM server exited with {self.proc.returncode}:\n{self.log_tail()}"
+            )
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
 
     def complete(self, prompt: list[int], max_tokens: int = 12) -> tuple[int, dict[str, Any]]:
         """A greedy ``/v1/completions`` of token ids: (HTTP status, JSON answer)."""

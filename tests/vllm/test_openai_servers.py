@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -246,15 +245,18 @@ def reconnect(cluster: Cluster, server: OpenAIServer) -> None:
     """Sends ``server`` short fresh prompts until the restarted daemon has stored
     blocks of one (the plug-in opened its session on the new daemon); a first one
     may still meet the old session and be recomputed without kvtierd."""
-    deadline = time.monotonic() + 60
-    for seed in range(1700, 1800):
-        server.text(random_prompt(2 * TOKENS_PER_BLOCK + 1, seed=seed), max_tokens=1)
+    seeds = iter(range(1700, 1800))
+
+    def stored_after_one_more_prompt() -> bool:
+        server.text(random_prompt(2 * TOKENS_PER_BLOCK + 1, seed=next(seeds)), max_tokens=1)
         try:
             eventually(
                 lambda: any(p.tiers[0].bytes_in > 0 for p in cluster.pools()),
                 2,
                 "a store on the new daemon",
             )
-            return
         except AssertionError:
-            assert time.monotonic() < deadline, "the server never reached the new daemon"
+            return False  # met the old session: recomputed without kvtierd
+        return True
+
+    eventually(stored_after_one_more_prompt, 60, "the server reached the new daemon", interval=0)

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from daemon_harness import start_daemon
+from daemon_harness import eventually, start_daemon
 from vllm_e2e import TOKENS_PER_BLOCK, generate, manager_of, pool_stats, shutdown_llm, tier
 
 from benchmarks.vllm_model import random_prompt
@@ -63,13 +63,6 @@ def stored_keys(address: str, pool: str) -> list[bytes]:
     return keys
 
 
-def wait_for(predicate: Any, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
-
-
 def fs_daemon(root: Path) -> Any:
     config = f'[[tiers]]\ntype = "fs"\nroot = "{root}"\ncapacity = "1GiB"\n'
     return start_daemon("--memory-budget", "512MiB", config=config)
@@ -85,7 +78,10 @@ def test_fs_tier_serves_after_a_daemon_restart_and_drops_corrupted_blocks(make_l
         llm = make_llm(daemon.address)
         cold, _ = generate(llm, prompt)
         pool = manager_of(llm).pool_name
-        wait_for(lambda: tier(pool_stats(daemon.address, pool), "fs0").used_blocks == FULL_BLOCKS)
+        eventually(
+            lambda: tier(pool_stats(daemon.address, pool), "fs0").used_blocks == FULL_BLOCKS,
+            20, "the prompt's blocks written to the fs tier", interval=0.1,
+        )  # fmt: skip
         keys = stored_keys(daemon.address, pool)
         shutdown_llm(llm)
         assert daemon.stop() == 0
@@ -150,7 +146,7 @@ def test_a_daemon_restart_turns_into_misses_then_the_new_daemon_serves(make_llm,
     daemon = start_daemon("--listen", address)
     try:
         wait_until_reachable(manager._client)
-        time.sleep(0.3)  # past the manager's retry interval
+        time.sleep(0.3)  # on purpose: past the manager's retry interval (0.2 s)
         assert llm.reset_prefix_cache()
         fresh, cached = generate(llm, prompt)  # the new daemon is empty: computed, stored
         assert fresh == cold and cached == 0
@@ -169,12 +165,12 @@ def wait_until_reachable(client: Client, timeout: float = 10.0) -> None:
     the channel backed off its reconnects (up to ``grpc.max_reconnect_backoff_ms``,
     1 s, plus jitter), and until that backoff ends its calls fail at once even
     though the new daemon is up. A fixed sleep made this test flaky under load."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def reachable() -> bool:
         try:
             client.get_stats()
-            return
         except Unavailable:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+            return False
+        return True
+
+    eventually(reachable, timeout, "the client's channel reaches the new daemon", interval=0.05)
