@@ -11,17 +11,21 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
-
-import tomllib
 
 from kvtierd.events import KEY_OVERHEAD_BYTES, MAX_EVENT_BYTES
 from kvtierd.history import KEY_OVERHEAD_BYTES as REMOVAL_OVERHEAD_BYTES
 from kvtierd.tiers.settings import FsTierSettings, TierOptionError, parse_fs_settings
 from kvtierd.units import format_bytes, parse_duration, parse_size
 from kvtierd_client.address import default_socket_path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, from PyPI
+    import tomli as tomllib
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 EVICTION_POLICIES = ("lru", "arc")
