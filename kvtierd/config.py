@@ -343,6 +343,32 @@ OPTIONS: tuple[Option, ...] = (
         flag="--tokens-file",
     ),
     Option(
+        "security",
+        "tls_cert_file",
+        _abs_file_or_empty,
+        lambda: "",
+        "PEM certificate chain TCP listeners present; with tls_key_file, TCP serves TLS only "
+        "(re-read on SIGHUP)",
+        flag="--tls-cert-file",
+    ),
+    Option(
+        "security",
+        "tls_key_file",
+        _abs_file_or_empty,
+        lambda: "",
+        "PEM private key of tls_cert_file, not readable by others (re-read on SIGHUP)",
+        flag="--tls-key-file",
+    ),
+    Option(
+        "security",
+        "tls_client_ca_file",
+        _abs_file_or_empty,
+        lambda: "",
+        "PEM CA certificates: TCP clients must present a certificate one of them signed "
+        "(mTLS; its CN or a DNS SAN names the caller; re-read on SIGHUP)",
+        flag="--tls-client-ca-file",
+    ),
+    Option(
         "log",
         "level",
         _choice(*LOG_LEVELS),
@@ -395,7 +421,10 @@ class LimitsConfig:
 
 @dataclass(frozen=True, slots=True)
 class SecurityConfig:
-    tokens_file: str  # "" = no tokens: TCP listeners are refused
+    tokens_file: str  # "" = no tokens: TCP needs tls_client_ca_file, or is refused
+    tls_cert_file: str  # with tls_key_file: TCP listeners serve TLS only
+    tls_key_file: str
+    tls_client_ca_file: str  # "" = no client certificates (mTLS off); needs the two above
 
 
 @dataclass(frozen=True, slots=True)
@@ -466,12 +495,24 @@ def load_config(
 
 
 def _check_cross_field(config: Config) -> None:
+    security = config.security
     tcp = [a for a in config.server.listen if not a.startswith("unix://")]
-    if tcp and not config.security.tokens_file:
+    if tcp and not (security.tokens_file or security.tls_client_ca_file):
         raise ConfigError(
             "server.listen",
-            f"TCP address {tcp[0]} needs security.tokens_file (bearer tokens for TCP clients); "
+            f"TCP address {tcp[0]} needs security.tokens_file (bearer tokens for TCP clients) "
+            "or security.tls_client_ca_file (client certificates); "
             "or listen on a unix:// socket only",
+        )
+    if bool(security.tls_cert_file) != bool(security.tls_key_file):
+        raise ConfigError(
+            "security.tls_cert_file" if not security.tls_cert_file else "security.tls_key_file",
+            "security.tls_cert_file and security.tls_key_file are set together (or neither)",
+        )
+    if security.tls_client_ca_file and not security.tls_cert_file:
+        raise ConfigError(
+            "security.tls_client_ca_file",
+            "client certificates need TLS: set security.tls_cert_file and security.tls_key_file",
         )
 
 

@@ -78,9 +78,21 @@ def cmd_fsck(args: argparse.Namespace) -> int:
 
 
 def _client(args: argparse.Namespace) -> Client:
+    """A client for the global flags; a bad address or TLS file is a usage error."""
     from kvtierd_client.client import Client
+    from kvtierd_client.tls import TlsOptions
 
-    return Client(args.address, timeout=args.timeout, token=args.token)
+    try:
+        tls = None
+        if args.tls or args.tls_ca or args.tls_cert or args.tls_key or args.tls_server_name:
+            tls = TlsOptions.from_files(
+                ca_file=args.tls_ca, cert_file=args.tls_cert, key_file=args.tls_key,
+                server_name=args.tls_server_name,
+            )  # fmt: skip
+        return Client(args.address, timeout=args.timeout, token=args.token, tls=tls)
+    except (OSError, ValueError) as exc:
+        print(f"kvtierctl: {exc}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE) from None
 
 
 def _human_bytes(n: float) -> str:
@@ -289,8 +301,8 @@ def build_parser(prog: str = "kvtierctl") -> argparse.ArgumentParser:
     parser.add_argument(
         "--address",
         default=None,
-        help="daemon address, unix:///path or HOST:PORT (default: $KVTIERD_ADDRESS or the "
-        "default socket)",
+        help="daemon address, unix:///path, HOST:PORT or tls://HOST:PORT (default: "
+        "$KVTIERD_ADDRESS or the default socket)",
     )
     parser.add_argument(
         "--timeout", type=float, default=10.0, help="seconds to wait for each answer (default 10)"
@@ -298,6 +310,7 @@ def build_parser(prog: str = "kvtierctl") -> argparse.ArgumentParser:
     parser.add_argument(
         "--token", default=None, help="bearer token for TCP addresses (default: none)"
     )
+    _add_tls_flags(parser)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.add_parser("status", help="daemon, pools, tiers and usage in a few lines")
     stats = commands.add_parser("stats", help="per pool and tier counters as a table")
@@ -341,6 +354,26 @@ def build_parser(prog: str = "kvtierctl") -> argparse.ArgumentParser:
     )
     fsck.add_argument("--quiet", "-q", action="store_true", help="no progress display")
     return parser
+
+
+def _add_tls_flags(parser: argparse.ArgumentParser) -> None:
+    """TLS for a TCP address; any of these turns it on (as a tls://HOST:PORT address)."""
+    tls = parser.add_argument_group("TLS (TCP addresses)")
+    tls.add_argument(
+        "--tls", action="store_true", help="connect with TLS, checking the daemon's certificate "
+        "against the system's CAs (default for tls://HOST:PORT addresses)",
+    )  # fmt: skip
+    tls.add_argument(
+        "--tls-ca", metavar="FILE", help="PEM CA certificates for the daemon's certificate"
+    )
+    tls.add_argument(
+        "--tls-cert", metavar="FILE", help="PEM client certificate (mTLS; with --tls-key)"
+    )
+    tls.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
+    tls.add_argument(
+        "--tls-server-name", metavar="NAME",
+        help="name expected in the daemon's certificate (default: the address's host)",
+    )  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "kvtierctl") -> int:

@@ -2,6 +2,7 @@
 
 Start: secondary tier roots checked -> pools and sessions tables -> gRPC
 server with health (NOT_SERVING) -> listeners -> supervisor (leases, loop lag) -> health SERVING.
+SIGHUP re-reads the tokens and TLS files (``security.reload``).
 Shutdown (SIGTERM / SIGINT; a second signal forces exit): health NOT_SERVING ->
 stop accepting calls and let in-flight ones finish (``server.shutdown_grace``) ->
 close every session (pins released, reservations aborted) -> let the tier
@@ -27,6 +28,8 @@ from kvtierd.config import Config, ConfigError, read_tokens
 from kvtierd.metrics import Metrics, serve_metrics
 from kvtierd.pools import PoolTable
 from kvtierd.sdnotify import notify, watchdog_interval
+from kvtierd.security.reload import credential_reloader
+from kvtierd.security.tls import ServerTls, TlsFiles
 from kvtierd.server import add_listeners, build_server, remove_unix_sockets, set_health
 from kvtierd.service import KVTierService
 from kvtierd.sessions import SessionTable
@@ -51,6 +54,8 @@ class Daemon:
         self.config = config
         self.gid = resolve_group(config.server.socket_group)
         tokens = read_tokens(config.security.tokens_file) if config.security.tokens_file else ()
+        tls_files = TlsFiles.from_config(config.security)
+        self.tls = ServerTls(tls_files) if tls_files is not None else None  # None: plain TCP
         self.tiers = [ConfiguredFsTier(tier.name, tier.settings) for tier in config.tiers]
         self.pools = PoolTable(config.memory, config.limits, self.gid, self.tiers)
         self.sessions = SessionTable(
@@ -63,8 +68,12 @@ class Daemon:
             self.sessions,
             max_keys_per_call=config.limits.max_keys_per_call,
             tokens=tokens,
+            client_certificates=self.tls is not None and self.tls.requires_client_certificates,
             max_watch_streams=config.limits.max_watch_streams,
             watch_write_timeout=config.limits.watch_write_timeout,
+        )
+        self.reloader = credential_reloader(
+            config.security.tokens_file, self.service.replace_tokens, self.tls
         )
         self.metrics = Metrics(self.pools, self.sessions)
         self.service.observe_rpc = self.metrics.observe_rpc
@@ -82,7 +91,8 @@ class Daemon:
         await self._start_metrics()
         server, self._health = build_server(self.service, self.config.limits)
         await set_health(self._health, serving=False)
-        add_listeners(server, self.config.server.listen, self.gid, self._sockets)
+        tls = self.tls.server_credentials if self.tls is not None else None
+        add_listeners(server, self.config.server.listen, self.gid, self._sockets, tls)
         await server.start()
         self._server = server
         self._supervisor = asyncio.create_task(self._supervise_forever(), name="kvtierd-supervisor")
@@ -96,6 +106,11 @@ class Daemon:
             os.getpid(), self.config.memory.budget, self.config.memory.shm_dir,
             self.config.sessions.lease,
         )  # fmt: skip
+
+    def reload_credentials(self) -> None:
+        """SIGHUP: re-read the tokens and TLS files (``security.reload``); nothing
+        else changes and no session or connection is dropped."""
+        self.reloader.reload_all()
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -237,6 +252,7 @@ async def serve(config: Config) -> None:
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
+    loop.add_signal_handler(signal.SIGHUP, daemon.reload_credentials)
     try:
         try:
             await daemon.start()
@@ -246,5 +262,5 @@ async def serve(config: Config) -> None:
         await daemon.wait_stopped()
         await daemon.shutdown()
     finally:
-        for signum in (signal.SIGTERM, signal.SIGINT):
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(signum)

@@ -16,7 +16,7 @@ import logging
 import os
 import socket
 import stat
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -135,20 +135,30 @@ async def set_health(servicer: health.aio.HealthServicer, serving: bool) -> None
 
 
 def add_listeners(
-    server: grpc.aio.Server, addresses: tuple[str, ...], gid: int | None, bound: list[str]
+    server: grpc.aio.Server,
+    addresses: tuple[str, ...],
+    gid: int | None,
+    bound: list[str],
+    tls: Callable[[], grpc.ServerCredentials] | None = None,
 ) -> None:
     """Binds every address. Unix socket paths this call created are appended to
     ``bound`` as they are made, so a failure halfway still lets the caller remove
-    exactly its own sockets (never another daemon's)."""
+    exactly its own sockets (never another daemon's). ``tls``: makes the
+    credentials of one TCP listener (``ServerTls.server_credentials``); TCP
+    listeners then serve TLS only. Unix sockets never use TLS."""
     for address in addresses:
         if address.startswith("unix://"):
             path = address[len("unix://") :]
             _add_unix(server, path, gid)
             bound.append(path)
         else:
-            if server.add_insecure_port(address) == 0:
+            if tls is None:
+                port = server.add_insecure_port(address)
+            else:
+                port = server.add_secure_port(address, tls())
+            if port == 0:
                 raise ListenError(f"cannot listen on {address} (in use or not a local address)")
-            log.info("listening on tcp %s (bearer tokens required)", address)
+            log.info("listening on tcp %s (%s)", address, "TLS" if tls else "plain text")
 
 
 def _add_unix(server: grpc.aio.Server, path: str, gid: int | None) -> None:

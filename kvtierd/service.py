@@ -39,6 +39,7 @@ from kvtierd.errors import (
 )
 from kvtierd.pool import Pool, PoolSpec, PoolStatistics, PrimaryStatistics, SecondaryStatistics
 from kvtierd.pools import PoolTable
+from kvtierd.security.identity import tls_peer_name
 from kvtierd.sessions import Session, SessionTable
 from kvtierd.validation import (
     check_block_bytes,
@@ -103,6 +104,7 @@ class KVTierService(pb2_grpc.KVTierServicer):
         *,
         max_keys_per_call: int,
         tokens: tuple[str, ...] = (),
+        client_certificates: bool = False,
         max_watch_streams: int = 64,
         watch_write_timeout: float = 10.0,
     ) -> None:
@@ -110,6 +112,7 @@ class KVTierService(pb2_grpc.KVTierServicer):
         self._sessions = sessions
         self._max_keys = max_keys_per_call
         self._tokens = tuple(token.encode() for token in tokens)
+        self._client_certificates = client_certificates  # mTLS: a named certificate authenticates
         self._started = time.monotonic()
         self.watches = WatchStreams(max_watch_streams, watch_write_timeout)
         self.shutting_down = False
@@ -122,19 +125,31 @@ class KVTierService(pb2_grpc.KVTierServicer):
 
     # ----------------------------------------------------------------- auth
 
+    def replace_tokens(self, tokens: tuple[str, ...]) -> None:
+        """Swaps the bearer tokens (SIGHUP): calls already authorized run on, every
+        later call, on old connections too, is checked against ``tokens`` only."""
+        self._tokens = tuple(token.encode() for token in tokens)
+
     def authorize(self, context: grpc.aio.ServicerContext) -> None:
         """Unix-socket peers are trusted (file permissions guard the socket);
-        TCP peers must present ``authorization: Bearer <token>``."""
+        TCP peers must present ``authorization: Bearer <token>``, or, with mTLS,
+        a client certificate (verified at the handshake) that names someone."""
         if self.shutting_down:
             raise ShuttingDown("kvtierd is shutting down; retry against the restarted daemon")
-        if not self._tokens or context.peer().startswith("unix:"):
+        if not (self._tokens or self._client_certificates) or context.peer().startswith("unix:"):
+            return
+        if self._client_certificates and tls_peer_name(context) is not None:
             return
         for key, value in context.invocation_metadata() or ():
             if key == "authorization" and value.startswith("Bearer "):
                 offered = value[len("Bearer ") :].encode()
                 if any(hmac.compare_digest(offered, token) for token in self._tokens):
                     return
-        raise Unauthenticated("TCP calls need metadata 'authorization: Bearer <token>'")
+        alternative = " or a client certificate with a CN or DNS name"
+        raise Unauthenticated(
+            "TCP calls need metadata 'authorization: Bearer <token>'"
+            + (alternative if self._client_certificates else "")
+        )
 
     # ----------------------------------------------------------------- sessions
 

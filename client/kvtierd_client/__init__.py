@@ -5,6 +5,7 @@ scheduler side never imports torch:
 
 * ``kvtierd_client.client`` — ``Client`` (sync) over the gRPC manager RPCs;
 * ``kvtierd_client.aio`` — ``AsyncClient`` (asyncio);
+* ``kvtierd_client.tls`` — ``TlsOptions`` for TLS and mTLS over TCP;
 * ``kvtierd_client.region`` — attach a pool's shared-memory region;
 * ``kvtierd_client.copy_engine`` — move blocks between KV tensors and region rows.
 """

@@ -7,7 +7,9 @@ Accepted address forms (``to_grpc_target``):
 
 * ``unix:///abs/path`` and ``unix:/abs/path`` — a Unix domain socket;
 * ``/abs/path`` — the same, without the scheme;
-* ``host:port`` and ``[v6addr]:port`` — TCP.
+* ``host:port`` and ``[v6addr]:port`` — TCP;
+* ``tls://host:port`` and ``tls://[v6addr]:port`` — TCP with TLS (``uses_tls``;
+  the client's ``tls`` argument gives the CAs and a client certificate).
 """
 
 from __future__ import annotations
@@ -18,7 +20,11 @@ import re
 ADDRESS_ENV = "KVTIERD_ADDRESS"
 SOCKET_NAME = "kvtierd.sock"
 
-ACCEPTED_FORMS = "'unix:///abs/path', 'unix:/abs/path', '/abs/path', 'host:port' or '[v6addr]:port'"
+ACCEPTED_FORMS = (
+    "'unix:///abs/path', 'unix:/abs/path', '/abs/path', 'host:port', '[v6addr]:port' "
+    "or 'tls://host:port'"
+)
+TLS_SCHEME = "tls://"
 
 _HOST = r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?"
 _V6 = r"\[[0-9A-Fa-f:.]+(?:%[A-Za-z0-9._-]+)?\]"
@@ -56,12 +62,17 @@ def default_address() -> str:
 def to_grpc_target(address: str) -> str:
     """The gRPC channel target for a kvtierd ``address``.
 
-    Unix sockets become ``unix:/abs/path``; TCP addresses are returned as given.
-    Raises ``ValueError`` naming the accepted forms for anything else.
+    Unix sockets become ``unix:/abs/path``; TCP addresses are returned as given,
+    without a ``tls://`` scheme. Raises ``ValueError`` naming the accepted forms
+    for anything else.
     """
     if not isinstance(address, str):
         raise ValueError(_invalid(address, "not a string"))
     text = address.strip()
+    if text.startswith(TLS_SCHEME):
+        text = text[len(TLS_SCHEME) :]
+        if not _HOST_PORT.match(text):
+            raise ValueError(_invalid(address, "tls:// must be followed by host:port"))
     if text.startswith("/"):
         return "unix:" + _unix_path("unix:" + text, address)
     if text.startswith("unix:"):
@@ -85,3 +96,8 @@ def _unix_path(text: str, address: str) -> str:
 
 def _invalid(address: object, why: str) -> str:
     return f"invalid kvtierd address {address!r}: {why}; expected {ACCEPTED_FORMS}"
+
+
+def uses_tls(address: str) -> bool:
+    """Whether ``address`` asks for TLS by its form (``tls://host:port``)."""
+    return isinstance(address, str) and address.strip().startswith(TLS_SCHEME)

@@ -57,6 +57,7 @@ from kvtierd_client.client import (
 )
 from kvtierd_client.errors import KvtierError, NotFound, from_rpc_error
 from kvtierd_client.proto import pb2, pb2_grpc
+from kvtierd_client.tls import TlsOptions, aio_channel, resolve_tls
 
 __all__ = ["AsyncClient", "AsyncEventStream", "AsyncSession", "LookupResult", "StoreResult"]
 
@@ -76,15 +77,17 @@ class AsyncClient:
         timeout: float = DEFAULT_TIMEOUT,
         channel_options: Sequence[tuple[str, Any]] = DEFAULT_CHANNEL_OPTIONS,
         token: str | None = None,
+        tls: TlsOptions | None = None,
         stub: Any = None,
     ) -> None:
         self.address: str = address or default_address()
         self.target: str = to_grpc_target(self.address)
+        tls = resolve_tls(self.address, self.target, tls)
         self.timeout = timeout
         self._metadata = auth_metadata(token)
         self._channel: grpc.aio.Channel | None = None
         if stub is None:
-            self._channel = grpc.aio.insecure_channel(self.target, options=list(channel_options))
+            self._channel = aio_channel(self.target, channel_options, tls)
             stub = pb2_grpc.KVTierStub(self._channel)
         self._stub = stub
         self._closed = False

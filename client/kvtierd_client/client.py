@@ -45,6 +45,7 @@ from kvtierd_client.errors import (
 from kvtierd_client.flusher import FlushDeadline
 from kvtierd_client.lease_beacon import LeaseBeacon
 from kvtierd_client.proto import pb2, pb2_grpc
+from kvtierd_client.tls import TlsOptions, resolve_tls, sync_channel
 
 __all__ = [
     "DEFAULT_CHANNEL_OPTIONS",
@@ -414,11 +415,14 @@ class Client:
     ``kvtierd_client.address``); default ``$KVTIERD_ADDRESS`` or the default socket.
     ``timeout``: the deadline in seconds of every call. ``channel_options``
     replaces ``DEFAULT_CHANNEL_OPTIONS``. ``token``: sent as
-    ``authorization: Bearer <token>`` on every call. ``stub``: use this object
+    ``authorization: Bearer <token>`` on every call. ``tls``: TLS (and mTLS)
+    options for a TCP address (``kvtierd_client.tls``; a ``tls://host:port``
+    address uses TLS even without them). ``stub``: use this object
     instead of a ``KVTierStub`` over a new channel (tests inject fakes here).
 
-    Raises ``ValueError`` for a malformed address. Connecting is lazy: an
-    unreachable daemon shows up as ``Unavailable`` on the first call.
+    Raises ``ValueError`` for a malformed address, or TLS asked for on a Unix
+    socket. Connecting is lazy: an unreachable daemon (or a failed TLS
+    handshake) shows up as ``Unavailable`` on the first call.
     """
 
     def __init__(
@@ -428,15 +432,17 @@ class Client:
         timeout: float = DEFAULT_TIMEOUT,
         channel_options: Sequence[tuple[str, Any]] = DEFAULT_CHANNEL_OPTIONS,
         token: str | None = None,
+        tls: TlsOptions | None = None,
         stub: Any = None,
     ) -> None:
         self.address: str = address or default_address()
         self.target: str = to_grpc_target(self.address)
+        tls = resolve_tls(self.address, self.target, tls)
         self.timeout = timeout
         self._metadata = auth_metadata(token)
         self._channel: grpc.Channel | None = None
         if stub is None:
-            self._channel = grpc.insecure_channel(self.target, options=list(channel_options))
+            self._channel = sync_channel(self.target, channel_options, tls)
             stub = pb2_grpc.KVTierStub(self._channel)
         self._stub = stub
         self._closed = False

@@ -56,6 +56,8 @@ from kvtierd_client.proto import pb2
         ("my_host:9000", "my_host:9000"),
         ("[::1]:7000", "[::1]:7000"),
         ("[fe80::1%eth0]:7000", "[fe80::1%eth0]:7000"),
+        ("tls://kvtier.example:7070", "kvtier.example:7070"),
+        ("tls://[::1]:7000", "[::1]:7000"),
     ],
 )
 def test_to_grpc_target_accepts(address, target):
@@ -69,7 +71,8 @@ def test_to_grpc_target_accepts(address, target):
         "unix:///", "unix:relative.sock", "unix://host/tmp/k.sock", "unix://tmp/k.sock",
         "localhost", "localhost:", ":50051", "localhost:0", "localhost:65536", "host:port",
         "::1:7000", "[::1]", "[::1]:", "http://localhost:80", "tcp://localhost:80",
-        "dns:///localhost:80", "two words:80", "-bad:80", None, 8080,
+        "dns:///localhost:80", "two words:80", "-bad:80", None, 8080, "tls://", "tls:///x.sock",
+        "tls://unix:/x.sock", "tls://localhost", "tls://localhost:0",
     ],
 )  # fmt: skip
 def test_to_grpc_target_rejects(address):
