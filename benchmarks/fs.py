@@ -47,8 +47,8 @@ import numpy as np
 import xxhash
 
 from benchmarks.common import BenchDaemon, Row
-from kvtierd.tiers.fsformat import HEADER_SIZE
-from kvtierd.tiers.settings import DEFAULT_IO_PROCESSES
+from kvtierd.tiers.fs.fsformat import HEADER_SIZE
+from kvtierd.tiers.fs.settings import DEFAULT_IO_PROCESSES
 from kvtierd_client.client import Client, LookupResult
 from kvtierd_client.region import AttachedRegion
 

@@ -19,7 +19,7 @@ import tomllib
 
 from kvtierd.events import KEY_OVERHEAD_BYTES, MAX_EVENT_BYTES
 from kvtierd.history import KEY_OVERHEAD_BYTES as REMOVAL_OVERHEAD_BYTES
-from kvtierd.tiers.settings import FsTierSettings, TierOptionError, parse_fs_settings
+from kvtierd.tiers.fs.settings import FsTierSettings, TierOptionError, parse_fs_settings
 from kvtierd.units import format_bytes, parse_duration, parse_size
 from kvtierd_client.address import default_socket_path
 

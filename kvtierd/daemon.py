@@ -30,7 +30,7 @@ from kvtierd.sdnotify import notify, watchdog_interval
 from kvtierd.server import add_listeners, build_server, remove_unix_sockets, set_health
 from kvtierd.service import KVTierService
 from kvtierd.sessions import SessionTable
-from kvtierd.tiers.configured import ConfiguredFsTier, TierRootError
+from kvtierd.tiers.fs.configured import ConfiguredFsTier, TierRootError
 
 log = logging.getLogger("kvtierd.daemon")
 

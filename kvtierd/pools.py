@@ -24,8 +24,8 @@ from kvtierd.config import LimitsConfig, MemoryConfig
 from kvtierd.errors import FailedPrecondition, PoolNotFound, ResourceExhausted
 from kvtierd.pool import Pool, PoolSpec
 from kvtierd.region import InsufficientSpaceError, Region, RegionError
-from kvtierd.tiers.configured import ConfiguredFsTier
-from kvtierd.tiers.fs import FsTierError
+from kvtierd.tiers.fs.configured import ConfiguredFsTier
+from kvtierd.tiers.fs.tier import FsTierError
 from kvtierd.units import format_bytes
 
 log = logging.getLogger("kvtierd.pools")

@@ -1,4 +1,4 @@
-"""The FS tier (kvtierd.tiers.fs): real files under tmp_path, a real Region in /dev/shm.
+"""The FS tier (kvtierd.tiers.fs.tier): real files under tmp_path, a real Region in /dev/shm.
 
 Every test drives the tier inside ``asyncio.run`` and waits for ``on_done`` through
 futures; scans and writes are held with threading.Events, never with sleeps.
@@ -21,12 +21,12 @@ import pytest
 
 from kvtierd.contract import LookupResult
 from kvtierd.region import Region
-from kvtierd.tiers import fsformat, safefs
 from kvtierd.tiers.base import JobResult, TierJob
-from kvtierd.tiers.fs import FsTier, FsTierError, PoolMismatchError
-from kvtierd.tiers.fsck import fsck
-from kvtierd.tiers.iopool import IoPool, PoolShutDown
-from kvtierd.tiers.ioworker import IoWorkers
+from kvtierd.tiers.fs import fsformat, safefs
+from kvtierd.tiers.fs.fsck import fsck
+from kvtierd.tiers.fs.iopool import IoPool, PoolShutDown
+from kvtierd.tiers.fs.ioworker import IoWorkers
+from kvtierd.tiers.fs.tier import FsTier, FsTierError, PoolMismatchError
 
 BLOCK = 16384
 ROWS = 8

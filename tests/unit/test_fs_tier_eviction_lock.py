@@ -10,7 +10,7 @@ from pathlib import Path
 
 from test_fs_tier import FILE_BYTES, Harness, region, run
 
-from kvtierd.tiers import safefs
+from kvtierd.tiers.fs import safefs
 
 __all__ = ["region"]  # the fixture, imported for this test
 

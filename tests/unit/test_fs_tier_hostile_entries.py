@@ -25,9 +25,10 @@ from test_fs_tier import BLOCK_IO, Harness, block_path, region, run
 
 from kvtierd.contract import LookupResult
 from kvtierd.region import Region
-from kvtierd.tiers import fs, fsformat, iopool, ioworker
-from kvtierd.tiers.fs import FsTier, FsTierError
-from kvtierd.tiers.iopool import IoPool
+from kvtierd.tiers.fs import fsformat, iopool, ioworker
+from kvtierd.tiers.fs import tier as fs
+from kvtierd.tiers.fs.iopool import IoPool
+from kvtierd.tiers.fs.tier import FsTier, FsTierError
 
 __all__ = ["region"]  # the fixture, imported for these tests
 

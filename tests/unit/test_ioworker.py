@@ -1,4 +1,4 @@
-"""FS-tier block I/O in worker processes (kvtierd.tiers.ioworker): real processes,
+"""FS-tier block I/O in worker processes (kvtierd.tiers.fs.ioworker): real processes,
 a real Region in /dev/shm, real files under tmp_path."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from test_fs_tier import BLOCK, FILE_BYTES, Harness, block_path, region, run, te
 
 from kvtierd.contract import LookupResult
 from kvtierd.region import Region
-from kvtierd.tiers import fsformat, ioworker
-from kvtierd.tiers.blockfile import CorruptFile
-from kvtierd.tiers.ioworker import IoWorkers, WorkerDied, WorkerProcess
+from kvtierd.tiers.fs import fsformat, ioworker
+from kvtierd.tiers.fs.blockfile import CorruptFile
+from kvtierd.tiers.fs.ioworker import IoWorkers, WorkerDied, WorkerProcess
 
 __all__ = ["region"]  # the fixture, imported for these tests
 

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-log = logging.getLogger("kvtierd.tiers.iopool")
+log = logging.getLogger("kvtierd.tiers.fs.iopool")
 
 Task = Callable[[], Any]
 JOIN_S = 2.0  # shutdown waits this long in all for the threads to finish their tasks

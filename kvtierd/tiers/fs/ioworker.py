@@ -2,9 +2,9 @@
 
 An I/O thread of the daemon that runs a group of block reads or writes hands
 the file work (checksum, open, pwritev/preadv, rename) to an *I/O worker*: a
-child process (``python -m kvtierd.tiers.ioworker DAEMON_PID FD...``) that
+child process (``python -m kvtierd.tiers.fs.ioworker DAEMON_PID FD...``) that
 maps the pool's shared-memory region itself and runs
-:mod:`kvtierd.tiers.blockfile` on its rows. The daemon's event loop and gRPC
+:mod:`kvtierd.tiers.fs.blockfile` on its rows. The daemon's event loop and gRPC
 threads then no longer compete with the I/O for one interpreter lock; the I/O
 thread only sends a request and waits on a socket (GIL released).
 
@@ -28,7 +28,7 @@ Invariants:
 * Requests and replies are ``marshal``-ed tuples of builtins, length-prefixed
   on a Unix stream socket; nothing is unpickled.
 * A request names its pool directory and each block file relative to it; the
-  worker resolves them with :class:`~kvtierd.tiers.safefs.PoolDir`, so no
+  worker resolves them with :class:`~kvtierd.tiers.fs.safefs.PoolDir`, so no
   symlink below the pool directory is followed and no open blocks (a FIFO in
   place of a block file is a bad file, not a hang).
 """
@@ -53,11 +53,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from kvtierd.tiers import blockfile
-from kvtierd.tiers.blockfile import CorruptFile
-from kvtierd.tiers.safefs import PoolDir, UnexpectedEntry
+from kvtierd.tiers.fs import blockfile
+from kvtierd.tiers.fs.blockfile import CorruptFile
+from kvtierd.tiers.fs.safefs import PoolDir, UnexpectedEntry
 
-log = logging.getLogger("kvtierd.tiers.ioworker")
+log = logging.getLogger("kvtierd.tiers.fs.ioworker")
 
 _LENGTH = struct.Struct("<I")
 _PR_SET_PDEATHSIG = 1
@@ -247,7 +247,7 @@ def serve(sock: socket.socket, worker: _Worker) -> None:
 def main(argv: Sequence[str]) -> int:
     """Serves each channel socket (inherited file descriptors) on its own thread."""
     if len(argv) < 2 or not all(arg.isdigit() for arg in argv):
-        print("usage: python -m kvtierd.tiers.ioworker DAEMON_PID FD... (started by kvtierd)",
+        print("usage: python -m kvtierd.tiers.fs.ioworker DAEMON_PID FD... (started by kvtierd)",
               file=sys.stderr)  # fmt: skip
         return 2
     if not _die_with(int(argv[0])):
@@ -319,7 +319,7 @@ class WorkerProcess:
         theirs = [pair[1] for pair in pairs]
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "kvtierd.tiers.ioworker", str(os.getpid()),
+                [sys.executable, "-m", "kvtierd.tiers.fs.ioworker", str(os.getpid()),
                  *(str(sock.fileno()) for sock in theirs)],
                 pass_fds=[sock.fileno() for sock in theirs],
                 stdin=subprocess.DEVNULL,

@@ -3,7 +3,7 @@
 Parsing is pure (no filesystem access): it runs when the configuration is
 loaded, so a bad value stops the daemon with exit code 2 before anything
 starts. Whether a root directory is usable is checked when the daemon starts
-(:meth:`kvtierd.tiers.configured.ConfiguredFsTier.check`).
+(:meth:`kvtierd.tiers.fs.configured.ConfiguredFsTier.check`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtierd.tiers.fs import O_DIRECT_MODES
+from kvtierd.tiers.fs.tier import O_DIRECT_MODES
 from kvtierd.units import parse_size
 
 DEFAULT_FS_CAPACITY = 10 << 30

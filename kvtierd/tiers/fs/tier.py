@@ -12,9 +12,9 @@ Ownership and invariants:
   rows are reserved and only this tier writes them (``preadv`` straight into
   the row). A row is never touched after its job's ``on_done`` ran. A row whose
   block failed verification may hold garbage; it is never reported as loaded.
-* Block I/O: the file work of a group of blocks (:mod:`~kvtierd.tiers.blockfile`)
+* Block I/O: the file work of a group of blocks (:mod:`~kvtierd.tiers.fs.blockfile`)
   is one request to ``_block_io``, run inline on the I/O thread or in an I/O
-  worker process (:mod:`~kvtierd.tiers.ioworker`) that maps the region itself.
+  worker process (:mod:`~kvtierd.tiers.fs.ioworker`) that maps the region itself.
   The index, the budget and the locks stay here: a group's keys are reserved
   (writes) or marked being read before the request and settled after its
   replies, and the request returns before the group's outcomes are recorded.
@@ -24,13 +24,13 @@ Ownership and invariants:
   or fsck), and only if the path still names the inode that failed, or (c) as a
   leftover ``*.tmp`` at start. A directory is never removed.
 * Paths: everything below the pool directory is opened through
-  :class:`~kvtierd.tiers.safefs.PoolDir` (no symlink followed, no open that can
+  :class:`~kvtierd.tiers.fs.safefs.PoolDir` (no symlink followed, no open that can
   block). Anything but a regular file where a block file belongs (a FIFO,
   socket, device, directory, symlink) fails verification like a corrupt file:
   the key answers MISS, is counted in ``checksum_failures`` and logged with the
   path and type; a symlinked ``<hh>`` directory is never entered.
 * Shutdown is bounded: a scan or I/O thread stuck in the file system is left
-  behind after :data:`SCAN_JOIN_S` / :data:`~kvtierd.tiers.iopool.JOIN_S`.
+  behind after :data:`SCAN_JOIN_S` / :data:`~kvtierd.tiers.fs.iopool.JOIN_S`.
 * Index: ``{key: (file bytes, last use)}`` in LRU order, plus ``_used`` (sum of
   indexed file sizes) and ``_reserved`` (writes in flight); all guarded by
   ``_lock``, which I/O threads and the loop share and hold only briefly: no
@@ -70,10 +70,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtierd.contract import BlockKey, LookupResult, Medium
-from kvtierd.tiers import blockfile, fsformat, ioworker, safefs
 from kvtierd.tiers.base import JobCallback, JobResult, SecondaryTier, TierJob, TierStats
-from kvtierd.tiers.blockfile import CorruptFile
-from kvtierd.tiers.fsformat import (
+from kvtierd.tiers.fs import blockfile, fsformat, ioworker, safefs
+from kvtierd.tiers.fs.blockfile import CorruptFile
+from kvtierd.tiers.fs.fsformat import (
     BLOCK_SUFFIX,
     HEADER_SIZE,
     POOL_FILE,
@@ -81,10 +81,10 @@ from kvtierd.tiers.fsformat import (
     CorruptBlock,
     PoolIdentity,
 )
-from kvtierd.tiers.iopool import IoPool, Outcome
-from kvtierd.tiers.ioworker import BlockIo, InlineIo, IoWorkers, RegionRef
-from kvtierd.tiers.safefs import DIRECTORY, REGULAR, Entry, PoolDir, UnexpectedEntry
-from kvtierd.tiers.writelog import WriteFailureLog
+from kvtierd.tiers.fs.iopool import IoPool, Outcome
+from kvtierd.tiers.fs.ioworker import BlockIo, InlineIo, IoWorkers, RegionRef
+from kvtierd.tiers.fs.safefs import DIRECTORY, REGULAR, Entry, PoolDir, UnexpectedEntry
+from kvtierd.tiers.fs.writelog import WriteFailureLog
 
 log = logging.getLogger("kvtierd.tiers.fs")
 

@@ -3,7 +3,7 @@
 Invariants:
 
 * Nothing is followed through a symlink and nothing is opened in a way that
-  can block (:mod:`~kvtierd.tiers.safefs`): a FIFO, socket, device, directory
+  can block (:mod:`~kvtierd.tiers.fs.safefs`): a FIFO, socket, device, directory
   or symlink where a block file belongs is reported bad without being read; a
   symlink where a pool or fan-out directory belongs is reported, not entered.
 * A file's size is checked against its header before a byte of payload is
@@ -28,9 +28,15 @@ from typing import Any
 import xxhash
 
 from kvtierd import filekind
-from kvtierd.tiers import fsformat, safefs
-from kvtierd.tiers.fsformat import BLOCK_SUFFIX, HEADER_SIZE, POOL_FILE, TEMP_SUFFIX, CorruptBlock
-from kvtierd.tiers.safefs import DIRECTORY, Entry, Identity, PoolDir, UnexpectedEntry
+from kvtierd.tiers.fs import fsformat, safefs
+from kvtierd.tiers.fs.fsformat import (
+    BLOCK_SUFFIX,
+    HEADER_SIZE,
+    POOL_FILE,
+    TEMP_SUFFIX,
+    CorruptBlock,
+)
+from kvtierd.tiers.fs.safefs import DIRECTORY, Entry, Identity, PoolDir, UnexpectedEntry
 
 CHUNK_BYTES = 1 << 20  # payload bytes read and hashed at a time
 POOL_FILE_MAX_BYTES = 64 << 10  # a pool.json larger than this is not a pool description

@@ -20,11 +20,11 @@ import os
 import tempfile
 
 from kvtierd.tiers.base import JobCallback
-from kvtierd.tiers.fs import DiskBudget, FsTier
-from kvtierd.tiers.iopool import IoPool
-from kvtierd.tiers.ioworker import IoWorkers
-from kvtierd.tiers.settings import FsTierSettings
-from kvtierd.tiers.writelog import WriteFailureLog
+from kvtierd.tiers.fs.iopool import IoPool
+from kvtierd.tiers.fs.ioworker import IoWorkers
+from kvtierd.tiers.fs.settings import FsTierSettings
+from kvtierd.tiers.fs.tier import DiskBudget, FsTier
+from kvtierd.tiers.fs.writelog import WriteFailureLog
 
 
 class TierRootError(Exception):

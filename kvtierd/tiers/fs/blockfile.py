@@ -1,9 +1,9 @@
 """Reading and writing one block file (DESIGN.md §6), with no index and no locks.
 
 These functions are the FS tier's data path. They run on an I/O thread of the
-daemon or in an I/O worker process (:mod:`kvtierd.tiers.ioworker`), so they
+daemon or in an I/O worker process (:mod:`kvtierd.tiers.fs.ioworker`), so they
 touch nothing but the file system and the row they are given. Every path is
-resolved below an open :class:`~kvtierd.tiers.safefs.PoolDir`: no symlink is
+resolved below an open :class:`~kvtierd.tiers.fs.safefs.PoolDir`: no symlink is
 followed and no open can block.
 
 Invariants:
@@ -30,9 +30,9 @@ import mmap
 import os
 from collections.abc import Sequence
 
-from kvtierd.tiers import fsformat
-from kvtierd.tiers.fsformat import HEADER_SIZE, CorruptBlock
-from kvtierd.tiers.safefs import REGULAR, Identity, PoolDir, UnexpectedEntry
+from kvtierd.tiers.fs import fsformat
+from kvtierd.tiers.fs.fsformat import HEADER_SIZE, CorruptBlock
+from kvtierd.tiers.fs.safefs import REGULAR, Identity, PoolDir, UnexpectedEntry
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
