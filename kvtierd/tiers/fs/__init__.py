@@ -2,16 +2,17 @@
 
 Modules, read in this order:
 
-* :mod:`.settings` -- ``FsTierSettings``: every option and its default, declared once.
+* :mod:`.settings` -- ``FsTierSettings``: every option, its default and its help.
 * :mod:`.configured` -- ``ConfiguredFsTier``: one ``[[tiers]]`` entry for the daemon's
   life (root check, shared I/O threads and workers, shared disk budget).
 * :mod:`.tier` -- ``FsTier``: one pool's tier, its lifecycle and job flow.
 * :mod:`.index` -- ``BlockIndex`` (per-key state and its lock) and ``DiskBudget``.
 * :mod:`.startup` -- the start-up probes (root, ``pool.json``, O_DIRECT).
 * :mod:`.scan` -- the index rebuild from file headers at start.
+* :mod:`.files` -- removing evicted and corrupt files.
 * :mod:`.fsck` -- ``kvtierctl fsck``, sharing the scan's header check.
 * :mod:`.fsformat`, :mod:`.blockfile`, :mod:`.safefs` -- the on-disk format, one
-  block file's read and write, no-follow opens below a pool directory.
+  block file's read, write and header check, no-follow opens below a pool directory.
 * :mod:`.iopool`, :mod:`.ioworker` -- the I/O threads and the I/O worker processes.
 * :mod:`.writelog` -- rate-limited reports of failed writes.
 
@@ -25,15 +26,28 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvtierd.tiers.fs.tier import DiskBudget, FsTier, FsTierError, PoolMismatchError
+    from kvtierd.tiers.fs.configured import ConfiguredFsTier
+    from kvtierd.tiers.fs.index import DiskBudget
+    from kvtierd.tiers.fs.settings import FsTierSettings
+    from kvtierd.tiers.fs.startup import FsTierError, PoolMismatchError
+    from kvtierd.tiers.fs.tier import FsTier
 
-__all__ = ["DiskBudget", "FsTier", "FsTierError", "PoolMismatchError"]
+__all__ = [
+    "ConfiguredFsTier",
+    "DiskBudget",
+    "FsTier",
+    "FsTierError",
+    "FsTierSettings",
+    "PoolMismatchError",
+]
 
 _HOMES = {
-    "DiskBudget": "kvtierd.tiers.fs.tier",
+    "ConfiguredFsTier": "kvtierd.tiers.fs.configured",
+    "DiskBudget": "kvtierd.tiers.fs.index",
     "FsTier": "kvtierd.tiers.fs.tier",
-    "FsTierError": "kvtierd.tiers.fs.tier",
-    "PoolMismatchError": "kvtierd.tiers.fs.tier",
+    "FsTierError": "kvtierd.tiers.fs.startup",
+    "FsTierSettings": "kvtierd.tiers.fs.settings",
+    "PoolMismatchError": "kvtierd.tiers.fs.startup",
 }
 
 

@@ -156,6 +156,34 @@ def read_block_file(
         os.close(fd)
 
 
+def check_header(
+    fd: int, st: os.stat_result, rel: str, fingerprint: bytes, block_bytes: int
+) -> fsformat.Header:
+    """The one header check of a block file met by listing its pool directory (the
+    start-up scan, ``fsck``): size, header, pool fingerprint, payload length, and
+    the file's name against its key. ``fd`` is the open file at ``rel`` (relative
+    to the pool directory), ``st`` its fstat. The payload is not read.
+
+    Sizes are checked against the header before anything else is read, so a
+    sparse 1 TiB file or a header claiming more payload than the file holds
+    costs one header read. Raises CorruptBlock(reason).
+    """
+    if st.st_size < HEADER_SIZE:
+        raise CorruptBlock(f"file is {st.st_size} bytes, shorter than a {HEADER_SIZE}-byte header")
+    header = fsformat.decode_header(os.pread(fd, HEADER_SIZE, 0))
+    holds = st.st_size - HEADER_SIZE
+    if header.payload_length > holds:
+        raise CorruptBlock(
+            f"header claims {header.payload_length} payload bytes, the file holds {holds}"
+        )
+    fsformat.verify_header(header, key=None, fingerprint=fingerprint, block_bytes=block_bytes)
+    if fsformat.block_rel_path(header.key) != rel:
+        raise CorruptBlock(f"header names key {header.key.hex()}, not this file")
+    if holds != block_bytes:
+        raise CorruptBlock(f"file is {st.st_size} bytes, expected {HEADER_SIZE + block_bytes}")
+    return header
+
+
 def bad_entry(exc: UnexpectedEntry) -> CorruptFile:
     """The CorruptFile standing for something other than a regular file at a block
     file's path (its own identity: removable unless a directory), or for a

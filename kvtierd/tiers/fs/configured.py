@@ -1,9 +1,9 @@
-"""A configured secondary tier: one ``[[tiers]]`` entry and what its pools share.
+"""A configured fs tier: one ``type = "fs"`` ``[[tiers]]`` entry and what its pools share.
 
 One :class:`ConfiguredFsTier` exists per configured fs tier for the daemon's
-whole life. Each pool gets its own :class:`~kvtierd.tiers.fs.FsTier` (its own
-directory, index and fingerprint) from :meth:`ConfiguredFsTier.create`; all of
-them share the configured tier's I/O threads and I/O worker processes (so
+whole life. Each pool gets its own :class:`~kvtierd.tiers.fs.tier.FsTier` (its
+own directory, index and fingerprint) from :meth:`ConfiguredFsTier.create`; all
+of them share the configured tier's I/O threads and I/O worker processes (so
 neither multiplies with pools), its write-queue limits and its byte capacity.
 
 Lifecycle (event loop): :meth:`check` at daemon start (refuses an unusable
@@ -20,25 +20,30 @@ import os
 import tempfile
 
 from kvtierd.tiers.base import JobCallback
+from kvtierd.tiers.configured import ConfiguredTier, PoolBinding, TierCheckError
+from kvtierd.tiers.fs.index import DiskBudget
 from kvtierd.tiers.fs.iopool import IoPool
 from kvtierd.tiers.fs.ioworker import IoWorkers
 from kvtierd.tiers.fs.settings import FsTierSettings
-from kvtierd.tiers.fs.tier import DiskBudget, FsTier
+from kvtierd.tiers.fs.tier import FsTier
 from kvtierd.tiers.fs.writelog import WriteFailureLog
 
 
-class TierRootError(Exception):
+class TierRootError(TierCheckError):
     """A configured tier's root directory cannot be used; the message names it."""
 
+    def __init__(self, message: str) -> None:
+        super().__init__("root", message)
 
-class ConfiguredFsTier:
+
+class ConfiguredFsTier(ConfiguredTier):
     """One configured fs tier: settings, shared capacity and shared I/O threads."""
 
-    type = "fs"
+    type_name = "fs"
 
     def __init__(self, name: str, settings: FsTierSettings) -> None:
-        self.name = name
-        self.settings = settings
+        super().__init__(name, settings)
+        self.settings: FsTierSettings = settings
         self.budget = DiskBudget(settings.capacity)
         # one report stream of write failures for all its pools
         self.write_log = WriteFailureLog(name, logging.getLogger("kvtierd.tiers.fs"))
@@ -75,26 +80,18 @@ class ConfiguredFsTier:
             ) from None
 
     def create(
-        self,
-        pool_name: str,
-        block_bytes: int,
-        layout: str,
-        region_buffer: memoryview,
-        on_done: JobCallback,
-        loop: asyncio.AbstractEventLoop,
-        *,
-        region_file: tuple[str, int, int] | None = None,
+        self, pool: PoolBinding, on_done: JobCallback, loop: asyncio.AbstractEventLoop
     ) -> FsTier:
         """An FsTier for one pool, not started (no file touched). On the loop: it
         creates the shared I/O pool and worker processes on first use.
 
-        ``region_file`` (path, st_dev, st_ino of the pool's region) lets the
-        tier's block I/O run in I/O worker processes (``io_processes``); without
+        With ``pool.region_file`` (path, st_dev, st_ino of the pool's region) the
+        tier's block I/O runs in I/O worker processes (``io_processes``); without
         it the I/O threads do the file work themselves.
         """
         s = self.settings
         workers = None
-        if s.io_processes and region_file is not None:
+        if s.io_processes and pool.region_file is not None:
             if self._workers is None:
                 self._workers = IoWorkers(
                     s.io_processes,
@@ -111,13 +108,13 @@ class ConfiguredFsTier:
                 max_queue_bytes=s.max_queue_bytes,
                 name=f"kvtierd-{self.name}",
             )
-        tier = FsTier(
+        return FsTier(
             self.name,
             s.root,
-            pool_name,
-            block_bytes,
-            layout,
-            region_buffer,
+            pool.pool_name,
+            pool.block_bytes,
+            pool.layout,
+            pool.region_buffer,
             s.capacity,
             on_done,
             loop,
@@ -126,10 +123,9 @@ class ConfiguredFsTier:
             io_pool=self._io,
             budget=self.budget,
             workers=workers,
-            region_file=region_file if workers is not None else None,
+            region_file=pool.region_file if workers is not None else None,
             write_log=self.write_log,
         )
-        return tier
 
     async def drain(self) -> None:
         if self._io is not None:

@@ -61,7 +61,7 @@ log = logging.getLogger("kvtierd.tiers.fs.ioworker")
 
 _LENGTH = struct.Struct("<I")
 _PR_SET_PDEATHSIG = 1
-_STOP_WAIT = 5.0  # seconds a worker gets to exit after EOF before it is killed
+STOP_WAIT_S = 5.0  # seconds a worker gets to exit after EOF before it is killed
 _KILL_WAIT = 1.0  # seconds to wait for a killed worker to be reaped
 
 # A region as a worker sees it: (path, st_dev, st_ino, block_bytes).
@@ -362,12 +362,12 @@ class WorkerProcess:
     def stop(self, deadline: float | None = None) -> None:
         """Closes the sockets (the worker exits at EOF) and reaps the process; kills
         it if it has not exited by ``deadline`` (monotonic; default: now +
-        ``_STOP_WAIT``). Bounded: a process that does not even die when killed
+        ``STOP_WAIT_S``). Bounded: a process that does not even die when killed
         (stuck in the kernel) is left behind, with a WARNING."""
         for sock in self.socks:
             sock.close()
         if deadline is None:
-            deadline = time.monotonic() + _STOP_WAIT
+            deadline = time.monotonic() + STOP_WAIT_S
         try:
             self.process.wait(timeout=max(0.0, deadline - time.monotonic()))
             return
@@ -445,7 +445,7 @@ class IoWorkers:
                 stopping.append(worker)
                 for sock in worker.socks:
                     sock.close()  # every worker sees EOF at once
-        deadline = time.monotonic() + _STOP_WAIT  # one wait for all of them, not one each
+        deadline = time.monotonic() + STOP_WAIT_S  # one wait for all of them, not one each
         for worker in stopping:
             worker.stop(deadline)
         with self._spawner_lock:

@@ -1,4 +1,11 @@
-"""Typed settings of each secondary-tier type, parsed from a ``[[tiers]]`` table.
+"""The settings of one ``type = "fs"`` tier: every option, its default and its help,
+declared once in :class:`FsTierSettings`.
+
+Everything else is derived from the dataclass: the option names the parser
+accepts, the help text (:func:`option_help`, shown by ``kvtierd --help``), the
+README's table of fs options (:func:`options_markdown`; a test compares them),
+and the defaults the tier, its I/O pool and the benchmarks use (they take a
+settings object, or :func:`default`, never a literal of their own).
 
 Parsing is pure (no filesystem access): it runs when the configuration is
 loaded, so a bad value stops the daemon with exit code 2 before anything
@@ -8,67 +15,136 @@ starts. Whether a root directory is usable is checked when the daemon starts
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from kvtierd.tiers.fs.tier import O_DIRECT_MODES
+from kvtierd.tiers.configured import TierOptionError
 from kvtierd.units import parse_size
 
-DEFAULT_FS_CAPACITY = 10 << 30
-MAX_IO_THREADS = 256
-DEFAULT_IO_PROCESSES = 2
+O_DIRECT_MODES = ("auto", "on", "off")
+MAX_IO_THREADS = 256  # per kind (read, write), and worker processes
+MIN_CAPACITY_BYTES = 1 << 20
+MIN_QUEUE_BYTES = 4096
+MAX_QUEUE_JOBS = 1 << 20
+_SIZE_OPTIONS = frozenset({"capacity", "max_queue_bytes"})  # written with a unit ("10GiB")
 
 
-class TierOptionError(ValueError):
-    """A bad tier option; ``key`` is the option's name inside its ``[[tiers]]`` table."""
-
-    def __init__(self, key: str, message: str) -> None:
-        super().__init__(message)
-        self.key = key
-        self.message = message
+def _option(default: Any, help: str) -> Any:
+    """A settings field: its default and the one line of help an operator reads."""
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass(frozen=True, slots=True)
 class FsTierSettings:
-    """One ``type = "fs"`` tier. ``capacity`` is shared by every pool of the daemon."""
+    """One ``type = "fs"`` tier. ``capacity`` is shared by every pool of the daemon.
 
-    root: str
-    capacity: int = DEFAULT_FS_CAPACITY  # bytes of block files, all pools together
-    create_root: bool = False  # create a missing root (the embedded default does)
-    fsync: bool = False  # fdatasync each block file before the rename
-    o_direct: str = "auto"  # auto: use O_DIRECT where the filesystem supports it
-    read_threads: int = 8  # I/O threads preferring reads (promotions)
-    write_threads: int = 8  # I/O threads preferring writes (cascades)
-    max_queue_bytes: int = 1 << 30  # cascade bytes in flight before writes are dropped
-    max_queue_jobs: int = 1024  # cascade jobs in flight before writes are dropped
-    io_processes: int = DEFAULT_IO_PROCESSES  # block I/O worker processes; 0: in the daemon
+    The defaults below are the only place fs defaults are written.
+    """
+
+    root: str = field(
+        metadata={"help": "directory holding the block files: an absolute path, existing "
+                  "and writable unless create_root"}
+    )  # fmt: skip
+    capacity: int = _option(
+        10 << 30, "bytes of block files of all pools together, least recently used go first"
+    )
+    create_root: bool = _option(False, "create the root directory if it is missing")
+    fsync: bool = _option(False, "fdatasync every block file before it becomes visible")
+    o_direct: str = _option(
+        "auto", "auto, on or off: bypass the page cache, auto where supported and faster"
+    )
+    read_threads: int = _option(8, "I/O threads that prefer reads (promotions)")
+    write_threads: int = _option(8, "I/O threads that prefer writes (cascades)")
+    max_queue_bytes: int = _option(
+        1 << 30, "cascade bytes queued before new cascade writes are dropped"
+    )
+    max_queue_jobs: int = _option(1024, "cascade jobs queued before new cascade writes are dropped")
+    io_processes: int = _option(
+        2,
+        "worker processes that do the block file I/O (checksum, write, read) off the "
+        "daemon's interpreter lock, 0 for the daemon's own I/O threads",
+    )
+
+    def exclusive(self) -> Mapping[str, object]:
+        """Options no two configured tiers may share: two tiers on one root would
+        count and evict each other's files."""
+        return {"root": self.root}
+
+    def describe(self) -> str:
+        """One line for the daemon's start log."""
+        return f"fs at {self.root}, capacity {self.capacity} bytes"
 
 
-FS_OPTION_HELP: Mapping[str, str] = {
-    "root": "directory holding the block files (absolute path; must exist and be writable)",
-    "capacity": "bytes of block files, all pools together; least recently used files go first",
-    "create_root": "create the root directory if it is missing (default false)",
-    "fsync": "fdatasync every block file before it becomes visible (default false)",
-    "o_direct": "auto | on | off: bypass the page cache (auto: where supported and faster)",
-    "read_threads": "I/O threads that prefer reads (promotions); default 8",
-    "write_threads": "I/O threads that prefer writes (cascades); default 8",
-    "max_queue_bytes": "cascade bytes queued before new cascade writes are dropped; default 1GiB",
-    "max_queue_jobs": "cascade jobs queued before new cascade writes are dropped; default 1024",
-    "io_processes": (
-        "worker processes that do the block file I/O (checksum, write, read) off the daemon's "
-        f"interpreter lock; 0 = in the daemon's I/O threads; default {DEFAULT_IO_PROCESSES}"
-    ),
-}
+OPTIONS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(FsTierSettings))
+
+# Every option at its default, for code that takes the options one by one (FsTier,
+# IoPool, the benchmarks). ``root`` has no default: it is "" here.
+DEFAULTS = FsTierSettings(root="")
+
+
+def default(option: str) -> Any:
+    """The default of ``option`` (KeyError for ``root``, which has none)."""
+    for f in dataclasses.fields(FsTierSettings):
+        if f.name == option:
+            if f.default is dataclasses.MISSING:
+                raise KeyError(f"fs tier option {option!r} has no default")
+            return f.default
+    raise KeyError(f"no fs tier option {option!r}")
+
+
+def format_default(option: str) -> str:
+    """The default of ``option`` as it is written in a TOML file (``"10GiB"``, ``8``,
+    ``false``, ``"auto"``); ``""`` for an option without a default."""
+    try:
+        value = default(option)
+    except KeyError:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if option in _SIZE_OPTIONS:
+        return f'"{_size_text(value)}"'
+    if isinstance(value, str):
+        return f'"{value}"'
+    return str(value)
+
+
+def option_help() -> dict[str, str]:
+    """Each option's help with its default (or "required"), in declaration order."""
+    helps = {}
+    for f in dataclasses.fields(FsTierSettings):
+        shown = format_default(f.name)
+        helps[f.name] = f"{f.metadata['help']} ({f'default {shown}' if shown else 'required'})"
+    return helps
+
+
+def options_markdown() -> str:
+    """The README's table of fs tier options (``| option | default | meaning |``)."""
+    lines = ["| option | default | meaning |", "|---|---|---|"]
+    for f in dataclasses.fields(FsTierSettings):
+        shown = format_default(f.name)
+        lines.append(
+            f"| `{f.name}` | {f'`{shown}`' if shown else 'required'} | {f.metadata['help']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _size_text(nbytes: int) -> str:
+    """``nbytes`` with the largest binary unit that divides it ("1GiB", "4096")."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift}{unit}"
+    return str(nbytes)
 
 
 def parse_fs_settings(options: Mapping[str, Any]) -> FsTierSettings:
     """Validates an fs tier's options; raises TierOptionError naming the option."""
-    unknown = sorted(set(options) - set(FS_OPTION_HELP))
+    unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise TierOptionError(
-            unknown[0], f"unknown fs tier option; known: {', '.join(sorted(FS_OPTION_HELP))}"
+            unknown[0], f"unknown fs tier option; known: {', '.join(sorted(OPTIONS))}"
         )
     if "root" not in options:
         raise TierOptionError("root", "missing: the directory for the block files")
@@ -77,7 +153,7 @@ def parse_fs_settings(options: Mapping[str, Any]) -> FsTierSettings:
         raise TierOptionError("root", f"expected an absolute directory path, got {root!r}")
     values: dict[str, Any] = {"root": os.path.normpath(root)}
     if "capacity" in options:
-        values["capacity"] = _size(options, "capacity", minimum=1 << 20)
+        values["capacity"] = _size(options, "capacity", minimum=MIN_CAPACITY_BYTES)
     for key in ("create_root", "fsync"):
         if key in options:
             values[key] = _bool(options, key)
@@ -96,11 +172,11 @@ def parse_fs_settings(options: Mapping[str, Any]) -> FsTierSettings:
     if values.get("read_threads", 1) + values.get("write_threads", 1) < 1:
         raise TierOptionError("read_threads", "read_threads + write_threads must be at least 1")
     if "max_queue_bytes" in options:
-        values["max_queue_bytes"] = _size(options, "max_queue_bytes", minimum=4096)
+        values["max_queue_bytes"] = _size(options, "max_queue_bytes", minimum=MIN_QUEUE_BYTES)
     if "io_processes" in options:
         values["io_processes"] = _int(options, "io_processes", 0, MAX_IO_THREADS)
     if "max_queue_jobs" in options:
-        values["max_queue_jobs"] = _int(options, "max_queue_jobs", 1, 1 << 20)
+        values["max_queue_jobs"] = _int(options, "max_queue_jobs", 1, MAX_QUEUE_JOBS)
     return FsTierSettings(**values)
 
 
@@ -126,3 +202,7 @@ def _int(options: Mapping[str, Any], key: str, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise TierOptionError(key, f"expected an integer in [{lo}, {hi}], got {value!r}")
     return value
+
+
+if __name__ == "__main__":  # prints the README table: python -m kvtierd.tiers.fs.settings
+    print(options_markdown(), end="")

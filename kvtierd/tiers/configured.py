@@ -1,0 +1,143 @@
+"""The configured-tier contract: what the daemon holds for one ``[[tiers]]`` table.
+
+A tier type (``fs`` now; Redis or a shared filesystem later) brings three things,
+registered by name in :mod:`kvtierd.tiers.registry`:
+
+* a frozen settings dataclass (:class:`TierSettings`) and a pure parser of a
+  ``[[tiers]]`` table into it, raising :class:`TierOptionError` naming the option;
+* a :class:`ConfiguredTier` subclass: one instance per configured tier for the
+  daemon's whole life, holding what the pools of that tier share (threads,
+  worker processes, a byte budget);
+* the per-pool tier it creates (:class:`StartableTier`, a
+  :class:`~kvtierd.tiers.base.SecondaryTier` with a two-step start).
+
+Lifecycle, all on the event loop unless said otherwise::
+
+    daemon start     ConfiguredTier.check()          refuses unusable resources
+    per pool         ConfiguredTier.create(...)      no I/O
+                     StartableTier.prepare()         blocking: off the loop
+                     StartableTier.launch()          starts threads; jobs may come
+    daemon shutdown  ConfiguredTier.drain()          every pool's jobs reported
+                     ConfiguredTier.shutdown()       joins shared threads
+
+Errors: :class:`TierOptionError` (configuration; exit code 2),
+:class:`TierCheckError` (``check``: exit code 2, naming the option), and
+:class:`TierStartError` (``prepare``: the pool is refused with
+FAILED_PRECONDITION and the message).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+from kvtierd.tiers.base import JobCallback, SecondaryTier
+
+
+class TierOptionError(ValueError):
+    """A bad tier option; ``key`` is the option's name inside its ``[[tiers]]`` table."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+        self.message = message
+
+
+class TierCheckError(Exception):
+    """A configured tier cannot run (its root is missing, say); ``option`` names the
+    option at fault inside its ``[[tiers]]`` table, the message names the resource."""
+
+    def __init__(self, option: str, message: str) -> None:
+        super().__init__(message)
+        self.option = option
+
+
+class TierStartError(Exception):
+    """A tier cannot start for one pool (its directory describes another pool, say);
+    the pool is refused with this message."""
+
+
+class TierSettings(Protocol):
+    """What the daemon needs from any tier type's settings dataclass."""
+
+    def exclusive(self) -> Mapping[str, object]:
+        """Option values no two configured tiers may share (``{"root": "/x"}``)."""
+        ...
+
+    def describe(self) -> str:
+        """One line for the daemon's start log."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class PoolBinding:
+    """What a pool gives each tier created for it.
+
+    ``region_buffer`` is the pool's whole region (rows of ``block_bytes``); the
+    tier touches a row only while a job of it runs (see :mod:`kvtierd.tiers.base`).
+    ``region_file`` (path, st_dev, st_ino) lets a tier map the region in another
+    process; None when the region has no file.
+    """
+
+    pool_name: str
+    block_bytes: int
+    layout: Any  # JSON-serialisable: what the bytes of a row mean
+    region_buffer: memoryview
+    region_file: tuple[str, int, int] | None = None
+
+
+class StartableTier(SecondaryTier):
+    """A secondary tier as :meth:`ConfiguredTier.create` returns it: not started."""
+
+    @abc.abstractmethod
+    def prepare(self) -> None:
+        """The start's blocking part (files, probes); called once, on any thread
+        but the loop's, before :meth:`launch`. Raises TierStartError (the pool is
+        refused) or OSError."""
+
+    @abc.abstractmethod
+    def launch(self) -> None:
+        """The start's loop part: starts the tier's threads; jobs may be submitted
+        from now on. On the loop, once, after :meth:`prepare` returned."""
+
+
+class ConfiguredTier(abc.ABC):
+    """One configured tier of the daemon: its settings and what its pools share.
+
+    Constructed by the registry as ``cls(name, settings)`` from a parsed
+    ``[[tiers]]`` table; lives as long as the daemon. Event-loop only.
+    """
+
+    type_name: ClassVar[str]  # the ``type`` of its ``[[tiers]]`` tables
+
+    def __init__(self, name: str, settings: TierSettings) -> None:
+        self.name = name  # the tier's label in statistics and logs
+        self.settings = settings
+
+    def describe(self) -> str:
+        """One line for the daemon's start log."""
+        return self.settings.describe()
+
+    @abc.abstractmethod
+    def check(self) -> None:
+        """At daemon start: raises TierCheckError unless the tier's resources are
+        usable (a real probe where permission bits could lie). May block briefly."""
+
+    @abc.abstractmethod
+    def create(
+        self, pool: PoolBinding, on_done: JobCallback, loop: asyncio.AbstractEventLoop
+    ) -> StartableTier:
+        """A tier for ``pool``, not started (no I/O here). ``on_done`` receives each
+        of its job results on ``loop``."""
+
+    @abc.abstractmethod
+    async def drain(self) -> None:
+        """Returns once every job submitted so far to this tier's pools reported."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Stops what the pools share (threads, processes) once every pool's tier
+        has shut down; queued jobs are reported failed. Idempotent."""
