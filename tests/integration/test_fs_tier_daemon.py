@@ -21,6 +21,7 @@ import pytest
 from daemon_harness import (
     DaemonProcess,
     daemon_command,
+    eventually,
     fs_tiers_config,
     start_daemon,
     wait_tier_jobs,
@@ -80,14 +81,14 @@ class Engine:
 
     def wait_settled(self, keys: list[bytes], timeout: float = 20.0) -> list[LookupResult]:
         """Looks keys up until none is HIT_PENDING or RETRY (promotions done)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            results = self.session.lookup(keys)
-            if not any(r in (PENDING, RETRY) for r in results):
-                return results
-            if time.monotonic() > deadline:
-                raise AssertionError(f"lookups still pending after {timeout}s: {results}")
-            time.sleep(0.01)
+        results: list[LookupResult] = []
+
+        def settled() -> bool:
+            results[:] = self.session.lookup(keys)
+            return not any(r in (PENDING, RETRY) for r in results)
+
+        eventually(settled, timeout, f"no HIT_PENDING or RETRY among {len(keys)} lookups")
+        return results
 
     def load(self, keys: list[bytes]) -> list[bytes]:
         block_ids = self.session.prepare_load(keys)
@@ -332,22 +333,16 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _all_exit(pids: list[int], timeout: float) -> bool:
-    """Whether every pid exited (or is a zombie) within ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        alive = []
-        for pid in pids:
-            try:
-                stat = Path(f"/proc/{pid}/stat").read_text()
-            except FileNotFoundError:
-                continue
-            if stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
-                alive.append(pid)
-        if not alive:
-            return True
-        time.sleep(0.01)
-    return False
+def _all_exited(pids: list[int]) -> bool:
+    """Whether every pid exited (or is a zombie)."""
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except FileNotFoundError:
+            continue
+        if stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+            return False
+    return True
 
 
 def test_sigkill_during_cascade_storm_leaves_a_clean_root(fs_root, pool_name):
@@ -371,9 +366,7 @@ def test_sigkill_during_cascade_storm_leaves_a_clean_root(fs_root, pool_name):
     worker = threading.Thread(target=storm)
     worker.start()
     try:
-        deadline = time.monotonic() + 30
-        while len(block_files(fs_root)) < 40 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        eventually(lambda: len(block_files(fs_root)) >= 40, 30, "40 block files cascaded")
         io_workers = _children(daemon.proc.pid)
         daemon.proc.send_signal(signal.SIGKILL)
         daemon.proc.wait()
@@ -385,7 +378,7 @@ def test_sigkill_during_cascade_storm_leaves_a_clean_root(fs_root, pool_name):
     # the I/O worker processes die with the daemon: none finishes a write behind
     # the back of the restarted daemon's scan
     assert io_workers, "the storm ran no block I/O in worker processes"
-    assert _all_exit(io_workers, timeout=5.0), "an I/O worker outlived the daemon"
+    eventually(lambda: _all_exited(io_workers), 5.0, "every I/O worker died with the daemon")
 
     fsck = subprocess.run(
         daemon_command("fsck", "--quiet", str(fs_root)), capture_output=True, text=True

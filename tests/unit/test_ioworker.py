@@ -7,10 +7,10 @@ import errno
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 
 import pytest
+from daemon_harness import eventually
 from test_fs_tier import BLOCK, FILE_BYTES, Harness, block_path, region, run, temp_files
 
 from kvtierd.contract import LookupResult
@@ -24,19 +24,20 @@ __all__ = ["region"]  # the fixture, imported for these tests
 FINGERPRINT = b"\x07" * fsformat.FINGERPRINT_BYTES
 
 
+def _gone(pid: int) -> bool:
+    """Whether ``pid`` exited (a zombie not yet reaped counts)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")
+
+
 def _wait_gone(pid: int, timeout: float = 10.0) -> bool:
-    """Whether ``pid`` exited within ``timeout`` (a zombie not yet reaped counts)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
-            return True
-        if state in ("Z", "X"):
-            return True
-        time.sleep(0.01)
-    return False
+    """True once ``pid`` exited; AssertionError naming it after ``timeout`` seconds."""
+    eventually(lambda: _gone(pid), timeout, f"process {pid} exited")
+    return True
 
 
 def _write_request(region: Region, tmp_path: Path, key: bytes, row: int) -> tuple:
