@@ -47,8 +47,8 @@ import numpy as np
 import xxhash
 
 from benchmarks.common import BenchDaemon, Row
-from kvtierd.tiers.fsformat import HEADER_SIZE
-from kvtierd.tiers.settings import DEFAULT_IO_PROCESSES
+from kvtierd.tiers.fs.fsformat import HEADER_SIZE
+from kvtierd.tiers.fs.settings import DEFAULTS
 from kvtierd_client.client import Client, LookupResult
 from kvtierd_client.region import AttachedRegion
 
@@ -551,7 +551,7 @@ def run() -> list[Row]:
                 rows.append(Row("fs tier, O_DIRECT on vs off", f"{_short(phase)}, o_direct=on",
                                 on, "GB/s", f"o_direct=off {off:.2f} GB/s", on / off,
                                 "auto: on only if faster"))  # fmt: skip
-        wgroup = f"fs tier, block I/O in {DEFAULT_IO_PROCESSES} worker processes vs in the daemon"
+        wgroup = f"fs tier, block I/O in {DEFAULTS.io_processes} worker processes vs in the daemon"
         for phase in (p for p in NAMES if p in inline):
             gbs, base_gbs = _gbs(payload, tiers["off"][phase]), _gbs(payload, inline[phase])
             rows.append(Row(wgroup, f"{_short(phase)}, o_direct=off", gbs, "GB/s",

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from kvtierd import __version__
 from kvtierd.config import OPTIONS, Config, ConfigError, load_config
+from kvtierd.tiers import registry
 
 EXIT_CONFIG = 2
 EXIT_RUNTIME = 1
@@ -29,7 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
         "served over gRPC.",
         epilog="Every key can also be set with KVTIERD_<SECTION>_<KEY> in the environment "
         "(e.g. KVTIERD_MEMORY_BUDGET=8GiB). Precedence: flag > environment > file > default. "
-        "Operator commands: kvtierd fsck ROOT (see kvtierctl --help).",
+        "Operator commands: kvtierd fsck ROOT (see kvtierctl --help). Secondary tiers are "
+        "[[tiers]] tables of the --config file (type, name, then the type's options): "
+        + registry.help_text(),
     )
     parser.add_argument("--version", action="version", version=f"kvtierd {__version__}")
     parser.add_argument("--config", metavar="FILE", help="TOML configuration file")

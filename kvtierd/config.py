@@ -18,7 +18,8 @@ from typing import Any
 
 from kvtierd.events import KEY_OVERHEAD_BYTES, MAX_EVENT_BYTES
 from kvtierd.history import KEY_OVERHEAD_BYTES as REMOVAL_OVERHEAD_BYTES
-from kvtierd.tiers.settings import FsTierSettings, TierOptionError, parse_fs_settings
+from kvtierd.tiers import registry
+from kvtierd.tiers.configured import TierOptionError, TierSettings
 from kvtierd.units import format_bytes, parse_duration, parse_size
 from kvtierd_client.address import default_socket_path
 
@@ -434,11 +435,12 @@ class LogConfig:
 
 @dataclass(frozen=True, slots=True)
 class TierConfig:
-    """One secondary tier: its type, its name (a metrics label) and typed settings."""
+    """One secondary tier: its type, its name (a metrics label) and typed settings
+    (the settings dataclass of its type, see :mod:`kvtierd.tiers.registry`)."""
 
     type: str
     name: str
-    settings: FsTierSettings
+    settings: TierSettings
     key: str = ""  # where it was configured ("tiers[0]"), for error messages
 
 
@@ -577,10 +579,6 @@ def _raw_value(
 
 
 _TIER_NAME = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
-# Tier types this build can attach to pools. Refusing the others keeps an operator
-# from believing blocks persist to a tier that is not running.
-SUPPORTED_TIER_TYPES: tuple[str, ...] = ("fs",)
-DEFAULT_FS_TIER_NAME = "fs"
 
 
 def data_directory(env: Mapping[str, str]) -> str:
@@ -596,10 +594,10 @@ def data_directory(env: Mapping[str, str]) -> str:
 
 
 def default_tiers(env: Mapping[str, str]) -> tuple[TierConfig, ...]:
-    """The embedded default (no --config): one fs tier under the data directory."""
-    root = os.path.join(data_directory(env), "fs")
-    settings = FsTierSettings(root=root, create_root=True)
-    return (TierConfig("fs", DEFAULT_FS_TIER_NAME, settings, key="tiers[default]"),)
+    """The embedded default (no --config): the registry's default tier under the
+    data directory."""
+    tier_type, name, settings = registry.embedded_default(data_directory(env))
+    return (TierConfig(tier_type, name, settings, key="tiers[default]"),)
 
 
 def _parse_tiers(raw: Any) -> tuple[TierConfig, ...]:
@@ -611,24 +609,25 @@ def _parse_tiers(raw: Any) -> tuple[TierConfig, ...]:
         if not isinstance(body, dict):
             raise ConfigError(key, "must be a table")
         options = dict(body)
-        tier_type = options.pop("type", None)
-        supported = ", ".join(SUPPORTED_TIER_TYPES) or "none in this build"
-        if not isinstance(tier_type, str) or not tier_type:
+        type_name = options.pop("type", None)
+        if not isinstance(type_name, str) or not type_name:
+            supported = ", ".join(registry.supported()) or "none in this build"
             raise ConfigError(f"{key}.type", f"missing; supported types: {supported}")
-        if tier_type not in SUPPORTED_TIER_TYPES:
-            raise ConfigError(
-                f"{key}.type", f"unsupported tier type {tier_type!r}; supported: {supported}"
-            )
-        name = options.pop("name", f"{tier_type}{index}")
+        try:
+            tier_type = registry.lookup(type_name)
+        except registry.UnknownTierType as exc:
+            raise ConfigError(f"{key}.type", str(exc)) from None
+        name = options.pop("name", f"{type_name}{index}")
         if not isinstance(name, str) or not _TIER_NAME.match(name) or name == "primary":
             raise ConfigError(f"{key}.name", f"must match [A-Za-z0-9_-]{{1,32}}, got {name!r}")
         if any(t.name == name for t in tiers):
             raise ConfigError(f"{key}.name", f"duplicate tier name {name!r}")
         try:
-            settings = parse_fs_settings(options)
+            settings = tier_type.parse_settings(options)
         except TierOptionError as exc:
             raise ConfigError(f"{key}.{exc.key}", exc.message) from None
-        if any(t.settings.root == settings.root for t in tiers):
-            raise ConfigError(f"{key}.root", f"{settings.root} is already another tier's root")
-        tiers.append(TierConfig(type=tier_type, name=name, settings=settings, key=key))
+        for option, value in settings.exclusive().items():
+            if any(t.settings.exclusive().get(option) == value for t in tiers):
+                raise ConfigError(f"{key}.{option}", f"{value} is already another tier's {option}")
+        tiers.append(TierConfig(type=type_name, name=name, settings=settings, key=key))
     return tuple(tiers)

@@ -54,7 +54,7 @@ class Progress:
 
 
 def cmd_fsck(args: argparse.Namespace) -> int:
-    from kvtierd.tiers.fsck import fsck
+    from kvtierd.tiers.fs.fsck import fsck
 
     root = args.root
     if not os.path.isdir(root):

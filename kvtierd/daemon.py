@@ -33,7 +33,8 @@ from kvtierd.security.tls import ServerTls, TlsFiles
 from kvtierd.server import add_listeners, build_server, remove_unix_sockets, set_health
 from kvtierd.service import KVTierService
 from kvtierd.sessions import SessionTable
-from kvtierd.tiers.configured import ConfiguredFsTier, TierRootError
+from kvtierd.tiers import registry
+from kvtierd.tiers.configured import ConfiguredTier, TierCheckError
 
 log = logging.getLogger("kvtierd.daemon")
 
@@ -56,7 +57,9 @@ class Daemon:
         tokens = read_tokens(config.security.tokens_file) if config.security.tokens_file else ()
         tls_files = TlsFiles.from_config(config.security)
         self.tls = ServerTls(tls_files) if tls_files is not None else None  # None: plain TCP
-        self.tiers = [ConfiguredFsTier(tier.name, tier.settings) for tier in config.tiers]
+        self.tiers: list[ConfiguredTier] = [
+            registry.configure(tier.type, tier.name, tier.settings) for tier in config.tiers
+        ]
         self.pools = PoolTable(config.memory, config.limits, self.gid, self.tiers)
         self.sessions = SessionTable(
             config.sessions.lease,
@@ -87,7 +90,7 @@ class Daemon:
 
     async def start(self) -> None:
         _check_shm_dir(self.config.memory.shm_dir)
-        self._check_tier_roots()
+        self._check_tiers()
         await self._start_metrics()
         server, self._health = build_server(self.service, self.config.limits)
         await set_health(self._health, serving=False)
@@ -155,16 +158,15 @@ class Daemon:
             ) from None
         log.info("metrics on http://%s/metrics", address)
 
-    def _check_tier_roots(self) -> None:
+    def _check_tiers(self) -> None:
+        """Each configured tier checks its resources; the first refusal stops the
+        start with exit code 2, naming the option at fault."""
         for configured, tier in zip(self.tiers, self.config.tiers, strict=True):
             try:
                 configured.check()
-            except TierRootError as exc:
-                raise ConfigError(f"{tier.key}.root", str(exc)) from None
-            log.info(
-                "tier %s: fs at %s, capacity %d bytes", tier.name, tier.settings.root,
-                tier.settings.capacity,
-            )  # fmt: skip
+            except TierCheckError as exc:
+                raise ConfigError(f"{tier.key}.{exc.option}", str(exc)) from None
+            log.info("tier %s: %s", tier.name, configured.describe())
 
     async def _drain_tiers(self) -> None:
         grace = self.config.server.shutdown_grace

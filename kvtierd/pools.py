@@ -24,8 +24,7 @@ from kvtierd.config import LimitsConfig, MemoryConfig
 from kvtierd.errors import FailedPrecondition, PoolNotFound, ResourceExhausted
 from kvtierd.pool import Pool, PoolSpec
 from kvtierd.region import InsufficientSpaceError, Region, RegionError
-from kvtierd.tiers.configured import ConfiguredFsTier
-from kvtierd.tiers.fs import FsTierError
+from kvtierd.tiers.configured import ConfiguredTier, PoolBinding, TierStartError
 from kvtierd.units import format_bytes
 
 log = logging.getLogger("kvtierd.pools")
@@ -41,7 +40,7 @@ class PoolTable:
         memory: MemoryConfig,
         limits: LimitsConfig,
         gid: int | None,
-        tiers: Sequence[ConfiguredFsTier] = (),
+        tiers: Sequence[ConfiguredTier] = (),
     ) -> None:
         self._memory = memory
         self._limits = limits
@@ -180,21 +179,20 @@ class PoolTable:
         stops the tiers attached so far and refuses the pool with the tier's message."""
         loop = asyncio.get_running_loop()
         spec = pool.spec
+        binding = PoolBinding(
+            spec.name,
+            spec.block_bytes,
+            spec.layout,
+            pool.region.buffer(),
+            region_file=(pool.region.path, *pool.region.identity()),
+        )
         try:
             for configured in self._tiers:
-                tier = configured.create(
-                    spec.name,
-                    spec.block_bytes,
-                    spec.layout,
-                    pool.region.buffer(),
-                    pool.tiering.on_done,
-                    loop,
-                    region_file=(pool.region.path, *pool.region.identity()),
-                )
+                tier = configured.create(binding, pool.tiering.on_done, loop)
                 await off_loop(tier.prepare)
                 tier.launch()
                 pool.tiering.attach(tier)
-        except (FsTierError, OSError) as exc:
+        except (TierStartError, OSError) as exc:
             pool.close_tiers()
             raise FailedPrecondition(f"pool {spec.name!r}: {exc}") from None
 

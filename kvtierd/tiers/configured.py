@@ -1,144 +1,143 @@
-"""A configured secondary tier: one ``[[tiers]]`` entry and what its pools share.
+"""The configured-tier contract: what the daemon holds for one ``[[tiers]]`` table.
 
-One :class:`ConfiguredFsTier` exists per configured fs tier for the daemon's
-whole life. Each pool gets its own :class:`~kvtierd.tiers.fs.FsTier` (its own
-directory, index and fingerprint) from :meth:`ConfiguredFsTier.create`; all of
-them share the configured tier's I/O threads and I/O worker processes (so
-neither multiplies with pools), its write-queue limits and its byte capacity.
+A tier type (``fs`` now; Redis or a shared filesystem later) brings three things,
+registered by name in :mod:`kvtierd.tiers.registry`:
 
-Lifecycle (event loop): :meth:`check` at daemon start (refuses an unusable
-root, naming it) -> :meth:`create` per pool -> :meth:`shutdown` once every pool
-has drained (joins the I/O threads, so no thread touches a region afterwards).
+* a frozen settings dataclass (:class:`TierSettings`) and a pure parser of a
+  ``[[tiers]]`` table into it, raising :class:`TierOptionError` naming the option;
+* a :class:`ConfiguredTier` subclass: one instance per configured tier for the
+  daemon's whole life, holding what the pools of that tier share (threads,
+  worker processes, a byte budget);
+* the per-pool tier it creates (:class:`StartableTier`, a
+  :class:`~kvtierd.tiers.base.SecondaryTier` with a two-step start).
+
+Lifecycle, all on the event loop unless said otherwise::
+
+    daemon start     ConfiguredTier.check()          refuses unusable resources
+    per pool         ConfiguredTier.create(...)      no I/O
+                     StartableTier.prepare()         blocking: off the loop
+                     StartableTier.launch()          starts threads; jobs may come
+    daemon shutdown  ConfiguredTier.drain()          every pool's jobs reported
+                     ConfiguredTier.shutdown()       joins shared threads
+
+Errors: :class:`TierOptionError` (configuration; exit code 2),
+:class:`TierCheckError` (``check``: exit code 2, naming the option), and
+:class:`TierStartError` (``prepare``: the pool is refused with
+FAILED_PRECONDITION and the message).
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
-import errno
-import logging
-import os
-import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
 
-from kvtierd.tiers.base import JobCallback
-from kvtierd.tiers.fs import DiskBudget, FsTier
-from kvtierd.tiers.iopool import IoPool
-from kvtierd.tiers.ioworker import IoWorkers
-from kvtierd.tiers.settings import FsTierSettings
-from kvtierd.tiers.writelog import WriteFailureLog
+from kvtierd.tiers.base import JobCallback, SecondaryTier
 
 
-class TierRootError(Exception):
-    """A configured tier's root directory cannot be used; the message names it."""
+class TierOptionError(ValueError):
+    """A bad tier option; ``key`` is the option's name inside its ``[[tiers]]`` table."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+        self.message = message
 
 
-class ConfiguredFsTier:
-    """One configured fs tier: settings, shared capacity and shared I/O threads."""
+class TierCheckError(Exception):
+    """A configured tier cannot run (its root is missing, say); ``option`` names the
+    option at fault inside its ``[[tiers]]`` table, the message names the resource."""
 
-    type = "fs"
+    def __init__(self, option: str, message: str) -> None:
+        super().__init__(message)
+        self.option = option
 
-    def __init__(self, name: str, settings: FsTierSettings) -> None:
-        self.name = name
+
+class TierStartError(Exception):
+    """A tier cannot start for one pool (its directory describes another pool, say);
+    the pool is refused with this message."""
+
+
+class TierSettings(Protocol):
+    """What the daemon needs from any tier type's settings dataclass."""
+
+    def exclusive(self) -> Mapping[str, object]:
+        """Option values no two configured tiers may share (``{"root": "/x"}``)."""
+        ...
+
+    def describe(self) -> str:
+        """One line for the daemon's start log."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class PoolBinding:
+    """What a pool gives each tier created for it.
+
+    ``region_buffer`` is the pool's whole region (rows of ``block_bytes``); the
+    tier touches a row only while a job of it runs (see :mod:`kvtierd.tiers.base`).
+    ``region_file`` (path, st_dev, st_ino) lets a tier map the region in another
+    process; None when the region has no file.
+    """
+
+    pool_name: str
+    block_bytes: int
+    layout: Any  # JSON-serialisable: what the bytes of a row mean
+    region_buffer: memoryview
+    region_file: tuple[str, int, int] | None = None
+
+
+class StartableTier(SecondaryTier):
+    """A secondary tier as :meth:`ConfiguredTier.create` returns it: not started."""
+
+    @abc.abstractmethod
+    def prepare(self) -> None:
+        """The start's blocking part (files, probes); called once, on any thread
+        but the loop's, before :meth:`launch`. Raises TierStartError (the pool is
+        refused) or OSError."""
+
+    @abc.abstractmethod
+    def launch(self) -> None:
+        """The start's loop part: starts the tier's threads; jobs may be submitted
+        from now on. On the loop, once, after :meth:`prepare` returned."""
+
+
+class ConfiguredTier(abc.ABC):
+    """One configured tier of the daemon: its settings and what its pools share.
+
+    Constructed by the registry as ``cls(name, settings)`` from a parsed
+    ``[[tiers]]`` table; lives as long as the daemon. Event-loop only.
+    """
+
+    type_name: ClassVar[str]  # the ``type`` of its ``[[tiers]]`` tables
+
+    def __init__(self, name: str, settings: TierSettings) -> None:
+        self.name = name  # the tier's label in statistics and logs
         self.settings = settings
-        self.budget = DiskBudget(settings.capacity)
-        # one report stream of write failures for all its pools
-        self.write_log = WriteFailureLog(name, logging.getLogger("kvtierd.tiers.fs"))
-        self._io: IoPool | None = None  # started with the first pool
-        self._workers: IoWorkers | None = None  # started with the first pool (if any)
 
+    def describe(self) -> str:
+        """One line for the daemon's start log."""
+        return self.settings.describe()
+
+    @abc.abstractmethod
     def check(self) -> None:
-        """Raises TierRootError unless the root exists (or may be created) and this
-        process can create files in it (a real probe: permission bits lie for root)."""
-        root = self.settings.root
-        if not os.path.isdir(root):
-            if os.path.exists(root):
-                raise TierRootError(f"fs tier {self.name}: root {root} is not a directory")
-            if not self.settings.create_root:
-                raise TierRootError(
-                    f"fs tier {self.name}: root directory {root} does not exist; create it "
-                    "(owned by the daemon's user) or set create_root = true"
-                )
-            try:
-                os.makedirs(root, mode=0o750, exist_ok=True)
-            except OSError as exc:
-                raise TierRootError(
-                    f"fs tier {self.name}: cannot create root directory {root}: "
-                    f"{exc.strerror or exc}"
-                ) from None
-        try:
-            probe = tempfile.NamedTemporaryFile(dir=root, prefix=".kvtierd-probe-")  # noqa: SIM115
-            probe.close()
-        except OSError as exc:
-            reason = "not writable" if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else ""
-            raise TierRootError(
-                f"fs tier {self.name}: root directory {root} is {reason or 'unusable'} for this "
-                f"process (uid {os.geteuid()}): {exc.strerror or exc}"
-            ) from None
+        """At daemon start: raises TierCheckError unless the tier's resources are
+        usable (a real probe where permission bits could lie). May block briefly."""
 
+    @abc.abstractmethod
     def create(
-        self,
-        pool_name: str,
-        block_bytes: int,
-        layout: str,
-        region_buffer: memoryview,
-        on_done: JobCallback,
-        loop: asyncio.AbstractEventLoop,
-        *,
-        region_file: tuple[str, int, int] | None = None,
-    ) -> FsTier:
-        """An FsTier for one pool, not started (no file touched). On the loop: it
-        creates the shared I/O pool and worker processes on first use.
+        self, pool: PoolBinding, on_done: JobCallback, loop: asyncio.AbstractEventLoop
+    ) -> StartableTier:
+        """A tier for ``pool``, not started (no I/O here). ``on_done`` receives each
+        of its job results on ``loop``."""
 
-        ``region_file`` (path, st_dev, st_ino of the pool's region) lets the
-        tier's block I/O run in I/O worker processes (``io_processes``); without
-        it the I/O threads do the file work themselves.
-        """
-        s = self.settings
-        workers = None
-        if s.io_processes and region_file is not None:
-            if self._workers is None:
-                self._workers = IoWorkers(
-                    s.io_processes,
-                    channels=s.read_threads + s.write_threads,
-                    name=f"kvtierd-{self.name}-io",
-                )
-            workers = self._workers
-        if self._io is None:
-            self._io = IoPool(
-                loop,
-                read_threads=s.read_threads,
-                write_threads=s.write_threads,
-                max_queue_jobs=s.max_queue_jobs,
-                max_queue_bytes=s.max_queue_bytes,
-                name=f"kvtierd-{self.name}",
-            )
-        tier = FsTier(
-            self.name,
-            s.root,
-            pool_name,
-            block_bytes,
-            layout,
-            region_buffer,
-            s.capacity,
-            on_done,
-            loop,
-            fsync=s.fsync,
-            o_direct=s.o_direct,
-            io_pool=self._io,
-            budget=self.budget,
-            workers=workers,
-            region_file=region_file if workers is not None else None,
-            write_log=self.write_log,
-        )
-        return tier
-
+    @abc.abstractmethod
     async def drain(self) -> None:
-        if self._io is not None:
-            await self._io.drain()
+        """Returns once every job submitted so far to this tier's pools reported."""
 
+    @abc.abstractmethod
     def shutdown(self) -> None:
-        """Fails queued jobs, joins the I/O threads (running ones finish), then stops
-        the I/O worker processes (no thread can send them a request anymore). Idempotent."""
-        if self._io is not None:
-            self._io.shutdown()
-        if self._workers is not None:
-            self._workers.stop()
+        """Stops what the pools share (threads, processes) once every pool's tier
+        has shut down; queued jobs are reported failed. Idempotent."""

@@ -29,7 +29,7 @@ from test_fs_tier_daemon import (
     payload,
 )
 
-from kvtierd.tiers import fsformat
+from kvtierd.tiers.fs import fsformat
 
 __all__ = ["fs_root"]  # the fixture, imported for these tests
 

@@ -26,7 +26,7 @@ from daemon_harness import (
     wait_tier_jobs,
 )
 
-from kvtierd.tiers import fsformat
+from kvtierd.tiers.fs import fsformat
 from kvtierd_client.client import Client, LookupResult, Session
 from kvtierd_client.errors import FailedPrecondition
 from kvtierd_client.proto import pb2

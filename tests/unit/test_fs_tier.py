@@ -1,7 +1,8 @@
 """The FS tier (kvtierd.tiers.fs): real files under tmp_path, a real Region in /dev/shm.
 
 Every test drives the tier inside ``asyncio.run`` and waits for ``on_done`` through
-futures; scans and writes are held with threading.Events, never with sleeps.
+futures; scans, reads and writes are held with threading.Events at the tier's public
+hooks (``before_scan``, ``block_io``), never with sleeps.
 """
 
 from __future__ import annotations
@@ -21,12 +22,11 @@ import pytest
 
 from kvtierd.contract import LookupResult
 from kvtierd.region import Region
-from kvtierd.tiers import fsformat, safefs
 from kvtierd.tiers.base import JobResult, TierJob
-from kvtierd.tiers.fs import FsTier, FsTierError, PoolMismatchError
-from kvtierd.tiers.fsck import fsck
-from kvtierd.tiers.iopool import IoPool, PoolShutDown
-from kvtierd.tiers.ioworker import IoWorkers
+from kvtierd.tiers.fs import FsTier, FsTierError, PoolMismatchError, fsformat, ioworker, safefs
+from kvtierd.tiers.fs.fsck import fsck
+from kvtierd.tiers.fs.iopool import IoPool, PoolShutDown
+from kvtierd.tiers.fs.ioworker import BlockIo, InlineIo, IoWorkers, Reply
 
 BLOCK = 16384
 ROWS = 8
@@ -68,7 +68,7 @@ class Harness:
         self.calls[result.job_id] += 1
         self.waiters[result.job_id].set_result(result)
 
-    def tier(self, cls: type[FsTier] = FsTier, **kw: Any) -> FsTier:
+    def tier(self, **kw: Any) -> FsTier:
         args: dict[str, Any] = dict(
             capacity_bytes=1 << 30, read_threads=2, write_threads=2, o_direct=self.o_direct
         )
@@ -78,7 +78,7 @@ class Harness:
                 region_file=(self.region.path, *self.region.identity()),
             )
         args.update(kw)
-        return cls(
+        return FsTier(
             "fs",
             self.root,
             POOL,
@@ -90,26 +90,35 @@ class Harness:
             **args,
         )
 
-    async def ready_tier(self, cls: type[FsTier] = FsTier, **kw: Any) -> FsTier:
-        tier = self.tier(cls, **kw)
+    async def ready_tier(self, **kw: Any) -> FsTier:
+        tier = self.tier(**kw)
         tier.start()
         await tier.wait_ready()
+        tier.index.check_invariants()
         return tier
 
-    def _job(self, keys: list[bytes], rows: list[int], promotion: bool) -> TierJob:
+    def gated(self, op: str) -> GatedIo:
+        """Block I/O in the daemon (inline) that holds every ``op`` request at a gate."""
+        return GatedIo(InlineIo(self.region.buffer()), op)
+
+    def job(self, keys: list[bytes], rows: list[int], promotion: bool) -> TierJob:
         self.next_job += 1
         self.waiters[self.next_job] = self.loop.create_future()
         return TierJob(self.next_job, tuple(keys), tuple(rows), promotion)
 
     async def store(self, tier: FsTier, keys: list[bytes], rows: list[int]) -> JobResult:
-        job = self._job(keys, rows, False)
+        job = self.job(keys, rows, False)
         assert tier.submit_store(job)
-        return await self.waiters[job.job_id]
+        result = await self.waiters[job.job_id]
+        tier.index.check_invariants()
+        return result
 
     async def load(self, tier: FsTier, keys: list[bytes], rows: list[int]) -> JobResult:
-        job = self._job(keys, rows, True)
+        job = self.job(keys, rows, True)
         tier.submit_load(job)
-        return await self.waiters[job.job_id]
+        result = await self.waiters[job.job_id]
+        tier.index.check_invariants()
+        return result
 
     def fill(self, row: int, seed: int) -> bytes:
         data = (bytes([seed % 251]) + os.urandom(BLOCK - 1))[:BLOCK]
@@ -132,6 +141,23 @@ def run(
                 harness.workers.stop()
 
     return asyncio.run(main())
+
+
+class GatedIo:
+    """Block I/O that holds each request of one kind (``ioworker.READ`` or ``WRITE``)
+    until ``gate`` is set; ``started`` is set when the first one arrives."""
+
+    def __init__(self, inner: BlockIo, op: str) -> None:
+        self.inner = inner
+        self.op = op
+        self.started = threading.Event()
+        self.gate = threading.Event()
+
+    def call(self, request: tuple[Any, ...]) -> list[Reply]:
+        if request[0] == self.op:
+            self.started.set()
+            self.gate.wait()
+        return self.inner.call(request)
 
 
 # Where the block file I/O runs: on the tier's I/O threads, or in worker processes.
@@ -227,13 +253,6 @@ def test_load_of_a_missing_file_fails_without_checksum_failure(
     run(region, tmp_path, body, io_processes=io_processes)
 
 
-class GatedScanTier(FsTier):
-    gate = threading.Event()
-
-    def _scan_hook(self) -> None:
-        self.gate.wait()
-
-
 def test_lookup_retries_until_scan_ends_and_restart_finds_blocks(
     region: Region, tmp_path: Path
 ) -> None:
@@ -245,13 +264,13 @@ def test_lookup_retries_until_scan_ends_and_restart_finds_blocks(
         for i in range(3):
             h.region.row(i)[:] = bytes(BLOCK)
 
-        GatedScanTier.gate = threading.Event()
-        second = h.tier(GatedScanTier)
+        gate = threading.Event()
+        second = h.tier(before_scan=gate.wait)
         second.start()
         try:
             assert second.lookup([b"a", b"zz"]) == [LookupResult.RETRY] * 2
             assert not second.ready
-            GatedScanTier.gate.set()
+            gate.set()
             await second.wait_ready()
             assert second.lookup([b"a", b"zz"]) == [LookupResult.HIT, LookupResult.MISS]
             assert second.statistics().used_bytes == 3 * FILE_BYTES
@@ -259,7 +278,7 @@ def test_lookup_retries_until_scan_ends_and_restart_finds_blocks(
             assert loaded.success
             assert [h.read(i) for i in (5, 6, 7)] == data
         finally:
-            GatedScanTier.gate.set()
+            gate.set()
             second.shutdown()
 
     run(region, tmp_path, body)
@@ -440,7 +459,7 @@ def test_a_slow_eviction_unlink_blocks_neither_lookups_nor_the_budget(
             h.fill(0, 1)
             data = h.fill(1, 2)
             assert (await h.store(tier, [b"old"], [0])).success
-            job = h._job([b"new"], [1], False)
+            job = h.job([b"new"], [1], False)
             assert tier.submit_store(job)
             assert await h.loop.run_in_executor(None, unlinking.wait, 10)  # renamed aside
             answers = await asyncio.wait_for(
@@ -462,30 +481,21 @@ def test_a_slow_eviction_unlink_blocks_neither_lookups_nor_the_budget(
     run(region, tmp_path, body)
 
 
-class GatedReadTier(FsTier):
-    started = threading.Event()
-    gate = threading.Event()
-
-    def _read_files(self, items: list[tuple[bytes, int]]) -> list[BaseException | None]:
-        self.started.set()
-        self.gate.wait()
-        return super()._read_files(items)
-
-
 def test_a_file_being_read_is_never_evicted(region: Region, tmp_path: Path) -> None:
     async def body(h: Harness) -> None:
-        GatedReadTier.started, GatedReadTier.gate = threading.Event(), threading.Event()
-        tier = await h.ready_tier(GatedReadTier, capacity_bytes=FILE_BYTES)
+        reads = h.gated(ioworker.READ)
+        tier = await h.ready_tier(capacity_bytes=FILE_BYTES, block_io=reads)
         try:
             data = h.fill(0, 7)
             h.fill(1, 8)
             assert (await h.store(tier, [b"read-me"], [0])).success
-            load = h._job([b"read-me"], [2], True)
+            load = h.job([b"read-me"], [2], True)
             tier.submit_load(load)
-            await h.loop.run_in_executor(None, GatedReadTier.started.wait)
+            await h.loop.run_in_executor(None, reads.started.wait)
             refused = await h.store(tier, [b"newcomer"], [1])
             assert not refused.success  # the only evictable file is being read
-            GatedReadTier.gate.set()
+            assert tier.index.statistics().reading == 1
+            reads.gate.set()
             assert (await h.waiters[load.job_id]).success and h.read(2) == data
             assert (await h.store(tier, [b"newcomer"], [1])).success  # now it may go
             assert tier.lookup([b"read-me", b"newcomer"]) == [
@@ -493,7 +503,7 @@ def test_a_file_being_read_is_never_evicted(region: Region, tmp_path: Path) -> N
                 LookupResult.HIT,
             ]
         finally:
-            GatedReadTier.gate.set()
+            reads.gate.set()
             tier.shutdown()
 
     run(region, tmp_path, body)
@@ -504,27 +514,27 @@ def test_a_job_queued_at_shutdown_fails_every_block(region: Region, tmp_path: Pa
     reports each of its blocks failed (the job reports once, nothing loaded)."""
 
     async def body(h: Harness) -> None:
-        GatedReadTier.started, GatedReadTier.gate = threading.Event(), threading.Event()
-        tier = await h.ready_tier(GatedReadTier, read_threads=1, write_threads=0)
+        reads = h.gated(ioworker.READ)
+        tier = await h.ready_tier(read_threads=1, write_threads=0, block_io=reads)
         try:
             for i in range(4):
                 h.fill(i, i)
             keys = [b"q%d" % i for i in range(4)]
             assert (await h.store(tier, keys, [0, 1, 2, 3])).success
-            running = h._job(keys[:1], [4], True)
+            running = h.job(keys[:1], [4], True)
             tier.submit_load(running)
-            await h.loop.run_in_executor(None, GatedReadTier.started.wait)
-            queued = h._job(keys[1:], [5, 6, 7], True)
+            await h.loop.run_in_executor(None, reads.started.wait)
+            queued = h.job(keys[1:], [5, 6, 7], True)
             tier.submit_load(queued)
             stopping = h.loop.run_in_executor(None, tier.shutdown)
             result = await asyncio.wait_for(h.waiters[queued.job_id], timeout=10)
             assert not result.success and result.successful_keys is None
-            GatedReadTier.gate.set()
+            reads.gate.set()
             await stopping
             assert (await h.waiters[running.job_id]).success
             assert h.calls[queued.job_id] == 1 and h.calls[running.job_id] == 1
         finally:
-            GatedReadTier.gate.set()
+            reads.gate.set()
             tier.shutdown()
 
     run(region, tmp_path, body)
@@ -545,34 +555,26 @@ def test_write_fails_when_nothing_fits(region: Region, tmp_path: Path) -> None:
     run(region, tmp_path, body)
 
 
-class GatedWriteTier(FsTier):
-    gate = threading.Event()
-
-    def _write_files(self, items: list[tuple[bytes, int]]) -> list[BaseException | None]:
-        self.gate.wait()
-        return super()._write_files(items)
-
-
 def test_backpressure_drops_writes_over_the_limits(region: Region, tmp_path: Path) -> None:
     async def body(h: Harness) -> None:
-        GatedWriteTier.gate = threading.Event()
-        tier = await h.ready_tier(GatedWriteTier, max_queue_jobs=1, max_queue_bytes=2 * BLOCK)
+        writes = h.gated(ioworker.WRITE)
+        tier = await h.ready_tier(max_queue_jobs=1, max_queue_bytes=2 * BLOCK, block_io=writes)
         try:
-            too_big = h._job([b"a", b"b", b"c"], [0, 1, 2], False)
+            too_big = h.job([b"a", b"b", b"c"], [0, 1, 2], False)
             assert not tier.submit_store(too_big)  # 3 blocks > 2 * BLOCK bytes
-            first = h._job([b"a"], [0], False)
+            first = h.job([b"a"], [0], False)
             assert tier.submit_store(first)
-            second = h._job([b"b"], [1], False)
+            second = h.job([b"b"], [1], False)
             assert not tier.submit_store(second)  # one job pending already
             stats = tier.statistics()
             assert stats.dropped_writes == 2
             assert (stats.queued_jobs, stats.queued_bytes) == (1, BLOCK)
-            GatedWriteTier.gate.set()
+            writes.gate.set()
             assert (await h.waiters[first.job_id]).success
             await tier.drain()
             assert h.calls == Counter({first.job_id: 1})
         finally:
-            GatedWriteTier.gate.set()
+            writes.gate.set()
             tier.shutdown()
 
     run(region, tmp_path, body)

@@ -4,13 +4,13 @@ call of an eviction (a hung mount stalled every client)."""
 
 from __future__ import annotations
 
-import asyncio
+import threading
 import time
 from pathlib import Path
 
 from test_fs_tier import FILE_BYTES, Harness, region, run
 
-from kvtierd.tiers import safefs
+from kvtierd.tiers.fs import safefs
 
 __all__ = ["region"]  # the fixture, imported for this test
 
@@ -19,9 +19,11 @@ def test_a_stuck_rename_during_an_eviction_does_not_block_lookups(region, tmp_pa
     root = tmp_path / "fs"
     root.mkdir()
     real_rename = safefs.PoolDir.rename
+    renaming, answer = threading.Event(), threading.Event()
 
     def stuck_rename(self: safefs.PoolDir, rel: str, new_name: str) -> None:
-        time.sleep(1.5)  # the file system does not answer for a while
+        renaming.set()
+        answer.wait(10)  # the file system does not answer for a while
         real_rename(self, rel, new_name)
 
     async def body(h: Harness) -> float:
@@ -32,15 +34,18 @@ def test_a_stuck_rename_during_an_eviction_does_not_block_lookups(region, tmp_pa
                 await h.store(tier, [f"k{row}".encode()], [row])
             monkeypatch.setattr(safefs.PoolDir, "rename", stuck_rename)
             h.fill(2, 2)
-            job = h._job([b"k2"], [2], False)  # needs room: evicts k0
+            job = h.job([b"k2"], [2], False)  # needs room: evicts k0
             assert tier.submit_store(job)
-            await asyncio.sleep(0.3)  # the I/O thread is in the rename now
+            assert await h.loop.run_in_executor(None, renaming.wait, 10)  # in the rename now
             begin = time.perf_counter()
             tier.lookup([b"k1"])  # what the event loop does for every Lookup
             waited = time.perf_counter() - begin
+            assert tier.index.statistics().evicting == 1  # k0's file is still being removed
+            answer.set()
             await h.waiters[job.job_id]
             return waited
         finally:
+            answer.set()
             tier.shutdown()
 
     waited = run(region, Path(root), body)

@@ -21,13 +21,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from daemon_harness import eventually
 from test_fs_tier import BLOCK_IO, Harness, block_path, region, run
 
 from kvtierd.contract import LookupResult
 from kvtierd.region import Region
-from kvtierd.tiers import fs, fsformat, iopool, ioworker
-from kvtierd.tiers.fs import FsTier, FsTierError
-from kvtierd.tiers.iopool import IoPool
+from kvtierd.tiers.fs import FsTier, FsTierError, fsformat, iopool, ioworker, scan
+from kvtierd.tiers.fs.iopool import IoPool
 
 __all__ = ["region"]  # the fixture, imported for these tests
 
@@ -292,14 +292,10 @@ def test_tier_shutdown_is_bounded_with_a_scan_and_a_worker_stuck(
     promotion is stopped (SIGSTOP: as stuck as a hung mount). Shutdown of the tier
     and of the workers returns within its bounds; the stuck promotion then
     reports failed, once."""
-    monkeypatch.setattr(fs, "SCAN_JOIN_S", 0.2)
+    monkeypatch.setattr(scan, "SCAN_JOIN_S", 0.2)
     monkeypatch.setattr(iopool, "JOIN_S", 0.2)
-    monkeypatch.setattr(ioworker, "_STOP_WAIT", 0.2)
+    monkeypatch.setattr(ioworker, "STOP_WAIT_S", 0.2)
     gate = threading.Event()
-
-    class StuckScanTier(FsTier):
-        def _scan_hook(self) -> None:
-            gate.wait()
 
     async def body(h: Harness) -> None:
         tier = await h.ready_tier(read_threads=1, write_threads=0)
@@ -308,13 +304,13 @@ def test_tier_shutdown_is_bounded_with_a_scan_and_a_worker_stuck(
         assert (await h.store(tier, [b"k"], [0])).success
         (pid,) = h.workers.pids()
         os.kill(pid, signal.SIGSTOP)
-        job = h._job([b"k"], [3], True)
+        job = h.job([b"k"], [3], True)
         tier.submit_load(job)
-        deadline = time.monotonic() + QUICK_S
-        while tier.statistics().queued_jobs:  # until an I/O thread took the read
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.01)
-        scanning = h.tier(StuckScanTier)
+        await h.loop.run_in_executor(
+            None, eventually, lambda: tier.statistics().queued_jobs == 0, QUICK_S,
+            "an I/O thread took the read",
+        )  # fmt: skip
+        scanning = h.tier(before_scan=gate.wait)
         scanning.start()
         try:
             begin = time.monotonic()

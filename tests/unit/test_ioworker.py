@@ -1,4 +1,4 @@
-"""FS-tier block I/O in worker processes (kvtierd.tiers.ioworker): real processes,
+"""FS-tier block I/O in worker processes (kvtierd.tiers.fs.ioworker): real processes,
 a real Region in /dev/shm, real files under tmp_path."""
 
 from __future__ import annotations
@@ -7,36 +7,37 @@ import errno
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 
 import pytest
+from daemon_harness import eventually
 from test_fs_tier import BLOCK, FILE_BYTES, Harness, block_path, region, run, temp_files
 
 from kvtierd.contract import LookupResult
 from kvtierd.region import Region
-from kvtierd.tiers import fsformat, ioworker
-from kvtierd.tiers.blockfile import CorruptFile
-from kvtierd.tiers.ioworker import IoWorkers, WorkerDied, WorkerProcess
+from kvtierd.tiers.fs import fsformat, ioworker
+from kvtierd.tiers.fs.blockfile import CorruptFile
+from kvtierd.tiers.fs.ioworker import IoWorkers, WorkerDied, WorkerProcess
 
 __all__ = ["region"]  # the fixture, imported for these tests
 
 FINGERPRINT = b"\x07" * fsformat.FINGERPRINT_BYTES
 
 
+def _gone(pid: int) -> bool:
+    """Whether ``pid`` exited (a zombie not yet reaped counts)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")
+
+
 def _wait_gone(pid: int, timeout: float = 10.0) -> bool:
-    """Whether ``pid`` exited within ``timeout`` (a zombie not yet reaped counts)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
-            return True
-        if state in ("Z", "X"):
-            return True
-        time.sleep(0.01)
-    return False
+    """True once ``pid`` exited; AssertionError naming it after ``timeout`` seconds."""
+    eventually(lambda: _gone(pid), timeout, f"process {pid} exited")
+    return True
 
 
 def _write_request(region: Region, tmp_path: Path, key: bytes, row: int) -> tuple:

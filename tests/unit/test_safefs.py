@@ -1,4 +1,4 @@
-"""Opening paths below a pool directory (kvtierd.tiers.safefs) on real files: with
+"""Opening paths below a pool directory (kvtierd.tiers.fs.safefs) on real files: with
 the kernel's openat2 and with the component-by-component walk that older kernels
 (or a seccomp filter without openat2) get."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtierd.tiers import safefs
-from kvtierd.tiers.safefs import PoolDir, UnexpectedEntry
+from kvtierd.tiers.fs import safefs
+from kvtierd.tiers.fs.safefs import PoolDir, UnexpectedEntry
 
 
 @pytest.fixture(params=["openat2", "walk"])

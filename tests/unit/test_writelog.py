@@ -1,4 +1,4 @@
-"""The rate-limited reports of a tier's failed writes (kvtierd.tiers.writelog), on an
+"""The rate-limited reports of a tier's failed writes (kvtierd.tiers.fs.writelog), on an
 injected clock."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from kvtierd.tiers.writelog import WriteFailureLog
+from kvtierd.tiers.fs.writelog import WriteFailureLog
 
 
 class Clock:

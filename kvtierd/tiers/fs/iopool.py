@@ -30,7 +30,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-log = logging.getLogger("kvtierd.tiers.iopool")
+from kvtierd.tiers.fs.settings import DEFAULTS
+
+log = logging.getLogger("kvtierd.tiers.fs.iopool")
 
 Task = Callable[[], Any]
 JOIN_S = 2.0  # shutdown waits this long in all for the threads to finish their tasks
@@ -76,10 +78,10 @@ class IoPool:
         self,
         loop: asyncio.AbstractEventLoop,
         *,
-        read_threads: int = 8,
-        write_threads: int = 8,
-        max_queue_jobs: int = 1024,
-        max_queue_bytes: int = 1 << 30,
+        read_threads: int = DEFAULTS.read_threads,
+        write_threads: int = DEFAULTS.write_threads,
+        max_queue_jobs: int = DEFAULTS.max_queue_jobs,
+        max_queue_bytes: int = DEFAULTS.max_queue_bytes,
         name: str = "kvtierd-fs",
     ) -> None:
         if read_threads < 0 or write_threads < 0 or read_threads + write_threads < 1:

@@ -1,9 +1,9 @@
 """Reading and writing one block file (DESIGN.md §6), with no index and no locks.
 
 These functions are the FS tier's data path. They run on an I/O thread of the
-daemon or in an I/O worker process (:mod:`kvtierd.tiers.ioworker`), so they
+daemon or in an I/O worker process (:mod:`kvtierd.tiers.fs.ioworker`), so they
 touch nothing but the file system and the row they are given. Every path is
-resolved below an open :class:`~kvtierd.tiers.safefs.PoolDir`: no symlink is
+resolved below an open :class:`~kvtierd.tiers.fs.safefs.PoolDir`: no symlink is
 followed and no open can block.
 
 Invariants:
@@ -30,9 +30,9 @@ import mmap
 import os
 from collections.abc import Sequence
 
-from kvtierd.tiers import fsformat
-from kvtierd.tiers.fsformat import HEADER_SIZE, CorruptBlock
-from kvtierd.tiers.safefs import REGULAR, Identity, PoolDir, UnexpectedEntry
+from kvtierd.tiers.fs import fsformat
+from kvtierd.tiers.fs.fsformat import HEADER_SIZE, CorruptBlock
+from kvtierd.tiers.fs.safefs import REGULAR, Identity, PoolDir, UnexpectedEntry
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -154,6 +154,34 @@ def read_block_file(
             raise CorruptFile(exc.reason, (st.st_dev, st.st_ino)) from None
     finally:
         os.close(fd)
+
+
+def check_header(
+    fd: int, st: os.stat_result, rel: str, fingerprint: bytes, block_bytes: int
+) -> fsformat.Header:
+    """The one header check of a block file met by listing its pool directory (the
+    start-up scan, ``fsck``): size, header, pool fingerprint, payload length, and
+    the file's name against its key. ``fd`` is the open file at ``rel`` (relative
+    to the pool directory), ``st`` its fstat. The payload is not read.
+
+    Sizes are checked against the header before anything else is read, so a
+    sparse 1 TiB file or a header claiming more payload than the file holds
+    costs one header read. Raises CorruptBlock(reason).
+    """
+    if st.st_size < HEADER_SIZE:
+        raise CorruptBlock(f"file is {st.st_size} bytes, shorter than a {HEADER_SIZE}-byte header")
+    header = fsformat.decode_header(os.pread(fd, HEADER_SIZE, 0))
+    holds = st.st_size - HEADER_SIZE
+    if header.payload_length > holds:
+        raise CorruptBlock(
+            f"header claims {header.payload_length} payload bytes, the file holds {holds}"
+        )
+    fsformat.verify_header(header, key=None, fingerprint=fingerprint, block_bytes=block_bytes)
+    if fsformat.block_rel_path(header.key) != rel:
+        raise CorruptBlock(f"header names key {header.key.hex()}, not this file")
+    if holds != block_bytes:
+        raise CorruptBlock(f"file is {st.st_size} bytes, expected {HEADER_SIZE + block_bytes}")
+    return header
 
 
 def bad_entry(exc: UnexpectedEntry) -> CorruptFile:

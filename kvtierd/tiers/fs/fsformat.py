@@ -38,6 +38,7 @@ BLOCK_SUFFIX = ".kvb"
 TEMP_SUFFIX = ".tmp"
 POOL_FILE = "pool.json"
 POOL_FILE_FORMAT = "kvtierd-fs-pool"
+POOL_FILE_MAX_BYTES = 64 << 10  # a pool.json larger than this is not a pool description
 
 _POOL_NAME_LIMIT = 64
 _UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9._-]")

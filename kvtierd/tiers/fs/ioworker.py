@@ -2,9 +2,9 @@
 
 An I/O thread of the daemon that runs a group of block reads or writes hands
 the file work (checksum, open, pwritev/preadv, rename) to an *I/O worker*: a
-child process (``python -m kvtierd.tiers.ioworker DAEMON_PID FD...``) that
+child process (``python -m kvtierd.tiers.fs.ioworker DAEMON_PID FD...``) that
 maps the pool's shared-memory region itself and runs
-:mod:`kvtierd.tiers.blockfile` on its rows. The daemon's event loop and gRPC
+:mod:`kvtierd.tiers.fs.blockfile` on its rows. The daemon's event loop and gRPC
 threads then no longer compete with the I/O for one interpreter lock; the I/O
 thread only sends a request and waits on a socket (GIL released).
 
@@ -28,7 +28,7 @@ Invariants:
 * Requests and replies are ``marshal``-ed tuples of builtins, length-prefixed
   on a Unix stream socket; nothing is unpickled.
 * A request names its pool directory and each block file relative to it; the
-  worker resolves them with :class:`~kvtierd.tiers.safefs.PoolDir`, so no
+  worker resolves them with :class:`~kvtierd.tiers.fs.safefs.PoolDir`, so no
   symlink below the pool directory is followed and no open blocks (a FIFO in
   place of a block file is a bad file, not a hang).
 """
@@ -53,15 +53,15 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from kvtierd.tiers import blockfile
-from kvtierd.tiers.blockfile import CorruptFile
-from kvtierd.tiers.safefs import PoolDir, UnexpectedEntry
+from kvtierd.tiers.fs import blockfile
+from kvtierd.tiers.fs.blockfile import CorruptFile
+from kvtierd.tiers.fs.safefs import PoolDir, UnexpectedEntry
 
-log = logging.getLogger("kvtierd.tiers.ioworker")
+log = logging.getLogger("kvtierd.tiers.fs.ioworker")
 
 _LENGTH = struct.Struct("<I")
 _PR_SET_PDEATHSIG = 1
-_STOP_WAIT = 5.0  # seconds a worker gets to exit after EOF before it is killed
+STOP_WAIT_S = 5.0  # seconds a worker gets to exit after EOF before it is killed
 _KILL_WAIT = 1.0  # seconds to wait for a killed worker to be reaped
 
 # A region as a worker sees it: (path, st_dev, st_ino, block_bytes).
@@ -247,7 +247,7 @@ def serve(sock: socket.socket, worker: _Worker) -> None:
 def main(argv: Sequence[str]) -> int:
     """Serves each channel socket (inherited file descriptors) on its own thread."""
     if len(argv) < 2 or not all(arg.isdigit() for arg in argv):
-        print("usage: python -m kvtierd.tiers.ioworker DAEMON_PID FD... (started by kvtierd)",
+        print("usage: python -m kvtierd.tiers.fs.ioworker DAEMON_PID FD... (started by kvtierd)",
               file=sys.stderr)  # fmt: skip
         return 2
     if not _die_with(int(argv[0])):
@@ -319,7 +319,7 @@ class WorkerProcess:
         theirs = [pair[1] for pair in pairs]
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "kvtierd.tiers.ioworker", str(os.getpid()),
+                [sys.executable, "-m", "kvtierd.tiers.fs.ioworker", str(os.getpid()),
                  *(str(sock.fileno()) for sock in theirs)],
                 pass_fds=[sock.fileno() for sock in theirs],
                 stdin=subprocess.DEVNULL,
@@ -362,12 +362,12 @@ class WorkerProcess:
     def stop(self, deadline: float | None = None) -> None:
         """Closes the sockets (the worker exits at EOF) and reaps the process; kills
         it if it has not exited by ``deadline`` (monotonic; default: now +
-        ``_STOP_WAIT``). Bounded: a process that does not even die when killed
+        ``STOP_WAIT_S``). Bounded: a process that does not even die when killed
         (stuck in the kernel) is left behind, with a WARNING."""
         for sock in self.socks:
             sock.close()
         if deadline is None:
-            deadline = time.monotonic() + _STOP_WAIT
+            deadline = time.monotonic() + STOP_WAIT_S
         try:
             self.process.wait(timeout=max(0.0, deadline - time.monotonic()))
             return
@@ -445,7 +445,7 @@ class IoWorkers:
                 stopping.append(worker)
                 for sock in worker.socks:
                     sock.close()  # every worker sees EOF at once
-        deadline = time.monotonic() + _STOP_WAIT  # one wait for all of them, not one each
+        deadline = time.monotonic() + STOP_WAIT_S  # one wait for all of them, not one each
         for worker in stopping:
             worker.stop(deadline)
         with self._spawner_lock:

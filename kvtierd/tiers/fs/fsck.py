@@ -3,7 +3,7 @@
 Invariants:
 
 * Nothing is followed through a symlink and nothing is opened in a way that
-  can block (:mod:`~kvtierd.tiers.safefs`): a FIFO, socket, device, directory
+  can block (:mod:`~kvtierd.tiers.fs.safefs`): a FIFO, socket, device, directory
   or symlink where a block file belongs is reported bad without being read; a
   symlink where a pool or fan-out directory belongs is reported, not entered.
 * A file's size is checked against its header before a byte of payload is
@@ -28,12 +28,17 @@ from typing import Any
 import xxhash
 
 from kvtierd import filekind
-from kvtierd.tiers import fsformat, safefs
-from kvtierd.tiers.fsformat import BLOCK_SUFFIX, HEADER_SIZE, POOL_FILE, TEMP_SUFFIX, CorruptBlock
-from kvtierd.tiers.safefs import DIRECTORY, Entry, Identity, PoolDir, UnexpectedEntry
+from kvtierd.tiers.fs import blockfile, fsformat, safefs
+from kvtierd.tiers.fs.fsformat import (
+    BLOCK_SUFFIX,
+    HEADER_SIZE,
+    POOL_FILE,
+    TEMP_SUFFIX,
+    CorruptBlock,
+)
+from kvtierd.tiers.fs.safefs import DIRECTORY, Entry, Identity, PoolDir, UnexpectedEntry
 
 CHUNK_BYTES = 1 << 20  # payload bytes read and hashed at a time
-POOL_FILE_MAX_BYTES = 64 << 10  # a pool.json larger than this is not a pool description
 _POOL_DIR_NAME = re.compile(r"-[0-9a-f]{16}$")  # <pool>-<fingerprint16>
 
 
@@ -129,7 +134,7 @@ class _Checker:
         none (not a pool directory). Raises _Reported when it is bad."""
         path = pool.full(POOL_FILE)
         try:
-            raw = pool.read_small(POOL_FILE, POOL_FILE_MAX_BYTES)
+            raw = pool.read_small(POOL_FILE, fsformat.POOL_FILE_MAX_BYTES)
         except UnexpectedEntry as exc:
             reason, identity = blockfile_reason(exc)
             self._bad(path, reason, _unlinker(pool.fd, POOL_FILE, identity))
@@ -206,21 +211,11 @@ def verify_open_file(
     block_bytes: int,
     buffer: memoryview,
 ) -> None:
-    """Verifies the open block file ``fd`` (``st``: its fstat) completely, reading
-    its payload in ``len(buffer)``-byte chunks; raises CorruptBlock(reason)."""
-    if st.st_size < HEADER_SIZE:
-        raise CorruptBlock(f"file is {st.st_size} bytes, shorter than a {HEADER_SIZE}-byte header")
-    header = fsformat.decode_header(os.pread(fd, HEADER_SIZE, 0))
-    holds = st.st_size - HEADER_SIZE
-    if header.payload_length > holds:
-        raise CorruptBlock(
-            f"header claims {header.payload_length} payload bytes, the file holds {holds}"
-        )
-    fsformat.verify_header(header, key=None, fingerprint=fingerprint, block_bytes=block_bytes)
-    if fsformat.block_rel_path(header.key) != rel:
-        raise CorruptBlock(f"header names key {header.key.hex()}, not this file")
-    if holds != block_bytes:  # checked before reading: a sparse 1 TiB file costs nothing
-        raise CorruptBlock(f"file is {st.st_size} bytes, expected {HEADER_SIZE + block_bytes}")
+    """Verifies the open block file ``fd`` (``st``: its fstat) completely: the
+    header check the start-up scan makes (:func:`~kvtierd.tiers.fs.blockfile.check_header`),
+    then the payload's checksum, read in ``len(buffer)``-byte chunks. Raises
+    CorruptBlock(reason)."""
+    header = blockfile.check_header(fd, st, rel, fingerprint, block_bytes)
     hasher = xxhash.xxh3_64()
     offset, left = HEADER_SIZE, block_bytes
     while left:

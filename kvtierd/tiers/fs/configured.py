@@ -1,0 +1,140 @@
+"""A configured fs tier: one ``type = "fs"`` ``[[tiers]]`` entry and what its pools share.
+
+One :class:`ConfiguredFsTier` exists per configured fs tier for the daemon's
+whole life. Each pool gets its own :class:`~kvtierd.tiers.fs.tier.FsTier` (its
+own directory, index and fingerprint) from :meth:`ConfiguredFsTier.create`; all
+of them share the configured tier's I/O threads and I/O worker processes (so
+neither multiplies with pools), its write-queue limits and its byte capacity.
+
+Lifecycle (event loop): :meth:`check` at daemon start (refuses an unusable
+root, naming it) -> :meth:`create` per pool -> :meth:`shutdown` once every pool
+has drained (joins the I/O threads, so no thread touches a region afterwards).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import tempfile
+
+from kvtierd.tiers.base import JobCallback
+from kvtierd.tiers.configured import ConfiguredTier, PoolBinding, TierCheckError
+from kvtierd.tiers.fs.index import DiskBudget
+from kvtierd.tiers.fs.iopool import IoPool
+from kvtierd.tiers.fs.ioworker import IoWorkers
+from kvtierd.tiers.fs.settings import FsTierSettings
+from kvtierd.tiers.fs.tier import FsTier
+from kvtierd.tiers.fs.writelog import WriteFailureLog
+
+
+class TierRootError(TierCheckError):
+    """A configured tier's root directory cannot be used; the message names it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("root", message)
+
+
+class ConfiguredFsTier(ConfiguredTier):
+    """One configured fs tier: settings, shared capacity and shared I/O threads."""
+
+    type_name = "fs"
+
+    def __init__(self, name: str, settings: FsTierSettings) -> None:
+        super().__init__(name, settings)
+        self.settings: FsTierSettings = settings
+        self.budget = DiskBudget(settings.capacity)
+        # one report stream of write failures for all its pools
+        self.write_log = WriteFailureLog(name, logging.getLogger("kvtierd.tiers.fs"))
+        self._io: IoPool | None = None  # started with the first pool
+        self._workers: IoWorkers | None = None  # started with the first pool (if any)
+
+    def check(self) -> None:
+        """Raises TierRootError unless the root exists (or may be created) and this
+        process can create files in it (a real probe: permission bits lie for root)."""
+        root = self.settings.root
+        if not os.path.isdir(root):
+            if os.path.exists(root):
+                raise TierRootError(f"fs tier {self.name}: root {root} is not a directory")
+            if not self.settings.create_root:
+                raise TierRootError(
+                    f"fs tier {self.name}: root directory {root} does not exist; create it "
+                    "(owned by the daemon's user) or set create_root = true"
+                )
+            try:
+                os.makedirs(root, mode=0o750, exist_ok=True)
+            except OSError as exc:
+                raise TierRootError(
+                    f"fs tier {self.name}: cannot create root directory {root}: "
+                    f"{exc.strerror or exc}"
+                ) from None
+        try:
+            probe = tempfile.NamedTemporaryFile(dir=root, prefix=".kvtierd-probe-")  # noqa: SIM115
+            probe.close()
+        except OSError as exc:
+            reason = "not writable" if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else ""
+            raise TierRootError(
+                f"fs tier {self.name}: root directory {root} is {reason or 'unusable'} for this "
+                f"process (uid {os.geteuid()}): {exc.strerror or exc}"
+            ) from None
+
+    def create(
+        self, pool: PoolBinding, on_done: JobCallback, loop: asyncio.AbstractEventLoop
+    ) -> FsTier:
+        """An FsTier for one pool, not started (no file touched). On the loop: it
+        creates the shared I/O pool and worker processes on first use.
+
+        With ``pool.region_file`` (path, st_dev, st_ino of the pool's region) the
+        tier's block I/O runs in I/O worker processes (``io_processes``); without
+        it the I/O threads do the file work themselves.
+        """
+        s = self.settings
+        workers = None
+        if s.io_processes and pool.region_file is not None:
+            if self._workers is None:
+                self._workers = IoWorkers(
+                    s.io_processes,
+                    channels=s.read_threads + s.write_threads,
+                    name=f"kvtierd-{self.name}-io",
+                )
+            workers = self._workers
+        if self._io is None:
+            self._io = IoPool(
+                loop,
+                read_threads=s.read_threads,
+                write_threads=s.write_threads,
+                max_queue_jobs=s.max_queue_jobs,
+                max_queue_bytes=s.max_queue_bytes,
+                name=f"kvtierd-{self.name}",
+            )
+        return FsTier(
+            self.name,
+            s.root,
+            pool.pool_name,
+            pool.block_bytes,
+            pool.layout,
+            pool.region_buffer,
+            s.capacity,
+            on_done,
+            loop,
+            fsync=s.fsync,
+            o_direct=s.o_direct,
+            io_pool=self._io,
+            budget=self.budget,
+            workers=workers,
+            region_file=pool.region_file if workers is not None else None,
+            write_log=self.write_log,
+        )
+
+    async def drain(self) -> None:
+        if self._io is not None:
+            await self._io.drain()
+
+    def shutdown(self) -> None:
+        """Fails queued jobs, joins the I/O threads (running ones finish), then stops
+        the I/O worker processes (no thread can send them a request anymore). Idempotent."""
+        if self._io is not None:
+            self._io.shutdown()
+        if self._workers is not None:
+            self._workers.stop()

@@ -1,0 +1,211 @@
+"""The start-up scan: one pool's index rebuilt from its block files' headers.
+
+Runs on its own thread while the tier already takes jobs (lookups answer
+RETRY until it ends). Invariants:
+
+* It always ends, and then the index is ready: nothing below the pool
+  directory is followed through a symlink or opened in a way that can block,
+  and an error ends the scan with a partial index (logged).
+* A block file is indexed only if its header passes the one header check
+  shared with ``fsck`` (:func:`~kvtierd.tiers.fs.blockfile.check_header`); the
+  payload is checked when the block is loaded. A file that fails is removed
+  (if the path still names it), counted in ``checksum_failures`` and logged;
+  something other than a regular file is removed too, unless a directory.
+* Leftover temp files (a crash mid-write or mid-eviction) are removed.
+* Blocks written while it ran are more recent than anything it found.
+* Stopping is bounded: a scan stuck in the file system is left behind after
+  :data:`SCAN_JOIN_S` (a daemon thread; it touches no region).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvtierd.contract import BlockKey
+from kvtierd.tiers.fs import blockfile, safefs
+from kvtierd.tiers.fs.blockfile import CorruptFile
+from kvtierd.tiers.fs.fsformat import BLOCK_SUFFIX, TEMP_SUFFIX, CorruptBlock
+from kvtierd.tiers.fs.index import BlockIndex, TierFull
+from kvtierd.tiers.fs.safefs import DIRECTORY, REGULAR, Entry, PoolDir, UnexpectedEntry
+
+log = logging.getLogger("kvtierd.tiers.fs")
+
+SCAN_JOIN_S = 2.0  # shutdown waits this long for a scan stuck in the file system
+SCAN_LOG_EVERY = 10_000  # files between progress lines
+
+Found = tuple[float, BlockKey, int]  # (mtime, key, file bytes) of a file that verified
+
+
+@dataclass(slots=True)
+class ScanReport:
+    """What the start-up scan of the pool directory found (final once the index is ready)."""
+
+    files: int = 0
+    indexed: int = 0
+    removed_corrupt: int = 0
+    removed_temp: int = 0
+    bad_entries: int = 0  # not regular files where block files belong (kept if directories)
+    seconds: float = 0.0
+
+
+class IndexScan:
+    """The scan of one pool directory into ``index``: :meth:`start` once; :meth:`cancel`
+    then :meth:`join` any time.
+
+    ``on_ready`` is called on the scan thread once the index is ready (the tier
+    hands it to its loop). ``before_scan``, if given, is called on the scan
+    thread first (tests hold the scan there, as a slow mount would).
+    """
+
+    def __init__(
+        self,
+        tier_name: str,
+        pool_dir: str,
+        fingerprint: bytes,
+        block_bytes: int,
+        index: BlockIndex,
+        on_ready: Callable[[], None],
+        before_scan: Callable[[], object] | None = None,
+    ) -> None:
+        self.tier_name = tier_name
+        self.pool_dir = pool_dir
+        self.report = ScanReport()  # written by the scan thread only
+        self._fingerprint = fingerprint
+        self._block_bytes = block_bytes
+        self._index = index
+        self._on_ready = on_ready
+        self._before_scan = before_scan
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kvtierd-fs-scan", daemon=True)
+        self._thread.start()
+
+    def cancel(self) -> None:
+        """Asks the scan to stop at its next entry (the index is then partial, and ready)."""
+        self._stop.set()
+
+    def join(self) -> None:
+        """Waits for the scan thread at most :data:`SCAN_JOIN_S` seconds."""
+        if self._thread is None:
+            return
+        self._thread.join(SCAN_JOIN_S)
+        if self._thread.is_alive():
+            log.warning(
+                "FS tier %s: the index scan of %s did not stop within %gs (file system "
+                "not answering?); leaving it behind",
+                self.tier_name, self.pool_dir, SCAN_JOIN_S,
+            )  # fmt: skip
+
+    # -- the scan thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        start = time.perf_counter()
+        found: list[Found] = []
+        try:
+            if self._before_scan is not None:
+                self._before_scan()
+            with PoolDir(self.pool_dir) as pool:
+                for entry in pool.walk(self._walk_error):
+                    if self._stop.is_set():
+                        return
+                    verified = self._entry(pool, entry)
+                    if verified is not None:
+                        found.append(verified)
+        except Exception:
+            log.exception(
+                "FS tier %s: scan of %s failed; index is partial", self.tier_name, self.pool_dir
+            )
+        finally:
+            self._finish(found, time.perf_counter() - start)
+
+    def _walk_error(self, path: str, exc: BaseException) -> None:
+        log.warning("FS tier %s: not scanning %s: %s", self.tier_name, path, exc)
+
+    def _entry(self, pool: PoolDir, entry: Entry) -> Found | None:
+        """What the scan does with one entry below the pool directory."""
+        report = self.report
+        if entry.name.endswith(TEMP_SUFFIX) and entry.kind != DIRECTORY:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.name, dir_fd=entry.dir_fd)
+            report.removed_temp += 1
+            return None
+        if entry.name.endswith(BLOCK_SUFFIX):
+            report.files += 1
+            if report.files % SCAN_LOG_EVERY == 0:
+                log.info("FS tier %s: scanned %d files in %s", self.tier_name, report.files,
+                         self.pool_dir)  # fmt: skip
+            return self._block_file(pool, entry)
+        if entry.kind == "symlink":
+            log.warning("FS tier %s: %s is a symlink: not followed", self.tier_name,
+                        pool.full(entry.rel))  # fmt: skip
+        return None
+
+    def _block_file(self, pool: PoolDir, entry: Entry) -> Found | None:
+        """The index entry of one ``*.kvb`` file if its header checks out; otherwise
+        the file is removed (a directory in its place is left there), counted and
+        logged."""
+        path = pool.full(entry.rel)
+        identity: safefs.Identity | None = None
+        try:
+            fd, st = safefs.open_regular_entry(entry, path)
+            identity = safefs.identity_of(st)
+            try:
+                header = blockfile.check_header(
+                    fd, st, entry.rel, self._fingerprint, self._block_bytes
+                )
+            finally:
+                os.close(fd)
+        except FileNotFoundError:
+            return None
+        except UnexpectedEntry as exc:
+            self._drop(entry, blockfile.bad_entry(exc), path)
+            return None
+        except (CorruptBlock, OSError) as exc:
+            self._drop(entry, CorruptFile(str(exc), identity), path)
+            return None
+        return st.st_mtime, header.key, st.st_size
+
+    def _drop(self, entry: Entry, error: CorruptFile, path: str) -> None:
+        """Logs, counts and (unless a directory) removes a bad entry the scan met."""
+        report = self.report
+        if error.kind == REGULAR:
+            log.warning("FS tier %s: removing unreadable block file %s: %s", self.tier_name,
+                        path, error.reason)  # fmt: skip
+            report.removed_corrupt += 1
+        else:
+            action = "removing it" if error.identity is not None else "leaving it there"
+            log.warning("FS tier %s: bad block file %s: %s; %s", self.tier_name, path,
+                        error.reason, action)  # fmt: skip
+            report.bad_entries += 1
+        if error.identity is not None:
+            safefs.unlink_if_same(entry.dir_fd, entry.name, error.identity)
+        self._index.count("checksum_failures")
+
+    def _finish(self, found: list[Found], seconds: float) -> None:
+        """Merges what the scan found into the index, evicts down to the capacity,
+        then marks the index ready and reports it."""
+        index = self._index
+        self.report.indexed = index.merge_scanned(found)
+        self.report.seconds = seconds
+        try:
+            index.evict_to_capacity()
+        except TierFull:
+            log.warning("FS tier %s: over capacity after the scan", self.tier_name)
+        index.mark_scanned()
+        stats = index.statistics()
+        report = self.report
+        log.info(
+            "FS tier %s: index of %s ready: %d blocks, %d bytes, %d corrupt and %d temp files "
+            "removed, %d bad entries (not regular files), %.2fs",
+            self.tier_name, self.pool_dir, stats.blocks, stats.used_bytes,
+            report.removed_corrupt, report.removed_temp, report.bad_entries, seconds,
+        )  # fmt: skip
+        self._on_ready()

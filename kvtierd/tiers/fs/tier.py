@@ -1,0 +1,507 @@
+"""The FS tier (DESIGN.md §6): one file per block under a root directory.
+
+Differences from vLLM's FS tier (reference §6): a byte capacity with LRU
+eviction, a verified header (key, pool fingerprint, length, xxh3-64 of the
+payload) on every file, an in-memory index rebuilt at start, and partial
+success of loads reported per key.
+
+This module is the tier's lifecycle and job flow; the state lives elsewhere:
+
+* :mod:`~kvtierd.tiers.fs.index` -- :class:`BlockIndex` owns every piece of
+  per-key state and its lock; :class:`DiskBudget` the shared capacity.
+* :mod:`~kvtierd.tiers.fs.startup` -- root, ``pool.json`` and O_DIRECT probes.
+* :mod:`~kvtierd.tiers.fs.scan` -- the index rebuild at start.
+* :mod:`~kvtierd.tiers.fs.files` -- removing evicted and corrupt files.
+
+Ownership and invariants:
+
+* Rows: during a store job the pool keeps the rows pinned and this tier only
+  reads them (checksum + write straight from the row); during a load job the
+  rows are reserved and only this tier writes them (``preadv`` straight into
+  the row). A row is never touched after its job's ``on_done`` ran. A row whose
+  block failed verification may hold garbage; it is never reported as loaded.
+* Block I/O: the file work of a group of blocks (:mod:`~kvtierd.tiers.fs.blockfile`)
+  is one request to the tier's :class:`~kvtierd.tiers.fs.ioworker.BlockIo`, run
+  inline on the I/O thread or in an I/O worker process that maps the region
+  itself. A group's keys are reserved (writes) or marked being read in the
+  index before the request and settled after its replies.
+* Files are immutable once renamed into place (temp file + full write +
+  optional fdatasync + rename). A file is removed only (a) by eviction, never
+  while a read of it is in flight, (b) when it fails verification (load, scan
+  or fsck), and only if the path still names the inode that failed, or (c) as a
+  leftover ``*.tmp`` at start. A directory is never removed.
+* Paths: everything below the pool directory is opened through
+  :class:`~kvtierd.tiers.fs.safefs.PoolDir` (no symlink followed, no open that
+  can block). Anything but a regular file where a block file belongs fails
+  verification like a corrupt file: the key answers MISS, is counted in
+  ``checksum_failures`` and logged with the path and type.
+* Capacity: a write is admitted only once its bytes fit in the shared
+  :class:`DiskBudget` (evicting this pool's least recently used files first),
+  so the bytes on disk never exceed the capacity through a write.
+* Threads: a tier either owns its :class:`IoPool` or uses one shared by the
+  pools of one configured tier (then it never shuts it down). Shutdown is
+  bounded: a scan or I/O thread stuck in the file system is left behind after
+  :data:`~kvtierd.tiers.fs.scan.SCAN_JOIN_S` / :data:`~kvtierd.tiers.fs.iopool.JOIN_S`.
+* Every submitted job reports exactly once through ``on_done`` on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import mmap
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvtierd.contract import BlockKey, LookupResult, Medium
+from kvtierd.tiers.base import JobCallback, JobResult, TierJob, TierStats
+from kvtierd.tiers.configured import StartableTier
+from kvtierd.tiers.fs import fsformat, ioworker, startup
+from kvtierd.tiers.fs.blockfile import CorruptFile
+from kvtierd.tiers.fs.files import PoolFiles, beside, name_of
+from kvtierd.tiers.fs.fsformat import HEADER_SIZE, TEMP_SUFFIX, PoolIdentity
+from kvtierd.tiers.fs.index import BlockIndex, DiskBudget, TierFull
+from kvtierd.tiers.fs.iopool import IoPool, Outcome
+from kvtierd.tiers.fs.ioworker import BlockIo, InlineIo, IoWorkers, RegionRef
+from kvtierd.tiers.fs.safefs import REGULAR
+from kvtierd.tiers.fs.scan import IndexScan, ScanReport
+from kvtierd.tiers.fs.settings import DEFAULTS, O_DIRECT_MODES
+from kvtierd.tiers.fs.startup import FsTierError, PoolMismatchError
+from kvtierd.tiers.fs.writelog import WriteFailureLog
+
+__all__ = ["DiskBudget", "FsTier", "FsTierError", "PoolMismatchError", "ScanReport", "TierFull"]
+
+log = logging.getLogger("kvtierd.tiers.fs")
+
+GROUP_BYTES = 16 << 20  # blocks per I/O task: this many bytes (at least one block)
+
+Pairs = list[tuple[BlockKey, int]]  # (key, row) of one group of a job
+
+
+class FsTier(StartableTier):
+    """A secondary tier of block files under ``root`` for one pool.
+
+    Lifecycle: construct -> :meth:`start` (:meth:`prepare` checks the root,
+    writes ``pool.json``, probes O_DIRECT; :meth:`launch` starts the I/O pool
+    and the index scan) -> jobs -> :meth:`shutdown`.
+
+    The keyword options default to :class:`~kvtierd.tiers.fs.settings.FsTierSettings`'
+    defaults. Block file I/O runs in ``workers`` (I/O worker processes, which
+    need ``region_file``), in ``block_io`` (any :class:`BlockIo`: tests hold
+    I/O there), or else inline on the I/O threads. ``before_scan`` is called
+    on the scan thread before the index scan (tests hold the scan there).
+    """
+
+    medium = Medium.STORAGE
+
+    def __init__(
+        self,
+        name: str,
+        root: str | os.PathLike[str],
+        pool_name: str,
+        block_bytes: int,
+        layout: Any,
+        region_buffer: memoryview,
+        capacity_bytes: int,
+        on_done: JobCallback,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        read_threads: int = DEFAULTS.read_threads,
+        write_threads: int = DEFAULTS.write_threads,
+        fsync: bool = DEFAULTS.fsync,
+        o_direct: str = DEFAULTS.o_direct,
+        max_queue_bytes: int = DEFAULTS.max_queue_bytes,
+        max_queue_jobs: int = DEFAULTS.max_queue_jobs,
+        io_pool: IoPool | None = None,
+        budget: DiskBudget | None = None,
+        workers: IoWorkers | None = None,
+        region_file: tuple[str, int, int] | None = None,
+        write_log: WriteFailureLog | None = None,
+        block_io: BlockIo | None = None,
+        before_scan: Callable[[], object] | None = None,
+    ) -> None:
+        if o_direct not in O_DIRECT_MODES:
+            raise ValueError(f"o_direct must be one of {O_DIRECT_MODES}, got {o_direct!r}")
+        if block_bytes < 1 or block_bytes % mmap.PAGESIZE:
+            raise ValueError(f"block_bytes must be a positive multiple of {mmap.PAGESIZE}")
+        if len(region_buffer) % block_bytes:
+            raise ValueError("region_buffer length is not a multiple of block_bytes")
+        if workers is not None and region_file is None:
+            raise ValueError("I/O workers need region_file: (path, st_dev, st_ino)")
+        if workers is not None and block_io is not None:
+            raise ValueError("give workers or block_io, not both")
+        self.name = name
+        self.root = os.fspath(root)
+        self.identity = PoolIdentity(pool_name, block_bytes, layout)
+        self.pool_dir = os.path.join(self.root, self.identity.dir_name)
+        self.block_bytes = block_bytes
+        self.file_bytes = HEADER_SIZE + block_bytes
+        self.budget = budget if budget is not None else DiskBudget(capacity_bytes)
+        self.capacity_bytes = self.budget.capacity_bytes
+        self.fsync = fsync
+        self.o_direct = o_direct
+        self.use_o_direct = False  # decided by prepare()'s probe
+        self._fingerprint = self.identity.fingerprint
+        self._region = region_buffer.cast("B") if region_buffer.format != "B" else region_buffer
+        self._num_rows = len(region_buffer) // block_bytes
+        self._on_done = on_done
+        self._loop = loop
+        # the I/O pool this tier starts when it was given none
+        self._make_io_pool: Callable[[], IoPool] = functools.partial(
+            IoPool,
+            loop,
+            read_threads=read_threads,
+            write_threads=write_threads,
+            max_queue_bytes=max_queue_bytes,
+            max_queue_jobs=max_queue_jobs,
+        )
+        self._io: IoPool | None = io_pool
+        self._owns_io = io_pool is None
+        self._files = PoolFiles(name, self.pool_dir)
+        self.index = BlockIndex(name, self.file_bytes, self.budget, self._files.remove_evicted)
+        self._scan = IndexScan(
+            name, self.pool_dir, self._fingerprint, block_bytes, self.index,
+            self._index_ready, before_scan,
+        )  # fmt: skip
+        self._ready: asyncio.Future[None] | None = None
+        self._write_log = write_log if write_log is not None else WriteFailureLog(name, log)
+        self._block_io: BlockIo = (
+            workers if workers is not None else block_io if block_io is not None
+            else InlineIo(self._region)
+        )  # fmt: skip
+        self._region_ref: RegionRef = (*(region_file or ("", 0, 0)), block_bytes)
+
+    # -- lifecycle (loop thread unless said otherwise) -----------------------------------
+
+    def start(self) -> None:
+        """:meth:`prepare`, then :meth:`launch` (both on the calling thread)."""
+        self.prepare()
+        self.launch()
+
+    def prepare(self) -> None:
+        """Checks the root, writes/verifies ``pool.json``, probes O_DIRECT.
+
+        File I/O (up to two 16 MiB probe files): the daemon runs it off the event
+        loop, on any thread, before :meth:`launch`. Raises FsTierError (naming the
+        path) when the root is unusable and PoolMismatchError when ``pool.json``
+        describes another pool.
+        """
+        startup.prepare_root(self.name, self.root, self.pool_dir)
+        startup.write_pool_file(self.name, self.pool_dir, self.identity)
+        self.use_o_direct = startup.probe_o_direct(
+            self.name, self.pool_dir, self.o_direct, self.block_bytes
+        )
+
+    def launch(self) -> None:
+        """Starts the I/O pool (if the tier owns one) and the index scan. On the loop."""
+        if self._io is None:
+            self._io = self._make_io_pool()
+        self._ready = self._loop.create_future()
+        self._scan.start()
+
+    @property
+    def ready(self) -> bool:
+        """True once the index scan ended (lookups answer HIT/MISS, not RETRY)."""
+        return self.index.ready
+
+    @property
+    def scan_report(self) -> ScanReport:
+        """What the start-up scan found (final once :attr:`ready`)."""
+        return self._scan.report
+
+    async def wait_ready(self) -> None:
+        if self._ready is None:
+            raise RuntimeError(f"FS tier {self.name} was not started")
+        await asyncio.shield(self._ready)
+
+    async def drain(self) -> None:
+        if self._io is not None:
+            await self._io.drain()
+
+    def shutdown(self) -> None:
+        """Stops the scan and the I/O threads; queued jobs are reported failed.
+        Bounded (see the module docstring). Any thread."""
+        self._scan.cancel()
+        if self._io is not None and self._owns_io:
+            self._io.shutdown()
+        self._scan.join()
+
+    def _index_ready(self) -> None:
+        """Scan thread: the index is ready; resolves :meth:`wait_ready` on the loop."""
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
+            self._loop.call_soon_threadsafe(self._set_ready)
+
+    def _set_ready(self) -> None:
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_result(None)
+
+    # -- SecondaryTier (loop thread) -----------------------------------------------------
+
+    def lookup(self, keys: Sequence[BlockKey]) -> list[LookupResult]:
+        return self.index.lookup(keys)
+
+    def touch(self, keys: Sequence[BlockKey]) -> None:
+        self.index.touch(keys)
+
+    def contains(self, key: BlockKey) -> bool | None:
+        return self.index.contains(key)
+
+    def removals(self, key: BlockKey) -> list[tuple[float, str]]:
+        return self.index.removals(key)
+
+    def take_removed(self) -> list[BlockKey]:
+        return self.index.take_removed()
+
+    def submit_store(self, job: TierJob) -> bool:
+        io = self._require_io()
+        tasks, sizes = self._tasks(job, self._store_group)
+        start = time.perf_counter()
+        accepted = io.submit_write(
+            tasks, lambda outcomes: self._store_done(job, _flatten(outcomes, sizes), start),
+            nbytes=len(job.keys) * self.block_bytes,
+        )  # fmt: skip
+        if not accepted:
+            self.index.count("dropped_writes")
+        return accepted
+
+    def submit_load(self, job: TierJob) -> None:
+        io = self._require_io()
+        tasks, sizes = self._tasks(job, self._load_group)
+        start = time.perf_counter()
+        io.submit_read(
+            tasks, lambda outcomes: self._load_done(job, _flatten(outcomes, sizes), start)
+        )
+
+    def statistics(self) -> TierStats:
+        io = self._io
+        index = self.index.statistics()
+        return TierStats(
+            name=self.name,
+            medium=self.medium,
+            capacity_bytes=self.capacity_bytes,
+            used_bytes=index.used_bytes,
+            bytes_per_block=self.file_bytes,
+            blocks=index.blocks,
+            queued_jobs=io.queued_jobs if io else 0,
+            queued_bytes=io.queued_bytes if io else 0,
+            **index.counters,
+        )
+
+    def _tasks(
+        self, job: TierJob, per_group: Callable[[Pairs], list[Outcome]]
+    ) -> tuple[list[Callable[[], list[Outcome]]], list[int]]:
+        """The job's (key, row) pairs in groups of up to :data:`GROUP_BYTES`, and the
+        group sizes. A task runs its group in order and returns one
+        :class:`Outcome` per block: fewer, longer tasks than one per block mean
+        less queue and lock traffic and fewer threads contending for the CPU and
+        the GIL, while a large job still spreads over several threads."""
+        pairs = list(zip(job.keys, job.block_ids, strict=True))
+        size = max(1, GROUP_BYTES // self.block_bytes)
+        groups = [pairs[i : i + size] for i in range(0, len(pairs), size)]
+        return [functools.partial(per_group, group) for group in groups], [len(g) for g in groups]
+
+    # -- job completion (loop thread) ----------------------------------------------------
+
+    def _store_done(self, job: TierJob, outcomes: list[Outcome], start: float) -> None:
+        stored = tuple(key for key, o in zip(job.keys, outcomes, strict=True) if o.ok)
+        for key, outcome in zip(job.keys, outcomes, strict=True):
+            if isinstance(outcome.error, OSError):  # the disk refused: the operator hears
+                self._write_log.failed(outcome.error, self._files.path(key))
+            elif not outcome.ok:  # capacity, shutdown: counted only
+                log.debug("FS tier %s: store of %s failed: %s", self.name, key.hex(), outcome.error)
+        written = sum(1 for o in outcomes if o.ok and o.value)
+        if written:
+            self._write_log.succeeded()
+        failures = len(job.keys) - len(stored)
+        if failures:
+            self.index.count("store_failures", failures)
+        self._report(job, stored, failures, start, written * self.file_bytes)
+
+    def _load_done(self, job: TierJob, outcomes: list[Outcome], start: float) -> None:
+        loaded = tuple(key for key, o in zip(job.keys, outcomes, strict=True) if o.ok)
+        failures = len(job.keys) - len(loaded)
+        if failures:
+            self.index.count("load_failures", failures)
+        self._report(job, loaded, failures, start, len(loaded) * self.file_bytes)
+
+    def _report(
+        self, job: TierJob, done: tuple[BlockKey, ...], failures: int, start: float, moved: int
+    ) -> None:
+        self._on_done(
+            JobResult(
+                job_id=job.job_id,
+                success=failures == 0,
+                successful_keys=done or None,
+                seconds=time.perf_counter() - start,
+                bytes_moved=moved,
+            )
+        )
+
+    # -- stores (I/O threads) ------------------------------------------------------------
+
+    def _store_group(self, pairs: Pairs) -> list[Outcome]:
+        """Writes a group's block files; one Outcome per block, in order: True
+        (written), False (present already, not rewritten) or the error (TierFull
+        when no room can be made, OSError/ValueError otherwise).
+
+        Blocks are reserved one by one and written together (one request to the
+        block I/O per group). A block that does not fit while earlier blocks of
+        the group wait to be written is tried again once they are written, so
+        they can be evicted for it, as if the group were written block by block.
+        """
+        outcomes: list[Outcome | None] = [None] * len(pairs)
+        reserved: list[tuple[int, BlockKey, int]] = []
+        try:
+            for i, (key, block_id) in enumerate(pairs):
+                try:
+                    fsformat.check_key(key)
+                    self._check_block_id(block_id)
+                    try:
+                        fresh = self.index.reserve_write(key)
+                    except TierFull:
+                        if not reserved:
+                            raise
+                        batch, reserved = reserved, []
+                        self._write_reserved(batch, outcomes)
+                        fresh = self.index.reserve_write(key)
+                except Exception as exc:  # one block's failure is that block's outcome
+                    outcomes[i] = Outcome(error=exc)
+                    continue
+                if fresh:
+                    reserved.append((i, key, block_id))
+                else:
+                    outcomes[i] = Outcome(value=False)
+            batch, reserved = reserved, []
+            self._write_reserved(batch, outcomes)
+        except BaseException:
+            self.index.end_writes([key for _, key, _ in reserved], [False] * len(reserved))
+            raise
+        return [o if o is not None else Outcome(error=RuntimeError("not run")) for o in outcomes]
+
+    def _write_reserved(
+        self, reserved: list[tuple[int, BlockKey, int]], outcomes: list[Outcome | None]
+    ) -> None:
+        """Writes blocks whose keys this thread reserved; ends every reservation."""
+        if not reserved:
+            return
+        keys = [key for _, key, _ in reserved]
+        try:
+            errors = self._write_files([(key, block_id) for _, key, block_id in reserved])
+        except BaseException:
+            self.index.end_writes(keys, [False] * len(keys))
+            raise
+        self.index.end_writes(keys, [error is None for error in errors])
+        for (i, _, _), error in zip(reserved, errors, strict=True):
+            outcomes[i] = Outcome(value=True) if error is None else Outcome(error=error)
+
+    def _write_files(self, items: Pairs) -> list[BaseException | None]:
+        """Writes row ``block_id`` as ``key``'s file for each ``(key, block_id)``, in one
+        block I/O request; per item None (written) or the error. The caller holds
+        the keys' write reservations, so no one else reads or writes these paths."""
+        todo = []
+        for key, block_id in items:
+            rel = fsformat.block_rel_path(key)
+            temp_name = f"{name_of(rel)}.{self._files.temp_name()}{TEMP_SUFFIX}"
+            todo.append((block_id, rel, temp_name, key))
+        params = (self._fingerprint, self.use_o_direct, self.fsync, self.pool_dir)
+        try:
+            replies = self._block_io.call((ioworker.WRITE, self._region_ref, params, todo))
+        except OSError as exc:  # the worker died: whether it renamed a file is unknown
+            for _, rel, temp_name, _ in todo:
+                self._files.unlink_quietly(rel)
+                self._files.unlink_quietly(beside(rel, temp_name))
+            return [exc] * len(items)
+        return [ioworker.error_of(reply) for reply in replies]
+
+    # -- loads (I/O threads) -------------------------------------------------------------
+
+    def _load_group(self, pairs: Pairs) -> list[Outcome]:
+        """Reads and verifies a group's blocks into their rows (one block I/O
+        request); one Outcome per block, None or the error.
+
+        The keys count as being read (so eviction spares their files) until
+        every block of the group is done. Corrupt files are removed (and
+        counted); transient errors keep the file; a vanished file (ENOENT) is
+        dropped from the index.
+        """
+        outcomes: list[Outcome] = [Outcome()] * len(pairs)
+        todo: list[tuple[int, BlockKey, int]] = []
+        for i, (key, block_id) in enumerate(pairs):
+            try:
+                self._check_block_id(block_id)
+            except ValueError as exc:
+                outcomes[i] = Outcome(error=exc)
+                continue
+            todo.append((i, key, block_id))
+        keys = [key for _, key, _ in todo]
+        self.index.begin_reads(keys)
+        try:
+            errors = self._read_files([(key, block_id) for _, key, block_id in todo])
+            for (i, key, _), error in zip(todo, errors, strict=True):
+                if error is not None:
+                    self._read_failed(key, error)
+                    outcomes[i] = Outcome(error=error)
+        finally:
+            self.index.end_reads(keys)
+        self.index.loaded([key for (i, key, _) in todo if outcomes[i].ok])
+        return outcomes
+
+    def _read_files(self, items: Pairs) -> list[BaseException | None]:
+        """Reads ``key``'s file into row ``block_id`` for each ``(key, block_id)``, in one
+        block I/O request; per item None (read and verified) or the error."""
+        params = (self._fingerprint, self.use_o_direct, self.pool_dir)
+        request = [(block_id, fsformat.block_rel_path(key), key) for key, block_id in items]
+        try:
+            replies = self._block_io.call((ioworker.READ, self._region_ref, params, request))
+        except OSError as exc:  # the worker died
+            return [exc] * len(items)
+        return [ioworker.error_of(reply) for reply in replies]
+
+    def _read_failed(self, key: BlockKey, error: BaseException) -> None:
+        if isinstance(error, FileNotFoundError):
+            self.index.drop_vanished(key)
+        elif isinstance(error, CorruptFile):
+            self._discard_corrupt(key, error)
+
+    def _discard_corrupt(self, key: BlockKey, error: CorruptFile) -> None:
+        """Drops a key whose file failed verification from the index and removes the
+        file if the path still names the inode that failed (never a directory, never
+        through a symlink; something else at the path is left there)."""
+        path, rel = self._files.path(key), fsformat.block_rel_path(key)
+        if error.kind == REGULAR:
+            log.warning("FS tier %s: removing corrupt block file %s: %s", self.name, path,
+                        error.reason)  # fmt: skip
+        else:
+            action = "removing it" if error.identity is not None else "leaving it there"
+            log.warning("FS tier %s: bad block file %s: %s; %s", self.name, path, error.reason,
+                        action)  # fmt: skip
+        identity = error.identity
+
+        def replaced() -> bool:
+            return identity is not None and self._files.remove_bad(rel, identity)
+
+        self.index.drop_corrupt(key, error.reason, replaced)
+
+    # -- small helpers ---------------------------------------------------------------------
+
+    def _require_io(self) -> IoPool:
+        if self._io is None:
+            raise RuntimeError(f"FS tier {self.name} was not started")
+        return self._io
+
+    def _check_block_id(self, block_id: int) -> None:
+        if not 0 <= block_id < self._num_rows:
+            raise ValueError(f"block id {block_id} outside the region (0..{self._num_rows - 1})")
+
+
+def _flatten(outcomes: list[Outcome], sizes: list[int]) -> list[Outcome]:
+    """Per-block outcomes from per-group ones (a group that failed as a whole, e.g.
+    when the pool shut down before running it, fails each of its blocks)."""
+    flat: list[Outcome] = []
+    for outcome, size in zip(outcomes, sizes, strict=True):
+        flat.extend(outcome.value if outcome.ok else [outcome] * size)
+    return flat

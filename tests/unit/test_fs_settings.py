@@ -1,0 +1,104 @@
+"""fs tier settings (kvtierd.tiers.fs.settings): every default is written once, in
+``FsTierSettings``; the help text, the README's table, the tier and its I/O pool
+agree with it."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+import tomllib
+
+from kvtierd.cli import build_parser
+from kvtierd.tiers.configured import TierOptionError
+from kvtierd.tiers.fs import FsTier
+from kvtierd.tiers.fs.iopool import IoPool
+from kvtierd.tiers.fs.settings import (
+    DEFAULTS,
+    OPTIONS,
+    FsTierSettings,
+    format_default,
+    option_help,
+    options_markdown,
+    parse_fs_settings,
+)
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def test_the_readme_table_of_fs_options_is_the_generated_one() -> None:
+    """Regenerate with ``python -m kvtierd.tiers.fs.settings`` when this fails."""
+    assert options_markdown() in README.read_text()
+
+
+def test_the_readme_example_sets_every_fs_option_and_parses() -> None:
+    text = README.read_text()
+    section = text[text.index("## Configuration") :]
+    found = re.search(r"```toml\n(.*?)```", section, re.S)  # the full example
+    assert found is not None
+    example = found.group(1)
+    tables = tomllib.loads(example)["tiers"]
+    first = {k: v for k, v in tables[0].items() if k not in ("type", "name")}
+    assert sorted(first) == sorted(OPTIONS)
+    for table in tables:
+        parse_fs_settings({k: v for k, v in table.items() if k not in ("type", "name")})
+
+
+def test_the_readme_quick_start_names_the_default_capacity() -> None:
+    assert f"a {DEFAULTS.capacity >> 30} GiB fs tier" in README.read_text()
+
+
+def test_help_names_every_option_with_its_default() -> None:
+    helps = option_help()
+    assert list(helps) == list(OPTIONS)
+    assert helps["root"].endswith("(required)")
+    assert helps["capacity"].endswith('(default "10GiB")')
+    assert helps["io_processes"].endswith(f"(default {DEFAULTS.io_processes})")
+    text = " ".join(build_parser().format_help().split())  # argparse rewraps the epilog
+    for option, help_text in helps.items():
+        assert f"{option}: {' '.join(help_text.split())}" in text
+
+
+def test_the_tier_and_its_io_pool_default_to_the_settings_defaults() -> None:
+    """The keyword options of FsTier and IoPool are the settings' own defaults."""
+    for cls in (FsTier, IoPool):
+        parameters = inspect.signature(cls).parameters
+        for option in OPTIONS:
+            if option in parameters and option != "root":
+                assert parameters[option].default == getattr(DEFAULTS, option), (cls, option)
+    assert "read_threads" in inspect.signature(IoPool).parameters
+
+
+def test_parsing_only_a_root_gives_every_default() -> None:
+    assert parse_fs_settings({"root": "/x/"}) == dataclasses.replace(DEFAULTS, root="/x")
+
+
+@pytest.mark.parametrize(
+    ("option", "shown"),
+    [("capacity", '"10GiB"'), ("max_queue_bytes", '"1GiB"'), ("fsync", "false"),
+     ("o_direct", '"auto"'), ("read_threads", "8"), ("root", "")],
+)  # fmt: skip
+def test_defaults_are_shown_as_toml_values(option: str, shown: str) -> None:
+    assert format_default(option) == shown
+
+
+def test_a_shown_default_parses_back_to_the_default() -> None:
+    for option in OPTIONS:
+        shown = format_default(option)
+        if shown:
+            value = tomllib.loads(f"v = {shown}")["v"]
+            parsed = parse_fs_settings({"root": "/x", option: value})
+            assert getattr(parsed, option) == getattr(DEFAULTS, option), option
+
+
+def test_an_unknown_option_lists_the_known_ones() -> None:
+    with pytest.raises(TierOptionError, match="unknown fs tier option; known: capacity") as info:
+        parse_fs_settings({"root": "/x", "threads": 4})
+    assert info.value.key == "threads"
+
+
+def test_settings_name_what_two_tiers_may_not_share() -> None:
+    assert FsTierSettings(root="/a").exclusive() == {"root": "/a"}
