@@ -171,7 +171,7 @@ class KVTierService(pb2_grpc.KVTierServicer):
 
     @_handle
     def KeepAlive(self, request: pb2.KeepAliveRequest, context: Any) -> Any:
-        self._sessions.get(request.session_id)
+        self._live_session(request.session_id)
         return pb2.KeepAliveResponse(lease_ms=self._sessions.lease_ms)
 
     @_handle
@@ -181,10 +181,17 @@ class KVTierService(pb2_grpc.KVTierServicer):
 
     # ----------------------------------------------------------------- manager
 
+    def _live_session(self, session_id: str) -> Session:
+        """The session a validated call names, its lease renewed: every call on a
+        session, KeepAlive included, is proof of its client's life."""
+        session = self._sessions.get(session_id)
+        self._sessions.renew(session)
+        return session
+
     def _session_and_keys(self, request: Any) -> tuple[Session, list[bytes]]:
         keys = list(request.keys)
         check_keys(keys, self._max_keys)
-        return self._sessions.get(request.session_id), keys
+        return self._live_session(request.session_id), keys
 
     @_handle
     def Lookup(self, request: pb2.LookupRequest, context: Any) -> Any:
@@ -218,7 +225,7 @@ class KVTierService(pb2_grpc.KVTierServicer):
                 f"ops: {len(request.ops)} operations; at most {MAX_BATCH_OPS} per Batch"
             )
         self._check_batch_keys(request.ops)
-        session = self._sessions.get(request.session_id)
+        session = self._live_session(request.session_id)
         return pb2.BatchResponse(results=[self._batch_op(session, op) for op in request.ops])
 
     def _check_batch_keys(self, ops: Any) -> None:
@@ -259,14 +266,12 @@ class KVTierService(pb2_grpc.KVTierServicer):
 
     @_handle
     def TakeEvents(self, request: pb2.TakeEventsRequest, context: Any) -> Any:
-        session = self._sessions.get(request.session_id)
-        log = session.pool.events
-        events, dropped = log.since(session.events_cursor, TAKE_EVENTS_MAX_BYTES)
-        session.events_cursor = events[-1][0] if events else log.last_seq
+        session = self._live_session(request.session_id)
+        taken = self._sessions.take_events(session, TAKE_EVENTS_MAX_BYTES)
         return pb2.TakeEventsResponse(
-            events=[_event_message(seq, event) for seq, event in events],
-            dropped=dropped,
-            more=session.events_cursor < log.last_seq,
+            events=[_event_message(seq, event) for seq, event in taken.events],
+            dropped=taken.dropped,
+            more=taken.more,
         )
 
     async def WatchEvents(self, request: pb2.WatchEventsRequest, context: Any) -> None:

@@ -35,7 +35,7 @@ def test_a_lease_runs_out_without_calls_and_is_renewed_by_one(pool):
     table = SessionTable(2.0, 8, clock=clock, write_quarantine=5.0)
     session = table.open(pool, "c", "unix:")
     clock.now += 1.5
-    table.get(session.id)  # a call: renewed until 103.5
+    table.renew(table.get(session.id))  # a call: renewed until 103.5
     clock.now += 1.9
     assert table.expire() == 0
     clock.now += 0.1
