@@ -36,8 +36,8 @@ from kvtierd.events import EventLog
 from kvtierd.history import KeyRecord, RemovalLog
 from kvtierd.primary import NotLoadableError, PrimaryManager
 from kvtierd.region import Region
-from kvtierd.tiering import TierCounters, Tiering
-from kvtierd.tiers.base import TierStats
+from kvtierd.statistics import PoolStatistics, PrimaryStatistics, SecondaryStatistics
+from kvtierd.tiering import Tiering
 from kvtierd.validation import key_repr
 
 log = logging.getLogger("kvtierd.pool")
@@ -54,70 +54,6 @@ class PoolSpec:
     num_blocks: int
     layout: str
     eviction_policy: str
-
-
-@dataclass(frozen=True, slots=True)
-class PrimaryStatistics:
-    """The primary tier of a pool at one instant: its state and cumulative counters.
-
-    Lookup answers, one per key and Lookup (a client that polls a promotion counts
-    once per poll): ``hits`` HIT, ``hits_pending`` HIT_PENDING, ``misses`` MISS,
-    ``retries`` RETRY. Loads: ``loads`` pins (PrepareLoad's, or a pinning
-    Lookup's) released by CompleteLoad as loads; ``unused_pins`` those released
-    with ``unused`` (read by nobody); pins dropped with their session count in
-    neither.
-    """
-
-    block_bytes: int
-    capacity_blocks: int
-    used_blocks: int
-    pinned_blocks: int
-    pending_blocks: int
-    quarantined_blocks: int
-    evictions: int
-    hits: int
-    hits_pending: int
-    misses: int
-    retries: int
-    loads: int
-    unused_pins: int
-    stores_completed: int
-    stores_aborted: int  # CompleteStore(success=false), or left unfinished by an ended session
-    stores_refused: int  # PrepareStore answered accepted=false
-
-    @property
-    def bytes_in(self) -> int:
-        return self.stores_completed * self.block_bytes
-
-    @property
-    def bytes_out(self) -> int:
-        return self.loads * self.block_bytes
-
-
-@dataclass(frozen=True, slots=True)
-class SecondaryStatistics:
-    """One secondary tier of a pool at one instant. ``tier`` is the tier's own view
-    (capacity, usage, bytes moved, evictions, failures, queue); its ``hits`` and
-    ``misses`` are raw index answers, superseded by ``counters``' (what this pool
-    got from the tier)."""
-
-    tier: TierStats
-    ready: bool  # index rebuilt: the tier answers HIT / MISS, not RETRY
-    counters: TierCounters
-
-
-@dataclass(frozen=True, slots=True)
-class PoolStatistics:
-    """One pool at one instant: the single snapshot GetStats, the metrics endpoint
-    and (through GetStats) kvtierctl convert from, so they cannot disagree."""
-
-    spec: PoolSpec
-    sessions: int
-    region_path: str
-    region_bytes: int
-    last_event_seq: int
-    primary: PrimaryStatistics
-    secondaries: tuple[SecondaryStatistics, ...]  # in lookup order
 
 
 @dataclass(frozen=True, slots=True)
