@@ -159,10 +159,11 @@ POOL_NUMBERS: dict[str, Callable[[PoolStatistics], int]] = {
 # Every per-pool family, in exposition order. The README's metrics table lists them.
 POOL_FAMILIES: tuple[Family, ...] = (
     Family("kvtierd_region_bytes", GAUGE, "Bytes of the pool's shared-memory region",
-           "region_bytes", "pool"),
-    Family("kvtierd_pool_sessions", GAUGE, "Sessions attached to the pool", "sessions", "pool"),
-    Family("kvtierd_lookups", COUNTER, "Keys looked up, by answer", LOOKUP_ANSWERS, "primary",
-           by="result"),
+           "region_bytes", scope="pool"),
+    Family("kvtierd_pool_sessions", GAUGE, "Sessions attached to the pool", "sessions",
+           scope="pool"),
+    Family("kvtierd_lookups", COUNTER, "Keys looked up, by answer", LOOKUP_ANSWERS,
+           scope="primary", by="result"),
     Family("kvtierd_hit_blocks", COUNTER,
            "Primary: keys answered HIT; secondary: blocks promoted from the tier", "hits"),
     Family("kvtierd_miss_blocks", COUNTER,
@@ -182,21 +183,21 @@ POOL_FAMILIES: tuple[Family, ...] = (
            "bytes_out"),
     Family("kvtierd_unused_pins", COUNTER,
            "Primary pins released by CompleteLoad with unused (nobody read the rows)",
-           "unused_pins", "primary"),
+           "unused_pins", scope="primary"),
     Family("kvtierd_failed_blocks", COUNTER,
            "Primary: stores aborted; secondary: blocks the tier failed to write or read",
            "failures"),
     Family("kvtierd_evictions", COUNTER, "Blocks evicted from the tier", "evictions"),
     Family("kvtierd_stores_refused", COUNTER,
            "PrepareStore calls refused: no room in the primary (nothing reserved)",
-           "stores_refused", "primary"),
+           "stores_refused", scope="primary"),
     Family("kvtierd_pinned_blocks", GAUGE, "Primary blocks pinned by readers", "pinned_blocks",
-           "primary"),
+           scope="primary"),
     Family("kvtierd_pending_blocks", GAUGE, "Primary blocks with a write in flight",
-           "pending_blocks", "primary"),
+           "pending_blocks", scope="primary"),
     Family("kvtierd_quarantined_blocks", GAUGE,
            "Primary rows of stores an ended session left unfinished, not yet reusable",
-           "quarantined_blocks", "primary"),
+           "quarantined_blocks", scope="primary"),
     Family("kvtierd_tier_ready", GAUGE,
            "1 once the secondary tier's index is rebuilt (HIT/MISS answers), 0 before (RETRY)",
            "ready"),
@@ -253,8 +254,8 @@ def _family_metric(family: Family, pools: list[tuple[PoolStatistics, list[TierVi
             labels = [stats.spec.name, *([view.name] if per_tier else [])]
             for label, number in numbers:
                 if number in view.numbers:  # else a number of the other kind of tier
-                    values = view.numbers[number]
-                    metric.add_metric([*labels, *([label] if label else [])], values)
+                    value = view.numbers[number]
+                    metric.add_metric([*labels, *([label] if label else [])], value)
     return metric
 
 

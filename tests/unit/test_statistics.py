@@ -226,6 +226,7 @@ def test_every_number_feeds_a_family():
     fed = set(metric_sources()) | set(POOL_NUMBERS)
     numbers = {n.name for n in TIER_NUMBERS}
     assert numbers - fed == set(), "tier numbers no metric family tells"
+    assert fed - numbers - set(POOL_NUMBERS) == set(), "families of numbers nobody computes"
 
 
 def documented_metrics() -> set[str]:
