@@ -24,6 +24,11 @@ DEFAULT_MAX_BYTES = 16 << 20
 # (the records themselves are shared by the keys of one call).
 KEY_OVERHEAD_BYTES = 200
 
+# Why the primary dropped blocks, as Explain tells it: passed by the call that
+# decided the removal (the evicting store or promotion, the flush).
+EVICTED_FOR_ROOM = "evicted: least recently used, to make room"
+FLUSHED = "flushed (FlushPool)"
+
 
 @dataclass(frozen=True, slots=True)
 class KeyRecord:

@@ -20,8 +20,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -29,10 +30,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
 from kvtierd import __version__
-from kvtierd.contract import PRIMARY_TIER
+from kvtierd.statistics import PoolStatistics, TierView, tier_views
 
 if TYPE_CHECKING:
-    from kvtierd.pool import PoolStatistics, SecondaryStatistics
     from kvtierd.pools import PoolTable
     from kvtierd.sessions import SessionTable
 
@@ -114,191 +114,149 @@ class DaemonCollector(Collector):
         yield _gauge(
             "kvtierd_memory_used_bytes", "Shared memory used by regions", self._pools.used_bytes
         )
-        yield from _PoolFamilies(self._pools).collect()
+        yield from collect_pool_families(pool.statistics() for pool in self._pools)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, documentation, value=value)
 
 
-class _PoolFamilies:
-    """One family per per-pool metric, filled pool by pool, tier by tier."""
+@dataclass(frozen=True, slots=True)
+class Family:
+    """One per-pool metric family: its name (counters without ``_total``), type,
+    help, where its values come from and how they are labelled.
 
-    def __init__(self, pools: PoolTable) -> None:
-        self._pools = pools
-        pt = ["pool", "tier"]
-        self.region = GaugeMetricFamily(
-            "kvtierd_region_bytes", "Bytes of the pool's shared-memory region", labels=["pool"]
-        )
-        self.sessions = GaugeMetricFamily(
-            "kvtierd_pool_sessions", "Sessions attached to the pool", labels=["pool"]
-        )
-        self.lookups = CounterMetricFamily(
-            "kvtierd_lookups", "Keys looked up, by answer", labels=["pool", "result"]
-        )
-        self.hits = CounterMetricFamily(
-            "kvtierd_hit_blocks",
-            "Primary: keys answered HIT; secondary: blocks promoted from the tier",
-            labels=pt,
-        )
-        self.misses = CounterMetricFamily(
-            "kvtierd_miss_blocks",
-            "Primary: keys answered MISS; secondary: primary misses the tier did not serve",
-            labels=pt,
-        )
-        self.retries = CounterMetricFamily(
-            "kvtierd_retry_blocks",
-            "Primary: keys answered RETRY; secondary: primary misses the tier could not answer yet",
-            labels=pt,
-        )
-        self.used = GaugeMetricFamily("kvtierd_blocks_used", "Blocks held by the tier", labels=pt)
-        self.capacity = GaugeMetricFamily(
-            "kvtierd_blocks_capacity", "Blocks the tier can hold", labels=pt
-        )
-        self.used_bytes = GaugeMetricFamily(
-            "kvtierd_used_bytes", "Bytes held by the tier (this pool)", labels=pt
-        )
-        self.capacity_bytes = GaugeMetricFamily(
-            "kvtierd_capacity_bytes",
-            "Byte capacity of the tier (fs: shared by its pools)",
-            labels=pt,
-        )
-        self.stored = CounterMetricFamily(
-            "kvtierd_stored_bytes", "Bytes stored into the tier", labels=pt
-        )
-        self.loaded = CounterMetricFamily(
-            "kvtierd_loaded_bytes",
-            "Bytes loaded out of the tier (primary: pins released by CompleteLoad as loads)",
-            labels=pt,
-        )
-        self.unused_pins = CounterMetricFamily(
-            "kvtierd_unused_pins",
-            "Primary pins released by CompleteLoad with unused (nobody read the rows)",
-            labels=["pool"],
-        )
-        self.failed = CounterMetricFamily(
-            "kvtierd_failed_blocks",
-            "Primary: stores aborted; secondary: blocks the tier failed to write or read",
-            labels=pt,
-        )
-        self.evictions = CounterMetricFamily(
-            "kvtierd_evictions", "Blocks evicted from the tier", labels=pt
-        )
-        self.pinned = GaugeMetricFamily(
-            "kvtierd_pinned_blocks", "Primary blocks pinned by readers", labels=["pool"]
-        )
-        self.pending = GaugeMetricFamily(
-            "kvtierd_pending_blocks", "Primary blocks with a write in flight", labels=["pool"]
-        )
-        self.quarantined = GaugeMetricFamily(
-            "kvtierd_quarantined_blocks",
-            "Primary rows of stores an ended session left unfinished, not yet reusable",
-            labels=["pool"],
-        )
-        jobs = ["pool", "tier", "kind"]
-        self.jobs_started = CounterMetricFamily(
-            "kvtierd_tier_jobs_started",
-            "Tier jobs submitted (kind: cascade, promotion)",
-            labels=jobs,
-        )
-        self.jobs_finished = CounterMetricFamily(
-            "kvtierd_tier_jobs_finished", "Tier jobs that succeeded", labels=jobs
-        )
-        self.jobs_failed = CounterMetricFamily(
-            "kvtierd_tier_jobs_failed", "Tier jobs that failed (in part or whole)", labels=jobs
-        )
-        self.jobs_in_flight = GaugeMetricFamily(
-            "kvtierd_tier_jobs_in_flight", "Tier jobs submitted and not yet reported", labels=pt
-        )
-        self.promoted = CounterMetricFamily(
-            "kvtierd_promoted_blocks", "Blocks promoted into the primary, by outcome",
-            labels=["pool", "tier", "outcome"],
-        )  # fmt: skip
-        self.no_room = CounterMetricFamily(
-            "kvtierd_promotion_no_room", "Tier hits not promoted: no primary row", labels=pt
-        )
-        self.cascaded = CounterMetricFamily(
-            "kvtierd_cascade_blocks", "Blocks handed to the tier by cascades", labels=pt
-        )
-        self.dropped = CounterMetricFamily(
-            "kvtierd_dropped_writes", "Cascade blocks dropped by backpressure", labels=pt
-        )
-        self.checksum = CounterMetricFamily(
-            "kvtierd_checksum_failures", "Block files that failed verification", labels=pt
-        )
-        self.queue_jobs = GaugeMetricFamily(
-            "kvtierd_queue_depth_jobs", "Jobs queued on the tier's I/O threads", labels=pt
-        )
-        self.queue_bytes = GaugeMetricFamily(
-            "kvtierd_queue_bytes", "Cascade bytes queued on the tier's I/O threads", labels=pt
-        )
+    ``source`` names a pool number (:data:`POOL_NUMBERS`) or a tier number
+    (:data:`kvtierd.statistics.TIER_NUMBERS`); a mapping gives one sample per
+    value of the label ``by`` (value -> number). ``scope``: ``"pool"`` (labels
+    ``pool``), ``"primary"`` (the primary's number, labels ``pool``) or ``"tier"``
+    (labels ``pool``, ``tier``: one sample per tier that has the number).
+    """
 
-    def collect(self) -> Iterator[Metric]:
-        for pool in self._pools:
-            stats = pool.statistics()
-            self._primary(stats)
-            for secondary in stats.secondaries:
-                self._secondary(stats.spec.name, secondary)
-        yield from (value for value in vars(self).values() if isinstance(value, Metric))
+    name: str
+    type: Literal["counter", "gauge"]
+    help: str
+    source: str | Mapping[str, str]
+    scope: Literal["pool", "primary", "tier"] = "tier"
+    by: str | None = None  # the label whose values key a mapping ``source``
 
-    def _primary(self, stats: PoolStatistics) -> None:
-        name = stats.spec.name
-        primary = stats.primary
-        labels = [name, PRIMARY_TIER]
-        self.region.add_metric([name], stats.region_bytes)
-        self.sessions.add_metric([name], stats.sessions)
-        answers = {
-            "hit": primary.hits,
-            "hit_pending": primary.hits_pending,
-            "miss": primary.misses,
-            "retry": primary.retries,
-        }
-        for result, count in answers.items():
-            self.lookups.add_metric([name, result], count)
-        self.hits.add_metric(labels, primary.hits)
-        self.misses.add_metric(labels, primary.misses)
-        self.retries.add_metric(labels, primary.retries)
-        self.used.add_metric(labels, primary.used_blocks)
-        self.capacity.add_metric(labels, primary.capacity_blocks)
-        self.used_bytes.add_metric(labels, primary.used_blocks * primary.block_bytes)
-        self.capacity_bytes.add_metric(labels, primary.capacity_blocks * primary.block_bytes)
-        self.stored.add_metric(labels, primary.bytes_in)
-        self.loaded.add_metric(labels, primary.bytes_out)
-        self.unused_pins.add_metric([name], primary.unused_pins)
-        self.failed.add_metric(labels, primary.stores_aborted)
-        self.evictions.add_metric(labels, primary.evictions)
-        self.pinned.add_metric([name], primary.pinned_blocks)
-        self.pending.add_metric([name], primary.pending_blocks)
-        self.quarantined.add_metric([name], primary.quarantined_blocks)
 
-    def _secondary(self, pool: str, secondary: SecondaryStatistics) -> None:
-        stats, jobs = secondary.tier, secondary.counters
-        labels = [pool, stats.name]
-        self.hits.add_metric(labels, jobs.hits)
-        self.misses.add_metric(labels, jobs.misses)
-        self.retries.add_metric(labels, jobs.retries)
-        self.used.add_metric(labels, stats.blocks)
-        self.capacity.add_metric(labels, stats.capacity_bytes // stats.bytes_per_block)
-        self.used_bytes.add_metric(labels, stats.used_bytes)
-        self.capacity_bytes.add_metric(labels, stats.capacity_bytes)
-        self.stored.add_metric(labels, stats.bytes_written)
-        self.loaded.add_metric(labels, stats.bytes_read)
-        self.failed.add_metric(labels, stats.store_failures + stats.load_failures)
-        self.evictions.add_metric(labels, stats.evictions)
-        for kind in ("cascade", "promotion"):
-            job_labels = [*labels, kind]
-            self.jobs_started.add_metric(job_labels, getattr(jobs, f"{kind}_jobs_started"))
-            self.jobs_finished.add_metric(job_labels, getattr(jobs, f"{kind}_jobs_finished"))
-            self.jobs_failed.add_metric(job_labels, getattr(jobs, f"{kind}_jobs_failed"))
-        self.jobs_in_flight.add_metric(labels, jobs.jobs_in_flight)
-        self.promoted.add_metric([*labels, "loaded"], jobs.promotion_blocks_loaded)
-        self.promoted.add_metric([*labels, "failed"], jobs.promotion_blocks_failed)
-        self.no_room.add_metric(labels, jobs.promotion_no_room)
-        self.cascaded.add_metric(labels, jobs.cascade_blocks)
-        self.dropped.add_metric(labels, jobs.cascade_blocks_dropped)
-        self.checksum.add_metric(labels, stats.checksum_failures)
-        self.queue_jobs.add_metric(labels, stats.queued_jobs)
-        self.queue_bytes.add_metric(labels, stats.queued_bytes)
+COUNTER: Literal["counter"] = "counter"
+GAUGE: Literal["gauge"] = "gauge"
+LOOKUP_ANSWERS = {
+    "hit": "hits",
+    "hit_pending": "hits_pending",
+    "miss": "misses",
+    "retry": "retries",
+}
+
+# Numbers of a pool itself (not of one of its tiers), from its snapshot.
+POOL_NUMBERS: dict[str, Callable[[PoolStatistics], int]] = {
+    "region_bytes": lambda stats: stats.region_bytes,
+    "sessions": lambda stats: stats.sessions,
+}
+
+# Every per-pool family, in exposition order. The README's metrics table lists them.
+POOL_FAMILIES: tuple[Family, ...] = (
+    Family("kvtierd_region_bytes", GAUGE, "Bytes of the pool's shared-memory region",
+           "region_bytes", scope="pool"),
+    Family("kvtierd_pool_sessions", GAUGE, "Sessions attached to the pool", "sessions",
+           scope="pool"),
+    Family("kvtierd_lookups", COUNTER, "Keys looked up, by answer", LOOKUP_ANSWERS,
+           scope="primary", by="result"),
+    Family("kvtierd_hit_blocks", COUNTER,
+           "Primary: keys answered HIT; secondary: blocks promoted from the tier", "hits"),
+    Family("kvtierd_miss_blocks", COUNTER,
+           "Primary: keys answered MISS; secondary: primary misses the tier did not serve",
+           "misses"),
+    Family("kvtierd_retry_blocks", COUNTER,
+           "Primary: keys answered RETRY; secondary: primary misses the tier could not "
+           "answer yet", "retries"),
+    Family("kvtierd_blocks_used", GAUGE, "Blocks held by the tier", "used_blocks"),
+    Family("kvtierd_blocks_capacity", GAUGE, "Blocks the tier can hold", "capacity_blocks"),
+    Family("kvtierd_used_bytes", GAUGE, "Bytes held by the tier (this pool)", "used_bytes"),
+    Family("kvtierd_capacity_bytes", GAUGE,
+           "Byte capacity of the tier (fs: shared by its pools)", "capacity_bytes"),
+    Family("kvtierd_stored_bytes", COUNTER, "Bytes stored into the tier", "bytes_in"),
+    Family("kvtierd_loaded_bytes", COUNTER,
+           "Bytes loaded out of the tier (primary: pins released by CompleteLoad as loads)",
+           "bytes_out"),
+    Family("kvtierd_unused_pins", COUNTER,
+           "Primary pins released by CompleteLoad with unused (nobody read the rows)",
+           "unused_pins", scope="primary"),
+    Family("kvtierd_failed_blocks", COUNTER,
+           "Primary: stores aborted; secondary: blocks the tier failed to write or read",
+           "failures"),
+    Family("kvtierd_evictions", COUNTER, "Blocks evicted from the tier", "evictions"),
+    Family("kvtierd_stores_refused", COUNTER,
+           "PrepareStore calls refused: no room in the primary (nothing reserved)",
+           "stores_refused", scope="primary"),
+    Family("kvtierd_pinned_blocks", GAUGE, "Primary blocks pinned by readers", "pinned_blocks",
+           scope="primary"),
+    Family("kvtierd_pending_blocks", GAUGE, "Primary blocks with a write in flight",
+           "pending_blocks", scope="primary"),
+    Family("kvtierd_quarantined_blocks", GAUGE,
+           "Primary rows of stores an ended session left unfinished, not yet reusable",
+           "quarantined_blocks", scope="primary"),
+    Family("kvtierd_tier_ready", GAUGE,
+           "1 once the secondary tier's index is rebuilt (HIT/MISS answers), 0 before (RETRY)",
+           "ready"),
+    Family("kvtierd_tier_jobs_started", COUNTER,
+           "Tier jobs submitted (kind: cascade, promotion)",
+           {"cascade": "cascade_jobs_started", "promotion": "promotion_jobs_started"},
+           by="kind"),
+    Family("kvtierd_tier_jobs_finished", COUNTER, "Tier jobs that succeeded",
+           {"cascade": "cascade_jobs_finished", "promotion": "promotion_jobs_finished"},
+           by="kind"),
+    Family("kvtierd_tier_jobs_failed", COUNTER, "Tier jobs that failed (in part or whole)",
+           {"cascade": "cascade_failures", "promotion": "promotion_jobs_failed"}, by="kind"),
+    Family("kvtierd_tier_jobs_in_flight", GAUGE, "Tier jobs submitted and not yet reported",
+           "jobs_in_flight"),
+    Family("kvtierd_promoted_blocks", COUNTER, "Blocks promoted into the primary, by outcome",
+           {"loaded": "promoted_blocks", "failed": "promotion_failures"}, by="outcome"),
+    Family("kvtierd_promotion_no_room", COUNTER, "Tier hits not promoted: no primary row",
+           "promotion_no_room"),
+    Family("kvtierd_cascade_blocks", COUNTER, "Blocks handed to the tier by cascades",
+           "cascade_blocks"),
+    Family("kvtierd_dropped_writes", COUNTER, "Cascade blocks dropped by backpressure",
+           "dropped_blocks"),
+    Family("kvtierd_checksum_failures", COUNTER, "Block files that failed verification",
+           "checksum_failures"),
+    Family("kvtierd_queue_depth_jobs", GAUGE, "Jobs queued on the tier's I/O threads",
+           "queued_jobs"),
+    Family("kvtierd_queue_bytes", GAUGE, "Cascade bytes queued on the tier's I/O threads",
+           "queued_bytes"),
+)  # fmt: skip
+
+
+def collect_pool_families(snapshots: Iterable[PoolStatistics]) -> list[Metric]:
+    """Every family of :data:`POOL_FAMILIES`, filled pool by pool, tier by tier."""
+    pools = [(stats, tier_views(stats)) for stats in snapshots]
+    return [_family_metric(family, pools) for family in POOL_FAMILIES]
+
+
+def _family_metric(family: Family, pools: list[tuple[PoolStatistics, list[TierView]]]) -> Metric:
+    kind = CounterMetricFamily if family.type == COUNTER else GaugeMetricFamily
+    by = [family.by] if family.by is not None else []
+    if family.scope == "pool":
+        assert isinstance(family.source, str), family.name
+        pool_number = POOL_NUMBERS[family.source]
+        metric = kind(family.name, family.help, labels=["pool"])
+        for stats, _ in pools:
+            metric.add_metric([stats.spec.name], pool_number(stats))
+        return metric
+    source = family.source
+    numbers = list(source.items()) if isinstance(source, Mapping) else [(None, source)]
+    per_tier = family.scope == "tier"
+    metric = kind(family.name, family.help, labels=["pool", *(["tier"] if per_tier else []), *by])
+    for stats, views in pools:
+        for view in views if per_tier else views[:1]:  # the primary is the first view
+            labels = [stats.spec.name, *([view.name] if per_tier else [])]
+            for label, number in numbers:
+                if number in view.numbers:  # else a number of the other kind of tier
+                    value = view.numbers[number]
+                    metric.add_metric([*labels, *([label] if label else [])], value)
+    return metric
 
 
 # ----------------------------------------------------------------------- endpoint

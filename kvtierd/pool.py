@@ -1,5 +1,5 @@
 """A pool: one namespace of blocks with its region, its primary manager, its
-event log, and the record of which session owns which pin and reservation.
+event log, and the claims of its sessions (:mod:`kvtierd.claims`).
 
 Ownership (DESIGN.md §4):
 
@@ -18,6 +18,11 @@ promoted block until a session pins it, :mod:`kvtierd.holds`); sessions never
 see or release those. A session's pin *claims* the hold of its key: PrepareLoad
 always, a pinning Lookup when its request waits for nothing (no HIT_PENDING).
 
+Invariants (:meth:`Pool.check_invariants`): for every key, the primary's ref
+count is the session pins on it + the cascade jobs naming it + 1 if it is held;
+no key is reserved by two sessions, every reserved key is pending (ref -1), and
+every pending row is a session's reservation or a promotion's.
+
 Every method runs on the daemon's event loop; none blocks. Each mutator
 validates everything first and then applies, so a rejected call changes nothing.
 """
@@ -29,20 +34,20 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvtierd.claims import ClaimTable
 from kvtierd.config import LimitsConfig
-from kvtierd.contract import PRIMARY_TIER, BlockEvent, BlockKey, LookupResult, StoreGrant
+from kvtierd.contract import PRIMARY_TIER, BlockKey, LookupResult, StoreGrant
 from kvtierd.errors import FailedPrecondition
 from kvtierd.events import EventLog
-from kvtierd.history import KeyRecord, RemovalLog
+from kvtierd.history import EVICTED_FOR_ROOM, FLUSHED, KeyRecord, RemovalLog
+from kvtierd.prefix import READY, prefix_end
 from kvtierd.primary import NotLoadableError, PrimaryManager
 from kvtierd.region import Region
-from kvtierd.tiering import TierCounters, Tiering
-from kvtierd.tiers.base import TierStats
+from kvtierd.statistics import PoolStatistics, PrimaryStatistics, SecondaryStatistics
+from kvtierd.tiering import Tiering
 from kvtierd.validation import key_repr
 
 log = logging.getLogger("kvtierd.pool")
-
-_SERVABLE = (LookupResult.HIT, LookupResult.HIT_PENDING)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,70 +59,6 @@ class PoolSpec:
     num_blocks: int
     layout: str
     eviction_policy: str
-
-
-@dataclass(frozen=True, slots=True)
-class PrimaryStatistics:
-    """The primary tier of a pool at one instant: its state and cumulative counters.
-
-    Lookup answers, one per key and Lookup (a client that polls a promotion counts
-    once per poll): ``hits`` HIT, ``hits_pending`` HIT_PENDING, ``misses`` MISS,
-    ``retries`` RETRY. Loads: ``loads`` pins (PrepareLoad's, or a pinning
-    Lookup's) released by CompleteLoad as loads; ``unused_pins`` those released
-    with ``unused`` (read by nobody); pins dropped with their session count in
-    neither.
-    """
-
-    block_bytes: int
-    capacity_blocks: int
-    used_blocks: int
-    pinned_blocks: int
-    pending_blocks: int
-    quarantined_blocks: int
-    evictions: int
-    hits: int
-    hits_pending: int
-    misses: int
-    retries: int
-    loads: int
-    unused_pins: int
-    stores_completed: int
-    stores_aborted: int  # CompleteStore(success=false), or left unfinished by an ended session
-    stores_refused: int  # PrepareStore answered accepted=false
-
-    @property
-    def bytes_in(self) -> int:
-        return self.stores_completed * self.block_bytes
-
-    @property
-    def bytes_out(self) -> int:
-        return self.loads * self.block_bytes
-
-
-@dataclass(frozen=True, slots=True)
-class SecondaryStatistics:
-    """One secondary tier of a pool at one instant. ``tier`` is the tier's own view
-    (capacity, usage, bytes moved, evictions, failures, queue); its ``hits`` and
-    ``misses`` are raw index answers, superseded by ``counters``' (what this pool
-    got from the tier)."""
-
-    tier: TierStats
-    ready: bool  # index rebuilt: the tier answers HIT / MISS, not RETRY
-    counters: TierCounters
-
-
-@dataclass(frozen=True, slots=True)
-class PoolStatistics:
-    """One pool at one instant: the single snapshot GetStats, the metrics endpoint
-    and (through GetStats) kvtierctl convert from, so they cannot disagree."""
-
-    spec: PoolSpec
-    sessions: int
-    region_path: str
-    region_bytes: int
-    last_event_seq: int
-    primary: PrimaryStatistics
-    secondaries: tuple[SecondaryStatistics, ...]  # in lookup order
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,8 +99,9 @@ class Pool:
         self.region = region
         self.events = EventLog(limits.events_retained, limits.events_retained_bytes)
         self.history = RemovalLog(max_bytes=limits.removals_retained_bytes)
-        self._removal_reason = "evicted: least recently used, to make room"
-        self.manager = PrimaryManager(spec.num_blocks, spec.eviction_policy, on_event=self._event)
+        self.manager = PrimaryManager(
+            spec.num_blocks, spec.eviction_policy, on_event=self.events.append
+        )
         self.tiering = Tiering(
             spec.name,
             self.manager,
@@ -167,12 +109,8 @@ class Pool:
             on_event=self.events.append,
             hold_seconds=limits.promotion_hold,
         )
-        # Invariant: sum over sessions of _pins[s][k] + cascade jobs naming k + (1 if
-        # k is held) == manager.ref_count(k) for every pinned key.
-        self._pins: dict[str, Counter[BlockKey]] = {}
-        # Invariant: the sets are disjoint, and k is in _reserved_by[s] iff session s
-        # reserved k and has not completed it (so manager.ref_count(k) == -1).
-        self._reserved_by: dict[str, set[BlockKey]] = {}
+        # Invariant: see the module docstring (checked by check_invariants).
+        self._claims = ClaimTable()
         self._lookups = Counter({r: 0 for r in LookupResult})
         self._loads_completed = 0  # pins released by CompleteLoad as loads
         self._unused_pins = 0  # pins released by CompleteLoad(unused=True)
@@ -184,11 +122,11 @@ class Pool:
 
     @property
     def session_count(self) -> int:
-        return len(self._pins)
+        return len(self._claims)
 
     def attach(self, session_id: str) -> None:
-        self._pins[session_id] = Counter()
-        self._reserved_by[session_id] = set()
+        """Gives a new session an empty claims record (it holds nothing yet)."""
+        self._claims.attach(session_id)
 
     def release_session(self, session_id: str, quarantine_until: float) -> tuple[int, int]:
         """Drops every pin and aborts every reservation of the session.
@@ -199,15 +137,14 @@ class Pool:
         (README, "Lost leases"). Returns (pins released, reservations aborted).
         Called once per session, when it closes or its lease expires.
         """
-        pins = self._pins.pop(session_id, Counter())
-        reserved = self._reserved_by.pop(session_id, set())
-        unpin = [key for key, count in pins.items() for _ in range(count)]
+        claims = self._claims.detach(session_id)
+        unpin = claims.pin_list()
         if unpin:
             self.manager.complete_load(unpin)  # pin n -> n-1, per pin held
-        if reserved:
-            aborted = self.manager.abort_and_quarantine(list(reserved), quarantine_until)
+        if claims.reserved:
+            aborted = self.manager.abort_and_quarantine(list(claims.reserved), quarantine_until)
             self._stores_aborted += len(aborted)
-        return len(unpin), len(reserved)
+        return len(unpin), len(claims.reserved)
 
     def release_quarantine(self, now: float) -> int:
         """Frees the quarantined rows whose time has come; returns how many."""
@@ -220,10 +157,11 @@ class Pool:
         a promotion and answers HIT_PENDING (see Tiering.lookup).
 
         ``prefix``: the keys are a prefix chain; every key after the first one that
-        is neither HIT nor HIT_PENDING answers MISS and starts no promotion."""
+        is neither HIT nor HIT_PENDING (:func:`kvtierd.prefix.prefix_end`) answers
+        MISS and starts no promotion."""
         results = self.tiering.lookup(keys, self.manager.lookup(keys), prefix=prefix)
         if prefix:
-            cut = next((i for i, r in enumerate(results) if r not in _SERVABLE), len(results))
+            cut = prefix_end(results)
             results[cut + 1 :] = [LookupResult.MISS] * (len(results) - cut - 1)
         self._lookups.update(results)
         return results
@@ -234,10 +172,10 @@ class Pool:
         """:meth:`lookup`, then pins the keys answered HIT for the session (with
         ``prefix`` the leading HITs only), as ``prepare_load`` would. Returns the
         results and, co-indexed, the pinned rows (-1 where not pinned)."""
+        claims = self._claims.of(session_id)
         results = self.lookup(keys, prefix=prefix)
         if prefix:
-            end = next((i for i, r in enumerate(results) if r is not LookupResult.HIT), len(keys))
-            chosen = list(range(end))
+            chosen = list(range(prefix_end(results, READY)))
         else:
             chosen = [i for i, r in enumerate(results) if r is LookupResult.HIT]
         block_ids = [-1] * len(keys)
@@ -245,7 +183,7 @@ class Pool:
             pinned = [keys[i] for i in chosen]
             for i, row in zip(chosen, self.manager.prepare_load(pinned), strict=True):
                 block_ids[i] = row
-            self._pins[session_id].update(pinned)  # owned by the session, as PrepareLoad
+            claims.pin(pinned)  # owned by the session, as PrepareLoad
             if LookupResult.HIT_PENDING not in results:  # the request can run: it loads
                 self.tiering.claim_holds(pinned)
         return results, block_ids
@@ -256,6 +194,7 @@ class Pool:
 
     def prepare_load(self, session_id: str, keys: Sequence[BlockKey]) -> list[int]:
         """Pins ``keys`` for the session; every key must be HIT."""
+        claims = self._claims.of(session_id)
         try:
             block_ids = self.manager.prepare_load(keys)  # all or nothing
         except NotLoadableError as exc:
@@ -263,27 +202,25 @@ class Pool:
                 f"keys: {key_repr(exc.key)} is {exc.state.name}, not HIT; look keys up and "
                 "load only those that answered HIT"
             ) from None
-        self._pins[session_id].update(keys)  # pin 0 -> 1 (or n -> n+1), owned by session
+        claims.pin(keys)  # pin 0 -> 1 (or n -> n+1), owned by the session
         self.tiering.claim_holds(keys)  # the pins above keep the rows: hold n -> n-1
         return block_ids
 
     def complete_load(
         self, session_id: str, keys: Sequence[BlockKey], *, unused: bool = False
     ) -> None:
-        """Releases the session's pins on ``keys``; each must be pinned by it. They
-        count as loads, or as ``unused_pins`` when ``unused`` (nobody read the rows)."""
-        pins = self._pins[session_id]
-        for key in keys:
-            if pins[key] <= 0:
-                raise FailedPrecondition(
-                    f"keys: {key_repr(key)} is not pinned by this session; CompleteLoad "
-                    "only keys this session got from PrepareLoad, once per PrepareLoad"
-                )
-        self.manager.complete_load(keys)
-        for key in keys:
-            pins[key] -= 1
-            if pins[key] == 0:
-                del pins[key]
+        """Releases the session's pins on ``keys``; the session must hold one pin per
+        occurrence of each key (a key named twice releases two). They count as
+        loads, or as ``unused_pins`` when ``unused`` (nobody read the rows)."""
+        claims = self._claims.of(session_id)
+        missing = claims.first_unpinned(keys)
+        if missing is not None:
+            raise FailedPrecondition(
+                f"keys: {key_repr(missing)} is not pinned by this session; CompleteLoad "
+                "only keys this session got from PrepareLoad, once per PrepareLoad"
+            )
+        self.manager.complete_load(keys)  # pin n -> n-1 per occurrence
+        claims.unpin(keys)
         if unused:
             self._unused_pins += len(keys)
         else:
@@ -292,22 +229,23 @@ class Pool:
     def prepare_store(self, session_id: str, keys: Sequence[BlockKey]) -> StoreGrant | None:
         """Reserves rows for the keys not present; None when no room (nothing changed).
         Held blocks are not evicted for it (expired holds are released first)."""
+        claims = self._claims.of(session_id)
         self.tiering.expire_holds()
         grant = self.manager.prepare_store(keys)
         if grant is None:
             self._stores_refused += 1
             return None
-        self._reserved_by[session_id].update(grant.keys_to_store)  # ref -1, owned by session
+        if grant.evicted_keys:
+            self.history.record(grant.evicted_keys, PRIMARY_TIER, EVICTED_FOR_ROOM)
+        claims.reserve(grant.keys_to_store)  # ref -1, owned by the session
         return grant
 
     def complete_store(self, session_id: str, keys: Sequence[BlockKey], success: bool) -> int:
         """Completes (or aborts) the keys this session reserved; returns how many."""
-        owned = self._reserved_by[session_id]
-        mine = [key for key in keys if key in owned]
+        mine = self._claims.of(session_id).take_reserved(keys)
         if not mine:
             return 0
-        owned.difference_update(mine)
-        done = self.manager.complete_store(mine, success)
+        done = self.manager.complete_store(mine, success)  # ref -1 -> 0, or row freed
         if success:
             self._stores_completed += len(done)
             self.tiering.cascade(done)
@@ -319,16 +257,10 @@ class Pool:
         """Evicts every ready, unpinned block (pinned, held and in-flight ones stay;
         expired holds are released first)."""
         self.tiering.expire_holds()
-        self._removal_reason = "flushed (FlushPool)"
-        try:
-            return len(self.manager.evict_all_evictable())
-        finally:
-            self._removal_reason = "evicted: least recently used, to make room"
-
-    def _event(self, event: BlockEvent) -> None:
-        if event.removed:
-            self.history.record(event.keys, PRIMARY_TIER, self._removal_reason)
-        self.events.append(event)
+        flushed = self.manager.evict_all_evictable()
+        if flushed:
+            self.history.record(flushed, PRIMARY_TIER, FLUSHED)
+        return len(flushed)
 
     def explain(self, key: BlockKey) -> Explanation:
         """Where ``key`` is and what recently removed it; changes nothing."""
@@ -390,6 +322,24 @@ class Pool:
                 for index, tier in enumerate(tiering.tiers)
             ),
         )
+
+    def check_invariants(self) -> None:
+        """Verifies the pool's invariants across its objects (O(blocks + claims);
+        tests call it after every step of a scenario, as ``PrimaryManager``'s):
+
+        * the primary's own table (:meth:`PrimaryManager.check_invariants`);
+        * every ref count is exactly the pins its owners hold: the sessions' pins
+          + cascade jobs + holds, and no pin is without an owner
+          (:meth:`Tiering.check_invariants`);
+        * no key is reserved by two sessions; every reserved key is pending (ref
+          -1); every pending row is a session's reservation or a promotion's.
+        """
+        self.manager.check_invariants()
+        for session_id, claims in self._claims:
+            assert all(count > 0 for count in claims.pins.values()), (
+                f"session {session_id}: a pin count <= 0 in {claims.pins}"
+            )
+        self.tiering.check_invariants(self._claims.pins(), self._claims.reservations())
 
     def close_tiers(self) -> None:
         """Wakes the event watchers and stops the tiers (on the loop). The caller

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import grpc
 
 from kvtierd import __version__
-from kvtierd.contract import PRIMARY_TIER, BlockEvent, Medium
+from kvtierd.contract import BlockEvent
 from kvtierd.errors import (
     InvalidArgument,
     KvtierdError,
@@ -37,10 +37,11 @@ from kvtierd.errors import (
     ShuttingDown,
     Unauthenticated,
 )
-from kvtierd.pool import Pool, PoolSpec, PoolStatistics, PrimaryStatistics, SecondaryStatistics
+from kvtierd.pool import Pool, PoolSpec
 from kvtierd.pools import PoolTable
 from kvtierd.security.identity import tls_peer_name
 from kvtierd.sessions import Session, SessionTable
+from kvtierd.statistics import PoolStatistics, tier_views
 from kvtierd.validation import (
     check_block_bytes,
     check_eviction_policy,
@@ -186,7 +187,7 @@ class KVTierService(pb2_grpc.KVTierServicer):
 
     @_handle
     def KeepAlive(self, request: pb2.KeepAliveRequest, context: Any) -> Any:
-        self._sessions.get(request.session_id)
+        self._live_session(request.session_id)
         return pb2.KeepAliveResponse(lease_ms=self._sessions.lease_ms)
 
     @_handle
@@ -196,10 +197,17 @@ class KVTierService(pb2_grpc.KVTierServicer):
 
     # ----------------------------------------------------------------- manager
 
+    def _live_session(self, session_id: str) -> Session:
+        """The session a validated call names, its lease renewed: every call on a
+        session, KeepAlive included, is proof of its client's life."""
+        session = self._sessions.get(session_id)
+        self._sessions.renew(session)
+        return session
+
     def _session_and_keys(self, request: Any) -> tuple[Session, list[bytes]]:
         keys = list(request.keys)
         check_keys(keys, self._max_keys)
-        return self._sessions.get(request.session_id), keys
+        return self._live_session(request.session_id), keys
 
     @_handle
     def Lookup(self, request: pb2.LookupRequest, context: Any) -> Any:
@@ -233,7 +241,7 @@ class KVTierService(pb2_grpc.KVTierServicer):
                 f"ops: {len(request.ops)} operations; at most {MAX_BATCH_OPS} per Batch"
             )
         self._check_batch_keys(request.ops)
-        session = self._sessions.get(request.session_id)
+        session = self._live_session(request.session_id)
         return pb2.BatchResponse(results=[self._batch_op(session, op) for op in request.ops])
 
     def _check_batch_keys(self, ops: Any) -> None:
@@ -274,14 +282,12 @@ class KVTierService(pb2_grpc.KVTierServicer):
 
     @_handle
     def TakeEvents(self, request: pb2.TakeEventsRequest, context: Any) -> Any:
-        session = self._sessions.get(request.session_id)
-        log = session.pool.events
-        events, dropped = log.since(session.events_cursor, TAKE_EVENTS_MAX_BYTES)
-        session.events_cursor = events[-1][0] if events else log.last_seq
+        session = self._live_session(request.session_id)
+        taken = self._sessions.take_events(session, TAKE_EVENTS_MAX_BYTES)
         return pb2.TakeEventsResponse(
-            events=[_event_message(seq, event) for seq, event in events],
-            dropped=dropped,
-            more=session.events_cursor < log.last_seq,
+            events=[_event_message(seq, event) for seq, event in taken.events],
+            dropped=taken.dropped,
+            more=taken.more,
         )
 
     async def WatchEvents(self, request: pb2.WatchEventsRequest, context: Any) -> None:
@@ -352,7 +358,7 @@ class KVTierService(pb2_grpc.KVTierServicer):
         else:
             pools = list(self._pools)
         return pb2.GetStatsResponse(
-            pools=[_pool_stats(pool.statistics()) for pool in pools],
+            pools=[pool_stats_message(pool.statistics()) for pool in pools],
             memory_budget_bytes=self._pools.budget_bytes,
             memory_used_bytes=self._pools.used_bytes,
             uptime_seconds=time.monotonic() - self._started,
@@ -455,8 +461,9 @@ def _event_message(seq: int, event: BlockEvent) -> pb2.Event:
     )
 
 
-def _pool_stats(stats: PoolStatistics) -> pb2.PoolStats:
-    """GetStats' view of one pool snapshot (field by field, no other source)."""
+def pool_stats_message(stats: PoolStatistics) -> pb2.PoolStats:
+    """GetStats' view of one pool snapshot: its spec and, per tier, the numbers
+    :func:`kvtierd.statistics.tier_views` computes (no other source)."""
     spec = stats.spec
     return pb2.PoolStats(
         name=spec.name,
@@ -467,57 +474,8 @@ def _pool_stats(stats: PoolStatistics) -> pb2.PoolStats:
         sessions=stats.sessions,
         region_path=stats.region_path,
         last_event_seq=stats.last_event_seq,
-        tiers=[_primary_stats(stats.primary), *map(_secondary_stats, stats.secondaries)],
-    )
-
-
-def _primary_stats(primary: PrimaryStatistics) -> pb2.TierStats:
-    return pb2.TierStats(
-        tier=PRIMARY_TIER,
-        medium=int(Medium.CPU),
-        capacity_blocks=primary.capacity_blocks,
-        used_blocks=primary.used_blocks,
-        hits=primary.hits,
-        hits_pending=primary.hits_pending,
-        misses=primary.misses,
-        retries=primary.retries,
-        bytes_in=primary.bytes_in,
-        bytes_out=primary.bytes_out,
-        unused_pins=primary.unused_pins,
-        evictions=primary.evictions,
-        failures=primary.stores_aborted,
-        pinned_blocks=primary.pinned_blocks,
-        pending_blocks=primary.pending_blocks,
-        quarantined_blocks=primary.quarantined_blocks,
-        capacity_bytes=primary.capacity_blocks * primary.block_bytes,
-        used_bytes=primary.used_blocks * primary.block_bytes,
-    )
-
-
-def _secondary_stats(secondary: SecondaryStatistics) -> pb2.TierStats:
-    stats, jobs = secondary.tier, secondary.counters
-    return pb2.TierStats(
-        tier=stats.name,
-        medium=int(stats.medium),
-        capacity_blocks=stats.capacity_bytes // stats.bytes_per_block,
-        used_blocks=stats.blocks,
-        hits=jobs.hits,
-        misses=jobs.misses,
-        retries=jobs.retries,
-        bytes_in=stats.bytes_written,
-        bytes_out=stats.bytes_read,
-        evictions=stats.evictions,
-        failures=stats.store_failures + stats.load_failures,
-        capacity_bytes=stats.capacity_bytes,
-        used_bytes=stats.used_bytes,
-        ready=secondary.ready,
-        jobs_in_flight=jobs.jobs_in_flight,
-        cascade_blocks=jobs.cascade_blocks,
-        cascade_failures=jobs.cascade_jobs_failed,
-        dropped_blocks=jobs.cascade_blocks_dropped,
-        promoted_blocks=jobs.promotion_blocks_loaded,
-        promotion_failures=jobs.promotion_blocks_failed,
-        promotion_no_room=jobs.promotion_no_room,
-        checksum_failures=stats.checksum_failures,
-        queued_bytes=stats.queued_bytes,
+        tiers=[
+            pb2.TierStats(tier=view.name, medium=int(view.medium), **view.wire_numbers())
+            for view in tier_views(stats)
+        ],
     )

@@ -1,9 +1,10 @@
 """Sessions and their leases.
 
 A session is one connected client bound to one pool. Any call on a session, and
-KeepAlive, renews its lease (:meth:`SessionTable.renew`); a session whose lease
-ran out is closed by the reaper, which releases its pins and aborts its
-reservations through the pool (``Pool.release_session``). The rows of those
+KeepAlive, renews its lease: the servicer calls :meth:`SessionTable.renew` once
+it has validated the call (:meth:`SessionTable.get` only finds the session). A
+session whose lease ran out is closed by the reaper, which releases its pins
+and aborts its reservations through the pool (``Pool.release_session``). The rows of those
 aborted reservations stay quarantined for ``write_quarantine`` seconds, so a
 writer that lost its lease cannot overwrite a block another session stored in
 the same row (README, "Lost leases"). Session ids are random 128-bit hex
@@ -12,6 +13,9 @@ strings, so a restarted daemon never mistakes an old client for a live one.
 Leases measure the clients, not the daemon: when the daemon's own event loop
 did not run for a while (a stall), :meth:`SessionTable.credit_stall` moves every
 lease forward by that time, so no session expires because the daemon was busy.
+
+Each session's ``TakeEvents`` cursor is owned here and moved only by
+:meth:`SessionTable.take_events`.
 
 Event-loop only. ``clock`` is injectable for tests.
 """
@@ -24,6 +28,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from kvtierd.contract import BlockEvent
 from kvtierd.errors import ResourceExhausted, SessionNotFound
 from kvtierd.pool import Pool
 
@@ -32,13 +37,26 @@ log = logging.getLogger("kvtierd.sessions")
 
 @dataclass(slots=True, eq=False)
 class Session:
+    """One open session. Its fields change only through its :class:`SessionTable`."""
+
     id: str
     pool: Pool
     client_name: str
     peer: str
     opened_at: float
-    expires_at: float
-    events_cursor: int  # last event seq this session has taken
+    expires_at: float  # on the table's clock; moved by renew() and credit_stall()
+    events_cursor: int  # last event seq this session has taken; moved by take_events()
+
+
+@dataclass(frozen=True, slots=True)
+class TakenEvents:
+    """One TakeEvents answer: the events after the session's cursor, how many of
+    those the bounded log dropped before they were taken, and whether more follow
+    (the answer was cut at its byte limit)."""
+
+    events: list[tuple[int, BlockEvent]]  # (seq, event), oldest first
+    dropped: int
+    more: bool
 
 
 class SessionTable:
@@ -93,14 +111,32 @@ class SessionTable:
         return session
 
     def get(self, session_id: str) -> Session:
-        """The live session; renews its lease (a call is proof of life)."""
+        """The live session; changes nothing (its lease included).
+
+        Raises :class:`SessionNotFound` if it is unknown, closed or expired."""
         session = self._sessions.get(session_id)
         if session is None:
             raise SessionNotFound(
                 f"session {session_id[:64]!r} is unknown, closed or expired; open a new session"
             )
-        session.expires_at = self._clock() + self.lease_seconds
         return session
+
+    def renew(self, session: Session) -> None:
+        """Moves the session's lease to one lease from now: a call from its client
+        is proof of life. The servicer calls it for every validated call."""
+        session.expires_at = self._clock() + self.lease_seconds
+
+    def take_events(self, session: Session, max_bytes: int) -> TakenEvents:
+        """The pool's events after the session's cursor, at most ``max_bytes`` of them
+        (at least one: a reader always moves on); moves the cursor past them.
+
+        Invariant: every event with seq <= ``events_cursor`` was either taken by
+        this session or dropped by the log before it was (and counted in some
+        answer's ``dropped``)."""
+        log = session.pool.events
+        events, dropped = log.since(session.events_cursor, max_bytes)
+        session.events_cursor = events[-1][0] if events else log.last_seq
+        return TakenEvents(events, dropped, more=session.events_cursor < log.last_seq)
 
     def credit_stall(self, seconds: float) -> None:
         """Moves every lease ``seconds`` forward: the daemon's loop did not run for

@@ -51,9 +51,10 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 
-from kvtierd.contract import BlockEvent, BlockKey, LookupResult
-from kvtierd.history import RemovalLog
+from kvtierd.contract import PRIMARY_TIER, BlockEvent, BlockKey, LookupResult
+from kvtierd.history import EVICTED_FOR_ROOM, RemovalLog
 from kvtierd.holds import HoldStats, HoldTable
+from kvtierd.prefix import prefix_end
 from kvtierd.primary import PrimaryManager
 from kvtierd.tiers.base import JobResult, SecondaryTier, TierJob
 
@@ -217,8 +218,9 @@ class Tiering:
         located = self._locate(keys, waiting)
         holders = located.holders
         last_asked = len(keys)  # positions after it were not asked (prefix: past its end)
-        if prefix:
-            last_asked = next((i for i in waiting if i not in holders), len(keys))
+        if prefix:  # the chain ends at its first key neither the primary nor a tier has
+            servable = [_HIT_PENDING if i in holders else r for i, r in enumerate(results)]
+            last_asked = prefix_end(servable)
             holders = {i: tier for i, tier in holders.items() if i < last_asked}
         self._count_unserved(located, last_asked)
         protected = set(keys)
@@ -238,14 +240,13 @@ class Tiering:
         the run in front of it together: holds (or renews) the HITs of that run."""
         waited_for: list[BlockKey] = []  # HITs in front of the last HIT_PENDING
         since_pending: list[BlockKey] = []
-        for key, result in zip(keys, results, strict=True):
+        end = prefix_end(results)  # nothing after the chain's end is loaded
+        for key, result in zip(keys[:end], results[:end], strict=True):
             if result is _HIT:
                 since_pending.append(key)
-            elif result is _HIT_PENDING:
+            else:  # HIT_PENDING
                 waited_for += since_pending
                 since_pending.clear()
-            else:
-                break  # the prefix ends: nothing after it is loaded
         if waited_for:
             self._holds.hold(waited_for)
             self._arm_hold_timer()
@@ -282,6 +283,8 @@ class Tiering:
 
     def _promote(self, index: int, keys: list[BlockKey], protected: set[BlockKey]) -> None:
         grant = self._manager.prepare_promotion(keys, protected)
+        if grant.evicted_keys:
+            self.history.record(grant.evicted_keys, PRIMARY_TIER, EVICTED_FOR_ROOM)
         counters = self._counters[index]
         counters["promotion_no_room"] += len(keys) - len(grant.keys_to_store)
         if not grant.keys_to_store:
@@ -420,10 +423,19 @@ class Tiering:
         self.expire_holds()
         self._arm_hold_timer()  # the next deadline (renewed holds moved it later)
 
-    def check_invariants(self, session_pins: Counter[BlockKey]) -> None:
+    def check_invariants(
+        self,
+        session_pins: Counter[BlockKey],
+        session_reserved: Sequence[BlockKey] | None = None,
+    ) -> None:
         """Verifies that the primary's ref counts are exactly the pins their owners
         hold: ``session_pins`` (given by the caller) + cascade jobs + holds, and that
-        every pending promotion row belongs to one in-flight job (tests, debugging)."""
+        every pending promotion row belongs to one in-flight job (tests, debugging).
+
+        ``session_reserved`` (the pool's sessions' reservations, given by the caller):
+        also verifies that no key is reserved twice (by two sessions, or by a
+        session and a promotion), that each is pending, and that every pending row
+        is one of them or a promotion's."""
         self._holds.check_invariants()
         owned = Counter(session_pins)
         promoting: list[BlockKey] = []
@@ -440,6 +452,14 @@ class Tiering:
         assert len(set(promoting)) == len(promoting), "a row in two promotion jobs"
         for key in promoting:
             assert self._manager.ref_count(key) == -1, f"promoting {key!r} is not pending"
+        if session_reserved is None:
+            return
+        reserved = [*session_reserved, *promoting]
+        assert len(set(reserved)) == len(reserved), "a key reserved by two owners"
+        for key in session_reserved:
+            assert self._manager.ref_count(key) == -1, f"reserved {key!r} is not pending"
+        pending = self._manager.statistics().pending_blocks
+        assert pending == len(reserved), f"{pending} pending rows, {len(reserved)} reserved"
 
     # ----------------------------------------------------------------- lifecycle
 

@@ -57,12 +57,14 @@ class Table:
         self.calls += 1
         return self.refs[k]
 
-    def _map(self, k: bytes) -> None:
+    def map_row(self, k: bytes) -> None:
+        """Gives ``k`` a free row, as the manager's block table does on a reservation."""
         row = self.free.pop()
         self.row_of[k] = row
         self.key_of[row] = k
 
-    def _unmap(self, k: bytes) -> None:
+    def unmap_row(self, k: bytes) -> None:
+        """Frees ``k``'s row (evicted or removed)."""
         row = self.row_of.pop(k)
         self.key_of[row] = None
         self.free.append(row)
@@ -72,7 +74,7 @@ class Table:
         """Insert (ref -1), then complete (ref 0)."""
         for k in keys(ints):
             self.refs[k] = -1
-            self._map(k)
+            self.map_row(k)
             self.policy.insert(k)
         for k in keys(ints):
             self.refs[k] = 0
@@ -81,7 +83,7 @@ class Table:
     def reserve(self, ints: list[int]) -> None:
         for k in keys(ints):
             self.refs[k] = -1
-            self._map(k)
+            self.map_row(k)
             self.policy.insert(k)
 
     def pin(self, ints: list[int]) -> None:
@@ -101,13 +103,13 @@ class Table:
     def evict(self, n: int, protected: list[int] | None = None) -> list[bytes] | None:
         victims = self.policy.evict(n, set(keys(protected or [])))
         for k in victims or ():
-            self._unmap(k)
+            self.unmap_row(k)
         return victims
 
     def remove(self, ints: list[int]) -> None:
         for k in keys(ints):
             self.policy.remove(k)
-            self._unmap(k)
+            self.unmap_row(k)
 
     @property
     def lru(self) -> LRUPolicy:
@@ -581,7 +583,7 @@ def test_lru_list_matches_ordereddict_model(seed):
             assert got == expected
             for k in got or ():
                 del model[k]
-                t._unmap(k)
+                t.unmap_row(k)
         elif present:
             k = rng.choice(present)
             t.remove([int(k.rstrip(b"\0"))])

@@ -134,17 +134,17 @@ def test_cpu_manager():
 
 @pytest.mark.parametrize("policy", POLICY_NAMES)
 def test_eviction_removed_precedes_stored(policy):
-    m, events = make(policy, 2)
-    store(m, [1, 2])
-    take(events)
+    events: list[BlockEvent] = []
     seen_during_removal: list[tuple[bool, int]] = []
 
-    def on_event(event: BlockEvent) -> None:
+    def on_event(event: BlockEvent) -> None:  # observes the manager from inside the callback
         events.append(event)
         if event.removed:
             seen_during_removal.append((key(3) in m, len(m)))
 
-    m._on_event = on_event  # observe the manager from inside the callback
+    m = PrimaryManager(2, policy, on_event=on_event)
+    store(m, [1, 2])
+    take(events)
     store(m, [3])
     got = take(events)
     assert [e.removed for e in got] == [True, False]
@@ -415,14 +415,16 @@ def test_arc_full_scenario():
 # ----------------------------------------------------------------- refusals change nothing
 
 
-def _setup_mixed(policy: str) -> PrimaryManager:
-    """4 rows: 1 pinned, 2 and 3 ready, 4 in flight; no free row."""
-    m, _ = make(policy, 4)
+def _setup_mixed(policy: str) -> tuple[PrimaryManager, list[BlockEvent]]:
+    """4 rows: 1 pinned, 2 and 3 ready, 4 in flight; no free row. The events list
+    receives the manager's events from here on."""
+    m, events = make(policy, 4)
     store(m, [1, 2, 3])
     m.prepare_load(keys([1]))
     m.prepare_store(keys([4]))
     m.touch(keys([3]))
-    return m
+    events.clear()
+    return m, events
 
 
 REFUSALS: list[tuple[str, Callable[[PrimaryManager], object], type[Exception] | None]] = [
@@ -440,9 +442,7 @@ REFUSALS: list[tuple[str, Callable[[PrimaryManager], object], type[Exception] | 
 @pytest.mark.parametrize("policy", POLICY_NAMES)
 @pytest.mark.parametrize(("call", "error"), [r[1:] for r in REFUSALS], ids=[r[0] for r in REFUSALS])
 def test_refused_call_changes_nothing(policy, call, error):
-    m = _setup_mixed(policy)
-    events: list[BlockEvent] = []
-    m._on_event = events.append
+    m, events = _setup_mixed(policy)
     universe = list(range(1, 10))
     before = snapshot(m, universe)
     if error is None:
@@ -456,7 +456,7 @@ def test_refused_call_changes_nothing(policy, call, error):
 
 
 def test_not_loadable_error_names_key_and_state():
-    m = _setup_mixed("lru")
+    m, _ = _setup_mixed("lru")
     with pytest.raises(NotLoadableError) as miss:
         m.prepare_load(keys([2, 5, 6]))
     assert miss.value.key == key(5) and miss.value.state is MISS

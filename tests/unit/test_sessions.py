@@ -1,11 +1,13 @@
-"""SessionTable: leases on an injected clock, stalls credited, quarantined rows."""
+"""SessionTable: leases on an injected clock (no sleeps), explicit renewal, stalls
+credited, quarantined rows, the session limit and TakeEvents cursors."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvtierd.config import load_config
-from kvtierd.errors import SessionNotFound
+from kvtierd.errors import ResourceExhausted, SessionNotFound
+from kvtierd.events import event_bytes
 from kvtierd.pool import Pool, PoolSpec
 from kvtierd.region import Region
 from kvtierd.sessions import SessionTable
@@ -35,7 +37,7 @@ def test_a_lease_runs_out_without_calls_and_is_renewed_by_one(pool):
     table = SessionTable(2.0, 8, clock=clock, write_quarantine=5.0)
     session = table.open(pool, "c", "unix:")
     clock.now += 1.5
-    table.get(session.id)  # a call: renewed until 103.5
+    table.renew(table.get(session.id))  # a call: renewed until 103.5
     clock.now += 1.9
     assert table.expire() == 0
     clock.now += 0.1
@@ -63,8 +65,89 @@ def test_an_ended_sessions_reservations_are_quarantined_for_write_quarantine(poo
     pool.prepare_store(session.id, [b"a", b"b"])
     clock.now += 2.0
     assert table.expire() == 1
-    stats = pool.manager.statistics()
+    stats = pool.statistics().primary
     assert (stats.pending_blocks, stats.quarantined_blocks) == (0, 2)
     assert pool.release_quarantine(clock.now + 4.9) == 0
     assert pool.release_quarantine(clock.now + 5.0) == 2
-    pool.manager.check_invariants()
+    pool.check_invariants()
+
+
+def test_get_finds_a_session_without_renewing_its_lease(pool):
+    clock = Clock()
+    table = SessionTable(2.0, 8, clock=clock)
+    session = table.open(pool, "c", "unix:")
+    clock.now += 1.5
+    assert table.get(session.id) is session
+    assert session.expires_at == 102.0  # still the lease from the open
+    table.renew(session)
+    assert session.expires_at == 103.5
+    clock.now += 2.0
+    assert table.expire() == 1
+
+
+def test_open_refuses_beyond_max_sessions_and_attaches_to_the_pool(pool):
+    table = SessionTable(2.0, 2, clock=Clock())
+    first = table.open(pool, "a", "unix:")
+    table.open(pool, "b", "unix:")
+    with pytest.raises(ResourceExhausted, match="2 sessions are open, the limit is 2"):
+        table.open(pool, "c", "unix:")
+    assert len(table) == 2 and pool.session_count == 2
+    table.close(first.id)
+    assert len(table) == 1 and pool.session_count == 1
+    with pytest.raises(SessionNotFound):
+        table.close(first.id)
+    with pytest.raises(SessionNotFound):
+        table.get(first.id)
+
+
+def test_closing_a_session_releases_what_it_held_in_its_pool(pool):
+    table = SessionTable(2.0, 8, clock=Clock(), write_quarantine=5.0)
+    owner, reader = table.open(pool, "owner", "unix:"), table.open(pool, "reader", "unix:")
+    pool.prepare_store(owner.id, [b"a"])
+    pool.complete_store(owner.id, [b"a"], True)
+    pool.prepare_load(reader.id, [b"a"])
+    pool.prepare_store(reader.id, [b"b"])
+    pool.check_invariants()
+    table.close(reader.id)
+    assert pool.manager.ref_count(b"a") == 0 and pool.manager.ref_count(b"b") is None
+    assert pool.statistics().primary.quarantined_blocks == 1
+    pool.check_invariants()
+    table.close_all("daemon shutdown")
+    assert len(table) == 0 and pool.session_count == 0
+
+
+def test_a_stall_credit_of_zero_or_less_changes_nothing(pool):
+    clock = Clock()
+    table = SessionTable(2.0, 8, clock=clock)
+    session = table.open(pool, "c", "unix:")
+    table.credit_stall(0.0)
+    table.credit_stall(-1.0)
+    assert session.expires_at == 102.0 and table.stalls_credited == 0.0
+
+
+def test_take_events_moves_only_this_sessions_cursor_page_by_page(pool):
+    table = SessionTable(2.0, 8, clock=Clock())
+    first, second = table.open(pool, "a", "unix:"), table.open(pool, "b", "unix:")
+    names = [f"k{i}".encode() for i in range(4)]
+    for name in names:  # four stored events
+        pool.prepare_store(first.id, [name])
+        pool.complete_store(first.id, [name], True)
+    one_event = event_bytes(pool.events.get(1))
+    taken = table.take_events(first, max_bytes=one_event * 3)
+    assert [seq for seq, _ in taken.events] == [1, 2, 3]
+    assert (taken.dropped, taken.more, first.events_cursor) == (0, True, 3)
+    taken = table.take_events(first, max_bytes=one_event * 3)
+    assert [seq for seq, _ in taken.events] == [4] and not taken.more
+    assert table.take_events(first, max_bytes=1).events == []
+    assert second.events_cursor == 0  # untouched by the first session's reads
+    assert [seq for seq, _ in table.take_events(second, max_bytes=1).events] == [1]
+
+
+def test_a_session_opened_later_sees_only_later_events(pool):
+    table = SessionTable(2.0, 8, clock=Clock())
+    early = table.open(pool, "early", "unix:")
+    pool.prepare_store(early.id, [b"a"])
+    pool.complete_store(early.id, [b"a"], True)
+    late = table.open(pool, "late", "unix:")
+    assert late.events_cursor == 1
+    assert table.take_events(late, max_bytes=1 << 20).events == []
