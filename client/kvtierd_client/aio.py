@@ -135,7 +135,7 @@ class AsyncEventStream(AsyncIterator[pb2.Event]):
         if self._cancelled:
             raise StopAsyncIteration
         try:
-            return await self._iterator.__anext__()
+            event: pb2.Event = await self._iterator.__anext__()
         except grpc.RpcError as err:
             if self._cancelled or self._client.closed:
                 raise StopAsyncIteration from None
@@ -144,6 +144,7 @@ class AsyncEventStream(AsyncIterator[pb2.Event]):
             if self._cancelled and not _current_task_cancelling():
                 raise StopAsyncIteration from None
             raise
+        return event
 
     def cancel(self) -> None:
         """Stops the stream; a pending ``__anext__`` ends the iteration."""

@@ -194,11 +194,12 @@ class EventStream(Iterator[pb2.Event]):
         if self._cancelled:
             raise StopIteration
         try:
-            return next(self._call)
+            event: pb2.Event = next(self._call)
         except grpc.RpcError as err:
             if self._cancelled or self._client.closed:
                 raise StopIteration from None
             raise from_rpc_error(err, self._client.address) from err
+        return event
 
     def cancel(self) -> None:
         """Stops the stream; a blocked ``next()`` returns by ending the iteration."""

@@ -58,17 +58,18 @@ __all__ = [
 log = logging.getLogger("kvtierd_client")
 
 R = TypeVar("R")
+R_co = TypeVar("R_co", covariant=True)  # an Op's answer type
 
 _STATUS_BY_VALUE = {status.value[0]: status for status in grpc.StatusCode}
 
 
 @dataclass(frozen=True)
-class Op(Generic[R]):
+class Op(Generic[R_co]):
     """One RPC: its stub method name, request encoder and response decoder."""
 
     rpc: str
     encode: Callable[..., Any]
-    decode: Callable[[Any], R]
+    decode: Callable[[Any], R_co]
 
     def request(self, *args: Any, **kwargs: Any) -> Any:
         """The request message; malformed arguments raise ``InvalidArgument``."""
@@ -169,28 +170,44 @@ def _same(response: Any) -> Any:
 
 # -- the RPCs ----------------------------------------------------------------------------
 
-OPEN_SESSION = Op("OpenSession", _encode_open_session, _same)
-KEEP_ALIVE = Op("KeepAlive", lambda sid: pb2.KeepAliveRequest(session_id=sid), _decode_lease)
-CLOSE_SESSION = Op("CloseSession", lambda sid: pb2.CloseSessionRequest(session_id=sid), _nothing)
-LOOKUP = Op("Lookup", _keys_request(pb2.LookupRequest), _decode_lookup)
-LOOKUP_AND_PIN = Op(
+OPEN_SESSION: Op[pb2.OpenSessionResponse] = Op("OpenSession", _encode_open_session, _same)
+KEEP_ALIVE: Op[int] = Op(
+    "KeepAlive", lambda sid: pb2.KeepAliveRequest(session_id=sid), _decode_lease
+)
+CLOSE_SESSION: Op[None] = Op(
+    "CloseSession", lambda sid: pb2.CloseSessionRequest(session_id=sid), _nothing
+)
+LOOKUP: Op[list[LookupResult]] = Op("Lookup", _keys_request(pb2.LookupRequest), _decode_lookup)
+LOOKUP_AND_PIN: Op[tuple[list[LookupResult], list[int]]] = Op(
     "Lookup",
     _keys_request(pb2.LookupRequest),
     lambda r: (_decode_lookup(r), list(r.block_ids)),
 )
-TOUCH = Op("Touch", _keys_request(pb2.TouchRequest), _nothing)
-PREPARE_LOAD = Op("PrepareLoad", _keys_request(pb2.PrepareLoadRequest), _decode_block_ids)
-COMPLETE_LOAD = Op("CompleteLoad", _keys_request(pb2.CompleteLoadRequest), _nothing)
-PREPARE_STORE = Op("PrepareStore", _keys_request(pb2.PrepareStoreRequest), _decode_store)
-COMPLETE_STORE = Op("CompleteStore", _keys_request(pb2.CompleteStoreRequest), _nothing)
-TAKE_EVENTS = Op("TakeEvents", lambda sid: pb2.TakeEventsRequest(session_id=sid), _decode_events)
-GET_STATS = Op("GetStats", lambda pool: pb2.GetStatsRequest(pool=pool), _same)
-FLUSH_POOL = Op(
+TOUCH: Op[None] = Op("Touch", _keys_request(pb2.TouchRequest), _nothing)
+PREPARE_LOAD: Op[list[int]] = Op(
+    "PrepareLoad", _keys_request(pb2.PrepareLoadRequest), _decode_block_ids
+)
+COMPLETE_LOAD: Op[None] = Op("CompleteLoad", _keys_request(pb2.CompleteLoadRequest), _nothing)
+PREPARE_STORE: Op[StoreResult | None] = Op(
+    "PrepareStore", _keys_request(pb2.PrepareStoreRequest), _decode_store
+)
+COMPLETE_STORE: Op[None] = Op("CompleteStore", _keys_request(pb2.CompleteStoreRequest), _nothing)
+TAKE_EVENTS: Op[pb2.TakeEventsResponse] = Op(
+    "TakeEvents", lambda sid: pb2.TakeEventsRequest(session_id=sid), _decode_events
+)
+GET_STATS: Op[pb2.GetStatsResponse] = Op(
+    "GetStats", lambda pool: pb2.GetStatsRequest(pool=pool), _same
+)
+FLUSH_POOL: Op[int] = Op(
     "FlushPool", lambda pool: pb2.FlushPoolRequest(pool=pool), lambda r: r.evicted_blocks
 )
-BATCH = Op("Batch", lambda sid, ops: pb2.BatchRequest(session_id=sid, ops=ops), lambda r: r.results)
-EXPLAIN = Op("Explain", lambda pool, key: pb2.ExplainRequest(pool=pool, key=key), _same)
-WATCH_EVENTS = Op(
+BATCH: Op[Sequence[pb2.BatchResult]] = Op(
+    "Batch", lambda sid, ops: pb2.BatchRequest(session_id=sid, ops=ops), lambda r: r.results
+)
+EXPLAIN: Op[pb2.ExplainResponse] = Op(
+    "Explain", lambda pool, key: pb2.ExplainRequest(pool=pool, key=key), _same
+)
+WATCH_EVENTS: Op[Any] = Op(
     "WatchEvents", lambda pool, after: pb2.WatchEventsRequest(pool=pool, after_seq=after), _same
 )
 

@@ -169,10 +169,9 @@ class _CallErrors:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> bool:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         connection = self._connection
         if isinstance(exc, grpc.RpcError):
             raise from_rpc_error(exc, connection.address) from exc
         if isinstance(exc, connection._closed_channel_error) and connection.closed:
             raise client_closed_error(connection.address) from exc
-        return False

@@ -165,9 +165,8 @@ class _TrackedCall:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> bool:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         if exc is None:
             self._state._renewed(self._sent_at)
         elif isinstance(exc, NotFound):
             self._state._mark_gone()
-        return False

@@ -16,14 +16,19 @@ Owned by one manager, scheduler thread only; no lock.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvtierd_client.client import Client, Session
 from kvtierd_client.errors import FailedPrecondition, KvtierError, NotFound
 from kvtierd_client.vllm.accounting import ManagerCounters, StepAccounting
-from kvtierd_client.vllm.common import RegionIdentity, log, open_session_on
+from kvtierd_client.vllm.common import (
+    KvtierdLoadStoreSpec,
+    RegionIdentity,
+    log,
+    open_session_on,
+)
 from kvtierd_client.vllm.holdings import Grave
 from kvtierd_client.vllm.settings import PluginSettings, PoolPlan
 
@@ -40,12 +45,16 @@ class Generation:
     session: Session
     region: RegionIdentity
 
-    def fence(self) -> dict[str, str]:
-        """What a worker needs to check that this session still holds a job's rows."""
-        return {
-            "lease_beacon": self.session.lease_beacon().path,
-            "session_id": self.session.session_id,
-        }
+    def spec(self, block_ids: Sequence[int]) -> KvtierdLoadStoreSpec:
+        """Rows of this generation's region, fenced by its session (the worker checks
+        the session's lease beacon before it copies)."""
+        session = self.session
+        return KvtierdLoadStoreSpec(
+            block_ids,
+            self.region,
+            lease_beacon=session.lease_beacon().path,
+            session_id=session.session_id,
+        )
 
 
 class DaemonConnection:

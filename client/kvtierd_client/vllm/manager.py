@@ -177,7 +177,7 @@ class KvtierdOffloadingManager(OffloadingManager):
             rows.update(zip(missing, got, strict=True))
             self._holdings.pinned(missing)
         assert gen is not None
-        return KvtierdLoadStoreSpec([rows[k] for k in keys], gen.region, **gen.fence())
+        return gen.spec([rows[k] for k in keys])
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         gen = self._daemon.usable()
@@ -210,7 +210,7 @@ class KvtierdOffloadingManager(OffloadingManager):
         self._cache.forget((*grant.keys_to_store, *grant.evicted_keys))
         return PrepareStoreOutput(
             keys_to_store=[OffloadKey(k) for k in grant.keys_to_store],
-            store_spec=KvtierdLoadStoreSpec(grant.block_ids, gen.region, **gen.fence()),
+            store_spec=gen.spec(grant.block_ids),
             evicted_keys=[OffloadKey(k) for k in grant.evicted_keys],
         )
 
