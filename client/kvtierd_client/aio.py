@@ -29,8 +29,7 @@ import grpc.aio
 
 from kvtierd_client import codec
 from kvtierd_client.codec import EventPages, Op
-from kvtierd_client.connection import Connection
-from kvtierd_client.errors import from_rpc_error
+from kvtierd_client.connection import Connection, WatchStream
 from kvtierd_client.keepalive import KeepaliveTask
 from kvtierd_client.proto import pb2
 from kvtierd_client.session_state import SessionState
@@ -55,8 +54,10 @@ class AsyncClient(Connection):
     async def _call(self, op: Op[R], *args: Any, timeout: float | None = None, **kwargs: Any) -> R:
         """Runs ``op`` with a deadline; gRPC failures become ``KvtierError``."""
         method, request, deadline = self._prepare(op, args, kwargs, timeout)
-        with self._call_errors():
+        try:
             response = await method(request, timeout=deadline, metadata=self._metadata)
+        except (grpc.RpcError, grpc.aio.UsageError) as err:
+            self._raise_call_error(err)
         return op.decode(response)
 
     # -- RPCs ------------------------------------------------------------------------
@@ -118,14 +119,12 @@ class AsyncClient(Connection):
         await self.close()
 
 
-class AsyncEventStream(AsyncIterator[pb2.Event]):
+class AsyncEventStream(WatchStream, AsyncIterator[pb2.Event]):
     """Async iterator over a ``WatchEvents`` stream; ``cancel()`` ends it."""
 
     def __init__(self, call: Any, client: AsyncClient) -> None:
-        self._call = call
+        super().__init__(call, client)
         self._iterator = call.__aiter__()
-        self._client = client
-        self._cancelled = False
 
     def __aiter__(self) -> AsyncEventStream:
         return self
@@ -137,21 +136,15 @@ class AsyncEventStream(AsyncIterator[pb2.Event]):
         try:
             event: pb2.Event = await self._iterator.__anext__()
         except grpc.RpcError as err:
-            if self._cancelled or self._client.closed:
+            error = self._error_of(err)
+            if error is None:
                 raise StopAsyncIteration from None
-            raise from_rpc_error(err, self._client.address) from err
+            raise error from err
         except asyncio.CancelledError:
             if self._cancelled and not _current_task_cancelling():
                 raise StopAsyncIteration from None
             raise
         return event
-
-    def cancel(self) -> None:
-        """Stops the stream; a pending ``__anext__`` ends the iteration."""
-        self._cancelled = True
-        cancel = getattr(self._call, "cancel", None)
-        if cancel is not None:
-            cancel()
 
     async def __aenter__(self) -> AsyncEventStream:
         return self

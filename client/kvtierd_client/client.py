@@ -31,8 +31,12 @@ import grpc
 
 from kvtierd_client.codec import EXPLAIN, FLUSH_POOL, GET_STATS, KEEP_ALIVE, OPEN_SESSION, Op
 from kvtierd_client.completion_queue import DEFAULT_FLUSH_AFTER
-from kvtierd_client.connection import DEFAULT_CHANNEL_OPTIONS, DEFAULT_TIMEOUT, Connection
-from kvtierd_client.errors import from_rpc_error
+from kvtierd_client.connection import (
+    DEFAULT_CHANNEL_OPTIONS,
+    DEFAULT_TIMEOUT,
+    Connection,
+    WatchStream,
+)
 from kvtierd_client.proto import pb2
 from kvtierd_client.session import Session
 from kvtierd_client.types import LookupResult, StoreResult
@@ -65,8 +69,10 @@ class Client(Connection):
     def _call(self, op: Op[R], *args: Any, timeout: float | None = None, **kwargs: Any) -> R:
         """Runs ``op`` with a deadline; gRPC failures become ``KvtierError``."""
         method, request, deadline = self._prepare(op, args, kwargs, timeout)
-        with self._call_errors():
+        try:
             response = method(request, timeout=deadline, metadata=self._metadata)
+        except (grpc.RpcError, ValueError) as err:
+            self._raise_call_error(err)
         return op.decode(response)
 
     # -- RPCs ------------------------------------------------------------------------
@@ -157,8 +163,10 @@ class Client(Connection):
         it as a context manager), after which iteration ends quietly. Iterating
         raises ``NotFound`` (unknown pool), ``InvalidArgument``, ``Unavailable``, ...
         """
-        with self._call_errors():
+        try:
             call = self._watch(pool, after_seq, timeout)
+        except (grpc.RpcError, ValueError) as err:
+            self._raise_call_error(err)
         return EventStream(call, self)
 
     def close(self) -> None:
@@ -178,13 +186,8 @@ class Client(Connection):
         self.close()
 
 
-class EventStream(Iterator[pb2.Event]):
+class EventStream(WatchStream, Iterator[pb2.Event]):
     """Iterator over a ``WatchEvents`` stream; ``cancel()`` ends it from any thread."""
-
-    def __init__(self, call: Any, client: Client) -> None:
-        self._call = call
-        self._client = client
-        self._cancelled = False
 
     def __iter__(self) -> EventStream:
         return self
@@ -196,17 +199,11 @@ class EventStream(Iterator[pb2.Event]):
         try:
             event: pb2.Event = next(self._call)
         except grpc.RpcError as err:
-            if self._cancelled or self._client.closed:
+            error = self._error_of(err)
+            if error is None:
                 raise StopIteration from None
-            raise from_rpc_error(err, self._client.address) from err
+            raise error from err
         return event
-
-    def cancel(self) -> None:
-        """Stops the stream; a blocked ``next()`` returns by ending the iteration."""
-        self._cancelled = True
-        cancel = getattr(self._call, "cancel", None)
-        if cancel is not None:
-            cancel()
 
     def __enter__(self) -> EventStream:
         return self

@@ -15,7 +15,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 import grpc
 
@@ -25,7 +25,7 @@ from kvtierd_client.errors import KvtierError, from_rpc_error
 from kvtierd_client.proto import pb2_grpc
 from kvtierd_client.session_state import SessionState
 
-__all__ = ["DEFAULT_CHANNEL_OPTIONS", "DEFAULT_TIMEOUT", "Connection"]
+__all__ = ["DEFAULT_CHANNEL_OPTIONS", "DEFAULT_TIMEOUT", "Connection", "WatchStream"]
 
 log = logging.getLogger("kvtierd_client")
 
@@ -102,9 +102,18 @@ class Connection:
         deadline = self.timeout if timeout is None else timeout
         return getattr(self._stub, op.rpc), request, deadline
 
-    def _call_errors(self) -> _CallErrors:
-        """The context manager to send one call in (see :class:`_CallErrors`)."""
-        return _CallErrors(self)
+    def _raise_call_error(self, err: Exception) -> NoReturn:
+        """Raises what a failed send stands for: a ``grpc.RpcError`` its ``KvtierError``;
+        the error gRPC raises for a call on a closed channel (``_closed_channel_error``)
+        the closed client's error once the client is closed; anything else as it is.
+
+        Call it from ``except (grpc.RpcError, self._closed_channel_error)``: an except
+        clause costs nothing on the path where the call succeeds."""
+        if isinstance(err, grpc.RpcError):
+            raise from_rpc_error(err, self.address) from err
+        if isinstance(err, self._closed_channel_error) and self._closed:
+            raise client_closed_error(self.address) from err
+        raise err
 
     def _watch(self, pool: str, after_seq: int, timeout: float | None) -> Any:
         """The ``WatchEvents`` call object (a stream; not awaited, not iterated yet)."""
@@ -155,23 +164,26 @@ class Connection:
         return f"<{type(self).__name__} {self.address}{' closed' if self._closed else ''}>"
 
 
-class _CallErrors:
-    """Wraps sending a call: ``grpc.RpcError`` becomes its ``KvtierError``; the error
-    gRPC raises on a channel closed under the call (``closed_channel_error``) becomes
-    the closed client's error, and is re-raised as is while the client is open.
-    A class, not a generator function: it is on every call's path."""
+class WatchStream:
+    """What the sync and async ``WatchEvents`` streams share: the call, who ends it.
 
-    __slots__ = ("_connection",)
+    ``_cancelled`` only goes False -> True (``cancel()``, from any thread)."""
 
-    def __init__(self, connection: Connection) -> None:
-        self._connection = connection
+    def __init__(self, call: Any, client: Connection) -> None:
+        self._call = call
+        self._client = client
+        self._cancelled = False
 
-    def __enter__(self) -> None:
-        return None
+    def cancel(self) -> None:
+        """Stops the stream; a waiting ``next`` ends the iteration."""
+        self._cancelled = True
+        cancel = getattr(self._call, "cancel", None)
+        if cancel is not None:
+            cancel()
 
-    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
-        connection = self._connection
-        if isinstance(exc, grpc.RpcError):
-            raise from_rpc_error(exc, connection.address) from exc
-        if isinstance(exc, connection._closed_channel_error) and connection.closed:
-            raise client_closed_error(connection.address) from exc
+    def _error_of(self, err: grpc.RpcError) -> KvtierError | None:
+        """What a failed read of the stream raises; None: the iteration just ends
+        (the stream was cancelled, or its client closed)."""
+        if self._cancelled or self._client.closed:
+            return None
+        return from_rpc_error(err, self._client.address)

@@ -23,14 +23,8 @@ from typing import Any, TypeVar
 from kvtierd_client.client import Client, Session
 from kvtierd_client.errors import FailedPrecondition, KvtierError, NotFound
 from kvtierd_client.vllm.accounting import ManagerCounters, StepAccounting
-from kvtierd_client.vllm.common import (
-    KvtierdLoadStoreSpec,
-    RegionIdentity,
-    log,
-    open_session_on,
-)
+from kvtierd_client.vllm.common import KvtierdLoadStoreSpec, RegionIdentity, log
 from kvtierd_client.vllm.holdings import Grave
-from kvtierd_client.vllm.settings import PluginSettings, PoolPlan
 
 __all__ = ["DaemonConnection", "Generation"]
 
@@ -60,7 +54,9 @@ class Generation:
 class DaemonConnection:
     """The current generation (None while disconnected), reconnects and failures.
 
-    ``client`` is owned from here on (closed by :meth:`close`). ``on_session_lost``
+    ``client`` is owned from here on (closed by :meth:`close`); ``reopen`` opens a
+    new session of the pool ``pool_name`` through it (a new generation), tried again
+    ``retry_interval`` seconds after a failure. ``on_session_lost``
     runs when the daemon forgot the current session: the manager drops what it
     held and this step's answers. ``counters`` and ``accounting`` are the
     manager's; every call made through :meth:`call` is counted there.
@@ -73,24 +69,23 @@ class DaemonConnection:
     def __init__(
         self,
         client: Client,
-        session: Session,
-        settings: PluginSettings,
-        plan: PoolPlan,
-        client_name: str,
+        first: Session,
+        reopen: Callable[[], Session],
+        *,
+        pool_name: str,
+        retry_interval: float,
         counters: ManagerCounters,
         accounting: StepAccounting,
         on_session_lost: Callable[[], None],
     ) -> None:
         self.client = client
-        self._settings = settings
-        self._plan = plan
-        self._client_name = client_name
+        self._reopen = reopen
+        self._pool_name = pool_name
+        self._retry_interval = retry_interval
         self._counters = counters
         self._accounting = accounting
         self._on_session_lost = on_session_lost
-        self.generation: Generation | None = Generation(
-            1, session, RegionIdentity.of_session(session)
-        )
+        self.generation: Generation | None = Generation(1, first, RegionIdentity.of_session(first))
         self._last_generation = 1
         self._down_until = 0.0  # monotonic; calls short-circuit before it
 
@@ -103,21 +98,19 @@ class DaemonConnection:
             return self.generation
         self._accounting.on_open_session()
         try:
-            session = open_session_on(
-                self.client, self._settings, self._plan, self._client_name, queue_completions=True
-            )
+            session = self._reopen()
             region = RegionIdentity.of_session(session)
         except (KvtierError, OSError) as err:
-            self._down_until = time.monotonic() + self._settings.retry_interval
+            self._down_until = time.monotonic() + self._retry_interval
             self._counters.rpc_failures += 1
-            log.warning("kvtierd: reopening pool %s failed: %s", self._plan.name, err)
+            log.warning("kvtierd: reopening pool %s failed: %s", self._pool_name, err)
             return None
         self._last_generation += 1
         self.generation = Generation(self._last_generation, session, region)
         self._counters.reconnects += 1
         log.warning(
             "kvtierd: new session %s on pool %s (region %s); blocks of the old session "
-            "are forgotten", session.session_id, self._plan.name, region.path,
+            "are forgotten", session.session_id, self._pool_name, region.path,
         )  # fmt: skip
         return self.generation
 
@@ -201,9 +194,9 @@ class DaemonConnection:
         if time.monotonic() >= self._down_until:
             log.warning(
                 "kvtierd: %s failed (%s); serving misses for %.1fs",
-                rpc, err, self._settings.retry_interval,
+                rpc, err, self._retry_interval,
             )  # fmt: skip
-        self._down_until = time.monotonic() + self._settings.retry_interval
+        self._down_until = time.monotonic() + self._retry_interval
 
     def _session_lost(self) -> None:
         """Forgets the dead session: its round trips go to the dead count, its queue

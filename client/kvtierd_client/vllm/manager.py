@@ -61,6 +61,7 @@ Runs in vLLM's scheduler thread only; not thread-safe.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from collections.abc import Collection, Iterable
@@ -88,7 +89,7 @@ from kvtierd_client.vllm.accounting import (
     StepAccounting,
     StepStats,
 )
-from kvtierd_client.vllm.common import KvtierdLoadStoreSpec, RegionIdentity, log
+from kvtierd_client.vllm.common import KvtierdLoadStoreSpec, RegionIdentity, log, open_session_on
 from kvtierd_client.vllm.connection import DaemonConnection, Generation
 from kvtierd_client.vllm.holdings import GRAVE_STEPS, Holdings
 from kvtierd_client.vllm.settings import PluginSettings, PoolPlan
@@ -133,11 +134,13 @@ class KvtierdOffloadingManager(OffloadingManager):
         self._daemon = DaemonConnection(
             client,
             session,
-            settings,
-            plan,
-            client_name,
-            self.counters,
-            self._accounting,
+            functools.partial(
+                open_session_on, client, settings, plan, client_name, queue_completions=True
+            ),
+            pool_name=plan.name,
+            retry_interval=settings.retry_interval,
+            counters=self.counters,
+            accounting=self._accounting,
             on_session_lost=self._session_lost,
         )
         self._next_stats = 0.0  # monotonic time of the next GetStats
