@@ -426,11 +426,13 @@ def test_event_stream_cancel_ends_iteration():
     class FakeCall:
         def __init__(self) -> None:
             self.cancelled = threading.Event()
+            self.reading = threading.Event()  # a next() is blocked on the stream
 
         def __iter__(self):
             return self
 
         def __next__(self):
+            self.reading.set()
             if self.cancelled.wait(5.0):
                 raise FakeRpcError(grpc.StatusCode.CANCELLED, "Locally cancelled")
             return pb2.Event(seq=1)
@@ -438,15 +440,19 @@ def test_event_stream_cancel_ends_iteration():
         def cancel(self) -> None:
             self.cancelled.set()
 
+    call = FakeCall()
+
     class StreamStub(FakeStub):
         def WatchEvents(self, request, **kwargs):  # noqa: N802
             self.record("WatchEvents", request, kwargs)
-            return FakeCall()
+            return call
 
     stub = StreamStub()
     stream = Client("/tmp/unused.sock", stub=stub).watch_events("p", after_seq=7)
-    threading.Timer(0.05, stream.cancel).start()
+    canceller = threading.Thread(target=lambda: call.reading.wait(5) and stream.cancel())
+    canceller.start()  # cancels from another thread once next() blocks
     assert list(stream) == []
+    canceller.join(5)
     _, request, kwargs = stub.calls[0]
     assert (request.pool, request.after_seq, kwargs["timeout"]) == ("p", 7, None)
 

@@ -1,7 +1,7 @@
 """FlushDeadline: the one thread per session that sends queued completions when no
 call carries them. Real threads and real clocks; the bounds are generous because
-CI machines are loaded, the orderings are exact. Waits are on the deadline's own
-statistics (its ticks, its thread), never a fixed sleep."""
+CI machines are loaded, the orderings are exact. The tests wait for the flusher
+through its own statistics (its ticks, its thread), never with a fixed sleep."""
 
 from __future__ import annotations
 
