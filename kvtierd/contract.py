@@ -18,18 +18,13 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+# The answer of a lookup is defined once, with the client (it is a wire value the
+# client decodes too); the daemon already depends on kvtierd_client for the stubs.
+from kvtierd_client.types import LookupResult as LookupResult
+
 BlockKey = bytes
 
 PRIMARY_TIER = "primary"
-
-
-class LookupResult(enum.IntEnum):
-    """Answer of a lookup for one key (wire: ``LOOKUP_RESULT_*``)."""
-
-    MISS = 1  # in no tier
-    HIT = 2  # readable in the primary tier now
-    HIT_PENDING = 3  # a write into the primary is in flight; ask again
-    RETRY = 4  # a tier cannot answer yet; ask again
 
 
 class Medium(enum.IntEnum):

@@ -9,60 +9,39 @@ Typical use (create the client inside a running event loop)::
             ...
             await session.complete_store(grant.keys_to_store)
 
-Requests are built and responses decoded by the codec of ``kvtierd_client.client``;
-errors are the same ``kvtierd_client.errors.KvtierError`` subclasses.
+Everything but the awaiting is shared with the sync client: requests and answers
+(``kvtierd_client.codec``), the channel and error mapping
+(``kvtierd_client.connection``), the session's lease proof
+(``kvtierd_client.session_state``) and the keepalive schedule
+(``kvtierd_client.keepalive``). Errors are the same
+``kvtierd_client.errors.KvtierError`` subclasses.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-import weakref
 from collections.abc import AsyncIterator, Sequence
-from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
 
-from kvtierd_client.address import default_address, to_grpc_target
-from kvtierd_client.client import (
-    _R,
-    CLOSE_SESSION,
-    COMPLETE_LOAD,
-    COMPLETE_STORE,
-    DEFAULT_CHANNEL_OPTIONS,
-    DEFAULT_TIMEOUT,
-    FLUSH_POOL,
-    GET_STATS,
-    KEEP_ALIVE,
-    LOOKUP,
-    OPEN_SESSION,
-    PREPARE_LOAD,
-    PREPARE_STORE,
-    TAKE_EVENTS,
-    TOUCH,
-    WATCH_EVENTS,
-    LookupResult,
-    StoreResult,
-    _FailureStreak,
-    _Op,
-    _SessionState,
-    after_keepalive,
-    auth_metadata,
-    client_closed_error,
-    keepalive_deadline,
-    keepalive_interval,
-    log,
-)
-from kvtierd_client.errors import KvtierError, NotFound, from_rpc_error
-from kvtierd_client.proto import pb2, pb2_grpc
-from kvtierd_client.tls import TlsOptions, aio_channel, resolve_tls
+from kvtierd_client import codec
+from kvtierd_client.codec import EventPages, Op
+from kvtierd_client.connection import Connection, WatchStream
+from kvtierd_client.keepalive import KeepaliveTask
+from kvtierd_client.proto import pb2
+from kvtierd_client.session_state import SessionState
+from kvtierd_client.tls import aio_channel
+from kvtierd_client.types import LookupResult, StoreResult
 
 __all__ = ["AsyncClient", "AsyncEventStream", "AsyncSession", "LookupResult", "StoreResult"]
 
+R = TypeVar("R")
 
-class AsyncClient:
+
+class AsyncClient(Connection):
     """An asyncio connection to kvtierd over one ``grpc.aio`` channel.
 
     Same arguments as ``kvtierd_client.client.Client``; create it while an event
@@ -70,77 +49,38 @@ class AsyncClient:
     address; an unreachable daemon shows up as ``Unavailable`` on the first call.
     """
 
-    def __init__(
-        self,
-        address: str | None = None,
-        *,
-        timeout: float = DEFAULT_TIMEOUT,
-        channel_options: Sequence[tuple[str, Any]] = DEFAULT_CHANNEL_OPTIONS,
-        token: str | None = None,
-        tls: TlsOptions | None = None,
-        stub: Any = None,
-    ) -> None:
-        self.address: str = address or default_address()
-        self.target: str = to_grpc_target(self.address)
-        tls = resolve_tls(self.address, self.target, tls)
-        self.timeout = timeout
-        self._metadata = auth_metadata(token)
-        self._channel: grpc.aio.Channel | None = None
-        if stub is None:
-            self._channel = aio_channel(self.target, channel_options, tls)
-            stub = pb2_grpc.KVTierStub(self._channel)
-        self._stub = stub
-        self._closed = False
-        self._sessions: weakref.WeakSet[AsyncSession] = weakref.WeakSet()
+    _open_channel = staticmethod(aio_channel)
+    _closed_channel_error = grpc.aio.UsageError  # the channel was closed under the call
 
-    # -- plumbing --------------------------------------------------------------------
-
-    async def _call(
-        self, op: _Op[_R], *args: Any, timeout: float | None = None, **kwargs: Any
-    ) -> _R:
+    async def _call(self, op: Op[R], *args: Any, timeout: float | None = None, **kwargs: Any) -> R:
         """Runs ``op`` with a deadline; gRPC failures become ``KvtierError``."""
-        request = op.request(*args, **kwargs)
-        if self._closed:
-            raise client_closed_error(self.address)
-        method = getattr(self._stub, op.rpc)
-        deadline = self.timeout if timeout is None else timeout
+        method, request, deadline = self._prepare(op, args, kwargs, timeout)
         try:
             response = await method(request, timeout=deadline, metadata=self._metadata)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err, self.address) from err
-        except grpc.aio.UsageError as err:  # the channel was closed under the call
-            raise client_closed_error(self.address) from err
+        except (grpc.RpcError, grpc.aio.UsageError) as err:
+            self._raise_call_error(err)
         return op.decode(response)
-
-    def _forget(self, session: AsyncSession) -> None:
-        self._sessions.discard(session)
 
     # -- RPCs ------------------------------------------------------------------------
 
     async def open_session(
-        self,
-        pool: str,
-        block_bytes: int,
-        num_blocks: int = 0,
-        layout: str = "",
-        eviction_policy: str = "",
-        client_name: str = "",
-        keepalive: bool = True,
-    ) -> AsyncSession:
+        self, pool: str, block_bytes: int, num_blocks: int = 0, layout: str = "",
+        eviction_policy: str = "", client_name: str = "", keepalive: bool = True,
+    ) -> AsyncSession:  # fmt: skip
         """Creates or joins ``pool``; returns a session bound to it (RPC ``OpenSession``).
 
-        With ``keepalive`` an asyncio task renews the lease every ``lease_ms / 3``
+        Arguments as :meth:`kvtierd_client.client.Client.open_session` (no completion
+        queue). With ``keepalive`` an asyncio task renews the lease every ``lease_ms / 3``
         until the session is closed. Raises ``InvalidArgument``, ``FailedPrecondition``
         (pool mismatch), ``ResourceExhausted`` (memory budget), ``Unavailable``,
         ``DeadlineExceeded``, ``Unauthenticated`` / ``PermissionDenied``.
         """
         sent_at = time.monotonic()
         response = await self._call(
-            OPEN_SESSION, pool, block_bytes, num_blocks, layout, eviction_policy, client_name
+            codec.OPEN_SESSION, pool, block_bytes, num_blocks, layout, eviction_policy, client_name
         )
-        session = AsyncSession(self, response, keepalive=keepalive)
-        session._renewed(sent_at)
-        self._sessions.add(session)
+        session = AsyncSession(self, response, sent_at, keepalive=keepalive)
+        self._register(session)
         return session
 
     async def get_stats(self, pool: str = "") -> pb2.GetStatsResponse:
@@ -148,11 +88,11 @@ class AsyncClient:
 
         Raises ``NotFound`` (unknown pool), ``Unavailable``, ``DeadlineExceeded``.
         """
-        return await self._call(GET_STATS, pool)
+        return await self._call(codec.GET_STATS, pool)
 
     async def flush_pool(self, pool: str) -> int:
         """As :meth:`kvtierd_client.Client.flush_pool`."""
-        return await self._call(FLUSH_POOL, pool)
+        return await self._call(codec.FLUSH_POOL, pool)
 
     def watch_events(
         self, pool: str, after_seq: int = -1, *, timeout: float | None = None
@@ -161,54 +101,31 @@ class AsyncClient:
         (RPC ``WatchEvents``; -1: only new events). No deadline unless ``timeout``;
         stop it with ``.cancel()``, after which iteration ends quietly. Iterating
         raises ``NotFound`` (unknown pool), ``InvalidArgument``, ``Unavailable``, ..."""
-        if self._closed:
-            raise client_closed_error(self.address)
-        request = WATCH_EVENTS.request(pool, after_seq)
-        call = self._stub.WatchEvents(request, timeout=timeout, metadata=self._metadata)
-        return AsyncEventStream(call, self)
+        return AsyncEventStream(self._watch(pool, after_seq, timeout), self)
 
     async def close(self) -> None:
         """Closes every open session of this client (RPC ``CloseSession``, errors
         ignored), then the channel; ongoing event streams end. Idempotent."""
-        if self._closed:
-            return
-        for session in list(self._sessions):
-            try:
+        for session in self._sessions_to_close():
+            with self._closing(session):
                 await session.close()
-            except KvtierError as err:
-                log.debug("closing kvtierd session %s: %s", session.session_id, err)
-        self._closed = True
-        if self._channel is not None:
-            await self._channel.close()
-
-    @property
-    def closed(self) -> bool:
-        """True once ``close()`` was called."""
-        return self._closed
+        channel = self._finish_close()
+        if channel is not None:
+            await channel.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    def __repr__(self) -> str:
-        return f"<AsyncClient {self.address}{' closed' if self._closed else ''}>"
 
-
-class AsyncEventStream(AsyncIterator[pb2.Event]):
+class AsyncEventStream(WatchStream, AsyncIterator[pb2.Event]):
     """Async iterator over a ``WatchEvents`` stream; ``cancel()`` ends it."""
 
     def __init__(self, call: Any, client: AsyncClient) -> None:
-        self._call = call
+        super().__init__(call, client)
         self._iterator = call.__aiter__()
-        self._client = client
-        self._cancelled = False
 
     def __aiter__(self) -> AsyncEventStream:
         return self
@@ -218,22 +135,17 @@ class AsyncEventStream(AsyncIterator[pb2.Event]):
         if self._cancelled:
             raise StopAsyncIteration
         try:
-            return await self._iterator.__anext__()
+            event: pb2.Event = await self._iterator.__anext__()
         except grpc.RpcError as err:
-            if self._cancelled or self._client.closed:
+            error = self._error_of(err)
+            if error is None:
                 raise StopAsyncIteration from None
-            raise from_rpc_error(err, self._client.address) from err
+            raise error from err
         except asyncio.CancelledError:
             if self._cancelled and not _current_task_cancelling():
                 raise StopAsyncIteration from None
             raise
-
-    def cancel(self) -> None:
-        """Stops the stream; a pending ``__anext__`` ends the iteration."""
-        self._cancelled = True
-        cancel = getattr(self._call, "cancel", None)
-        if cancel is not None:
-            cancel()
+        return event
 
     async def __aenter__(self) -> AsyncEventStream:
         return self
@@ -249,51 +161,38 @@ def _current_task_cancelling() -> bool:
     return bool(cancelling()) if cancelling is not None else False
 
 
-class AsyncSession(_SessionState):
+class AsyncSession(SessionState):
     """A session bound to one pool, returned by ``AsyncClient.open_session``.
 
     Same attributes, methods and exceptions as ``kvtierd_client.client.Session``,
-    as coroutines. Keep a reference while you use it: a session nobody
-    references stops its keepalive and expires with its lease.
+    as coroutines (no completion queue: every call is one round trip).
+    ``keepalive`` is the task renewing the lease (None without keepalive). Keep a
+    reference while you use it: a session nobody references stops its keepalive
+    and expires with its lease.
     """
 
     def __init__(
-        self, client: AsyncClient, response: pb2.OpenSessionResponse, *, keepalive: bool = True
+        self,
+        client: AsyncClient,
+        response: pb2.OpenSessionResponse,
+        sent_at: float,
+        *,
+        keepalive: bool = True,
     ) -> None:
-        super().__init__(client.address, response)
+        super().__init__(client.address, response, sent_at)
         self.client = client
-        self._keepalive_task: asyncio.Task[None] | None = None
+        self.keepalive: KeepaliveTask | None = None
         if keepalive:
-            self._keepalive_task = asyncio.get_running_loop().create_task(
-                _keepalive_loop(weakref.ref(self), keepalive_interval(self.lease_ms)),
-                name=f"kvtierd-keepalive-{self.session_id[:12]}",
-            )
+            self.keepalive = KeepaliveTask(self, lambda: client.timeout)
 
-    # -- plumbing --------------------------------------------------------------------
-
-    async def _call(
-        self, op: _Op[_R], *args: Any, timeout: float | None = None, **kwargs: Any
-    ) -> _R:
-        self._check_usable()
-        sent_at = time.monotonic()
-        try:
-            answer = await self.client._call(op, self.session_id, *args, timeout=timeout, **kwargs)
-        except NotFound:
-            self._mark_gone()
-            raise
-        self._renewed(sent_at)
-        return answer
+    async def _call(self, op: Op[R], *args: Any, timeout: float | None = None, **kwargs: Any) -> R:
+        with self._tracked_call():
+            return await self.client._call(op, self.session_id, *args, timeout=timeout, **kwargs)
 
     def _mark_gone(self) -> None:
         super()._mark_gone()
-        self._stop_keepalive()
-
-    def _stop_keepalive(self) -> asyncio.Task[None] | None:
-        task, self._keepalive_task = self._keepalive_task, None
-        if task is not None and task is not asyncio.current_task():
-            task.cancel()
-            return task
-        return None
+        if self.keepalive is not None:
+            self.keepalive.stop()
 
     # -- RPCs ------------------------------------------------------------------------
 
@@ -301,18 +200,18 @@ class AsyncSession(_SessionState):
         self, keys: Sequence[bytes], request_id: str = "", *, prefix: bool = False
     ) -> list[LookupResult]:
         """As :meth:`kvtierd_client.client.Session.lookup`."""
-        return await self._call(LOOKUP, keys, request_id=request_id, prefix=prefix)
+        return await self._call(codec.LOOKUP, keys, request_id=request_id, prefix=prefix)
 
     async def touch(self, keys: Sequence[bytes]) -> None:
         """Marks ``keys`` recently used, the first most recent (RPC ``Touch``)."""
-        await self._call(TOUCH, keys)
+        await self._call(codec.TOUCH, keys)
 
     async def prepare_load(self, keys: Sequence[bytes], request_id: str = "") -> list[int]:
         """Pins ``keys`` for reading; returns their block ids (RPC ``PrepareLoad``).
 
         Raises ``FailedPrecondition`` when a key is not HIT.
         """
-        return await self._call(PREPARE_LOAD, keys, request_id=request_id)
+        return await self._call(codec.PREPARE_LOAD, keys, request_id=request_id)
 
     async def complete_load(self, keys: Sequence[bytes], *, unused: bool = False) -> None:
         """Releases this session's pins on ``keys`` (RPC ``CompleteLoad``); they count
@@ -321,33 +220,30 @@ class AsyncSession(_SessionState):
 
         Raises ``FailedPrecondition`` for keys this session did not pin.
         """
-        await self._call(COMPLETE_LOAD, keys, unused=unused)
+        await self._call(codec.COMPLETE_LOAD, keys, unused=unused)
 
     async def prepare_store(
         self, keys: Sequence[bytes], request_id: str = ""
     ) -> StoreResult | None:
         """Reserves rows for the keys not already present (RPC ``PrepareStore``);
         None when there is no room now (nothing changed)."""
-        return await self._call(PREPARE_STORE, keys, request_id=request_id)
+        return await self._call(codec.PREPARE_STORE, keys, request_id=request_id)
 
     async def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
         """Makes this session's reserved ``keys`` readable, or frees them when not
         ``success`` (RPC ``CompleteStore``)."""
-        await self._call(COMPLETE_STORE, keys, success=success)
+        await self._call(codec.COMPLETE_STORE, keys, success=success)
 
     async def take_events(self) -> list[pb2.Event]:
-        """The pool's events since this session's last take (RPC ``TakeEvents``, one
-        call per ~1 MiB of events: the daemon pages its answers)."""
-        events: list[pb2.Event] = []
-        while True:
-            page = await self._call(TAKE_EVENTS)
-            events.extend(page.events)
-            if not page.more:
-                return events
+        """As :meth:`kvtierd_client.client.Session.take_events`."""
+        pages = EventPages()
+        while pages.more:
+            pages.add(await self._call(codec.TAKE_EVENTS))
+        return pages.events
 
     async def keep_alive(self) -> int:
         """Renews the lease now and returns its length in ms (RPC ``KeepAlive``)."""
-        self.lease_ms = await self._call(KEEP_ALIVE)
+        self.lease_ms = await self._call(codec.KEEP_ALIVE)
         return self.lease_ms
 
     async def close(self) -> None:
@@ -357,56 +253,17 @@ class AsyncSession(_SessionState):
         if self._closed:
             return
         usable = not self._gone and not self.client.closed
-        self._closed = True
-        self._end_beacon()  # copiers stop before the daemon aborts the reservations
-        task = self._stop_keepalive()
+        self._begin_close()
+        task = None if self.keepalive is None else self.keepalive.stop()
         self.client._forget(self)
         if task is not None:
             await asyncio.wait([task])
-        if not usable:
-            return
-        try:
-            await self.client._call(CLOSE_SESSION, self.session_id)
-        except NotFound:
-            self._gone = True
+        if usable:
+            with self._closing_call():
+                await self.client._call(codec.CLOSE_SESSION, self.session_id)
 
     async def __aenter__(self) -> AsyncSession:
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
-
-
-async def _keepalive_loop(ref: weakref.ref[AsyncSession], interval: float) -> None:
-    """Body of a session's keepalive task; holds the session only while calling."""
-    session = ref()
-    if session is None:
-        return
-    streak = _FailureStreak(session.session_id)
-    del session
-    next_interval: float | None = interval
-    while next_interval is not None:
-        await asyncio.sleep(next_interval)
-        session = ref()
-        if session is None:
-            return
-        next_interval = await _keepalive_once(session, streak, next_interval)
-        del session
-
-
-async def _keepalive_once(
-    session: AsyncSession, streak: _FailureStreak, interval: float
-) -> float | None:
-    deadline = keepalive_deadline(interval, session.client.timeout)
-    outcome: int | KvtierError
-    try:
-        outcome = await session._call(KEEP_ALIVE, timeout=deadline)
-        session.lease_ms = outcome
-    except KvtierError as err:
-        outcome = err
-    return after_keepalive(session, streak, outcome, interval)

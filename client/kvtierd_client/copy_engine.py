@@ -32,7 +32,7 @@ from __future__ import annotations
 import collections
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -85,8 +85,8 @@ class LeaseLostError(RuntimeError):
     them is not proven alive."""
 
 
-def _check_lease(lease_deadline: float | None, direction: Direction) -> None:
-    if lease_deadline is not None and time.monotonic() >= lease_deadline:
+def _check_lease(lease_deadline: float | None, direction: Direction, now: float) -> None:
+    if lease_deadline is not None and now >= lease_deadline:
         raise LeaseLostError(
             f"{direction} refused: the lease of the session holding these rows is not "
             "proven alive (no keepalive answered in time); the daemon may have given "
@@ -127,6 +127,8 @@ class CopyEngine:
         rank: which page of every row is this worker's.
         page_bytes: the rank page's size; default and minimum: the sum of the
             tensor pages. Every rank of a pool must use the same value.
+        clock: monotonic seconds, read against ``lease_deadline`` when a job is
+            submitted and when it finishes (tests inject one).
 
     Raises:
         ValueError: a tensor is not per-block contiguous, blocks overlap, tensors
@@ -142,6 +144,7 @@ class CopyEngine:
         *,
         rank: int = 0,
         page_bytes: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not kv_tensors:
             raise ValueError("kv_tensors is empty: nothing to copy")
@@ -164,6 +167,7 @@ class CopyEngine:
         views = [_widest_pair(e, r) for e, r in zip(engine_views, region_views, strict=True)]
         self.region = region
         self.rank = rank
+        self._clock = clock
         self.page_bytes = page_bytes
         self.num_engine_blocks = num_engine_blocks.pop()
         # Invariant: _engine_views[i] and _region_views[i] have one dtype and one row
@@ -206,7 +210,7 @@ class CopyEngine:
         that *finishes* past it is reported by :meth:`late_jobs`, and its store
         must be completed with ``success=False``.
         """
-        _check_lease(lease_deadline, "store")
+        _check_lease(lease_deadline, "store", self._clock())
         return self._submit("store", pairs, lease_deadline)
 
     def submit_load(
@@ -222,7 +226,7 @@ class CopyEngine:
         key's bytes (its pins may have been released and the rows reused): do not
         use it.
         """
-        _check_lease(lease_deadline, "load")
+        _check_lease(lease_deadline, "load", self._clock())
         return self._submit("load", pairs, lease_deadline)
 
     # -- completion -----------------------------------------------------------
@@ -355,7 +359,7 @@ class CopyEngine:
             self._finish(job)
 
     def _finish(self, job: _Job) -> None:
-        if job.lease_deadline is not None and time.monotonic() >= job.lease_deadline:
+        if job.lease_deadline is not None and self._clock() >= job.lease_deadline:
             self._late.append(job.job_id)
         self._unreported.append(job.job_id)
         self._jobs_finished += 1

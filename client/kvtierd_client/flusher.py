@@ -40,11 +40,29 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 log = logging.getLogger("kvtierd_client")
 
 IDLE_EXIT = 1.0  # seconds a flusher with nothing queued ticks before its thread exits
 MIN_TICK = 0.001  # seconds; the shortest tick (a shorter ``after`` is met by notifying)
+
+
+@dataclass(frozen=True)
+class FlushStatistics:
+    """A snapshot of one :class:`FlushDeadline`.
+
+    ``notifications``: times ``arm`` or ``stop`` woke the flusher (0 in the steady state);
+    ``ticks``: times the flusher woke up by itself or was woken; ``flushes``: calls
+    of ``flush``; ``running``: a flusher thread exists now; ``armed``: something is
+    queued and not yet flushed.
+    """
+
+    notifications: int
+    ticks: int
+    flushes: int
+    running: bool
+    armed: bool
 
 
 class FlushDeadline:
@@ -63,6 +81,10 @@ class FlushDeadline:
         self._wake_at = 0.0  # _cond: when the sleeping flusher wakes by itself; 0: awake
         self._thread: threading.Thread | None = None  # _cond: the running flusher
         self._stopped = False  # _cond
+        # counts behind statistics(), only ever incremented (under _cond)
+        self._notifications = 0
+        self._ticks = 0
+        self._flushes = 0
 
     def arm(self) -> None:
         """The queue went from empty to non-empty: flush by ``now + after``."""
@@ -75,7 +97,7 @@ class FlushDeadline:
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
             elif self._wake_at > now + self._after:
-                self._cond.notify()
+                self._wake()
 
     def disarm(self) -> None:
         """The queue was emptied (a call carried the completions, or a flush sent them)."""
@@ -87,7 +109,12 @@ class FlushDeadline:
         with self._cond:
             self._stopped = True
             self._since = None
-            self._cond.notify()
+            self._wake()
+
+    def _wake(self) -> None:
+        """Wakes the sleeping flusher (holding ``_cond``); every wake-up goes through here."""
+        self._notifications += 1
+        self._cond.notify()
 
     def _run(self) -> None:
         with self._cond:
@@ -115,6 +142,7 @@ class FlushDeadline:
                 self._sleep_until(min(deadline, now + tick))
                 continue
             self._since = None
+            self._flushes += 1
             self._cond.release()
             try:
                 alive = self._flush_quietly()
@@ -137,3 +165,14 @@ class FlushDeadline:
             self._cond.wait(max(0.0, wake_at - time.monotonic()))
         finally:
             self._wake_at = 0.0
+            self._ticks += 1
+
+    def statistics(self) -> FlushStatistics:
+        with self._cond:
+            return FlushStatistics(
+                notifications=self._notifications,
+                ticks=self._ticks,
+                flushes=self._flushes,
+                running=self._thread is not None,
+                armed=self._since is not None,
+            )

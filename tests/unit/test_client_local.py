@@ -120,13 +120,13 @@ def test_client_rejects_bad_address():
 class FakeRpcError(grpc.RpcError):
     def __init__(self, code: grpc.StatusCode, details: str = "") -> None:
         super().__init__(details)
-        self._code, self._details = code, details
+        self.status, self.message = code, details
 
     def code(self) -> grpc.StatusCode:
-        return self._code
+        return self.status
 
     def details(self) -> str:
-        return self._details
+        return self.message
 
 
 @pytest.mark.parametrize(
@@ -232,31 +232,40 @@ SESSION = pb2.OpenSessionResponse(
 
 
 class FakeStub:
-    """Answers like the daemon would; records every call with its keyword arguments."""
+    """Answers like the daemon would; records every call with its keyword arguments.
+
+    ``called`` is notified at every call: ``wait_until`` waits on it, no polling."""
 
     def __init__(self, lease_ms: int = 30) -> None:
         self.lease_ms = lease_ms
         self.calls: list[tuple[str, Any, dict[str, Any]]] = []
         self.keepalive_errors: list[grpc.RpcError | None] = []  # None: answer normally
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
+        self.called = threading.Condition(self.lock)
 
     def count(self, rpc: str) -> int:
         with self.lock:
             return sum(1 for name, _, _ in self.calls if name == rpc)
 
-    def _record(self, rpc: str, request: Any, kwargs: dict[str, Any]) -> None:
-        with self.lock:
+    def record(self, rpc: str, request: Any, kwargs: dict[str, Any]) -> None:
+        with self.called:
             self.calls.append((rpc, request, kwargs))
+            self.called.notify_all()
+
+    def wait_until(self, predicate, timeout: float = 5.0) -> None:
+        """Waits for calls until ``predicate()`` holds (checked at each call)."""
+        with self.called:
+            assert self.called.wait_for(predicate, timeout), "condition not reached in time"
 
     def OpenSession(self, request, **kwargs):  # noqa: N802
-        self._record("OpenSession", request, kwargs)
+        self.record("OpenSession", request, kwargs)
         response = pb2.OpenSessionResponse()
         response.CopyFrom(SESSION)
         response.lease_ms = self.lease_ms
         return response
 
     def KeepAlive(self, request, **kwargs):  # noqa: N802
-        self._record("KeepAlive", request, kwargs)
+        self.record("KeepAlive", request, kwargs)
         with self.lock:
             error = self.keepalive_errors.pop(0) if self.keepalive_errors else None
         if error is not None:
@@ -264,15 +273,15 @@ class FakeStub:
         return pb2.KeepAliveResponse(lease_ms=self.lease_ms)
 
     def CloseSession(self, request, **kwargs):  # noqa: N802
-        self._record("CloseSession", request, kwargs)
+        self.record("CloseSession", request, kwargs)
         return pb2.CloseSessionResponse()
 
     def Lookup(self, request, **kwargs):  # noqa: N802
-        self._record("Lookup", request, kwargs)
+        self.record("Lookup", request, kwargs)
         return pb2.LookupResponse(results=[(len(k) % 4) + 1 for k in request.keys])
 
     def PrepareStore(self, request, **kwargs):  # noqa: N802
-        self._record("PrepareStore", request, kwargs)
+        self.record("PrepareStore", request, kwargs)
         if len(request.keys) > 2:
             return pb2.PrepareStoreResponse(accepted=False)
         return pb2.PrepareStoreResponse(
@@ -281,7 +290,7 @@ class FakeStub:
         )  # fmt: skip
 
     def GetStats(self, request, **kwargs):  # noqa: N802
-        self._record("GetStats", request, kwargs)
+        self.record("GetStats", request, kwargs)
         return pb2.GetStatsResponse(version="fake")
 
 
@@ -297,13 +306,6 @@ class AsyncFakeStub(FakeStub):
             return method(request, **kwargs)
 
         return call
-
-
-def wait_until(predicate, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.005)
 
 
 def test_session_calls_encode_and_decode():
@@ -348,20 +350,21 @@ def test_keepalive_runs_every_third_of_the_lease_and_stops_on_close():
     stub = FakeStub(lease_ms=30)  # one KeepAlive every 10 ms
     client = Client("/tmp/unused.sock", stub=stub, timeout=3.0)
     session = client.open_session("p", block_bytes=4096)
-    thread = session._keepalive_thread
-    assert thread is not None and thread.daemon
+    keepalive = session.keepalive
+    assert keepalive is not None and keepalive.daemon
     started = time.monotonic()
-    wait_until(lambda: stub.count("KeepAlive") >= 5)
+    stub.wait_until(lambda: stub.count("KeepAlive") >= 5)
     assert time.monotonic() - started >= 0.04  # paced, not a busy loop
     deadlines = [kw["timeout"] for rpc, _, kw in stub.calls if rpc == "KeepAlive"]
     assert all(d <= 0.1 for d in deadlines)  # never longer than the interval (min 0.1 s)
 
     session.close()
-    thread.join(1.0)
-    assert not thread.is_alive()
+    assert keepalive.join(1.0), "the keepalive thread outlived close()"
     after = stub.count("KeepAlive")
-    time.sleep(0.1)
-    assert stub.count("KeepAlive") == after
+    stats = keepalive.statistics()
+    assert not stats.running and stats.interval_s is None
+    assert stats.renewals == after  # every KeepAlive that reached the daemon was answered
+    assert stub.count("KeepAlive") == after  # its thread ended: no KeepAlive after close
     session.close()  # idempotent
     assert stub.count("CloseSession") == 1
     with pytest.raises(NotFound, match="closed"):
@@ -374,17 +377,17 @@ def test_client_close_closes_its_sessions():
         sessions = [client.open_session("p", block_bytes=4096) for _ in range(2)]
     assert stub.count("CloseSession") == 2
     for session in sessions:
-        session._keepalive_thread.join(1.0)
-        assert not session._keepalive_thread.is_alive()
+        assert session.keepalive.join(1.0)
+        assert not session.keepalive.statistics().running
 
 
 def test_keepalive_not_found_expires_the_session(caplog):
     stub = FakeStub(lease_ms=30)
     stub.keepalive_errors.append(FakeRpcError(grpc.StatusCode.NOT_FOUND, "unknown session"))
     session = Client("/tmp/unused.sock", stub=stub).open_session("p", block_bytes=4096)
-    session._keepalive_thread.join(2.0)
-    assert not session._keepalive_thread.is_alive()
+    assert session.keepalive.join(2.0)
     assert stub.count("KeepAlive") == 1
+    assert session.keepalive.statistics().failures == 1
     assert session.closed
     with pytest.raises(NotFound, match="session expired or closed by the daemon"):
         session.lookup([b"k"])
@@ -400,8 +403,11 @@ def test_keepalive_warns_once_per_failure_streak(caplog):
     unavailable = FakeRpcError(grpc.StatusCode.UNAVAILABLE, "connect failed")
     stub.keepalive_errors.extend([unavailable] * 3 + [None] + [unavailable] * 2)
     session = Client("/tmp/unused.sock", stub=stub).open_session("p", block_bytes=4096)
-    wait_until(lambda: stub.count("KeepAlive") >= 9)
+    stub.wait_until(lambda: stub.count("KeepAlive") >= 9)
     session.close()
+    assert session.keepalive.join(1.0)
+    stats = session.keepalive.statistics()
+    assert (stats.failures, stats.failing) == (5, False)  # both streaks ended in a success
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 2, [r.getMessage() for r in warnings]  # two streaks
     assert "s-1" in warnings[0].getMessage() and "UNAVAILABLE" in warnings[0].getMessage()
@@ -412,22 +418,24 @@ def test_unreferenced_session_stops_its_keepalive():
     stub = FakeStub(lease_ms=30)
     client = Client("/tmp/unused.sock", stub=stub)
     session = client.open_session("p", block_bytes=4096)
-    thread = session._keepalive_thread
+    keepalive = session.keepalive
     del session
     gc.collect()
-    thread.join(2.0)
-    assert not thread.is_alive()
+    assert keepalive.join(2.0), "a collected session's keepalive thread goes on"
+    assert keepalive.statistics().interval_s is None
 
 
 def test_event_stream_cancel_ends_iteration():
     class FakeCall:
         def __init__(self) -> None:
             self.cancelled = threading.Event()
+            self.reading = threading.Event()  # a next() is blocked on the stream
 
         def __iter__(self):
             return self
 
         def __next__(self):
+            self.reading.set()
             if self.cancelled.wait(5.0):
                 raise FakeRpcError(grpc.StatusCode.CANCELLED, "Locally cancelled")
             return pb2.Event(seq=1)
@@ -435,28 +443,24 @@ def test_event_stream_cancel_ends_iteration():
         def cancel(self) -> None:
             self.cancelled.set()
 
+    call = FakeCall()
+
     class StreamStub(FakeStub):
         def WatchEvents(self, request, **kwargs):  # noqa: N802
-            self._record("WatchEvents", request, kwargs)
-            return FakeCall()
+            self.record("WatchEvents", request, kwargs)
+            return call
 
     stub = StreamStub()
     stream = Client("/tmp/unused.sock", stub=stub).watch_events("p", after_seq=7)
-    threading.Timer(0.05, stream.cancel).start()
+    canceller = threading.Thread(target=lambda: call.reading.wait(5) and stream.cancel())
+    canceller.start()  # cancels from another thread once next() blocks
     assert list(stream) == []
+    canceller.join(5)
     _, request, kwargs = stub.calls[0]
     assert (request.pool, request.after_seq, kwargs["timeout"]) == ("p", 7, None)
 
 
 # -- asyncio ---------------------------------------------------------------------------
-
-
-async def async_wait_until(predicate, timeout: float = 5.0) -> None:
-    for _ in range(int(timeout / 0.005)):
-        if predicate():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("condition not reached in time")
 
 
 def test_async_session_and_keepalive_task():
@@ -467,13 +471,15 @@ def test_async_session_and_keepalive_task():
         session = await client.open_session("p", block_bytes=4096)
         assert await session.lookup([b"a", b"bb"]) == [LookupResult.HIT, LookupResult.HIT_PENDING]
         assert (await session.prepare_store([b"k"])).block_ids == [0]
-        await async_wait_until(lambda: stub.count("KeepAlive") >= 3)
-        task = session._keepalive_task
+        # the stub answers in this loop: wait for its calls from a thread
+        await asyncio.to_thread(stub.wait_until, lambda: stub.count("KeepAlive") >= 3)
+        keepalive = session.keepalive
         await session.close()
-        assert task.done()
+        assert not keepalive.statistics().running
         after = stub.count("KeepAlive")
-        await asyncio.sleep(0.05)
-        assert stub.count("KeepAlive") == after
+        assert keepalive.statistics().renewals == after  # every KeepAlive was answered
+        await keepalive.wait_stopped()
+        assert stub.count("KeepAlive") == after  # its task ended: no KeepAlive after close
         await session.close()
         assert stub.count("CloseSession") == 1
         with pytest.raises(NotFound):
@@ -491,7 +497,8 @@ def test_async_keepalive_not_found_expires_the_session():
     async def main() -> None:
         async with AsyncClient("/tmp/unused.sock", stub=stub) as client:
             session = await client.open_session("p", block_bytes=4096)
-            await async_wait_until(lambda: session.closed)
+            await asyncio.wait_for(session.keepalive.wait_stopped(), 5)
+            assert session.closed
             with pytest.raises(NotFound, match="session expired or closed by the daemon"):
                 await session.lookup([b"k"])
 

@@ -388,15 +388,25 @@ def test_a_store_past_its_lease_deadline_is_refused_and_copies_nothing(writer):
     assert np.array_equal(writer.numpy(), before)
 
 
-def test_a_store_that_ends_past_its_lease_deadline_is_reported_late(writer, monkeypatch):
+class ScriptedClock:
+    """``time.monotonic``, except for the readings queued in ``next`` (taken in order)."""
+
+    def __init__(self) -> None:
+        self.next: list[float] = []
+
+    def __call__(self) -> float:
+        return self.next.pop(0) if self.next else time.monotonic()
+
+
+def test_a_store_that_ends_past_its_lease_deadline_is_reported_late(writer):
     """The deadline passed between the check and the copy's end (a stopped process,
     a slow copy): the job is reported late, once, and the caller fails the store."""
-    with CopyEngine(writer, kv_tensors(7)[1:], page_bytes=PAGE) as engine:
+    clock = ScriptedClock()
+    with CopyEngine(writer, kv_tensors(7)[1:], page_bytes=PAGE, clock=clock) as engine:
         on_time = engine.submit_store([(0, 0)], lease_deadline=time.monotonic() + 60)
-        clock = iter([100.0, 200.0])  # the check, then the end of the copy
-        monkeypatch.setattr(copy_engine_mod.time, "monotonic", lambda: next(clock))
+        clock.next = [100.0, 200.0]  # the check, then the end of the copy
         late = engine.submit_store([(1, 1)], lease_deadline=150.0)
-        monkeypatch.undo()
+        assert clock.next == []  # both read by that store (a CPU copy ends in submit)
         assert engine.poll() == [on_time, late]
         assert engine.late_jobs() == [late]
         assert engine.late_jobs() == []
@@ -405,18 +415,16 @@ def test_a_store_that_ends_past_its_lease_deadline_is_reported_late(writer, monk
         assert engine.late_jobs() == []
 
 
-def test_a_load_past_its_lease_deadline_is_refused_and_one_ending_past_it_is_late(
-    writer, monkeypatch
-):
+def test_a_load_past_its_lease_deadline_is_refused_and_one_ending_past_it_is_late(writer):
     kv = kv_tensors(7)[1:]
     before = kv[0].clone()
-    with CopyEngine(writer, kv, page_bytes=PAGE) as engine:
+    clock = ScriptedClock()
+    with CopyEngine(writer, kv, page_bytes=PAGE, clock=clock) as engine:
         with pytest.raises(copy_engine_mod.LeaseLostError, match="load refused"):
             engine.submit_load([(0, 0)], lease_deadline=time.monotonic() - 0.001)
         assert torch.equal(kv[0], before)  # nothing copied
-        clock = iter([100.0, 200.0])
-        monkeypatch.setattr(copy_engine_mod.time, "monotonic", lambda: next(clock))
+        clock.next = [100.0, 200.0]  # the check, then the end of the copy
         late = engine.submit_load([(1, 1)], lease_deadline=150.0)
-        monkeypatch.undo()
+        assert clock.next == []
         assert engine.poll() == [late]
         assert engine.late_jobs() == [late]

@@ -1,6 +1,7 @@
 """FlushDeadline: the one thread per session that sends queued completions when no
 call carries them. Real threads and real clocks; the bounds are generous because
-CI machines are loaded, the orderings are exact."""
+CI machines are loaded, the orderings are exact. The tests wait for the flusher
+through its own statistics (its ticks, its thread), never with a fixed sleep."""
 
 from __future__ import annotations
 
@@ -8,22 +9,10 @@ import threading
 import time
 
 import pytest
+from daemon_harness import eventually
 
 from kvtierd_client import flusher
 from kvtierd_client.flusher import FlushDeadline
-
-
-class CountingCondition(threading.Condition):
-    """A condition that counts notifications: each one wakes the flusher thread,
-    which then competes with the caller for the GIL and a core."""
-
-    def __init__(self) -> None:
-        super().__init__(threading.Lock())
-        self.notified = 0
-
-    def notify(self, n: int = 1) -> None:
-        self.notified += 1
-        super().notify(n)
 
 
 class Recorder:
@@ -39,12 +28,15 @@ class Recorder:
         return True
 
 
-def make(after: float) -> tuple[FlushDeadline, Recorder, CountingCondition]:
+def make(after: float) -> tuple[FlushDeadline, Recorder]:
     recorder = Recorder()
-    deadline = FlushDeadline(recorder, after, "test-flush")
-    cond = CountingCondition()
-    deadline._cond = cond  # before any arm: the flusher thread uses this one
-    return deadline, recorder, cond
+    return FlushDeadline(recorder, after, "test-flush"), recorder
+
+
+def wait_ticks(deadline: FlushDeadline, n: int) -> None:
+    """Until the flusher has woken ``n`` more times (by itself or notified)."""
+    target = deadline.statistics().ticks + n
+    eventually(lambda: deadline.statistics().ticks >= target, 5, f"{n} flusher ticks")
 
 
 def flusher_threads() -> list[threading.Thread]:
@@ -55,26 +47,29 @@ def test_steady_state_arms_wake_nobody():
     """Each step queues (arm) and the next step's call carries the queue (disarm)
     before the deadline, for many deadlines in a row: the flusher must never be
     signalled (it meets every deadline from its own ticks)."""
-    deadline, _, cond = make(after=0.02)
+    deadline, _ = make(after=0.02)
     try:
         for _ in range(100):
             deadline.arm()  # a step queues its completions...
             deadline.disarm()  # ...and the next step's call carries them
-            time.sleep(0.002)
-        assert cond.notified == 0, f"{cond.notified} notifications for 100 steps"
+            time.sleep(0.002)  # the step's own work
+        stats = deadline.statistics()
+        assert stats.notifications == 0, f"{stats.notifications} notifications for 100 steps"
+        assert stats.flushes == 0 and not stats.armed
     finally:
         deadline.stop()
 
 
 def test_an_uncarried_queue_is_flushed_once_after_the_deadline():
-    deadline, recorder, _ = make(after=0.05)
+    deadline, recorder = make(after=0.05)
     try:
         armed = time.monotonic()
         deadline.arm()
         assert recorder.called.wait(5), "the deadline never flushed"
         assert recorder.times[0] - armed >= 0.05
-        time.sleep(0.15)  # ticks go on, but the queue was flushed: nothing more
+        wait_ticks(deadline, 3)  # ticks go on, but the queue was flushed: nothing more
         assert len(recorder.times) == 1
+        assert deadline.statistics().flushes == 1
     finally:
         deadline.stop()
 
@@ -82,28 +77,28 @@ def test_an_uncarried_queue_is_flushed_once_after_the_deadline():
 def test_a_queue_armed_while_the_flusher_ticks_is_flushed_on_time():
     """Arm in the middle of a tick: the deadline falls after the tick ends, so the
     flusher meets it without being notified."""
-    deadline, recorder, cond = make(after=0.1)
+    deadline, recorder = make(after=0.1)
     try:
         deadline.arm()
         deadline.disarm()  # the flusher is now ticking with nothing queued
-        time.sleep(0.15)
+        wait_ticks(deadline, 1)
         armed = time.monotonic()
         deadline.arm()
         assert recorder.called.wait(5), "the deadline never flushed"
         assert recorder.times[0] - armed >= 0.1
         assert recorder.times[0] - armed < 0.1 + 2.0  # late only by scheduling
-        assert cond.notified == 0
+        assert deadline.statistics().notifications == 0
     finally:
         deadline.stop()
 
 
 def test_a_deadline_shorter_than_the_tick_notifies_the_flusher():
-    deadline, recorder, cond = make(after=0.0)
+    deadline, recorder = make(after=0.0)
     try:
         deadline.arm()
         assert recorder.called.wait(5)
         recorder.called.clear()
-        time.sleep(0.05)  # the flusher sleeps MIN_TICK ticks: past a 0 s deadline
+        wait_ticks(deadline, 2)  # the flusher sleeps MIN_TICK ticks: past a 0 s deadline
         deadline.arm()
         assert recorder.called.wait(5), "an immediate deadline was not met"
         assert len(recorder.times) == 2
@@ -113,16 +108,14 @@ def test_a_deadline_shorter_than_the_tick_notifies_the_flusher():
 
 def test_idle_flusher_exits_and_the_next_arm_starts_another(monkeypatch):
     monkeypatch.setattr(flusher, "IDLE_EXIT", 0.05)
-    deadline, recorder, _ = make(after=0.01)
+    deadline, recorder = make(after=0.01)
     try:
         for round_ in range(2):
             deadline.arm()
             assert recorder.called.wait(5)
             recorder.called.clear()
-            end = time.monotonic() + 5
-            while flusher_threads():
-                assert time.monotonic() < end, f"round {round_}: the idle flusher never exited"
-                time.sleep(0.01)
+            eventually(lambda: not flusher_threads(), 5, f"round {round_}: the idle flusher exits")
+            assert not deadline.statistics().running
         assert len(recorder.times) == 2
     finally:
         deadline.stop()
@@ -130,10 +123,11 @@ def test_idle_flusher_exits_and_the_next_arm_starts_another(monkeypatch):
 
 @pytest.mark.parametrize("queued", [False, True])
 def test_stop_ends_the_flusher_at_once_and_flushes_nothing(queued):
-    deadline, recorder, _ = make(after=30.0)
+    deadline, recorder = make(after=30.0)
     deadline.arm()
     if not queued:
         deadline.disarm()
+    assert deadline.statistics().armed is queued
     [thread] = flusher_threads()
     deadline.stop()
     thread.join(5)
@@ -147,14 +141,11 @@ def test_a_long_deadline_does_not_keep_an_idle_flusher_alive(monkeypatch):
     """The tick is capped at IDLE_EXIT, so a session with a 30 s deadline that stops
     queueing does not keep its thread for 30 s."""
     monkeypatch.setattr(flusher, "IDLE_EXIT", 0.05)
-    deadline, recorder, _ = make(after=30.0)
+    deadline, recorder = make(after=30.0)
     try:
         deadline.arm()
         deadline.disarm()
-        end = time.monotonic() + 5
-        while flusher_threads():
-            assert time.monotonic() < end, "the idle flusher outlived IDLE_EXIT by seconds"
-            time.sleep(0.01)
+        eventually(lambda: not flusher_threads(), 5, "the idle flusher exits after IDLE_EXIT")
         assert recorder.times == []
     finally:
         deadline.stop()

@@ -5,11 +5,13 @@ owner's beacon (LeaseBeacon): once DEAD, always DEAD."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 
+import grpc
 import pytest
 
-from kvtierd_client.client import _SessionState
+from kvtierd_client.client import Client
 from kvtierd_client.errors import NotFound, Unavailable
 from kvtierd_client.lease_beacon import LeaseBeacon, LeaseBeaconReader, LeaseState
 from kvtierd_client.lease_fence import LeaseFence
@@ -98,20 +100,54 @@ def test_an_old_generations_removed_beacon_never_makes_the_live_one_dead(clock):
         new.close()
 
 
+class NotFoundError(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.NOT_FOUND
+
+    def details(self) -> str:
+        return "unknown session"
+
+
+class LateKeepAliveStub:
+    """A daemon that holds one KeepAlive's answer until told, and has forgotten the
+    session by the time anything else arrives."""
+
+    def __init__(self) -> None:
+        self.keepalive_arrived = threading.Event()
+        self.answer_keepalive = threading.Event()
+
+    def OpenSession(self, request, **kwargs):  # noqa: N802
+        return pb2.OpenSessionResponse(session_id="s", lease_ms=10_000)
+
+    def KeepAlive(self, request, **kwargs):  # noqa: N802
+        self.keepalive_arrived.set()
+        assert self.answer_keepalive.wait(5), "the test never released the KeepAlive"
+        return pb2.KeepAliveResponse(lease_ms=10_000)
+
+    def Lookup(self, request, **kwargs):  # noqa: N802
+        raise NotFoundError()
+
+
 def test_a_keepalive_answered_after_the_session_ended_never_revives_its_beacon():
-    """A KeepAlive in flight while the owner closes the session (or learns it is
-    gone) is answered after the beacon said DEAD: the copiers must keep reading
-    DEAD, or they would copy into rows the daemon has quarantined and freed."""
-    state = _SessionState(
-        "unix:///nowhere", pb2.OpenSessionResponse(session_id="s", lease_ms=10_000)
-    )
-    beacon = state.lease_beacon()
+    """A KeepAlive in flight while the owner learns its session is gone (or closes
+    it) is answered after the beacon said DEAD: the copiers must keep reading DEAD,
+    or they would copy into rows the daemon has quarantined and freed."""
+    stub = LateKeepAliveStub()
+    session = Client("unix:///nowhere", stub=stub).open_session("p", 4096, keepalive=False)
+    beacon = session.lease_beacon()
     reader = LeaseBeaconReader(beacon.path)
+    late = threading.Thread(target=session.keep_alive)
     try:
-        state._renewed(time.monotonic())
-        assert reader.state() is LeaseState.PROVEN
-        state._mark_gone()
-        state._renewed(time.monotonic())  # the late answer
+        assert reader.state() is LeaseState.PROVEN  # proven by the OpenSession answer
+        late.start()
+        assert stub.keepalive_arrived.wait(5)
+        with pytest.raises(NotFound):
+            session.lookup([b"k"])  # the daemon forgot the session meanwhile
+        assert reader.state() is LeaseState.DEAD
+        stub.answer_keepalive.set()  # the late answer
+        late.join(5)
+        assert not late.is_alive()
+        assert session.lease_ms == 10_000 and session.closed
         assert reader.state() is LeaseState.DEAD
         beacon.publish(time.monotonic() + 100)
         assert reader.state() is LeaseState.DEAD
@@ -119,4 +155,6 @@ def test_a_keepalive_answered_after_the_session_ended_never_revives_its_beacon()
         beacon.publish(time.monotonic() + 100)  # after close: nothing, no error
         assert reader.state() is LeaseState.DEAD
     finally:
+        stub.answer_keepalive.set()
         reader.close()
+        session.close()

@@ -145,7 +145,7 @@ def test_a_daemon_restart_turns_into_misses_then_the_new_daemon_serves(make_llm,
 
     daemon = start_daemon("--listen", address)
     try:
-        wait_until_reachable(manager._client)
+        wait_until_reachable(manager.client)
         time.sleep(0.3)  # on purpose: past the manager's retry interval (0.2 s)
         assert llm.reset_prefix_cache()
         fresh, cached = generate(llm, prompt)  # the new daemon is empty: computed, stored

@@ -97,6 +97,11 @@ class KvtierdLoadStoreSpec(CPULoadStoreSpec):
         return f"KvtierdLoadStoreSpec({self.block_ids!r} in {where}, valid={self.valid})"
 
 
+def default_client_name(role: str) -> str:
+    """The ``client_name`` a plug-in session reports to the daemon (its logs, stats)."""
+    return f"vllm-{role}/pid{os.getpid()}"
+
+
 class DaemonStartError(RuntimeError):
     """The engine cannot start: the daemon is unreachable or refuses the pool."""
 

@@ -32,12 +32,9 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 
-from kvtierd_client.vllm.common import open_pool_session
-from kvtierd_client.vllm.manager import (
-    METRIC_NAMES,
-    KvtierdOffloadingManager,
-    default_client_name,
-)
+from kvtierd_client.vllm.accounting import METRIC_NAMES
+from kvtierd_client.vllm.common import default_client_name, open_pool_session
+from kvtierd_client.vllm.manager import KvtierdOffloadingManager
 from kvtierd_client.vllm.settings import PluginSettings, PoolPlan, plan_pool
 from kvtierd_client.vllm.worker import KvtierdOffloadingWorker
 
