@@ -67,6 +67,11 @@ class MemoryTier(SecondaryTier):
     so a caller that assumes readiness right after launch fails here too.
     :meth:`pause` holds every job until :meth:`resume`: what a slow medium looks
     like, for tests that need jobs in flight.
+
+    Hooks for subclasses that script a tier in tests: :meth:`_store_block` and
+    :meth:`_load_block` decide one block each (override to fail chosen keys),
+    :meth:`_run_now` runs one accepted job and reports it at once (for a test that
+    stands in for the event loop), :meth:`_become_ready` ends the start-up.
     """
 
     medium = Medium.CPU
@@ -125,6 +130,7 @@ class MemoryTier(SecondaryTier):
         self._loop.call_soon(self._become_ready)
 
     def _become_ready(self) -> None:
+        """Ends the start-up (a loop callback after launch(); nothing to rebuild)."""
         if self._ready is not None and not self._ready.done():
             self._ready.set_result(None)
 
@@ -243,9 +249,12 @@ class MemoryTier(SecondaryTier):
             self._loop.call_soon(self._run, job.job_id)
 
     def _run(self, job_id: int) -> None:
-        """Runs one accepted job and reports it (a loop callback of its own)."""
-        if self._paused:
-            return  # stays queued: resume() schedules it again
+        """The loop callback of one accepted job: runs it unless held by pause()."""
+        if not self._paused:
+            self._run_now(job_id)
+
+    def _run_now(self, job_id: int) -> None:
+        """Runs one accepted job and reports it (the caller stands for the loop)."""
         job = self._queued.pop(job_id, None)
         if job is None:
             return  # failed by shutdown, or run already (scheduled twice across a pause)
@@ -289,8 +298,7 @@ class MemoryTier(SecondaryTier):
                         waiter.set_result(None)
 
     def _store_block(self, key: BlockKey, block_id: int) -> StoreOutcome:
-        """Copies row ``block_id`` in as ``key``, evicting LRU blocks to make room.
-        A hook: the orchestration tests fail chosen keys by overriding it."""
+        """Copies row ``block_id`` in as ``key``, evicting LRU blocks to make room."""
         if not self._valid_row(block_id):
             return StoreOutcome.FAILED
         if key in self._blocks:
@@ -306,7 +314,7 @@ class MemoryTier(SecondaryTier):
 
     def _load_block(self, key: BlockKey, block_id: int) -> bool:
         """Copies ``key``'s block into row ``block_id``; False when the tier does not
-        hold it (the row is left alone). A hook, as :meth:`_store_block`."""
+        hold it (the row is left alone)."""
         data = self._blocks.get(key)
         if data is None or not self._valid_row(block_id):
             return False
