@@ -42,7 +42,7 @@ class FsKit(TierKit):
     read_threads = write_threads = 2
 
     def __init__(self, root: Path, *, io_processes: int) -> None:
-        self.root = root
+        super().__init__(root)
         base = "/dev/shm" if Path("/dev/shm").is_dir() else None
         self.shm_dir = tempfile.mkdtemp(prefix="kvtierd-contract-", dir=base)
         threads = self.read_threads + self.write_threads
@@ -139,9 +139,6 @@ class MemoryKit(TierKit):
 
     block_bytes = 64
 
-    def __init__(self, root: Path) -> None:
-        del root  # nothing on disk
-
     def region(self, pool: str) -> memoryview:
         return memoryview(bytearray(ROWS * self.block_bytes))
 
@@ -185,7 +182,7 @@ KITS: dict[str, tuple[type[TierKit], dict[str, Any]]] = {
 
 
 def _run(kit: str, check: Check, tmp_path: Path) -> None:
-    cls, options = KITS[kit]
+    cls, options = KITS[kit]  # a fresh kit per check
     asyncio.run(run_check(lambda: cls(tmp_path, **options), check))
 
 

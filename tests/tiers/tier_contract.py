@@ -22,6 +22,7 @@ import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from kvtierd.contract import BlockKey, LookupResult
 from kvtierd.tiers.base import JobCallback, JobResult, SecondaryTier, TierJob
@@ -46,6 +47,9 @@ class TierKit(abc.ABC):
 
     block_bytes: int  # bytes of one primary row
     can_damage = False  # whether damage() can corrupt a stored block
+
+    def __init__(self, root: Path) -> None:
+        self.root = root  # a directory of the check's own (pytest's tmp_path)
 
     @abc.abstractmethod
     def region(self, pool: str) -> memoryview:
