@@ -1,17 +1,66 @@
-"""The secondary-tier contract.
+"""The secondary-tier contract (DESIGN.md §5; vLLM's ``tiering/base.py``, reference §5).
 
-A tier keeps copies of primary blocks somewhere else (files, Redis). The pool
-drives it; the tier never decides what the primary holds.
+A tier keeps copies of primary blocks somewhere else (files, process memory,
+Redis). The pool's :class:`~kvtierd.tiering.Tiering` drives it; the tier never
+decides what the primary holds. Every implementation runs the contract suite
+(``tests/tiers/``): what is written here is what that suite checks.
 
-Threading: every method here is called on the daemon's event loop and must not
-block. I/O runs on the tier's own threads; when a job ends the tier calls the
-``on_done`` callback it was constructed with *on the event loop* (through
-``loop.call_soon_threadsafe``), exactly once per submitted job, success or not.
+Threading
+    Every method is called on the daemon's event loop and must not block (no
+    file system or network call, no lock held for more than bookkeeping) --
+    except :meth:`SecondaryTier.prepare`, which may block and runs off the loop.
+    A tier does its I/O on its own threads or processes.
 
-Ownership: while a store job runs, the pool keeps its primary rows pinned (the
-tier only reads them); while a load job runs, its rows are reserved (ref count
--1) and only the tier writes them. A tier must not touch a row after reporting
-its job done.
+Completions
+    A tier reports each job through the ``on_done`` callback it was constructed
+    with: exactly once per job it accepted (every :meth:`~SecondaryTier.submit_load`,
+    every :meth:`~SecondaryTier.submit_store` that returned True), success or
+    not, on the event loop (from threads: ``loop.call_soon_threadsafe``), from a
+    loop callback of its own -- never from inside a call into the tier, so a
+    caller may register a job after submitting it. A refused store never
+    reports. Jobs may report in any order.
+
+What a report may say (:class:`JobResult`)
+    ``success`` True: every key of the job made it (``successful_keys`` None or
+    all of them). False: ``successful_keys`` lists, in job order, the keys that
+    made it; None when none did. A load key *made it* only when the bytes in its
+    row were verified to be the bytes stored under that key by this tier
+    instance (this pool); an absent, evicted, damaged or unreadable block is a
+    failed key, never a success with other bytes. A failed key's row may hold
+    anything. A store key made it when the tier holds the block (storing a key
+    the tier holds or is writing already succeeds without rewriting it: keys
+    name content).
+
+Preconditions (guaranteed by the caller)
+    A job's keys are distinct and non-empty; ``block_ids`` are rows of the
+    pool's region, co-indexed with the keys. From submission until the job's
+    ``on_done`` returns, the rows of a store job stay pinned (ref count > 0: the
+    tier only reads them) and the rows of a load job stay reserved (ref count
+    -1: only the tier writes them). A tier never touches a row after reporting
+    its job. No job is submitted after :meth:`~SecondaryTier.shutdown`.
+
+Lifecycle
+    construct (no I/O) -> :meth:`~SecondaryTier.prepare` (off the loop: checks,
+    probes; raises to refuse the pool) -> :meth:`~SecondaryTier.launch` (on the
+    loop: starts the tier's threads and whatever makes it ready) -> jobs ->
+    :meth:`~SecondaryTier.drain` (optional) -> :meth:`~SecondaryTier.shutdown`.
+    :attr:`~SecondaryTier.ready` is False until the tier can answer from what it
+    holds (e.g. an index rebuilt from disk), then True for good; until then
+    lookups answer RETRY and :meth:`~SecondaryTier.contains` None. Jobs may be
+    submitted once launched, ready or not.
+
+Capacity and eviction
+    ``used_bytes`` never exceeds ``capacity_bytes`` once a job has reported.
+    To admit a store the tier evicts its least recently used blocks (a HIT
+    lookup and :meth:`~SecondaryTier.touch` make a block recent;
+    :meth:`~SecondaryTier.contains` does not); a block that finds no room fails.
+    Every key the tier drops (evicted, failed verification, vanished) comes out
+    of :meth:`~SecondaryTier.take_removed` once.
+
+Isolation
+    One instance serves one pool (its namespace and block size). What one
+    instance stores is never found, loaded or evicted through another, even
+    when both share a medium (one root directory, one Redis).
 """
 
 from __future__ import annotations
@@ -48,10 +97,14 @@ class JobResult:
 
 @dataclass(frozen=True, slots=True)
 class TierStats:
+    """One tier instance at one instant. Counters are cumulative since construction;
+    ``hits``/``misses`` count keys answered by :meth:`SecondaryTier.lookup` (not by
+    :meth:`SecondaryTier.contains`, not while not ready)."""
+
     name: str
     medium: Medium
     capacity_bytes: int
-    used_bytes: int
+    used_bytes: int  # <= capacity_bytes once a job has reported
     bytes_per_block: int  # what one block occupies on the tier (header included)
     blocks: int
     hits: int
@@ -59,10 +112,10 @@ class TierStats:
     bytes_written: int
     bytes_read: int
     evictions: int
-    store_failures: int
-    load_failures: int
+    store_failures: int  # keys
+    load_failures: int  # keys
     checksum_failures: int
-    dropped_writes: int  # cascade writes refused by backpressure
+    dropped_writes: int  # cascade writes refused by backpressure (jobs)
     queued_jobs: int
     queued_bytes: int
 
@@ -71,52 +124,93 @@ JobCallback = Callable[[JobResult], None]
 
 
 class SecondaryTier(abc.ABC):
-    """One secondary tier bound to one pool (its namespace and block size)."""
+    """One secondary tier bound to one pool (its namespace and block size).
+
+    The module docstring is the contract; each method states its part of it.
+    """
 
     name: str
     medium: Medium
 
+    # -- lifecycle -----------------------------------------------------------------
+
+    def prepare(self) -> None:  # noqa: B027 - optional step
+        """Blocking set-up before :meth:`launch` (check the medium, probe it), run off
+        the loop on any thread. Raises (naming what is wrong) to refuse the pool."""
+
+    @abc.abstractmethod
+    def launch(self) -> None:
+        """Starts the tier's threads and what makes it :attr:`ready`; jobs may be
+        submitted from now on. On the loop, after :meth:`prepare`; never blocks."""
+
+    def start(self) -> None:
+        """:meth:`prepare`, then :meth:`launch`, on the calling thread (tests, tools)."""
+        self.prepare()
+        self.launch()
+
+    @property
+    @abc.abstractmethod
+    def ready(self) -> bool:
+        """True once the tier answers lookups from what it holds (HIT/MISS, never
+        RETRY); False before. Turns True once, after :meth:`launch`, and stays True."""
+
+    @abc.abstractmethod
+    async def wait_ready(self) -> None:
+        """Returns once :attr:`ready` is True. Only after :meth:`launch`."""
+
+    @abc.abstractmethod
+    async def drain(self) -> None:
+        """Returns once every job submitted so far has reported (its ``on_done`` ran)."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Stops the tier's own work: a job not started yet reports failed (none of
+        its keys made it), a job running may still finish either way; every job
+        submitted still reports exactly once, possibly after this returns. Bounded
+        (a stuck thread is left behind, never waited for without end); idempotent.
+        Threads shared by the pools of one configured tier are stopped by their
+        owner, after every pool's tier has shut down."""
+
+    # -- lookups (from memory, never block) ------------------------------------------
+
     @abc.abstractmethod
     def lookup(self, keys: Sequence[BlockKey]) -> list[LookupResult]:
-        """HIT (present), MISS, or RETRY (the tier cannot answer yet, e.g. its index
-        is still being rebuilt). Answers from memory; never blocks."""
-
-    @abc.abstractmethod
-    def submit_store(self, job: TierJob) -> bool:
-        """Queues a write of the job's rows. False: refused by backpressure (nothing
-        queued, ``on_done`` will not be called, the caller releases its pins)."""
-
-    @abc.abstractmethod
-    def submit_load(self, job: TierJob) -> None:
-        """Queues a read into the job's rows; each block is verified (length,
-        key, pool, checksum) before it counts as loaded."""
-
-    def touch(self, keys: Sequence[BlockKey]) -> None:  # noqa: B027 - optional hook
-        """Marks keys recently used (tiers with eviction order them)."""
-
-    def take_removed(self) -> list[BlockKey]:
-        """Keys this tier dropped since the last call (evicted, failed verification,
-        vanished), oldest first; the caller turns them into removed events. Called
-        on the loop after each job report, so a store job's evictions come out
-        before that job's stored keys."""
-        return []
+        """Per key: HIT (held; the key becomes most recently used), MISS, or RETRY
+        while not :attr:`ready` (every key). Counted in ``hits``/``misses``."""
 
     def contains(self, key: BlockKey) -> bool | None:
         """Whether the tier holds ``key`` now, without touching it or counting a
-        lookup; None when it cannot tell yet (for ``Explain``)."""
+        lookup; None while not :attr:`ready` (for ``Explain``)."""
         return None
+
+    def touch(self, keys: Sequence[BlockKey]) -> None:  # noqa: B027 - optional hook
+        """Makes the held ``keys`` most recently used, in order (the last one is the
+        most recent); unknown keys are ignored."""
+
+    def take_removed(self) -> list[BlockKey]:
+        """Keys this tier dropped since the last call (evicted, failed verification,
+        vanished), oldest first, each drop once; the caller turns them into removed
+        events. Called on the loop after each job report, so a store job's
+        evictions come out before that job's stored keys."""
+        return []
 
     def removals(self, key: BlockKey) -> list[tuple[float, str]]:
         """Recent ``(unix time, why)`` removals of ``key`` from this tier (bounded)."""
         return []
 
-    @abc.abstractmethod
-    async def drain(self) -> None:
-        """Returns once every submitted job has reported done."""
+    # -- jobs ----------------------------------------------------------------------
 
     @abc.abstractmethod
-    def shutdown(self) -> None:
-        """Stops the I/O threads; queued jobs are reported failed."""
+    def submit_store(self, job: TierJob) -> bool:
+        """Queues a copy of the job's rows into the tier. False: refused by
+        backpressure (nothing queued, counted in ``dropped_writes``, ``on_done``
+        will not be called, the caller releases its pins at once)."""
 
     @abc.abstractmethod
-    def statistics(self) -> TierStats: ...
+    def submit_load(self, job: TierJob) -> None:
+        """Queues a copy into the job's rows; each block is verified (key, pool,
+        length, content) before it counts as loaded. Never refused."""
+
+    @abc.abstractmethod
+    def statistics(self) -> TierStats:
+        """A snapshot (:class:`TierStats`)."""

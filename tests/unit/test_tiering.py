@@ -1,19 +1,23 @@
 """Tiering orchestration against a scripted tier: the faults a real disk will not
-produce on demand (a transient read error, partial success, a refused write)."""
+produce on demand (a transient read error, partial success, a refused write).
+
+The scripted tier is the in-memory reference tier (which runs the tier contract
+suite in ``tests/tiers``) with its jobs held until the test finishes them, so the
+results the orchestration sees come from a tier that keeps the contract."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 
-from kvtierd.contract import BlockKey, LookupResult, Medium
+from kvtierd.contract import BlockKey, LookupResult
 from kvtierd.primary import PrimaryManager
 from kvtierd.tiering import Tiering
-from kvtierd.tiers.base import JobResult, SecondaryTier, TierJob, TierStats
+from kvtierd.tiers.base import JobCallback, TierJob
+from kvtierd.tiers.memory import MemoryTier, StoreOutcome
 
 HIT, MISS, PENDING, RETRY = (
     LookupResult.HIT,
@@ -21,44 +25,96 @@ HIT, MISS, PENDING, RETRY = (
     LookupResult.HIT_PENDING,
     LookupResult.RETRY,
 )
+ROWS = 4  # rows of the primary (the manager fixture) and of the rows its tiers copy
+BLOCK = 16
 
 
-class ScriptedTier(SecondaryTier):
-    """Holds a set of keys; jobs wait in lists until the test finishes them."""
+class ScriptedTier(MemoryTier):
+    """A memory tier whose jobs wait until the test runs them with :meth:`finish`.
 
-    medium = Medium.STORAGE
+    ``held``: keys the tier holds from the start. ``ready=False``: launched (jobs
+    are accepted) but never ready, as an fs tier whose index is still being
+    rebuilt. ``accept_writes=False``: every store is refused (backpressure).
+    No event loop runs in these tests: :meth:`finish` stands in for it.
+    """
 
-    def __init__(self, name: str, keys: Sequence[BlockKey] = (), *, accept_writes: bool = True):
-        self.name = name
-        self.keys = set(keys)
-        self.ready = True
-        self.accept_writes = accept_writes
+    def __init__(
+        self,
+        name: str,
+        rows: memoryview,
+        on_done: JobCallback,
+        loop: asyncio.AbstractEventLoop,
+        held: Sequence[BlockKey] = (),
+        *,
+        ready: bool = True,
+        accept_writes: bool = True,
+    ) -> None:
+        super().__init__(
+            name, BLOCK, rows, 1 << 20, on_done, loop, max_queue_jobs=1024 if accept_writes else 0
+        )
         self.stores: list[TierJob] = []
         self.loads: list[TierJob] = []
-        self.lookups = 0
-
-    def lookup(self, keys: Sequence[BlockKey]) -> list[LookupResult]:
-        self.lookups += 1
-        if not self.ready:
-            return [RETRY] * len(keys)
-        return [HIT if key in self.keys else MISS for key in keys]
+        self._failing: frozenset[BlockKey] = frozenset()
+        self.pause()
+        self.launch()
+        if ready:
+            self._become_ready()
+        for key in held:
+            assert self._store_block(key, 0) is StoreOutcome.WRITTEN
 
     def submit_store(self, job: TierJob) -> bool:
-        if self.accept_writes:
+        accepted = super().submit_store(job)
+        if accepted:
             self.stores.append(job)
-        return self.accept_writes
+        return accepted
 
     def submit_load(self, job: TierJob) -> None:
+        super().submit_load(job)
         self.loads.append(job)
 
-    async def drain(self) -> None:
-        return None
+    def finish(self, job: TierJob, *, failing: Sequence[BlockKey] = ()) -> None:
+        """Runs ``job`` now and reports it; the ``failing`` keys fail as on a
+        transient error (the tier keeps them)."""
+        self._failing = frozenset(failing)
+        try:
+            self._run_now(job.job_id)
+        finally:
+            self._failing = frozenset()
 
-    def shutdown(self) -> None:
-        return None
+    def asked(self) -> int:
+        """Keys the tier answered HIT or MISS so far (each time it was consulted)."""
+        stats = self.statistics()
+        return stats.hits + stats.misses
 
-    def statistics(self) -> TierStats:  # pragma: no cover - not used here
-        raise NotImplementedError
+    def _store_block(self, key: BlockKey, block_id: int) -> StoreOutcome:
+        if key in self._failing:
+            return StoreOutcome.FAILED
+        return super()._store_block(key, block_id)
+
+    def _load_block(self, key: BlockKey, block_id: int) -> bool:
+        return key not in self._failing and super()._load_block(key, block_id)
+
+
+Attach = Callable[..., ScriptedTier]
+
+
+@pytest.fixture
+def attach() -> Iterator[Attach]:
+    """``attach(tiering, name, held=(), ready=..., accept_writes=...)``: a scripted
+    tier reporting to ``tiering``, attached after the ones before it. The tiers of
+    one test copy to and from the same rows, as a pool's tiers share its region."""
+    rows = memoryview(bytearray(ROWS * BLOCK))
+    loop = asyncio.new_event_loop()  # never runs: finish() reports instead
+
+    def attach(
+        tiering: Tiering, name: str, held: Sequence[BlockKey] = (), **kw: bool
+    ) -> ScriptedTier:
+        tier = ScriptedTier(name, rows, tiering.on_done, loop, held, **kw)
+        tiering.attach(tier)
+        return tier
+
+    yield attach
+    loop.close()
 
 
 def keys(*names: str) -> list[bytes]:
@@ -67,7 +123,7 @@ def keys(*names: str) -> list[bytes]:
 
 @pytest.fixture
 def manager() -> PrimaryManager:
-    return PrimaryManager(4, "lru")
+    return PrimaryManager(ROWS, "lru")
 
 
 def stored(manager: PrimaryManager, tiering: Tiering, names: list[bytes]) -> None:
@@ -76,74 +132,69 @@ def stored(manager: PrimaryManager, tiering: Tiering, names: list[bytes]) -> Non
     tiering.cascade(done)
 
 
-def test_cascade_pins_until_the_tier_reports(manager):
+def test_cascade_pins_until_the_tier_reports(manager, attach):
     tiering = Tiering("p", manager)
-    tier = ScriptedTier("t")
-    tiering.attach(tier)
+    tier = attach(tiering, "t")
     stored(manager, tiering, keys("a", "b"))
     assert manager.ref_count(b"a") == 1 and tiering.jobs_in_flight == 1
     assert manager.prepare_store(keys("c", "d", "e")) is None  # a, b cannot be evicted
     (job,) = tier.stores
-    tiering.on_done(JobResult(job.job_id, success=False))  # failure releases the pins too
+    tier.finish(job, failing=job.keys)  # failure releases the pins too
     assert manager.ref_count(b"a") == 0 and tiering.jobs_in_flight == 0
     assert tiering.counters(0).cascade_jobs_failed == 1
 
 
-def test_refused_cascade_is_counted_and_pins_nothing(manager):
+def test_refused_cascade_is_counted_and_pins_nothing(manager, attach):
     tiering = Tiering("p", manager)
-    tiering.attach(ScriptedTier("t", accept_writes=False))
+    attach(tiering, "t", accept_writes=False)
     stored(manager, tiering, keys("a", "b"))
     assert manager.ref_count(b"a") == 0
     assert tiering.counters(0).cascade_blocks_dropped == 2
 
 
-def test_partial_promotion_keeps_what_arrived_and_does_not_retry_the_rest(manager):
+def test_partial_promotion_keeps_what_arrived_and_does_not_retry_the_rest(manager, attach):
     tiering = Tiering("p", manager)
-    tier = ScriptedTier("t", keys("x", "y", "z"))
-    tiering.attach(tier)
+    tier = attach(tiering, "t", keys("x", "y", "z"))
     ks = keys("x", "y", "z")
     assert tiering.lookup(ks, manager.lookup(ks)) == [PENDING] * 3
     assert tiering.lookup(ks, manager.lookup(ks)) == [PENDING] * 3  # no second promotion
     (job,) = tier.loads
-    tiering.on_done(JobResult(job.job_id, success=False, successful_keys=(b"x",)))
+    tier.finish(job, failing=keys("y", "z"))
     assert manager.lookup(ks) == [HIT, MISS, MISS]
-    # the tier still lists y and z (a transient error keeps the file): no retry loop
+    # the tier still holds y and z (a transient error keeps the file): no retry loop
+    assert tier.contains(b"y") and tier.contains(b"z")
     assert tiering.lookup(ks, manager.lookup(ks)) == [HIT, MISS, MISS]
     assert len(tier.loads) == 1
     counters = tiering.counters(0)
     assert counters.promotion_blocks_loaded == 1 and counters.promotion_blocks_failed == 2
 
 
-def test_retry_while_a_tier_is_not_ready_unless_a_later_tier_holds_the_key(manager):
+def test_retry_while_a_tier_is_not_ready_unless_a_later_tier_holds_the_key(manager, attach):
     tiering = Tiering("p", manager)
-    scanning, far = ScriptedTier("near"), ScriptedTier("far", keys("b"))
-    scanning.ready = False
-    tiering.attach(scanning)
-    tiering.attach(far)
+    scanning = attach(tiering, "near", ready=False)
+    far = attach(tiering, "far", keys("b"))
     ks = keys("a", "b")
     assert tiering.lookup(ks, manager.lookup(ks)) == [RETRY, PENDING]
     (job,) = far.loads
-    tiering.on_done(JobResult(job.job_id, success=True))
+    far.finish(job)
     assert manager.lookup(ks) == [MISS, HIT]
     (cascade,) = scanning.stores  # promoted from the far tier: copied to the near one
     assert cascade.keys == (b"b",) and not far.stores
 
 
-def test_promotion_never_evicts_a_key_of_the_same_lookup(manager):
+def test_promotion_never_evicts_a_key_of_the_same_lookup(manager, attach):
     tiering = Tiering("p", manager)
-    tier = ScriptedTier("t", keys("x", "y"))
-    tiering.attach(tier)
+    tier = attach(tiering, "t", keys("x", "y"))
     stored(manager, tiering, keys("a", "b", "c"))
-    tiering.on_done(JobResult(tier.stores[0].job_id, success=True))
+    tier.finish(tier.stores[0])
     ks = keys("a", "b", "c", "x", "y")  # one free row; a, b, c are protected
     assert tiering.lookup(ks, manager.lookup(ks)) == [HIT, HIT, HIT, PENDING, MISS]
     assert tiering.counters(0).promotion_no_room == 1
 
 
-def test_prefix_lookup_promotes_nothing_after_the_first_unservable_key(manager):
+def test_prefix_lookup_promotes_nothing_after_the_first_unservable_key(manager, attach):
     tiering = Tiering("p", manager)
-    tier = ScriptedTier("t", keys("a", "c"))
-    tiering.attach(tier)
+    tier = attach(tiering, "t", keys("a", "c"))
     ks = keys("a", "b", "c")  # b is nowhere: c would never be loaded by a prefix cache
     assert tiering.lookup(ks, manager.lookup(ks), prefix=True) == [PENDING, MISS, MISS]
     (job,) = tier.loads
@@ -157,23 +208,21 @@ def outcomes(tiering: Tiering, index: int) -> tuple[int, int, int, int]:
     return c.hits, c.misses, c.retries, c.promotion_no_room
 
 
-def test_each_key_asked_of_a_tier_is_counted_once_as_what_it_got(manager):
+def test_each_key_asked_of_a_tier_is_counted_once_as_what_it_got(manager, attach):
     """Scenario: issue #16. Tier counters are what the pool got from the tier: a
     promoted block is one hit when it arrives (not once per polling Lookup), a
     failed promotion a miss, a rebuilding tier a retry, a hit without a primary row
     no_room, and keys past a prefix Lookup's end are not counted."""
-    near, far = ScriptedTier("near"), ScriptedTier("far", keys("x", "y", "z", "w"))
-    near.ready = False
     tiering = Tiering("p", manager)
-    tiering.attach(near)
-    tiering.attach(far)
+    attach(tiering, "near", ready=False)
+    far = attach(tiering, "far", keys("x", "y", "z", "w"))
     ks = keys("x", "y", "q")
     assert tiering.lookup(ks, manager.lookup(ks)) == [PENDING, PENDING, RETRY]
     assert outcomes(tiering, 0) == (0, 0, 3, 0) and outcomes(tiering, 1) == (0, 1, 0, 0)
     for _ in range(3):  # polling while the promotion is in flight asks no tier
         assert tiering.lookup(ks[:2], manager.lookup(ks[:2])) == [PENDING] * 2
     (job,) = far.loads
-    tiering.on_done(JobResult(job.job_id, success=False, successful_keys=(b"x",)))
+    far.finish(job, failing=keys("y"))
     assert outcomes(tiering, 1) == (1, 2, 0, 0)  # x arrived: a hit; y failed: a miss
     assert tiering.lookup(keys("y"), manager.lookup(keys("y"))) == [RETRY]
     assert outcomes(tiering, 1) == (1, 3, 0, 0)  # failed recently: far cannot serve it
@@ -207,10 +256,8 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
-def holding(manager: PrimaryManager, clock: FakeClock, tier: ScriptedTier) -> Tiering:
-    tiering = Tiering("p", manager, hold_seconds=HOLD, clock=clock)
-    tiering.attach(tier)
-    return tiering
+def holding(manager: PrimaryManager, clock: FakeClock) -> Tiering:
+    return Tiering("p", manager, hold_seconds=HOLD, clock=clock)
 
 
 def promote(
@@ -224,7 +271,7 @@ def promote(
     before = len(tier.loads)
     tiering.lookup(names, manager.lookup(names), **lookup)
     for job in tier.loads[before:]:
-        tiering.on_done(JobResult(job.job_id, success=True))
+        tier.finish(job)
 
 
 def pin(manager: PrimaryManager, tiering: Tiering, names: list[bytes], pins: Counter) -> None:
@@ -234,12 +281,12 @@ def pin(manager: PrimaryManager, tiering: Tiering, names: list[bytes], pins: Cou
     tiering.claim_holds(names)
 
 
-def test_a_promoted_block_is_held_until_a_session_pins_it(manager, clock):
+def test_a_promoted_block_is_held_until_a_session_pins_it(manager, clock, attach):
     """Scenario: the storm of issue #15. Two requests wait for blocks of the fs tier
     in a 4-row primary; the second one's promotion must not evict what the first
     one's just brought in, and a store cannot either."""
-    tier = ScriptedTier("t", keys("a", "b", "c", "x", "y", "z"))
-    tiering = holding(manager, clock, tier)
+    tiering = holding(manager, clock)
+    tier = attach(tiering, "t", keys("a", "b", "c", "x", "y", "z"))
     first, second = keys("a", "b", "c"), keys("x", "y", "z")
     promote(manager, tiering, tier, first, prefix=True)
     assert manager.lookup(first) == [HIT] * 3 and manager.ref_count(b"a") == 1
@@ -258,9 +305,9 @@ def test_a_promoted_block_is_held_until_a_session_pins_it(manager, clock):
     assert manager.prepare_store(keys("s")) is not None  # loaded: evictable again
 
 
-def test_a_hold_nobody_claims_expires_at_its_deadline(manager, clock):
-    tier = ScriptedTier("t", keys("a", "b"))
-    tiering = holding(manager, clock, tier)
+def test_a_hold_nobody_claims_expires_at_its_deadline(manager, clock, attach):
+    tiering = holding(manager, clock)
+    tier = attach(tiering, "t", keys("a", "b"))
     promote(manager, tiering, tier, keys("a", "b"))
     clock.now += HOLD - 0.001
     tiering.expire_holds()
@@ -273,35 +320,35 @@ def test_a_hold_nobody_claims_expires_at_its_deadline(manager, clock):
     tiering.check_invariants(Counter())
 
 
-def test_closing_releases_every_hold(manager, clock):
-    tier = ScriptedTier("t", keys("a", "b"))
-    tiering = holding(manager, clock, tier)
+def test_closing_releases_every_hold(manager, clock, attach):
+    tiering = holding(manager, clock)
+    tier = attach(tiering, "t", keys("a", "b"))
     promote(manager, tiering, tier, keys("a", "b"))
     tiering.close()
     assert manager.ref_count(b"a") == 0 and manager.statistics().pinned_blocks == 0
     assert tiering.hold_statistics().held == 0
 
 
-def test_a_failed_promotion_holds_only_what_arrived(manager, clock):
-    tier = ScriptedTier("t", keys("x", "y"))
-    tiering = holding(manager, clock, tier)
+def test_a_failed_promotion_holds_only_what_arrived(manager, clock, attach):
+    tiering = holding(manager, clock)
+    tier = attach(tiering, "t", keys("x", "y"))
     ks = keys("x", "y")
     tiering.lookup(ks, manager.lookup(ks))
     (job,) = tier.loads
-    tiering.on_done(JobResult(job.job_id, success=False, successful_keys=(b"x",)))
+    tier.finish(job, failing=keys("y"))
     assert manager.ref_count(b"x") == 1 and manager.ref_count(b"y") is None
     assert tiering.hold_statistics().held == 1
     tiering.check_invariants(Counter())
 
 
-def test_a_waiting_prefix_lookup_holds_the_hits_in_front_of_its_pending_key(manager, clock):
+def test_a_waiting_prefix_lookup_holds_the_hits_in_front_of_its_pending_key(manager, clock, attach):
     """The ready blocks of a request that waits for a promotion are not evicted
     while it waits (it will load them with the promoted one); the hold is renewed
     by each lookup that still waits, and ends with a pin that loads."""
-    tier = ScriptedTier("t", keys("c"))
-    tiering = holding(manager, clock, tier)
+    tiering = holding(manager, clock)
+    tier = attach(tiering, "t", keys("c"))
     stored(manager, tiering, keys("a", "b"))  # ready in the primary (no cascade pin: done)
-    tiering.on_done(JobResult(tier.stores[0].job_id, success=True))
+    tier.finish(tier.stores[0])
     ks = keys("a", "b", "c")
     assert tiering.lookup(ks, manager.lookup(ks), prefix=True) == [HIT, HIT, PENDING]
     assert manager.ref_count(b"a") == 1 and manager.ref_count(b"b") == 1
@@ -313,59 +360,64 @@ def test_a_waiting_prefix_lookup_holds_the_hits_in_front_of_its_pending_key(mana
     assert manager.ref_count(b"a") == 1, "a renewed hold expired at its first deadline"
     assert tiering.hold_statistics().placed == 2  # renewals place nothing new
     (job,) = tier.loads
-    tiering.on_done(JobResult(job.job_id, success=True))
+    tier.finish(job)
     pins: Counter[bytes] = Counter()
     pin(manager, tiering, ks, pins)
     tiering.check_invariants(pins)
     assert tiering.hold_statistics().held == 0
 
 
-def test_a_lookup_that_waits_for_nothing_holds_nothing(manager, clock):
-    tier = ScriptedTier("t", keys("c"))
-    tiering = holding(manager, clock, tier)
+def test_a_lookup_that_waits_for_nothing_holds_nothing(manager, clock, attach):
+    tiering = holding(manager, clock)
+    tier = attach(tiering, "t", keys("c"))
     stored(manager, tiering, keys("a"))
-    tiering.on_done(JobResult(tier.stores[0].job_id, success=True))
+    tier.finish(tier.stores[0])
     ks = keys("a", "b", "c")  # b is nowhere: c is never loaded by a prefix cache
     assert tiering.lookup(ks, manager.lookup(ks), prefix=True) == [HIT, MISS, MISS]
     assert tiering.lookup(ks, manager.lookup(ks)) == [HIT, MISS, PENDING]  # not prefix
     assert manager.ref_count(b"a") == 0 and tiering.hold_statistics().held == 0
 
 
-def test_holds_off_with_zero_seconds(manager):
-    tier = ScriptedTier("t", keys("a"))
+def test_holds_off_with_zero_seconds(manager, attach):
     tiering = Tiering("p", manager, hold_seconds=0)
-    tiering.attach(tier)
+    tier = attach(tiering, "t", keys("a"))
     promote(manager, tiering, tier, keys("a"))
     assert manager.ref_count(b"a") == 0
 
 
-def test_repeated_lookups_of_a_pending_key_cost_no_tier_work(manager, clock):
-    tier = ScriptedTier("t", keys("a", "b"))
-    tiering = holding(manager, clock, tier)
+def test_repeated_lookups_of_a_pending_key_cost_no_tier_work(manager, clock, attach):
+    tiering = holding(manager, clock)
+    tier = attach(tiering, "t", keys("a", "b"))
     ks = keys("a", "b")
     assert tiering.lookup(ks, manager.lookup(ks), prefix=True) == [PENDING, PENDING]
-    consulted = tier.lookups
+    consulted = tier.asked()
+    assert consulted == 2
     for _ in range(5):
         assert tiering.lookup(ks, manager.lookup(ks), prefix=True) == [PENDING, PENDING]
-    assert tier.lookups == consulted and len(tier.loads) == 1
+    assert tier.asked() == consulted and len(tier.loads) == 1
     assert tiering.counters(0).promotion_jobs_started == 1
 
 
-def test_the_hold_timer_releases_expired_holds_on_a_running_loop(manager):
+def test_the_hold_timer_releases_expired_holds_on_a_running_loop(manager, attach):
     """In the daemon nothing else may call into the pool after a promotion: the
     loop timer alone must release the hold at its deadline."""
-    tier = ScriptedTier("t", keys("a"))
-    tiering = Tiering("p", manager, hold_seconds=0.05)
-    tiering.attach(tier)
+    hold_s = 0.05
+    tiering = Tiering("p", manager, hold_seconds=hold_s)
+    tier = attach(tiering, "t", keys("a"))
 
-    async def scenario() -> float:
-        promote(manager, tiering, tier, keys("a"))
-        start = time.monotonic()
+    async def scenario() -> list[int | None]:
+        loop = asyncio.get_running_loop()
+        promote(manager, tiering, tier, keys("a"))  # places the hold, arms its timer
         assert manager.ref_count(b"a") == 1
-        while manager.ref_count(b"a") != 0:  # the timer offers no event: poll
-            assert time.monotonic() - start < 5.0, "hold never released"
-            await asyncio.sleep(0.005)
-        return time.monotonic() - start
+        # loop timers run in deadline order: one halfway to the hold's deadline, one
+        # armed after the hold's timer with a longer delay, so it runs after it
+        halfway: list[int | None] = []
+        loop.call_later(hold_s / 2, lambda: halfway.append(manager.ref_count(b"a")))
+        past_deadline = asyncio.Event()
+        loop.call_later(hold_s * 1.5, past_deadline.set)
+        await asyncio.wait_for(past_deadline.wait(), 5.0)
+        return halfway
 
-    assert asyncio.run(scenario()) >= 0.04
+    assert asyncio.run(scenario()) == [1], "the hold was released before its deadline"
+    assert manager.ref_count(b"a") == 0, "the hold timer did not release the hold"
     assert tiering.hold_statistics().expired == 1

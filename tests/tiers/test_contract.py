@@ -1,0 +1,198 @@
+"""Every secondary-tier implementation runs the tier contract (``tier_contract.py``).
+
+One kit per implementation: the fs tier with its block I/O on its threads and in
+I/O worker processes (as ``ConfiguredFsTier`` builds it for ``io_processes = 0``
+and ``> 0``), and the in-memory reference tier. A new tier joins by adding a kit
+to :data:`KITS`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import tempfile
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tier_contract import CHECKS, DAMAGE_CHECKS, ROWS, Check, TierKit, run_check
+
+from kvtierd.contract import BlockKey
+from kvtierd.region import Region
+from kvtierd.tiers import fsformat
+from kvtierd.tiers.base import JobCallback, SecondaryTier
+from kvtierd.tiers.fs import FsTier
+from kvtierd.tiers.iopool import IoPool
+from kvtierd.tiers.ioworker import IoWorkers
+from kvtierd.tiers.memory import MemoryTier
+
+STARTED_TIMEOUT_S = 30.0
+
+
+class FsKit(TierKit):
+    """FsTiers under one root, one per pool, built as ``ConfiguredFsTier.create``
+    builds them: I/O threads given to the tier (here one pool of threads per
+    tier, so a stall holds one tier only), worker processes shared by all."""
+
+    block_bytes = 2 * 4096  # a multiple of the page size, as the fs tier requires
+    can_damage = True
+    read_threads = write_threads = 2
+
+    def __init__(self, root: Path, *, io_processes: int) -> None:
+        super().__init__(root)
+        base = "/dev/shm" if Path("/dev/shm").is_dir() else None
+        self.shm_dir = tempfile.mkdtemp(prefix="kvtierd-contract-", dir=base)
+        threads = self.read_threads + self.write_threads
+        self.workers = IoWorkers(io_processes, channels=threads) if io_processes else None
+        self.regions: dict[str, Region] = {}
+        self.io_pools: dict[int, IoPool] = {}  # id(tier) -> its I/O threads
+
+    def region(self, pool: str) -> memoryview:
+        region = Region.create(self.shm_dir, pool, ROWS, self.block_bytes, prefault=False)
+        self.regions[pool] = region
+        return region.buffer()
+
+    def create(
+        self,
+        pool: str,
+        region: memoryview,
+        on_done: JobCallback,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        capacity_blocks: int,
+        max_queue_jobs: int,
+    ) -> SecondaryTier:
+        io = IoPool(
+            loop,
+            read_threads=self.read_threads,
+            write_threads=self.write_threads,
+            max_queue_jobs=max_queue_jobs,
+            name=f"contract-{pool}",
+        )
+        owned = self.regions[pool]
+        tier = FsTier(
+            "fs",
+            self.root,
+            pool,
+            self.block_bytes,
+            {"layout": "contract"},
+            region,
+            capacity_blocks * (fsformat.HEADER_SIZE + self.block_bytes),
+            on_done,
+            loop,
+            io_pool=io,
+            workers=self.workers,
+            region_file=(owned.path, *owned.identity()) if self.workers else None,
+        )
+        self.io_pools[id(tier)] = io
+        return tier
+
+    @contextlib.asynccontextmanager
+    async def stall(self, tier: SecondaryTier) -> AsyncIterator[None]:
+        """Occupies every thread of the tier's I/O pool until the block ends."""
+        io = self.io_pools[id(tier)]
+        threads = self.read_threads + self.write_threads
+        gate, started = threading.Event(), threading.Semaphore(0)
+
+        def blocker() -> None:
+            started.release()
+            gate.wait()
+
+        def all_started() -> bool:
+            return all(started.acquire(timeout=STARTED_TIMEOUT_S) for _ in range(threads))
+
+        io.submit_read([blocker] * threads, lambda outcomes: None)
+        try:
+            assert await asyncio.get_running_loop().run_in_executor(None, all_started)
+            yield
+        finally:
+            gate.set()
+
+    async def stop(self, tier: SecondaryTier) -> None:
+        """Fails what is queued and joins the threads (blocks: off the loop)."""
+        io = self.io_pools.pop(id(tier))
+        await asyncio.get_running_loop().run_in_executor(None, io.shutdown)
+
+    def damage(self, tier: SecondaryTier, key: BlockKey) -> None:
+        """Flips the first payload byte of the key's block file."""
+        assert isinstance(tier, FsTier)
+        path = Path(tier.pool_dir) / fsformat.block_rel_path(key)
+        with open(path, "r+b") as f:
+            f.seek(fsformat.HEADER_SIZE)
+            byte = f.read(1)
+            f.seek(fsformat.HEADER_SIZE)
+            f.write(bytes([byte[0] ^ 0xFF]))
+
+    def close(self) -> None:
+        if self.workers is not None:
+            self.workers.stop()
+        for region in self.regions.values():
+            region.close()
+        shutil.rmtree(self.shm_dir, ignore_errors=True)
+
+
+class MemoryKit(TierKit):
+    """The in-memory reference tier; a stall is its pause()."""
+
+    block_bytes = 64
+
+    def region(self, pool: str) -> memoryview:
+        return memoryview(bytearray(ROWS * self.block_bytes))
+
+    def create(
+        self,
+        pool: str,
+        region: memoryview,
+        on_done: JobCallback,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        capacity_blocks: int,
+        max_queue_jobs: int,
+    ) -> SecondaryTier:
+        capacity = capacity_blocks * self.block_bytes
+        return MemoryTier(
+            "memory",
+            self.block_bytes,
+            region,
+            capacity,
+            on_done,
+            loop,
+            max_queue_jobs=max_queue_jobs,
+        )
+
+    @contextlib.asynccontextmanager
+    async def stall(self, tier: SecondaryTier) -> AsyncIterator[None]:
+        assert isinstance(tier, MemoryTier)
+        tier.pause()
+        try:
+            yield
+        finally:
+            tier.resume()
+
+
+# name -> (kit class, its options); each check gets a fresh kit over its tmp_path
+KITS: dict[str, tuple[type[TierKit], dict[str, Any]]] = {
+    "fs-threads": (FsKit, {"io_processes": 0}),
+    "fs-workers": (FsKit, {"io_processes": 2}),
+    "memory": (MemoryKit, {}),
+}
+
+
+def _run(kit: str, check: Check, tmp_path: Path) -> None:
+    cls, options = KITS[kit]  # a fresh kit per check
+    asyncio.run(run_check(lambda: cls(tmp_path, **options), check))
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__.removeprefix("check_"))
+@pytest.mark.parametrize("kit", KITS)
+def test_tier_contract(kit: str, check: Check, tmp_path: Path) -> None:
+    _run(kit, check, tmp_path)
+
+
+@pytest.mark.parametrize("check", DAMAGE_CHECKS, ids=lambda c: c.__name__.removeprefix("check_"))
+@pytest.mark.parametrize("kit", [name for name, (cls, _) in KITS.items() if cls.can_damage])
+def test_tier_contract_with_damage(kit: str, check: Check, tmp_path: Path) -> None:
+    _run(kit, check, tmp_path)
