@@ -316,7 +316,7 @@ class Pool:
             secondaries=tuple(
                 SecondaryStatistics(
                     tier=tier.statistics(),
-                    ready=getattr(tier, "ready", True),
+                    ready=tier.ready,
                     counters=tiering.counters(index),
                 )
                 for index, tier in enumerate(tiering.tiers)

@@ -8,15 +8,15 @@ registered by name in :mod:`kvtierd.tiers.registry`:
 * a :class:`ConfiguredTier` subclass: one instance per configured tier for the
   daemon's whole life, holding what the pools of that tier share (threads,
   worker processes, a byte budget);
-* the per-pool tier it creates (:class:`StartableTier`, a
-  :class:`~kvtierd.tiers.base.SecondaryTier` with a two-step start).
+* the per-pool tier it creates (a :class:`~kvtierd.tiers.base.SecondaryTier`,
+  not started: its start has two steps, ``prepare`` and ``launch``).
 
 Lifecycle, all on the event loop unless said otherwise::
 
     daemon start     ConfiguredTier.check()          refuses unusable resources
     per pool         ConfiguredTier.create(...)      no I/O
-                     StartableTier.prepare()         blocking: off the loop
-                     StartableTier.launch()          starts threads; jobs may come
+                     SecondaryTier.prepare()         blocking: off the loop
+                     SecondaryTier.launch()          starts threads; jobs may come
     daemon shutdown  ConfiguredTier.drain()          every pool's jobs reported
                      ConfiguredTier.shutdown()       joins shared threads
 
@@ -89,21 +89,6 @@ class PoolBinding:
     region_file: tuple[str, int, int] | None = None
 
 
-class StartableTier(SecondaryTier):
-    """A secondary tier as :meth:`ConfiguredTier.create` returns it: not started."""
-
-    @abc.abstractmethod
-    def prepare(self) -> None:
-        """The start's blocking part (files, probes); called once, on any thread
-        but the loop's, before :meth:`launch`. Raises TierStartError (the pool is
-        refused) or OSError."""
-
-    @abc.abstractmethod
-    def launch(self) -> None:
-        """The start's loop part: starts the tier's threads; jobs may be submitted
-        from now on. On the loop, once, after :meth:`prepare` returned."""
-
-
 class ConfiguredTier(abc.ABC):
     """One configured tier of the daemon: its settings and what its pools share.
 
@@ -129,7 +114,7 @@ class ConfiguredTier(abc.ABC):
     @abc.abstractmethod
     def create(
         self, pool: PoolBinding, on_done: JobCallback, loop: asyncio.AbstractEventLoop
-    ) -> StartableTier:
+    ) -> SecondaryTier:
         """A tier for ``pool``, not started (no I/O here). ``on_done`` receives each
         of its job results on ``loop``."""
 

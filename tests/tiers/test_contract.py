@@ -22,11 +22,10 @@ from tier_contract import CHECKS, DAMAGE_CHECKS, ROWS, Check, TierKit, run_check
 
 from kvtierd.contract import BlockKey
 from kvtierd.region import Region
-from kvtierd.tiers import fsformat
 from kvtierd.tiers.base import JobCallback, SecondaryTier
-from kvtierd.tiers.fs import FsTier
-from kvtierd.tiers.iopool import IoPool
-from kvtierd.tiers.ioworker import IoWorkers
+from kvtierd.tiers.fs import FsTier, fsformat
+from kvtierd.tiers.fs.iopool import IoPool
+from kvtierd.tiers.fs.ioworker import IoWorkers
 from kvtierd.tiers.memory import MemoryTier
 
 STARTED_TIMEOUT_S = 30.0

@@ -13,11 +13,10 @@ import pytest
 from kvtierd.config import ConfigError, load_config
 from kvtierd.contract import LookupResult
 from kvtierd.tiers import registry
-from kvtierd.tiers.base import JobCallback, TierJob, TierStats
+from kvtierd.tiers.base import JobCallback, SecondaryTier, TierJob, TierStats
 from kvtierd.tiers.configured import (
     ConfiguredTier,
     PoolBinding,
-    StartableTier,
     TierOptionError,
 )
 from kvtierd.tiers.fs.configured import ConfiguredFsTier
@@ -79,7 +78,7 @@ class ConfiguredMemoryTier(ConfiguredTier):
 
     def create(
         self, pool: PoolBinding, on_done: JobCallback, loop: asyncio.AbstractEventLoop
-    ) -> StartableTier:
+    ) -> SecondaryTier:
         raise NotImplementedError
 
     async def drain(self) -> None:
@@ -137,8 +136,8 @@ def test_a_registered_class_must_be_a_configured_tier() -> None:
         bogus.configured()
 
 
-class _Unused(StartableTier):
-    """StartableTier is a SecondaryTier with a two-step start: all abstract."""
+class _Unused(SecondaryTier):
+    """Implements the job methods only: not how it starts, nor when it is ready."""
 
     name = "unused"
 
@@ -161,6 +160,6 @@ class _Unused(StartableTier):
         raise NotImplementedError
 
 
-def test_a_startable_tier_must_say_how_it_starts() -> None:
-    with pytest.raises(TypeError, match="launch, prepare"):
+def test_a_tier_must_say_how_it_starts_and_when_it_is_ready() -> None:
+    with pytest.raises(TypeError, match="launch, ready, wait_ready"):
         _Unused()  # type: ignore[abstract]

@@ -58,8 +58,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvtierd.contract import BlockKey, LookupResult, Medium
-from kvtierd.tiers.base import JobCallback, JobResult, TierJob, TierStats
-from kvtierd.tiers.configured import StartableTier
+from kvtierd.tiers.base import JobCallback, JobResult, SecondaryTier, TierJob, TierStats
 from kvtierd.tiers.fs import fsformat, ioworker, startup
 from kvtierd.tiers.fs.blockfile import CorruptFile
 from kvtierd.tiers.fs.files import PoolFiles, beside, name_of
@@ -82,7 +81,7 @@ GROUP_BYTES = 16 << 20  # blocks per I/O task: this many bytes (at least one blo
 Pairs = list[tuple[BlockKey, int]]  # (key, row) of one group of a job
 
 
-class FsTier(StartableTier):
+class FsTier(SecondaryTier):
     """A secondary tier of block files under ``root`` for one pool.
 
     Lifecycle: construct -> :meth:`start` (:meth:`prepare` checks the root,
