@@ -90,7 +90,7 @@ bench-vllm: install-vllm
 lint: install
 	$(BIN)/ruff check kvtierd client tests benchmarks tools setup.py
 	$(BIN)/ruff format --check kvtierd client tests benchmarks tools setup.py
-#	$(BIN)/mypy  # enable once `make typecheck` reports no error
+	$(BIN)/mypy
 
 # mypy over kvtierd/ and client/ (configured in pyproject.toml's [tool.mypy])
 typecheck: install

@@ -265,7 +265,8 @@ def _parse_key(args: argparse.Namespace) -> bytes:
             return bytes.fromhex(args.key)
         except ValueError:
             raise SystemExit(f"kvtierctl explain: {args.key!r} is not hex") from None
-    return args.key.encode()
+    key: str = args.key
+    return key.encode()
 
 
 def cmd_explain(args: argparse.Namespace) -> int:

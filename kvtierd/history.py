@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtierd.contract import BlockKey
@@ -71,7 +72,7 @@ class RemovalLog:
         """What the remembered keys count against ``max_bytes``."""
         return self._key_bytes + KEY_OVERHEAD_BYTES * len(self._records)
 
-    def record(self, keys: tuple[BlockKey, ...] | list[BlockKey], tier: str, what: str) -> None:
+    def record(self, keys: Sequence[BlockKey], tier: str, what: str) -> None:
         """Appends one record to each key (dropping its oldest beyond ``per_key``) and
         makes the keys the most recent; forgets the least recent keys beyond ``max_keys``
         or ``max_bytes``.

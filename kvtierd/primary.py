@@ -121,7 +121,7 @@ class PrimaryManager:
         self,
         num_blocks: int,
         policy: str = "lru",
-        on_event: Callable[[BlockEvent], None] | None = None,
+        on_event: Callable[[BlockEvent], object] | None = None,
     ) -> None:
         """``on_event`` receives every :class:`BlockEvent` synchronously; it must not
         raise (it runs in the middle of ``prepare_store``, see there)."""

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from kvtierd import __version__
+from kvtierd import __version__, wire
 from kvtierd.contract import BlockEvent
 from kvtierd.errors import (
     InvalidArgument,
@@ -142,7 +142,7 @@ class KVTierService(pb2_grpc.KVTierServicer):
         if self._client_certificates and tls_peer_name(context) is not None:
             return
         for key, value in context.invocation_metadata() or ():
-            if key == "authorization" and value.startswith("Bearer "):
+            if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
                 offered = value[len("Bearer ") :].encode()
                 if any(hmac.compare_digest(offered, token) for token in self._tokens):
                     return
@@ -378,7 +378,7 @@ class KVTierService(pb2_grpc.KVTierServicer):
         check_keys([request.key], 1, field="key")
         report = self._pools.get(request.pool).explain(request.key)
         return pb2.ExplainResponse(
-            primary=int(report.primary),
+            primary=wire.lookup_result(report.primary),
             ref_count=report.ref_count or 0,
             tiers=[
                 pb2.TierPresence(tier=name, present=bool(present), known=present is not None)
@@ -400,8 +400,9 @@ class KVTierService(pb2_grpc.KVTierServicer):
 def _lookup(session: Session, keys: list[bytes], request: Any) -> pb2.LookupResponse:
     if request.pin:
         results, block_ids = session.pool.lookup_and_pin(session.id, keys, prefix=request.prefix)
-        return pb2.LookupResponse(results=results, block_ids=block_ids)
-    return pb2.LookupResponse(results=session.pool.lookup(keys, prefix=request.prefix))
+        return pb2.LookupResponse(results=wire.lookup_results(results), block_ids=block_ids)
+    results = session.pool.lookup(keys, prefix=request.prefix)
+    return pb2.LookupResponse(results=wire.lookup_results(results))
 
 
 def _touch(session: Session, keys: list[bytes], request: Any) -> pb2.TouchResponse:
@@ -457,7 +458,11 @@ def _pool_spec_message(spec: PoolSpec) -> pb2.PoolSpec:
 
 def _event_message(seq: int, event: BlockEvent) -> pb2.Event:
     return pb2.Event(
-        seq=seq, keys=event.keys, medium=int(event.medium), removed=event.removed, tier=event.tier
+        seq=seq,
+        keys=event.keys,
+        medium=wire.medium(event.medium),
+        removed=event.removed,
+        tier=event.tier,
     )
 
 
@@ -475,7 +480,12 @@ def pool_stats_message(stats: PoolStatistics) -> pb2.PoolStats:
         region_path=stats.region_path,
         last_event_seq=stats.last_event_seq,
         tiers=[
-            pb2.TierStats(tier=view.name, medium=int(view.medium), **view.wire_numbers())
+            pb2.TierStats(
+                tier=view.name,
+                medium=wire.medium(view.medium),
+                # ints all; the stub types `ready` bool, which protobuf sets from 0 / 1 too
+                **view.wire_numbers(),  # type: ignore[arg-type]
+            )
             for view in tier_views(stats)
         ],
     )

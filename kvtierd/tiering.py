@@ -132,7 +132,7 @@ class Tiering:
         pool_name: str,
         manager: PrimaryManager,
         history: RemovalLog | None = None,
-        on_event: Callable[[BlockEvent], None] | None = None,
+        on_event: Callable[[BlockEvent], object] | None = None,
         *,
         hold_seconds: float = 0.0,
         clock: Callable[[], float] = time.monotonic,

@@ -35,14 +35,24 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import Protocol, overload
 
 from kvtierd.contract import BlockKey
 
 RefCount = Callable[[BlockKey], int]
 """``ref_count(key)`` -> the manager's current ref count of a *resident* key."""
 
-RowOf = Callable[[BlockKey], "int | None"]
-"""``row_of(key)`` -> the row of a resident key, ``None`` if it is not resident."""
+
+class RowOf(Protocol):
+    """``row_of(key)`` -> the row of a resident key, ``None`` if it is not resident;
+    ``row_of(key, default)`` -> ``default`` instead of ``None`` (``dict.get``'s
+    signature: the LRU maps its lookups in C with a default row)."""
+
+    @overload
+    def __call__(self, key: BlockKey, /) -> int | None: ...
+    @overload
+    def __call__(self, key: BlockKey, default: int, /) -> int: ...
+
 
 KeyOf = Callable[[int], "BlockKey | None"]
 """``key_of(row)`` -> the key mapped to ``row`` (``None`` for a free row)."""

@@ -134,7 +134,9 @@ class ServerTls:
             initial = self._current
         return grpc.dynamic_ssl_server_credentials(
             initial,
-            self.fetcher(),
+            # The stub wants a fetcher that never returns None; gRPC documents None as
+            # "no change" (grpc.dynamic_ssl_server_credentials), which fetcher() relies on.
+            self.fetcher(),  # type: ignore[arg-type]
             require_client_authentication=self.requires_client_certificates,
         )
 

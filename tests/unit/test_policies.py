@@ -26,8 +26,8 @@ def key(i: int) -> bytes:
     return keys([i])[0]
 
 
-def no_row(k: bytes) -> int | None:
-    return None
+def no_row(k: bytes, default: int | None = None) -> int | None:
+    return default  # a RowOf: dict.get's signature
 
 
 def no_key(row: int) -> bytes | None:

@@ -18,6 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -76,11 +77,11 @@ def fsck(
     for entry in entries:
         if entry.is_symlink():
             if _POOL_DIR_NAME.search(entry.name):
-                checker.bad_link(entry.path, lambda e=entry: os.unlink(e.path))
+                checker.bad_link(entry.path, functools.partial(os.unlink, entry.path))
         elif entry.is_dir(follow_symlinks=False):
             checker.pool_dir(entry.path)
         elif _POOL_DIR_NAME.search(entry.name):  # a FIFO, file... where a pool dir belongs
-            checker.not_a_pool_dir(entry, lambda e=entry: os.unlink(e.path))
+            checker.not_a_pool_dir(entry, functools.partial(os.unlink, entry.path))
     return checker.report
 
 
@@ -99,7 +100,7 @@ class _Checker:
         self._progress = progress
         self._buffer = memoryview(bytearray(CHUNK_BYTES))
 
-    def bad_link(self, path: str, unlink: Callable[[], None]) -> None:
+    def bad_link(self, path: str, unlink: Callable[[], None] | None) -> None:
         self._bad(path, "a symlink, not a directory: not followed", unlink)
 
     def not_a_pool_dir(self, entry: os.DirEntry[str], unlink: Callable[[], None]) -> None:

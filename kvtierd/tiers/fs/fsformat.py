@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import re
 import struct
 from dataclasses import dataclass
@@ -149,7 +150,7 @@ def encode_header(
     return (fields + checksum).ljust(HEADER_SIZE, b"\0")
 
 
-def decode_header(buf: bytes | bytearray | memoryview) -> Header:
+def decode_header(buf: bytes | bytearray | memoryview | mmap.mmap) -> Header:
     """Decodes and self-verifies a header; CorruptBlock(reason) on any mismatch.
 
     Checks: length, magic, version, header checksum, header length, key length.

@@ -80,7 +80,7 @@ class WorkerDied(OSError):
 # -- wire ---------------------------------------------------------------------------------
 
 
-def send_message(sock: socket.socket, obj: object) -> None:
+def send_message(sock: socket.socket, obj: tuple[Any, ...] | list[Any]) -> None:
     data = marshal.dumps(obj)
     sock.sendall(_LENGTH.pack(len(data)) + data)
 
@@ -345,7 +345,7 @@ class WorkerProcess:
         try:
             with self.locks[channel]:
                 send_message(self.socks[channel], request)
-                replies = receive_message(self.socks[channel])
+                replies: list[Reply] = receive_message(self.socks[channel])
         except (OSError, EOFError, ValueError, TypeError) as exc:  # gone, or garbled
             self.broken = True
             code = self.process.poll()

@@ -67,7 +67,7 @@ def _load_openat2() -> Callable[..., int] | None:
     except (OSError, AttributeError):
         return None
     syscall.restype = ctypes.c_long
-    return syscall  # type: ignore[no-any-return]
+    return syscall
 
 
 _syscall = _load_openat2()
@@ -238,7 +238,7 @@ class PoolDir:
                 raise ValueError(
                     f"{self.full(rel)} is {st.st_size} bytes, more than the {limit_bytes} expected"
                 )
-            chunks = []
+            chunks: list[bytes] = []
             while len(data := os.read(fd, limit_bytes + 1 - sum(map(len, chunks)))) > 0:
                 chunks.append(data)
                 if sum(map(len, chunks)) > limit_bytes:
