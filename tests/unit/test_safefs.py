@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,12 +16,15 @@ from kvtierd.tiers.fs.safefs import PoolDir, UnexpectedEntry
 
 
 @pytest.fixture(params=["openat2", "walk"])
-def resolve(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def resolve(request: pytest.FixtureRequest) -> Iterator[str]:
     if request.param == "walk":
-        monkeypatch.setattr(safefs, "_have_openat2", False)  # as without openat2
-    elif not safefs._have_openat2:
+        with safefs.walk_only():  # as without openat2
+            assert not safefs.uses_openat2()
+            yield request.param
+        return
+    if not safefs.uses_openat2():
         pytest.skip("this kernel has no openat2")
-    return request.param
+    yield request.param
 
 
 @pytest.fixture

@@ -75,6 +75,26 @@ _have_openat2 = _syscall is not None  # False for good after ENOSYS, EPERM, EINV
 _NO_OPENAT2 = (errno.ENOSYS, errno.EPERM, errno.EINVAL, errno.E2BIG)  # kernel or seccomp
 
 
+def uses_openat2() -> bool:
+    """Whether opens below a pool directory go through one ``openat2`` (True) or
+    the component-by-component walk (False: no usable openat2 on this kernel)."""
+    return _have_openat2 and _syscall is not None
+
+
+@contextlib.contextmanager
+def walk_only() -> Iterator[None]:
+    """Within the block, opens take the component-by-component walk, as on a kernel
+    without openat2 (what the module switches to by itself after ENOSYS or EPERM);
+    the previous mode comes back after it. Single-threaded use (tests, tools)."""
+    global _have_openat2
+    before = _have_openat2
+    _have_openat2 = False
+    try:
+        yield
+    finally:
+        _have_openat2 = before
+
+
 def _open_beneath(dir_fd: int, rel: str, flags: int) -> int | None:
     """``rel`` below ``dir_fd`` opened in one ``openat2`` that follows no symlink;
     None when that is unavailable or failed (the caller walks the components to
