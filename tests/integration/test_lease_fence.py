@@ -91,6 +91,33 @@ def test_a_planted_beacon_is_refused(tmp_path):
         LeaseBeaconReader(str(path))
 
 
+def test_a_sweep_while_a_beacon_is_being_created_keeps_it(tmp_path, monkeypatch):
+    """Another process's sweep can run between a new beacon file's creation and its
+    flock (an owner descheduled on a loaded host): it must not take the file for
+    an orphan. Here the sweep runs in exactly that window."""
+    import fcntl
+
+    from kvtierd_client import lease_beacon
+
+    real_flock, sweeping = fcntl.flock, []
+
+    def flock_after_a_sweep(fd: int, operation: int) -> None:
+        if not sweeping:  # the owner's flock; the sweep's own flock passes through
+            sweeping.append(True)
+            lease_beacon.sweep_orphans(str(tmp_path))
+            sweeping.clear()
+        real_flock(fd, operation)
+
+    monkeypatch.setattr(lease_beacon.fcntl, "flock", flock_after_a_sweep)
+    beacon = lease_beacon.LeaseBeacon(str(tmp_path))
+    monkeypatch.undo()
+    try:
+        assert os.path.exists(beacon.path), "a beacon being created was swept"
+        assert lease_beacon.sweep_orphans(str(tmp_path)) == 0  # locked: a live owner's
+    finally:
+        beacon.close()
+
+
 def test_beacons_of_killed_owners_are_swept_live_ones_kept(tmp_path):
     """A beacon's owner holds its flock for life: a SIGKILLed owner's file is
     removed by the next beacon made in that directory; a live owner's is not."""
