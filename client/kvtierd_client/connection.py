@@ -33,13 +33,19 @@ log = logging.getLogger("kvtierd_client")
 DEFAULT_TIMEOUT = 5.0
 """Seconds each call may take before it fails with ``DeadlineExceeded``."""
 
+MIN_CONNECT_TIMEOUT_MS = 20_000  # gRPC's default; see DEFAULT_CHANNEL_OPTIONS
+
 DEFAULT_CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.enable_http_proxy", 0),  # a local daemon is never behind $http_proxy
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.max_send_message_length", 64 << 20),
     ("grpc.initial_reconnect_backoff_ms", 100),  # reconnect quickly after a daemon restart
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    # Not a backoff: gRPC's time limit for one connection attempt (connect, TLS and
+    # HTTP/2 handshakes). At 100 ms a daemon descheduled that long on a loaded host
+    # failed a new connection's first call with UNAVAILABLE; the call's deadline
+    # bounds the wait anyway.
+    ("grpc.min_reconnect_backoff_ms", MIN_CONNECT_TIMEOUT_MS),
 )
 """gRPC channel arguments used when ``channel_options`` is not given (it replaces them)."""
 

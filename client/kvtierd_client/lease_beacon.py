@@ -20,7 +20,8 @@ what it knows of its lease, and a worker reads it before each copy:
 
 Layout: one page, the proof as a native ``double`` at offset 0 (one aligned
 8-byte store: readers never see half of it). The file is created 0600 with
-``O_EXCL`` in a private temp name and unlinked by its owner on close; readers
+``O_EXCL`` in a private temp name, flocked before it is sized (a sweep leaves
+short files alone) and unlinked by its owner on close; readers
 open it with ``O_NOFOLLOW | O_NONBLOCK`` and refuse anything that is not a
 regular file of their own user.
 """
@@ -62,12 +63,8 @@ class LeaseBeacon:
             "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         )
         sweep_orphans(directory)
-        fd, self.path = tempfile.mkstemp(prefix=_PREFIX, dir=directory)
+        fd, self.path = _create_locked(directory)
         try:
-            # held for the beacon's life: the kernel drops it when this process
-            # dies however it dies, which tells a later sweep the file is orphaned
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.ftruncate(fd, _SIZE)
             self._map: mmap.mmap | None = mmap.mmap(fd, _SIZE)
         except BaseException:
             os.close(fd)
@@ -105,6 +102,28 @@ class LeaseBeacon:
         self._unlink()
 
 
+def _create_locked(directory: str) -> tuple[int, str]:
+    """A new beacon file in ``directory``, flocked before it is sized: another
+    process's sweep treats a file shorter than a page as one being created (it
+    took every unlocked file for an orphan: a sweep between a new file's
+    creation and its flock removed a live owner's file)."""
+    fd, path = tempfile.mkstemp(prefix=_PREFIX, dir=directory)
+    try:
+        _lock_and_size(fd)
+    except BaseException:
+        os.close(fd)
+        _unlink_quietly(path)
+        raise
+    return fd, path
+
+
+def _lock_and_size(fd: int) -> None:
+    # held for the beacon's life: the kernel drops it when this process dies
+    # however it dies, which tells a later sweep the file is orphaned
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.ftruncate(fd, _SIZE)  # after the lock: a full-size file is a locked one
+
+
 def _unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)
@@ -136,6 +155,8 @@ def sweep_orphans(directory: str) -> int:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
                 continue
+            if st.st_size < _SIZE:
+                continue  # being created (sized only once locked): not an orphan yet
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -38,10 +38,17 @@ def test_a_silent_owner_is_proven_alive_by_the_copier_until_it_expires(daemon, p
         )
         beacon = owner.lease_beacon()
         fence = LeaseFence(copier, owner.lease_ms)
-        eventually(
-            lambda: LeaseBeaconReader(beacon.path).proven_until() < time.monotonic(),
-            5, "the owner's proof lapsed",
-        )  # fmt: skip
+
+        def lapsed_while_the_daemon_holds_the_lease() -> bool:
+            # The owner's proof lapses a lease after its last call was sent; the
+            # daemon expires the session a lease after that call arrived, a few ms
+            # and up to one 100 ms tick later: a loaded host missed that window. So
+            # the copier renews the lease meanwhile (not through the owner: its
+            # proof still lapses), and the fence still has to prove it again below.
+            copier.renew_lease(owner.session_id)
+            return LeaseBeaconReader(beacon.path).proven_until() < time.monotonic()
+
+        eventually(lapsed_while_the_daemon_holds_the_lease, 5, "the owner's proof lapsed")
         # the copier renews the owner's lease itself (the session id is its capability)
         assert fence.state(beacon.path, owner.session_id) is LeaseState.PROVEN
         assert not owner.closed and owner.lookup([b"k"]) is not None
@@ -89,6 +96,33 @@ def test_a_planted_beacon_is_refused(tmp_path):
     os.mkfifo(path)
     with pytest.raises(PermissionError, match="not a lease beacon"):
         LeaseBeaconReader(str(path))
+
+
+def test_a_sweep_while_a_beacon_is_being_created_keeps_it(tmp_path, monkeypatch):
+    """Another process's sweep can run between a new beacon file's creation and its
+    flock (an owner descheduled on a loaded host): it must not take the file for
+    an orphan. Here the sweep runs in exactly that window."""
+    import fcntl
+
+    from kvtierd_client import lease_beacon
+
+    real_flock, sweeping = fcntl.flock, []
+
+    def flock_after_a_sweep(fd: int, operation: int) -> None:
+        if not sweeping:  # the owner's flock; the sweep's own flock passes through
+            sweeping.append(True)
+            lease_beacon.sweep_orphans(str(tmp_path))
+            sweeping.clear()
+        real_flock(fd, operation)
+
+    monkeypatch.setattr(lease_beacon.fcntl, "flock", flock_after_a_sweep)
+    beacon = lease_beacon.LeaseBeacon(str(tmp_path))
+    monkeypatch.undo()
+    try:
+        assert os.path.exists(beacon.path), "a beacon being created was swept"
+        assert lease_beacon.sweep_orphans(str(tmp_path)) == 0  # locked: a live owner's
+    finally:
+        beacon.close()
 
 
 def test_beacons_of_killed_owners_are_swept_live_ones_kept(tmp_path):

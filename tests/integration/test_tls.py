@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,6 +168,23 @@ def test_bad_tls_configuration_refuses_the_start(tmp_path, ca, flags, key):
         assert key in daemon.log()
     finally:
         daemon.cleanup()
+
+
+def test_a_new_connection_waits_out_a_slow_handshake(start_tls_daemon, ca):
+    """A daemon that answers a new connection's handshake late (descheduled on a
+    loaded host; stopped here for 0.3 s) still serves that connection's first
+    call: the client's connection attempt is not cut at 100 ms (it was, through
+    ``grpc.min_reconnect_backoff_ms``, and the call failed with Unavailable)."""
+    served = start_tls_daemon(ca.issue("kvtierd", **SERVER_SANS))
+    pid = served.daemon.proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    resume = threading.Timer(0.3, os.kill, (pid, signal.SIGCONT))
+    resume.start()
+    try:
+        assert _reaches(served, TlsOptions(ca.cert_pem))
+    finally:
+        resume.join()
+        os.kill(pid, signal.SIGCONT)
 
 
 # ----------------------------------------------------------------- SIGHUP
