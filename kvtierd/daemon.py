@@ -27,9 +27,11 @@ import grpc
 from kvtierd.config import Config, ConfigError, read_tokens
 from kvtierd.metrics import Metrics, serve_metrics
 from kvtierd.pools import PoolTable
+from kvtierd.region import is_region_file_name
 from kvtierd.sdnotify import notify, watchdog_interval
 from kvtierd.security.reload import credential_reloader
 from kvtierd.security.tls import ServerTls, TlsFiles
+from kvtierd.security.trusted_dirs import UntrustedPath, require_own_entries, require_trusted_dir
 from kvtierd.server import add_listeners, build_server, remove_unix_sockets, set_health
 from kvtierd.service import KVTierService
 from kvtierd.sessions import SessionTable
@@ -225,9 +227,15 @@ _STALL_CREDITED_AFTER = 0.25
 
 
 def _check_shm_dir(path: str) -> None:
-    """Creates and removes a probe file: permission bits alone lie for root."""
+    """The daemon's own (``security.trusted_dirs``), no symlink at a region file's
+    name; then creates and removes a probe file: permission bits alone lie for root."""
     if not os.path.isdir(path):
         raise ConfigError("memory.shm_dir", f"{path} is not a directory")
+    try:
+        require_trusted_dir(path)
+        require_own_entries(path, is_region_file_name)
+    except UntrustedPath as exc:
+        raise ConfigError("memory.shm_dir", str(exc)) from None
     try:
         probe = tempfile.NamedTemporaryFile(dir=path, prefix=".kvtierd-probe-")  # noqa: SIM115
         probe.close()

@@ -85,6 +85,11 @@ def region_file_name(pool_name: str) -> str:
     return f"kvtierd-{safe}-{digest}.region"
 
 
+def is_region_file_name(name: str) -> bool:
+    """Whether ``name`` has the shape of :func:`region_file_name` (any pool)."""
+    return name.startswith("kvtierd-") and name.endswith(".region")
+
+
 class RegionError(Exception):
     """A region file could not be created."""
 
