@@ -179,6 +179,8 @@ class KVTierService(pb2_grpc.KVTierServicer):
                 path=pool.region.path,
                 num_blocks=pool.spec.num_blocks,
                 block_bytes=pool.spec.block_bytes,
+                st_dev=pool.region.identity()[0],  # the client maps only this very file
+                st_ino=pool.region.identity()[1],
             ),
             lease_ms=self._sessions.lease_ms,
             pool=_pool_spec_message(pool.spec),
