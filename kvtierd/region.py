@@ -214,6 +214,13 @@ class Region:
     def closed(self) -> bool:
         return self._mmap is None
 
+    def fileno(self) -> int:
+        """The daemon's own descriptor (it holds the liveness flock: never hand it
+        out; ``security.region_access`` opens a new one from it)."""
+        if self._fd < 0:
+            raise ValueError(f"region {self.path} is closed")
+        return self._fd
+
     def identity(self) -> tuple[int, int]:
         """``(st_dev, st_ino)`` of the region file (I/O workers check it when they map it)."""
         return self._inode

@@ -285,10 +285,30 @@ def announced_identity(region: Any) -> tuple[int, int] | None:
     return int(region.st_dev), int(region.st_ino)
 
 
-def attach_announced(region: Any, *, populate: bool = True) -> AttachedRegion:
+def attach_announced(
+    region: Any, *, populate: bool = True, session_id: str | None = None
+) -> AttachedRegion:
     """:meth:`AttachedRegion.attach` of the ``pb2.Region`` OpenSession returned
     (``session.region``): its path and geometry, and the file must be the one the
-    daemon created (RegionIdentityError otherwise)."""
+    daemon created (RegionIdentityError otherwise).
+
+    With ``session_id`` and a daemon that offers region descriptors
+    (``region.fd_socket``), the descriptor comes from the daemon over the Unix
+    socket (:mod:`kvtierd_client.region_fd`; RegionAccessDenied when this
+    process may not map the pool), not from the path.
+    """
+    fd_socket = getattr(region, "fd_socket", "")
+    if session_id and fd_socket:
+        from kvtierd_client.region_fd import request_region_fd
+
+        return AttachedRegion.attach_fd(
+            request_region_fd(fd_socket, session_id),
+            region.path,
+            int(region.num_blocks),
+            int(region.block_bytes),
+            populate=populate,
+            identity=announced_identity(region),
+        )
     return AttachedRegion.attach(
         region.path,
         int(region.num_blocks),

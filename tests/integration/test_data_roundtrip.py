@@ -24,7 +24,8 @@ def kv_tensors(seed: int) -> list[torch.Tensor]:
 
 
 def attach(session) -> AttachedRegion:
-    return attach_announced(session.region)  # path, geometry and identity checked
+    # the descriptor the daemon passes; geometry and identity checked
+    return attach_announced(session.region, session_id=session.session_id)
 
 
 def test_two_sessions_share_bytes_per_rank(daemon, pool_name):

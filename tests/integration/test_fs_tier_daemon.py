@@ -62,7 +62,10 @@ class Engine:
         self.session: Session = self.client.open_session(
             pool, block_bytes=BLOCK, num_blocks=num_blocks, layout=layout
         )
-        self.region: AttachedRegion = attach_announced(self.session.region)
+        # through the region descriptor the daemon passes (SCM_RIGHTS), identity checked
+        self.region: AttachedRegion = attach_announced(
+            self.session.region, session_id=self.session.session_id
+        )
         self.stub = daemon.stub()
 
     def store(self, keys: list[bytes], *, retry_for: float = 0.0) -> None:
