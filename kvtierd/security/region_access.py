@@ -41,6 +41,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from kvtierd import filekind
+from kvtierd.config import ConfigError
 from kvtierd.errors import SessionNotFound
 
 log = logging.getLogger("kvtierd.security.region_access")
@@ -133,9 +135,9 @@ class RegionFdServer:
         self._stopping = threading.Event()
 
     def start(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            if _is_socket(self.path):
-                os.unlink(self.path)  # a crashed daemon's
+        """Binds and starts answering. Raises ConfigError (exit 2) when something
+        other than a socket sits at the path (never followed, left untouched)."""
+        _clear_stale_socket(self.path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         sock.bind(self.path)
         os.chmod(self.path, 0o660)
@@ -225,5 +227,18 @@ def _read_line(conn: socket.socket) -> bytes:
     return data.split(b"\n", 1)[0]
 
 
-def _is_socket(path: str) -> bool:
-    return stat.S_ISSOCK(os.lstat(path).st_mode)
+def _clear_stale_socket(path: str) -> None:
+    """Removes a socket file at ``path`` (a crashed daemon's: the listen socket
+    next to it was just bound by this daemon); refuses anything else."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ConfigError(
+            "server.listen",
+            f"{path} (where the region descriptor socket of the first unix listen socket "
+            f"goes) is {filekind.describe(path, st.st_mode)}, not a socket; remove it",
+        )
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)

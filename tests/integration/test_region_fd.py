@@ -9,12 +9,16 @@ real second local user (as root; skipped otherwise).
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
-from daemon_harness import start_daemon
+from daemon_harness import daemon_command, start_daemon, write_config
 from local_users import LocalUser, other_user
 
+from kvtierd.security.region_access import socket_path_for
 from kvtierd_client.client import Client
 from kvtierd_client.region import AttachedRegion, attach_announced
 from kvtierd_client.region_fd import RegionAccessDenied, request_region_fd
@@ -94,3 +98,23 @@ def test_another_uid_on_the_socket_cannot_map_the_pool(other_user: LocalUser, po
         assert daemon.stop() == 0, daemon.log()
     finally:
         daemon.cleanup()
+
+
+def test_a_symlink_planted_at_the_descriptor_socket_path_refuses_the_start(tmp_path):
+    workdir = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")  # short: sun_path is 108 bytes
+    try:
+        listen = os.path.join(workdir, "k.sock")
+        target = tmp_path / "elsewhere"
+        target.write_bytes(b"keep")
+        os.symlink(target, socket_path_for(listen))
+        result = subprocess.run(
+            daemon_command("--config", write_config(workdir, ""), "--listen", f"unix://{listen}",
+                           "--shm-dir", workdir, "--metrics-address", ""),
+            capture_output=True, text=True, timeout=60,
+            env={**os.environ, "STATE_DIRECTORY": workdir},
+        )  # fmt: skip
+        assert result.returncode == 2, result
+        assert "server.listen" in result.stderr and "symlink" in result.stderr, result.stderr
+        assert target.read_bytes() == b"keep"
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
