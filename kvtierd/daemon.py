@@ -27,9 +27,12 @@ import grpc
 from kvtierd.config import Config, ConfigError, read_tokens
 from kvtierd.metrics import Metrics, serve_metrics
 from kvtierd.pools import PoolTable
+from kvtierd.region import is_region_file_name
 from kvtierd.sdnotify import notify, watchdog_interval
+from kvtierd.security import region_access
 from kvtierd.security.reload import credential_reloader
 from kvtierd.security.tls import ServerTls, TlsFiles
+from kvtierd.security.trusted_dirs import UntrustedPath, require_own_entries, require_trusted_dir
 from kvtierd.server import add_listeners, build_server, remove_unix_sockets, set_health
 from kvtierd.service import KVTierService
 from kvtierd.sessions import SessionTable
@@ -87,6 +90,7 @@ class Daemon:
         self._supervisor: asyncio.Task[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self._sockets: list[str] = []  # unix socket files this daemon created
+        self._region_fds: region_access.RegionFdServer | None = None
 
     async def start(self) -> None:
         _check_shm_dir(self.config.memory.shm_dir)
@@ -96,6 +100,8 @@ class Daemon:
         await set_health(self._health, serving=False)
         tls = self.tls.server_credentials if self.tls is not None else None
         add_listeners(server, self.config.server.listen, self.gid, self._sockets, tls)
+        self._region_fds = region_access.serve_next_to(self._sockets, self.sessions, self.gid)
+        self.service.region_fd_socket = self._region_fds.path if self._region_fds else ""
         await server.start()
         self._server = server
         self._supervisor = asyncio.create_task(self._supervise_forever(), name="kvtierd-supervisor")
@@ -141,6 +147,8 @@ class Daemon:
         for tier in self.tiers:
             tier.shutdown()  # joins the I/O threads: nothing touches a region after this
         await self.pools.close_all(wait_for_creations=self.config.server.shutdown_grace)
+        if self._region_fds is not None:
+            self._region_fds.close()
         remove_unix_sockets(self._sockets)
         if self._metrics_server is not None:
             self._metrics_server.close()
@@ -225,9 +233,15 @@ _STALL_CREDITED_AFTER = 0.25
 
 
 def _check_shm_dir(path: str) -> None:
-    """Creates and removes a probe file: permission bits alone lie for root."""
+    """The daemon's own (``security.trusted_dirs``), no symlink at a region file's
+    name; then creates and removes a probe file: permission bits alone lie for root."""
     if not os.path.isdir(path):
         raise ConfigError("memory.shm_dir", f"{path} is not a directory")
+    try:
+        require_trusted_dir(path)
+        require_own_entries(path, is_region_file_name)
+    except UntrustedPath as exc:
+        raise ConfigError("memory.shm_dir", str(exc)) from None
     try:
         probe = tempfile.NamedTemporaryFile(dir=path, prefix=".kvtierd-probe-")  # noqa: SIM115
         probe.close()

@@ -85,6 +85,11 @@ def region_file_name(pool_name: str) -> str:
     return f"kvtierd-{safe}-{digest}.region"
 
 
+def is_region_file_name(name: str) -> bool:
+    """Whether ``name`` has the shape of :func:`region_file_name` (any pool)."""
+    return name.startswith("kvtierd-") and name.endswith(".region")
+
+
 class RegionError(Exception):
     """A region file could not be created."""
 
@@ -208,6 +213,13 @@ class Region:
     @property
     def closed(self) -> bool:
         return self._mmap is None
+
+    def fileno(self) -> int:
+        """The daemon's own descriptor (it holds the liveness flock: never hand it
+        out; ``security.region_access`` opens a new one from it)."""
+        if self._fd < 0:
+            raise ValueError(f"region {self.path} is closed")
+        return self._fd
 
     def identity(self) -> tuple[int, int]:
         """``(st_dev, st_ino)`` of the region file (I/O workers check it when they map it)."""

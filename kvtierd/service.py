@@ -117,6 +117,7 @@ class KVTierService(pb2_grpc.KVTierServicer):
         self._started = time.monotonic()
         self.watches = WatchStreams(max_watch_streams, watch_write_timeout)
         self.shutting_down = False
+        self.region_fd_socket = ""  # set by the daemon: security.region_access
         # (method, status code name, seconds) per handled call; set by the daemon
         self.observe_rpc: Callable[[str, str, float], None] | None = None
 
@@ -180,6 +181,9 @@ class KVTierService(pb2_grpc.KVTierServicer):
                 path=pool.region.path,
                 num_blocks=pool.spec.num_blocks,
                 block_bytes=pool.spec.block_bytes,
+                st_dev=pool.region.identity()[0],  # the client maps only this very file
+                st_ino=pool.region.identity()[1],
+                fd_socket=self.region_fd_socket,  # "" until the daemon serves descriptors
             ),
             lease_ms=self._sessions.lease_ms,
             pool=_pool_spec_message(pool.spec),

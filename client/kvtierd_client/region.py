@@ -1,9 +1,12 @@
 """Attach to a pool's shared-memory region (the worker side).
 
 Ownership: the daemon creates the region file, sizes it, allocates it and is
-the only process that unlinks it (``kvtierd.region``). A worker learns the path
-and geometry from OpenSession's ``region`` and *attaches*: it maps the existing
-file read/write and never creates, resizes or unlinks it. Closing an
+the only process that unlinks it (``kvtierd.region``). A worker learns the path,
+geometry and identity (``st_dev``, ``st_ino``) from OpenSession's ``region`` and
+*attaches* (:func:`attach_announced`): it maps the existing file read/write only
+if the file it opened is the one the daemon created (the daemon keeps that file
+open for the region's life, so no other file can share its identity), and never
+creates, resizes or unlinks it. Closing an
 :class:`AttachedRegion` unmaps it; the file stays for the daemon and the other
 workers.
 
@@ -62,13 +65,17 @@ class AttachedRegion:
         block_bytes: int,
         *,
         populate: bool = True,
+        identity: tuple[int, int] | None = None,
     ) -> AttachedRegion:
         """Maps ``num_blocks * block_bytes`` bytes of the existing region file ``path``.
 
         ``populate`` maps every page up front (MADV_POPULATE_WRITE, or reading one
         byte per page on kernels without it) so that copies do not page-fault.
+        ``identity`` (``(st_dev, st_ino)`` the daemon announced, see
+        :func:`attach_announced`): the file opened must be that very file.
 
         Raises:
+            RegionIdentityError: the file at ``path`` is not ``identity`` (replaced).
             ValueError: bad geometry, or the file is smaller than the geometry
                 (the daemon creates and sizes region files; this is not one of
                 them, or not this pool's).
@@ -80,10 +87,41 @@ class AttachedRegion:
                 f"region {path}: num_blocks and block_bytes must be >= 1, "
                 f"got {num_blocks} and {block_bytes}"
             )
+        return cls.attach_fd(
+            os.open(path, os.O_RDWR | os.O_CLOEXEC),
+            path,
+            num_blocks,
+            block_bytes,
+            populate=populate,
+            identity=identity,
+        )
+
+    @classmethod
+    def attach_fd(
+        cls,
+        fd: int,
+        path: str,
+        num_blocks: int,
+        block_bytes: int,
+        *,
+        populate: bool = True,
+        identity: tuple[int, int] | None = None,
+    ) -> AttachedRegion:
+        """:meth:`attach` of the open region descriptor ``fd`` (read/write; from the
+        daemon over SCM_RIGHTS, or opened by path), which this call closes;
+        ``path`` names it in messages. Raises as :meth:`attach` does."""
+        if num_blocks < 1 or block_bytes < 1:
+            os.close(fd)
+            raise ValueError(
+                f"region {path}: num_blocks and block_bytes must be >= 1, "
+                f"got {num_blocks} and {block_bytes}"
+            )
         size = num_blocks * block_bytes
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         try:
-            file_size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if identity is not None:
+                check_identity(path, st, identity)  # checked on the fd that gets mapped
+            file_size = st.st_size
             if file_size < size:
                 raise ValueError(
                     f"region file {path} has {file_size} bytes but {num_blocks} blocks x "
@@ -219,6 +257,65 @@ class AttachedRegion:
         if self._mmap is None:
             raise ValueError(f"region {self.path} is closed")
         return self._mmap
+
+
+class RegionIdentityError(ValueError):
+    """The file at a region's path is not the file the daemon created (its device
+    and inode differ from those OpenSession announced): someone replaced it."""
+
+
+def check_identity(path: str, st: os.stat_result, identity: tuple[int, int]) -> None:
+    """Raises RegionIdentityError unless ``st`` (an fstat of the file opened at
+    ``path``) has the ``(st_dev, st_ino)`` the daemon announced."""
+    found = (st.st_dev, st.st_ino)
+    if found != tuple(identity):
+        raise RegionIdentityError(
+            f"region file {path} is not the region the daemon created: it is device "
+            f"{found[0]} inode {found[1]}, the daemon announced device {identity[0]} inode "
+            f"{identity[1]}; another process replaced it (check who may write "
+            "memory.shm_dir). Refusing to map it"
+        )
+
+
+def announced_identity(region: Any) -> tuple[int, int] | None:
+    """``(st_dev, st_ino)`` of a ``pb2.Region`` from OpenSession; None when the
+    daemon predates region identities (both 0)."""
+    if not region.st_dev and not region.st_ino:
+        return None
+    return int(region.st_dev), int(region.st_ino)
+
+
+def attach_announced(
+    region: Any, *, populate: bool = True, session_id: str | None = None
+) -> AttachedRegion:
+    """:meth:`AttachedRegion.attach` of the ``pb2.Region`` OpenSession returned
+    (``session.region``): its path and geometry, and the file must be the one the
+    daemon created (RegionIdentityError otherwise).
+
+    With ``session_id`` and a daemon that offers region descriptors
+    (``region.fd_socket``), the descriptor comes from the daemon over the Unix
+    socket (:mod:`kvtierd_client.region_fd`; RegionAccessDenied when this
+    process may not map the pool), not from the path.
+    """
+    fd_socket = getattr(region, "fd_socket", "")
+    if session_id and fd_socket:
+        from kvtierd_client.region_fd import request_region_fd
+
+        return AttachedRegion.attach_fd(
+            request_region_fd(fd_socket, session_id),
+            region.path,
+            int(region.num_blocks),
+            int(region.block_bytes),
+            populate=populate,
+            identity=announced_identity(region),
+        )
+    return AttachedRegion.attach(
+        region.path,
+        int(region.num_blocks),
+        int(region.block_bytes),
+        populate=populate,
+        identity=announced_identity(region),
+    )
 
 
 def _populate(mapping: mmap.mmap) -> None:

@@ -7,7 +7,7 @@ import torch
 
 from kvtierd_client.client import Client, LookupResult
 from kvtierd_client.copy_engine import CopyEngine
-from kvtierd_client.region import AttachedRegion
+from kvtierd_client.region import AttachedRegion, attach_announced
 
 PAGE = 8192  # per rank: two KV tensors of 4096 bytes per block
 RANKS = 2
@@ -24,8 +24,8 @@ def kv_tensors(seed: int) -> list[torch.Tensor]:
 
 
 def attach(session) -> AttachedRegion:
-    region = session.region
-    return AttachedRegion.attach(region.path, region.num_blocks, region.block_bytes)
+    # the descriptor the daemon passes; geometry and identity checked
+    return attach_announced(session.region, session_id=session.session_id)
 
 
 def test_two_sessions_share_bytes_per_rank(daemon, pool_name):

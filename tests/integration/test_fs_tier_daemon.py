@@ -30,7 +30,7 @@ from kvtierd.tiers.fs import fsformat
 from kvtierd_client.client import Client, LookupResult, Session
 from kvtierd_client.errors import FailedPrecondition
 from kvtierd_client.proto import pb2
-from kvtierd_client.region import AttachedRegion
+from kvtierd_client.region import AttachedRegion, attach_announced
 
 BLOCK = 65536
 FILE_BYTES = fsformat.HEADER_SIZE + BLOCK
@@ -62,8 +62,10 @@ class Engine:
         self.session: Session = self.client.open_session(
             pool, block_bytes=BLOCK, num_blocks=num_blocks, layout=layout
         )
-        region = self.session.region
-        self.region = AttachedRegion.attach(region.path, region.num_blocks, region.block_bytes)
+        # through the region descriptor the daemon passes (SCM_RIGHTS), identity checked
+        self.region: AttachedRegion = attach_announced(
+            self.session.region, session_id=self.session.session_id
+        )
         self.stub = daemon.stub()
 
     def store(self, keys: list[bytes], *, retry_for: float = 0.0) -> None:

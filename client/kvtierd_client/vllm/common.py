@@ -26,6 +26,7 @@ from kvtierd_client.errors import (
     KvtierError,
     Unavailable,
 )
+from kvtierd_client.region import announced_identity
 from kvtierd_client.vllm.settings import PluginSettings, PoolPlan
 
 log = logging.getLogger("kvtierd_client.vllm")
@@ -43,15 +44,17 @@ class RegionIdentity:
 
     @classmethod
     def of_session(cls, session: Session) -> RegionIdentity:
-        """The identity of ``session``'s region, read from the file system now.
+        """The identity of ``session``'s region: the one the daemon announced
+        (read from the file system now when the daemon is older and announced none).
 
         Raises OSError when the file is gone (the daemon that created it stopped).
         """
         st = os.stat(session.region.path)
+        device, inode = announced_identity(session.region) or (st.st_dev, st.st_ino)
         return cls(
             path=session.region.path,
-            device=st.st_dev,
-            inode=st.st_ino,
+            device=device,
+            inode=inode,
             num_blocks=int(session.region.num_blocks),
             block_bytes=int(session.region.block_bytes),
         )

@@ -380,7 +380,12 @@ def _attach_exactly(identity: RegionIdentity) -> AttachedRegion:
     file at that path is that very file (same device and inode)."""
     if not identity.still_current():
         raise FileNotFoundError(f"region {identity.path} is gone or was replaced")
-    region = AttachedRegion.attach(identity.path, identity.num_blocks, identity.block_bytes)
+    region = AttachedRegion.attach(
+        identity.path,
+        identity.num_blocks,
+        identity.block_bytes,
+        identity=(identity.device, identity.inode),  # checked on the fd it maps
+    )
     if not identity.still_current():
         region.close()
         raise FileNotFoundError(f"region {identity.path} was replaced while attaching")

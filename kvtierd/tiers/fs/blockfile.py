@@ -32,6 +32,7 @@ from collections.abc import Sequence
 
 from kvtierd.tiers.fs import fsformat
 from kvtierd.tiers.fs.fsformat import HEADER_SIZE, CorruptBlock
+from kvtierd.tiers.fs.permissions import FILE_MODE
 from kvtierd.tiers.fs.safefs import REGULAR, Identity, PoolDir, UnexpectedEntry
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -103,7 +104,7 @@ def _write_and_rename(
     fsync: bool,
 ) -> None:
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (O_DIRECT if o_direct else 0)
-    fd = os.open(temp_name, flags, 0o644, dir_fd=dir_fd)
+    fd = os.open(temp_name, flags, FILE_MODE, dir_fd=dir_fd)
     try:
         try:
             write_all(fd, buffers)

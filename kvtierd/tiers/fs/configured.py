@@ -19,8 +19,10 @@ import logging
 import os
 import tempfile
 
+from kvtierd.security.trusted_dirs import UntrustedPath
 from kvtierd.tiers.base import JobCallback
 from kvtierd.tiers.configured import ConfiguredTier, PoolBinding, TierCheckError
+from kvtierd.tiers.fs import permissions
 from kvtierd.tiers.fs.index import DiskBudget
 from kvtierd.tiers.fs.iopool import IoPool
 from kvtierd.tiers.fs.ioworker import IoWorkers
@@ -51,8 +53,9 @@ class ConfiguredFsTier(ConfiguredTier):
         self._workers: IoWorkers | None = None  # started with the first pool (if any)
 
     def check(self) -> None:
-        """Raises TierRootError unless the root exists (or may be created) and this
-        process can create files in it (a real probe: permission bits lie for root)."""
+        """Raises TierRootError unless the root exists (or may be created), is the
+        daemon's own with nothing planted below it (``permissions.check_root``) and
+        this process can create files in it (a real probe: permission bits lie for root)."""
         root = self.settings.root
         if not os.path.isdir(root):
             if os.path.exists(root):
@@ -69,6 +72,10 @@ class ConfiguredFsTier(ConfiguredTier):
                     f"fs tier {self.name}: cannot create root directory {root}: "
                     f"{exc.strerror or exc}"
                 ) from None
+        try:
+            permissions.check_root(root)  # ours, no symlinked or foreign pool directory
+        except UntrustedPath as exc:
+            raise TierRootError(f"fs tier {self.name}: {exc}") from None
         try:
             probe = tempfile.NamedTemporaryFile(dir=root, prefix=".kvtierd-probe-")  # noqa: SIM115
             probe.close()

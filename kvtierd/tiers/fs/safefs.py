@@ -38,10 +38,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kvtierd.filekind import DIRECTORY, REGULAR, kind_of
+from kvtierd.tiers.fs.permissions import DIR_MODE, FILE_MODE  # nothing for others
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 FILE_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
-DIR_MODE = 0o777  # new directories: as os.makedirs makes them (the umask applies)
 
 Identity = tuple[int, int]  # (st_dev, st_ino)
 
@@ -270,8 +270,8 @@ class PoolDir:
     def write_new(self, name: str, data: bytes, temp_name: str) -> None:
         """Writes ``data`` as ``name`` in the pool directory itself: a new temp file
         (``O_EXCL``), then a rename over ``name``. The temp file is removed on failure."""
-        fd = os.open(temp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644,
-                     dir_fd=self.fd)  # fmt: skip
+        fd = os.open(temp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                     FILE_MODE, dir_fd=self.fd)  # fmt: skip
         try:
             try:
                 view = memoryview(data)

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvtierd.contract import BlockKey
-from kvtierd.tiers.fs import blockfile, safefs
+from kvtierd.tiers.fs import blockfile, permissions, safefs
 from kvtierd.tiers.fs.blockfile import CorruptFile
 from kvtierd.tiers.fs.fsformat import BLOCK_SUFFIX, TEMP_SUFFIX, CorruptBlock
 from kvtierd.tiers.fs.index import BlockIndex, TierFull
@@ -51,6 +51,7 @@ class ScanReport:
     removed_corrupt: int = 0
     removed_temp: int = 0
     bad_entries: int = 0  # not regular files where block files belong (kept if directories)
+    tightened: int = 0  # block files whose mode gave others access (now 0640 or tighter)
     seconds: float = 0.0
 
 
@@ -158,6 +159,7 @@ class IndexScan:
             fd, st = safefs.open_regular_entry(entry, path)
             identity = safefs.identity_of(st)
             try:
+                self.report.tightened += permissions.tighten(fd, st)  # an older daemon's 0644
                 header = blockfile.check_header(
                     fd, st, entry.rel, self._fingerprint, self._block_bytes
                 )
@@ -204,8 +206,9 @@ class IndexScan:
         report = self.report
         log.info(
             "FS tier %s: index of %s ready: %d blocks, %d bytes, %d corrupt and %d temp files "
-            "removed, %d bad entries (not regular files), %.2fs",
+            "removed, %d bad entries (not regular files), %d modes tightened, %.2fs",
             self.tier_name, self.pool_dir, stats.blocks, stats.used_bytes,
-            report.removed_corrupt, report.removed_temp, report.bad_entries, seconds,
+            report.removed_corrupt, report.removed_temp, report.bad_entries, report.tightened,
+            seconds,
         )  # fmt: skip
         self._on_ready()

@@ -18,8 +18,9 @@ import os
 import secrets
 import time
 
+from kvtierd.security.trusted_dirs import UntrustedPath
 from kvtierd.tiers.configured import TierStartError
-from kvtierd.tiers.fs import blockfile
+from kvtierd.tiers.fs import blockfile, permissions
 from kvtierd.tiers.fs.fsformat import POOL_FILE, POOL_FILE_MAX_BYTES, TEMP_SUFFIX, PoolIdentity
 from kvtierd.tiers.fs.safefs import PoolDir, UnexpectedEntry
 
@@ -39,9 +40,10 @@ class PoolMismatchError(FsTierError):
 
 def prepare_root(tier_name: str, root: str, pool_dir: str) -> None:
     """Creates the root (if missing) and the pool directory below it (never
-    through a symlink); FsTierError naming the path when either is unusable."""
+    through a symlink, mode 0750, ours: ``permissions``); FsTierError naming the
+    path when either is unusable."""
     try:
-        os.makedirs(root, exist_ok=True)
+        os.makedirs(root, mode=permissions.DIR_MODE, exist_ok=True)
     except OSError as exc:
         raise FsTierError(
             f"FS tier {tier_name}: root directory {root} does not exist and cannot be "
@@ -50,7 +52,10 @@ def prepare_root(tier_name: str, root: str, pool_dir: str) -> None:
     if not os.access(root, os.W_OK | os.X_OK):
         raise FsTierError(f"FS tier {tier_name}: root directory {root} is not writable")
     try:
-        PoolDir(pool_dir, create=True).close()
+        with PoolDir(pool_dir, create=True) as pool:
+            permissions.claim_pool_dir(pool.fd, pool_dir)
+    except UntrustedPath as exc:  # another user created it first (a sticky root)
+        raise FsTierError(f"FS tier {tier_name}: {exc}") from None
     except UnexpectedEntry as exc:  # planted: a symlink would lead out of the root
         log.warning("FS tier %s: %s: not followed; refusing the pool", tier_name, exc)
         raise FsTierError(

@@ -1,0 +1,120 @@
+"""Region descriptors over SCM_RIGHTS to authorized peers only (issue #18, item 2).
+
+The daemon announces its descriptor socket in ``Region.fd_socket``; a peer
+asks with its session id and gets the region's descriptor only if its uid/gid
+(``SO_PEERCRED``) may map the session's pool. Real daemon, real sockets, a
+real second local user (as root; skipped otherwise).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+from daemon_harness import daemon_command, start_daemon, write_config
+from local_users import LocalUser, other_user
+
+from kvtierd.security.region_access import socket_path_for
+from kvtierd_client.client import Client
+from kvtierd_client.region import AttachedRegion, attach_announced
+from kvtierd_client.region_fd import RegionAccessDenied, request_region_fd
+
+__all__ = ["other_user"]  # the fixture, imported for these tests
+
+BLOCK = 4096
+BLOCKS = 4
+
+# stdlib only: the throw-away user cannot run the test venv
+ASK_FOR_FD = """
+import array, socket, sys
+sock = socket.socket(socket.AF_UNIX)
+sock.connect(sys.argv[1])
+sock.sendall(("MAP " + sys.argv[2] + "\\n").encode())
+msg, anc, _, _ = sock.recvmsg(256, socket.CMSG_SPACE(4))
+fds = [fd for level, kind, data in anc for fd in array.array("i", data)]
+print(len(fds), msg.decode().strip())
+"""
+
+
+def test_owner_maps_the_region_through_the_descriptor_the_daemon_passes(daemon, pool_name):
+    with Client(daemon.address) as client:
+        session = client.open_session(pool_name, block_bytes=BLOCK, num_blocks=BLOCKS)
+        region = session.region
+        assert region.fd_socket.endswith(".regions")
+        with attach_announced(region, session_id=session.session_id) as by_fd:
+            by_fd.numpy()[1][:6] = memoryview(b"fd-way")
+            with AttachedRegion.attach(region.path, BLOCKS, BLOCK) as by_path:
+                assert bytes(by_path.numpy()[1][:6]) == b"fd-way"  # the very same file
+        session.close()
+
+
+def test_a_swapped_path_does_not_matter_to_the_descriptor_way(daemon, pool_name):
+    with Client(daemon.address) as client:
+        session = client.open_session(pool_name, block_bytes=BLOCK, num_blocks=BLOCKS)
+        path = Path(session.region.path)
+        aside = path.with_name(path.name + ".aside")
+        os.rename(path, aside)
+        try:
+            path.write_bytes(b"\xee" * (BLOCK * BLOCKS))  # the attacker's file at the path
+            with attach_announced(session.region, session_id=session.session_id) as attached:
+                assert bytes(attached.numpy()[0][:4]) != b"\xee" * 4
+        finally:
+            os.replace(aside, path)
+        session.close()
+
+
+def test_unknown_session_gets_no_descriptor(daemon, pool_name):
+    with Client(daemon.address) as client:
+        session = client.open_session(pool_name, block_bytes=BLOCK, num_blocks=BLOCKS)
+        with pytest.raises(RegionAccessDenied, match="unknown, closed or expired session"):
+            request_region_fd(session.region.fd_socket, "0" * 32)
+        session.close()
+
+
+def test_another_uid_on_the_socket_cannot_map_the_pool(other_user: LocalUser, pool_name):
+    daemon = start_daemon()
+    try:
+        with Client(daemon.address) as client:
+            session = client.open_session(pool_name, block_bytes=BLOCK, num_blocks=BLOCKS)
+            fd_socket = session.region.fd_socket
+            # let the throw-away user reach the socket, as a misconfigured group would
+            os.chmod(daemon.workdir, 0o711)
+            os.chmod(fd_socket, 0o666)
+            result = other_user.run_python(ASK_FOR_FD, fd_socket, session.session_id)
+            assert result.returncode == 0, result
+            count, _, answer = result.stdout.strip().partition(" ")
+            assert count == "0", result.stdout
+            assert "permission denied" in answer and f"uid {other_user.uid}" in answer, answer
+            assert pool_name in answer
+            opened = other_user.run_python(
+                "open(__import__('sys').argv[1], 'rb')", session.region.path
+            )
+            assert "PermissionError" in opened.stderr, opened  # nor by path
+            session.close()
+        assert daemon.stop() == 0, daemon.log()
+    finally:
+        daemon.cleanup()
+
+
+def test_a_symlink_planted_at_the_descriptor_socket_path_refuses_the_start(tmp_path):
+    workdir = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")  # short: sun_path is 108 bytes
+    try:
+        listen = os.path.join(workdir, "k.sock")
+        target = tmp_path / "elsewhere"
+        target.write_bytes(b"keep")
+        os.symlink(target, socket_path_for(listen))
+        result = subprocess.run(
+            daemon_command("--config", write_config(workdir, ""), "--listen", f"unix://{listen}",
+                           "--shm-dir", workdir, "--metrics-address", ""),
+            capture_output=True, text=True, timeout=60,
+            env={**os.environ, "STATE_DIRECTORY": workdir},
+        )  # fmt: skip
+        assert result.returncode == 2, result
+        assert "server.listen" in result.stderr and "symlink" in result.stderr, result.stderr
+        assert target.read_bytes() == b"keep"
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
