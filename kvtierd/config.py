@@ -19,6 +19,8 @@ import tomllib
 
 from kvtierd.events import KEY_OVERHEAD_BYTES, MAX_EVENT_BYTES
 from kvtierd.history import KEY_OVERHEAD_BYTES as REMOVAL_OVERHEAD_BYTES
+from kvtierd.security.principals import Principal, PrincipalOptionError, parse_principals
+from kvtierd.security.tokens import TokensFileError, read_token_lines
 from kvtierd.tiers.settings import FsTierSettings, TierOptionError, parse_fs_settings
 from kvtierd.units import format_bytes, parse_duration, parse_size
 from kvtierd_client.address import default_socket_path
@@ -334,8 +336,8 @@ OPTIONS: tuple[Option, ...] = (
         "tokens_file",
         _abs_file_or_empty,
         lambda: "",
-        "file of bearer tokens (one per line) that TCP clients must present; "
-        "required when any listen address is TCP",
+        "file of bearer tokens that TCP clients must present, one per line: 'TOKEN' "
+        "(every pool) or 'TOKEN PRINCIPAL'; required when any listen address is TCP",
         flag="--tokens-file",
     ),
     Option(
@@ -392,6 +394,8 @@ class LimitsConfig:
 @dataclass(frozen=True, slots=True)
 class SecurityConfig:
     tokens_file: str  # "" = no tokens: TCP listeners are refused
+    # [[security.principals]]; () = no per-pool authorization (socket permissions decide)
+    principals: tuple[Principal, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -451,6 +455,7 @@ def load_config(
             values[option.section][option.key] = option.parse(raw) if found else option.default()
         except ValueError as exc:
             raise ConfigError(option.dotted, str(exc)) from None
+    values["security"]["principals"] = _principals(document)
     sections = {name: cls(**values[name]) for name, cls in _SECTION_TYPES.items()}
     if path:
         tiers = _parse_tiers(document.get("tiers", []))
@@ -472,22 +477,21 @@ def _check_cross_field(config: Config) -> None:
 
 
 def read_tokens(path: str) -> tuple[str, ...]:
-    """Tokens from ``path`` (one per line, '#' comments). The file must not be
-    readable by others, and must hold at least one token."""
+    """Tokens from ``path`` (lines "TOKEN" or "TOKEN PRINCIPAL", '#' comments),
+    without their principals (``kvtierd.security.tokens`` maps them). The file
+    must not be readable by others, and must hold at least one token."""
     try:
-        mode = os.stat(path).st_mode
-        with open(path, encoding="utf-8") as handle:
-            lines = handle.read().splitlines()
-    except OSError as exc:
-        raise ConfigError("security.tokens_file", f"cannot read {path}: {exc.strerror}") from None
-    if mode & 0o007:
-        raise ConfigError("security.tokens_file", f"{path} is accessible by others; chmod o-rwx")
-    tokens = tuple(t.strip() for t in lines if t.strip() and not t.lstrip().startswith("#"))
-    if not tokens or any(len(t) < 16 for t in tokens):
-        raise ConfigError(
-            "security.tokens_file", f"{path} must hold tokens of at least 16 characters"
-        )
-    return tokens
+        return tuple(line.token for line in read_token_lines(path))
+    except TokensFileError as exc:
+        raise ConfigError("security.tokens_file", str(exc)) from None
+
+
+def _principals(document: Mapping[str, Any]) -> tuple[Principal, ...]:
+    section = document.get("security", {})
+    try:
+        return parse_principals(section.get("principals", []))
+    except PrincipalOptionError as exc:
+        raise ConfigError(f"security.{exc.key}", exc.message) from None
 
 
 def _read_toml(path: str) -> dict[str, Any]:
@@ -500,6 +504,10 @@ def _read_toml(path: str) -> dict[str, Any]:
         raise ConfigError("--config", f"{path} is not valid TOML: {exc}") from None
 
 
+# keys holding arrays of tables, parsed by their own module
+_TABLE_ARRAYS = {("security", "principals")}
+
+
 def _reject_unknown(document: Mapping[str, Any]) -> None:
     known = {(o.section, o.key) for o in OPTIONS}
     for section, body in document.items():
@@ -510,7 +518,7 @@ def _reject_unknown(document: Mapping[str, Any]) -> None:
         if not isinstance(body, dict):
             raise ConfigError(section, "must be a table")
         for key in body:
-            if (section, key) not in known:
+            if (section, key) not in known and (section, key) not in _TABLE_ARRAYS:
                 names = sorted(o.key for o in OPTIONS if o.section == section)
                 raise ConfigError(f"{section}.{key}", f"unknown key; known: {', '.join(names)}")
 
