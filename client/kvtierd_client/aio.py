@@ -49,12 +49,12 @@ from kvtierd_client.client import (
     _Op,
     _SessionState,
     after_keepalive,
-    auth_metadata,
     client_closed_error,
     keepalive_deadline,
     keepalive_interval,
     log,
 )
+from kvtierd_client.credentials import CallCredentials
 from kvtierd_client.errors import KvtierError, NotFound, from_rpc_error
 from kvtierd_client.proto import pb2, pb2_grpc
 
@@ -81,7 +81,7 @@ class AsyncClient:
         self.address: str = address or default_address()
         self.target: str = to_grpc_target(self.address)
         self.timeout = timeout
-        self._metadata = auth_metadata(token)
+        self._credentials = CallCredentials(self.address, token, timeout, tickets=stub is None)
         self._channel: grpc.aio.Channel | None = None
         if stub is None:
             self._channel = grpc.aio.insecure_channel(self.target, options=list(channel_options))
@@ -102,7 +102,7 @@ class AsyncClient:
         method = getattr(self._stub, op.rpc)
         deadline = self.timeout if timeout is None else timeout
         try:
-            response = await method(request, timeout=deadline, metadata=self._metadata)
+            response = await self._credentials.call_async(method, request, deadline)
         except grpc.RpcError as err:
             raise from_rpc_error(err, self.address) from err
         except grpc.aio.UsageError as err:  # the channel was closed under the call
@@ -161,7 +161,8 @@ class AsyncClient:
         if self._closed:
             raise client_closed_error(self.address)
         request = WATCH_EVENTS.request(pool, after_seq)
-        call = self._stub.WatchEvents(request, timeout=timeout, metadata=self._metadata)
+        metadata = self._credentials.metadata
+        call = self._stub.WatchEvents(request, timeout=timeout, metadata=metadata)
         return AsyncEventStream(call, self)
 
     async def close(self) -> None:
@@ -177,6 +178,7 @@ class AsyncClient:
         self._closed = True
         if self._channel is not None:
             await self._channel.close()
+        self._credentials.close()
 
     @property
     def closed(self) -> bool:

@@ -34,6 +34,7 @@ from typing import Any, Generic, TypeVar
 import grpc
 
 from kvtierd_client.address import default_address, to_grpc_target
+from kvtierd_client.credentials import CallCredentials
 from kvtierd_client.errors import (
     Internal,
     InvalidArgument,
@@ -416,6 +417,8 @@ class Client:
     replaces ``DEFAULT_CHANNEL_OPTIONS``. ``token``: sent as
     ``authorization: Bearer <token>`` on every call. ``stub``: use this object
     instead of a ``KVTierStub`` over a new channel (tests inject fakes here).
+    Over a Unix socket of a daemon with principals, the client proves its
+    process's uid with a peer ticket (``kvtierd_client.credentials``).
 
     Raises ``ValueError`` for a malformed address. Connecting is lazy: an
     unreachable daemon shows up as ``Unavailable`` on the first call.
@@ -433,7 +436,7 @@ class Client:
         self.address: str = address or default_address()
         self.target: str = to_grpc_target(self.address)
         self.timeout = timeout
-        self._metadata = auth_metadata(token)
+        self._credentials = CallCredentials(self.address, token, timeout, tickets=stub is None)
         self._channel: grpc.Channel | None = None
         if stub is None:
             self._channel = grpc.insecure_channel(self.target, options=list(channel_options))
@@ -453,7 +456,7 @@ class Client:
         method = getattr(self._stub, op.rpc)
         deadline = self.timeout if timeout is None else timeout
         try:
-            response = method(request, timeout=deadline, metadata=self._metadata)
+            response = self._credentials.call(method, request, deadline)
         except grpc.RpcError as err:
             raise from_rpc_error(err, self.address) from err
         except ValueError as err:  # grpc: "Cannot invoke RPC on closed channel!"
@@ -559,7 +562,8 @@ class Client:
             raise client_closed_error(self.address)
         request = WATCH_EVENTS.request(pool, after_seq)
         try:
-            call = self._stub.WatchEvents(request, timeout=timeout, metadata=self._metadata)
+            metadata = self._credentials.metadata
+            call = self._stub.WatchEvents(request, timeout=timeout, metadata=metadata)
         except grpc.RpcError as err:
             raise from_rpc_error(err, self.address) from err
         return EventStream(call, self)
@@ -579,6 +583,7 @@ class Client:
         self._closed = True
         if self._channel is not None:
             self._channel.close()
+        self._credentials.close()
 
     @property
     def closed(self) -> bool:
