@@ -23,14 +23,23 @@ import time
 
 import grpc
 
-from kvtierd.config import Config, ConfigError, read_tokens
+from kvtierd.config import Config, ConfigError
 from kvtierd.metrics import Metrics, serve_metrics
 from kvtierd.pools import PoolTable
 from kvtierd.sdnotify import notify, watchdog_interval
-from kvtierd.server import add_listeners, build_server, remove_unix_sockets, set_health
+from kvtierd.security.state import SecurityState
+from kvtierd.security.tokens import TokensFileError
+from kvtierd.server import (
+    add_listeners,
+    bind_unix_socket,
+    build_server,
+    remove_unix_sockets,
+    set_health,
+)
 from kvtierd.service import KVTierService
 from kvtierd.sessions import SessionTable
 from kvtierd.tiers.configured import ConfiguredFsTier, TierRootError
+from kvtierd_client.peer_ticket import ticket_socket_path
 
 log = logging.getLogger("kvtierd.daemon")
 
@@ -50,7 +59,7 @@ class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.gid = resolve_group(config.server.socket_group)
-        tokens = read_tokens(config.security.tokens_file) if config.security.tokens_file else ()
+        self.security = build_security(config)
         self.tiers = [ConfiguredFsTier(tier.name, tier.settings) for tier in config.tiers]
         self.pools = PoolTable(config.memory, config.limits, self.gid, self.tiers)
         self.sessions = SessionTable(
@@ -62,13 +71,16 @@ class Daemon:
             self.pools,
             self.sessions,
             max_keys_per_call=config.limits.max_keys_per_call,
-            tokens=tokens,
+            security=self.security,
             max_watch_streams=config.limits.max_watch_streams,
             watch_write_timeout=config.limits.watch_write_timeout,
         )
         self.metrics = Metrics(self.pools, self.sessions)
         self.service.observe_rpc = self.metrics.observe_rpc
         self.pools.observe_job = self.metrics.observe_job
+        self.sessions.observe_session = self.security.session_event
+        if self.security.quotas:
+            self.pools.admit_pool = self.security.quotas.check
         self._metrics_server: asyncio.Server | None = None
         self._stop = asyncio.Event()
         self._server: grpc.aio.Server | None = None
@@ -80,9 +92,10 @@ class Daemon:
         _check_shm_dir(self.config.memory.shm_dir)
         self._check_tier_roots()
         await self._start_metrics()
-        server, self._health = build_server(self.service, self.config.limits)
+        server, self._health = build_server(self.service, self.config.limits, self.security)
         await set_health(self._health, serving=False)
         add_listeners(server, self.config.server.listen, self.gid, self._sockets)
+        self._serve_tickets()
         await server.start()
         self._server = server
         self._supervisor = asyncio.create_task(self._supervise_forever(), name="kvtierd-supervisor")
@@ -119,6 +132,7 @@ class Daemon:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         self.sessions.close_all("closed by daemon shutdown")
+        await self.security.tickets.close()
         await self._drain_tiers()
         for tier in self.tiers:
             tier.shutdown()  # joins the I/O threads: nothing touches a region after this
@@ -127,6 +141,16 @@ class Daemon:
         if self._metrics_server is not None:
             self._metrics_server.close()
         log.info("shutdown complete")
+
+    def _serve_tickets(self) -> None:
+        """With principals, a ticket socket next to each Unix socket: how local
+        clients prove their uid (``kvtierd.security.tickets``)."""
+        if not self.security.restricted:
+            return
+        for path in list(self._sockets):
+            tickets = ticket_socket_path(path)
+            self.security.tickets.serve(bind_unix_socket(tickets, self.gid))
+            self._sockets.append(tickets)
 
     async def _start_metrics(self) -> None:
         address = self.config.server.metrics_address
@@ -205,6 +229,22 @@ class Daemon:
 # lease under 1 s the bound is a quarter of the lease).
 _SUPERVISOR_TICK = 0.1
 _STALL_CREDITED_AFTER = 0.25
+
+
+def build_security(config: Config) -> SecurityState:
+    """The security state of ``config``: its principals and its tokens file (read
+    now; an unusable one is a ConfigError, exit code 2)."""
+    security = config.security
+    try:
+        return SecurityState(
+            security.principals,
+            security.tokens_file,
+            max_ticket_holders=config.sessions.max_sessions,
+            # TCP clients present certificates (mTLS): issue #18 item 4 sets this key
+            client_certificates=bool(getattr(security, "tls_client_ca_file", "")),
+        )
+    except TokensFileError as exc:
+        raise ConfigError("security.tokens_file", str(exc)) from None
 
 
 def _check_shm_dir(path: str) -> None:

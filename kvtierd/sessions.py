@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from kvtierd.errors import ResourceExhausted, SessionNotFound
 from kvtierd.pool import Pool
+from kvtierd.security.access import session_not_owned
 
 log = logging.getLogger("kvtierd.sessions")
 
@@ -39,6 +40,7 @@ class Session:
     opened_at: float
     expires_at: float
     events_cursor: int  # last event seq this session has taken
+    principal: str = "*"  # who opened it; only this principal may use it (security)
 
 
 class SessionTable:
@@ -57,6 +59,8 @@ class SessionTable:
         self._max_sessions = max_sessions
         self._clock = clock
         self._sessions: dict[str, Session] = {}
+        # (event "opened" / "closed" / "expired", session, reason); set by the daemon (audit)
+        self.observe_session: Callable[[str, Session, str], None] | None = None
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -68,7 +72,7 @@ class SessionTable:
     def lease_ms(self) -> int:
         return int(self.lease_seconds * 1000)
 
-    def open(self, pool: Pool, client_name: str, peer: str) -> Session:
+    def open(self, pool: Pool, client_name: str, peer: str, principal: str = "*") -> Session:
         if len(self._sessions) >= self._max_sessions:
             raise ResourceExhausted(
                 f"{len(self._sessions)} sessions are open, the limit is {self._max_sessions} "
@@ -83,6 +87,7 @@ class SessionTable:
             opened_at=now,
             expires_at=now + self.lease_seconds,
             events_cursor=pool.events.last_seq,
+            principal=principal,
         )
         self._sessions[session.id] = session
         pool.attach(session.id)
@@ -90,15 +95,20 @@ class SessionTable:
             "session %s opened: pool %s, client %r, peer %s",
             session.id, pool.spec.name, client_name, peer,
         )  # fmt: skip
+        if self.observe_session is not None:
+            self.observe_session("opened", session, "")
         return session
 
-    def get(self, session_id: str) -> Session:
-        """The live session; renews its lease (a call is proof of life)."""
+    def get(self, session_id: str, principal: str | None = None) -> Session:
+        """The live session; renews its lease (a call is proof of life). With
+        ``principal``, a session another principal opened is refused
+        (``AccessDenied``) before its lease is touched."""
         session = self._sessions.get(session_id)
         if session is None:
             raise SessionNotFound(
                 f"session {session_id[:64]!r} is unknown, closed or expired; open a new session"
             )
+        _check_owner(session, principal)
         session.expires_at = self._clock() + self.lease_seconds
         return session
 
@@ -111,11 +121,16 @@ class SessionTable:
             session.expires_at += seconds
         self.stalls_credited += seconds
 
-    def close(self, session_id: str, reason: str = "closed by client") -> None:
-        session = self._sessions.pop(session_id, None)
+    def close(
+        self, session_id: str, reason: str = "closed by client", principal: str | None = None
+    ) -> None:
+        """Closes a live session; with ``principal``, as ``get`` refuses another's."""
+        session = self._sessions.get(session_id)
         if session is None:
             raise SessionNotFound(f"session {session_id[:64]!r} is unknown, closed or expired")
-        self._release(session, reason)
+        _check_owner(session, principal)
+        del self._sessions[session_id]
+        self._release(session, reason, "closed")
 
     def expire(self) -> int:
         """Closes every session whose lease ran out; returns how many."""
@@ -123,15 +138,17 @@ class SessionTable:
         expired = [s for s in self._sessions.values() if s.expires_at <= now]
         for session in expired:
             del self._sessions[session.id]
-            self._release(session, f"lease expired ({self.lease_seconds:g}s without a call)")
+            self._release(
+                session, f"lease expired ({self.lease_seconds:g}s without a call)", "expired"
+            )
         return len(expired)
 
     def close_all(self, reason: str) -> None:
         while self._sessions:
             _, session = self._sessions.popitem()
-            self._release(session, reason)
+            self._release(session, reason, "closed")
 
-    def _release(self, session: Session, reason: str) -> None:
+    def _release(self, session: Session, reason: str, event: str) -> None:
         quarantine_until = self._clock() + self.write_quarantine
         pins, reservations = session.pool.release_session(session.id, quarantine_until)
         log.info(
@@ -139,3 +156,11 @@ class SessionTable:
             session.id, session.client_name, session.pool.spec.name, reason, pins,
             reservations,
         )  # fmt: skip
+        if self.observe_session is not None:
+            self.observe_session(event, session, reason)
+
+
+def _check_owner(session: Session, principal: str | None) -> None:
+    """Raises ``AccessDenied`` when ``principal`` (None: no check) did not open ``session``."""
+    if principal is not None and principal != session.principal:
+        raise session_not_owned(session.id, session.pool.spec.name, session.principal, principal)
