@@ -79,6 +79,7 @@ class Daemon:
         self.service.observe_rpc = self.metrics.observe_rpc
         self.pools.observe_job = self.metrics.observe_job
         self.sessions.observe_session = self.security.session_event
+        self.security.observe_refused = self.metrics.observe_rpc
         if self.security.quotas:
             self.pools.admit_pool = self.security.quotas.check
         self._metrics_server: asyncio.Server | None = None

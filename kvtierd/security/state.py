@@ -26,7 +26,7 @@ Event-loop only (grpc.aio asks the gates for a handler on the loop too).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -97,6 +97,9 @@ class SecurityState:
             max_ticket_holders,
             on_refused=self._ticket_refused,
         )
+        # (method, status code name, seconds) per call a gate refused; set by the daemon
+        # (metrics count them with the calls the servicer answers)
+        self.observe_refused: Callable[[str, str, float], None] | None = None
 
     @property
     def restricted(self) -> bool:
@@ -190,7 +193,10 @@ class SecurityState:
         self.audit.session(event, session.id, session.principal, session.peer, pool, **extra)
 
     def _gate_refused(self, method: str, peer: str, message: str) -> None:
-        self.audit.denied(method.rpartition("/")[2], "UNAUTHENTICATED", "", peer, "", message)
+        name = method.rpartition("/")[2]
+        self.audit.denied(name, "UNAUTHENTICATED", "", peer, "", message)
+        if self.observe_refused is not None:
+            self.observe_refused(name, "UNAUTHENTICATED", 0.0)
 
     def _ticket_refused(self, peer: str, reason: str) -> None:
         self.audit.denied("peer-ticket", "PERMISSION_DENIED", "", peer, "", reason)

@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 import threading
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -336,11 +337,11 @@ def test_large_unauthenticated_requests_are_refused_unread(tmp_path):
     tokens = tmp_path / "tokens"
     tokens.write_text("rss-token-0123456789abcdef\n")
     os.chmod(tokens, 0o600)
-    address = f"127.0.0.1:{free_port()}"
+    address, metrics = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     config = principals_toml({"name": "admin", "uids": [0], "pools": ["*"]})
     daemon = start_daemon(
         "--tokens-file", str(tokens), "--listen", address, "--max-keys-per-call", "131072",
-        config=config,
+        "--metrics-address", metrics, config=config,
     )  # fmt: skip
     body = b"\x0a" * (60 << 20)
     options = [("grpc.max_send_message_length", -1)]
@@ -365,6 +366,9 @@ def test_large_unauthenticated_requests_are_refused_unread(tmp_path):
             assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 8, (target, codes)
         grown = peak_rss_bytes(daemon.proc.pid) - before
         assert grown < 64 << 20, f"peak RSS grew by {grown >> 20} MiB"
+        with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10) as response:
+            counted = response.read().decode()
+        assert 'kvtierd_rpc_requests_total{code="UNAUTHENTICATED",method="Lookup"} 16.0' in counted
         assert daemon.stop() == 0
     finally:
         daemon.cleanup()
