@@ -100,11 +100,13 @@ class PeerTicket:
 
     def alive(self) -> bool:
         """False once the daemon closed the connection (it stopped or restarted)."""
+        poller = select.poll()  # not select(): a busy process's fds pass FD_SETSIZE
         try:
-            readable, _, _ = select.select([self.connection], [], [], 0)
-        except (OSError, ValueError):
+            poller.register(self.connection, select.POLLIN)
+            events = poller.poll(0)
+        except (OSError, ValueError):  # closed
             return False
-        return not readable  # the daemon never writes after its answer: readable = EOF
+        return not events  # the daemon never writes after its answer: readable = EOF
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

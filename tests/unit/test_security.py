@@ -32,8 +32,10 @@ from kvtierd_client.peer_ticket import (
     TicketRefused,
     TicketSocketError,
     granted_line,
+    obtain_ticket,
     parse_answer,
     refused_line,
+    ticket_socket_path,
 )
 
 TEAM_A = {
@@ -288,3 +290,19 @@ def test_ticket_answers_round_trip():
     for garbage in (b"HTTP/1.1 400\n", b"KVTIER-TICKET/1 OK short team-a\n", b"\xff\n"):
         with pytest.raises(TicketSocketError):
             parse_answer(garbage)
+
+
+def test_a_ticket_socket_owned_by_another_user_is_not_used(tmp_path):
+    """Scenario: someone else's socket sits at PATH.tickets (it could hand out its
+    own ticket and make this process's calls its own): the client refuses it."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give the planted socket another owner")
+    daemon_socket = str(tmp_path / "kvtierd.sock")
+    with socket.socket(socket.AF_UNIX) as daemon, socket.socket(socket.AF_UNIX) as planted:
+        daemon.bind(daemon_socket)
+        planted.bind(ticket_socket_path(daemon_socket))
+        planted.listen()
+        os.chown(ticket_socket_path(daemon_socket), 4242, 4242)
+        with pytest.raises(TicketSocketError, match="owned by uid 4242"):
+            obtain_ticket(daemon_socket, timeout=1)
+    assert obtain_ticket(str(tmp_path / "absent.sock"), timeout=1) is None
