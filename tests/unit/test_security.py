@@ -26,6 +26,7 @@ from kvtierd.security.principals import (
     parse_principals,
 )
 from kvtierd.security.quotas import PoolQuotas
+from kvtierd.security.state import SecurityState
 from kvtierd.security.tokens import TokensFileError, read_token_lines
 from kvtierd_client.peer_ticket import (
     MAX_ANSWER_BYTES,
@@ -306,3 +307,24 @@ def test_a_ticket_socket_owned_by_another_user_is_not_used(tmp_path):
         with pytest.raises(TicketSocketError, match="owned by uid 4242"):
             obtain_ticket(daemon_socket, timeout=1)
     assert obtain_ticket(str(tmp_path / "absent.sock"), timeout=1) is None
+
+
+def test_reloading_tokens_swaps_the_authorizer_and_a_bad_file_keeps_the_old(tmp_path):
+    """Scenario: the tokens file changes; ``reload_tokens`` builds a new
+    Authorizer (the old object is untouched: a call holding it is unaffected);
+    a file that does not load raises and leaves the current one in place."""
+    principals = parse_principals([TEAM_A])
+    path = write_tokens(tmp_path, "old-0123456789abcdef team-a\n")
+    security = SecurityState(principals, path, max_ticket_holders=4)
+    before = security.authorizer
+    write_tokens(tmp_path, "new-0123456789abcdef team-a\n")
+    security.reload_tokens()
+    assert security.authorizer is not before
+    assert security.authorizer.for_token("new-0123456789abcdef") is principals[0]
+    assert security.authorizer.for_token("old-0123456789abcdef") is None
+    assert before.for_token("old-0123456789abcdef") is principals[0]
+    current = security.authorizer
+    write_tokens(tmp_path, "short\n")
+    with pytest.raises(TokensFileError):
+        security.reload_tokens()
+    assert security.authorizer is current
