@@ -21,8 +21,6 @@ import signal
 import tempfile
 import time
 
-import grpc
-
 from kvtierd.config import Config, ConfigError
 from kvtierd.metrics import Metrics, serve_metrics
 from kvtierd.pools import PoolTable
@@ -30,6 +28,7 @@ from kvtierd.sdnotify import notify, watchdog_interval
 from kvtierd.security.state import SecurityState
 from kvtierd.security.tokens import TokensFileError
 from kvtierd.server import (
+    TransportServers,
     add_listeners,
     bind_unix_socket,
     build_server,
@@ -84,7 +83,7 @@ class Daemon:
             self.pools.admit_pool = self.security.quotas.check
         self._metrics_server: asyncio.Server | None = None
         self._stop = asyncio.Event()
-        self._server: grpc.aio.Server | None = None
+        self._server: TransportServers | None = None
         self._supervisor: asyncio.Task[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self._sockets: list[str] = []  # unix socket files this daemon created
