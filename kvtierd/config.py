@@ -18,6 +18,8 @@ from typing import Any
 
 from kvtierd.events import KEY_OVERHEAD_BYTES, MAX_EVENT_BYTES
 from kvtierd.history import KEY_OVERHEAD_BYTES as REMOVAL_OVERHEAD_BYTES
+from kvtierd.security import config as security_config
+from kvtierd.security.config import SecurityConfig, SecurityOptionError
 from kvtierd.tiers import registry
 from kvtierd.tiers.configured import TierOptionError, TierSettings
 from kvtierd.units import format_bytes, parse_duration, parse_size
@@ -334,40 +336,9 @@ OPTIONS: tuple[Option, ...] = (
         "with OUT_OF_RANGE",
         flag="--watch-write-timeout",
     ),
-    Option(
-        "security",
-        "tokens_file",
-        _abs_file_or_empty,
-        lambda: "",
-        "file of bearer tokens (one per line) that TCP clients must present; "
-        "required when any listen address is TCP",
-        flag="--tokens-file",
-    ),
-    Option(
-        "security",
-        "tls_cert_file",
-        _abs_file_or_empty,
-        lambda: "",
-        "PEM certificate chain TCP listeners present; with tls_key_file, TCP serves TLS only "
-        "(re-read on SIGHUP)",
-        flag="--tls-cert-file",
-    ),
-    Option(
-        "security",
-        "tls_key_file",
-        _abs_file_or_empty,
-        lambda: "",
-        "PEM private key of tls_cert_file, not readable by others (re-read on SIGHUP)",
-        flag="--tls-key-file",
-    ),
-    Option(
-        "security",
-        "tls_client_ca_file",
-        _abs_file_or_empty,
-        lambda: "",
-        "PEM CA certificates: TCP clients must present a certificate one of them signed "
-        "(mTLS; its CN or a DNS SAN names the caller; re-read on SIGHUP)",
-        flag="--tls-client-ca-file",
+    *(
+        Option(security_config.SECTION, o.key, _abs_file_or_empty, lambda: "", o.help, flag=o.flag)
+        for o in security_config.FILE_OPTIONS
     ),
     Option(
         "log",
@@ -418,14 +389,6 @@ class LimitsConfig:
     max_watch_streams: int  # all pools together
     watch_write_timeout: float  # seconds
     promotion_hold: float  # seconds; 0 = no promotion holds
-
-
-@dataclass(frozen=True, slots=True)
-class SecurityConfig:
-    tokens_file: str  # "" = no tokens: TCP needs tls_client_ca_file, or is refused
-    tls_cert_file: str  # with tls_key_file: TCP listeners serve TLS only
-    tls_key_file: str
-    tls_client_ca_file: str  # "" = no client certificates (mTLS off); needs the two above
 
 
 @dataclass(frozen=True, slots=True)
@@ -486,6 +449,7 @@ def load_config(
             values[option.section][option.key] = option.parse(raw) if found else option.default()
         except ValueError as exc:
             raise ConfigError(option.dotted, str(exc)) from None
+    values["security"].update(_security_tables(document))
     sections = {name: cls(**values[name]) for name, cls in _SECTION_TYPES.items()}
     if path:
         tiers = _parse_tiers(document.get("tiers", []))
@@ -497,44 +461,18 @@ def load_config(
 
 
 def _check_cross_field(config: Config) -> None:
-    security = config.security
-    tcp = [a for a in config.server.listen if not a.startswith("unix://")]
-    if tcp and not (security.tokens_file or security.tls_client_ca_file):
-        raise ConfigError(
-            "server.listen",
-            f"TCP address {tcp[0]} needs security.tokens_file (bearer tokens for TCP clients) "
-            "or security.tls_client_ca_file (client certificates); "
-            "or listen on a unix:// socket only",
-        )
-    if bool(security.tls_cert_file) != bool(security.tls_key_file):
-        raise ConfigError(
-            "security.tls_cert_file" if not security.tls_cert_file else "security.tls_key_file",
-            "security.tls_cert_file and security.tls_key_file are set together (or neither)",
-        )
-    if security.tls_client_ca_file and not security.tls_cert_file:
-        raise ConfigError(
-            "security.tls_client_ca_file",
-            "client certificates need TLS: set security.tls_cert_file and security.tls_key_file",
-        )
-
-
-def read_tokens(path: str) -> tuple[str, ...]:
-    """Tokens from ``path`` (one per line, '#' comments). The file must not be
-    readable by others, and must hold at least one token."""
     try:
-        mode = os.stat(path).st_mode
-        with open(path, encoding="utf-8") as handle:
-            lines = handle.read().splitlines()
-    except OSError as exc:
-        raise ConfigError("security.tokens_file", f"cannot read {path}: {exc.strerror}") from None
-    if mode & 0o007:
-        raise ConfigError("security.tokens_file", f"{path} is accessible by others; chmod o-rwx")
-    tokens = tuple(t.strip() for t in lines if t.strip() and not t.lstrip().startswith("#"))
-    if not tokens or any(len(t) < 16 for t in tokens):
-        raise ConfigError(
-            "security.tokens_file", f"{path} must hold tokens of at least 16 characters"
-        )
-    return tokens
+        security_config.check_security(config.security, config.server.listen)
+    except SecurityOptionError as exc:
+        raise ConfigError(exc.key, exc.message) from None
+
+
+def _security_tables(document: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``[security]`` fields from arrays of tables (``[[security.principals]]``)."""
+    try:
+        return security_config.parse_security_tables(document.get("security", {}))
+    except SecurityOptionError as exc:
+        raise ConfigError(exc.key, exc.message) from None
 
 
 def _read_toml(path: str) -> dict[str, Any]:
@@ -547,6 +485,10 @@ def _read_toml(path: str) -> dict[str, Any]:
         raise ConfigError("--config", f"{path} is not valid TOML: {exc}") from None
 
 
+# keys holding arrays of tables, parsed by their own module
+_TABLE_ARRAYS = {(security_config.SECTION, key) for key in security_config.TABLE_ARRAYS}
+
+
 def _reject_unknown(document: Mapping[str, Any]) -> None:
     known = {(o.section, o.key) for o in OPTIONS}
     for section, body in document.items():
@@ -557,7 +499,7 @@ def _reject_unknown(document: Mapping[str, Any]) -> None:
         if not isinstance(body, dict):
             raise ConfigError(section, "must be a table")
         for key in body:
-            if (section, key) not in known:
+            if (section, key) not in known and (section, key) not in _TABLE_ARRAYS:
                 names = sorted(o.key for o in OPTIONS if o.section == section)
                 raise ConfigError(f"{section}.{key}", f"unknown key; known: {', '.join(names)}")
 

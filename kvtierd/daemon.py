@@ -22,22 +22,30 @@ import signal
 import tempfile
 import time
 
-import grpc
-
-from kvtierd.config import Config, ConfigError, read_tokens
+from kvtierd.config import Config, ConfigError
 from kvtierd.metrics import Metrics, serve_metrics
 from kvtierd.pools import PoolTable
 from kvtierd.region import is_region_file_name
 from kvtierd.sdnotify import notify, watchdog_interval
 from kvtierd.security import region_access
 from kvtierd.security.reload import credential_reloader
+from kvtierd.security.state import SecurityState
 from kvtierd.security.tls import ServerTls, TlsFiles
+from kvtierd.security.tokens import TokensFileError
 from kvtierd.security.trusted_dirs import UntrustedPath, require_own_entries, require_trusted_dir
-from kvtierd.server import add_listeners, build_server, remove_unix_sockets, set_health
+from kvtierd.server import (
+    TransportServers,
+    add_listeners,
+    bind_unix_socket,
+    build_server,
+    remove_unix_sockets,
+    set_health,
+)
 from kvtierd.service import KVTierService
 from kvtierd.sessions import SessionTable
 from kvtierd.tiers import registry
 from kvtierd.tiers.configured import ConfiguredTier, TierCheckError
+from kvtierd_client.peer_ticket import ticket_socket_path
 
 log = logging.getLogger("kvtierd.daemon")
 
@@ -57,7 +65,7 @@ class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.gid = resolve_group(config.server.socket_group)
-        tokens = read_tokens(config.security.tokens_file) if config.security.tokens_file else ()
+        self.security = build_security(config)
         tls_files = TlsFiles.from_config(config.security)
         self.tls = ServerTls(tls_files) if tls_files is not None else None  # None: plain TCP
         self.tiers: list[ConfiguredTier] = [
@@ -73,20 +81,25 @@ class Daemon:
             self.pools,
             self.sessions,
             max_keys_per_call=config.limits.max_keys_per_call,
-            tokens=tokens,
-            client_certificates=self.tls is not None and self.tls.requires_client_certificates,
+            security=self.security,
             max_watch_streams=config.limits.max_watch_streams,
             watch_write_timeout=config.limits.watch_write_timeout,
         )
+        # SIGHUP: the tokens go into the one token store, the security state's
+        # Authorizer (rebuilt and swapped whole), then the TLS files are re-read
         self.reloader = credential_reloader(
-            config.security.tokens_file, self.service.replace_tokens, self.tls
+            config.security.tokens_file, self.security.reload_tokens, self.tls
         )
         self.metrics = Metrics(self.pools, self.sessions)
         self.service.observe_rpc = self.metrics.observe_rpc
         self.pools.observe_job = self.metrics.observe_job
+        self.sessions.observe_session = self.security.session_event
+        self.security.observe_refused = self.metrics.observe_rpc
+        if self.security.quotas:
+            self.pools.admit_pool = self.security.quotas.check
         self._metrics_server: asyncio.Server | None = None
         self._stop = asyncio.Event()
-        self._server: grpc.aio.Server | None = None
+        self._server: TransportServers | None = None
         self._supervisor: asyncio.Task[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self._sockets: list[str] = []  # unix socket files this daemon created
@@ -96,10 +109,11 @@ class Daemon:
         _check_shm_dir(self.config.memory.shm_dir)
         self._check_tiers()
         await self._start_metrics()
-        server, self._health = build_server(self.service, self.config.limits)
+        server, self._health = build_server(self.service, self.config.limits, self.security)
         await set_health(self._health, serving=False)
         tls = self.tls.server_credentials if self.tls is not None else None
         add_listeners(server, self.config.server.listen, self.gid, self._sockets, tls)
+        self._serve_tickets()
         self._region_fds = region_access.serve_next_to(self._sockets, self.sessions, self.gid)
         self.service.region_fd_socket = self._region_fds.path if self._region_fds else ""
         await server.start()
@@ -143,6 +157,7 @@ class Daemon:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         self.sessions.close_all("closed by daemon shutdown")
+        await self.security.tickets.close()
         await self._drain_tiers()
         for tier in self.tiers:
             tier.shutdown()  # joins the I/O threads: nothing touches a region after this
@@ -153,6 +168,16 @@ class Daemon:
         if self._metrics_server is not None:
             self._metrics_server.close()
         log.info("shutdown complete")
+
+    def _serve_tickets(self) -> None:
+        """With principals, a ticket socket next to each Unix socket: how local
+        clients prove their uid (``kvtierd.security.tickets``)."""
+        if not self.security.restricted:
+            return
+        for path in list(self._sockets):
+            tickets = ticket_socket_path(path)
+            self.security.tickets.serve(bind_unix_socket(tickets, self.gid))
+            self._sockets.append(tickets)
 
     async def _start_metrics(self) -> None:
         address = self.config.server.metrics_address
@@ -230,6 +255,23 @@ class Daemon:
 # lease under 1 s the bound is a quarter of the lease).
 _SUPERVISOR_TICK = 0.1
 _STALL_CREDITED_AFTER = 0.25
+
+
+def build_security(config: Config) -> SecurityState:
+    """The security state of ``config``: its principals and its tokens file (read
+    now; an unusable one is a ConfigError, exit code 2)."""
+    security = config.security
+    try:
+        return SecurityState(
+            security.principals,
+            security.tokens_file,
+            max_ticket_holders=config.sessions.max_sessions,
+            # mTLS: the TCP transport verified every client's certificate, which
+            # names the caller (``identity.tls_peer_names``)
+            client_certificates=bool(security.tls_client_ca_file),
+        )
+    except TokensFileError as exc:
+        raise ConfigError("security.tokens_file", str(exc)) from None
 
 
 def _check_shm_dir(path: str) -> None:

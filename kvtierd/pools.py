@@ -17,7 +17,7 @@ import asyncio
 import functools
 import logging
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from kvtierd.config import LimitsConfig, MemoryConfig
@@ -50,6 +50,10 @@ class PoolTable:
         self.observe_job: Callable[[str, str, bool, float], None] | None = None
         self._pools: dict[str, Pool] = {}
         self._creating: dict[str, asyncio.Future[Pool]] = {}  # name -> its creation
+        self._creating_sizes: dict[str, int] = {}  # name -> region bytes; same keys as _creating
+        # (pool name, region bytes, bytes of every other pool by name) -> raises
+        # ResourceExhausted; per-principal memory quotas, set by the daemon
+        self.admit_pool: Callable[[str, int, Mapping[str, int]], None] | None = None
         # Invariants: _region_bytes == sum(p.region.size for p in _pools.values());
         # _creating_bytes == the sizes of the pools in _creating.
         self._region_bytes = 0
@@ -101,6 +105,7 @@ class PoolTable:
             self._check_room(spec)
             creating = asyncio.ensure_future(self._create(spec))
             self._creating[spec.name] = creating
+            self._creating_sizes[spec.name] = spec.num_blocks * spec.block_bytes
             self._creating_bytes += spec.num_blocks * spec.block_bytes
             # a failed or cancelled creation leaves _creating here
             creating.add_done_callback(lambda _: self._creation_ended(spec))
@@ -113,6 +118,7 @@ class PoolTable:
     def _creation_ended(self, spec: PoolSpec) -> None:
         """``spec``'s creation is over (idempotent): its bytes leave ``_creating_bytes``."""
         if self._creating.pop(spec.name, None) is not None:
+            del self._creating_sizes[spec.name]
             self._creating_bytes -= spec.num_blocks * spec.block_bytes
 
     def _check_room(self, spec: PoolSpec) -> None:
@@ -133,6 +139,14 @@ class PoolTable:
                 f"({format_bytes(used)} used by {pools} pools); ask for "
                 "fewer blocks or raise memory.budget"
             )
+        if self.admit_pool is not None:
+            self.admit_pool(spec.name, size, self.charged_bytes())
+
+    def charged_bytes(self) -> dict[str, int]:
+        """Budget bytes of each pool, created or being created, by name."""
+        charged = {name: pool.region.size for name, pool in self._pools.items()}
+        charged.update(self._creating_sizes)
+        return charged
 
     async def _create(self, spec: PoolSpec) -> Pool:
         """Creates the region on a worker thread, then the pool on the loop."""

@@ -10,6 +10,7 @@ which is left as it is.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import logging
@@ -25,6 +26,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from kvtierd import filekind, grpclog, guards
 from kvtierd.config import ConfigError, LimitsConfig
+from kvtierd.security.state import SecurityState
 from kvtierd.service import KVTierService
 from kvtierd.validation import MAX_KEY_BYTES
 from kvtierd_client.proto import pb2, pb2_grpc
@@ -60,18 +62,19 @@ def max_send_bytes(limits: LimitsConfig) -> int:
 
 
 def build_server(
-    service: KVTierService, limits: LimitsConfig
-) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
-    """The server with its three services; call ``add_listeners`` then start it."""
+    service: KVTierService, limits: LimitsConfig, security: SecurityState | None = None
+) -> tuple[TransportServers, health.aio.HealthServicer]:
+    """The servers with their three services; call ``add_listeners`` then start them.
+    ``security`` decides which calls are refused before their request is read
+    (``SecurityState.gate``); None: none are."""
     grpclog.install()
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", max_receive_bytes(limits)),
-            ("grpc.max_send_message_length", max_send_bytes(limits)),
-            ("grpc.so_reuseport", 0),
-        ]
-    )
-    generic = _GenericHandlersOnly(server, maps_errors={SERVICE_NAME})
+    options = [
+        ("grpc.max_receive_message_length", max_receive_bytes(limits)),
+        ("grpc.max_send_message_length", max_send_bytes(limits)),
+        ("grpc.so_reuseport", 0),
+    ]
+    servers = TransportServers(lambda: grpc.aio.server(options=options), security)
+    generic = _GenericHandlersOnly(servers, maps_errors={SERVICE_NAME})
     pb2_grpc.add_KVTierServicer_to_server(service, generic)
     health_servicer = health.aio.HealthServicer()
     # The stub wants a grpc server; the generated function only calls what _GenericHandlersOnly has.
@@ -82,14 +85,72 @@ def build_server(
     )
     if generic.services != set(names):
         raise RuntimeError(f"served {sorted(generic.services)}, expected {sorted(names)}")
-    return server, health_servicer
+    return servers, health_servicer
+
+
+class TransportServers:
+    """One ``grpc.aio`` server per transport (Unix sockets, TCP) serving the same
+    services; stands in for a ``grpc.aio.Server`` (ports, start, stop).
+
+    Why one per transport: a call is admitted or refused before its request is
+    read, from its method and metadata only (``kvtierd.security.gate``); grpc
+    shows that choice nothing of the connection, so each server's services are
+    wrapped for the transport it serves (a Unix peer needs no token, a TCP one
+    does). A server is made when its first address is added; with Unix sockets
+    only there is one server, as before.
+    """
+
+    def __init__(
+        self, make_server: Callable[[], grpc.aio.Server], security: SecurityState | None
+    ) -> None:
+        self._make_server = make_server
+        self._security = security
+        self._services: dict[str, dict[str, Any]] = {}  # service -> method name -> handler
+        self._servers: dict[str, grpc.aio.Server] = {}  # transport -> its server
+
+    def register(self, service: str, handlers: dict[str, Any]) -> None:
+        if self._servers:
+            raise RuntimeError(f"service {service} registered after a port was added")
+        self._services[service] = handlers
+
+    def add_insecure_port(self, address: str) -> int:
+        return self._server_for(address).add_insecure_port(address)
+
+    def add_secure_port(self, address: str, credentials: grpc.ServerCredentials) -> int:
+        return self._server_for(address).add_secure_port(address, credentials)
+
+    async def start(self) -> None:
+        for server in self._servers.values():
+            await server.start()
+
+    async def stop(self, grace: float | None) -> None:
+        await asyncio.gather(*(server.stop(grace) for server in self._servers.values()))
+
+    def _server_for(self, address: str) -> grpc.aio.Server:
+        transport = "unix" if address.startswith("unix:") else "tcp"
+        server = self._servers.get(transport)
+        if server is None:
+            server = self._servers[transport] = self._make_server()
+            for service, handlers in self._services.items():
+                server.add_generic_rpc_handlers((self._generic(transport, service, handlers),))
+        return server
+
+    def _generic(
+        self, transport: str, service: str, handlers: dict[str, Any]
+    ) -> grpc.GenericRpcHandler:
+        if self._security is not None:
+            gate = self._security.gate(transport, service, handlers)
+            if gate is not None:
+                return gate
+        return grpc.method_handlers_generic_handler(service, handlers)
 
 
 class _GenericHandlersOnly:
     """What a generated ``add_*Servicer_to_server`` sees of the server: each
-    service is served through one generic handler built from its method
-    handlers, each guarded by ``guards.guard`` (unparsable requests are
-    INVALID_ARGUMENT, unimplemented methods UNIMPLEMENTED, neither a traceback).
+    service is served through one generic handler (per transport:
+    ``TransportServers``) built from its method handlers, each guarded by
+    ``guards.guard`` (unparsable requests are INVALID_ARGUMENT, unimplemented
+    methods UNIMPLEMENTED, neither a traceback).
 
     Why generic only: grpc.aio's server waits for its next call with
     ``asyncio.wait`` over one pending request per registered method plus one for
@@ -105,8 +166,8 @@ class _GenericHandlersOnly:
     that arrived only one way is noticed at start.
     """
 
-    def __init__(self, server: grpc.aio.Server, *, maps_errors: set[str]) -> None:
-        self._server = server
+    def __init__(self, servers: TransportServers, *, maps_errors: set[str]) -> None:
+        self._servers = servers
         self._maps_errors = maps_errors  # services whose handlers map KvtierdError
         self.services: set[str] = set()
 
@@ -120,8 +181,7 @@ class _GenericHandlersOnly:
             name: guards.guard(handler, f"/{service}/{name}", maps_errors=maps_errors)
             for name, handler in handlers.items()
         }
-        generic = grpc.method_handlers_generic_handler(service, guarded)
-        self._server.add_generic_rpc_handlers((generic,))
+        self._servers.register(service, guarded)
         self.services.add(service)
 
 
@@ -136,7 +196,7 @@ async def set_health(servicer: health.aio.HealthServicer, serving: bool) -> None
 
 
 def add_listeners(
-    server: grpc.aio.Server,
+    server: TransportServers,
     addresses: tuple[str, ...],
     gid: int | None,
     bound: list[str],
@@ -162,12 +222,8 @@ def add_listeners(
             log.info("listening on tcp %s (%s)", address, "TLS" if tls else "plain text")
 
 
-def _add_unix(server: grpc.aio.Server, path: str, gid: int | None) -> None:
-    directory = os.path.dirname(path)
-    try:
-        os.makedirs(directory, mode=0o750, exist_ok=True)
-    except OSError as exc:
-        raise ListenError(f"cannot create socket directory {directory}: {exc.strerror}") from None
+def _add_unix(server: TransportServers, path: str, gid: int | None) -> None:
+    _make_socket_directory(os.path.dirname(path), gid)
     _remove_stale_socket(path)
     with _umask(0o117):
         bound = server.add_insecure_port("unix:" + path)
@@ -177,6 +233,49 @@ def _add_unix(server: grpc.aio.Server, path: str, gid: int | None) -> None:
     if gid is not None:
         os.chown(path, -1, gid)
     log.info("listening on unix socket %s (mode 0660)", path)
+
+
+def _make_socket_directory(directory: str, gid: int | None) -> None:
+    """Creates ``directory`` and its missing parents, mode 0750; with ``gid``
+    (``server.socket_group``) each directory created here gets that group and
+    exactly 0750, so the group's members can reach the socket whatever the
+    daemon's umask. Directories that already exist are left as they are."""
+    missing: list[str] = []
+    current = directory
+    while current and not os.path.isdir(current):
+        missing.append(current)
+        parent = os.path.dirname(current)
+        if parent == current:
+            break
+        current = parent
+    try:
+        for created in reversed(missing):
+            os.makedirs(created, mode=0o750, exist_ok=True)
+            if gid is not None:
+                os.chown(created, -1, gid)
+                os.chmod(created, 0o750)
+    except OSError as exc:
+        raise ListenError(f"cannot create socket directory {directory}: {exc.strerror}") from None
+
+
+def bind_unix_socket(path: str, gid: int | None) -> socket.socket:
+    """A listening stream socket at ``path``, mode 0660 and group ``gid`` like the
+    gRPC sockets (a stale socket file is cleared as for them). For the ticket
+    sockets next to each gRPC socket (``kvtierd.security.tickets``)."""
+    _remove_stale_socket(path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        with _umask(0o117):
+            listener.bind(path)
+        os.chmod(path, 0o660)
+        if gid is not None:
+            os.chown(path, -1, gid)
+        listener.listen(socket.SOMAXCONN)
+    except OSError as exc:
+        listener.close()
+        raise ListenError(f"cannot listen on unix socket {path}: {exc.strerror}") from None
+    log.info("peer tickets on unix socket %s (mode 0660)", path)
+    return listener
 
 
 def _remove_stale_socket(path: str) -> None:

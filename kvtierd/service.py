@@ -13,13 +13,19 @@ raises ``InvalidArgument``. Invariant: handlers read their request only inside
 changing any state, so garbage is INVALID_ARGUMENT over the Unix socket and
 UNAUTHENTICATED over TCP without a token.
 
+Authorization (``kvtierd.security``): ``authorize`` identifies the caller of
+every call (``current_caller()`` inside a handler); a call naming a pool is
+checked against the caller's principal, and a call on a session must come from
+the principal that opened it. Without ``[[security.principals]]`` every caller
+reaches every pool, as before. Refusals are audited.
+
 The request path reads top to bottom: service -> session -> pool -> manager.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
-import hmac
 import inspect
 import logging
 import time
@@ -35,11 +41,12 @@ from kvtierd.errors import (
     KvtierdError,
     OutOfRange,
     ShuttingDown,
-    Unauthenticated,
 )
 from kvtierd.pool import Pool, PoolSpec
 from kvtierd.pools import PoolTable
-from kvtierd.security.identity import tls_peer_name
+from kvtierd.security.access import check_pool
+from kvtierd.security.identity import Caller
+from kvtierd.security.state import SecurityState
 from kvtierd.sessions import Session, SessionTable
 from kvtierd.statistics import PoolStatistics, tier_views
 from kvtierd.validation import (
@@ -63,6 +70,15 @@ TAKE_EVENTS_MAX_BYTES = 1 << 20
 Request = TypeVar("Request")
 Response = TypeVar("Response")
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Any]
+# The caller of the call being handled: set by ``_handle`` (each grpc.aio call
+# runs in its own task, so a value never leaks into another call).
+_CALLER: contextvars.ContextVar[Caller] = contextvars.ContextVar("kvtierd_caller")
+_AUDITED = frozenset({grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED})
+
+
+def current_caller() -> Caller:
+    """The caller of the call being handled (``LookupError`` outside a call)."""
+    return _CALLER.get()
 
 
 def _handle(method: Handler) -> Callable[..., Awaitable[Any]]:
@@ -77,12 +93,14 @@ def _handle(method: Handler) -> Callable[..., Awaitable[Any]]:
         # scrapes metrics after its call returned always sees the call counted.
         start = time.perf_counter()
         try:
-            self.authorize(context)
+            _CALLER.set(self.authorize(context))
             response = method(self, request, context)
             if inspect.iscoroutine(response):  # OpenSession may wait for a pool's creation
                 response = await response
         except KvtierdError as exc:
             self._observe(name, exc.code.name, start)
+            if exc.code in _AUDITED:
+                self._security.call_denied(name, _CALLER.get(None), context.peer(), exc)
             await context.abort(exc.code, str(exc))
         except Exception as exc:
             self._observe(name, "INTERNAL", start)
@@ -104,16 +122,14 @@ class KVTierService(pb2_grpc.KVTierServicer):
         sessions: SessionTable,
         *,
         max_keys_per_call: int,
-        tokens: tuple[str, ...] = (),
-        client_certificates: bool = False,
+        security: SecurityState,
         max_watch_streams: int = 64,
         watch_write_timeout: float = 10.0,
     ) -> None:
         self._pools = pools
         self._sessions = sessions
         self._max_keys = max_keys_per_call
-        self._tokens = tuple(token.encode() for token in tokens)
-        self._client_certificates = client_certificates  # mTLS: a named certificate authenticates
+        self._security = security
         self._started = time.monotonic()
         self.watches = WatchStreams(max_watch_streams, watch_write_timeout)
         self.shutting_down = False
@@ -127,31 +143,13 @@ class KVTierService(pb2_grpc.KVTierServicer):
 
     # ----------------------------------------------------------------- auth
 
-    def replace_tokens(self, tokens: tuple[str, ...]) -> None:
-        """Swaps the bearer tokens (SIGHUP): calls already authorized run on, every
-        later call, on old connections too, is checked against ``tokens`` only."""
-        self._tokens = tuple(token.encode() for token in tokens)
-
-    def authorize(self, context: grpc.aio.ServicerContext) -> None:
-        """Unix-socket peers are trusted (file permissions guard the socket);
-        TCP peers must present ``authorization: Bearer <token>``, or, with mTLS,
-        a client certificate (verified at the handshake) that names someone."""
+    def authorize(self, context: grpc.aio.ServicerContext) -> Caller:
+        """The caller (``SecurityState.identify``): without principals Unix-socket
+        peers are trusted (file permissions guard the socket); TCP peers must
+        present ``authorization: Bearer <token>`` or a client certificate."""
         if self.shutting_down:
             raise ShuttingDown("kvtierd is shutting down; retry against the restarted daemon")
-        if not (self._tokens or self._client_certificates) or context.peer().startswith("unix:"):
-            return
-        if self._client_certificates and tls_peer_name(context) is not None:
-            return
-        for key, value in context.invocation_metadata() or ():
-            if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
-                offered = value[len("Bearer ") :].encode()
-                if any(hmac.compare_digest(offered, token) for token in self._tokens):
-                    return
-        alternative = " or a client certificate with a CN or DNS name"
-        raise Unauthenticated(
-            "TCP calls need metadata 'authorization: Bearer <token>'"
-            + (alternative if self._client_certificates else "")
-        )
+        return self._security.identify(context)
 
     # ----------------------------------------------------------------- sessions
 
@@ -165,6 +163,8 @@ class KVTierService(pb2_grpc.KVTierServicer):
         check_text(request.client_name, "client_name")
         if spec.num_blocks > (1 << 40):
             raise InvalidArgument(f"pool.num_blocks: {spec.num_blocks} is absurdly large")
+        caller = current_caller()
+        check_pool(caller, spec.name, "open")
         pool = await self._pools.open(
             PoolSpec(
                 name=spec.name,
@@ -174,7 +174,7 @@ class KVTierService(pb2_grpc.KVTierServicer):
                 eviction_policy=spec.eviction_policy,
             )
         )
-        session = self._sessions.open(pool, request.client_name, context.peer())
+        session = self._sessions.open(pool, request.client_name, caller.peer, caller.name)
         return pb2.OpenSessionResponse(
             session_id=session.id,
             region=pb2.Region(
@@ -196,15 +196,17 @@ class KVTierService(pb2_grpc.KVTierServicer):
 
     @_handle
     def CloseSession(self, request: pb2.CloseSessionRequest, context: Any) -> Any:
-        self._sessions.close(request.session_id)
+        self._sessions.close(request.session_id, principal=current_caller().name)
         return pb2.CloseSessionResponse()
 
     # ----------------------------------------------------------------- manager
 
     def _live_session(self, session_id: str) -> Session:
         """The session a validated call names, its lease renewed: every call on a
-        session, KeepAlive included, is proof of its client's life."""
-        session = self._sessions.get(session_id)
+        session, KeepAlive included, is proof of its client's life. A session
+        another principal opened is refused (``AccessDenied``) before its lease
+        moves."""
+        session = self._sessions.get(session_id, current_caller().name)
         self._sessions.renew(session)
         return session
 
@@ -297,11 +299,14 @@ class KVTierService(pb2_grpc.KVTierServicer):
     async def WatchEvents(self, request: pb2.WatchEventsRequest, context: Any) -> None:
         """Streams a pool's events. A coroutine writing with ``context.write`` (not a
         generator: a write must be able to time out); bounded by ``self.watches``."""
+        caller = None
         try:
-            self.authorize(context)
-            pool, cursor = self._watch_start(request)
+            caller = self.authorize(context)
+            pool, cursor = self._watch_start(request, caller)
             self.watches.reserve()
         except KvtierdError as exc:
+            if exc.code in _AUDITED:
+                self._security.call_denied("WatchEvents", caller, context.peer(), exc)
             await context.abort(exc.code, str(exc))
         with self.watches.held():  # until the status is out: gRPC holds the last write
             try:
@@ -330,8 +335,9 @@ class KVTierService(pb2_grpc.KVTierServicer):
             await self.watches.write(context, _event_message(cursor + 1, event), cursor + 1)
             cursor += 1
 
-    def _watch_start(self, request: pb2.WatchEventsRequest) -> tuple[Pool, int]:
+    def _watch_start(self, request: pb2.WatchEventsRequest, caller: Caller) -> tuple[Pool, int]:
         check_pool_name(request.pool, "pool")
+        check_pool(caller, request.pool, "watch")
         pool = self._pools.get(request.pool)
         events = pool.events
         after = request.after_seq
@@ -356,11 +362,13 @@ class KVTierService(pb2_grpc.KVTierServicer):
 
     @_handle
     def GetStats(self, request: pb2.GetStatsRequest, context: Any) -> Any:
+        caller = current_caller()
         if request.pool:
             check_pool_name(request.pool, "pool")
+            check_pool(caller, request.pool, "stat")
             pools = [self._pools.get(request.pool)]
-        else:
-            pools = list(self._pools)
+        else:  # every pool the caller may stat
+            pools = [pool for pool in self._pools if caller.principal.may_reach(pool.spec.name)]
         return pb2.GetStatsResponse(
             pools=[pool_stats_message(pool.statistics()) for pool in pools],
             memory_budget_bytes=self._pools.budget_bytes,
@@ -373,12 +381,14 @@ class KVTierService(pb2_grpc.KVTierServicer):
     @_handle
     def FlushPool(self, request: pb2.FlushPoolRequest, context: Any) -> Any:
         check_pool_name(request.pool, "pool")
+        check_pool(current_caller(), request.pool, "flush")
         evicted = self._pools.get(request.pool).flush()
         return pb2.FlushPoolResponse(evicted_blocks=evicted)
 
     @_handle
     def Explain(self, request: pb2.ExplainRequest, context: Any) -> Any:
         check_pool_name(request.pool, "pool")
+        check_pool(current_caller(), request.pool, "explain")
         check_keys([request.key], 1, field="key")
         report = self._pools.get(request.pool).explain(request.key)
         return pb2.ExplainResponse(

@@ -15,7 +15,9 @@ did not run for a while (a stall), :meth:`SessionTable.credit_stall` moves every
 lease forward by that time, so no session expires because the daemon was busy.
 
 Each session's ``TakeEvents`` cursor is owned here and moved only by
-:meth:`SessionTable.take_events`.
+:meth:`SessionTable.take_events`. A session belongs to the principal that opened
+it (``Session.principal``; README, "Principals and per-pool authorization"):
+``get`` and ``close`` given another principal refuse with ``AccessDenied``.
 
 Event-loop only. ``clock`` is injectable for tests.
 """
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 from kvtierd.contract import BlockEvent
 from kvtierd.errors import ResourceExhausted, SessionNotFound
 from kvtierd.pool import Pool
+from kvtierd.security.access import session_not_owned
 
 log = logging.getLogger("kvtierd.sessions")
 
@@ -46,6 +49,7 @@ class Session:
     opened_at: float
     expires_at: float  # on the table's clock; moved by renew() and credit_stall()
     events_cursor: int  # last event seq this session has taken; moved by take_events()
+    principal: str = "*"  # who opened it; only this principal may use it (security)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +79,8 @@ class SessionTable:
         self._max_sessions = max_sessions
         self._clock = clock
         self._sessions: dict[str, Session] = {}
+        # (event "opened" / "closed" / "expired", session, reason); set by the daemon (audit)
+        self.observe_session: Callable[[str, Session, str], None] | None = None
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -86,7 +92,7 @@ class SessionTable:
     def lease_ms(self) -> int:
         return int(self.lease_seconds * 1000)
 
-    def open(self, pool: Pool, client_name: str, peer: str) -> Session:
+    def open(self, pool: Pool, client_name: str, peer: str, principal: str = "*") -> Session:
         if len(self._sessions) >= self._max_sessions:
             raise ResourceExhausted(
                 f"{len(self._sessions)} sessions are open, the limit is {self._max_sessions} "
@@ -101,6 +107,7 @@ class SessionTable:
             opened_at=now,
             expires_at=now + self.lease_seconds,
             events_cursor=pool.events.last_seq,
+            principal=principal,
         )
         self._sessions[session.id] = session
         pool.attach(session.id)
@@ -108,10 +115,14 @@ class SessionTable:
             "session %s opened: pool %s, client %r, peer %s",
             session.id, pool.spec.name, client_name, peer,
         )  # fmt: skip
+        if self.observe_session is not None:
+            self.observe_session("opened", session, "")
         return session
 
-    def get(self, session_id: str) -> Session:
-        """The live session; changes nothing (its lease included).
+    def get(self, session_id: str, principal: str | None = None) -> Session:
+        """The live session; changes nothing (its lease included). With
+        ``principal``, a session another principal opened is refused
+        (``AccessDenied``).
 
         Raises :class:`SessionNotFound` if it is unknown, closed or expired."""
         session = self._sessions.get(session_id)
@@ -119,6 +130,7 @@ class SessionTable:
             raise SessionNotFound(
                 f"session {session_id[:64]!r} is unknown, closed or expired; open a new session"
             )
+        _check_owner(session, principal)
         return session
 
     def renew(self, session: Session) -> None:
@@ -147,11 +159,16 @@ class SessionTable:
             session.expires_at += seconds
         self.stalls_credited += seconds
 
-    def close(self, session_id: str, reason: str = "closed by client") -> None:
-        session = self._sessions.pop(session_id, None)
+    def close(
+        self, session_id: str, reason: str = "closed by client", principal: str | None = None
+    ) -> None:
+        """Closes a live session; with ``principal``, as ``get`` refuses another's."""
+        session = self._sessions.get(session_id)
         if session is None:
             raise SessionNotFound(f"session {session_id[:64]!r} is unknown, closed or expired")
-        self._release(session, reason)
+        _check_owner(session, principal)
+        del self._sessions[session_id]
+        self._release(session, reason, "closed")
 
     def expire(self) -> int:
         """Closes every session whose lease ran out; returns how many."""
@@ -159,15 +176,17 @@ class SessionTable:
         expired = [s for s in self._sessions.values() if s.expires_at <= now]
         for session in expired:
             del self._sessions[session.id]
-            self._release(session, f"lease expired ({self.lease_seconds:g}s without a call)")
+            self._release(
+                session, f"lease expired ({self.lease_seconds:g}s without a call)", "expired"
+            )
         return len(expired)
 
     def close_all(self, reason: str) -> None:
         while self._sessions:
             _, session = self._sessions.popitem()
-            self._release(session, reason)
+            self._release(session, reason, "closed")
 
-    def _release(self, session: Session, reason: str) -> None:
+    def _release(self, session: Session, reason: str, event: str) -> None:
         quarantine_until = self._clock() + self.write_quarantine
         pins, reservations = session.pool.release_session(session.id, quarantine_until)
         log.info(
@@ -175,3 +194,11 @@ class SessionTable:
             session.id, session.client_name, session.pool.spec.name, reason, pins,
             reservations,
         )  # fmt: skip
+        if self.observe_session is not None:
+            self.observe_session(event, session, reason)
+
+
+def _check_owner(session: Session, principal: str | None) -> None:
+    """Raises ``AccessDenied`` when ``principal`` (None: no check) did not open ``session``."""
+    if principal is not None and principal != session.principal:
+        raise session_not_owned(session.id, session.pool.spec.name, session.principal, principal)

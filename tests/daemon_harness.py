@@ -45,6 +45,7 @@ class DaemonProcess:
     shm_dir: str
     log_path: str
     workdir: str
+    env: dict[str, str] | None = None  # the environment it was started with
     # the channels of stub(): this object's own, closed by stop()
     _channels: list[grpc.Channel] = field(default_factory=list, init=False, repr=False)
 
@@ -85,6 +86,21 @@ class DaemonProcess:
                     f"daemon did not stop within {timeout}s:\n{self.log()}"
                 ) from None
         return self.proc.returncode
+
+    def restart(self, timeout: float = 30.0) -> DaemonProcess:
+        """The same command, sockets and directories in a new process (after
+        ``stop``); waits for SERVING. Its log goes on in the same file."""
+        assert self.proc.poll() is not None, "stop the daemon before restarting it"
+        with open(self.log_path, "ab") as log_file:
+            proc = subprocess.Popen(
+                self.proc.args, stdout=log_file, stderr=subprocess.STDOUT, env=self.env,
+                cwd=self.workdir,
+            )  # fmt: skip
+        again = DaemonProcess(
+            proc, self.socket_path, self.shm_dir, self.log_path, self.workdir, self.env
+        )
+        wait_serving(again, timeout)
+        return again
 
     def cleanup(self) -> None:
         if self.proc.poll() is None:
@@ -156,7 +172,7 @@ def start_daemon(
             daemon_command(*args), stdout=log_file, stderr=subprocess.STDOUT,
             env=full_env, cwd=workdir,
         )  # fmt: skip
-    daemon = DaemonProcess(proc, socket_path, shm_dir, log_path, workdir)
+    daemon = DaemonProcess(proc, socket_path, shm_dir, log_path, workdir, full_env)
     if wait:
         try:
             wait_serving(daemon, timeout)

@@ -56,7 +56,7 @@ class AsyncClient(Connection):
         """Runs ``op`` with a deadline; gRPC failures become ``KvtierError``."""
         method, request, deadline = self._prepare(op, args, kwargs, timeout)
         try:
-            response = await method(request, timeout=deadline, metadata=self._metadata)
+            response = await self._credentials.call_async(method, request, deadline)
         except (grpc.RpcError, grpc.aio.UsageError) as err:
             self._raise_call_error(err)
         return op.decode(response)
@@ -112,6 +112,7 @@ class AsyncClient(Connection):
         channel = self._finish_close()
         if channel is not None:
             await channel.close()
+        self._credentials.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self

@@ -71,7 +71,7 @@ class Client(Connection):
         """Runs ``op`` with a deadline; gRPC failures become ``KvtierError``."""
         method, request, deadline = self._prepare(op, args, kwargs, timeout)
         try:
-            response = method(request, timeout=deadline, metadata=self._metadata)
+            response = self._credentials.call(method, request, deadline)
         except (grpc.RpcError, ValueError) as err:
             self._raise_call_error(err)
         return op.decode(response)
@@ -179,6 +179,7 @@ class Client(Connection):
         channel = self._finish_close()
         if channel is not None:
             channel.close()
+        self._credentials.close()
 
     def __enter__(self) -> Client:
         return self

@@ -1,11 +1,12 @@
 """What the sync and the asyncio client share: one channel to one daemon.
 
 :class:`Connection` holds the daemon address, the stub over a channel it opened
-(or one a test injected), the call deadline, the bearer token and the sessions
-opened through it. It prepares every call (request, deadline, closed check) and
-turns gRPC failures into ``KvtierError``; sending the call (blocking, or awaited)
-is all that ``kvtierd_client.client.Client`` and ``kvtierd_client.aio.AsyncClient``
-add.
+(or one a test injected), the call deadline, the credentials every call carries
+(a bearer token; over a Unix socket of a daemon with principals, a peer ticket:
+``kvtierd_client.credentials``) and the sessions opened through it. It prepares
+every call (request, deadline, closed check) and turns gRPC failures into
+``KvtierError``; sending the call (blocking, or awaited) is all that
+``kvtierd_client.client.Client`` and ``kvtierd_client.aio.AsyncClient`` add.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from typing import Any, ClassVar, NoReturn
 import grpc
 
 from kvtierd_client.address import default_address, to_grpc_target
-from kvtierd_client.codec import WATCH_EVENTS, Op, auth_metadata, client_closed_error
+from kvtierd_client.codec import WATCH_EVENTS, Op, client_closed_error
+from kvtierd_client.credentials import CallCredentials
 from kvtierd_client.errors import KvtierError, from_rpc_error
 from kvtierd_client.proto import pb2_grpc
 from kvtierd_client.session_state import SessionState
@@ -61,6 +63,9 @@ class Connection:
     options for a TCP address (``kvtierd_client.tls``; a ``tls://host:port``
     address uses TLS even without them). ``stub``: use this object
     instead of a ``KVTierStub`` over a new channel (tests inject fakes here).
+    Over a Unix socket of a daemon with principals, the client proves its
+    process's uid with a peer ticket (``kvtierd_client.credentials``; not with
+    an injected ``stub``).
 
     Raises ``ValueError`` for a malformed address, or TLS asked for on a Unix
     socket. Connecting is lazy: an unreachable daemon (or a failed TLS
@@ -90,7 +95,7 @@ class Connection:
         self.target: str = to_grpc_target(self.address)
         tls = resolve_tls(self.address, self.target, tls)
         self.timeout = timeout
-        self._metadata = auth_metadata(token)
+        self._credentials = CallCredentials(self.address, token, timeout, tickets=stub is None)
         self._channel: Any = None
         if stub is None:
             self._channel = type(self)._open_channel(self.target, channel_options, tls)
@@ -133,7 +138,8 @@ class Connection:
         if self._closed:
             raise client_closed_error(self.address)
         request = WATCH_EVENTS.request(pool, after_seq)
-        return self._stub.WatchEvents(request, timeout=timeout, metadata=self._metadata)
+        metadata = self._credentials.metadata
+        return self._stub.WatchEvents(request, timeout=timeout, metadata=metadata)
 
     # -- sessions --------------------------------------------------------------------
 
@@ -163,7 +169,8 @@ class Connection:
 
     def _finish_close(self) -> Any:
         """Marks the client closed; returns the channel to close (None: it was closed
-        already, or the stub was injected)."""
+        already, or the stub was injected). Call ``_credentials.close()`` after
+        closing it (the peer ticket is given up)."""
         channel = None if self._closed else self._channel
         self._closed = True
         return channel

@@ -20,8 +20,9 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvtierd.config import ConfigError, read_tokens
+from kvtierd.config import ConfigError
 from kvtierd.security.tls import ServerTls
+from kvtierd.security.tokens import TokensFileError
 
 log = logging.getLogger("kvtierd.security")
 
@@ -77,14 +78,29 @@ class CredentialReloader:
 
 def credential_reloader(
     tokens_file: str,
-    replace_tokens: Callable[[tuple[str, ...]], None],
+    reload_tokens: Callable[[], None],
     tls: ServerTls | None,
 ) -> CredentialReloader:
     """The daemon's reloads: the tokens file (when configured) through
-    ``replace_tokens``, then the TLS files (when TLS is on)."""
+    ``reload_tokens`` (``SecurityState.reload_tokens``: the daemon's one token
+    store is its Authorizer, rebuilt whole and swapped in), then the TLS files
+    (when TLS is on)."""
     reloader = CredentialReloader()
     if tokens_file:
-        reloader.add("tokens", lambda: replace_tokens(read_tokens(tokens_file)))
+        reloader.add("tokens", _tokens_reload(reload_tokens))
     if tls is not None:
         reloader.add("TLS certificate, key and client CAs", tls.reload)
     return reloader
+
+
+def _tokens_reload(reload_tokens: Callable[[], None]) -> Callable[[], None]:
+    """``reload_tokens`` with an unusable file reported as the ``ConfigError`` of
+    ``security.tokens_file`` (a refused file, not a bug)."""
+
+    def reload() -> None:
+        try:
+            reload_tokens()
+        except TokensFileError as exc:
+            raise ConfigError("security.tokens_file", str(exc)) from None
+
+    return reload

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvtierd.config import ConfigError, SecurityConfig
+from kvtierd.config import ConfigError
+from kvtierd.security.config import SecurityConfig
 
 CertificateFetcher = Callable[[], "grpc.ServerCertificateConfiguration | None"]
 

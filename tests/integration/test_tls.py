@@ -18,7 +18,7 @@ from daemon_harness import DaemonProcess, eventually, free_port, start_daemon
 from tls_ca import Issued, TestCA, write_atomically
 
 from kvtierd_client.client import DEFAULT_CHANNEL_OPTIONS, Client, LookupResult
-from kvtierd_client.errors import Unauthenticated, Unavailable
+from kvtierd_client.errors import PermissionDenied, Unauthenticated, Unavailable
 from kvtierd_client.tls import TlsOptions
 
 BLOCK = 4096
@@ -61,6 +61,7 @@ def start_tls_daemon(tmp_path) -> Iterator:
         *,
         client_ca: TestCA | None = None,
         tokens: tuple[str, ...] | None = (TOKEN,),
+        config: str = "",
     ) -> TlsDaemon:
         port = free_port()
         args = ["--listen", f"127.0.0.1:{port}"]
@@ -72,7 +73,7 @@ def start_tls_daemon(tmp_path) -> Iterator:
         if tokens is not None:
             write_tokens(tmp_path / "tokens", *tokens)
             args += ["--tokens-file", str(tmp_path / "tokens")]
-        daemon = start_daemon(*args)
+        daemon = start_daemon(*args, config=config)
         started.append(daemon)
         return TlsDaemon(daemon, port, tmp_path)
 
@@ -142,6 +143,57 @@ def test_mtls_accepts_only_certificates_the_client_ca_signed(start_tls_daemon, c
     nameless = clients_ca.issue(None, ip_addresses=("10.0.0.1",))
     with served.client(presenting(nameless)) as no_one, pytest.raises(Unauthenticated):
         no_one.get_stats()  # signed, but names no one (no CN, no DNS name)
+
+
+TEAMS = """
+[[security.principals]]
+name = "team-a"
+pools = ["team-a/*"]
+
+[[security.principals]]
+name = "team-b"
+pools = ["team-b/*"]
+"""
+
+
+def test_mtls_certificates_and_reloaded_tokens_name_principals(start_tls_daemon, ca):
+    """Scenario: principals with mTLS and a tokens file. A certificate whose CN is
+    team-a is team-a without a token (its pools only); one naming no principal is
+    refused; a certificate naming nothing falls back to the token. After SIGHUP a
+    new token line naming team-b is team-b and the old token is refused: the
+    tokens live in one place, the daemon's authorizer."""
+    clients_ca = TestCA("clients-ca")
+    server = ca.issue("kvtierd", **SERVER_SANS)
+    served = start_tls_daemon(
+        server, client_ca=clients_ca, tokens=(f"{TOKEN} team-a",), config=TEAMS
+    )
+
+    def presenting(issued: Issued) -> TlsOptions:
+        return TlsOptions(ca.cert_pem, issued.cert_pem, issued.key_pem)
+
+    with served.client(presenting(clients_ca.issue("team-a"))) as team_a:
+        session = team_a.open_session("team-a/llama", block_bytes=BLOCK, num_blocks=4)
+        store(session, b"k")
+        with pytest.raises(PermissionDenied, match="'team-a' may not open pool 'team-b/x'"):
+            team_a.open_session("team-b/x", block_bytes=BLOCK, num_blocks=4)
+        assert [p.name for p in team_a.get_stats().pools] == ["team-a/llama"]
+    stranger = presenting(clients_ca.issue("stranger"))
+    with served.client(stranger) as no_one, pytest.raises(PermissionDenied, match="names no"):
+        no_one.get_stats()
+    nameless = presenting(clients_ca.issue(None, ip_addresses=("10.0.0.1",)))
+    with served.client(nameless, TOKEN) as by_token:
+        assert [p.name for p in by_token.get_stats().pools] == ["team-a/llama"]
+
+    new_token = "second-token-0123456789"
+    write_tokens(served.directory / "tokens", f"{new_token} team-b")
+    served.sighup()
+    served.log_says("SIGHUP: tokens reloaded")
+    with served.client(nameless, new_token) as team_b:
+        team_b.open_session("team-b/x", block_bytes=BLOCK, num_blocks=4)
+        with pytest.raises(PermissionDenied):
+            team_b.get_stats("team-a/llama")
+    with served.client(nameless, TOKEN) as old, pytest.raises(Unauthenticated):
+        old.get_stats()
 
 
 @pytest.mark.parametrize(

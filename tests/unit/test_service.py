@@ -19,6 +19,7 @@ from kvtierd.config import load_config
 from kvtierd.contract import BlockEvent, LookupResult, Medium
 from kvtierd.events import event_bytes
 from kvtierd.pools import PoolTable
+from kvtierd.security.state import SecurityState
 from kvtierd.service import MAX_BATCH_OPS, TAKE_EVENTS_MAX_BYTES, KVTierService
 from kvtierd.sessions import SessionTable
 from kvtierd_client.proto import pb2
@@ -28,6 +29,7 @@ BLOCK = 4096
 LEASE = 2.0
 MAX_KEYS = 8192
 UNIX_PEER = "unix:/run/kvtierd/kvtierd.sock"
+TOKEN = "secret-0123456789abcdef"
 HIT, MISS = int(LookupResult.HIT), int(LookupResult.MISS)
 
 
@@ -107,7 +109,11 @@ def daemon(tmp_path) -> Iterator[Daemon]:
     clock = Clock()
     pools = PoolTable(memory, defaults.limits, gid=None)
     sessions = SessionTable(LEASE, 16, clock=clock)
-    service = KVTierService(pools, sessions, max_keys_per_call=MAX_KEYS, tokens=("secret",))
+    tokens = tmp_path / "tokens"
+    tokens.write_text(TOKEN + "\n")
+    tokens.chmod(0o600)
+    security = SecurityState((), str(tokens), max_ticket_holders=16)
+    service = KVTierService(pools, sessions, max_keys_per_call=MAX_KEYS, security=security)
     observed: list[tuple[str, str]] = []
     service.observe_rpc = lambda method, code, seconds: observed.append((method, code))
     yield Daemon(service, sessions, pools, clock, observed)
@@ -304,7 +310,7 @@ def test_tcp_peers_need_the_token_and_unix_peers_do_not(daemon):
     assert aborted.code is grpc.StatusCode.UNAUTHENTICATED
     wrong = Context(peer=tcp, metadata=(("authorization", "Bearer nope"),))
     assert daemon.refused("GetStats", request, wrong).code is grpc.StatusCode.UNAUTHENTICATED
-    right = Context(peer=tcp, metadata=(("authorization", "Bearer secret"),))
+    right = Context(peer=tcp, metadata=(("authorization", f"Bearer {TOKEN}"),))
     assert daemon.call("GetStats", request, right).version
     assert daemon.call("GetStats", request).version  # the Unix socket's peer
 

@@ -10,6 +10,7 @@ from kvtierd.errors import ResourceExhausted, SessionNotFound
 from kvtierd.events import event_bytes
 from kvtierd.pool import Pool, PoolSpec
 from kvtierd.region import Region
+from kvtierd.security.access import AccessDenied
 from kvtierd.sessions import SessionTable
 
 
@@ -151,3 +152,30 @@ def test_a_session_opened_later_sees_only_later_events(pool):
     late = table.open(pool, "late", "unix:")
     assert late.events_cursor == 1
     assert table.take_events(late, max_bytes=1 << 20).events == []
+
+
+def test_another_principals_call_on_a_session_is_refused_before_its_lease_moves(pool):
+    """Scenario: team-b names team-a's session: KeepAlive-like ``get`` and ``close``
+    are PERMISSION_DENIED and change nothing (the lease still runs out on time);
+    every open, close and expiry is reported to ``observe_session``."""
+    clock = Clock()
+    table = SessionTable(2.0, 8, clock=clock)
+    seen: list[tuple[str, str, str]] = []
+    table.observe_session = lambda event, s, reason: seen.append((event, s.principal, reason))
+    session = table.open(pool, "engine", "unix uid=1001", principal="team-a")
+    clock.now += 1.5
+    with pytest.raises(AccessDenied, match="belongs to principal 'team-a'; principal 'team-b'"):
+        table.get(session.id, "team-b")
+    with pytest.raises(AccessDenied):
+        table.close(session.id, principal="team-b")
+    clock.now += 0.5  # the lease taken at 100.0 ends now: the refused calls did not renew it
+    assert table.expire() == 1
+    other = table.open(pool, "engine", "unix uid=1001", principal="team-a")
+    assert table.get(other.id, "team-a") is other
+    table.close(other.id, principal="team-a")
+    assert seen == [
+        ("opened", "team-a", ""),
+        ("expired", "team-a", "lease expired (2s without a call)"),
+        ("opened", "team-a", ""),
+        ("closed", "team-a", "closed by client"),
+    ]
