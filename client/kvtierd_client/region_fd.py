@@ -13,6 +13,7 @@ from __future__ import annotations
 import array
 import os
 import socket
+import time
 
 REQUEST_TIMEOUT_S = 5.0
 _FD_SIZE = array.array("i").itemsize
@@ -25,9 +26,17 @@ class RegionAccessDenied(PermissionError):
 def request_region_fd(socket_path: str, session_id: str, timeout: float = REQUEST_TIMEOUT_S) -> int:
     """A new descriptor (O_RDWR, close-on-exec) of ``session_id``'s region; the
     caller owns it. Raises RegionAccessDenied when refused, OSError otherwise."""
+    deadline = time.monotonic() + timeout
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
         sock.settimeout(timeout)
-        sock.connect(socket_path)
+        while True:
+            try:
+                sock.connect(socket_path)
+                break
+            except BlockingIOError:  # the listen backlog is full for now (a burst)
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.005)
         sock.sendall(f"MAP {session_id}\n".encode("ascii"))
         message, ancillary, _flags, _addr = sock.recvmsg(
             256, socket.CMSG_SPACE(_FD_SIZE), socket.MSG_CMSG_CLOEXEC

@@ -19,9 +19,12 @@ Invariants:
 * The descriptor sent is a *new* open file description of the region
   (``/proc/self/fd``), never the daemon's own: that one holds the region's
   liveness flock, which must not live on in a client's mapping.
-* A session is looked up on the event loop (the session table is loop-only);
-  this thread only accepts, reads at most :data:`MAX_REQUEST_BYTES` with a
-  deadline and answers.
+* A session is looked up on the daemon's event loop (the session table is
+  loop-only). The server's own thread runs its own event loop: it accepts,
+  reads at most :data:`MAX_REQUEST_BYTES` per connection within
+  :data:`REQUEST_TIMEOUT_S`, and answers, all connections concurrently, at
+  most :data:`MAX_CONNECTIONS` open at once (a peer that connects and stays
+  silent delays nobody; the oldest silent one makes room for a new one).
 * The socket file is created 0660 with the listen socket's group, next to the
   first Unix listen socket; it is removed at :meth:`RegionFdServer.close`.
 """
@@ -44,11 +47,13 @@ from typing import Any
 from kvtierd import filekind
 from kvtierd.config import ConfigError
 from kvtierd.errors import SessionNotFound
+from kvtierd.ratelimit import RateLimitedLog
 
 log = logging.getLogger("kvtierd.security.region_access")
 
 MAX_REQUEST_BYTES = 128  # "MAP " + 32 hex + "\n", with room to spare
 REQUEST_TIMEOUT_S = 2.0  # a peer that says nothing within this is dropped
+MAX_CONNECTIONS = 64  # open at once; past that the oldest silent one is dropped
 SOCKET_SUFFIX = ".regions"  # <listen socket path> + this
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
@@ -113,10 +118,19 @@ def socket_path_for(listen_path: str) -> str:
 
 
 class RegionFdServer:
-    """Answers region-descriptor requests on one Unix socket, on its own thread.
+    """Answers region-descriptor requests on one Unix socket, concurrently, on its
+    own thread (its own event loop, non-blocking sockets).
 
-    Lifecycle: :meth:`start` (binds; event loop) -> requests -> :meth:`close`
-    (stops accepting, removes the socket file). ``lookup`` runs on ``loop``.
+    Lifecycle: :meth:`start` (binds; daemon's event loop) -> requests ->
+    :meth:`close` (stops answering, removes the socket file). ``lookup`` runs on
+    ``loop`` (the daemon's); nothing else of this server does.
+
+    Bounds (a peer that stalls never delays another): each connection reads at
+    most :data:`MAX_REQUEST_BYTES` within :data:`REQUEST_TIMEOUT_S` of its accept;
+    at most :data:`MAX_CONNECTIONS` are open at once. Past that, a new connection
+    drops the oldest one still reading its request (it gets an ``ERR`` line), or,
+    when every open one is past its request (looked up, answered), is itself
+    refused with an ``ERR`` line. Memory: a few hundred bytes per connection.
     """
 
     def __init__(
@@ -132,7 +146,13 @@ class RegionFdServer:
         self._gid = socket_gid
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
-        self._stopping = threading.Event()
+        self._own_loop: asyncio.AbstractEventLoop | None = None  # the thread's
+        self._accepting: asyncio.Task[None] | None = None  # on _own_loop
+        # On _own_loop only. Invariant: _reading holds the tasks of _open still
+        # reading their request, in accept order (oldest first).
+        self._open: set[asyncio.Task[None]] = set()
+        self._reading: dict[asyncio.Task[Any], socket.socket] = {}
+        self._limited = RateLimitedLog(log)
 
     def start(self) -> None:
         """Binds and starts answering. Raises ConfigError (exit 2) when something
@@ -144,87 +164,206 @@ class RegionFdServer:
         if self._gid is not None:
             os.chown(self.path, -1, self._gid)
         sock.listen(64)
-        # blocking accept, no polling: close() wakes it with shutdown(SHUT_RDWR)
+        sock.setblocking(False)
         self._sock = sock
-        self._thread = threading.Thread(target=self._serve, name="kvtierd-region-fds", daemon=True)
+        own_loop = asyncio.new_event_loop()
+        self._own_loop = own_loop
+        self._accepting = own_loop.create_task(self._accept_forever(sock))
+        self._thread = threading.Thread(
+            target=self._run, args=(own_loop,), name="kvtierd-region-fds", daemon=True
+        )
         self._thread.start()
 
     def close(self) -> None:
-        """Stops accepting (a request being answered may finish within
-        :data:`REQUEST_TIMEOUT_S`) and removes the socket file. Idempotent."""
-        self._stopping.set()
-        if self._sock is not None:
-            with contextlib.suppress(OSError):
-                self._sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
+        """Stops accepting, drops the connections still open (a request being
+        answered is cut) and removes the socket file. Idempotent."""
+        own_loop, accepting = self._own_loop, self._accepting
+        if own_loop is not None and accepting is not None:
+            with contextlib.suppress(RuntimeError):  # the thread's loop already closed
+                own_loop.call_soon_threadsafe(accepting.cancel)
         if self._thread is not None:
             self._thread.join(timeout=REQUEST_TIMEOUT_S)
+            self._thread = None
         if self._sock is not None:
             self._sock.close()
             self._sock = None
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
 
-    def _serve(self) -> None:
-        assert self._sock is not None
-        while not self._stopping.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                if self._stopping.is_set():
-                    return
-                raise
-            with conn:
-                try:
-                    self._answer(conn)
-                except Exception as exc:  # one peer's trouble never stops the server
-                    log.warning("region descriptor request failed: %s", exc)
+    def _run(self, own_loop: asyncio.AbstractEventLoop) -> None:
+        asyncio.set_event_loop(own_loop)
+        try:
+            assert self._accepting is not None
+            with contextlib.suppress(asyncio.CancelledError):
+                own_loop.run_until_complete(self._accepting)
+        except Exception:  # pragma: no cover - _accept_forever logs and goes on
+            log.exception("region descriptor server stopped")
+        finally:
+            own_loop.close()
 
-    def _answer(self, conn: socket.socket) -> None:
-        conn.settimeout(REQUEST_TIMEOUT_S)
+    async def _accept_forever(self, sock: socket.socket) -> None:
+        own_loop = asyncio.get_running_loop()
+        try:
+            while True:
+                try:
+                    conn, _ = await own_loop.sock_accept(sock)
+                except OSError as exc:  # EMFILE and the like: the backlog waits
+                    self._limited.warning(
+                        ("accept", exc.errno), "region descriptor socket: accept failed: %s", exc
+                    )
+                    await asyncio.sleep(0.05)
+                    continue
+                conn.setblocking(False)
+                if len(self._open) >= MAX_CONNECTIONS and not self._make_room():
+                    _send_now(conn, b"ERR busy: too many region descriptor requests at once\n")
+                    conn.close()
+                    continue
+                task = own_loop.create_task(self._serve_connection(conn))
+                self._open.add(task)
+                self._reading[task] = conn
+                task.add_done_callback(self._forget)
+        finally:
+            for task in list(self._open):
+                task.cancel()
+            if self._open:
+                await asyncio.gather(*self._open, return_exceptions=True)
+
+    def _make_room(self) -> bool:
+        """Drops the oldest connection still reading its request; False if none is."""
+        if not self._reading:
+            return False
+        oldest = next(iter(self._reading))
+        _send_now(
+            self._reading.pop(oldest), b"ERR dropped: too many connections without a request\n"
+        )
+        oldest.cancel()
+        self._limited.warning(
+            "full",
+            "region descriptor socket: %d connections open, dropped the oldest one still "
+            "silent (a peer that connected and sent no request)",
+            MAX_CONNECTIONS,
+        )
+        return True
+
+    def _forget(self, task: asyncio.Task[None]) -> None:
+        self._open.discard(task)
+        self._reading.pop(task, None)
+
+    async def _serve_connection(self, conn: socket.socket) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        try:
+            try:
+                request = await asyncio.wait_for(_read_line(conn), REQUEST_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                log.debug("region descriptor request: peer silent for %gs", REQUEST_TIMEOUT_S)
+                return
+            finally:
+                self._reading.pop(task, None)
+            if not request:
+                return  # closed without a word: nobody to answer
+            answer, fd = await self._answer(conn, request)
+            try:
+                await asyncio.wait_for(_send(conn, answer, fd), REQUEST_TIMEOUT_S)
+            finally:
+                if fd is not None:
+                    os.close(fd)
+        except Exception as exc:  # one peer's trouble never stops the server
+            self._limited.warning(
+                ("failed", type(exc)), "region descriptor request failed: %s",
+                str(exc) or type(exc).__name__,
+            )  # fmt: skip
+        finally:
+            conn.close()
+
+    async def _answer(self, conn: socket.socket, request: bytes) -> tuple[bytes, int | None]:
+        """The answer to ``request`` and the descriptor to pass with it (None: none)."""
+        if b"\n" not in request:
+            return f"ERR request longer than {MAX_REQUEST_BYTES} bytes\n".encode(), None
+        if not request.startswith(b"MAP "):
+            return b"ERR expected 'MAP <session id>'\n", None
         pid, uid, gid = _PEERCRED.unpack(
             conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
         )
-        request = _read_line(conn)
-        if not request.startswith(b"MAP "):
-            conn.sendall(b"ERR expected 'MAP <session id>'\n")
-            return
-        session_id = request[4:].decode("ascii", "replace").strip()
+        session_id = request[4:].split(b"\n", 1)[0].decode("ascii", "replace").strip()
         future = asyncio.run_coroutine_threadsafe(_call(self._lookup, session_id), self._loop)
-        found = future.result(timeout=REQUEST_TIMEOUT_S)
+        try:
+            found = await asyncio.wait_for(asyncio.wrap_future(future), REQUEST_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise TimeoutError(
+                f"the daemon's event loop did not look the session up within {REQUEST_TIMEOUT_S}s"
+            ) from None
         if found is None:
-            conn.sendall(b"ERR unknown, closed or expired session\n")
-            return
+            return b"ERR unknown, closed or expired session\n", None
         pool_name, region_fd = found
         if not may_map(uid, gid, pool_name, self._gid):
-            log.warning("region of pool %r refused to pid %d uid %d gid %d: not allowed",
-                        pool_name, pid, uid, gid)  # fmt: skip
-            conn.sendall(
+            self._limited.warning(
+                ("denied", uid),
+                "region of pool %r refused to pid %d uid %d gid %d: not allowed",
+                pool_name, pid, uid, gid,
+            )  # fmt: skip
+            return (
                 f"ERR permission denied: uid {uid} gid {gid} may not map pool {pool_name!r}\n"
                 .encode()
-            )  # fmt: skip
-            return
-        fresh = os.open(f"/proc/self/fd/{region_fd}", os.O_RDWR | os.O_CLOEXEC)
-        try:
-            conn.sendmsg(
-                [b"OK\n"],
-                [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fresh]).tobytes())],
-            )
-        finally:
-            os.close(fresh)
+            ), None  # fmt: skip
+        return b"OK\n", os.open(f"/proc/self/fd/{region_fd}", os.O_RDWR | os.O_CLOEXEC)
 
 
 async def _call(lookup: SessionLookup, session_id: str) -> tuple[str, int] | None:
     return lookup(session_id)
 
 
-def _read_line(conn: socket.socket) -> bytes:
+async def _read_line(conn: socket.socket) -> bytes:
+    """The peer's bytes up to and with the first newline; at most
+    :data:`MAX_REQUEST_BYTES` (then without a newline: the request is too long).
+    A peer that closes early: its bytes so far plus a newline (b"" if none)."""
+    own_loop = asyncio.get_running_loop()
     data = b""
     while b"\n" not in data and len(data) < MAX_REQUEST_BYTES:
-        chunk = conn.recv(MAX_REQUEST_BYTES - len(data))
+        chunk = await own_loop.sock_recv(conn, MAX_REQUEST_BYTES - len(data))
         if not chunk:
-            break
+            return data + b"\n" if data else b""
         data += chunk
-    return data.split(b"\n", 1)[0]
+    return data
+
+
+async def _send(conn: socket.socket, answer: bytes, fd: int | None) -> None:
+    """Sends ``answer`` (with ``fd`` in SCM_RIGHTS) on the non-blocking ``conn``."""
+    if fd is None:
+        await asyncio.get_running_loop().sock_sendall(conn, answer)
+        return
+    fds = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]).tobytes())]
+    # a few bytes into a connection nothing was sent on yet: the buffer has room
+    # (a peer whose queue is somehow full waits for writability, within the deadline)
+    while True:
+        try:
+            sent = conn.sendmsg([answer], fds)
+            break
+        except BlockingIOError:
+            await _writable(conn)
+    if sent < len(answer):
+        await asyncio.get_running_loop().sock_sendall(conn, answer[sent:])
+
+
+async def _writable(conn: socket.socket) -> None:
+    own_loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = own_loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    own_loop.add_writer(conn, wake)
+    try:
+        await ready
+    finally:
+        own_loop.remove_writer(conn)
+
+
+def _send_now(conn: socket.socket, line: bytes) -> None:
+    """Best effort, never waits: a short ``ERR`` line to a peer being dropped."""
+    with contextlib.suppress(OSError):
+        conn.send(line)
 
 
 def _clear_stale_socket(path: str) -> None:

@@ -10,15 +10,24 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
+import threading
+import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 from daemon_harness import daemon_command, start_daemon, write_config
 from local_users import LocalUser, other_user
 
-from kvtierd.security.region_access import socket_path_for
+from kvtierd.security.region_access import (
+    MAX_CONNECTIONS,
+    MAX_REQUEST_BYTES,
+    REQUEST_TIMEOUT_S,
+    socket_path_for,
+)
 from kvtierd_client.client import Client
 from kvtierd_client.region import AttachedRegion, attach_announced
 from kvtierd_client.region_fd import RegionAccessDenied, request_region_fd
@@ -118,3 +127,109 @@ def test_a_symlink_planted_at_the_descriptor_socket_path_refuses_the_start(tmp_p
         assert target.read_bytes() == b"keep"
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def connect_silently(stack: ExitStack, path: str) -> socket.socket:
+    """A peer that connects to ``path`` and sends nothing (closed with ``stack``)."""
+    sock = stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+    sock.connect(path)
+    return sock
+
+
+def read_all(sock: socket.socket, timeout: float) -> bytes:
+    """Everything ``sock`` receives until the daemon closes it (ECONNRESET: the
+    daemon closed with bytes of ours unread; what came before still counts)."""
+    sock.settimeout(timeout)
+    data = b""
+    while True:
+        try:
+            chunk = sock.recv(4096)
+        except ConnectionResetError:
+            return data
+        if not chunk:
+            return data
+        data += chunk
+
+
+def test_silent_peers_do_not_delay_a_worker_attaching_by_descriptor(daemon, pool_name):
+    with Client(daemon.address) as client, ExitStack() as silent:
+        session = client.open_session(pool_name, block_bytes=BLOCK, num_blocks=BLOCKS)
+        fd_socket = session.region.fd_socket
+        peers = [connect_silently(silent, fd_socket) for _ in range(20)]
+        started = time.monotonic()
+        with attach_announced(session.region, session_id=session.session_id) as attached:
+            elapsed = time.monotonic() - started
+            assert attached.size == BLOCK * BLOCKS
+        assert elapsed < 0.5, f"attaching took {elapsed:.2f}s behind 20 silent peers"
+        # the silent peers are dropped at their deadline, all of them together
+        started = time.monotonic()
+        for peer in peers:
+            assert read_all(peer, timeout=REQUEST_TIMEOUT_S + 5) == b""
+        assert time.monotonic() - started < REQUEST_TIMEOUT_S + 1.5
+        session.close()
+
+
+def test_past_the_connection_cap_the_oldest_silent_peer_makes_room(daemon, pool_name):
+    with Client(daemon.address) as client, ExitStack() as silent:
+        session = client.open_session(pool_name, block_bytes=BLOCK, num_blocks=BLOCKS)
+        fd_socket = session.region.fd_socket
+        peers = [connect_silently(silent, fd_socket) for _ in range(MAX_CONNECTIONS + 8)]
+        started = time.monotonic()
+        for _ in range(3):
+            os.close(request_region_fd(fd_socket, session.session_id))
+        elapsed = time.monotonic() - started
+        assert elapsed < 0.5, f"3 requests took {elapsed:.2f}s behind a full table"
+        # the oldest silent peer was dropped with a reason, before its deadline
+        answer = read_all(peers[0], timeout=REQUEST_TIMEOUT_S / 2)
+        assert answer.startswith(b"ERR ") and b"too many" in answer, answer
+        session.close()
+    assert daemon.alive()
+
+
+def test_a_request_line_is_cut_at_max_request_bytes(daemon, pool_name):
+    with Client(daemon.address) as client:
+        session = client.open_session(pool_name, block_bytes=BLOCK, num_blocks=BLOCKS)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as peer:
+            peer.connect(session.region.fd_socket)
+            peer.sendall(b"MAP " + b"0" * (MAX_REQUEST_BYTES - 4))  # no newline, then silence
+            started = time.monotonic()
+            answer = read_all(peer, timeout=REQUEST_TIMEOUT_S + 5)
+            elapsed = time.monotonic() - started
+        assert answer.startswith(b"ERR ") and str(MAX_REQUEST_BYTES).encode() in answer, answer
+        assert elapsed < REQUEST_TIMEOUT_S / 2, f"answered after {elapsed:.2f}s, not at the cut"
+        session.close()
+
+
+def test_an_endless_line_is_cut_and_does_not_delay_others(daemon, pool_name):
+    with Client(daemon.address) as client:
+        session = client.open_session(pool_name, block_bytes=BLOCK, num_blocks=BLOCKS)
+        fd_socket = session.region.fd_socket
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as peer:
+            peer.connect(fd_socket)
+            sent = 0
+            failure: list[BaseException] = []
+
+            def flood() -> None:
+                nonlocal sent
+                peer.settimeout(REQUEST_TIMEOUT_S + 5)
+                try:
+                    while sent < 64 << 20:  # no newline, ever
+                        sent += peer.send(b"A" * 65536)
+                except OSError as exc:
+                    failure.append(exc)
+
+            writer = threading.Thread(target=flood)
+            writer.start()
+            started = time.monotonic()
+            os.close(request_region_fd(fd_socket, session.session_id))
+            assert time.monotonic() - started < 0.5
+            writer.join(timeout=REQUEST_TIMEOUT_S + 10)
+            assert not writer.is_alive()
+            # the daemon hung up on it: what the kernel took was a socket buffer, not 64 MiB
+            assert failure and isinstance(failure[0], (BrokenPipeError, ConnectionResetError)), (
+                failure,
+                sent,
+            )
+            answer = read_all(peer, timeout=REQUEST_TIMEOUT_S)
+        assert answer.startswith(b"ERR ") and str(MAX_REQUEST_BYTES).encode() in answer, answer
+        session.close()
