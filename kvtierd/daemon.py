@@ -71,7 +71,12 @@ class Daemon:
         self.tiers: list[ConfiguredTier] = [
             registry.configure(tier.type, tier.name, tier.settings) for tier in config.tiers
         ]
-        self.pools = PoolTable(config.memory, config.limits, self.gid, self.tiers)
+        # with principals, region files are the daemon's alone: other uids get a
+        # descriptor for the pools they may reach (security.region_access)
+        region_mode = 0o600 if self.security.restricted else 0o660
+        self.pools = PoolTable(
+            config.memory, config.limits, self.gid, self.tiers, region_mode=region_mode
+        )
         self.sessions = SessionTable(
             config.sessions.lease,
             config.sessions.max_sessions,
@@ -114,7 +119,9 @@ class Daemon:
         tls = self.tls.server_credentials if self.tls is not None else None
         add_listeners(server, self.config.server.listen, self.gid, self._sockets, tls)
         self._serve_tickets()
-        self._region_fds = region_access.serve_next_to(self._sockets, self.sessions, self.gid)
+        self._region_fds = region_access.serve_next_to(
+            self._sockets, self.sessions, self.gid, self.security
+        )
         self.service.region_fd_socket = self._region_fds.path if self._region_fds else ""
         await server.start()
         self._server = server

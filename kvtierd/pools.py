@@ -41,10 +41,15 @@ class PoolTable:
         limits: LimitsConfig,
         gid: int | None,
         tiers: Sequence[ConfiguredTier] = (),
+        *,
+        region_mode: int = 0o660,
     ) -> None:
         self._memory = memory
         self._limits = limits
         self._gid = gid
+        # of every region file: 0660 (the socket group maps by path) or, with
+        # principals, 0600 (other uids map by descriptor only: security.region_access)
+        self._region_mode = region_mode
         self._tiers = tuple(tiers)  # every pool gets one of each, in this order
         # given to each new pool's Tiering (metrics); set by the daemon
         self.observe_job: Callable[[str, str, bool, float], None] | None = None
@@ -157,6 +162,7 @@ class PoolTable:
                 spec.name,
                 spec.num_blocks,
                 spec.block_bytes,
+                mode=self._region_mode,
                 gid=self._gid,
                 prefault=self._memory.prefault,
             )

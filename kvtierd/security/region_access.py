@@ -4,9 +4,15 @@ A pool's bytes are reachable two ways: by the region file's path (for the
 daemon's own uid, and today for its socket group: the file is 0660) and by a
 file descriptor this module passes over a Unix socket with ``SCM_RIGHTS``.
 The descriptor way is the one authorization can narrow to one pool: the
-daemon learns the peer's uid/gid from the kernel (``SO_PEERCRED``, not
-forgeable), the session id proves which pool the peer opened, and
-:func:`may_map` decides.
+daemon learns the peer's uid/gid/groups from the kernel (``SO_PEERCRED``,
+``SO_PEERGROUPS``: not forgeable), the session id proves which pool the peer
+opened, and the map policy decides (:func:`map_policy`):
+
+* no ``[[security.principals]]``: :func:`may_map` (the daemon's uid, root, or a
+  member of the socket's group: whom the socket permissions let call at all);
+* principals configured: the peer's principal must be the session's and may
+  reach the pool, the same rule as every RPC on that session. Region files are
+  then created 0600 (``kvtierd.daemon``), so no other uid reaches them by path.
 
 Protocol (one request per connection, stdlib-only on the client side):
 
@@ -39,7 +45,6 @@ import os
 import pwd
 import socket
 import stat
-import struct
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -48,6 +53,9 @@ from kvtierd import filekind
 from kvtierd.config import ConfigError
 from kvtierd.errors import SessionNotFound
 from kvtierd.ratelimit import RateLimitedLog
+from kvtierd.security.access import AccessDenied
+from kvtierd.security.identity import PeerCredentials, peer_credentials
+from kvtierd.security.state import SecurityState
 
 log = logging.getLogger("kvtierd.security.region_access")
 
@@ -55,17 +63,20 @@ MAX_REQUEST_BYTES = 128  # "MAP " + 32 hex + "\n", with room to spare
 REQUEST_TIMEOUT_S = 2.0  # a peer that says nothing within this is dropped
 MAX_CONNECTIONS = 64  # open at once; past that the oldest silent one is dropped
 SOCKET_SUFFIX = ".regions"  # <listen socket path> + this
-_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
-# (session id) -> (pool name, region fd) of a live session, or None: runs on the loop
-SessionLookup = Callable[[str], "tuple[str, int] | None"]
+# (session id) -> (pool name, region fd, owning principal) of a live session, or
+# None: runs on the loop
+SessionLookup = Callable[[str], "tuple[str, int, str] | None"]
+# (peer, pool name, session's principal) -> None when the peer may map the pool's
+# region, else the reason it may not; runs on the server's thread
+MapPolicy = Callable[[PeerCredentials, str, str], "str | None"]
 
 
 def may_map(peer_uid: int, peer_gid: int, pool_name: str, socket_gid: int | None = None) -> bool:
     """Whether a Unix peer may map ``pool_name``'s region. Default policy: the
     daemon's own uid, root, or a member of the socket's group (primary or
     supplementary), the same peers the socket permissions let call at all.
-    The principals of issue #18 item 1 replace this function."""
+    With principals configured :func:`map_policy` uses them instead."""
     if peer_uid in (os.geteuid(), 0):
         return True
     group = os.getegid() if socket_gid is None else socket_gid
@@ -81,20 +92,45 @@ def may_map(peer_uid: int, peer_gid: int, pool_name: str, socket_gid: int | None
 def session_lookup(sessions: Any) -> SessionLookup:
     """A :data:`SessionLookup` over the daemon's ``SessionTable`` (on the loop)."""
 
-    def lookup(session_id: str) -> tuple[str, int] | None:
+    def lookup(session_id: str) -> tuple[str, int, str] | None:
         try:
-            session = sessions.get(session_id)  # a request is proof of life: renews
+            session = sessions.get(session_id)  # renews nothing: a map is no keepalive
         except SessionNotFound:
             return None
         if session.pool.region.closed:
             return None
-        return session.pool.spec.name, session.pool.region.fileno()
+        return session.pool.spec.name, session.pool.region.fileno(), session.principal
 
     return lookup
 
 
+def map_policy(security: SecurityState, socket_gid: int | None) -> MapPolicy:
+    """Who may map a session's region: see the module docstring. Reads
+    ``security.authorizer`` per request, so a SIGHUP reload applies to the next."""
+
+    def decide(peer: PeerCredentials, pool_name: str, owner: str) -> str | None:
+        if not security.restricted:
+            if may_map(peer.uid, peer.gid, pool_name, socket_gid):
+                return None
+            return f"uid {peer.uid} gid {peer.gid} may not map pool {pool_name!r}"
+        try:
+            principal = security.authorizer.for_unix_peer(peer)
+        except AccessDenied as exc:
+            return str(exc)
+        if principal.name != owner:
+            return (
+                f"the session belongs to principal {owner!r}, this peer is principal "
+                f"{principal.name!r}"
+            )
+        if not principal.may_reach(pool_name):
+            return f"principal {principal.name!r} may not reach pool {pool_name!r}"
+        return None
+
+    return decide
+
+
 def serve_next_to(
-    unix_sockets: list[str], sessions: Any, socket_gid: int | None
+    unix_sockets: list[str], sessions: Any, socket_gid: int | None, security: SecurityState
 ) -> RegionFdServer | None:
     """Starts a :class:`RegionFdServer` next to the first Unix listen socket (on
     the running loop); None when the daemon listens on TCP only (no peer
@@ -106,6 +142,7 @@ def serve_next_to(
         session_lookup(sessions),
         asyncio.get_running_loop(),
         socket_gid,
+        map_policy(security, socket_gid),
     )
     server.start()
     log.info("region descriptors served on %s", server.path)
@@ -139,9 +176,11 @@ class RegionFdServer:
         lookup: SessionLookup,
         loop: asyncio.AbstractEventLoop,
         socket_gid: int | None,
+        policy: MapPolicy | None = None,
     ) -> None:
         self.path = path
         self._lookup = lookup
+        self._policy = policy or _default_policy(socket_gid)
         self._loop = loop
         self._gid = socket_gid
         self._sock: socket.socket | None = None
@@ -282,9 +321,7 @@ class RegionFdServer:
             return f"ERR request longer than {MAX_REQUEST_BYTES} bytes\n".encode(), None
         if not request.startswith(b"MAP "):
             return b"ERR expected 'MAP <session id>'\n", None
-        pid, uid, gid = _PEERCRED.unpack(
-            conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-        )
+        peer = peer_credentials(conn)
         session_id = request[4:].split(b"\n", 1)[0].decode("ascii", "replace").strip()
         future = asyncio.run_coroutine_threadsafe(_call(self._lookup, session_id), self._loop)
         try:
@@ -295,21 +332,27 @@ class RegionFdServer:
             ) from None
         if found is None:
             return b"ERR unknown, closed or expired session\n", None
-        pool_name, region_fd = found
-        if not may_map(uid, gid, pool_name, self._gid):
+        pool_name, region_fd, owner = found
+        refusal = self._policy(peer, pool_name, owner)
+        if refusal is not None:
             self._limited.warning(
-                ("denied", uid),
-                "region of pool %r refused to pid %d uid %d gid %d: not allowed",
-                pool_name, pid, uid, gid,
+                ("denied", peer.uid),
+                "region of pool %r refused to %s: %s", pool_name, peer.describe(), refusal,
             )  # fmt: skip
-            return (
-                f"ERR permission denied: uid {uid} gid {gid} may not map pool {pool_name!r}\n"
-                .encode()
-            ), None  # fmt: skip
+            return f"ERR permission denied: {refusal}\n".encode(), None
         return b"OK\n", os.open(f"/proc/self/fd/{region_fd}", os.O_RDWR | os.O_CLOEXEC)
 
 
-async def _call(lookup: SessionLookup, session_id: str) -> tuple[str, int] | None:
+def _default_policy(socket_gid: int | None) -> MapPolicy:
+    def decide(peer: PeerCredentials, pool_name: str, owner: str) -> str | None:
+        if may_map(peer.uid, peer.gid, pool_name, socket_gid):
+            return None
+        return f"uid {peer.uid} gid {peer.gid} may not map pool {pool_name!r}"
+
+    return decide
+
+
+async def _call(lookup: SessionLookup, session_id: str) -> tuple[str, int, str] | None:
     return lookup(session_id)
 
 

@@ -17,10 +17,13 @@ import os
 import sys
 
 import grpc
+import numpy  # noqa: F401 - imported while root: the user may not read the venv
 
 from kvtierd_client.client import Client
 from kvtierd_client.errors import KvtierError
 from kvtierd_client.proto import pb2, pb2_grpc
+from kvtierd_client.region import attach_announced
+from kvtierd_client.region_fd import RegionAccessDenied, request_region_fd
 
 
 def main() -> int:
@@ -69,6 +72,24 @@ def run(client: Client, sessions: dict[str, object], call: list) -> object:
                     return "watching"
                 raise
         return "event"
+    if what == "map":  # the region of a session this process opened, by descriptor
+        session = sessions[args[0]]
+        region = session.region  # type: ignore[attr-defined]
+        with attach_announced(region, session_id=session.session_id) as attached:  # type: ignore[attr-defined]
+            attached.numpy()[0, :4] = 7  # writable: the mapping is real
+        return {"fd_socket": region.fd_socket, "path": region.path}
+    if what == "map_foreign":  # [map_foreign, fd socket, someone else's session id]
+        try:
+            os.close(request_region_fd(args[0], args[1]))
+        except RegionAccessDenied as err:
+            return f"denied: {err}"
+        return "mapped"
+    if what == "open_path":  # a region (or any) file by path, for reading
+        try:
+            os.close(os.open(args[0], os.O_RDONLY))
+        except PermissionError:
+            return "EACCES"
+        return "opened"
     if what in ("keepalive", "hijack_lookup", "close_session"):  # on someone else's session id
         return foreign_session_call(client, what, args[0])
     raise ValueError(f"unknown call {what!r}")

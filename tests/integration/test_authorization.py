@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import tempfile
 import threading
 import urllib.request
@@ -119,6 +120,34 @@ def test_two_principals_cannot_open_flush_watch_or_stat_each_others_pools(two_te
     assert "audit session-opened" in log and "principal=team-a" in log
     assert "audit denied method=OpenSession principal=team-b" in log
     assert "pool=team-a/z" in log
+
+
+def test_two_principals_cannot_map_each_others_regions(two_teams):
+    """With principals, region files are the daemon's alone (0600): each team maps
+    its own pool by descriptor, and neither reaches the other's, by descriptor
+    (even holding the other's session id) or by path."""
+    daemon, a, b, _ = two_teams
+    first = run_as(a, daemon.address, [["open", "team-a/x"], ["map", "team-a/x"]])
+    assert "ok" in first[0] and "ok" in first[1], first
+    session_a, region = first[0]["ok"], first[1]["ok"]
+    assert stat.S_IMODE(os.stat(region["path"]).st_mode) == 0o600
+    results = run_as(
+        b,
+        daemon.address,
+        [
+            ["open", "team-b/y"],
+            ["map", "team-b/y"],
+            ["map_foreign", region["fd_socket"], session_a],
+            ["open_path", region["path"]],
+        ],
+    )
+    assert "ok" in results[1], results  # its own pool: mapped by descriptor
+    refused = results[2]["ok"]
+    assert refused.startswith("denied:") and "belongs to principal 'team-a'" in refused, refused
+    assert results[3] == {"ok": "EACCES"}, results
+    with Client(daemon.address) as admin:  # team-a's pool is unharmed
+        assert admin.get_stats("team-a/x").pools[0].sessions == 1
+    assert "region of pool 'team-a/x' refused" in daemon.log()
 
 
 def test_an_unknown_unix_peer_is_refused_and_an_outsider_cannot_connect(accounts):
