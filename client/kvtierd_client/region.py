@@ -297,24 +297,46 @@ def attach_announced(
     socket (:mod:`kvtierd_client.region_fd`; RegionAccessDenied when this
     process may not map the pool), not from the path.
     """
-    fd_socket = getattr(region, "fd_socket", "")
-    if session_id and fd_socket:
-        from kvtierd_client.region_fd import request_region_fd
-
-        return AttachedRegion.attach_fd(
-            request_region_fd(fd_socket, session_id),
-            region.path,
-            int(region.num_blocks),
-            int(region.block_bytes),
-            populate=populate,
-            identity=announced_identity(region),
-        )
-    return AttachedRegion.attach(
+    return attach_region(
         region.path,
         int(region.num_blocks),
         int(region.block_bytes),
-        populate=populate,
         identity=announced_identity(region),
+        fd_socket=getattr(region, "fd_socket", ""),
+        session_id=session_id,
+        populate=populate,
+    )
+
+
+def attach_region(
+    path: str,
+    num_blocks: int,
+    block_bytes: int,
+    *,
+    identity: tuple[int, int] | None,
+    fd_socket: str = "",
+    session_id: str | None = None,
+    populate: bool = True,
+) -> AttachedRegion:
+    """Maps a region the daemon announced (``path``, geometry, ``identity``), the
+    way the daemon offers: by descriptor when it serves them (``fd_socket``, the
+    announced ``Region.fd_socket``) and ``session_id`` names a session of the
+    region's pool, the path then playing no part; by ``path`` otherwise (an older
+    daemon: ``fd_socket`` empty). ``identity`` is checked on the descriptor that
+    gets mapped either way.
+
+    Raises as :meth:`AttachedRegion.attach` does, and RegionAccessDenied when the
+    daemon refuses this process the pool's region (never retried by path).
+    """
+    if fd_socket and session_id:
+        from kvtierd_client.region_fd import request_region_fd
+
+        fd = request_region_fd(fd_socket, session_id)
+        return AttachedRegion.attach_fd(
+            fd, path, num_blocks, block_bytes, populate=populate, identity=identity
+        )
+    return AttachedRegion.attach(
+        path, num_blocks, block_bytes, populate=populate, identity=identity
     )
 
 

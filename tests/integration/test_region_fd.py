@@ -29,7 +29,7 @@ from kvtierd.security.region_access import (
     socket_path_for,
 )
 from kvtierd_client.client import Client
-from kvtierd_client.region import AttachedRegion, attach_announced
+from kvtierd_client.region import AttachedRegion, RegionIdentityError, attach_announced
 from kvtierd_client.region_fd import RegionAccessDenied, request_region_fd
 
 __all__ = ["other_user"]  # the fixture, imported for these tests
@@ -71,6 +71,27 @@ def test_a_swapped_path_does_not_matter_to_the_descriptor_way(daemon, pool_name)
             path.write_bytes(b"\xee" * (BLOCK * BLOCKS))  # the attacker's file at the path
             with attach_announced(session.region, session_id=session.session_id) as attached:
                 assert bytes(attached.numpy()[0][:4]) != b"\xee" * 4
+        finally:
+            os.replace(aside, path)
+        session.close()
+
+
+def test_without_a_descriptor_socket_the_region_is_attached_by_path(daemon, pool_name):
+    """An older daemon announces no fd_socket: the path, checked against the identity."""
+    with Client(daemon.address) as client:
+        session = client.open_session(pool_name, block_bytes=BLOCK, num_blocks=BLOCKS)
+        older = type(session.region)()
+        older.CopyFrom(session.region)
+        older.fd_socket = ""
+        with attach_announced(older, session_id=session.session_id) as attached:
+            assert attached.size == BLOCK * BLOCKS
+        path = Path(older.path)
+        aside = path.with_name(path.name + ".aside")
+        os.rename(path, aside)
+        try:
+            path.write_bytes(b"\xee" * (BLOCK * BLOCKS))
+            with pytest.raises(RegionIdentityError):
+                attach_announced(older, session_id=session.session_id)
         finally:
             os.replace(aside, path)
         session.close()

@@ -15,7 +15,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
@@ -34,13 +34,19 @@ log = logging.getLogger("kvtierd_client.vllm")
 
 @dataclass(frozen=True)
 class RegionIdentity:
-    """One region file of one daemon instance: its path, device and inode, and geometry."""
+    """One region file of one daemon instance: its path, device and inode, and geometry.
+
+    ``fd_socket`` is how to reach it, not part of what it is (not compared): the
+    daemon's region descriptor socket (``Region.fd_socket``), "" when the daemon
+    serves none (an older daemon: workers attach by path).
+    """
 
     path: str
     device: int
     inode: int
     num_blocks: int
     block_bytes: int
+    fd_socket: str = field(default="", compare=False)
 
     @classmethod
     def of_session(cls, session: Session) -> RegionIdentity:
@@ -57,6 +63,7 @@ class RegionIdentity:
             inode=inode,
             num_blocks=int(session.region.num_blocks),
             block_bytes=int(session.region.block_bytes),
+            fd_socket=session.region.fd_socket,
         )
 
     def still_current(self) -> bool:

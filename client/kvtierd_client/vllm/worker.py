@@ -1,7 +1,9 @@
 """The worker side: vLLM's ``OffloadingWorker`` copying KV pages to and from region rows.
 
 One worker per vLLM worker process (rank ``r`` of ``world_size``). It maps the
-pool's region and moves bytes with :class:`kvtierd_client.copy_engine.CopyEngine`:
+pool's region (by the descriptor the daemon passes to processes that may map the
+pool, ``Region.fd_socket``; by path and announced identity with an older daemon
+that serves none) and moves bytes with :class:`kvtierd_client.copy_engine.CopyEngine`:
 CUDA tensors are copied on the engines' own streams behind the compute stream
 and tracked with events; CPU tensors are copied inside ``submit_*``.
 
@@ -47,7 +49,7 @@ from kvtierd_client.client import Client, Session
 from kvtierd_client.copy_engine import CopyEngine
 from kvtierd_client.lease_beacon import LeaseState
 from kvtierd_client.lease_fence import LeaseFence
-from kvtierd_client.region import AttachedRegion
+from kvtierd_client.region import AttachedRegion, attach_region
 from kvtierd_client.vllm.common import KvtierdLoadStoreSpec, RegionIdentity, log
 from kvtierd_client.vllm.settings import PoolPlan
 
@@ -56,16 +58,18 @@ __all__ = ["KvtierdOffloadingWorker", "plan_copies"]
 
 class _Attachment:
     """One mapped region and the copy engines over it: ``engines[g][j]`` copies KV
-    group ``g``'s tensors into sub-block ``j`` of this rank's page."""
+    group ``g``'s tensors into sub-block ``j`` of this rank's page. ``session_id``:
+    a live session of the region's pool (asks the daemon for its descriptor)."""
 
     def __init__(
         self,
         identity: RegionIdentity,
+        session_id: str | None,
         groups: list[list[torch.Tensor]],
         plan: PoolPlan,
         rank: int,
     ) -> None:
-        region = _attach_exactly(identity)
+        region = _attach_exactly(identity, session_id)
         try:
             self.engines = [
                 [
@@ -135,7 +139,9 @@ class KvtierdOffloadingWorker(OffloadingWorker):
         self._group_bytes = [
             sum(t.shape[1] * t.element_size() for t in tensors) for tensors in self._groups
         ]
-        self._current = _Attachment(RegionIdentity.of_session(session), self._groups, plan, rank)
+        self._current = _Attachment(
+            RegionIdentity.of_session(session), session.session_id, self._groups, plan, rank
+        )
         self._jobs: dict[int, _Job] = {}  # submitted, not yet reported
         self._done: dict[CopyEngine, set[int]] = {}  # engine job ids finished, per engine
         # jobs whose rows' session is not proven alive yet, in submission order
@@ -207,7 +213,7 @@ class KvtierdOffloadingWorker(OffloadingWorker):
             if lease is LeaseState.DEAD:
                 self._drop_dead(job, rows, is_load)
                 return
-            attachment = self._attachment_for(rows.region)
+            attachment = self._attachment_for(rows.region, rows.session_id)
             if attachment is None:
                 if is_load:
                     raise RuntimeError(
@@ -302,14 +308,18 @@ class KvtierdOffloadingWorker(OffloadingWorker):
             del self._deferred[job_id]
             self._submit(job_id, gpu, rows, is_load=is_load)
 
-    def _attachment_for(self, identity: RegionIdentity) -> _Attachment | None:
+    def _attachment_for(
+        self, identity: RegionIdentity, session_id: str | None
+    ) -> _Attachment | None:
         """The attachment of ``identity``, attaching it when it is a new region of the
-        pool (daemon restarted); None when that region is gone."""
+        pool (daemon restarted; by descriptor through ``session_id``, the scheduler's
+        session holding the job's rows: this worker's own session is the old
+        daemon's); None when that region is gone."""
         if identity == self._current.identity:
             return self._current
         if not identity.still_current():
             return None
-        fresh = _Attachment(identity, self._groups, self._plan, self._rank)
+        fresh = _Attachment(identity, session_id, self._groups, self._plan, self._rank)
         # Every job in flight ends (and is queued for reporting) before the old
         # region is unmapped.
         self._collect(wait=True)
@@ -375,9 +385,25 @@ def _group_tensors(kv_caches: CanonicalKVCaches) -> list[list[torch.Tensor]]:
     return groups
 
 
-def _attach_exactly(identity: RegionIdentity) -> AttachedRegion:
-    """Maps the region file ``identity`` names, checking before and after that the
-    file at that path is that very file (same device and inode)."""
+def _attach_exactly(identity: RegionIdentity, session_id: str | None) -> AttachedRegion:
+    """Maps the region ``identity`` names, checked on the descriptor it maps (same
+    device and inode).
+
+    By descriptor when the daemon serves them (``identity.fd_socket``) and
+    ``session_id`` names a session of the region's pool: the daemon passes it to
+    this process only if it may map the pool (RegionAccessDenied otherwise, never
+    retried by path), and the path plays no part. Otherwise (an older daemon) by
+    path, checking before and after that the file at that path is that very file.
+    """
+    if identity.fd_socket and session_id:
+        return attach_region(
+            identity.path,
+            identity.num_blocks,
+            identity.block_bytes,
+            identity=(identity.device, identity.inode),
+            fd_socket=identity.fd_socket,
+            session_id=session_id,
+        )
     if not identity.still_current():
         raise FileNotFoundError(f"region {identity.path} is gone or was replaced")
     region = AttachedRegion.attach(
