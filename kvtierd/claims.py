@@ -62,7 +62,7 @@ class SessionClaims:
             if left:
                 pins[key] = left
             else:
-                del pins[key]
+                pins.pop(key)  # dict's C pop: Counter's __delitem__ is Python (hot path)
 
     def reserve(self, keys: Sequence[BlockKey]) -> None:
         """Records the reservations the primary just granted (ref -1 each)."""

@@ -276,6 +276,7 @@ def build_security(config: Config) -> SecurityState:
             # mTLS: the TCP transport verified every client's certificate, which
             # names the caller (``identity.tls_peer_names``)
             client_certificates=bool(security.tls_client_ca_file),
+            unix_only=all(address.startswith("unix:") for address in config.server.listen),
         )
     except TokensFileError as exc:
         raise ConfigError("security.tokens_file", str(exc)) from None
