@@ -30,7 +30,8 @@ Invariants:
   reads at most :data:`MAX_REQUEST_BYTES` per connection within
   :data:`REQUEST_TIMEOUT_S`, and answers, all connections concurrently, at
   most :data:`MAX_CONNECTIONS` open at once (a peer that connects and stays
-  silent delays nobody; the oldest silent one makes room for a new one).
+  silent delays nobody; the oldest silent one of the uid with the most silent
+  ones makes room for a new one: a flood drops its own connections).
 * The socket file is created 0660 with the listen socket's group, next to the
   first Unix listen socket; it is removed at :meth:`RegionFdServer.close`.
 """
@@ -191,6 +192,7 @@ class RegionFdServer:
         # reading their request, in accept order (oldest first).
         self._open: set[asyncio.Task[None]] = set()
         self._reading: dict[asyncio.Task[Any], socket.socket] = {}
+        self._uids: dict[asyncio.Task[Any], int] = {}  # the peer uid of each task in _reading
         self._limited = RateLimitedLog(log)
 
     def start(self) -> None:
@@ -260,6 +262,7 @@ class RegionFdServer:
                 task = own_loop.create_task(self._serve_connection(conn))
                 self._open.add(task)
                 self._reading[task] = conn
+                self._uids[task] = _peer_uid(conn)
                 task.add_done_callback(self._forget)
         finally:
             for task in list(self._open):
@@ -268,13 +271,21 @@ class RegionFdServer:
                 await asyncio.gather(*self._open, return_exceptions=True)
 
     def _make_room(self) -> bool:
-        """Drops the oldest connection still reading its request; False if none is."""
+        """Drops the oldest connection still reading its request of the peer uid
+        with the most of them; False if none is."""
         if not self._reading:
             return False
-        oldest = next(iter(self._reading))
+        # the oldest silent connection of the uid holding the most silent ones: a
+        # peer flooding the socket drops its own connections, not another uid's
+        counts: dict[int, int] = {}
+        for uid in self._uids.values():
+            counts[uid] = counts.get(uid, 0) + 1
+        flooder = max(counts, key=counts.__getitem__)
+        oldest = next(task for task, uid in self._uids.items() if uid == flooder)
         _send_now(
             self._reading.pop(oldest), b"ERR dropped: too many connections without a request\n"
         )
+        self._uids.pop(oldest, None)
         oldest.cancel()
         self._limited.warning(
             "full",
@@ -287,6 +298,7 @@ class RegionFdServer:
     def _forget(self, task: asyncio.Task[None]) -> None:
         self._open.discard(task)
         self._reading.pop(task, None)
+        self._uids.pop(task, None)
 
     async def _serve_connection(self, conn: socket.socket) -> None:
         task = asyncio.current_task()
@@ -299,6 +311,7 @@ class RegionFdServer:
                 return
             finally:
                 self._reading.pop(task, None)
+                self._uids.pop(task, None)
             if not request:
                 return  # closed without a word: nobody to answer
             answer, fd = await self._answer(conn, request)
@@ -401,6 +414,14 @@ async def _writable(conn: socket.socket) -> None:
         await ready
     finally:
         own_loop.remove_writer(conn)
+
+
+def _peer_uid(conn: socket.socket) -> int:
+    """The peer's uid (SO_PEERCRED), -1 when the kernel does not say."""
+    try:
+        return peer_credentials(conn).uid
+    except OSError:
+        return -1
 
 
 def _send_now(conn: socket.socket, line: bytes) -> None:

@@ -176,3 +176,67 @@ def test_a_ticket_never_reaches_the_log_and_dies_with_its_connection_for_every_u
         assert daemon.stop() == 0
     finally:
         daemon.cleanup()
+
+
+FLOOD = """
+import os, socket, sys, time
+path, seconds, uid, gid = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+os.setgroups([gid, int(sys.argv[5])])
+os.setgid(gid)
+os.setuid(uid)
+held, end = [], time.monotonic() + seconds
+while time.monotonic() < end:
+    try:
+        conn = socket.socket(socket.AF_UNIX)
+        conn.setblocking(False)
+        conn.connect(path)
+        held.append(conn)
+    except OSError:
+        time.sleep(0.001)
+    if len(held) > 200:
+        held.pop(0).close()
+"""
+
+
+def test_a_local_flood_of_region_socket_connections_does_not_drop_another_uids_requests(
+    accounts,
+):
+    """Scenario: a member of the socket's group (another uid) opens silent
+    connections to the region-descriptor socket as fast as it can, for 4 s,
+    while the daemon's owner asks for its session's descriptor in a loop. Each
+    new silent connection dropped the oldest silent one, whoever's it was: ~95 %
+    of the owner's requests got 'ERR dropped'. Now a flood drops its own."""
+    import subprocess
+    import sys
+
+    from kvtierd_client.region_fd import RegionAccessDenied, request_region_fd
+
+    group = accounts.group()
+    attacker = accounts.user(group)
+    daemon = start_shared("", group)
+    try:
+        with Client(daemon.address) as client:
+            session = client.open_session("p/x", block_bytes=4096, num_blocks=2)
+            path = session.region.fd_socket
+            os.chmod(daemon.workdir, 0o711)
+            flood = subprocess.Popen(
+                [sys.executable, "-c", FLOOD, path, "4", str(attacker.uid), str(attacker.gid),
+                 str(group.gid)],
+                cwd="/",
+            )  # fmt: skip
+            try:
+                time.sleep(0.5)
+                served = refused = 0
+                end = time.monotonic() + 3
+                while time.monotonic() < end:
+                    try:
+                        os.close(request_region_fd(path, session.session_id, timeout=2))
+                        served += 1
+                    except (OSError, RegionAccessDenied):
+                        refused += 1
+            finally:
+                flood.wait(timeout=30)
+            assert refused <= served // 20, f"{refused} refused, {served} served"
+        assert daemon.stop() == 0
+    finally:
+        daemon.cleanup()
