@@ -14,7 +14,11 @@ message. A gate is that generic handler for one service on one transport:
   of it is bounded by HTTP/2 flow control (the stream's receive window), not by
   ``grpc.max_receive_message_length``.
 
-Services in ``OPEN_SERVICES`` (health, for probes) are never gated.
+Services in ``OPEN_SERVICES`` (health, for probes) stay open, but unread too:
+where a transport is gated, a caller without an identity gets ``Check``
+answered as for the default request (the daemon's overall status; the
+request it sent is never read: a probe sends the default request anyway) and
+``Watch`` refused. So no unauthenticated request of any size is ever assembled.
 
 The refusal is audited (``on_refused``: method, peer, message). Per admitted
 call a gate costs one dict lookup for the method and the ``admits`` check.
@@ -42,10 +46,14 @@ class AuthenticationGate(grpc.GenericRpcHandler):
         admits: Admits,
         message: str,
         on_refused: Callable[[str, str, str], None] | None = None,
+        unread_answers: Mapping[str, grpc.RpcMethodHandler] | None = None,
     ) -> None:
+        """``unread_answers``: method path -> the handler that answers a caller
+        without an identity in place of the refusal (it must not read the request)."""
         self._handlers = dict(handlers)
         self._admits = admits
         self._refusals = {method: _refusal(method, message, on_refused) for method in handlers}
+        self._refusals.update(unread_answers or {})
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> Any:
         method = handler_call_details.method
@@ -71,3 +79,21 @@ def _refusal(
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     return grpc.stream_unary_rpc_method_handler(refuse)
+
+
+def answer_default_request(
+    handler: grpc.RpcMethodHandler, default_request: Callable[[], Any]
+) -> grpc.RpcMethodHandler:
+    """A handler for a unary method that never reads the caller's request: it runs
+    ``handler``'s behavior on ``default_request()`` instead (client-streaming with
+    no deserializer, like the refusal; the same response serializer)."""
+    behavior: Any = handler.unary_unary  # an async behavior on a grpc.aio server
+    if behavior is None:
+        raise ValueError("answer_default_request serves unary-unary methods only")
+
+    async def answer(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await behavior(default_request(), context)
+
+    return grpc.stream_unary_rpc_method_handler(
+        answer, response_serializer=handler.response_serializer
+    )

@@ -30,12 +30,13 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from grpc_health.v1.health_pb2 import HealthCheckRequest
 
 from kvtierd.errors import KvtierdError
 from kvtierd.security.access import AccessDenied, NotAuthenticated
 from kvtierd.security.audit import AuditLog
 from kvtierd.security.authorizer import Authorizer, build_authorizer
-from kvtierd.security.gate import OPEN_SERVICES, AuthenticationGate
+from kvtierd.security.gate import OPEN_SERVICES, AuthenticationGate, answer_default_request
 from kvtierd.security.identity import LOCAL_CALLER, Caller, tls_peer_names
 from kvtierd.security.principals import Principal
 from kvtierd.security.quotas import PoolQuotas
@@ -171,9 +172,9 @@ class SecurityState:
     ) -> AuthenticationGate | None:
         """The pre-body gate of ``service`` (``handlers``: method name -> handler) on
         ``transport`` ("unix" or "tcp"), or None where every caller is let in:
-        the health service, and Unix sockets without principals."""
-        if service in OPEN_SERVICES:
-            return None
+        Unix sockets without principals. Health stays open where a transport is
+        gated, unread: ``Check`` answers the overall status to anyone (probes),
+        ``Watch`` needs an identity (``kvtierd.security.gate``)."""
         if transport == "unix":
             if not self.restricted:
                 return None
@@ -181,7 +182,11 @@ class SecurityState:
         else:
             admits, message = self.admits_tcp, TCP_UNAUTHENTICATED
         paths = {f"/{service}/{name}": handler for name, handler in handlers.items()}
-        return AuthenticationGate(paths, admits, message, self._gate_refused)
+        unread: dict[str, Any] = {}
+        if service in OPEN_SERVICES:
+            check = f"/{service}/Check"
+            unread[check] = answer_default_request(paths[check], HealthCheckRequest)
+        return AuthenticationGate(paths, admits, message, self._gate_refused, unread)
 
     # ----------------------------------------------------------------- audit
 

@@ -54,18 +54,12 @@ def _concurrently(count: int, call) -> list[object]:
     return results
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the health service is open (probes) and served by the TCP server whose "
-    "receive limit is the largest Batch (~35 MiB): an unauthenticated Health/Check or "
-    "Health/Watch request is read and parsed whole; grpc has no per-method receive limit, "
-    "so small-limiting it needs its own handler or listener (not a one-line fix)",
-)
 def test_unauthenticated_health_requests_over_tcp_are_small_limited(tmp_path):
     """Scenario: a remote client without a token sends 8 concurrent 30 MB
-    Health/Check requests (health is open for probes). Today the daemon reads and
-    parses each one (+~560 MiB peak RSS; Health/Watch the same, and its streams
-    stay open). An unauthenticated request must be small-limited (#18 item 1)."""
+    Health/Check requests (health is open for probes), then 8 Health/Watch ones.
+    The daemon reads none of them (it did: +~560 MiB peak RSS): Check is answered
+    as for the default request (the overall status), Watch needs a token. A real
+    probe still gets its answer, and a caller with a token gets the real service."""
     tokens = _tokens(tmp_path, "health-token-0123456789abcdef")
     address = f"127.0.0.1:{free_port()}"
     daemon = start_daemon("--tokens-file", tokens, "--listen", address)
@@ -84,11 +78,34 @@ def test_unauthenticated_health_requests_over_tcp_are_small_limited(tmp_path):
         codes = _concurrently(8, send)
         grown = peak_rss_bytes(daemon.proc.pid) - before
         assert grown < 64 << 20, f"8 unauthenticated health requests: peak RSS +{grown >> 20} MiB"
-        assert all(code == grpc.StatusCode.RESOURCE_EXHAUSTED for code in codes), codes
+        serving = health_pb2.HealthCheckResponse(status=1).SerializeToString()
+        assert all(code == serving for code in codes), codes  # answered unread
+
+        def watch(_: int) -> object:
+            with grpc.insecure_channel(address, options=options) as channel:
+                call = channel.unary_stream("/grpc.health.v1.Health/Watch")(body, timeout=60)
+                try:
+                    return next(call)
+                except grpc.RpcError as err:
+                    return err.code()
+
+        before = peak_rss_bytes(daemon.proc.pid)
+        watched = _concurrently(8, watch)
+        grown = peak_rss_bytes(daemon.proc.pid) - before
+        assert grown < 64 << 20, f"8 unauthenticated health watches: peak RSS +{grown >> 20} MiB"
+        assert all(code == grpc.StatusCode.UNAUTHENTICATED for code in watched), watched
         probe = health_pb2.HealthCheckRequest().SerializeToString()
         with grpc.insecure_channel(address) as channel:  # a real probe still gets its answer
             answer = channel.unary_unary("/grpc.health.v1.Health/Check")(probe, timeout=5)
         assert health_pb2.HealthCheckResponse.FromString(answer).status == 1
+        unknown = health_pb2.HealthCheckRequest(service="no.such.Service").SerializeToString()
+        metadata = [("authorization", "Bearer health-token-0123456789abcdef")]
+        check_with_token = grpc.insecure_channel(address).unary_unary(
+            "/grpc.health.v1.Health/Check"
+        )  # with a token: the real servicer
+        with pytest.raises(grpc.RpcError) as refused:
+            check_with_token(unknown, timeout=5, metadata=metadata)
+        assert refused.value.code() == grpc.StatusCode.NOT_FOUND
         assert daemon.stop() == 0
     finally:
         daemon.cleanup()
