@@ -331,13 +331,29 @@ def attach_region(
     if fd_socket and session_id:
         from kvtierd_client.region_fd import request_region_fd
 
-        fd = request_region_fd(fd_socket, session_id)
+        fd = request_region_fd(fd_socket, session_id, server_uid=_daemon_uid(path, identity))
         return AttachedRegion.attach_fd(
             fd, path, num_blocks, block_bytes, populate=populate, identity=identity
         )
     return AttachedRegion.attach(
         path, num_blocks, block_bytes, populate=populate, identity=identity
     )
+
+
+def _daemon_uid(path: str, identity: tuple[int, int] | None) -> int | None:
+    """The uid of the daemon that announced ``identity`` for the region at
+    ``path``: the owner of that very file (``lstat`` needs no permission on the
+    file). None when it cannot be told (no identity announced, or the path names
+    another file now): the descriptor's identity check still guards the mapping."""
+    if identity is None:
+        return None
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return None
+    if (info.st_dev, info.st_ino) != identity:
+        return None
+    return info.st_uid
 
 
 def _populate(mapping: mmap.mmap) -> None:
