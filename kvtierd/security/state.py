@@ -103,6 +103,7 @@ class SecurityState:
             lambda peer: self.authorizer.for_unix_peer(peer),
             max_ticket_holders,
             on_refused=self._ticket_refused,
+            principals=[principal.name for principal in principals],
         )
         # (method, status code name, seconds) per call a gate refused; set by the daemon
         # (metrics count them with the calls the servicer answers)

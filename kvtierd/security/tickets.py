@@ -30,7 +30,8 @@ import contextlib
 import logging
 import secrets
 import socket
-from collections.abc import Callable, Coroutine
+from collections import Counter
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from kvtierd.security.access import AccessDenied
@@ -56,11 +57,19 @@ class TicketOffice:
         identify: Callable[[PeerCredentials], Principal],
         max_holders: int,
         on_refused: Callable[[str, str], None] | None = None,
+        principals: Sequence[str] = (),
     ) -> None:
         self._identify = identify
         self._max_holders = max_holders
         self._on_refused = on_refused
+        # Fair shares: each configured principal may always get share tickets; it
+        # gets more only while the free ones still cover every other principal's
+        # unused share, so no principal can lock the others out.
+        self._principals = tuple(principals)
+        self._share = max(1, max_holders // max(1, len(self._principals)))
         self._callers: dict[str, Caller] = {}  # ticket -> the caller it proves
+        # Invariant: _held[p] == number of tickets in _callers whose caller is p (> 0)
+        self._held: Counter[str] = Counter()
         self._listeners: list[socket.socket] = []
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -123,6 +132,7 @@ class TicketOffice:
                 return
             ticket = secrets.token_hex(TICKET_BYTES)
             self._callers[ticket] = caller  # holders +1
+            self._held[caller.name] += 1
             assert len(self._callers) <= self._max_holders
             answer = granted_line(ticket, caller.name)
             await asyncio.wait_for(loop.sock_sendall(connection, answer), HANDSHAKE_TIMEOUT)
@@ -133,7 +143,10 @@ class TicketOffice:
             log.debug("ticket connection ended: %s", exc)
         finally:
             if ticket:
-                del self._callers[ticket]  # holders -1
+                name = self._callers.pop(ticket).name  # holders -1
+                self._held[name] -= 1
+                if not self._held[name]:
+                    del self._held[name]
             connection.close()
 
     def _admit(self, peer: PeerCredentials) -> Caller:
@@ -146,4 +159,22 @@ class TicketOffice:
                 f"{self._max_holders} (sessions.max_sessions); close clients you no longer use",
                 principal=principal.name,
             )
+        if not self._within_share(principal.name):
+            raise AccessDenied(
+                f"principal {principal.name!r} holds {self._held[principal.name]} peer tickets; "
+                f"the free ones ({self._max_holders - len(self._callers)}) are kept for the "
+                "other principals' shares (sessions.max_sessions / principals); close clients "
+                "you no longer use",
+                principal=principal.name,
+            )
         return Caller(principal, peer.describe(), "peer ticket")
+
+    def _within_share(self, name: str) -> bool:
+        """Whether ``name`` may take one more ticket: below its share, or the free
+        tickets stay more than the other principals' unused shares."""
+        if self._held[name] < self._share:
+            return True
+        unused_by_others = sum(
+            max(0, self._share - self._held[other]) for other in self._principals if other != name
+        )
+        return self._max_holders - len(self._callers) > unused_by_others
