@@ -76,10 +76,11 @@ class RedisServer:
         raise RuntimeError(f"redis-server did not answer on port {self.port}")
 
     def ping(self) -> bool:
+        """Whether the server answers (PONG, or NOAUTH from one with a password)."""
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as conn:
                 conn.sendall(b"PING\r\n")
-                return conn.recv(16).startswith(b"+PONG")
+                return conn.recv(16).startswith((b"+PONG", b"-NOAUTH"))
         except OSError:
             return False
 

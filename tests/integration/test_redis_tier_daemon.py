@@ -238,3 +238,52 @@ def test_lookups_never_wait_on_a_server_that_does_not_answer(
         os.kill(server.proc.pid, signal.SIGCONT)
     assert engine.wait_settled(held, timeout=30.0) in ([MISS, MISS], [HIT, HIT])
     engine.close()
+
+
+def test_a_password_protected_server(
+    redis_factory: Callable[..., RedisServer],
+    daemons: Callable[[str], DaemonProcess],
+    key_prefix: str,
+    pool_name,
+    tmp_path,
+):
+    server = redis_factory("--requirepass", "s3cret-pw")
+    password_file = tmp_path / "redis-password"
+    password_file.write_text("s3cret-pw\n")
+    password_file.chmod(0o600)
+    with_password = daemons(redis_config(server.url, key_prefix, password_file=password_file))
+    without = daemons(redis_config(server.url, key_prefix + "-nopw"))
+    keys = block_keys("pw", 2)
+    for daemon, failures in ((with_password, 0), (without, 1)):
+        engine = Engine(daemon, pool_name)
+        engine.store(keys)
+        engine.settle_cascades()
+        assert engine.tier_stats().cascade_failures == failures
+        assert engine.load(keys) == [payload(k) for k in keys]  # served either way
+        engine.close()
+    assert "s3cret-pw" not in with_password.log() + without.log()
+    client = redis.Redis.from_url(server.url, password="s3cret-pw")
+    assert client.exists(*(redis_key(key_prefix, pool_name, k) for k in keys)) == 2
+    client.close()
+
+
+def test_a_full_server_fails_cascades_cleanly_and_counts_them(
+    redis_factory: Callable[..., RedisServer],
+    daemons: Callable[[str], DaemonProcess],
+    key_prefix: str,
+    pool_name,
+):
+    server = redis_factory("--maxmemory", "3mb", "--maxmemory-policy", "noeviction")
+    daemon = daemons(redis_config(server.url, key_prefix))
+    engine = Engine(daemon, pool_name)
+    for round_ in range(8):  # 64 blocks of 68 KiB: more than the server takes
+        keys = block_keys(f"full{round_}", 8)
+        engine.store(keys)
+        engine.settle_cascades()
+        assert engine.load(keys) == [payload(k) for k in keys]  # the primary serves
+        engine.client.flush_pool(pool_name)
+    stats = engine.tier_stats()
+    assert stats.cascade_failures >= 1 and stats.cascade_blocks == 64
+    assert "redis tier redis: store failed: OutOfMemoryError" in daemon.log()
+    assert stats.capacity_bytes == 3 << 20  # the server's maxmemory, from INFO
+    engine.close()

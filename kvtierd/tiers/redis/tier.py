@@ -59,6 +59,7 @@ log = logging.getLogger("kvtierd.tiers.redis")
 HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 REMOVALS_KEPT = 1024
 PROBE_BATCH = 512  # keys per EXISTS pipeline
+MAX_PROBE_WANTED = 16 * PROBE_BATCH  # keys waiting for a probe; more answer MISS unprobed
 FAULT_LOG_INTERVAL_S = 10.0
 GROUP_BLOCKS_BYTES = 16 << 20  # blocks per I/O task: about 16 MiB
 _COUNTERS = (
@@ -141,6 +142,20 @@ class RedisTier(SecondaryTier):
         self._removals: OrderedDict[BlockKey, tuple[float, str]] = OrderedDict()
         self._ready: asyncio.Future[None] | None = None
         self._closed = False
+        self._server_bytes = 0  # the server's maxmemory (or its RAM), from INFO at prepare
+
+    def prepare(self) -> None:
+        """Off the loop: asks the server for its memory limit, for ``capacity_bytes``
+        when ``capacity`` is 0. A server that does not answer is no reason to refuse
+        the pool (it is a fault the tier lives through)."""
+        try:
+            info = self._client.info("memory")
+        except redis.RedisError as exc:
+            self._fault("INFO", exc)
+            return
+        if isinstance(info, dict):
+            limit = info.get("maxmemory") or info.get("total_system_memory") or 0
+            self._server_bytes = int(limit)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -196,7 +211,7 @@ class RedisTier(SecondaryTier):
         seen = self._presence.get(key)
         if seen is not None and seen[1] > now:
             return seen[0]
-        if not self._closed:
+        if not self._closed and len(self._probe_wanted) < MAX_PROBE_WANTED:
             self._probe_wanted[key] = None
         return False
 
@@ -294,7 +309,8 @@ class RedisTier(SecondaryTier):
         return TierStats(
             name=self.name,
             medium=self.medium,
-            capacity_bytes=self.capacity_bytes or max(self._used_bytes, 1),
+            # 0: the server's limit (INFO at prepare), never below what this pool holds
+            capacity_bytes=self.capacity_bytes or max(self._server_bytes, self._used_bytes),
             used_bytes=self._used_bytes,
             bytes_per_block=self.value_bytes,
             blocks=len(self._held),
@@ -443,8 +459,10 @@ class RedisTier(SecondaryTier):
     def _fault(self, kind: str, error: BaseException | None) -> None:
         if isinstance(error, redis.RedisError):
             self._faults.warning(
-                (kind, self.name), "redis tier %s: %s failed: %s", self.name, kind, error
-            )
+                (kind, self.name),
+                "redis tier %s: %s failed: %s: %s",
+                self.name, kind, type(error).__name__, error,
+            )  # fmt: skip
         else:
             log.debug("redis tier %s: %s failed: %s", self.name, kind, error)
 
