@@ -132,7 +132,8 @@ class RedisTier(SecondaryTier):
         self._faults = faults or RateLimitedLog(log, FAULT_LOG_INTERVAL_S)
         # Invariant: _held holds the keys this instance stored (or loaded) and not
         # dropped since, least recently used first; len * value_bytes is used_bytes.
-        self._held: OrderedDict[BlockKey, None] = OrderedDict()
+        # each with the monotonic time its value expires on the server (inf without ttl)
+        self._held: OrderedDict[BlockKey, float] = OrderedDict()
         self._writing: Counter[BlockKey] = Counter()  # keys of store jobs in flight
         self._presence: dict[BlockKey, tuple[bool, float]] = {}  # key -> (present, until)
         self._probe_wanted: dict[BlockKey, None] = {}  # keys waiting for the next probe
@@ -205,9 +206,12 @@ class RedisTier(SecondaryTier):
 
     def _knows(self, key: BlockKey, now: float) -> bool:
         """True when the key is held or a fresh probe saw it; an unknown or stale
-        key is queued for the next probe."""
-        if key in self._held:
-            return True
+        key is queued for the next probe (a held key past its ttl is dropped)."""
+        expires = self._held.get(key)
+        if expires is not None:
+            if expires > now:
+                return True
+            self._drop(key, "expired: its ttl ran out on the server")
         seen = self._presence.get(key)
         if seen is not None and seen[1] > now:
             return seen[0]
@@ -218,10 +222,11 @@ class RedisTier(SecondaryTier):
     def contains(self, key: BlockKey) -> bool | None:
         if not self.ready:
             return None
-        if key in self._held:
+        now = time.monotonic()
+        if self._held.get(key, 0.0) > now:
             return True
         seen = self._presence.get(key)
-        return seen is not None and seen[1] > time.monotonic() and seen[0]
+        return seen is not None and seen[1] > now and seen[0]
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
         for key in keys:
@@ -416,7 +421,11 @@ class RedisTier(SecondaryTier):
             log.exception("redis tier %s: on_done of job %d failed", self.name, job.job_id)
 
     def _hold(self, key: BlockKey) -> None:
-        self._held[key] = None
+        """Makes ``key`` held and most recent; a key held already keeps its expiry
+        (SET NX did not renew it)."""
+        if key not in self._held:
+            ttl_s = self._ttl_ms / 1000 if self._ttl_ms else float("inf")
+            self._held[key] = time.monotonic() + ttl_s
         self._held.move_to_end(key)
         self._presence.pop(key, None)
 
@@ -440,9 +449,9 @@ class RedisTier(SecondaryTier):
             return
         victims = []
         while self._used_bytes > self.capacity_bytes and self._held:
-            victim, _ = self._held.popitem(last=False)
+            victim, expires = self._held.popitem(last=False)
             if victim in protect and len(self._held) < len(protect):
-                self._held[victim] = None  # nothing else to evict: keep it
+                self._held[victim] = expires  # nothing else to evict: keep it
                 break
             victims.append(victim)
             self._counters["evictions"] += 1
