@@ -49,6 +49,10 @@ test-tools:
 	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
 	    apt-get install -y -q --no-install-recommends systemd >/dev/null 2>&1; } || \
 	  echo "systemd-analyze not available: the unit-file check will be skipped"
+	@command -v redis-server >/dev/null 2>&1 || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	    apt-get install -y -q --no-install-recommends redis-server >/dev/null 2>&1; } || \
+	  echo "redis-server not available: the redis tier tests will be skipped"
 
 bench: install
 	$(BIN)/python -m benchmarks

@@ -40,3 +40,7 @@ def pool_name(request: pytest.FixtureRequest) -> str:
     """A pool name unique to this test."""
     name = re.sub(r"[^A-Za-z0-9._:/-]", "_", request.node.name)[:80]
     return f"test/{name}/{next(_pool_counter)}"
+
+
+# the redis tier's tests start real redis-server processes (tests/redis_harness.py)
+from redis_harness import redis_factory, redis_server  # noqa: E402, F401

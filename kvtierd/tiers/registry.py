@@ -20,6 +20,7 @@ from typing import Any
 
 from kvtierd.tiers.configured import ConfiguredTier, TierSettings
 from kvtierd.tiers.fs import settings as fs_settings
+from kvtierd.tiers.redis import settings as redis_settings
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,5 +107,13 @@ register(
         parse_settings=fs_settings.parse_fs_settings,
         configured_class="kvtierd.tiers.fs.configured:ConfiguredFsTier",
         option_help=fs_settings.option_help,
+    )
+)
+register(
+    TierType(
+        name="redis",
+        parse_settings=redis_settings.parse_redis_settings,
+        configured_class="kvtierd.tiers.redis.configured:ConfiguredRedisTier",
+        option_help=redis_settings.option_help,
     )
 )

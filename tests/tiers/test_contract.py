@@ -2,7 +2,8 @@
 
 One kit per implementation: the fs tier with its block I/O on its threads and in
 I/O worker processes (as ``ConfiguredFsTier`` builds it for ``io_processes = 0``
-and ``> 0``), and the in-memory reference tier. A new tier joins by adding a kit
+and ``> 0``), the redis tier against a real redis-server (skipped, saying why,
+without one), and the in-memory reference tier. A new tier joins by adding a kit
 to :data:`KITS`.
 """
 
@@ -13,11 +14,13 @@ import contextlib
 import shutil
 import tempfile
 import threading
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from tier_contract import CHECKS, DAMAGE_CHECKS, ROWS, Check, TierKit, run_check
 
 from kvtierd.contract import BlockKey
@@ -27,6 +30,7 @@ from kvtierd.tiers.fs import FsTier, fsformat
 from kvtierd.tiers.fs.iopool import IoPool
 from kvtierd.tiers.fs.ioworker import IoWorkers
 from kvtierd.tiers.memory import MemoryTier
+from kvtierd.tiers.redis.tier import RedisTier
 
 STARTED_TIMEOUT_S = 30.0
 
@@ -133,6 +137,102 @@ class FsKit(TierKit):
         shutil.rmtree(self.shm_dir, ignore_errors=True)
 
 
+@contextlib.asynccontextmanager
+async def _stall_io(io: IoPool, threads: int) -> AsyncIterator[None]:
+    """Occupies every thread of ``io`` until the block ends."""
+    gate, started = threading.Event(), threading.Semaphore(0)
+
+    def blocker() -> None:
+        started.release()
+        gate.wait()
+
+    def all_started() -> bool:
+        return all(started.acquire(timeout=STARTED_TIMEOUT_S) for _ in range(threads))
+
+    io.submit_read([blocker] * threads, lambda outcomes: None)
+    try:
+        assert await asyncio.get_running_loop().run_in_executor(None, all_started)
+        yield
+    finally:
+        gate.set()
+
+
+class RedisKit(TierKit):
+    """RedisTiers on one real redis-server (the session's), under a key prefix of
+    this kit's own; one I/O pool per tier, as a configured tier with one pool."""
+
+    block_bytes = 1024
+    can_damage = True
+    needs_redis = True
+    threads = 2
+
+    def __init__(self, root: Path, *, url: str) -> None:
+        super().__init__(root)
+        self.client = redis.Redis.from_url(url, socket_timeout=5)
+        self.key_prefix = f"contract-{uuid.uuid4().hex[:12]}"
+        self.io_pools: dict[int, IoPool] = {}
+
+    def region(self, pool: str) -> memoryview:
+        return memoryview(bytearray(ROWS * self.block_bytes))
+
+    def create(
+        self,
+        pool: str,
+        region: memoryview,
+        on_done: JobCallback,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        capacity_blocks: int,
+        max_queue_jobs: int,
+    ) -> SecondaryTier:
+        io = IoPool(
+            loop,
+            read_threads=1,
+            write_threads=1,
+            max_queue_jobs=max_queue_jobs,
+            name=f"contract-{pool}",
+        )
+        tier = RedisTier(
+            "redis",
+            self.client,
+            key_prefix=self.key_prefix,
+            pool_name=pool,
+            block_bytes=self.block_bytes,
+            layout={"layout": "contract"},
+            region_buffer=region,
+            capacity_bytes=capacity_blocks * (fsformat.HEADER_SIZE + self.block_bytes),
+            on_done=on_done,
+            loop=loop,
+            io_pool=io,
+        )
+        self.io_pools[id(tier)] = io
+        return tier
+
+    @contextlib.asynccontextmanager
+    async def stall(self, tier: SecondaryTier) -> AsyncIterator[None]:
+        async with _stall_io(self.io_pools[id(tier)], self.threads):
+            yield
+
+    async def stop(self, tier: SecondaryTier) -> None:
+        io = self.io_pools.pop(id(tier))
+        await asyncio.get_running_loop().run_in_executor(None, io.shutdown)
+
+    def damage(self, tier: SecondaryTier, key: BlockKey) -> None:
+        """Flips the first payload byte of the key's value in the server."""
+        assert isinstance(tier, RedisTier)
+        redis_key = tier.key_space + key
+        value = self.client.get(redis_key)
+        assert isinstance(value, bytes)
+        flipped = bytes([value[fsformat.HEADER_SIZE] ^ 0xFF])
+        self.client.setrange(redis_key, fsformat.HEADER_SIZE, flipped)
+
+    def close(self) -> None:
+        keys = list(self.client.scan_iter(match=f"{self.key_prefix}:*", count=1000))
+        if keys:
+            self.client.delete(*keys)
+        self.client.close()
+
+
 class MemoryKit(TierKit):
     """The in-memory reference tier; a stall is its pause()."""
 
@@ -176,22 +276,29 @@ class MemoryKit(TierKit):
 KITS: dict[str, tuple[type[TierKit], dict[str, Any]]] = {
     "fs-threads": (FsKit, {"io_processes": 0}),
     "fs-workers": (FsKit, {"io_processes": 2}),
+    "redis": (RedisKit, {}),
     "memory": (MemoryKit, {}),
 }
 
 
-def _run(kit: str, check: Check, tmp_path: Path) -> None:
+def _run(kit: str, check: Check, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     cls, options = KITS[kit]  # a fresh kit per check
+    if getattr(cls, "needs_redis", False):  # the session's server (skips without one)
+        options = {**options, "url": request.getfixturevalue("redis_server").url}
     asyncio.run(run_check(lambda: cls(tmp_path, **options), check))
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__.removeprefix("check_"))
 @pytest.mark.parametrize("kit", KITS)
-def test_tier_contract(kit: str, check: Check, tmp_path: Path) -> None:
-    _run(kit, check, tmp_path)
+def test_tier_contract(
+    kit: str, check: Check, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    _run(kit, check, request, tmp_path)
 
 
 @pytest.mark.parametrize("check", DAMAGE_CHECKS, ids=lambda c: c.__name__.removeprefix("check_"))
 @pytest.mark.parametrize("kit", [name for name, (cls, _) in KITS.items() if cls.can_damage])
-def test_tier_contract_with_damage(kit: str, check: Check, tmp_path: Path) -> None:
-    _run(kit, check, tmp_path)
+def test_tier_contract_with_damage(
+    kit: str, check: Check, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    _run(kit, check, request, tmp_path)

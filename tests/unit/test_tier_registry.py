@@ -34,9 +34,9 @@ def test_fs_is_supported_and_configures_a_configured_fs_tier(tmp_path: Any) -> N
 
 def test_an_unknown_type_names_the_supported_ones() -> None:
     with pytest.raises(
-        registry.UnknownTierType, match=r"^unsupported tier type 'redis'; supported: fs"
+        registry.UnknownTierType, match=r"^unsupported tier type 's3'; supported: fs, redis"
     ):
-        registry.lookup("redis")
+        registry.lookup("s3")
 
 
 def test_a_type_name_is_registered_once() -> None:

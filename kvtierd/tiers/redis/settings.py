@@ -1,0 +1,228 @@
+"""The settings of one ``type = "redis"`` tier, declared once in :class:`RedisTierSettings`.
+
+As for the fs tier (:mod:`kvtierd.tiers.fs.settings`), everything else derives
+from the dataclass: the options the parser accepts, ``kvtierd --help``, and the
+README's table (:func:`options_markdown`; a test compares them). Parsing is pure:
+no connection is made until a pool's tier runs its first job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import urllib.parse
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtierd.tiers.configured import TierOptionError
+from kvtierd.units import parse_duration, parse_size
+
+CLUSTER_MODES = ("auto", "true", "false")
+URL_SCHEMES = ("redis", "rediss")
+MAX_THREADS = 256
+MAX_QUEUE_JOBS = 1 << 20
+MIN_QUEUE_BYTES = 4096
+MAX_KEY_PREFIX = 64
+_SIZE_OPTIONS = frozenset({"capacity", "max_queue_bytes"})
+_DURATION_OPTIONS = frozenset({"ttl", "timeout", "presence_ttl"})
+
+
+def _option(default: Any, help: str) -> Any:
+    """A settings field: its default and the one line of help an operator reads."""
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True, slots=True)
+class RedisTierSettings:
+    """One ``type = "redis"`` tier. The defaults below are the only place they are written."""
+
+    urls: tuple[str, ...] = _option(
+        ("redis://127.0.0.1:6379",), "seed nodes, redis:// or rediss:// (TLS) URLs"
+    )
+    cluster: str = _option(
+        "auto", 'true, false or "auto" (ask the server); only standalone servers so far'
+    )
+    username: str = _option("", "ACL user name, empty for the default user")
+    password_file: str = _option(
+        "", "file holding the AUTH / ACL password (not readable by others), empty for none"
+    )
+    key_prefix: str = _option("kvtierd", "prefix of every key this tier writes")
+    ttl: float = _option(0.0, "expiry of every value, 0s for none (the server's maxmemory evicts)")
+    capacity: int = _option(
+        0,
+        "bytes of blocks each pool keeps in the server, its least recently used deleted "
+        "first; 0 for no limit of its own (the server's maxmemory policy evicts)",
+    )
+    timeout: float = _option(2.0, "connect and socket timeout of every Redis call")
+    presence_ttl: float = _option(
+        1.0, "how long a lookup trusts a batched EXISTS answer about a key it did not store"
+    )
+    threads: int = _option(8, "I/O threads (connections) moving blocks and probing keys")
+    max_queue_bytes: int = _option(
+        1 << 30, "cascade bytes queued before new cascade writes are dropped"
+    )
+    max_queue_jobs: int = _option(1024, "cascade jobs queued before new cascade writes are dropped")
+
+    def exclusive(self) -> Mapping[str, object]:
+        """Two configured tiers on one server with one prefix would evict each other's keys."""
+        return {"key_prefix": f"{self.key_prefix} on {', '.join(self.urls)}"}
+
+    def describe(self) -> str:
+        return f"redis at {', '.join(_redact(u) for u in self.urls)}, prefix {self.key_prefix!r}"
+
+
+OPTIONS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(RedisTierSettings))
+DEFAULTS = RedisTierSettings()
+
+
+def default(option: str) -> Any:
+    for f in dataclasses.fields(RedisTierSettings):
+        if f.name == option:
+            return f.default
+    raise KeyError(f"no redis tier option {option!r}")
+
+
+def format_default(option: str) -> str:
+    """The default of ``option`` as written in a TOML file."""
+    value = default(option)
+    if isinstance(value, tuple):
+        return "[" + ", ".join(f'"{v}"' for v in value) + "]"
+    if option in _DURATION_OPTIONS:
+        return f'"{value:g}s"'
+    if option in _SIZE_OPTIONS:
+        return f'"{_size_text(value)}"' if value else '"0"'
+    if isinstance(value, str):
+        return f'"{value}"'
+    return str(value)
+
+
+def option_help() -> dict[str, str]:
+    return {
+        f.name: f"{f.metadata['help']} (default {format_default(f.name)})"
+        for f in dataclasses.fields(RedisTierSettings)
+    }
+
+
+def options_markdown() -> str:
+    """The README's table of redis tier options."""
+    lines = ["| option | default | meaning |", "|---|---|---|"]
+    for f in dataclasses.fields(RedisTierSettings):
+        lines.append(f"| `{f.name}` | `{format_default(f.name)}` | {f.metadata['help']} |")
+    return "\n".join(lines) + "\n"
+
+
+def _size_text(nbytes: int) -> str:
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift}{unit}"
+    return str(nbytes)
+
+
+def _redact(url: str) -> str:
+    """``url`` without a password in it (for logs)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[-1]
+    user = f"{parts.username}:***@" if parts.username else "***@"
+    return urllib.parse.urlunsplit(parts._replace(netloc=user + netloc))
+
+
+def parse_redis_settings(options: Mapping[str, Any]) -> RedisTierSettings:
+    """Validates a redis tier's options; raises TierOptionError naming the option."""
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise TierOptionError(
+            unknown[0], f"unknown redis tier option; known: {', '.join(sorted(OPTIONS))}"
+        )
+    values: dict[str, Any] = {}
+    if "urls" in options:
+        urls = options["urls"]
+        if isinstance(urls, str):
+            urls = [urls]
+        if not isinstance(urls, list | tuple) or not urls:
+            raise TierOptionError("urls", f"expected a list of redis:// URLs, got {urls!r}")
+        for url in urls:
+            _check_url(url)
+        values["urls"] = tuple(urls)
+    if "cluster" in options:
+        mode = options["cluster"]
+        mode = ("true" if mode else "false") if isinstance(mode, bool) else mode
+        if mode not in CLUSTER_MODES:
+            raise TierOptionError("cluster", f'expected true, false or "auto", got {mode!r}')
+        if mode == "true":
+            raise TierOptionError(
+                "cluster", "Redis Cluster is not supported yet: use a standalone server"
+            )
+        values["cluster"] = mode
+    if "username" in options:
+        values["username"] = _str(options, "username")
+    if "password_file" in options:
+        path = _str(options, "password_file")
+        if path and not os.path.isabs(path):
+            raise TierOptionError("password_file", f"expected an absolute path, got {path!r}")
+        values["password_file"] = path
+    if "key_prefix" in options:
+        prefix = _str(options, "key_prefix")
+        if not prefix or len(prefix) > MAX_KEY_PREFIX or not prefix.isprintable():
+            raise TierOptionError(
+                "key_prefix", f"expected 1 to {MAX_KEY_PREFIX} printable characters, got {prefix!r}"
+            )
+        values["key_prefix"] = prefix
+    for key in _DURATION_OPTIONS & set(options):
+        try:
+            seconds = parse_duration(options[key])
+        except ValueError as exc:
+            raise TierOptionError(key, str(exc)) from None
+        if seconds < 0 or (key != "ttl" and seconds <= 0) or (key == "ttl" and 0 < seconds < 1e-3):
+            raise TierOptionError(key, f"out of range: {options[key]!r}")
+        values[key] = seconds
+    if "capacity" in options:
+        try:
+            values["capacity"] = parse_size(options["capacity"])
+        except ValueError as exc:
+            raise TierOptionError("capacity", str(exc)) from None
+    if "max_queue_bytes" in options:
+        try:
+            queue_bytes = parse_size(options["max_queue_bytes"])
+        except ValueError as exc:
+            raise TierOptionError("max_queue_bytes", str(exc)) from None
+        if queue_bytes < MIN_QUEUE_BYTES:
+            raise TierOptionError("max_queue_bytes", f"must be at least {MIN_QUEUE_BYTES} bytes")
+        values["max_queue_bytes"] = queue_bytes
+    if "threads" in options:
+        values["threads"] = _int(options, "threads", 1, MAX_THREADS)
+    if "max_queue_jobs" in options:
+        values["max_queue_jobs"] = _int(options, "max_queue_jobs", 1, MAX_QUEUE_JOBS)
+    return RedisTierSettings(**values)
+
+
+def _check_url(url: object) -> None:
+    if not isinstance(url, str):
+        raise TierOptionError("urls", f"expected a URL string, got {url!r}")
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in URL_SCHEMES or not parts.hostname:
+        raise TierOptionError("urls", f"expected redis://host:port or rediss://, got {url!r}")
+    try:
+        parts.port  # noqa: B018 - raises on a bad port
+    except ValueError:
+        raise TierOptionError("urls", f"bad port in {_redact(url)!r}") from None
+
+
+def _str(options: Mapping[str, Any], key: str) -> str:
+    value = options[key]
+    if not isinstance(value, str):
+        raise TierOptionError(key, f"expected a string, got {value!r}")
+    return value
+
+
+def _int(options: Mapping[str, Any], key: str, lo: int, hi: int) -> int:
+    value = options[key]
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise TierOptionError(key, f"expected an integer in [{lo}, {hi}], got {value!r}")
+    return value
+
+
+if __name__ == "__main__":  # prints the README table: python -m kvtierd.tiers.redis.settings
+    print(options_markdown(), end="")

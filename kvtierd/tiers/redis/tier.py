@@ -1,0 +1,611 @@
+"""The redis secondary tier for one pool: one value per block in Redis or Valkey.
+
+A value is exactly an fs block file (:mod:`kvtierd.tiers.fs.fsformat`): the
+4096-byte integrity header (key, pool fingerprint, payload length, payload
+checksum, its own checksum), then the row's bytes. Its Redis key is
+``<key_prefix>:<pool fingerprint hex>:<block key>`` (binary), so pools of
+another name, block size or layout never share keys; a value that does not
+verify for the key and pool it was read under is a MISS: deleted, counted in
+``checksum_failures``, never copied out as a success.
+
+The event loop never waits on Redis. Every Redis call runs on the I/O threads
+of an :class:`~kvtierd.tiers.fs.iopool.IoPool` (shared by the pools of one
+configured tier) and reports through ``loop.call_soon_threadsafe``:
+
+* stores: one ``SET key value NX [PX ttl]`` per block, the value sent from the
+  row itself (redis-py writes a large memoryview to the socket without joining
+  it into one buffer); NX: a key another daemon wrote already is left alone
+  (keys name content);
+* loads: one ``GET`` per block, verified (header, then the payload's xxh3)
+  before its payload is copied into the row;
+* presence: a lookup answers from what the tier knows on the loop -- the keys
+  it stored (held, in recency order) and a short-lived presence cache of
+  batched ``EXISTS`` answers (``presence_ttl``) about keys other daemons may
+  have stored. A key it knows nothing about answers MISS at once and joins the
+  next probe: one pipeline of ``EXISTS`` for every key waiting, one round trip,
+  one probe in flight at a time. An engine's next step (a lookup after the
+  probe returned, typically a millisecond later) sees HIT.
+
+Capacity: with ``capacity`` > 0 the tier keeps at most that many bytes of its
+own blocks and deletes the least recently used to admit a new one; with 0 the
+server's ``maxmemory`` policy evicts and a block the server dropped is found
+missing at its load (a failed key, dropped from the held set).
+
+Faults (server down, timeout, OOM): the job's keys fail, counted; a WARNING at
+most every 10 s per kind; the tier answers from what it knows and probes again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import redis
+import xxhash
+
+from kvtierd.contract import BlockKey, LookupResult, Medium
+from kvtierd.ratelimit import RateLimitedLog
+from kvtierd.tiers.base import JobCallback, JobResult, SecondaryTier, TierJob, TierStats
+from kvtierd.tiers.fs import fsformat
+from kvtierd.tiers.fs.iopool import IoPool, Outcome
+
+log = logging.getLogger("kvtierd.tiers.redis")
+
+HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
+REMOVALS_KEPT = 1024
+PROBE_BATCH = 512  # keys per EXISTS pipeline
+MAX_PROBE_WANTED = 16 * PROBE_BATCH  # keys waiting for a probe; more answer MISS unprobed
+FAULT_LOG_INTERVAL_S = 10.0
+GROUP_BLOCKS_BYTES = 16 << 20  # blocks per I/O task: about 16 MiB
+_COUNTERS = (
+    "hits",
+    "misses",
+    "bytes_written",
+    "bytes_read",
+    "evictions",
+    "store_failures",
+    "load_failures",
+    "checksum_failures",
+    "dropped_writes",
+    "probe_failures",
+)
+
+# what a block's store or load did (the value of an I/O task's per-block outcome)
+WRITTEN, PRESENT, LOADED = "written", "present", "loaded"
+
+
+class BlockMissing(Exception):
+    """The server holds no value under the block's key."""
+
+
+class BlockCorrupt(Exception):
+    """The value under the block's key does not verify; it was deleted."""
+
+
+class RedisTier(SecondaryTier):
+    """One pool's blocks in one Redis server. Loop-thread state only; the I/O
+    threads touch the region rows of running jobs and the client, nothing else."""
+
+    medium = Medium.REMOTE
+
+    def __init__(
+        self,
+        name: str,
+        client: redis.Redis,
+        *,
+        key_prefix: str,
+        pool_name: str,
+        block_bytes: int,
+        layout: Any,
+        region_buffer: memoryview,
+        capacity_bytes: int,
+        on_done: JobCallback,
+        loop: asyncio.AbstractEventLoop,
+        io_pool: IoPool,
+        ttl_s: float = 0.0,
+        presence_ttl_s: float = 1.0,
+        faults: RateLimitedLog | None = None,
+    ) -> None:
+        region = region_buffer.cast("B") if region_buffer.format != "B" else region_buffer
+        if block_bytes < 1 or len(region) % block_bytes:
+            raise ValueError("region_buffer length is not a multiple of block_bytes")
+        self.name = name
+        self.block_bytes = block_bytes
+        self.value_bytes = fsformat.HEADER_SIZE + block_bytes
+        self.capacity_bytes = capacity_bytes  # 0: the server's (no local eviction)
+        self.identity = fsformat.PoolIdentity(pool_name, block_bytes, layout)
+        self.fingerprint = self.identity.fingerprint
+        self.key_space = f"{key_prefix}:{self.fingerprint.hex()}:".encode()
+        self._client = client
+        self._region = region
+        self._num_rows = len(region) // block_bytes
+        self._on_done = on_done
+        self._loop = loop
+        self._io = io_pool
+        self._ttl_ms = int(ttl_s * 1000) or None
+        self._presence_ttl_s = presence_ttl_s
+        self._faults = faults or RateLimitedLog(log, FAULT_LOG_INTERVAL_S)
+        # Invariant: _held holds the keys this instance stored (or loaded) and not
+        # dropped since, least recently used first; len * value_bytes is used_bytes.
+        # each with the monotonic time its value expires on the server (inf without ttl)
+        self._held: OrderedDict[BlockKey, float] = OrderedDict()
+        self._writing: Counter[BlockKey] = Counter()  # keys of store jobs in flight
+        self._presence: dict[BlockKey, tuple[bool, float]] = {}  # key -> (present, until)
+        self._probe_wanted: dict[BlockKey, None] = {}  # keys waiting for the next probe
+        self._probing = False  # one probe in flight at a time
+        self._counters: Counter[str] = Counter(dict.fromkeys(_COUNTERS, 0))
+        self._dropped: list[BlockKey] = []
+        self._removals: OrderedDict[BlockKey, tuple[float, str]] = OrderedDict()
+        self._ready: asyncio.Future[None] | None = None
+        self._closed = False
+        self._server_bytes = 0  # the server's maxmemory (or its RAM), from INFO at prepare
+
+    def prepare(self) -> None:
+        """Off the loop: asks the server for its memory limit, for ``capacity_bytes``
+        when ``capacity`` is 0. A server that does not answer is no reason to refuse
+        the pool (it is a fault the tier lives through)."""
+        try:
+            info = self._client.info("memory")
+        except redis.RedisError as exc:
+            self._fault("INFO", exc)
+            return
+        if isinstance(info, dict):
+            limit = info.get("maxmemory") or info.get("total_system_memory") or 0
+            self._server_bytes = int(limit)
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def launch(self) -> None:
+        """Ready at once: a remote tier holds nothing it must index first."""
+        if self._ready is not None:
+            raise RuntimeError(f"redis tier {self.name} was launched already")
+        self._ready = self._loop.create_future()
+        self._ready.set_result(None)
+
+    @property
+    def ready(self) -> bool:
+        return self._ready is not None
+
+    async def wait_ready(self) -> None:
+        if self._ready is None:
+            raise RuntimeError(f"redis tier {self.name} was not launched")
+        await self._ready
+
+    async def drain(self) -> None:
+        await self._io.drain()
+
+    def shutdown(self) -> None:
+        """No new probes; the shared I/O pool (its owner stops it) fails what is queued."""
+        self._closed = True
+        self._probe_wanted.clear()
+
+    # -- lookups (loop) ------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[BlockKey]) -> list[LookupResult]:
+        if not self.ready:
+            return [RETRY] * len(keys)
+        now = time.monotonic()
+        results = []
+        for key in keys:
+            if self._knows(key, now):
+                if key in self._held:
+                    self._held.move_to_end(key)
+                results.append(HIT)
+            else:
+                results.append(MISS)
+        hits = results.count(HIT)
+        self._counters["hits"] += hits
+        self._counters["misses"] += len(keys) - hits
+        self._start_probe()
+        return results
+
+    def _knows(self, key: BlockKey, now: float) -> bool:
+        """True when the key is held or a fresh probe saw it; an unknown or stale
+        key is queued for the next probe (a held key past its ttl is dropped)."""
+        expires = self._held.get(key)
+        if expires is not None:
+            if expires > now:
+                return True
+            self._drop(key, "expired: its ttl ran out on the server")
+        seen = self._presence.get(key)
+        if seen is not None and seen[1] > now:
+            return seen[0]
+        if not self._closed and len(self._probe_wanted) < MAX_PROBE_WANTED:
+            self._probe_wanted[key] = None
+        return False
+
+    def contains(self, key: BlockKey) -> bool | None:
+        if not self.ready:
+            return None
+        now = time.monotonic()
+        if self._held.get(key, 0.0) > now:
+            return True
+        seen = self._presence.get(key)
+        return seen is not None and seen[1] > now and seen[0]
+
+    def touch(self, keys: Sequence[BlockKey]) -> None:
+        for key in keys:
+            if key in self._held:
+                self._held.move_to_end(key)
+
+    def take_removed(self) -> list[BlockKey]:
+        dropped, self._dropped = self._dropped, []
+        return dropped
+
+    def removals(self, key: BlockKey) -> list[tuple[float, str]]:
+        entry = self._removals.get(key)
+        return [entry] if entry else []
+
+    # -- probes: batched EXISTS off the loop ---------------------------------------------
+
+    def _start_probe(self) -> None:
+        if self._probing or not self._probe_wanted or self._closed:
+            return
+        keys = list(self._probe_wanted)[:PROBE_BATCH]
+        for key in keys:
+            del self._probe_wanted[key]
+        self._probing = True
+        task = functools.partial(self._exists, [self._redis_key(k) for k in keys])
+        self._io.submit_read([task], lambda outcomes: self._probe_done(keys, outcomes[0]))
+
+    def _probe_done(self, keys: list[BlockKey], outcome: Outcome) -> None:
+        self._probing = False
+        if outcome.ok:
+            until = time.monotonic() + self._presence_ttl_s
+            for key, present in zip(keys, outcome.value, strict=True):
+                self._presence[key] = (bool(present), until)
+            self._expire_presence()
+        else:
+            self._counters["probe_failures"] += 1
+            self._fault("probe", outcome.error)
+        if outcome.ok:
+            self._start_probe()  # keys that came in meanwhile; after a fault, the next lookup
+
+    def _expire_presence(self) -> None:
+        if len(self._presence) < 4 * PROBE_BATCH:
+            return
+        now = time.monotonic()
+        self._presence = {k: v for k, v in self._presence.items() if v[1] > now}
+
+    def _exists(self, redis_keys: list[bytes]) -> list[int]:
+        """I/O thread: one pipeline of EXISTS, one round trip."""
+        pipe = self._client.pipeline(transaction=False)
+        for redis_key in redis_keys:
+            pipe.exists(redis_key)
+        return [int(n) for n in pipe.execute()]
+
+    # -- jobs (loop) ---------------------------------------------------------------------
+
+    def submit_store(self, job: TierJob) -> bool:
+        self._require_open()
+        pairs = list(zip(job.keys, job.block_ids, strict=True))
+        # held or being written by another job: succeeds without a rewrite
+        to_write = [(k, r) for k, r in pairs if k not in self._held and not self._writing[k]]
+        tasks, sizes = self._tasks(to_write, self._store_group)
+        start = time.perf_counter()
+        accepted = self._io.submit_write(
+            tasks,
+            lambda outcomes: self._store_done(job, to_write, _flatten(outcomes, sizes), start),
+            nbytes=len(to_write) * self.block_bytes,
+        )
+        if not accepted:
+            self._counters["dropped_writes"] += 1
+            return False
+        for key, _ in to_write:
+            self._writing[key] += 1
+        return True
+
+    def submit_load(self, job: TierJob) -> None:
+        self._require_open()
+        pairs = list(zip(job.keys, job.block_ids, strict=True))
+        tasks, sizes = self._tasks(pairs, self._load_group)
+        start = time.perf_counter()
+        self._io.submit_read(
+            tasks, lambda outcomes: self._load_done(job, _flatten(outcomes, sizes), start)
+        )
+
+    def statistics(self) -> TierStats:
+        c = self._counters
+        return TierStats(
+            name=self.name,
+            medium=self.medium,
+            # 0: the server's limit (INFO at prepare), never below what this pool holds
+            capacity_bytes=self.capacity_bytes or max(self._server_bytes, self._used_bytes),
+            used_bytes=self._used_bytes,
+            bytes_per_block=self.value_bytes,
+            blocks=len(self._held),
+            hits=c["hits"],
+            misses=c["misses"],
+            bytes_written=c["bytes_written"],
+            bytes_read=c["bytes_read"],
+            evictions=c["evictions"],
+            store_failures=c["store_failures"],
+            load_failures=c["load_failures"],
+            checksum_failures=c["checksum_failures"],
+            dropped_writes=c["dropped_writes"],
+            queued_jobs=self._io.queued_jobs,
+            queued_bytes=self._io.queued_bytes,
+        )
+
+    @property
+    def probe_failures(self) -> int:
+        return self._counters["probe_failures"]
+
+    @property
+    def _used_bytes(self) -> int:
+        return len(self._held) * self.value_bytes
+
+    def _tasks(
+        self,
+        pairs: list[tuple[BlockKey, int]],
+        per_group: Callable[[list[tuple[BlockKey, int]]], list[Outcome]],
+    ) -> tuple[list[Callable[[], list[Outcome]]], list[int]]:
+        size = max(1, GROUP_BLOCKS_BYTES // self.block_bytes)
+        groups = [pairs[i : i + size] for i in range(0, len(pairs), size)]
+        return [functools.partial(per_group, g) for g in groups], [len(g) for g in groups]
+
+    # -- job completion (loop) -----------------------------------------------------------
+
+    def _store_done(
+        self,
+        job: TierJob,
+        written: list[tuple[BlockKey, int]],
+        outcomes: list[Outcome],
+        start: float,
+    ) -> None:
+        outcome_of: dict[BlockKey, Outcome] = {}
+        for (key, _), outcome in zip(written, outcomes, strict=True):
+            self._writing[key] -= 1
+            if self._writing[key] <= 0:
+                del self._writing[key]
+            outcome_of[key] = outcome
+        made_it: list[BlockKey] = []
+        moved = 0
+        for key in job.keys:
+            done = outcome_of.get(key)
+            if done is not None and not done.ok:
+                self._fault("store", done.error)
+                continue
+            if done is not None and done.value == WRITTEN:
+                moved += self.value_bytes
+            made_it.append(key)
+            self._hold(key)
+        self._counters["bytes_written"] += moved
+        failures = len(job.keys) - len(made_it)
+        self._counters["store_failures"] += failures
+        self._evict_over_capacity(protect=set(made_it))
+        self._report(job, made_it, failures, start, moved)
+
+    def _load_done(self, job: TierJob, outcomes: list[Outcome], start: float) -> None:
+        made_it: list[BlockKey] = []
+        for key, outcome in zip(job.keys, outcomes, strict=True):
+            if outcome.ok:
+                made_it.append(key)
+                if key in self._held:
+                    self._held.move_to_end(key)
+                continue
+            error = outcome.error
+            if isinstance(error, BlockCorrupt):
+                self._counters["checksum_failures"] += 1
+                log.warning("redis tier %s: block %s dropped: %s", self.name, key.hex(), error)
+                self._drop(key, f"failed verification: {error}")
+            elif isinstance(error, BlockMissing):
+                self._drop(key, "vanished: the server holds no value")
+            else:
+                self._fault("load", error)
+        moved = len(made_it) * self.value_bytes
+        self._counters["bytes_read"] += moved
+        failures = len(job.keys) - len(made_it)
+        self._counters["load_failures"] += failures
+        self._report(job, made_it, failures, start, moved)
+
+    def _report(
+        self, job: TierJob, made_it: list[BlockKey], failures: int, start: float, moved: int
+    ) -> None:
+        try:
+            self._on_done(
+                JobResult(
+                    job_id=job.job_id,
+                    success=failures == 0,
+                    successful_keys=tuple(made_it) or None,
+                    seconds=time.perf_counter() - start,
+                    bytes_moved=moved,
+                )
+            )
+        except Exception:
+            log.exception("redis tier %s: on_done of job %d failed", self.name, job.job_id)
+
+    def _hold(self, key: BlockKey) -> None:
+        """Makes ``key`` held and most recent; a key held already keeps its expiry
+        (SET NX did not renew it)."""
+        if key not in self._held:
+            ttl_s = self._ttl_ms / 1000 if self._ttl_ms else float("inf")
+            self._held[key] = time.monotonic() + ttl_s
+        self._held.move_to_end(key)
+        self._presence.pop(key, None)
+
+    def _drop(self, key: BlockKey, why: str) -> None:
+        self._presence[key] = (False, time.monotonic() + self._presence_ttl_s)
+        if key in self._held:
+            del self._held[key]
+            self._dropped.append(key)
+            self._remember(key, why)
+
+    def _remember(self, key: BlockKey, why: str) -> None:
+        self._removals[key] = (time.time(), why)
+        self._removals.move_to_end(key)
+        if len(self._removals) > REMOVALS_KEPT:
+            self._removals.popitem(last=False)
+
+    def _evict_over_capacity(self, protect: set[BlockKey]) -> None:
+        """Deletes the least recently used held blocks until within ``capacity``
+        (the blocks just stored go last: they are the most recent)."""
+        if not self.capacity_bytes:
+            return
+        victims = []
+        while self._used_bytes > self.capacity_bytes and self._held:
+            victim, expires = self._held.popitem(last=False)
+            if victim in protect and len(self._held) < len(protect):
+                self._held[victim] = expires  # nothing else to evict: keep it
+                break
+            victims.append(victim)
+            self._counters["evictions"] += 1
+            self._dropped.append(victim)
+            self._remember(victim, "evicted: least recently used at capacity")
+        if victims and not self._closed:
+            task = functools.partial(self._delete, [self._redis_key(k) for k in victims])
+            self._io.submit_read([task], self._delete_done)
+
+    def _delete_done(self, outcomes: list[Outcome]) -> None:
+        if not outcomes[0].ok:
+            self._fault("delete", outcomes[0].error)
+
+    def _fault(self, kind: str, error: BaseException | None) -> None:
+        if isinstance(error, redis.RedisError):
+            self._faults.warning(
+                (kind, self.name),
+                "redis tier %s: %s failed: %s: %s",
+                self.name, kind, type(error).__name__, error,
+            )  # fmt: skip
+        else:
+            log.debug("redis tier %s: %s failed: %s", self.name, kind, error)
+
+    # -- I/O threads ---------------------------------------------------------------------
+
+    def _redis_key(self, key: BlockKey) -> bytes:
+        return self.key_space + key
+
+    def _store_group(self, pairs: list[tuple[BlockKey, int]]) -> list[Outcome]:
+        outcomes = []
+        for key, row in pairs:
+            started = time.perf_counter()
+            try:
+                value = self._store_one(key, row)
+            except Exception as exc:
+                outcomes.append(Outcome(error=exc, seconds=time.perf_counter() - started))
+            else:
+                outcomes.append(Outcome(value=value, seconds=time.perf_counter() - started))
+        return outcomes
+
+    def _store_one(self, key: BlockKey, row: int) -> str:
+        payload = self._row(row)
+        header = fsformat.encode_header(
+            key=key,
+            fingerprint=self.fingerprint,
+            payload_length=self.block_bytes,
+            payload_checksum=fsformat.payload_checksum(payload),
+        )
+        # header and row go out as separate buffers of one SET: the row is never copied
+        args: list[bytes] = [b"NX"]
+        if self._ttl_ms:
+            args += [b"PX", str(self._ttl_ms).encode()]
+        chunks = _resp_set(self._redis_key(key), header, payload, args)
+        pool = self._client.connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command(chunks)
+            written = conn.read_response()
+        except BaseException:
+            conn.disconnect()  # a reply may be left unread: never reuse the connection
+            raise
+        finally:
+            pool.release(conn)
+        return WRITTEN if written else PRESENT
+
+    def _load_group(self, pairs: list[tuple[BlockKey, int]]) -> list[Outcome]:
+        outcomes = []
+        for key, row in pairs:
+            started = time.perf_counter()
+            try:
+                self._load_one(key, row)
+            except Exception as exc:
+                outcomes.append(Outcome(error=exc, seconds=time.perf_counter() - started))
+            else:
+                outcomes.append(Outcome(value=LOADED, seconds=time.perf_counter() - started))
+        return outcomes
+
+    def _load_one(self, key: BlockKey, row: int) -> None:
+        redis_key = self._redis_key(key)
+        value = self._client.get(redis_key)
+        if value is None:
+            raise BlockMissing(key.hex())
+        if not isinstance(value, bytes):  # the client decodes nothing: never a str
+            raise TypeError(f"GET answered {type(value).__name__}")
+        try:
+            self._verify(key, value)
+        except fsformat.CorruptBlock as exc:
+            self._delete_if_same(redis_key, value)
+            raise BlockCorrupt(exc.reason) from None
+        self._row(row)[:] = memoryview(value)[fsformat.HEADER_SIZE :]
+
+    def _verify(self, key: BlockKey, value: bytes) -> None:
+        if len(value) != self.value_bytes:
+            raise fsformat.CorruptBlock(f"value of {len(value)} bytes, expected {self.value_bytes}")
+        header = fsformat.decode_header(value)
+        fsformat.verify_header(
+            header, key=key, fingerprint=self.fingerprint, block_bytes=self.block_bytes
+        )
+        if header.payload_checksum != xxhash.xxh3_64_intdigest(
+            memoryview(value)[fsformat.HEADER_SIZE :]
+        ):
+            raise fsformat.CorruptBlock("payload checksum mismatch")
+
+    def _delete_if_same(self, redis_key: bytes, value: bytes) -> None:
+        """Deletes a bad value unless another writer replaced it meanwhile
+        (WATCH/MULTI: a good value another daemon just wrote stays)."""
+        try:
+            with self._client.pipeline(transaction=True) as pipe:
+                pipe.watch(redis_key)
+                if pipe.get(redis_key) != value:
+                    return
+                pipe.multi()
+                pipe.delete(redis_key)
+                pipe.execute()
+        except redis.WatchError:
+            pass
+        except redis.RedisError as exc:
+            self._faults.warning(
+                ("delete", self.name), "redis tier %s: delete failed: %s", self.name, exc
+            )
+
+    def _delete(self, redis_keys: list[bytes]) -> int:
+        return int(self._client.delete(*redis_keys))
+
+    # -- small helpers -------------------------------------------------------------------
+
+    def _require_open(self) -> None:
+        if self._ready is None:
+            raise RuntimeError(f"redis tier {self.name} was not launched")
+
+    def _row(self, block_id: int) -> memoryview:
+        if not 0 <= block_id < self._num_rows:
+            raise IndexError(f"row {block_id} outside the region ({self._num_rows} rows)")
+        return self._region[block_id * self.block_bytes : (block_id + 1) * self.block_bytes]
+
+
+def _resp_set(
+    redis_key: bytes, header: bytes, payload: memoryview, args: list[bytes]
+) -> list[bytes | memoryview]:
+    """``SET redis_key header+payload *args`` as RESP chunks, the payload unjoined."""
+    parts = [b"SET", redis_key]
+    head = [b"*%d\r\n" % (len(parts) + 1 + len(args))]
+    head += [b"$%d\r\n%s\r\n" % (len(p), p) for p in parts]
+    head.append(b"$%d\r\n" % (len(header) + len(payload)))
+    tail = [b"\r\n"] + [b"$%d\r\n%s\r\n" % (len(a), a) for a in args]
+    return [b"".join(head) + header, payload, b"".join(tail)]
+
+
+def _flatten(outcomes: list[Outcome], sizes: list[int]) -> list[Outcome]:
+    """Per-block outcomes from per-task outcomes (a failed task fails its blocks)."""
+    flat: list[Outcome] = []
+    for outcome, size in zip(outcomes, sizes, strict=True):
+        if outcome.ok:
+            flat.extend(outcome.value)
+        else:
+            flat.extend([outcome] * size)
+    return flat

@@ -1,0 +1,84 @@
+"""redis tier settings (kvtierd.tiers.redis.settings): the issue's normative keys with
+their defaults, written once; the README's table is the generated one."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kvtierd.tiers import registry
+from kvtierd.tiers.configured import TierCheckError, TierOptionError
+from kvtierd.tiers.redis.configured import ConfiguredRedisTier, read_password
+from kvtierd.tiers.redis.settings import (
+    DEFAULTS,
+    RedisTierSettings,
+    options_markdown,
+    parse_redis_settings,
+)
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def test_the_readme_table_of_redis_options_is_the_generated_one() -> None:
+    """Regenerate with ``python -m kvtierd.tiers.redis.settings`` when this fails."""
+    assert options_markdown() in README.read_text()
+
+
+def test_the_normative_options_and_their_defaults() -> None:
+    settings = parse_redis_settings(
+        {
+            "urls": ["redis://127.0.0.1:7000"],
+            "cluster": "auto",
+            "username": "",
+            "password_file": "",
+            "key_prefix": "kvtierd",
+            "ttl": "0s",
+        }
+    )
+    assert settings == RedisTierSettings(urls=("redis://127.0.0.1:7000",))
+    assert (DEFAULTS.cluster, DEFAULTS.key_prefix, DEFAULTS.ttl) == ("auto", "kvtierd", 0.0)
+    assert parse_redis_settings({"ttl": "90s", "cluster": False}).ttl == 90.0
+    assert registry.lookup("redis").parse_settings({}) == DEFAULTS
+
+
+@pytest.mark.parametrize(
+    ("options", "key"),
+    [
+        ({"root": "/x"}, "root"),
+        ({"urls": []}, "urls"),
+        ({"urls": ["http://h:1"]}, "urls"),
+        ({"urls": ["redis://h:99999"]}, "urls"),
+        ({"cluster": "maybe"}, "cluster"),
+        ({"cluster": True}, "cluster"),  # not yet
+        ({"password_file": "rel"}, "password_file"),
+        ({"key_prefix": ""}, "key_prefix"),
+        ({"ttl": "-1s"}, "ttl"),
+        ({"presence_ttl": "0s"}, "presence_ttl"),
+        ({"threads": 0}, "threads"),
+        ({"capacity": "lots"}, "capacity"),
+    ],
+)
+def test_bad_options_name_the_option(options: dict[str, object], key: str) -> None:
+    with pytest.raises(TierOptionError) as caught:
+        parse_redis_settings(options)
+    assert caught.value.key == key
+
+
+def test_the_password_file_must_not_be_readable_by_others(tmp_path: Path) -> None:
+    path = tmp_path / "pw"
+    path.write_text("s3cret\n")
+    os.chmod(path, 0o600)
+    assert read_password(str(path)) == "s3cret"
+    os.chmod(path, 0o644)
+    with pytest.raises(TierCheckError, match="readable by others"):
+        read_password(str(path))
+    configured = ConfiguredRedisTier("r", RedisTierSettings(password_file=str(tmp_path / "no")))
+    with pytest.raises(TierCheckError, match="cannot read"):
+        configured.check()
+
+
+def test_the_description_hides_a_password_in_a_url() -> None:
+    settings = RedisTierSettings(urls=("redis://u:pw@h:1",))
+    assert "pw" not in settings.describe() and "u:***@h:1" in settings.describe()
