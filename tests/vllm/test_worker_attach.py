@@ -10,7 +10,6 @@ announced identity. Regions are tiny (4 rows of 4 KiB).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -50,9 +49,15 @@ def requests(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     asked: list[str] = []
     real = region_fd.request_region_fd
 
-    def spy(socket_path: str, session_id: str, timeout: float = region_fd.REQUEST_TIMEOUT_S):
+    def spy(
+        socket_path: str,
+        session_id: str,
+        timeout: float = region_fd.REQUEST_TIMEOUT_S,
+        *,
+        server_uid: int | None = None,
+    ) -> int:
         asked.append(session_id)
-        return real(socket_path, session_id, timeout)
+        return real(socket_path, session_id, timeout, server_uid=server_uid)
 
     monkeypatch.setattr(region_fd, "request_region_fd", spy)
     return asked
@@ -158,7 +163,7 @@ def test_the_path_way_still_refuses_a_file_swapped_while_it_opens(sessions, monk
 
 
 def test_a_refused_descriptor_is_not_retried_by_path(sessions, monkeypatch):
-    def refused(socket_path: str, session_id: str, timeout: float = 5.0) -> int:
+    def refused(socket_path: str, session_id: str, timeout: float = 5.0, **_: object) -> int:
         raise RegionAccessDenied("permission denied: uid 1 gid 1 may not map pool 'p'")
 
     monkeypatch.setattr(region_fd, "request_region_fd", refused)
