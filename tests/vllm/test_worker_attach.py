@@ -10,6 +10,7 @@ announced identity. Regions are tiny (4 rows of 4 KiB).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
