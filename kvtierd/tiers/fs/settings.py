@@ -22,6 +22,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtierd.tiers.configured import TierOptionError
+from kvtierd.tiers.options import (
+    help_lines,
+    markdown_table,
+    option,
+    read_bool,
+    read_int,
+    size_text,
+)
 from kvtierd.units import parse_size
 
 O_DIRECT_MODES = ("auto", "on", "off")
@@ -30,11 +38,6 @@ MIN_CAPACITY_BYTES = 1 << 20
 MIN_QUEUE_BYTES = 4096
 MAX_QUEUE_JOBS = 1 << 20
 _SIZE_OPTIONS = frozenset({"capacity", "max_queue_bytes"})  # written with a unit ("10GiB")
-
-
-def _option(default: Any, help: str) -> Any:
-    """A settings field: its default and the one line of help an operator reads."""
-    return field(default=default, metadata={"help": help})
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,21 +51,21 @@ class FsTierSettings:
         metadata={"help": "directory holding the block files: an absolute path, existing "
                   "and writable unless create_root"}
     )  # fmt: skip
-    capacity: int = _option(
+    capacity: int = option(
         10 << 30, "bytes of block files of all pools together, least recently used go first"
     )
-    create_root: bool = _option(False, "create the root directory if it is missing")
-    fsync: bool = _option(False, "fdatasync every block file before it becomes visible")
-    o_direct: str = _option(
+    create_root: bool = option(False, "create the root directory if it is missing")
+    fsync: bool = option(False, "fdatasync every block file before it becomes visible")
+    o_direct: str = option(
         "auto", "auto, on or off: bypass the page cache, auto where supported and faster"
     )
-    read_threads: int = _option(8, "I/O threads that prefer reads (promotions)")
-    write_threads: int = _option(8, "I/O threads that prefer writes (cascades)")
-    max_queue_bytes: int = _option(
+    read_threads: int = option(8, "I/O threads that prefer reads (promotions)")
+    write_threads: int = option(8, "I/O threads that prefer writes (cascades)")
+    max_queue_bytes: int = option(
         1 << 30, "cascade bytes queued before new cascade writes are dropped"
     )
-    max_queue_jobs: int = _option(1024, "cascade jobs queued before new cascade writes are dropped")
-    io_processes: int = _option(
+    max_queue_jobs: int = option(1024, "cascade jobs queued before new cascade writes are dropped")
+    io_processes: int = option(
         2,
         "worker processes that do the block file I/O (checksum, write, read) off the "
         "daemon's interpreter lock, 0 for the daemon's own I/O threads",
@@ -105,7 +108,7 @@ def format_default(option: str) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if option in _SIZE_OPTIONS:
-        return f'"{_size_text(value)}"'
+        return f'"{size_text(value)}"'
     if isinstance(value, str):
         return f'"{value}"'
     return str(value)
@@ -113,30 +116,12 @@ def format_default(option: str) -> str:
 
 def option_help() -> dict[str, str]:
     """Each option's help with its default (or "required"), in declaration order."""
-    helps = {}
-    for f in dataclasses.fields(FsTierSettings):
-        shown = format_default(f.name)
-        helps[f.name] = f"{f.metadata['help']} ({f'default {shown}' if shown else 'required'})"
-    return helps
+    return help_lines(FsTierSettings, format_default)
 
 
 def options_markdown() -> str:
-    """The README's table of fs tier options (``| option | default | meaning |``)."""
-    lines = ["| option | default | meaning |", "|---|---|---|"]
-    for f in dataclasses.fields(FsTierSettings):
-        shown = format_default(f.name)
-        lines.append(
-            f"| `{f.name}` | {f'`{shown}`' if shown else 'required'} | {f.metadata['help']} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
-def _size_text(nbytes: int) -> str:
-    """``nbytes`` with the largest binary unit that divides it ("1GiB", "4096")."""
-    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if nbytes and nbytes % (1 << shift) == 0:
-            return f"{nbytes >> shift}{unit}"
-    return str(nbytes)
+    """The README's table of fs tier options."""
+    return markdown_table(FsTierSettings, format_default)
 
 
 def parse_fs_settings(options: Mapping[str, Any]) -> FsTierSettings:
@@ -156,7 +141,7 @@ def parse_fs_settings(options: Mapping[str, Any]) -> FsTierSettings:
         values["capacity"] = _size(options, "capacity", minimum=MIN_CAPACITY_BYTES)
     for key in ("create_root", "fsync"):
         if key in options:
-            values[key] = _bool(options, key)
+            values[key] = read_bool(options, key)
     if "o_direct" in options:
         mode = options["o_direct"]
         if mode is True or mode is False:
@@ -168,15 +153,15 @@ def parse_fs_settings(options: Mapping[str, Any]) -> FsTierSettings:
         values["o_direct"] = mode
     for key in ("read_threads", "write_threads"):
         if key in options:
-            values[key] = _int(options, key, 0, MAX_IO_THREADS)
+            values[key] = read_int(options, key, 0, MAX_IO_THREADS)
     if values.get("read_threads", 1) + values.get("write_threads", 1) < 1:
         raise TierOptionError("read_threads", "read_threads + write_threads must be at least 1")
     if "max_queue_bytes" in options:
         values["max_queue_bytes"] = _size(options, "max_queue_bytes", minimum=MIN_QUEUE_BYTES)
     if "io_processes" in options:
-        values["io_processes"] = _int(options, "io_processes", 0, MAX_IO_THREADS)
+        values["io_processes"] = read_int(options, "io_processes", 0, MAX_IO_THREADS)
     if "max_queue_jobs" in options:
-        values["max_queue_jobs"] = _int(options, "max_queue_jobs", 1, MAX_QUEUE_JOBS)
+        values["max_queue_jobs"] = read_int(options, "max_queue_jobs", 1, MAX_QUEUE_JOBS)
     return FsTierSettings(**values)
 
 
@@ -187,20 +172,6 @@ def _size(options: Mapping[str, Any], key: str, *, minimum: int) -> int:
         raise TierOptionError(key, str(exc)) from None
     if value < minimum:
         raise TierOptionError(key, f"must be at least {minimum} bytes, got {options[key]!r}")
-    return value
-
-
-def _bool(options: Mapping[str, Any], key: str) -> bool:
-    value = options[key]
-    if not isinstance(value, bool):
-        raise TierOptionError(key, f"expected true or false, got {value!r}")
-    return value
-
-
-def _int(options: Mapping[str, Any], key: str, lo: int, hi: int) -> int:
-    value = options[key]
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise TierOptionError(key, f"expected an integer in [{lo}, {hi}], got {value!r}")
     return value
 
 

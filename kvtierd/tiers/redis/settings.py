@@ -12,10 +12,18 @@ import dataclasses
 import os
 import urllib.parse
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvtierd.tiers.configured import TierOptionError
+from kvtierd.tiers.options import (
+    help_lines,
+    markdown_table,
+    option,
+    read_int,
+    read_str,
+    size_text,
+)
 from kvtierd.units import parse_duration, parse_size
 
 CLUSTER_MODES = ("auto", "true", "false")
@@ -28,41 +36,36 @@ _SIZE_OPTIONS = frozenset({"capacity", "max_queue_bytes"})
 _DURATION_OPTIONS = frozenset({"ttl", "timeout", "presence_ttl"})
 
 
-def _option(default: Any, help: str) -> Any:
-    """A settings field: its default and the one line of help an operator reads."""
-    return field(default=default, metadata={"help": help})
-
-
 @dataclass(frozen=True, slots=True)
 class RedisTierSettings:
     """One ``type = "redis"`` tier. The defaults below are the only place they are written."""
 
-    urls: tuple[str, ...] = _option(
+    urls: tuple[str, ...] = option(
         ("redis://127.0.0.1:6379",), "seed nodes, redis:// or rediss:// (TLS) URLs"
     )
-    cluster: str = _option(
+    cluster: str = option(
         "auto", 'true, false or "auto" (ask the server); only standalone servers so far'
     )
-    username: str = _option("", "ACL user name, empty for the default user")
-    password_file: str = _option(
+    username: str = option("", "ACL user name, empty for the default user")
+    password_file: str = option(
         "", "file holding the AUTH / ACL password (not readable by others), empty for none"
     )
-    key_prefix: str = _option("kvtierd", "prefix of every key this tier writes")
-    ttl: float = _option(0.0, "expiry of every value, 0s for none (the server's maxmemory evicts)")
-    capacity: int = _option(
+    key_prefix: str = option("kvtierd", "prefix of every key this tier writes")
+    ttl: float = option(0.0, "expiry of every value, 0s for none (the server's maxmemory evicts)")
+    capacity: int = option(
         0,
         "bytes of blocks each pool keeps in the server, its least recently used deleted "
         "first; 0 for no limit of its own (the server's maxmemory policy evicts)",
     )
-    timeout: float = _option(2.0, "connect and socket timeout of every Redis call")
-    presence_ttl: float = _option(
+    timeout: float = option(2.0, "connect and socket timeout of every Redis call")
+    presence_ttl: float = option(
         1.0, "how long a lookup trusts a batched EXISTS answer about a key it did not store"
     )
-    threads: int = _option(8, "I/O threads (connections) moving blocks and probing keys")
-    max_queue_bytes: int = _option(
+    threads: int = option(8, "I/O threads (connections) moving blocks and probing keys")
+    max_queue_bytes: int = option(
         1 << 30, "cascade bytes queued before new cascade writes are dropped"
     )
-    max_queue_jobs: int = _option(1024, "cascade jobs queued before new cascade writes are dropped")
+    max_queue_jobs: int = option(1024, "cascade jobs queued before new cascade writes are dropped")
 
     def exclusive(self) -> Mapping[str, object]:
         """Two configured tiers on one server with one prefix would evict each other's keys."""
@@ -91,32 +94,20 @@ def format_default(option: str) -> str:
     if option in _DURATION_OPTIONS:
         return f'"{value:g}s"'
     if option in _SIZE_OPTIONS:
-        return f'"{_size_text(value)}"' if value else '"0"'
+        return f'"{size_text(value)}"' if value else '"0"'
     if isinstance(value, str):
         return f'"{value}"'
     return str(value)
 
 
 def option_help() -> dict[str, str]:
-    return {
-        f.name: f"{f.metadata['help']} (default {format_default(f.name)})"
-        for f in dataclasses.fields(RedisTierSettings)
-    }
+    """Each option's help with its default (or "required"), in declaration order."""
+    return help_lines(RedisTierSettings, format_default)
 
 
 def options_markdown() -> str:
     """The README's table of redis tier options."""
-    lines = ["| option | default | meaning |", "|---|---|---|"]
-    for f in dataclasses.fields(RedisTierSettings):
-        lines.append(f"| `{f.name}` | `{format_default(f.name)}` | {f.metadata['help']} |")
-    return "\n".join(lines) + "\n"
-
-
-def _size_text(nbytes: int) -> str:
-    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if nbytes % (1 << shift) == 0:
-            return f"{nbytes >> shift}{unit}"
-    return str(nbytes)
+    return markdown_table(RedisTierSettings, format_default)
 
 
 def _redact(url: str) -> str:
@@ -157,14 +148,14 @@ def parse_redis_settings(options: Mapping[str, Any]) -> RedisTierSettings:
             )
         values["cluster"] = mode
     if "username" in options:
-        values["username"] = _str(options, "username")
+        values["username"] = read_str(options, "username")
     if "password_file" in options:
-        path = _str(options, "password_file")
+        path = read_str(options, "password_file")
         if path and not os.path.isabs(path):
             raise TierOptionError("password_file", f"expected an absolute path, got {path!r}")
         values["password_file"] = path
     if "key_prefix" in options:
-        prefix = _str(options, "key_prefix")
+        prefix = read_str(options, "key_prefix")
         if not prefix or len(prefix) > MAX_KEY_PREFIX or not prefix.isprintable():
             raise TierOptionError(
                 "key_prefix", f"expected 1 to {MAX_KEY_PREFIX} printable characters, got {prefix!r}"
@@ -192,9 +183,9 @@ def parse_redis_settings(options: Mapping[str, Any]) -> RedisTierSettings:
             raise TierOptionError("max_queue_bytes", f"must be at least {MIN_QUEUE_BYTES} bytes")
         values["max_queue_bytes"] = queue_bytes
     if "threads" in options:
-        values["threads"] = _int(options, "threads", 1, MAX_THREADS)
+        values["threads"] = read_int(options, "threads", 1, MAX_THREADS)
     if "max_queue_jobs" in options:
-        values["max_queue_jobs"] = _int(options, "max_queue_jobs", 1, MAX_QUEUE_JOBS)
+        values["max_queue_jobs"] = read_int(options, "max_queue_jobs", 1, MAX_QUEUE_JOBS)
     return RedisTierSettings(**values)
 
 
@@ -208,20 +199,6 @@ def _check_url(url: object) -> None:
         parts.port  # noqa: B018 - raises on a bad port
     except ValueError:
         raise TierOptionError("urls", f"bad port in {_redact(url)!r}") from None
-
-
-def _str(options: Mapping[str, Any], key: str) -> str:
-    value = options[key]
-    if not isinstance(value, str):
-        raise TierOptionError(key, f"expected a string, got {value!r}")
-    return value
-
-
-def _int(options: Mapping[str, Any], key: str, lo: int, hi: int) -> int:
-    value = options[key]
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise TierOptionError(key, f"expected an integer in [{lo}, {hi}], got {value!r}")
-    return value
 
 
 if __name__ == "__main__":  # prints the README table: python -m kvtierd.tiers.redis.settings

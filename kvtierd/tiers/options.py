@@ -1,0 +1,72 @@
+"""What every tier type's settings share: fields that carry their help, the
+generated help and README tables, and the checked readers of ``[[tiers]]`` values.
+
+A tier type declares its options once, as a frozen dataclass whose fields are
+made with :func:`option` (default + one line of help); ``kvtierd --help`` and the
+README's table of that type are generated from it (:func:`help_lines`,
+:func:`markdown_table`). The readers raise ``TierOptionError`` naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from kvtierd.tiers.configured import TierOptionError
+
+FormatDefault = Callable[[str], str]  # option name -> its default as written in TOML ("" none)
+
+
+def option(default: Any, help: str) -> Any:
+    """A settings field: its default and the one line of help an operator reads."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def help_lines(settings: type, format_default: FormatDefault) -> dict[str, str]:
+    """Each option's help with its default (or "required"), in declaration order."""
+    helps = {}
+    for f in dataclasses.fields(settings):
+        shown = format_default(f.name)
+        helps[f.name] = f"{f.metadata['help']} ({f'default {shown}' if shown else 'required'})"
+    return helps
+
+
+def markdown_table(settings: type, format_default: FormatDefault) -> str:
+    """The README's table of a tier type's options (``| option | default | meaning |``)."""
+    lines = ["| option | default | meaning |", "|---|---|---|"]
+    for f in dataclasses.fields(settings):
+        shown = format_default(f.name)
+        lines.append(
+            f"| `{f.name}` | {f'`{shown}`' if shown else 'required'} | {f.metadata['help']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def size_text(nbytes: int) -> str:
+    """``nbytes`` with the largest binary unit that divides it ("1GiB", "4096", "0")."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift}{unit}"
+    return str(nbytes)
+
+
+def read_bool(options: Mapping[str, Any], key: str) -> bool:
+    value = options[key]
+    if not isinstance(value, bool):
+        raise TierOptionError(key, f"expected true or false, got {value!r}")
+    return value
+
+
+def read_int(options: Mapping[str, Any], key: str, lo: int, hi: int) -> int:
+    value = options[key]
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise TierOptionError(key, f"expected an integer in [{lo}, {hi}], got {value!r}")
+    return value
+
+
+def read_str(options: Mapping[str, Any], key: str) -> str:
+    value = options[key]
+    if not isinstance(value, str):
+        raise TierOptionError(key, f"expected a string, got {value!r}")
+    return value
