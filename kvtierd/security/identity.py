@@ -61,6 +61,13 @@ def peer_credentials(connection: socket.socket) -> PeerCredentials:
     return PeerCredentials(pid=pid, uid=uid, gid=gid, groups=_peer_groups(connection))
 
 
+def peer_uid(connection: socket.socket) -> int:
+    """The uid of the process at the other end of ``connection`` (SO_PEERCRED
+    alone: one system call, no group list)."""
+    raw = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    return int(_UCRED.unpack(raw)[1])
+
+
 def _peer_groups(connection: socket.socket) -> tuple[int, ...]:
     for count in (_GROUPS_FIRST_TRY, 65536):
         try:

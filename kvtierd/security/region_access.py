@@ -55,7 +55,7 @@ from kvtierd.config import ConfigError
 from kvtierd.errors import SessionNotFound
 from kvtierd.ratelimit import RateLimitedLog
 from kvtierd.security.access import AccessDenied
-from kvtierd.security.identity import PeerCredentials, peer_credentials
+from kvtierd.security.identity import PeerCredentials, peer_credentials, peer_uid
 from kvtierd.security.state import SecurityState
 
 log = logging.getLogger("kvtierd.security.region_access")
@@ -63,6 +63,7 @@ log = logging.getLogger("kvtierd.security.region_access")
 MAX_REQUEST_BYTES = 128  # "MAP " + 32 hex + "\n", with room to spare
 REQUEST_TIMEOUT_S = 2.0  # a peer that says nothing within this is dropped
 MAX_CONNECTIONS = 64  # open at once; past that the oldest silent one is dropped
+ACCEPT_BATCH = 64  # connections accepted per wake-up before the others run
 SOCKET_SUFFIX = ".regions"  # <listen socket path> + this
 
 # (session id) -> (pool name, region fd, owning principal) of a live session, or
@@ -169,6 +170,10 @@ class RegionFdServer:
     drops the oldest one still reading its request (it gets an ``ERR`` line), or,
     when every open one is past its request (looked up, answered), is itself
     refused with an ``ERR`` line. Memory: a few hundred bytes per connection.
+    A wake-up accepts up to :data:`ACCEPT_BATCH` waiting connections, so a flood
+    moves through the listen backlog at about the kernel's pace; a dropped
+    connection costs a few system calls (its socket is closed when its task is
+    done, even one cancelled before it ran).
     """
 
     def __init__(
@@ -190,9 +195,13 @@ class RegionFdServer:
         self._accepting: asyncio.Task[None] | None = None  # on _own_loop
         # On _own_loop only. Invariant: _reading holds the tasks of _open still
         # reading their request, in accept order (oldest first).
-        self._open: set[asyncio.Task[None]] = set()
+        # _open maps each connection's task to its socket until the task is done
+        # (then the socket is closed, even for a task dropped before it ran);
+        # dropped tasks leave _open at once, so a flood never counts twice.
+        self._open: dict[asyncio.Task[None], socket.socket] = {}
         self._reading: dict[asyncio.Task[Any], socket.socket] = {}
         self._uids: dict[asyncio.Task[Any], int] = {}  # the peer uid of each task in _reading
+        self._dropped: dict[asyncio.Task[None], socket.socket] = {}  # cancelled, not yet done
         self._limited = RateLimitedLog(log)
 
     def start(self) -> None:
@@ -246,29 +255,42 @@ class RegionFdServer:
         own_loop = asyncio.get_running_loop()
         try:
             while True:
-                try:
-                    conn, _ = await own_loop.sock_accept(sock)
-                except OSError as exc:  # EMFILE and the like: the backlog waits
-                    self._limited.warning(
-                        ("accept", exc.errno), "region descriptor socket: accept failed: %s", exc
-                    )
-                    await asyncio.sleep(0.05)
-                    continue
-                conn.setblocking(False)
-                if len(self._open) >= MAX_CONNECTIONS and not self._make_room():
-                    _send_now(conn, b"ERR busy: too many region descriptor requests at once\n")
-                    conn.close()
-                    continue
-                task = own_loop.create_task(self._serve_connection(conn))
-                self._open.add(task)
-                self._reading[task] = conn
-                self._uids[task] = _peer_uid(conn)
-                task.add_done_callback(self._forget)
+                await _readable(sock)
+                # drain what the backlog holds (a bounded batch), so that a flood
+                # of connections moves through the queue at the kernel's pace
+                for _ in range(ACCEPT_BATCH):
+                    try:
+                        conn, _ = sock.accept()
+                    except BlockingIOError:
+                        break
+                    except OSError as exc:  # EMFILE and the like: the backlog waits
+                        self._limited.warning(
+                            ("accept", exc.errno), "region descriptor socket: accept failed: %s",
+                            exc,
+                        )  # fmt: skip
+                        await asyncio.sleep(0.05)
+                        break
+                    self._admit(own_loop, conn)
+                await asyncio.sleep(0)  # let the connections accepted so far run
         finally:
             for task in list(self._open):
                 task.cancel()
             if self._open:
                 await asyncio.gather(*self._open, return_exceptions=True)
+
+    def _admit(self, own_loop: asyncio.AbstractEventLoop, conn: socket.socket) -> None:
+        """Starts serving ``conn`` (just accepted; this server now owns it), making
+        room first when :data:`MAX_CONNECTIONS` are open, or refuses it."""
+        conn.setblocking(False)
+        if len(self._open) >= MAX_CONNECTIONS and not self._make_room():
+            _send_now(conn, b"ERR busy: too many region descriptor requests at once\n")
+            conn.close()
+            return
+        task = own_loop.create_task(self._serve_connection(conn))
+        self._open[task] = conn
+        self._reading[task] = conn
+        self._uids[task] = _peer_uid(conn)
+        task.add_done_callback(self._forget)
 
     def _make_room(self) -> bool:
         """Drops the oldest connection still reading its request of the peer uid
@@ -286,7 +308,8 @@ class RegionFdServer:
             self._reading.pop(oldest), b"ERR dropped: too many connections without a request\n"
         )
         self._uids.pop(oldest, None)
-        oldest.cancel()
+        oldest.cancel()  # its socket is closed when the task is done (_forget)
+        self._dropped[oldest] = self._open.pop(oldest)
         self._limited.warning(
             "full",
             "region descriptor socket: %d connections open, dropped the oldest one still "
@@ -296,9 +319,13 @@ class RegionFdServer:
         return True
 
     def _forget(self, task: asyncio.Task[None]) -> None:
-        self._open.discard(task)
+        """Done callback of a connection's task: closes its socket (a task
+        cancelled before its first step never ran its own ``finally``)."""
+        conn = self._open.pop(task, None) or self._dropped.pop(task, None)
         self._reading.pop(task, None)
         self._uids.pop(task, None)
+        if conn is not None:
+            conn.close()
 
     async def _serve_connection(self, conn: socket.socket) -> None:
         task = asyncio.current_task()
@@ -419,9 +446,25 @@ async def _writable(conn: socket.socket) -> None:
 def _peer_uid(conn: socket.socket) -> int:
     """The peer's uid (SO_PEERCRED), -1 when the kernel does not say."""
     try:
-        return peer_credentials(conn).uid
+        return peer_uid(conn)
     except OSError:
         return -1
+
+
+async def _readable(sock: socket.socket) -> None:
+    """Returns once ``sock`` is readable (for a listen socket: a connection waits)."""
+    own_loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = own_loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    own_loop.add_reader(sock, wake)
+    try:
+        await ready
+    finally:
+        own_loop.remove_reader(sock)
 
 
 def _send_now(conn: socket.socket, line: bytes) -> None:

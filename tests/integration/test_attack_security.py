@@ -219,7 +219,9 @@ def test_a_local_flood_of_region_socket_connections_does_not_drop_another_uids_r
     connections to the region-descriptor socket as fast as it can, for 4 s,
     while the daemon's owner asks for its session's descriptor in a loop. Each
     new silent connection dropped the oldest silent one, whoever's it was: ~95 %
-    of the owner's requests got 'ERR dropped'. Now a flood drops its own."""
+    of the owner's requests got 'ERR dropped'. Now a flood drops its own. Two
+    flooding processes also starved the accept loop (each dropped connection's
+    socket was left to the garbage collector): answers took 1-2 s."""
     import subprocess
     import sys
 
@@ -233,11 +235,22 @@ def test_a_local_flood_of_region_socket_connections_does_not_drop_another_uids_r
             session = client.open_session("p/x", block_bytes=4096, num_blocks=2)
             path = session.region.fd_socket
             os.chmod(daemon.workdir, 0o711)
-            flood = subprocess.Popen(
-                [sys.executable, "-c", FLOOD, path, "4", str(attacker.uid), str(attacker.gid),
-                 str(group.gid)],
-                cwd="/",
-            )  # fmt: skip
+            floods = [
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-c",
+                        FLOOD,
+                        path,
+                        "4",
+                        str(attacker.uid),
+                        str(attacker.gid),
+                        str(group.gid),
+                    ],
+                    cwd="/",
+                )  # fmt: skip
+                for _ in range(2)
+            ]
             try:
                 time.sleep(0.5)
                 served = refused = 0
@@ -249,8 +262,12 @@ def test_a_local_flood_of_region_socket_connections_does_not_drop_another_uids_r
                     except (OSError, RegionAccessDenied):
                         refused += 1
             finally:
-                flood.wait(timeout=30)
-            assert refused <= served // 20, f"{refused} refused, {served} served"
+                for flood in floods:
+                    flood.wait(timeout=30)
+            # each dropped flood connection cost a few system calls, not a socket
+            # left to the garbage collector, and a wake-up drains the backlog: the
+            # owner's requests were served about 60 times in 3 s here (2 before)
+            assert served >= 5 and refused <= served // 20, f"{refused} refused, {served} served"
         assert daemon.stop() == 0
     finally:
         daemon.cleanup()
