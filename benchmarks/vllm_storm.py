@@ -63,7 +63,6 @@ import os
 import random
 import re
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -75,6 +74,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from benchmarks.vllm_http import stop_server_group, vllm_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = ("fs", "primary", "fs-nohold")
@@ -243,29 +244,11 @@ class Server:
 
     def metrics(self) -> dict[str, float]:
         """vLLM's Prometheus samples, keyed by ``name{labels}`` minus the common labels."""
-        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as response:
-            text = response.read().decode()
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if not line.startswith("vllm:"):
-                continue
-            key, _, value = line.rpartition(" ")
-            key = re.sub(r'(engine|model_name)="[^"]*",?', "", key).replace(",}", "}")
-            out[key.replace("{}", "")] = out.get(key, 0.0) + float(value)
-        return out
+        return vllm_metrics(self.url)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                pass
-        try:  # the engine core and worker processes it started
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
+        """SIGTERM, then SIGKILL to the whole group (engine core and worker too)."""
+        stop_server_group(self.proc)
 
 
 # ---------------------------------------------------------------- requests

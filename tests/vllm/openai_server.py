@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -27,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from daemon_harness import eventually, free_port
+
+from benchmarks.vllm_http import stop_server_group, vllm_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 EXTERNAL_TOKENS = 'vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}'
@@ -130,17 +130,7 @@ class OpenAIServer:
 
     def metrics(self) -> dict[str, float]:
         """vLLM's Prometheus samples, keyed by ``name{labels}`` minus the common labels."""
-        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as response:
-            text = response.read().decode()
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if not line.startswith("vllm:"):
-                continue
-            key, _, value = line.rpartition(" ")
-            key = re.sub(r'(engine|model_name)="[^"]*",?', "", key).replace(",}", "}")
-            key = key.replace("{}", "")
-            out[key] = out.get(key, 0.0) + float(value)
-        return out
+        return vllm_metrics(self.url)
 
     def external_tokens(self) -> float:
         """Prompt tokens vLLM took from the connector (kvtierd) so far."""
@@ -148,15 +138,5 @@ class OpenAIServer:
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL to the whole group (engine core and worker too)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
+        stop_server_group(self.proc)
         os.unlink(self.log_path)
