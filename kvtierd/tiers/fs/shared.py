@@ -170,9 +170,9 @@ class SharedRoot:
                 if time.monotonic() >= next_rescan:
                     self.rescan()
                     next_rescan = time.monotonic() + self.rescan_interval
-            except Exception:  # keep serving: the next batch or rescan tries again
-                log.exception("FS tier %s: shared-root check of %s failed", self.tier_name,
-                              self.pool_dir)  # fmt: skip
+            except Exception as exc:  # keep serving: the next batch or rescan tries again
+                self._fault("bug", "shared-root check of %s failed: %r", self.pool_dir, exc)
+                next_rescan = time.monotonic() + self.rescan_interval
                 time.sleep(min(1.0, self.rescan_interval))
 
     def _check_keys(self, keys: list[BlockKey]) -> None:
