@@ -293,6 +293,29 @@ def test_two_daemons_storing_past_capacity_keep_the_root_within_budget(fs_root, 
         engine.close()
 
 
+def test_pools_only_other_daemons_serve_count_against_the_capacity(fs_root, daemons, pool_name):
+    capacity = 1 << 20  # 15 files of FILE_BYTES
+    config = shared_config(fs_root, capacity=f"{capacity}", shared_negative_ttl="0.2s",
+                           shared_rescan_interval="0.3s")  # fmt: skip
+    node_a, node_b = daemons.start(config), daemons.start(config)
+    # two models: each daemon serves one pool (its own directory under the root)
+    engines = [Engine(node_a, pool_name + "-a"), Engine(node_b, pool_name + "-b")]
+    for batch in range(3):  # 12 files each: either pool alone fits, both together do not
+        for n, engine in enumerate(engines):
+            engine.store(block_keys(f"pool-{n}-{batch}", 4), retry_for=20)
+            engine.settle_cascades()
+    eventually(
+        lambda: root_bytes(fs_root) <= capacity,
+        20,
+        lambda: f"root within {capacity} bytes; holds {root_bytes(fs_root)}",
+    )
+    stats = [engine.tier_stats() for engine in engines]
+    assert sum(s.evictions for s in stats) > 0, stats
+    assert all(s.foreign_files_found == 0 for s in stats)  # no pool was another's
+    for engine in engines:
+        engine.close()
+
+
 def _refused(config: str) -> str:
     """Starts a daemon that must refuse the root: exit code 2; returns its log."""
     daemon = start_daemon(config=config, wait=False)

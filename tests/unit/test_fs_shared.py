@@ -24,6 +24,7 @@ from kvtierd.region import Region
 from kvtierd.tiers.fs import FsTier, fsformat
 from kvtierd.tiers.fs.index import BlockIndex, DiskBudget
 from kvtierd.tiers.fs.shared import MAX_WANTED, SharedRoot
+from kvtierd.tiers.fs.unserved import UnservedPools
 
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
 LONG_S = 3600.0  # a rescan interval no test waits for
@@ -173,3 +174,24 @@ def test_temp_names_and_torn_files_are_never_adopted(region: Region, tmp_path, b
         reader.shutdown()
 
     run(region, tmp_path, body)
+
+
+def test_unserved_pools_are_charged_until_a_pool_here_serves_them(tmp_path):
+    budget = DiskBudget(10 * FILE_BYTES)
+    unserved = UnservedPools("fs", str(tmp_path), budget, interval=LONG_S)
+    for pool, files in (("other-1", 3), ("mine-2", 2)):
+        directory = tmp_path / pool / "ab" / "cd"
+        directory.mkdir(parents=True)
+        for i in range(files):
+            (directory / f"{pool}{i}{fsformat.BLOCK_SUFFIX}").write_bytes(bytes(FILE_BYTES))
+        (directory / f"x{fsformat.TEMP_SUFFIX}").write_bytes(bytes(FILE_BYTES))  # never counted
+    os.symlink(tmp_path / "other-1", tmp_path / "link")  # never followed
+    assert unserved.recount_if_due()
+    assert budget.unserved == budget.charged == 5 * FILE_BYTES
+    assert not unserved.recount_if_due()  # not due yet
+    unserved.serve("mine-2")  # a pool attaches: its files are its own index's now
+    assert budget.unserved == budget.charged == 3 * FILE_BYTES
+    assert budget.try_charge(7 * FILE_BYTES) and not budget.try_charge(1)
+    budget.release(7 * FILE_BYTES)
+    with pytest.raises(AssertionError):
+        budget.release(1)  # the unserved charge is never released by a pool

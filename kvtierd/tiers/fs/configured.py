@@ -31,6 +31,7 @@ from kvtierd.tiers.fs.ioworker import IoWorkers
 from kvtierd.tiers.fs.rootlock import RootGuard, RootInUse
 from kvtierd.tiers.fs.settings import FsTierSettings
 from kvtierd.tiers.fs.tier import FsTier
+from kvtierd.tiers.fs.unserved import UnservedPools
 from kvtierd.tiers.fs.writelog import WriteFailureLog
 
 
@@ -56,6 +57,12 @@ class ConfiguredFsTier(ConfiguredTier):
         self._workers: IoWorkers | None = None  # started with the first pool (if any)
         # exclusive, or shared with other daemons (shared = true); held from check() to shutdown()
         self.root_guard = RootGuard(name, settings.root, shared=settings.shared)
+        # shared root: the bytes of pool directories no pool here serves, in the budget
+        self.unserved = (
+            UnservedPools(name, settings.root, self.budget, settings.shared_rescan_interval)
+            if settings.shared
+            else None
+        )
 
     def check(self) -> None:
         """Raises TierRootError unless the root exists (or may be created), is the
@@ -128,7 +135,7 @@ class ConfiguredFsTier(ConfiguredTier):
                 max_queue_bytes=s.max_queue_bytes,
                 name=f"kvtierd-{self.name}",
             )
-        return FsTier(
+        tier = FsTier(
             self.name,
             s.root,
             pool.pool_name,
@@ -148,7 +155,11 @@ class ConfiguredFsTier(ConfiguredTier):
             shared=s.shared,
             shared_negative_ttl=s.shared_negative_ttl,
             shared_rescan_interval=s.shared_rescan_interval,
+            unserved=self.unserved,
         )
+        if self.unserved is not None:
+            self.unserved.serve(os.path.basename(tier.pool_dir))
+        return tier
 
     async def drain(self) -> None:
         if self._io is not None:

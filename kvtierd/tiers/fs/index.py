@@ -54,7 +54,9 @@ class DiskBudget:
     """The byte capacity of one configured FS tier, shared by its pools.
 
     ``charged`` is the sum of every indexed file, every write in flight and
-    every evicted file not yet unlinked, of every pool attached to it.
+    every evicted file not yet unlinked, of every pool attached to it, plus (a
+    shared root only) the bytes of the root's pool directories no attached pool
+    serves, as last counted (:meth:`set_unserved`; no pool here can evict them).
     Thread-safe; held only for arithmetic.
     """
 
@@ -63,7 +65,8 @@ class DiskBudget:
             raise ValueError(f"capacity must be positive, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self._lock = threading.Lock()
-        self._charged = 0  # _lock; Invariant: >= 0
+        self._charged = 0  # _lock; Invariant: >= _unserved >= 0
+        self._unserved = 0  # _lock; the part of _charged set by set_unserved
 
     @property
     def charged(self) -> int:
@@ -86,8 +89,19 @@ class DiskBudget:
     def release(self, nbytes: int) -> None:
         with self._lock:
             self._charged -= nbytes
-            if self._charged < 0:
+            if self._charged < self._unserved:
                 raise AssertionError("disk budget released more than it charged")
+
+    def set_unserved(self, nbytes: int) -> None:
+        """Replaces the charge of the pool directories no attached pool serves."""
+        with self._lock:
+            self._charged += nbytes - self._unserved
+            self._unserved = nbytes
+
+    @property
+    def unserved(self) -> int:
+        with self._lock:
+            return self._unserved
 
     @property
     def over(self) -> bool:

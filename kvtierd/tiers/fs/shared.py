@@ -17,10 +17,11 @@ this module keeps it in step with the disk, on one thread per pool's tier
 * **Rescans.** Every ``rescan_interval`` seconds the thread walks the pool
   directory (directory entries only: ``d_type``, no ``stat`` of known files):
   indexed files that are gone leave the index (:meth:`BlockIndex.drop_absent`),
-  unknown block files are header-checked and adopted, then the index evicts
-  its least recently used files -- whoever wrote them -- until the budget is
-  within the capacity. The index thus counts every block file of the pool
-  directory, its own writes in flight included.
+  unknown block files are header-checked and adopted, the pool directories no
+  pool of this daemon serves are recounted (:mod:`~kvtierd.tiers.fs.unserved`),
+  then the index evicts its least recently used files -- whoever wrote them --
+  until the budget is within the capacity. The budget thus counts every block
+  file under the root, this daemon's writes in flight included.
 * **Never read partial files.** Only ``*.kvb`` names are considered; a writer
   publishes a complete file by ``rename`` from a ``*.tmp`` name, and temp
   names are skipped here (the start-up scan of a shared root removes only temp
@@ -52,6 +53,7 @@ from kvtierd.tiers.fs import blockfile, fsformat, safefs
 from kvtierd.tiers.fs.fsformat import BLOCK_SUFFIX, CorruptBlock
 from kvtierd.tiers.fs.index import BlockIndex, TierFull
 from kvtierd.tiers.fs.safefs import PoolDir, UnexpectedEntry
+from kvtierd.tiers.fs.unserved import UnservedPools
 
 log = logging.getLogger("kvtierd.tiers.fs")
 
@@ -79,6 +81,7 @@ class SharedRoot:
         *,
         negative_ttl: float,
         rescan_interval: float,
+        unserved: UnservedPools | None = None,
     ) -> None:
         self.tier_name = tier_name
         self.pool_dir = pool_dir
@@ -87,6 +90,7 @@ class SharedRoot:
         self._fingerprint = fingerprint
         self._block_bytes = block_bytes
         self._index = index
+        self._unserved = unserved
         self._faults = RateLimitedLog(log, FAULT_LOG_INTERVAL_S)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -151,6 +155,9 @@ class SharedRoot:
     # -- the thread ------------------------------------------------------------------
 
     def _run(self) -> None:
+        if self._unserved is not None:  # other pools' bytes in the budget from the start
+            self._unserved.recount_if_due()
+            self._evict_to_capacity()
         next_rescan = time.monotonic() + self.rescan_interval
         while True:
             with self._lock:
@@ -263,6 +270,8 @@ class SharedRoot:
                 if self._stopping:
                     return
                 self._adopt_unknown(pool, rel)
+        if self._unserved is not None:
+            self._unserved.recount_if_due()
         self._index.count("shared_rescans")
         self._evict_to_capacity()
 

@@ -76,6 +76,7 @@ from kvtierd.tiers.fs.scan import SHARED_TEMP_MAX_AGE_S, IndexScan, ScanReport
 from kvtierd.tiers.fs.settings import DEFAULTS, O_DIRECT_MODES
 from kvtierd.tiers.fs.shared import SharedRoot
 from kvtierd.tiers.fs.startup import FsTierError, PoolMismatchError
+from kvtierd.tiers.fs.unserved import UnservedPools
 from kvtierd.tiers.fs.writelog import WriteFailureLog
 
 __all__ = ["DiskBudget", "FsTier", "FsTierError", "PoolMismatchError", "ScanReport", "TierFull"]
@@ -99,7 +100,9 @@ class FsTier(SecondaryTier):
     need ``region_file``), in ``block_io`` (any :class:`BlockIo`: tests hold
     I/O there), or else inline on the I/O threads. ``before_scan`` is called
     on the scan thread before the index scan (tests hold the scan there).
-    ``shared``: other daemons use the root too (:mod:`~kvtierd.tiers.fs.shared`).
+    ``shared``: other daemons use the root too (:mod:`~kvtierd.tiers.fs.shared`);
+    ``unserved`` (shared only) charges the root's pool directories no pool here
+    serves to the budget (:mod:`~kvtierd.tiers.fs.unserved`).
     """
 
     medium = Medium.STORAGE
@@ -132,6 +135,7 @@ class FsTier(SecondaryTier):
         shared: bool = DEFAULTS.shared,
         shared_negative_ttl: float = DEFAULTS.shared_negative_ttl,
         shared_rescan_interval: float = DEFAULTS.shared_rescan_interval,
+        unserved: UnservedPools | None = None,
     ) -> None:
         if o_direct not in O_DIRECT_MODES:
             raise ValueError(f"o_direct must be one of {O_DIRECT_MODES}, got {o_direct!r}")
@@ -180,6 +184,7 @@ class FsTier(SecondaryTier):
             SharedRoot(
                 name, self.pool_dir, self._fingerprint, block_bytes, self.index,
                 negative_ttl=shared_negative_ttl, rescan_interval=shared_rescan_interval,
+                unserved=unserved,
             ) if shared else None
         )  # fmt: skip
         self._ready: asyncio.Future[None] | None = None
