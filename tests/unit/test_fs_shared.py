@@ -195,3 +195,35 @@ def test_unserved_pools_are_charged_until_a_pool_here_serves_them(tmp_path):
     budget.release(7 * FILE_BYTES)
     with pytest.raises(AssertionError):
         budget.release(1)  # the unserved charge is never released by a pool
+
+
+@pytest.mark.parametrize("planted", ["symlink", "fifo"])
+def test_a_planted_entry_at_a_keys_path_is_never_followed_or_waited_on(
+    region: Region, tmp_path, planted
+):
+    async def body(h: Harness) -> None:
+        elsewhere = tmp_path / "elsewhere"
+        other = Harness(h.region, elsewhere)
+        writer: FsTier = await shared_tier(other)  # a valid file of the key, outside the root
+        h.fill(0, 3)
+        assert (await other.store(writer, [b"k"], [0])).success
+        writer.shutdown()
+        (valid,) = block_files(elsewhere)
+        root = tmp_path / "root"
+        reader: FsTier = await shared_tier(Harness(h.region, root))
+        path = Path(reader.pool_dir) / fsformat.block_rel_path(b"k")
+        path.parent.mkdir(parents=True)
+        if planted == "symlink":
+            path.symlink_to(valid)
+        else:
+            os.mkfifo(path)
+        assert reader.lookup([b"k"]) == [MISS]
+        await until(lambda: reader.statistics().shared_rechecks == 1)
+        stats = reader.statistics()
+        assert stats.foreign_files_found == 0 and stats.checksum_failures == 1
+        assert not path.exists() and not path.is_symlink()  # removed, the target kept
+        assert valid.exists()
+        assert reader.lookup([b"k"]) == [MISS]
+        reader.shutdown()
+
+    run(region, tmp_path, body)
