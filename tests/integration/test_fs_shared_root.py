@@ -77,6 +77,12 @@ def daemons() -> Iterator[Daemons]:
         started.stop_all()
 
 
+def wait_ready(*engines: Engine) -> None:
+    """Waits until each engine's fs tier has its index (lookups answer HIT/MISS, not RETRY)."""
+    for engine in engines:
+        eventually(lambda e=engine: e.tier_stats().ready, 30, "the fs tier's index ready")
+
+
 def lookups_until_found(engine: Engine, keys: list[bytes], timeout: float = 20.0) -> int:
     """Looks ``keys`` up until no answer is MISS; returns how many lookups it took."""
     count = 0
@@ -88,7 +94,7 @@ def lookups_until_found(engine: Engine, keys: list[bytes], timeout: float = 20.0
         answers[:] = engine.session.lookup(keys)
         return MISS not in answers
 
-    eventually(found, timeout, lambda: f"the keys found; last answers {answers}", interval=0.02)
+    eventually(found, timeout, lambda: f"the keys found; last answers {answers}", interval=0.05)
     return count
 
 
@@ -96,6 +102,7 @@ def test_a_block_stored_through_a_is_served_by_b_bit_exact(fs_root, daemons, poo
     config = shared_config(fs_root, shared_negative_ttl="0.2s", shared_rescan_interval=LONG)
     node_a, node_b = daemons.start(config), daemons.start(config)
     writer, reader = Engine(node_a, pool_name), Engine(node_b, pool_name)
+    wait_ready(writer, reader)
     keys = block_keys("shared", 6)
     writer.store(keys)
     writer.settle_cascades()
@@ -104,7 +111,7 @@ def test_a_block_stored_through_a_is_served_by_b_bit_exact(fs_root, daemons, poo
     assert reader.session.lookup(keys) == [MISS] * 6  # not in B's index: at once, no wait
     lookups = lookups_until_found(reader, keys)
     # the first lookup queued the keys; the check is one batch off the loop
-    assert lookups <= 100, f"{lookups} lookups before B found the files"
+    assert lookups <= 200, f"{lookups} lookups before B found the files"  # typically 2
     assert reader.wait_settled(keys) == [HIT] * 6
     assert reader.load(keys) == [payload(k) for k in keys]
     stats = reader.tier_stats()
@@ -125,6 +132,7 @@ def test_the_negative_cache_bounds_how_often_a_missing_key_is_looked_for(
                                        shared_rescan_interval=LONG),
                          "--metrics-address", metrics)  # fmt: skip
     engine = Engine(node, pool_name)
+    wait_ready(engine)
     absent = block_keys("nowhere", 1)
     start = time.monotonic()
     answers = [engine.session.lookup(absent)[0] for _ in range(30)]
@@ -156,6 +164,7 @@ def test_a_file_removed_by_another_daemon_is_a_miss_never_an_error(fs_root, daem
     config = shared_config(fs_root, shared_negative_ttl="0.2s", shared_rescan_interval=LONG)
     node_a, node_b = daemons.start(config), daemons.start(config)
     writer, reader = Engine(node_a, pool_name), Engine(node_b, pool_name)
+    wait_ready(writer, reader)
     keys = block_keys("gone", 4)
     writer.store(keys)
     writer.settle_cascades()
@@ -179,6 +188,7 @@ def test_a_rescan_drops_files_other_daemons_removed_and_adopts_new_ones(
     config = shared_config(fs_root, shared_negative_ttl="0.2s", shared_rescan_interval="0.3s")
     node_a, node_b = daemons.start(config), daemons.start(config)
     writer, reader = Engine(node_a, pool_name), Engine(node_b, pool_name)
+    wait_ready(writer, reader)
     keys = block_keys("rescan", 4)
     writer.store(keys)
     writer.settle_cascades()
@@ -215,6 +225,7 @@ def test_temp_and_partial_files_are_never_read(fs_root, daemons, pool_name):
 
     node_b = daemons.start(config)
     reader = Engine(node_b, pool_name)
+    wait_ready(reader)
     deadline = time.monotonic() + 2.0  # several negative-ttl lifetimes and rescans
     while time.monotonic() < deadline:
         assert reader.session.lookup([complete]) == [MISS]
