@@ -25,6 +25,8 @@ real disk (``$KVTIERD_BENCH_FS_ROOT``, default ``/var/tmp``; tmpfs is refused).
   daemon's I/O threads, under its interpreter lock) for comparison.
 * vLLM's ``FileSystemTierManager`` (same threads, same block size) when
   ``.venv-vllm`` (or ``$KVTIERD_BENCH_VLLM_PYTHON``) has vLLM; else a skip row.
+* two daemons on one shared root: how soon a block one stored is found and
+  served by the other (:mod:`benchmarks.fs_shared`).
 
 ``python -m benchmarks fs`` runs it alone.
 """
@@ -46,6 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import xxhash
 
+from benchmarks import fs_shared
 from benchmarks.common import BenchDaemon, Row
 from kvtierd.tiers.fs.fsformat import HEADER_SIZE
 from kvtierd.tiers.fs.settings import DEFAULTS
@@ -590,6 +593,7 @@ def run() -> list[Row]:
                     gbs = _gbs(payload, result[phase])
                     rows.append(Row(vgroup, f"{_short(phase)}, both o_direct={mode}", gbs, "GB/s",
                                     f"vLLM {vgbs:.2f} GB/s", gbs / vgbs, ">= 1.0x"))  # fmt: skip
+        rows.extend(fs_shared.run())  # cross-daemon HIT latency on a shared root
     finally:
         shutil.rmtree(base, ignore_errors=True)
     return rows

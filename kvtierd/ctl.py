@@ -156,6 +156,9 @@ STATS_COLUMNS: tuple[tuple[str, Callable[[Any, Any], str]], ...] = (
     ("failures", lambda p, t: str(t.failures)),
     ("checksum", lambda p, t: str(t.checksum_failures)),
     ("dropped", lambda p, t: str(t.dropped_blocks)),
+    # a shared fs root: files other daemons wrote that this one found, keys looked for on disk
+    ("foreign", lambda p, t: str(t.foreign_files_found) if t.tier != "primary" else "-"),
+    ("rechecks", lambda p, t: str(t.shared_rechecks) if t.tier != "primary" else "-"),
 )
 
 WATCH_MIN_SECONDS = 0.1

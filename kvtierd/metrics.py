@@ -226,6 +226,17 @@ POOL_FAMILIES: tuple[Family, ...] = (
            "queued_jobs"),
     Family("kvtierd_queue_bytes", GAUGE, "Cascade bytes queued on the tier's I/O threads",
            "queued_bytes"),
+    Family("kvtierd_shared_foreign_files", COUNTER,
+           "Files other daemons wrote in a shared fs root, found and indexed",
+           "foreign_files_found"),
+    Family("kvtierd_shared_rechecks", COUNTER,
+           "Keys looked for in a shared fs root after a lookup missed the index",
+           "shared_rechecks"),
+    Family("kvtierd_shared_rescans", COUNTER, "Rescans of a shared fs root's pool directory",
+           "shared_rescans"),
+    Family("kvtierd_shared_files_vanished", COUNTER,
+           "Indexed block files removed by someone else (another daemon, an operator)",
+           "shared_files_vanished"),
 )  # fmt: skip
 
 

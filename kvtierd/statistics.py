@@ -166,6 +166,11 @@ TIER_NUMBERS: tuple[TierNumber, ...] = (
     TierNumber("promotion_no_room", None, lambda s: s.counters.promotion_no_room),
     TierNumber("queued_jobs", None, lambda s: s.tier.queued_jobs, on_wire=False),
     TierNumber("queued_bytes", None, lambda s: s.tier.queued_bytes),
+    # a shared fs root (kvtierd.tiers.fs.shared)
+    TierNumber("foreign_files_found", None, lambda s: s.tier.foreign_files_found),
+    TierNumber("shared_rechecks", None, lambda s: s.tier.shared_rechecks),
+    TierNumber("shared_rescans", None, lambda s: s.tier.shared_rescans),
+    TierNumber("shared_files_vanished", None, lambda s: s.tier.shared_files_vanished),
 )
 
 WIRE_NUMBERS = frozenset(number.name for number in TIER_NUMBERS if number.on_wire)

@@ -118,6 +118,11 @@ class TierStats:
     dropped_writes: int  # cascade writes refused by backpressure (jobs)
     queued_jobs: int
     queued_bytes: int
+    # a shared fs root (kvtierd.tiers.fs.shared); 0 for other tiers
+    foreign_files_found: int = 0  # files other daemons wrote, found and indexed
+    shared_rechecks: int = 0  # keys looked for on disk after a local miss
+    shared_rescans: int = 0  # periodic rescans finished
+    shared_files_vanished: int = 0  # indexed files someone else removed
 
 
 JobCallback = Callable[[JobResult], None]

@@ -60,6 +60,10 @@ SECONDARY = {
     "promotion_no_room": ("kvtierd_promotion_no_room_total", {}),
     "checksum_failures": ("kvtierd_checksum_failures_total", {}),
     "queued_bytes": ("kvtierd_queue_bytes", {}),
+    "foreign_files_found": ("kvtierd_shared_foreign_files_total", {}),
+    "shared_rechecks": ("kvtierd_shared_rechecks_total", {}),
+    "shared_rescans": ("kvtierd_shared_rescans_total", {}),
+    "shared_files_vanished": ("kvtierd_shared_files_vanished_total", {}),
 }
 NUMERIC_FIELDS = [
     f.name for f in pb2.TierStats.DESCRIPTOR.fields if f.name not in ("tier", "medium", "ready")

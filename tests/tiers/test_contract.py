@@ -44,8 +44,9 @@ class FsKit(TierKit):
     can_damage = True
     read_threads = write_threads = 2
 
-    def __init__(self, root: Path, *, io_processes: int) -> None:
+    def __init__(self, root: Path, *, io_processes: int, shared: bool = False) -> None:
         super().__init__(root)
+        self.shared = shared  # shared = true: the shared-root thread runs beside the jobs
         base = "/dev/shm" if Path("/dev/shm").is_dir() else None
         self.shm_dir = tempfile.mkdtemp(prefix="kvtierd-contract-", dir=base)
         threads = self.read_threads + self.write_threads
@@ -89,6 +90,9 @@ class FsKit(TierKit):
             io_pool=io,
             workers=self.workers,
             region_file=(owned.path, *owned.identity()) if self.workers else None,
+            shared=self.shared,
+            shared_negative_ttl=0.05,
+            shared_rescan_interval=0.05,  # rescans race every check's jobs
         )
         self.io_pools[id(tier)] = io
         return tier
@@ -276,6 +280,7 @@ class MemoryKit(TierKit):
 KITS: dict[str, tuple[type[TierKit], dict[str, Any]]] = {
     "fs-threads": (FsKit, {"io_processes": 0}),
     "fs-workers": (FsKit, {"io_processes": 2}),
+    "fs-shared": (FsKit, {"io_processes": 0, "shared": True}),
     "redis": (RedisKit, {}),
     "memory": (MemoryKit, {}),
 }

@@ -7,8 +7,10 @@ of them share the configured tier's I/O threads and I/O worker processes (so
 neither multiplies with pools), its write-queue limits and its byte capacity.
 
 Lifecycle (event loop): :meth:`check` at daemon start (refuses an unusable
-root, naming it) -> :meth:`create` per pool -> :meth:`shutdown` once every pool
-has drained (joins the I/O threads, so no thread touches a region afterwards).
+root, naming it, and takes the root's lock: :mod:`~kvtierd.tiers.fs.rootlock`)
+-> :meth:`create` per pool -> :meth:`shutdown` once every pool has drained
+(joins the I/O threads, so no thread touches a region afterwards, then drops
+the root's lock).
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from kvtierd.tiers.fs import permissions
 from kvtierd.tiers.fs.index import DiskBudget
 from kvtierd.tiers.fs.iopool import IoPool
 from kvtierd.tiers.fs.ioworker import IoWorkers
+from kvtierd.tiers.fs.rootlock import RootGuard, RootInUse
 from kvtierd.tiers.fs.settings import FsTierSettings
 from kvtierd.tiers.fs.tier import FsTier
+from kvtierd.tiers.fs.unserved import UnservedPools
 from kvtierd.tiers.fs.writelog import WriteFailureLog
 
 
@@ -51,6 +55,14 @@ class ConfiguredFsTier(ConfiguredTier):
         self.write_log = WriteFailureLog(name, logging.getLogger("kvtierd.tiers.fs"))
         self._io: IoPool | None = None  # started with the first pool
         self._workers: IoWorkers | None = None  # started with the first pool (if any)
+        # exclusive, or shared with other daemons (shared = true); held from check() to shutdown()
+        self.root_guard = RootGuard(name, settings.root, shared=settings.shared)
+        # shared root: the bytes of pool directories no pool here serves, in the budget
+        self.unserved = (
+            UnservedPools(name, settings.root, self.budget, settings.shared_rescan_interval)
+            if settings.shared
+            else None
+        )
 
     def check(self) -> None:
         """Raises TierRootError unless the root exists (or may be created), is the
@@ -85,6 +97,14 @@ class ConfiguredFsTier(ConfiguredTier):
                 f"fs tier {self.name}: root directory {root} is {reason or 'unusable'} for this "
                 f"process (uid {os.geteuid()}): {exc.strerror or exc}"
             ) from None
+        try:
+            self.root_guard.acquire()
+        except RootInUse as exc:
+            raise TierRootError(str(exc)) from None
+        except OSError as exc:
+            raise TierRootError(
+                f"fs tier {self.name}: cannot lock root {root}: {exc.strerror or exc}"
+            ) from None
 
     def create(
         self, pool: PoolBinding, on_done: JobCallback, loop: asyncio.AbstractEventLoop
@@ -115,7 +135,7 @@ class ConfiguredFsTier(ConfiguredTier):
                 max_queue_bytes=s.max_queue_bytes,
                 name=f"kvtierd-{self.name}",
             )
-        return FsTier(
+        tier = FsTier(
             self.name,
             s.root,
             pool.pool_name,
@@ -132,7 +152,14 @@ class ConfiguredFsTier(ConfiguredTier):
             workers=workers,
             region_file=pool.region_file if workers is not None else None,
             write_log=self.write_log,
+            shared=s.shared,
+            shared_negative_ttl=s.shared_negative_ttl,
+            shared_rescan_interval=s.shared_rescan_interval,
+            unserved=self.unserved,
         )
+        if self.unserved is not None:
+            self.unserved.serve(os.path.basename(tier.pool_dir))
+        return tier
 
     async def drain(self) -> None:
         if self._io is not None:
@@ -145,3 +172,4 @@ class ConfiguredFsTier(ConfiguredTier):
             self._io.shutdown()
         if self._workers is not None:
             self._workers.stop()
+        self.root_guard.release()

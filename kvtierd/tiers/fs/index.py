@@ -38,6 +38,11 @@ COUNTERS = (
     "load_failures",
     "checksum_failures",
     "dropped_writes",
+    # shared roots (kvtierd.tiers.fs.shared); the first three stay 0 unless shared = true
+    "foreign_files_found",  # files other daemons wrote, checked and indexed
+    "shared_rechecks",  # keys looked for on disk after a local miss
+    "shared_rescans",  # periodic rescans of the pool directory finished
+    "shared_files_vanished",  # indexed files someone else removed (found at a rescan or load)
 )
 
 
@@ -49,7 +54,9 @@ class DiskBudget:
     """The byte capacity of one configured FS tier, shared by its pools.
 
     ``charged`` is the sum of every indexed file, every write in flight and
-    every evicted file not yet unlinked, of every pool attached to it.
+    every evicted file not yet unlinked, of every pool attached to it, plus (a
+    shared root only) the bytes of the root's pool directories no attached pool
+    serves, as last counted (:meth:`set_unserved`; no pool here can evict them).
     Thread-safe; held only for arithmetic.
     """
 
@@ -58,7 +65,8 @@ class DiskBudget:
             raise ValueError(f"capacity must be positive, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self._lock = threading.Lock()
-        self._charged = 0  # _lock; Invariant: >= 0
+        self._charged = 0  # _lock; Invariant: >= _unserved >= 0
+        self._unserved = 0  # _lock; the part of _charged set by set_unserved
 
     @property
     def charged(self) -> int:
@@ -81,8 +89,19 @@ class DiskBudget:
     def release(self, nbytes: int) -> None:
         with self._lock:
             self._charged -= nbytes
-            if self._charged < 0:
+            if self._charged < self._unserved:
                 raise AssertionError("disk budget released more than it charged")
+
+    def set_unserved(self, nbytes: int) -> None:
+        """Replaces the charge of the pool directories no attached pool serves."""
+        with self._lock:
+            self._charged += nbytes - self._unserved
+            self._unserved = nbytes
+
+    @property
+    def unserved(self) -> int:
+        with self._lock:
+            return self._unserved
 
     @property
     def over(self) -> bool:
@@ -291,8 +310,46 @@ class BlockIndex:
     def drop_vanished(self, key: BlockKey) -> None:
         """``key``'s file is gone (removed outside the daemon): out of the index."""
         with self._lock:
+            if key in self._entries:
+                self._counters["shared_files_vanished"] += 1
             self._remove_locked(key)
             self._note_removed_locked(key, "file vanished (removed outside the daemon)")
+
+    # -- shared roots (the shared-root thread) -------------------------------------------
+
+    def adopt(self, key: BlockKey, size: int) -> bool:
+        """Indexes a file another daemon wrote (its header checked by the caller) as
+        the most recently used, and charges it to the budget (which may overshoot:
+        the file exists; :meth:`evict_to_capacity` follows). False, and nothing
+        changes, when the key is indexed, being written or being evicted here."""
+        with self._lock:
+            if key in self._entries or key in self._writing or key in self._evicting:
+                return False
+            self._add_locked(key, size, time.time())
+            self._counters["foreign_files_found"] += 1
+            return True
+
+    def known_keys(self) -> list[BlockKey]:
+        """Every key indexed, being written or being evicted (a rescan's starting point)."""
+        with self._lock:
+            return [*self._entries, *self._writing, *self._evicting]
+
+    def drop_absent(self, keys: Iterable[BlockKey], since: float) -> int:
+        """Drops indexed ``keys`` whose files a rescan that began at unix time ``since``
+        did not find, unless used (looked up, written, loaded) since then or being
+        read; returns how many left the index. Files written after the rescan
+        passed their directory are spared by their last use."""
+        dropped = 0
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is None or entry[1] >= since or key in self._reading:
+                    continue
+                self._remove_locked(key)
+                self._note_removed_locked(key, "file removed by another daemon (shared rescan)")
+                dropped += 1
+            self._counters["shared_files_vanished"] += dropped
+        return dropped
 
     def drop_corrupt(self, key: BlockKey, reason: str, replaced: Callable[[], bool]) -> None:
         """Counts a file of ``key`` that failed verification and drops the key from

@@ -11,7 +11,9 @@ RETRY until it ends). Invariants:
   payload is checked when the block is loaded. A file that fails is removed
   (if the path still names it), counted in ``checksum_failures`` and logged;
   something other than a regular file is removed too, unless a directory.
-* Leftover temp files (a crash mid-write or mid-eviction) are removed.
+* Leftover temp files (a crash mid-write or mid-eviction) are removed; on a
+  shared root (``temp_min_age_s`` > 0) only those older than that, since a
+  younger one may be another daemon's write in flight.
 * Blocks written while it ran are more recent than anything it found.
 * Stopping is bounded: a scan stuck in the file system is left behind after
   :data:`SCAN_JOIN_S` (a daemon thread; it touches no region).
@@ -38,6 +40,9 @@ log = logging.getLogger("kvtierd.tiers.fs")
 
 SCAN_JOIN_S = 2.0  # shutdown waits this long for a scan stuck in the file system
 SCAN_LOG_EVERY = 10_000  # files between progress lines
+# On a shared root, a temp file younger than this may be another daemon's write
+# (or eviction) in flight: the start-up scan leaves it alone.
+SHARED_TEMP_MAX_AGE_S = 3600.0
 
 Found = tuple[float, BlockKey, int]  # (mtime, key, file bytes) of a file that verified
 
@@ -73,8 +78,10 @@ class IndexScan:
         index: BlockIndex,
         on_ready: Callable[[], None],
         before_scan: Callable[[], object] | None = None,
+        temp_min_age_s: float = 0.0,
     ) -> None:
         self.tier_name = tier_name
+        self._temp_min_age_s = temp_min_age_s
         self.pool_dir = pool_dir
         self.report = ScanReport()  # written by the scan thread only
         self._fingerprint = fingerprint
@@ -134,9 +141,10 @@ class IndexScan:
         """What the scan does with one entry below the pool directory."""
         report = self.report
         if entry.name.endswith(TEMP_SUFFIX) and entry.kind != DIRECTORY:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(entry.name, dir_fd=entry.dir_fd)
-            report.removed_temp += 1
+            if self._temp_is_old(entry):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.name, dir_fd=entry.dir_fd)
+                report.removed_temp += 1
             return None
         if entry.name.endswith(BLOCK_SUFFIX):
             report.files += 1
@@ -148,6 +156,17 @@ class IndexScan:
             log.warning("FS tier %s: %s is a symlink: not followed", self.tier_name,
                         pool.full(entry.rel))  # fmt: skip
         return None
+
+    def _temp_is_old(self, entry: Entry) -> bool:
+        """Whether a temp file is a leftover: always on a root of its own; on a shared
+        root only if older than ``temp_min_age_s`` (lstat, no link followed)."""
+        if self._temp_min_age_s <= 0:
+            return True
+        try:
+            st = os.stat(entry.name, dir_fd=entry.dir_fd, follow_symlinks=False)
+        except OSError:
+            return False
+        return time.time() - st.st_mtime > self._temp_min_age_s
 
     def _block_file(self, pool: PoolDir, entry: Entry) -> Found | None:
         """The index entry of one ``*.kvb`` file if its header checks out; otherwise

@@ -30,7 +30,7 @@ from kvtierd.tiers.options import (
     read_int,
     size_text,
 )
-from kvtierd.units import parse_size
+from kvtierd.units import parse_duration, parse_size
 
 O_DIRECT_MODES = ("auto", "on", "off")
 MAX_IO_THREADS = 256  # per kind (read, write), and worker processes
@@ -38,6 +38,8 @@ MIN_CAPACITY_BYTES = 1 << 20
 MIN_QUEUE_BYTES = 4096
 MAX_QUEUE_JOBS = 1 << 20
 _SIZE_OPTIONS = frozenset({"capacity", "max_queue_bytes"})  # written with a unit ("10GiB")
+_DURATION_OPTIONS = frozenset({"shared_negative_ttl", "shared_rescan_interval"})  # "1.5s"
+MAX_SHARED_SECONDS = 3600.0  # upper bound of the shared_* durations
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +72,21 @@ class FsTierSettings:
         "worker processes that do the block file I/O (checksum, write, read) off the "
         "daemon's interpreter lock, 0 for the daemon's own I/O threads",
     )
+    shared: bool = option(
+        False,
+        "several daemons (on this host or on hosts sharing the file system) use this root: "
+        "lookups find files other daemons wrote, the capacity counts every file under the "
+        "pool directories, a shared lock instead of an exclusive one (README, Shared fs root)",
+    )
+    shared_negative_ttl: float = option(
+        1.5,
+        "shared root: how long a key found missing on disk answers MISS before it is checked again",
+    )
+    shared_rescan_interval: float = option(
+        10.0,
+        "shared root: seconds between rescans of the pool directories (files other daemons "
+        "wrote or removed, the bytes under the root)",
+    )
 
     def exclusive(self) -> Mapping[str, object]:
         """Options no two configured tiers may share: two tiers on one root would
@@ -78,7 +95,8 @@ class FsTierSettings:
 
     def describe(self) -> str:
         """One line for the daemon's start log."""
-        return f"fs at {self.root}, capacity {self.capacity} bytes"
+        shared = ", shared with other daemons" if self.shared else ""
+        return f"fs at {self.root}, capacity {self.capacity} bytes{shared}"
 
 
 OPTIONS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(FsTierSettings))
@@ -109,6 +127,8 @@ def format_default(option: str) -> str:
         return "true" if value else "false"
     if option in _SIZE_OPTIONS:
         return f'"{size_text(value)}"'
+    if option in _DURATION_OPTIONS:
+        return f'"{value:g}s"'
     if isinstance(value, str):
         return f'"{value}"'
     return str(value)
@@ -139,7 +159,7 @@ def parse_fs_settings(options: Mapping[str, Any]) -> FsTierSettings:
     values: dict[str, Any] = {"root": os.path.normpath(root)}
     if "capacity" in options:
         values["capacity"] = _size(options, "capacity", minimum=MIN_CAPACITY_BYTES)
-    for key in ("create_root", "fsync"):
+    for key in ("create_root", "fsync", "shared"):
         if key in options:
             values[key] = read_bool(options, key)
     if "o_direct" in options:
@@ -162,7 +182,19 @@ def parse_fs_settings(options: Mapping[str, Any]) -> FsTierSettings:
         values["io_processes"] = read_int(options, "io_processes", 0, MAX_IO_THREADS)
     if "max_queue_jobs" in options:
         values["max_queue_jobs"] = read_int(options, "max_queue_jobs", 1, MAX_QUEUE_JOBS)
+    for key in sorted(_DURATION_OPTIONS & set(options)):
+        values[key] = _duration(options, key)
     return FsTierSettings(**values)
+
+
+def _duration(options: Mapping[str, Any], key: str) -> float:
+    try:
+        seconds = parse_duration(options[key])
+    except ValueError as exc:
+        raise TierOptionError(key, str(exc)) from None
+    if not 0.01 <= seconds <= MAX_SHARED_SECONDS:
+        raise TierOptionError(key, f"must be 10ms to {MAX_SHARED_SECONDS:g}s, got {options[key]!r}")
+    return seconds
 
 
 def _size(options: Mapping[str, Any], key: str, *, minimum: int) -> int:

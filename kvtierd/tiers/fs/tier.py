@@ -43,6 +43,11 @@ Ownership and invariants:
   bounded: a scan or I/O thread stuck in the file system is left behind after
   :data:`~kvtierd.tiers.fs.scan.SCAN_JOIN_S` / :data:`~kvtierd.tiers.fs.iopool.JOIN_S`.
 * Every submitted job reports exactly once through ``on_done`` on the loop.
+* Shared root (``shared``): a :class:`~kvtierd.tiers.fs.shared.SharedRoot`
+  thread, started once the index is ready, adopts files other daemons wrote
+  (after a lookup missed them, or at a periodic rescan) and drops files they
+  removed; a lookup still answers from the index alone (MISS at once for what
+  it does not hold yet).
 """
 
 from __future__ import annotations
@@ -67,9 +72,11 @@ from kvtierd.tiers.fs.index import BlockIndex, DiskBudget, TierFull
 from kvtierd.tiers.fs.iopool import IoPool, Outcome
 from kvtierd.tiers.fs.ioworker import BlockIo, InlineIo, IoWorkers, RegionRef
 from kvtierd.tiers.fs.safefs import REGULAR
-from kvtierd.tiers.fs.scan import IndexScan, ScanReport
+from kvtierd.tiers.fs.scan import SHARED_TEMP_MAX_AGE_S, IndexScan, ScanReport
 from kvtierd.tiers.fs.settings import DEFAULTS, O_DIRECT_MODES
+from kvtierd.tiers.fs.shared import SharedRoot
 from kvtierd.tiers.fs.startup import FsTierError, PoolMismatchError
+from kvtierd.tiers.fs.unserved import UnservedPools
 from kvtierd.tiers.fs.writelog import WriteFailureLog
 
 __all__ = ["DiskBudget", "FsTier", "FsTierError", "PoolMismatchError", "ScanReport", "TierFull"]
@@ -93,6 +100,9 @@ class FsTier(SecondaryTier):
     need ``region_file``), in ``block_io`` (any :class:`BlockIo`: tests hold
     I/O there), or else inline on the I/O threads. ``before_scan`` is called
     on the scan thread before the index scan (tests hold the scan there).
+    ``shared``: other daemons use the root too (:mod:`~kvtierd.tiers.fs.shared`);
+    ``unserved`` (shared only) charges the root's pool directories no pool here
+    serves to the budget (:mod:`~kvtierd.tiers.fs.unserved`).
     """
 
     medium = Medium.STORAGE
@@ -122,6 +132,10 @@ class FsTier(SecondaryTier):
         write_log: WriteFailureLog | None = None,
         block_io: BlockIo | None = None,
         before_scan: Callable[[], object] | None = None,
+        shared: bool = DEFAULTS.shared,
+        shared_negative_ttl: float = DEFAULTS.shared_negative_ttl,
+        shared_rescan_interval: float = DEFAULTS.shared_rescan_interval,
+        unserved: UnservedPools | None = None,
     ) -> None:
         if o_direct not in O_DIRECT_MODES:
             raise ValueError(f"o_direct must be one of {O_DIRECT_MODES}, got {o_direct!r}")
@@ -164,7 +178,14 @@ class FsTier(SecondaryTier):
         self.index = BlockIndex(name, self.file_bytes, self.budget, self._files.remove_evicted)
         self._scan = IndexScan(
             name, self.pool_dir, self._fingerprint, block_bytes, self.index,
-            self._index_ready, before_scan,
+            self._index_ready, before_scan, SHARED_TEMP_MAX_AGE_S if shared else 0.0,
+        )  # fmt: skip
+        self.shared: SharedRoot | None = (
+            SharedRoot(
+                name, self.pool_dir, self._fingerprint, block_bytes, self.index,
+                negative_ttl=shared_negative_ttl, rescan_interval=shared_rescan_interval,
+                unserved=unserved,
+            ) if shared else None
         )  # fmt: skip
         self._ready: asyncio.Future[None] | None = None
         self._write_log = write_log if write_log is not None else WriteFailureLog(name, log)
@@ -225,12 +246,17 @@ class FsTier(SecondaryTier):
         """Stops the scan and the I/O threads; queued jobs are reported failed.
         Bounded (see the module docstring). Any thread."""
         self._scan.cancel()
+        if self.shared is not None:
+            self.shared.stop()
         if self._io is not None and self._owns_io:
             self._io.shutdown()
         self._scan.join()
 
     def _index_ready(self) -> None:
-        """Scan thread: the index is ready; resolves :meth:`wait_ready` on the loop."""
+        """Scan thread: the index is ready; starts the shared-root thread (if any) and
+        resolves :meth:`wait_ready` on the loop."""
+        if self.shared is not None:
+            self.shared.start()
         with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
             self._loop.call_soon_threadsafe(self._set_ready)
 
@@ -241,7 +267,12 @@ class FsTier(SecondaryTier):
     # -- SecondaryTier (loop thread) -----------------------------------------------------
 
     def lookup(self, keys: Sequence[BlockKey]) -> list[LookupResult]:
-        return self.index.lookup(keys)
+        results = self.index.lookup(keys)
+        if self.shared is not None:  # misses: looked for on disk off the loop, batched
+            missed = [key for key, r in zip(keys, results, strict=True) if r is LookupResult.MISS]
+            if missed:
+                self.shared.want(missed)
+        return results
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
         self.index.touch(keys)
