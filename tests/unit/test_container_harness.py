@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from container_harness import DEFAULT_MIRROR, IMAGE_CA_BUNDLE, build_pip_config, debian_mirror
 
 
@@ -48,3 +49,21 @@ def test_debian_mirror_from_deb822_and_one_line_sources(tmp_path: Path):
     one_line.write_text("deb [arch=amd64] http://other.example/debian bookworm main contrib\n")
     assert debian_mirror([str(one_line)]) == "http://other.example/debian"
     assert debian_mirror([str(tmp_path / "absent")]) == DEFAULT_MIRROR
+
+
+def test_no_runtime_is_reported_with_the_reason(monkeypatch):
+    """Where no docker daemon answers and none can be started, connect() says why (the
+    deploy tests skip with that text). No daemon and no dockerd cannot be caused for real
+    on a machine where make test-deploy installed docker.io: stand-ins for both."""
+    import container_harness
+
+    monkeypatch.setattr(container_harness, "_answers", lambda binary, host: False)
+    monkeypatch.setattr(container_harness, "docker_client", lambda: "/usr/bin/docker")
+    real_which = container_harness.shutil.which
+    monkeypatch.setattr(
+        container_harness.shutil,
+        "which",
+        lambda name: None if name == "dockerd" else real_which(name),
+    )
+    with pytest.raises(container_harness.RuntimeUnavailable, match="there is no dockerd"):
+        container_harness.connect()
