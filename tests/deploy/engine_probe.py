@@ -89,12 +89,17 @@ def store(pool: str, count: int) -> dict[str, object]:
             for index, block_id in enumerate(grant.block_ids):
                 region.numpy()[block_id][:] = memoryview(payload(pool, index))
             session.complete_store(keys)
-            # a second engine (another session of the pool) reads what the first stored
+            # a second engine (another session of the pool, its own mapping of the region,
+            # from its own descriptor) reads what the first stored
             reader = client.open_session(pool, block_bytes=BLOCK_BYTES, num_blocks=NUM_BLOCKS)
-            results = wait_for_hits(reader, keys)
-            mismatched = read_back(reader, region, pool, keys)
+            reader_region = attach_announced(reader.region, session_id=reader.session_id)
+            try:
+                results = wait_for_hits(reader, keys)
+                mismatched = read_back(reader, reader_region, pool, keys)
+            finally:
+                reader_region.close()
+                reader.close()
             in_fs_tier = wait_cascade(client, pool, count)
-            reader.close()
         finally:
             region.close()
             session.close()
