@@ -443,3 +443,22 @@ def test_rendering_refuses_what_no_manifest_may_ask(tmp_path: Path):
         pod = prepare_pod(manifest, "p", tmp_path / complaint)
         with pytest.raises(ManifestError, match=complaint):
             pod.run_args("kvtierd", "IMAGE")
+
+
+def test_readme_docker_run_lines_are_the_ones_tests_deploy_runs():
+    """tests/deploy/test_containers.py::test_readme_layout runs the README's two `docker run`
+    lines (with a smaller shm and budget, and names of its own): the options it relies on
+    are the README's."""
+    readme = (REPO / "README.md").read_text()
+    deploying = readme.split("## Deploying", 1)[1].split("\n## ", 1)[0]
+    block = deploying.split("```sh", 1)[1].split("```", 1)[0].replace("\\\n", " ")
+    daemon_line, engine_line = [line for line in block.splitlines() if "docker run" in line]
+    for option in ("--init", "--ipc=shareable", "--shm-size=", "KVTIERD_MEMORY_BUDGET=",
+                   "-v kvtierd-run:/run/kvtierd", "-v kvtierd-state:/var/lib/kvtierd"):  # fmt: skip
+        assert option in daemon_line, option
+    for option in ("--ipc=container:kvtierd", "--group-add 10001", "-v kvtierd-run:/run/kvtierd"):
+        assert option in engine_line, option
+    test = (REPO / "tests" / "deploy" / "test_containers.py").read_text()
+    for option in ('"--init"', '"--ipc=shareable"', '"--group-add", KVTIERD_GROUP',
+                   'f"--ipc=container:{daemon}"'):  # fmt: skip
+        assert option in test, option
