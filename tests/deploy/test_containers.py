@@ -97,6 +97,9 @@ def test_readme_layout(containers, docker):
     assert report["uid"] == 1000 and int(KVTIERD_GROUP) in report["groups"], report
     assert report["mismatched"] == 0 and report["results"] == ["HIT"] * BLOCKS, report
     assert report["in_fs_tier"] == BLOCKS, report
+    # kvtierctl inside the daemon container reaches it through KVTIERD_ADDRESS
+    status = containers.exec(daemon, "kvtierctl", "status")
+    assert "readme/pool" in status.stdout, status.stdout
     samples = metric_samples(containers.scrape(daemon))
     pool_samples = {k: v for k, v in samples.items() if "pool=readme/pool" in k}
     stored = "kvtierd_stored_bytes_total{pool=readme/pool,tier=%s}"
