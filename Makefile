@@ -7,7 +7,7 @@ PROTO  := proto/kvtier/v1/kvtier.proto
 GENDIR := client/kvtierd_client/_proto
 GEN    := $(GENDIR)/kvtier/v1/kvtier_pb2.py
 
-.PHONY: install gen run test test-tools bench lint typecheck clean install-vllm test-vllm bench-vllm
+.PHONY: install gen run test test-tools test-deploy bench lint typecheck clean install-vllm test-vllm bench-vllm
 
 install: $(STAMP) $(GEN)
 
@@ -40,7 +40,7 @@ run: install
 	$(BIN)/kvtierd
 
 test: install test-tools
-	$(BIN)/python -m pytest -q --ignore=tests/vllm
+	$(BIN)/python -m pytest -q --ignore=tests/vllm --ignore=tests/deploy
 
 # Tools some tests drive for real; installed when missing and possible (root + apt),
 # otherwise the tests that need them say so and skip.
@@ -53,6 +53,21 @@ test-tools:
 	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
 	    apt-get install -y -q --no-install-recommends redis-server >/dev/null 2>&1; } || \
 	  echo "redis-server not available: the redis tier tests will be skipped"
+
+# The container path for real (tests/deploy, README "Deploying"): Debian's docker.io and
+# debootstrap installed when missing (root + apt); the tests start dockerd in the background
+# when none answers (and stop it after), make the base image once (debootstrap, cached in
+# ~/.cache/kvtierd-deploy), build deploy/docker/Dockerfile and run the daemon and an engine
+# container as the README and deploy/k8s/ declare. They skip, saying why, only where no
+# container runtime can start.
+test-deploy: install
+	@{ command -v dockerd && command -v debootstrap; } >/dev/null 2>&1 || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	    { apt-get install -y -q --no-install-recommends docker.io debootstrap >/dev/null 2>&1 || \
+	      { apt-get update -q >/dev/null 2>&1 && \
+	        apt-get install -y -q --no-install-recommends docker.io debootstrap >/dev/null 2>&1; }; }; } || \
+	  echo "docker.io / debootstrap not installed: tests/deploy skip unless a docker daemon answers"
+	$(BIN)/python -m pytest -q -p no:cacheprovider -s -o faulthandler_timeout=1200 tests/deploy
 
 bench: install
 	$(BIN)/python -m benchmarks

@@ -47,7 +47,7 @@ import pwd
 import socket
 import stat
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvtierd import filekind
@@ -74,16 +74,30 @@ SessionLookup = Callable[[str], "tuple[str, int, str] | None"]
 MapPolicy = Callable[[PeerCredentials, str, str], "str | None"]
 
 
-def may_map(peer_uid: int, peer_gid: int, pool_name: str, socket_gid: int | None = None) -> bool:
+def may_map(
+    peer_uid: int,
+    peer_gid: int,
+    pool_name: str,
+    socket_gid: int | None = None,
+    peer_groups: Sequence[int] = (),
+) -> bool:
     """Whether a Unix peer may map ``pool_name``'s region. Default policy: the
     daemon's own uid, root, or a member of the socket's group (primary or
     supplementary), the same peers the socket permissions let call at all.
-    With principals configured :func:`map_policy` uses them instead."""
+    With principals configured :func:`map_policy` uses them instead.
+
+    ``peer_groups`` are the peer's supplementary groups as the kernel reports them
+    (``SO_PEERGROUPS``): they decide. The group database is asked only where the
+    kernel said nothing (``()``): in containers the peer's uid is usually unknown
+    to the daemon's /etc/passwd (an engine container's user, given the group with
+    ``--group-add`` or a pod's ``fsGroup`` / ``supplementalGroups``)."""
     if peer_uid in (os.geteuid(), 0):
         return True
     group = os.getegid() if socket_gid is None else socket_gid
-    if peer_gid == group:
+    if peer_gid == group or group in peer_groups:
         return True
+    if peer_groups:
+        return False
     try:
         name = pwd.getpwuid(peer_uid).pw_name
         return group in os.getgrouplist(name, peer_gid)
@@ -112,9 +126,9 @@ def map_policy(security: SecurityState, socket_gid: int | None) -> MapPolicy:
 
     def decide(peer: PeerCredentials, pool_name: str, owner: str) -> str | None:
         if not security.restricted:
-            if may_map(peer.uid, peer.gid, pool_name, socket_gid):
+            if may_map(peer.uid, peer.gid, pool_name, socket_gid, peer.groups):
                 return None
-            return f"uid {peer.uid} gid {peer.gid} may not map pool {pool_name!r}"
+            return _not_in_group(peer, pool_name)
         try:
             principal = security.authorizer.for_unix_peer(peer)
         except AccessDenied as exc:
@@ -385,11 +399,17 @@ class RegionFdServer:
 
 def _default_policy(socket_gid: int | None) -> MapPolicy:
     def decide(peer: PeerCredentials, pool_name: str, owner: str) -> str | None:
-        if may_map(peer.uid, peer.gid, pool_name, socket_gid):
+        if may_map(peer.uid, peer.gid, pool_name, socket_gid, peer.groups):
             return None
-        return f"uid {peer.uid} gid {peer.gid} may not map pool {pool_name!r}"
+        return _not_in_group(peer, pool_name)
 
     return decide
+
+
+def _not_in_group(peer: PeerCredentials, pool_name: str) -> str:
+    """The default policy's refusal, naming what the daemon saw of the peer."""
+    groups = list(peer.groups)
+    return f"uid {peer.uid} gid {peer.gid} groups {groups} may not map pool {pool_name!r}"
 
 
 async def _call(lookup: SessionLookup, session_id: str) -> tuple[str, int, str] | None:

@@ -299,6 +299,9 @@ def test_dockerfile():
     for copied in ("setup.py", "MANIFEST.in", "tools/gen_stubs.py", "proto/"):
         assert re.search(rf"(?m)^COPY .*{re.escape(copied)}", text), copied
     assert "grpc_tools.protoc" not in text
+    # a machine's pip settings come as a build secret, none are written into the file
+    assert "RUN --mount=type=secret,id=pip.conf,required=false" in text
+    assert not re.search(r"(?i)index-url|PIP_INDEX|https?_proxy|trusted-host", text)
     assert not re.search(r"pip install .*grpcio-tools", text)
     ignored = (REPO / ".dockerignore").read_text().splitlines()
     assert "client/kvtierd_client/_proto" in ignored
@@ -387,3 +390,75 @@ def _folded_item(after: str) -> str:
             break
         body.append(line.strip())
     return " ".join(b for b in body if b)
+
+
+# ------------------------------------------------------------------ rendered for docker
+
+
+def test_manifests_render_to_the_settings_tests_deploy_runs(tmp_path: Path):
+    """tests/deploy runs the containers tests/k8s_render.py renders from these manifests;
+    here, without docker, what the rendering gives: the settings the README promises."""
+    from k8s_render import prepare_pod
+
+    sidecar = prepare_pod(SIDECAR, "p", tmp_path / "sidecar")
+    daemon = sidecar.run_args("kvtierd", "IMAGE")
+    for wanted in ("--read-only", "--cap-drop=ALL", "--ipc=shareable", "no-new-privileges"):
+        assert wanted in daemon, daemon
+    assert daemon[daemon.index("--user") + 1] == "10001:10001"
+    assert "--shm-size=21474836480" in daemon  # the dshm emptyDir's sizeLimit: 20Gi
+    assert "--cap-add" not in " ".join(daemon)
+    assert f"{tmp_path}/sidecar/configmaps/kvtierd-config:/etc/kvtierd:ro" in daemon
+    assert "--health-cmd=kvtierd-health --timeout 3" in daemon
+    engine = sidecar.run_args("engine", "IMAGE", command=["sleep", "infinity"], args=[])
+    assert engine[engine.index("--user") + 1] == "1000:1000"
+    assert engine[engine.index("--group-add") + 1] == "10001"  # fsGroup
+    assert "--ipc=container:p-kvtierd" in engine and "--cap-drop=ALL" in engine
+    assert "p-kvtierd-run:/run/kvtierd" in engine  # the socket emptyDir, shared
+
+    daemonset = prepare_pod(DAEMONSET, "d", tmp_path / "daemonset")
+    init = daemonset.run_args("prepare-dirs", "IMAGE")
+    assert init[init.index("--user") + 1] == "0:0"
+    assert [a for a in init if a.startswith("--cap-")] == [
+        "--cap-drop=ALL", "--cap-add=CHOWN", "--cap-add=FOWNER",
+    ]  # fmt: skip
+    node = daemonset.run_args("kvtierd", "IMAGE")
+    assert "--read-only" in node and "--cap-drop=ALL" in node
+    assert f"{tmp_path}/daemonset/dev/shm/kvtierd:/dev/shm/kvtierd" in node
+    assert "--ipc=shareable" not in node  # regions on the node's tmpfs, no IPC sharing
+
+
+def test_rendering_refuses_what_no_manifest_may_ask(tmp_path: Path):
+    """A privileged container, a host namespace or runAsNonRoot as uid 0 is not turned
+    into docker arguments: the rendering fails, naming it."""
+    from k8s_render import ManifestError, prepare_pod
+
+    text = SIDECAR.read_text()
+    for change, complaint in (
+        (("privileged: false", "privileged: true"), "privileged"),
+        (("hostIPC: false", "hostIPC: true"), "hostIPC"),
+        (("runAsUser: 10001", "runAsUser: 0"), "runAsNonRoot"),
+    ):
+        manifest = tmp_path / f"{complaint}.yaml"
+        manifest.write_text(text.replace(*change, 1))
+        pod = prepare_pod(manifest, "p", tmp_path / complaint)
+        with pytest.raises(ManifestError, match=complaint):
+            pod.run_args("kvtierd", "IMAGE")
+
+
+def test_readme_docker_run_lines_are_the_ones_tests_deploy_runs():
+    """tests/deploy/test_containers.py::test_readme_layout runs the README's two `docker run`
+    lines (with a smaller shm and budget, and names of its own): the options it relies on
+    are the README's."""
+    readme = (REPO / "README.md").read_text()
+    deploying = readme.split("## Deploying", 1)[1].split("\n## ", 1)[0]
+    block = deploying.split("```sh", 1)[1].split("```", 1)[0].replace("\\\n", " ")
+    daemon_line, engine_line = [line for line in block.splitlines() if "docker run" in line]
+    for option in ("--init", "--ipc=shareable", "--shm-size=", "KVTIERD_MEMORY_BUDGET=",
+                   "-v kvtierd-run:/run/kvtierd", "-v kvtierd-state:/var/lib/kvtierd"):  # fmt: skip
+        assert option in daemon_line, option
+    for option in ("--ipc=container:kvtierd", "--group-add 10001", "-v kvtierd-run:/run/kvtierd"):
+        assert option in engine_line, option
+    test = (REPO / "tests" / "deploy" / "test_containers.py").read_text()
+    for option in ('"--init"', '"--ipc=shareable"', '"--group-add", KVTIERD_GROUP',
+                   'f"--ipc=container:{daemon}"'):  # fmt: skip
+        assert option in test, option

@@ -29,6 +29,15 @@ def test_a_member_of_the_socket_group_may_map():
     assert may_map(NOBODY_UID, 4242, "pool", socket_gid=4242)
 
 
+def test_the_kernels_supplementary_groups_decide():
+    """A peer the group database does not know (an engine container's uid, its group
+    given by --group-add or a pod's fsGroup) is a member through the supplementary
+    groups SO_PEERGROUPS reported; groups the kernel reported without the socket
+    group refuse."""
+    assert may_map(NOBODY_UID + 1, UNUSED_GID, "pool", socket_gid=4242, peer_groups=(7, 4242))
+    assert not may_map(NOBODY_UID + 1, UNUSED_GID, "pool", socket_gid=4242, peer_groups=(7,))
+
+
 def test_another_uid_outside_the_socket_group_may_not():
     if os.geteuid() == NOBODY_UID:  # pragma: no cover - not how tests run
         return
