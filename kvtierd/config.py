@@ -246,6 +246,15 @@ OPTIONS: tuple[Option, ...] = (
         flag="--prefault",
     ),
     Option(
+        "memory",
+        "warm_restart",
+        _bool,
+        lambda: True,
+        "keep region files and a journal at stop so the next daemon adopts every ready "
+        "block (verified by checksum) instead of starting the pool empty",
+        flag="--warm-restart",
+    ),
+    Option(
         "sessions",
         "lease",
         _duration_in(0.1, 3600.0),
@@ -370,6 +379,7 @@ class MemoryConfig:
     budget: int  # bytes, all regions together
     default_pool_blocks: int
     prefault: bool
+    warm_restart: bool  # keep regions + journal at stop; adopt them at the pool's next open
 
 
 @dataclass(frozen=True, slots=True)
