@@ -331,3 +331,13 @@ def test_warm_restart_off_is_cold_as_before():
     finally:
         daemon.stop()
         daemon.cleanup()
+
+
+def test_systemd_unit_keeps_the_shm_files_across_a_restart():
+    unit = (Path(__file__).resolve().parents[2] / "deploy/systemd/kvtierd.service").read_text()
+    settings = dict(
+        line.split("=", 1) for line in unit.splitlines() if "=" in line and line[0] != "#"
+    )
+    assert settings.get("RemoveIPC") == "no"  # yes would delete /dev/shm files at stop
+    assert "DynamicUser" not in settings  # implies RemoveIPC=yes
+    assert "/dev/shm" in settings["ReadWritePaths"]
