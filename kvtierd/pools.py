@@ -227,7 +227,10 @@ class PoolTable:
         if not os.path.lexists(region_path):
             remove_journal(journal)
             return None, ""
-        wanted = JournalHeader(spec.name, spec.block_bytes, spec.num_blocks, spec.layout, 0, 0)
+        wanted = JournalHeader(
+            spec.name, spec.block_bytes, spec.num_blocks, spec.layout, 0, 0,
+            self._memory.warm_restart_checksum_bytes,
+        )  # fmt: skip
         try:
             adoption = adopt_region(region_path, journal, wanted, prefault=self._memory.prefault)
         except FileNotFoundError:
@@ -251,8 +254,9 @@ class PoolTable:
         st_dev, st_ino = region.identity()
         spec = pool.spec
         header = JournalHeader(
-            spec.name, spec.block_bytes, spec.num_blocks, spec.layout, st_dev, st_ino
-        )
+            spec.name, spec.block_bytes, spec.num_blocks, spec.layout, st_dev, st_ino,
+            self._memory.warm_restart_checksum_bytes,
+        )  # fmt: skip
         journal = JournalWriter(journal_path(region.path), header, region.buffer())
         ready: list[tuple[int, bytes, int]] = []
         quarantined: list[int] = []

@@ -11,8 +11,9 @@ start cold; it never guesses:
   num_blocks, layout) and the region file's (st_dev, st_ino);
 * the region file must be this uid's regular file, of the right size, and not
   flocked by a live daemon;
-* a block is adopted only if its row's xxh3_64 equals the checksum of its
-  ``ready`` record (a row modified while the daemon was down is dropped);
+* a block is adopted only if its row's xxh3_64 (over the bytes the journal's
+  ``checksum_bytes`` covers) equals the checksum of its ``ready`` record (a
+  row modified there while the daemon was down is dropped);
 * rows whose last record is ``freed`` (a write in flight, or a reservation of
   the old daemon's sessions), rows that failed their checksum and rows of
   superseded copies of a key are quarantined: not handed out before
@@ -34,7 +35,14 @@ import time
 from dataclasses import dataclass
 
 from kvtierd.contract import BlockKey
-from kvtierd.journal import JournalError, JournalHeader, Replay, read_journal, row_checksum
+from kvtierd.journal import (
+    JournalError,
+    JournalHeader,
+    Replay,
+    checksum_spans,
+    read_journal,
+    row_checksum,
+)
 from kvtierd.region import MADV_POPULATE_WRITE, Region, madvise_populate_write
 
 log = logging.getLogger("kvtierd.warm")
@@ -100,7 +108,8 @@ def adopt_region(
                 madvise_populate_write(mapping)
             except OSError:
                 pass  # only speed: pages fault in at first use
-        blocks, quarantined, dropped = _verify(mapping, replay, header.block_bytes)
+        spans = checksum_spans(header.block_bytes, header.checksum_bytes)
+        blocks, quarantined, dropped = _verify(mapping, replay, header.block_bytes, spans)
     except BaseException:
         if mapping is not None:
             mapping.close()
@@ -126,14 +135,14 @@ def adopt_region(
 
 
 def _check_fingerprint(found: JournalHeader, wanted: JournalHeader) -> None:
-    for field in ("name", "block_bytes", "num_blocks", "layout"):
+    for field in ("name", "block_bytes", "num_blocks", "layout", "checksum_bytes"):
         old, new = getattr(found, field), getattr(wanted, field)
         if old != new:
             raise ColdStart(f"the pool's {field} changed from {old!r} to {new!r}")
 
 
 def _verify(
-    mapping: mmap.mmap, replay: Replay, block_bytes: int
+    mapping: mmap.mmap, replay: Replay, block_bytes: int, spans: list[tuple[int, int]]
 ) -> tuple[list[tuple[BlockKey, int, int]], list[int], int]:
     """Checks every ready row's bytes; returns the blocks to adopt, the rows to
     quarantine and how many blocks failed."""
@@ -149,7 +158,7 @@ def _verify(
             if newest[key] != row:
                 quarantined.add(row)  # an older copy of a key stored again later
                 continue
-            if row_checksum(view[row * block_bytes : (row + 1) * block_bytes]) != checksum:
+            if row_checksum(view[row * block_bytes : (row + 1) * block_bytes], spans) != checksum:
                 dropped += 1
                 quarantined.add(row)
                 continue

@@ -14,6 +14,7 @@ from kvtierd.journal import (
     JournalError,
     JournalHeader,
     JournalWriter,
+    checksum_spans,
     encode_freed,
     read_journal,
     row_checksum,
@@ -142,3 +143,16 @@ def test_adopt_makes_blocks_ready_and_fences_quarantined_rows():
     manager.check_invariants()
     with pytest.raises(ValueError):
         PrimaryManager(4).adopt([(b"a", 1), (b"b", 1)], [], 0.0)
+
+
+def test_checksum_spans_cover_whole_small_rows_and_sample_big_ones():
+    assert checksum_spans(8192, 64 << 10) == [(0, 8192)]
+    assert checksum_spans(1 << 20, 0) == [(0, 1 << 20)]
+    spans = checksum_spans(1 << 20, 64 << 10)  # 16 of 256 pages
+    assert len(spans) == 16 and spans[0] == (0, 4096) and spans[-1] == ((1 << 20) - 4096, 1 << 20)
+    assert all(end - start == 4096 for start, end in spans)
+    row = bytearray(1 << 20)
+    before = row_checksum(row, spans)
+    row[spans[5][0] + 7] ^= 1  # a sampled page changes: detected
+    assert row_checksum(row, spans) != before
+    assert row_checksum(bytes(8192), [(0, 8192)]) == row_checksum(bytes(8192))
