@@ -120,6 +120,7 @@ class Pool:
         self._stores_refused = 0
         self.journal: JournalWriter | None = None  # memory.warm_restart
         self.adopted_blocks = 0  # blocks taken over from the previous daemon
+        self.dropped_blocks = 0  # ... and the ones dropped there (checksum mismatch)
 
     def attach_journal(self, journal: JournalWriter) -> None:
         """From now on every row handed to a writer and every completed block is
@@ -331,6 +332,9 @@ class Pool:
                 )
                 for index, tier in enumerate(tiering.tiers)
             ),
+            warm_adopted_blocks=self.adopted_blocks,
+            warm_dropped_blocks=self.dropped_blocks,
+            journal_bytes=self.journal.file_bytes if self.journal is not None else 0,
         )
 
     def check_invariants(self) -> None:

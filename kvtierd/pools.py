@@ -272,6 +272,7 @@ class PoolTable:
         pool.attach_journal(journal)
         if adoption is not None:
             pool.adopted_blocks = len(adoption.blocks)
+            pool.dropped_blocks = adoption.dropped
             log.log(
                 logging.WARNING if adoption.dropped else logging.INFO,
                 "pool %s: warm restart adopted %d ready blocks of region %s in %.3fs "

@@ -115,6 +115,9 @@ def test_sigterm_restart_serves_ready_blocks_bit_exact_from_the_same_inode(warm_
         assert in_flight.block_ids[0] not in grant.block_ids
         assert len(grant.evicted_keys) == 1  # room made by evicting, not the fenced row
         session.complete_store(grant.keys_to_store, success=False)
+        (stats,) = client.get_stats("warm").pools
+        assert (stats.warm_adopted_blocks, stats.warm_dropped_blocks) == (20, 0)
+        assert stats.journal_bytes > 0
     assert "warm restart adopted 20 ready blocks" in daemon.log()
 
 
@@ -239,6 +242,8 @@ def test_row_modified_while_down_is_dropped(warm_daemon):
         intact = [key for key in keys if key != b"k3"]
         assert session.lookup(keys) == [MISS if key == b"k3" else HIT for key in keys]
         assert_bit_exact(session, intact)
+        (stats,) = client.get_stats("mod").pools
+        assert (stats.warm_adopted_blocks, stats.warm_dropped_blocks) == (5, 1)
     assert "5 ready blocks" in daemon.log() and "1 dropped: checksum mismatch" in daemon.log()
 
 
