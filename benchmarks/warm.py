@@ -12,7 +12,9 @@ size opened (region allocated and prefaulted), nothing to serve.
 store path: PrepareStore + CompleteStore of 16 keys per call in one client
 process, the pool full so that every call evicts, warm restart on vs off, runs
 interleaved (off, on, off, on) in the same run; 16 KiB and 2 MiB blocks (the
-journal hashes every completed block on its own thread).
+journal hashes every completed block on its own thread), with the default
+checksum coverage (64 KiB) and whole rows. ``KVTIERD_BENCH_WARM_STORE`` picks
+the cases (``block:checksum_bytes,...``, default ``16KiB:64KiB,2MiB:64KiB,2MiB:0``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import tempfile
 import time
 
 from benchmarks.common import BenchDaemon, Row
+from kvtierd.units import parse_size
 from kvtierd_client.client import Client, LookupResult
 
 POOL = "bench/warm"
@@ -38,7 +41,7 @@ def _key(i: int) -> bytes:
 
 
 def _fill(address: str, num_blocks: int) -> None:
-    with Client(address) as client:
+    with Client(address, timeout=300) as client:
         session = client.open_session(POOL, block_bytes=RESTART_BLOCK, num_blocks=num_blocks)
         for start in range(0, num_blocks, 256):
             keys = [_key(i) for i in range(start, min(num_blocks, start + 256))]
@@ -53,7 +56,7 @@ def _first_hit(shm_dir: str, num_blocks: int, *args: str) -> tuple[float, float,
     budget = f"{num_blocks * RESTART_BLOCK + (64 << 20)}"
     t0 = time.perf_counter()
     daemon = BenchDaemon("--memory-budget", budget, *args, shm_dir=shm_dir)
-    with Client(daemon.address) as client:
+    with Client(daemon.address, timeout=300) as client:  # a 16 GiB region: tens of seconds
         t1 = time.perf_counter()
         session = client.open_session(POOL, block_bytes=RESTART_BLOCK, num_blocks=num_blocks)
         t2 = time.perf_counter()
@@ -131,7 +134,9 @@ def _store_rows() -> list[Row]:
     rows = []
     # (block, checksum_bytes): the default coverage (64 KiB: whole 16 KiB rows,
     # 16 pages of a 2 MiB row), and whole 2 MiB rows
-    for block, checksum_bytes in ((16 << 10, 64 << 10), (2 << 20, 64 << 10), (2 << 20, 0)):
+    cases = os.environ.get("KVTIERD_BENCH_WARM_STORE", "16KiB:64KiB,2MiB:64KiB,2MiB:0")
+    for case in cases.split(","):
+        block, checksum_bytes = (parse_size(part) for part in case.split(":"))
         rates: dict[bool, list[float]] = {False: [], True: []}
         for warm in (False, True, False, True):
             rates[warm].append(_store_rate(block, warm, checksum_bytes))

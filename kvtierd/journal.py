@@ -94,10 +94,8 @@ def row_checksum(row: memoryview | bytes, spans: Sequence[tuple[int, int]] | Non
     if spans is None or len(spans) == 1:
         start, end = spans[0] if spans else (0, len(row))
         return xxhash.xxh3_64_intdigest(row[start:end])
-    digest = xxhash.xxh3_64()
-    for start, end in spans:
-        digest.update(row[start:end])
-    return digest.intdigest()
+    # one call over the pages gathered (a 64 KiB copy) instead of one per page
+    return xxhash.xxh3_64_intdigest(b"".join(row[start:end] for start, end in spans))
 
 
 class JournalError(Exception):
