@@ -313,7 +313,7 @@ class JournalWriter:
         """Waits up to ``drain_seconds`` for the queued hash jobs (their ready records
         land), stops the worker and closes the file (which stays). Blocking."""
         with self._idle:
-            self._idle.wait_for(lambda: self._pending_jobs == 0, timeout=drain_seconds)
+            self._idle.wait_for(lambda: self._pending_jobs <= 0, timeout=drain_seconds)
         self._jobs.put(None)
         if self._thread is not None:
             self._thread.join(timeout=drain_seconds + 1.0)
@@ -352,6 +352,8 @@ class JournalWriter:
     def rows_ready(self, keys: Sequence[BlockKey], rows: Sequence[int]) -> None:
         """Blocks just completed: queues their checksums; their ``ready`` records
         follow from the worker. (Event loop; does not block.)"""
+        if self.failed:
+            return
         with self._lock:
             room = self._max_pending_jobs - self._pending_jobs
             generation = self._generation
@@ -388,9 +390,16 @@ class JournalWriter:
                     self._jobs.put(more)
                     break
                 batch.extend(more)
-            rows, spans = self._rows, self._spans
-            sums = [row_checksum(rows[r * block : (r + 1) * block], spans) for _, r, _ in batch]
-            self._record_ready(batch, sums)
+            try:
+                rows, spans = self._rows, self._spans
+                sums = [row_checksum(rows[r * block : (r + 1) * block], spans) for _, r, _ in batch]
+                self._record_ready(batch, sums)
+            except Exception as exc:  # a bug: stop vouching rather than guess
+                log.exception("journal %s: hashing failed", self.path)
+                with self._idle:
+                    self._fail_locked(OSError(f"hashing failed: {exc!r}"))
+                    self._pending_jobs = 0
+                    self._idle.notify_all()
 
     def _record_ready(self, batch: list[tuple[int, int, BlockKey]], sums: list[int]) -> None:
         records: list[bytes] = []

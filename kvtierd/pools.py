@@ -181,7 +181,9 @@ class PoolTable:
         except BaseException as exc:  # refused by a tier, or cancelled at shutdown
             if not isinstance(exc, FailedPrecondition):  # that one closed its tiers
                 pool.close_tiers()
-            region.keep_file = False  # nothing of this pool was served: no warm state
+            # nothing was served: an adopted region keeps what it had for the next
+            # try; a new one goes
+            region.keep_file = adoption is not None
             await off_loop(pool.close_region)
             raise
         # one step: from "being created" to "created", so the budget never counts
@@ -242,8 +244,9 @@ class PoolTable:
             if self._gid is not None:
                 os.fchown(adoption.region.fileno(), -1, self._gid)
         except OSError as exc:
-            adoption.region.close()
-            return None, f"pool {spec.name!r} is not adopted: {exc}"
+            adoption.region.close()  # unlinks it: the fresh region's creation says nothing
+            log.warning("starting cold: pool %r is not adopted: %s", spec.name, exc)
+            return None, ""
         return adoption, ""
 
     async def _start_journal(self, pool: Pool, adoption: Adoption | None) -> None:
@@ -268,7 +271,14 @@ class PoolTable:
             )
             ready = [(row, key, checksum) for key, row, checksum in adoption.blocks]
             quarantined = adoption.quarantined
-        await off_loop(journal.start, ready, quarantined)
+        try:
+            await off_loop(journal.start, ready, quarantined)
+        except OSError as exc:
+            raise ResourceExhausted(
+                f"pool {spec.name!r}: cannot write its warm-restart journal "
+                f"{journal.path}: {exc.strerror or exc}. Free space in memory.shm_dir "
+                "or set memory.warm_restart = false"
+            ) from None
         pool.attach_journal(journal)
         if adoption is not None:
             pool.adopted_blocks = len(adoption.blocks)

@@ -319,6 +319,27 @@ def test_foreign_journal_starts_the_pool_cold(warm_daemon, damage, reason):
     assert len(lines) == 1 and reason in lines[0], lines
 
 
+def test_region_replaced_while_down_starts_cold(warm_daemon):
+    """Same bytes, another file: the journal vouches for the inode it described only."""
+    daemon = warm_daemon[0]
+    with Client(daemon.address) as client:
+        session = client.open_session("replaced", block_bytes=BLOCK, num_blocks=BLOCKS)
+        store(session, [b"r"])
+        path = session.region.path
+    daemon.stop()
+    copy = path + ".copy"
+    with open(path, "rb") as source, open(copy, "wb") as target:
+        target.write(source.read())
+    os.replace(copy, path)
+    daemon = daemon.restart()
+    warm_daemon.append(daemon)
+    with Client(daemon.address) as client:
+        session = client.open_session("replaced", block_bytes=BLOCK, num_blocks=BLOCKS)
+        assert session.lookup([b"r"]) == [MISS]
+    lines = [line for line in daemon.log().splitlines() if "starting cold" in line]
+    assert len(lines) == 1 and "it was replaced" in lines[0], lines
+
+
 def test_warm_restart_off_is_cold_as_before():
     daemon = start_daemon("--warm-restart", "false")
     try:
