@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
+from daemon_harness import DaemonProcess, eventually, start_daemon
 
 from kvtierd_client.client import Client, LookupResult
-from tests.daemon_harness import DaemonProcess, start_daemon
 
 BLOCK = 8192
 BLOCKS = 64
@@ -118,6 +118,14 @@ def test_sigterm_restart_serves_ready_blocks_bit_exact_from_the_same_inode(warm_
         (stats,) = client.get_stats("warm").pools
         assert (stats.warm_adopted_blocks, stats.warm_dropped_blocks) == (20, 0)
         assert stats.journal_bytes > 0
+        assert stats.tiers[0].quarantined_blocks == 1
+        # once the fence has passed, the row is free again (not lost)
+        eventually(
+            lambda: client.get_stats("warm").pools[0].tiers[0].quarantined_blocks == 0,
+            20, "the fenced row released",
+        )  # fmt: skip
+        grant = session.prepare_store([f"later-{i}".encode() for i in range(free + 1)])
+        assert grant is not None and in_flight.block_ids[0] in grant.block_ids
     assert "warm restart adopted 20 ready blocks" in daemon.log()
 
 
