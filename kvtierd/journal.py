@@ -391,9 +391,14 @@ class JournalWriter:
                     break
                 batch.extend(more)
             try:
+                with self._lock:  # rows handed out again already: nothing to hash
+                    current = [job for job in batch if self._generation[job[1]] == job[0]]
+                    self._pending_jobs -= len(batch) - len(current)
                 rows, spans = self._rows, self._spans
-                sums = [row_checksum(rows[r * block : (r + 1) * block], spans) for _, r, _ in batch]
-                self._record_ready(batch, sums)
+                sums = [
+                    row_checksum(rows[r * block : (r + 1) * block], spans) for _, r, _ in current
+                ]
+                self._record_ready(current, sums)
             except Exception as exc:  # a bug: stop vouching rather than guess
                 log.exception("journal %s: hashing failed", self.path)
                 with self._idle:

@@ -151,8 +151,9 @@ class PrimaryManager:
         self._evictions = 0
         self._stored = 0
         self._failed = 0
-        # Warm restart journal hooks (kvtierd.journal): rows about to be handed to
-        # a writer, called before the call returns; rows whose write completed.
+        # Warm restart journal hooks (kvtierd.journal): rows whose journaled block
+        # is void from now on (about to be handed to a writer, or flushed), called
+        # before the call returns; rows whose write completed.
         self.on_rows_reserved: Callable[[list[int]], object] | None = None
         self.on_rows_ready: Callable[[list[BlockKey], list[int]], object] | None = None
 
@@ -407,6 +408,8 @@ class PrimaryManager:
         assert len(victims) == self._evictable
         self._policy.remove_rows(rows)
         self._drop_evicted(victims)
+        if self.on_rows_reserved is not None:
+            self.on_rows_reserved(rows)  # journal: a flushed block must not come back
         self._emit(BlockEvent(tuple(victims), Medium.CPU, removed=True))
         return victims
 

@@ -375,3 +375,17 @@ def test_systemd_unit_keeps_the_shm_files_across_a_restart():
     assert settings.get("RemoveIPC") == "no"  # yes would delete /dev/shm files at stop
     assert "DynamicUser" not in settings  # implies RemoveIPC=yes
     assert "/dev/shm" in settings["ReadWritePaths"]
+
+
+def test_a_flushed_block_does_not_come_back(warm_daemon):
+    daemon = warm_daemon[0]
+    with Client(daemon.address) as client:
+        session = client.open_session("flushed", block_bytes=BLOCK, num_blocks=BLOCKS)
+        store(session, [b"f"])
+        assert client.flush_pool("flushed") == 1
+        store(session, [b"kept"])
+    daemon = restart(daemon)
+    warm_daemon.append(daemon)
+    with Client(daemon.address) as client:
+        session = client.open_session("flushed", block_bytes=BLOCK, num_blocks=BLOCKS)
+        assert session.lookup([b"f", b"kept"]) == [MISS, HIT]
