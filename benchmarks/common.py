@@ -79,9 +79,11 @@ def rss_anon_bytes(pid: int) -> int:
 class BenchDaemon:
     """A real kvtierd process on a temporary socket and shm directory."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, shm_dir: str | None = None) -> None:
+        """``shm_dir``: an existing one (kept at close: warm restarts), else a new one."""
         self.workdir = tempfile.mkdtemp(prefix="kvtb-", dir="/tmp")
-        self.shm_dir = tempfile.mkdtemp(prefix="kvtierd-bench-", dir="/dev/shm")
+        self._own_shm_dir = shm_dir is None
+        self.shm_dir = shm_dir or tempfile.mkdtemp(prefix="kvtierd-bench-", dir="/dev/shm")
         self.socket = os.path.join(self.workdir, "kvtierd.sock")
         self.address = "unix://" + self.socket
         self.log = open(os.path.join(self.workdir, "daemon.log"), "wb")  # noqa: SIM115
@@ -123,7 +125,8 @@ class BenchDaemon:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
-        shutil.rmtree(self.shm_dir, ignore_errors=True)
+        if self._own_shm_dir:
+            shutil.rmtree(self.shm_dir, ignore_errors=True)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     def __enter__(self) -> BenchDaemon:

@@ -246,6 +246,25 @@ OPTIONS: tuple[Option, ...] = (
         flag="--prefault",
     ),
     Option(
+        "memory",
+        "warm_restart",
+        _bool,
+        lambda: True,
+        "keep region files and a journal at stop so the next daemon adopts every ready "
+        "block (verified by checksum) instead of starting the pool empty",
+        flag="--warm-restart",
+    ),
+    Option(
+        "memory",
+        "warm_restart_checksum_bytes",
+        _size_in(0, 1 << 30),
+        lambda: 64 << 10,
+        "bytes of each completed row the warm-restart checksum covers: the whole row if "
+        "it is not larger (0: always the whole row), else evenly spaced 4 KiB pages "
+        "including the first and last",
+        flag="--warm-restart-checksum-bytes",
+    ),
+    Option(
         "sessions",
         "lease",
         _duration_in(0.1, 3600.0),
@@ -370,6 +389,8 @@ class MemoryConfig:
     budget: int  # bytes, all regions together
     default_pool_blocks: int
     prefault: bool
+    warm_restart: bool  # keep regions + journal at stop; adopt them at the pool's next open
+    warm_restart_checksum_bytes: int  # bytes of a row its checksum covers (0: whole rows)
 
 
 @dataclass(frozen=True, slots=True)

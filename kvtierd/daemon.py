@@ -7,7 +7,8 @@ Shutdown (SIGTERM / SIGINT; a second signal forces exit): health NOT_SERVING ->
 stop accepting calls and let in-flight ones finish (``server.shutdown_grace``) ->
 close every session (pins released, reservations aborted) -> let the tier
 jobs in flight finish (cascades reach the disk; ``server.shutdown_grace``) ->
-join the tiers' I/O threads -> close pools (region files unlinked) -> remove
+join the tiers' I/O threads -> close pools (journals drained and closed; region
+files unlinked, or kept for the next daemon with ``memory.warm_restart``) -> remove
 the socket files.
 """
 
@@ -75,7 +76,13 @@ class Daemon:
         # descriptor for the pools they may reach (security.region_access)
         region_mode = 0o600 if self.security.restricted else 0o660
         self.pools = PoolTable(
-            config.memory, config.limits, self.gid, self.tiers, region_mode=region_mode
+            config.memory,
+            config.limits,
+            self.gid,
+            self.tiers,
+            region_mode=region_mode,
+            # an adopted region's old writers: their lease, then the write fence
+            warm_fence_seconds=config.sessions.lease + config.sessions.write_quarantine,
         )
         self.sessions = SessionTable(
             config.sessions.lease,

@@ -154,6 +154,9 @@ LOOKUP_ANSWERS = {
 POOL_NUMBERS: dict[str, Callable[[PoolStatistics], int]] = {
     "region_bytes": lambda stats: stats.region_bytes,
     "sessions": lambda stats: stats.sessions,
+    "warm_adopted_blocks": lambda stats: stats.warm_adopted_blocks,
+    "warm_dropped_blocks": lambda stats: stats.warm_dropped_blocks,
+    "journal_bytes": lambda stats: stats.journal_bytes,
 }
 
 # Every per-pool family, in exposition order. The README's metrics table lists them.
@@ -161,6 +164,15 @@ POOL_FAMILIES: tuple[Family, ...] = (
     Family("kvtierd_region_bytes", GAUGE, "Bytes of the pool's shared-memory region",
            "region_bytes", scope="pool"),
     Family("kvtierd_pool_sessions", GAUGE, "Sessions attached to the pool", "sessions",
+           scope="pool"),
+    Family("kvtierd_warm_adopted_blocks", GAUGE,
+           "Blocks adopted from the previous daemon's region when the pool opened "
+           "(memory.warm_restart)", "warm_adopted_blocks", scope="pool"),
+    Family("kvtierd_warm_dropped_blocks", GAUGE,
+           "Blocks of the previous daemon's region dropped when the pool opened: their "
+           "checksum did not match", "warm_dropped_blocks", scope="pool"),
+    Family("kvtierd_journal_bytes", GAUGE,
+           "Bytes of the pool's warm-restart journal in shm_dir", "journal_bytes",
            scope="pool"),
     Family("kvtierd_lookups", COUNTER, "Keys looked up, by answer", LOOKUP_ANSWERS,
            scope="primary", by="result"),

@@ -40,6 +40,7 @@ from kvtierd.contract import PRIMARY_TIER, BlockKey, LookupResult, StoreGrant
 from kvtierd.errors import FailedPrecondition
 from kvtierd.events import EventLog
 from kvtierd.history import EVICTED_FOR_ROOM, FLUSHED, KeyRecord, RemovalLog
+from kvtierd.journal import JournalWriter
 from kvtierd.prefix import READY, prefix_end
 from kvtierd.primary import NotLoadableError, PrimaryManager
 from kvtierd.region import Region
@@ -117,6 +118,16 @@ class Pool:
         self._stores_completed = 0
         self._stores_aborted = 0
         self._stores_refused = 0
+        self.journal: JournalWriter | None = None  # memory.warm_restart
+        self.adopted_blocks = 0  # blocks taken over from the previous daemon
+        self.dropped_blocks = 0  # ... and the ones dropped there (checksum mismatch)
+
+    def attach_journal(self, journal: JournalWriter) -> None:
+        """From now on every row handed to a writer and every completed block is
+        journaled (``kvtierd.journal``); at close the region file stays."""
+        self.journal = journal
+        self.manager.on_rows_reserved = journal.rows_reserved
+        self.manager.on_rows_ready = journal.rows_ready
 
     # ----------------------------------------------------------------- sessions
 
@@ -321,6 +332,9 @@ class Pool:
                 )
                 for index, tier in enumerate(tiering.tiers)
             ),
+            warm_adopted_blocks=self.adopted_blocks,
+            warm_dropped_blocks=self.dropped_blocks,
+            journal_bytes=self.journal.file_bytes if self.journal is not None else 0,
         )
 
     def check_invariants(self) -> None:
@@ -348,8 +362,20 @@ class Pool:
         self.events.wake_all()
         self.tiering.close()
 
-    def close(self) -> None:
-        """:meth:`close_tiers`, then releases the region (unlinks the file). The pool
-        is unusable afterwards."""
-        self.close_tiers()
+    def close_region(self) -> None:
+        """Closes the journal (its queued ready records land first) and the region
+        (unlinked unless warm restart keeps it). Blocking: off the loop, after
+        :meth:`close_tiers`."""
+        if self.journal is not None:
+            self.journal.close(drain_seconds=_JOURNAL_DRAIN_SECONDS)
         self.region.close()
+
+    def close(self) -> None:
+        """:meth:`close_tiers`, then :meth:`close_region`. The pool is unusable
+        afterwards."""
+        self.close_tiers()
+        self.close_region()
+
+
+# how long closing a pool waits for the checksums of its last completed blocks
+_JOURNAL_DRAIN_SECONDS = 10.0

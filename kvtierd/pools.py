@@ -16,16 +16,20 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from kvtierd.config import LimitsConfig, MemoryConfig
 from kvtierd.errors import FailedPrecondition, PoolNotFound, ResourceExhausted
+from kvtierd.journal import JournalHeader, JournalWriter, journal_path, remove_journal
 from kvtierd.pool import Pool, PoolSpec
-from kvtierd.region import InsufficientSpaceError, Region, RegionError
+from kvtierd.region import InsufficientSpaceError, Region, RegionError, region_file_name
 from kvtierd.tiers.configured import ConfiguredTier, PoolBinding, TierStartError
 from kvtierd.units import format_bytes
+from kvtierd.warm import Adoption, ColdStart, adopt_region
 
 log = logging.getLogger("kvtierd.pools")
 
@@ -43,7 +47,11 @@ class PoolTable:
         tiers: Sequence[ConfiguredTier] = (),
         *,
         region_mode: int = 0o660,
+        warm_fence_seconds: float = 20.0,
     ) -> None:
+        """``warm_fence_seconds``: how long the rows an adopted region's old sessions
+        may still be writing stay quarantined (the daemon passes lease +
+        write_quarantine)."""
         self._memory = memory
         self._limits = limits
         self._gid = gid
@@ -51,6 +59,7 @@ class PoolTable:
         # principals, 0600 (other uids map by descriptor only: security.region_access)
         self._region_mode = region_mode
         self._tiers = tuple(tiers)  # every pool gets one of each, in this order
+        self._warm_fence_seconds = warm_fence_seconds
         # given to each new pool's Tiering (metrics); set by the daemon
         self.observe_job: Callable[[str, str, bool, float], None] | None = None
         self._pools: dict[str, Pool] = {}
@@ -154,30 +163,28 @@ class PoolTable:
         return charged
 
     async def _create(self, spec: PoolSpec) -> Pool:
-        """Creates the region on a worker thread, then the pool on the loop."""
-        try:
-            region = await off_loop(
-                Region.create,
-                self._memory.shm_dir,
-                spec.name,
-                spec.num_blocks,
-                spec.block_bytes,
-                mode=self._region_mode,
-                gid=self._gid,
-                prefault=self._memory.prefault,
-            )
-        except InsufficientSpaceError as exc:
-            raise ResourceExhausted(f"pool {spec.name!r}: {exc}") from None
-        except RegionError as exc:
-            raise FailedPrecondition(f"pool {spec.name!r}: {exc}") from None
+        """Adopts the region a previous daemon left (``memory.warm_restart``) or
+        creates one, on a worker thread; then the pool on the loop."""
+        adoption, stale_reason = None, ""
+        if self._memory.warm_restart:
+            adoption, stale_reason = await off_loop(self._try_adopt, spec)
+        if adoption is not None:
+            region = adoption.region
+        else:
+            region = await self._create_region(spec, stale_reason)
         pool = Pool(spec, region, self._limits)
         pool.tiering.observe_job = self.observe_job
         try:
+            if self._memory.warm_restart:
+                await self._start_journal(pool, adoption)
             await self._attach_tiers(pool)
         except BaseException as exc:  # refused by a tier, or cancelled at shutdown
             if not isinstance(exc, FailedPrecondition):  # that one closed its tiers
                 pool.close_tiers()
-            await off_loop(region.close)
+            # nothing was served: an adopted region keeps what it had for the next
+            # try; a new one goes
+            region.keep_file = adoption is not None
+            await off_loop(pool.close_region)
             raise
         # one step: from "being created" to "created", so the budget never counts
         # the region twice (a done callback would run a loop turn later)
@@ -192,6 +199,99 @@ class PoolTable:
             region.prefault_seconds,
         )  # fmt: skip
         return pool
+
+    async def _create_region(self, spec: PoolSpec, stale_reason: str) -> Region:
+        try:
+            region = await off_loop(
+                Region.create,
+                self._memory.shm_dir,
+                spec.name,
+                spec.num_blocks,
+                spec.block_bytes,
+                mode=self._region_mode,
+                gid=self._gid,
+                prefault=self._memory.prefault,
+                stale_reason=stale_reason,
+            )
+        except InsufficientSpaceError as exc:
+            raise ResourceExhausted(f"pool {spec.name!r}: {exc}") from None
+        except RegionError as exc:
+            raise FailedPrecondition(f"pool {spec.name!r}: {exc}") from None
+        if not self._memory.warm_restart:
+            await off_loop(remove_journal, journal_path(region.path))
+        return region
+
+    def _try_adopt(self, spec: PoolSpec) -> tuple[Adoption | None, str]:
+        """(the adoption, "") or (None, why the pool starts cold; "" for a first
+        start: no region file). Blocking: a worker thread."""
+        region_path = os.path.join(self._memory.shm_dir, region_file_name(spec.name))
+        journal = journal_path(region_path)
+        if not os.path.lexists(region_path):
+            remove_journal(journal)
+            return None, ""
+        wanted = JournalHeader(
+            spec.name, spec.block_bytes, spec.num_blocks, spec.layout, 0, 0,
+            self._memory.warm_restart_checksum_bytes,
+        )  # fmt: skip
+        try:
+            adoption = adopt_region(region_path, journal, wanted, prefault=self._memory.prefault)
+        except FileNotFoundError:
+            return None, f"pool {spec.name!r} has no warm-restart journal"
+        except (ColdStart, OSError) as exc:
+            return None, f"pool {spec.name!r} is not adopted: {exc}"
+        try:  # today's access settings, as a new region would get them
+            os.fchmod(adoption.region.fileno(), self._region_mode)
+            if self._gid is not None:
+                os.fchown(adoption.region.fileno(), -1, self._gid)
+        except OSError as exc:
+            adoption.region.close()  # unlinks it: the fresh region's creation says nothing
+            log.warning("starting cold: pool %r is not adopted: %s", spec.name, exc)
+            return None, ""
+        return adoption, ""
+
+    async def _start_journal(self, pool: Pool, adoption: Adoption | None) -> None:
+        """Takes the adopted blocks into the manager and starts the pool's journal
+        (a fresh file holding them: written off the loop)."""
+        region = pool.region
+        region.keep_file = True
+        st_dev, st_ino = region.identity()
+        spec = pool.spec
+        header = JournalHeader(
+            spec.name, spec.block_bytes, spec.num_blocks, spec.layout, st_dev, st_ino,
+            self._memory.warm_restart_checksum_bytes,
+        )  # fmt: skip
+        journal = JournalWriter(journal_path(region.path), header, region.buffer())
+        ready: list[tuple[int, bytes, int]] = []
+        quarantined: list[int] = []
+        if adoption is not None:
+            pool.manager.adopt(
+                [(key, row) for key, row, _ in adoption.blocks],
+                adoption.quarantined,
+                time.monotonic() + self._warm_fence_seconds,
+            )
+            ready = [(row, key, checksum) for key, row, checksum in adoption.blocks]
+            quarantined = adoption.quarantined
+        try:
+            await off_loop(journal.start, ready, quarantined)
+        except OSError as exc:
+            raise ResourceExhausted(
+                f"pool {spec.name!r}: cannot write its warm-restart journal "
+                f"{journal.path}: {exc.strerror or exc}. Free space in memory.shm_dir "
+                "or set memory.warm_restart = false"
+            ) from None
+        pool.attach_journal(journal)
+        if adoption is not None:
+            pool.adopted_blocks = len(adoption.blocks)
+            pool.dropped_blocks = adoption.dropped
+            log.log(
+                logging.WARNING if adoption.dropped else logging.INFO,
+                "pool %s: warm restart adopted %d ready blocks of region %s in %.3fs "
+                "(%d dropped: checksum mismatch; %d rows quarantined for %gs; %d torn "
+                "journal bytes ignored)",
+                spec.name, len(adoption.blocks), region.path, adoption.seconds,
+                adoption.dropped, len(adoption.quarantined), self._warm_fence_seconds,
+                adoption.torn_bytes,
+            )  # fmt: skip
 
     async def _attach_tiers(self, pool: Pool) -> None:
         """Gives the new pool one tier per configured tier (each one's file work,
@@ -239,7 +339,7 @@ class PoolTable:
         for pool in self._pools.values():
             try:
                 pool.close_tiers()
-                await off_loop(pool.region.close)
+                await off_loop(pool.close_region)
             except Exception:  # keep closing the others; report each
                 log.exception("pool %s: closing its region failed", pool.spec.name)
         self._pools.clear()

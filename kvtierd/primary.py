@@ -151,6 +151,42 @@ class PrimaryManager:
         self._evictions = 0
         self._stored = 0
         self._failed = 0
+        # Warm restart journal hooks (kvtierd.journal): rows whose journaled block
+        # is void from now on (about to be handed to a writer, or flushed), called
+        # before the call returns; rows whose write completed.
+        self.on_rows_reserved: Callable[[list[int]], object] | None = None
+        self.on_rows_ready: Callable[[list[BlockKey], list[int]], object] | None = None
+
+    def adopt(
+        self, blocks: Sequence[tuple[BlockKey, int]], quarantined: Sequence[int], until: float
+    ) -> None:
+        """Takes over the blocks a previous daemon left ready (warm restart), on a
+        fresh manager: each (key, row) becomes ready (ref 0) in the given order
+        (the first is the least recent); ``quarantined`` rows are kept out of use
+        until ``release_quarantine(until)``; every other row is free, lowest first.
+        Emits no event. Raises ValueError (nothing changed) on a duplicate key or
+        row, a row out of range, or a manager already in use."""
+        if self._allocated or self._block_of:
+            raise ValueError("adopt() needs a manager that has handed out no row")
+        rows = [row for _, row in blocks]
+        taken = set(rows) | set(quarantined)
+        keys = {key for key, _ in blocks}
+        if len(taken) != len(rows) + len(set(quarantined)) or len(keys) != len(blocks):
+            raise ValueError("adopt(): a row or key named twice")
+        if any(not 0 <= row < self._num_blocks for row in taken):
+            raise ValueError("adopt(): a row outside the region")
+        for key, row in blocks:
+            self._block_of[key] = row
+            self._key_of[row] = key
+        if rows:
+            self._policy.insert_rows(rows)
+            self._policy.mark_evictable_rows(rows)
+        self._evictable = len(rows)
+        self._allocated = self._num_blocks  # every row is mapped, free or quarantined
+        self._free = [row for row in range(self._num_blocks - 1, -1, -1) if row not in taken]
+        if quarantined:
+            self._quarantine.append((until, list(quarantined)))
+            self._quarantined = len(quarantined)
 
     # ----------------------------------------------------------------- read-only
 
@@ -372,6 +408,8 @@ class PrimaryManager:
         assert len(victims) == self._evictable
         self._policy.remove_rows(rows)
         self._drop_evicted(victims)
+        if self.on_rows_reserved is not None:
+            self.on_rows_reserved(rows)  # journal: a flushed block must not come back
         self._emit(BlockEvent(tuple(victims), Medium.CPU, removed=True))
         return victims
 
@@ -483,6 +521,8 @@ class PrimaryManager:
             refs[row] = _PENDING
         self._policy.insert_rows(rows)
         self._pending += n
+        if self.on_rows_reserved is not None:
+            self.on_rows_reserved(rows)  # journal: freed(row) before the row is handed out
         return rows
 
     def _finish_writes(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
@@ -499,6 +539,8 @@ class PrimaryManager:
         if rows:
             # Invariant: ref -1 -> 0 enters the evictable set (in call order).
             self._policy.mark_evictable_rows(rows)
+            if self.on_rows_ready is not None:
+                self.on_rows_ready(done, rows)  # journal: checksum, then ready(key, row)
         self._pending -= len(done)
         self._evictable += len(done)
         self._stored += len(done)

@@ -135,7 +135,9 @@ class Region:
         allocate_seconds: float,
         prefault_seconds: float,
     ) -> None:
-        """Internal: use :meth:`create`. Takes ownership of ``fd`` (flocked) and ``mapping``."""
+        """Internal: use :meth:`create` (or :func:`kvtierd.warm.adopt_region`, which
+        takes over the file a previous daemon left). Takes ownership of ``fd``
+        (flocked) and ``mapping``."""
         self.path = path
         self.num_blocks = num_blocks
         self.block_bytes = block_bytes
@@ -149,6 +151,8 @@ class Region:
         self._views: list[weakref.ref[memoryview]] = []  # guarded by _lock
         self._views_pruned_at = 0  # guarded by _lock
         self._lock = threading.Lock()
+        # memory.warm_restart: close() leaves the file for the next daemon to adopt
+        self.keep_file = False
 
     @classmethod
     def create(
@@ -161,6 +165,7 @@ class Region:
         mode: int = 0o660,
         gid: int | None = None,
         prefault: bool = True,
+        stale_reason: str = "",
     ) -> Region:
         """Creates, allocates, maps and (optionally) pre-faults ``pool_name``'s region.
 
@@ -176,12 +181,15 @@ class Region:
 
         On any failure nothing is left behind: the mapping and fd are closed and
         the file this call created is unlinked.
+
+        ``stale_reason``: why a stale file at the path is not adopted (warm restart);
+        it goes into the one warning that reports its removal.
         """
         _check_geometry(num_blocks, block_bytes)
         directory = os.fspath(directory)
         path = os.path.join(directory, region_file_name(pool_name))
         size = num_blocks * block_bytes
-        fd = _create_locked(path, mode)
+        fd = _create_locked(path, mode, stale_reason)
         inode = _identity(os.fstat(fd))
         mapping: mmap.mmap | None = None
         try:
@@ -246,7 +254,8 @@ class Region:
         return self._track(self._mapping()[start : start + self.block_bytes])
 
     def close(self) -> None:
-        """Releases the views handed out, unmaps, unlinks the file and drops the flock.
+        """Releases the views handed out, unmaps, unlinks the file (unless
+        ``keep_file``: warm restart) and drops the flock.
 
         Idempotent. If a caller still holds a buffer derived from a view (a numpy
         array, say), the mapping cannot be closed now: that is logged and the
@@ -264,7 +273,8 @@ class Region:
                 "is left to the garbage collector",
                 self.path,
             )
-        _unlink_if_same(self.path, self._inode)
+        if not self.keep_file:
+            _unlink_if_same(self.path, self._inode)
         os.close(self._fd)  # drops the flock: the file is gone, the marker with it
         self._fd = -1
 
@@ -332,7 +342,7 @@ def _identity(st: os.stat_result) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
-def _create_locked(path: str, mode: int) -> int:
+def _create_locked(path: str, mode: int, stale_reason: str = "") -> int:
     """A new, empty file at ``path`` created with O_EXCL, its fd holding flock(LOCK_EX).
 
     An existing file is removed first if it is stale (see the module docstring).
@@ -341,7 +351,7 @@ def _create_locked(path: str, mode: int) -> int:
         try:
             fd = os.open(path, _OPEN_FLAGS, mode)
         except FileExistsError:
-            _remove_if_stale(path)
+            _remove_if_stale(path, stale_reason)
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -362,7 +372,7 @@ def _create_locked(path: str, mode: int) -> int:
     )
 
 
-def _remove_if_stale(path: str) -> None:
+def _remove_if_stale(path: str, reason: str = "") -> None:
     """Unlinks ``path`` if no live daemon holds its flock; RegionInUseError otherwise.
 
     Returns without unlinking if the path vanished or now names another file.
@@ -392,11 +402,18 @@ def _remove_if_stale(path: str) -> None:
             ) from None
         if not _path_names(path, _identity(st)):
             return  # replaced under us: try the create again
-        log.warning(
-            "removing stale region file %s (%s, %d bytes) left by a kvtierd that did not "
-            "shut down; its contents are discarded, not reused",
-            path, format_bytes(st.st_size), st.st_size,
-        )  # fmt: skip
+        if reason:
+            log.warning(
+                "starting cold: %s; removing region file %s (%s), its contents are "
+                "discarded, not reused",
+                reason, path, format_bytes(st.st_size),
+            )  # fmt: skip
+        else:
+            log.warning(
+                "removing stale region file %s (%s, %d bytes) left by a kvtierd that did not "
+                "shut down; its contents are discarded, not reused",
+                path, format_bytes(st.st_size), st.st_size,
+            )  # fmt: skip
         os.unlink(path)
     finally:
         os.close(fd)  # drops our lock on the old inode

@@ -493,6 +493,9 @@ def pool_stats_message(stats: PoolStatistics) -> pb2.PoolStats:
         sessions=stats.sessions,
         region_path=stats.region_path,
         last_event_seq=stats.last_event_seq,
+        warm_adopted_blocks=stats.warm_adopted_blocks,
+        warm_dropped_blocks=stats.warm_dropped_blocks,
+        journal_bytes=stats.journal_bytes,
         tiers=[
             pb2.TierStats(
                 tier=view.name,

@@ -87,6 +87,9 @@ class PoolStatistics:
     last_event_seq: int
     primary: PrimaryStatistics
     secondaries: tuple[SecondaryStatistics, ...]  # in lookup order
+    warm_adopted_blocks: int = 0  # memory.warm_restart: adopted when the pool opened
+    warm_dropped_blocks: int = 0  # ... and dropped there (checksum mismatch)
+    journal_bytes: int = 0  # the journal's size now (0: warm restart off)
 
 
 # ----------------------------------------------------------------- tier numbers

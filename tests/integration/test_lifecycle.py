@@ -26,7 +26,7 @@ def open_pool(daemon, name: str, num_blocks: int = 4):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_shuts_down_cleanly(sig):
-    daemon = start_daemon()
+    daemon = start_daemon("--warm-restart", "false")  # warm: tests/.../test_warm_restart.py
     try:
         _, opened = open_pool(daemon, "lifecycle")
         region = opened.region.path
@@ -82,7 +82,7 @@ def test_stale_socket_is_replaced_and_live_socket_refused():
 
 
 def test_stale_region_from_crashed_daemon_is_replaced_not_reused():
-    crashed = start_daemon()
+    crashed = start_daemon("--warm-restart", "false")  # warm: adopted (test_warm_restart.py)
     shm_dir = crashed.shm_dir
     try:
         _, opened = open_pool(crashed, "survivor")
@@ -93,7 +93,7 @@ def test_stale_region_from_crashed_daemon_is_replaced_not_reused():
         crashed.stop(signal.SIGKILL)
         assert os.path.exists(path)  # SIGKILL leaves it behind
 
-        restarted = start_daemon(shm_dir=shm_dir)
+        restarted = start_daemon("--warm-restart", "false", shm_dir=shm_dir)
         try:
             _, reopened = open_pool(restarted, "survivor")
             assert reopened.region.path == path

@@ -29,7 +29,7 @@ def make_table(tmp_path) -> Callable[..., PoolTable]:
     def make(budget: int = 64 * BLOCK, max_pools: int = 8) -> PoolTable:
         memory = dataclasses.replace(
             defaults.memory, shm_dir=str(tmp_path), budget=budget, default_pool_blocks=4,
-            prefault=False,
+            prefault=False, warm_restart=False,
         )  # fmt: skip
         limits = dataclasses.replace(defaults.limits, max_pools=max_pools)
         return PoolTable(memory, limits, gid=None)

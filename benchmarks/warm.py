@@ -1,0 +1,164 @@
+"""Warm restart (issue #20): how long a restarted daemon takes to serve its first
+HIT from an adopted region, and what the journal costs on the store path.
+
+restart-to-first-HIT: a pool of 1 or 4 GiB (``KVTIERD_BENCH_WARM_GIB`` adds
+sizes, e.g. ``1,4,16``) is filled with ready blocks, the daemon gets SIGTERM,
+and a new daemon is started on the same shm_dir; the time runs from its spawn
+to the first Lookup answering HIT (start-up + OpenSession, which adopts: reads
+the journal, hashes every ready row). The floor of the same run is the cold
+path with ``memory.warm_restart = false``: spawn to an empty pool of the same
+size opened (region allocated and prefaulted), nothing to serve.
+
+store path: PrepareStore + CompleteStore of 16 keys per call in one client
+process, the pool full so that every call evicts, warm restart on vs off, runs
+interleaved (off, on, off, on) in the same run; 16 KiB and 2 MiB blocks (the
+journal hashes every completed block on its own thread), with the default
+checksum coverage (64 KiB) and whole rows. ``KVTIERD_BENCH_WARM_STORE`` picks
+the cases (``block:checksum_bytes,...``, default ``16KiB:64KiB,2MiB:64KiB,2MiB:0``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+from benchmarks.common import BenchDaemon, Row
+from kvtierd.units import parse_size
+from kvtierd_client.client import Client, LookupResult
+
+POOL = "bench/warm"
+RESTART_BLOCK = 1 << 20  # 1 MiB rows
+KEYS_PER_CALL = 16
+STORE_SECONDS = 4.0
+
+
+def _key(i: int) -> bytes:
+    return f"warm-{i:012d}".encode().ljust(40, b"k")
+
+
+def _fill(address: str, num_blocks: int) -> None:
+    with Client(address, timeout=300) as client:
+        session = client.open_session(POOL, block_bytes=RESTART_BLOCK, num_blocks=num_blocks)
+        for start in range(0, num_blocks, 256):
+            keys = [_key(i) for i in range(start, min(num_blocks, start + 256))]
+            grant = session.prepare_store(keys)
+            assert grant is not None and len(grant.keys_to_store) == len(keys)
+            session.complete_store(keys)
+        session.close()
+
+
+def _first_hit(shm_dir: str, num_blocks: int, *args: str) -> tuple[float, float, BenchDaemon]:
+    """(spawn to first HIT or to the pool opened, the OpenSession's part, daemon)."""
+    budget = f"{num_blocks * RESTART_BLOCK + (64 << 20)}"
+    t0 = time.perf_counter()
+    daemon = BenchDaemon("--memory-budget", budget, *args, shm_dir=shm_dir)
+    with Client(daemon.address, timeout=300) as client:  # a 16 GiB region: tens of seconds
+        t1 = time.perf_counter()
+        session = client.open_session(POOL, block_bytes=RESTART_BLOCK, num_blocks=num_blocks)
+        t2 = time.perf_counter()
+        if "false" not in args:
+            result = session.lookup([_key(0)])[0]
+            assert result is LookupResult.HIT, result
+        elapsed = time.perf_counter() - t0
+        session.close()
+    return elapsed, t2 - t1, daemon
+
+
+def _restart_rows(gib: int) -> list[Row]:
+    num_blocks = (gib << 30) // RESTART_BLOCK
+    budget = f"{num_blocks * RESTART_BLOCK + (64 << 20)}"
+    shm_dir = tempfile.mkdtemp(prefix="kvtierd-bench-warm-", dir="/dev/shm")
+    try:
+        cold, cold_open, daemon = _first_hit(shm_dir, num_blocks, "--warm-restart", "false")
+        daemon.close()
+        first = BenchDaemon("--memory-budget", budget, shm_dir=shm_dir)
+        _fill(first.address, num_blocks)
+        t0 = time.perf_counter()
+        first.close()  # SIGTERM: the journal's queue drains, the files stay
+        stop = time.perf_counter() - t0
+        warm, warm_open, daemon = _first_hit(shm_dir, num_blocks)
+        daemon.close()
+    finally:
+        shutil.rmtree(shm_dir, ignore_errors=True)
+    group = "warm restart"
+    return [
+        Row(group, f"{gib} GiB pool: restart to first HIT (spawn -> HIT)", warm, "s",
+            f"cold start to an empty pool {cold:.2f} s", warm / cold, "adopts every block"),
+        Row(group, f"{gib} GiB pool: OpenSession adopting {num_blocks} ready blocks", warm_open,
+            "s", f"creating the region cold {cold_open:.2f} s", warm_open / cold_open),
+        Row(group, f"{gib} GiB pool: SIGTERM to exit (journal drained)", stop, "s"),
+    ]  # fmt: skip
+
+
+_STORE_CLIENT = """
+import sys, time
+from kvtierd_client.client import Client
+address, block, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+with Client(address) as client:
+    session = client.open_session("bench/warm-store", block_bytes=block, num_blocks=256)
+    n = 0
+    def call():
+        global n
+        keys = [f"s-{n}-{j}".encode().ljust(40, b"k") for j in range(16)]
+        n += 1
+        grant = session.prepare_store(keys)
+        session.complete_store(grant.keys_to_store if grant else keys)
+    for _ in range(64):  # fill the pool: every measured call evicts
+        call()
+    calls, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        call()
+        calls += 1
+    print(calls / (time.perf_counter() - t0))
+"""
+
+
+def _store_rate(block: int, warm: bool, checksum_bytes: int) -> float:
+    budget = f"{256 * block + (64 << 20)}"
+    with BenchDaemon(
+        "--memory-budget", budget, "--warm-restart", str(warm).lower(),
+        "--warm-restart-checksum-bytes", str(checksum_bytes),
+    ) as daemon:  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-c", _STORE_CLIENT, daemon.address, str(block), str(STORE_SECONDS)],
+            check=True, capture_output=True, text=True,
+        )  # fmt: skip
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def _store_rows() -> list[Row]:
+    rows = []
+    # (block, checksum_bytes): the default coverage (64 KiB: whole 16 KiB rows,
+    # 16 pages of a 2 MiB row), and whole 2 MiB rows
+    cases = os.environ.get("KVTIERD_BENCH_WARM_STORE", "16KiB:64KiB,2MiB:64KiB,2MiB:0")
+    for case in cases.split(","):
+        block, checksum_bytes = (parse_size(part) for part in case.split(":"))
+        rates: dict[bool, list[float]] = {False: [], True: []}
+        for warm in (False, True, False, True):
+            rates[warm].append(_store_rate(block, warm, checksum_bytes))
+        off, on = max(rates[False]), max(rates[True])
+        label = f"{block >> 10} KiB" if block < (1 << 20) else f"{block >> 20} MiB"
+        covered = (
+            "whole rows"
+            if checksum_bytes in (0, block) or block <= checksum_bytes
+            else (f"{checksum_bytes >> 10} KiB of each row")
+        )
+        rows.append(
+            Row("warm restart", f"PrepareStore+CompleteStore({KEYS_PER_CALL} x {label}) "
+                f"calls/s, warm_restart on (checksum: {covered})", on, "calls/s",
+                f"off {off:,.0f} calls/s", on / off, ">= 0.95x")
+        )  # fmt: skip
+    return rows
+
+
+def run() -> list[Row]:
+    sizes = [int(s) for s in os.environ.get("KVTIERD_BENCH_WARM_GIB", "1,4").split(",") if s]
+    rows = []
+    for gib in sizes:
+        rows.extend(_restart_rows(gib))
+    rows.extend(_store_rows())
+    return rows

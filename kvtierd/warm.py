@@ -1,0 +1,168 @@
+"""Warm restart: adopting a pool's region and journal left by the previous daemon
+(``memory.warm_restart``; README, "Warm restart").
+
+:func:`adopt_region` runs on a worker thread when the first session of a pool
+opens it. It either returns an :class:`Adoption` (the old region file, mapped
+and flocked, plus the blocks whose bytes verified) or a reason the pool must
+start cold; it never guesses:
+
+* the journal must exist, be of :data:`kvtierd.journal.FORMAT_VERSION`, have a
+  valid header, and name this pool's fingerprint (name, block_bytes,
+  num_blocks, layout) and the region file's (st_dev, st_ino);
+* the region file must be this uid's regular file, of the right size, and not
+  flocked by a live daemon;
+* a block is adopted only if its row's xxh3_64 (over the bytes the journal's
+  ``checksum_bytes`` covers) equals the checksum of its ``ready`` record (a
+  row modified there while the daemon was down is dropped);
+* rows whose last record is ``freed`` (a write in flight, or a reservation of
+  the old daemon's sessions), rows that failed their checksum and rows of
+  superseded copies of a key are quarantined: not handed out before
+  ``lease + write_quarantine`` seconds after the adoption, so no writer of the
+  old daemon's sessions can still be copying into them.
+
+The eviction policy and recency order are not part of the fingerprint: the
+adopted blocks enter the policy in journal order (oldest ``ready`` first).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+import stat
+import time
+from dataclasses import dataclass
+
+from kvtierd.contract import BlockKey
+from kvtierd.journal import (
+    JournalError,
+    JournalHeader,
+    Replay,
+    checksum_spans,
+    read_journal,
+    row_checksum,
+)
+from kvtierd.region import MADV_POPULATE_WRITE, Region, madvise_populate_write
+
+log = logging.getLogger("kvtierd.warm")
+
+_OPEN_REGION = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
+# the journal's bound when read back: the live size is at most one record per
+# row; a file past twice that plus the slack was never written by a kvtierd
+_READ_SLACK_BYTES = 4 << 20
+
+
+class ColdStart(Exception):
+    """The pool cannot be adopted; the message is the one log line saying why."""
+
+
+@dataclass(slots=True)
+class Adoption:
+    """What the previous daemon left that this one takes over."""
+
+    region: Region
+    blocks: list[tuple[BlockKey, int, int]]  # (key, row, checksum), oldest ready first
+    quarantined: list[int]  # rows nobody may get before the fence
+    dropped: int  # ready blocks whose checksum failed
+    torn_bytes: int  # bytes of a torn last record that were ignored
+    seconds: float  # replay + verification
+
+
+def adopt_region(
+    region_path: str, journal: str, header: JournalHeader, *, prefault: bool
+) -> Adoption:
+    """Adopts the region at ``region_path`` described by ``journal`` for the pool
+    ``header`` names (its st_dev/st_ino are ignored: the journal says those).
+
+    Raises FileNotFoundError when there is no region or journal (a first start),
+    ColdStart with the reason otherwise. Blocking (reads and hashes the rows)."""
+    start = time.perf_counter()
+    max_journal = 2 * header.num_blocks * 300 + _READ_SLACK_BYTES
+    try:
+        replay = read_journal(journal, max_journal)
+    except JournalError as exc:
+        raise ColdStart(str(exc)) from None
+    _check_fingerprint(replay.header, header)
+    fd = os.open(region_path, _OPEN_REGION)
+    mapping: mmap.mmap | None = None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise ColdStart(f"region {region_path} is not a regular file of uid {os.geteuid()}")
+        if (st.st_dev, st.st_ino) != (replay.header.st_dev, replay.header.st_ino):
+            raise ColdStart(
+                f"region {region_path} is not the file the journal describes (inode "
+                f"{st.st_ino}, the journal names {replay.header.st_ino}): it was replaced"
+            )
+        size = header.num_blocks * header.block_bytes
+        if st.st_size != size:
+            raise ColdStart(f"region {region_path} is {st.st_size} bytes, expected {size}")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ColdStart(f"region {region_path} is held by another live kvtierd") from None
+        mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        if prefault and MADV_POPULATE_WRITE:
+            try:
+                madvise_populate_write(mapping)
+            except OSError:
+                pass  # only speed: pages fault in at first use
+        spans = checksum_spans(header.block_bytes, header.checksum_bytes)
+        blocks, quarantined, dropped = _verify(mapping, replay, header.block_bytes, spans)
+    except BaseException:
+        if mapping is not None:
+            mapping.close()
+        os.close(fd)
+        raise
+    region = Region(
+        path=region_path,
+        fd=fd,
+        mapping=mapping,
+        num_blocks=header.num_blocks,
+        block_bytes=header.block_bytes,
+        allocate_seconds=0.0,
+        prefault_seconds=0.0,
+    )
+    return Adoption(
+        region=region,
+        blocks=blocks,
+        quarantined=quarantined,
+        dropped=dropped,
+        torn_bytes=replay.torn_bytes,
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _check_fingerprint(found: JournalHeader, wanted: JournalHeader) -> None:
+    for field in ("name", "block_bytes", "num_blocks", "layout", "checksum_bytes"):
+        old, new = getattr(found, field), getattr(wanted, field)
+        if old != new:
+            raise ColdStart(f"the pool's {field} changed from {old!r} to {new!r}")
+
+
+def _verify(
+    mapping: mmap.mmap, replay: Replay, block_bytes: int, spans: list[tuple[int, int]]
+) -> tuple[list[tuple[BlockKey, int, int]], list[int], int]:
+    """Checks every ready row's bytes; returns the blocks to adopt, the rows to
+    quarantine and how many blocks failed."""
+    view = memoryview(mapping)
+    try:
+        newest: dict[BlockKey, int] = {}  # key -> its last ready row
+        for row, (key, _checksum) in replay.ready.items():
+            newest[key] = row
+        blocks: list[tuple[BlockKey, int, int]] = []
+        quarantined = set(replay.freed)
+        dropped = 0
+        for row, (key, checksum) in replay.ready.items():
+            if newest[key] != row:
+                quarantined.add(row)  # an older copy of a key stored again later
+                continue
+            if row_checksum(view[row * block_bytes : (row + 1) * block_bytes], spans) != checksum:
+                dropped += 1
+                quarantined.add(row)
+                continue
+            blocks.append((key, row, checksum))
+    finally:
+        view.release()
+    return blocks, sorted(quarantined), dropped

@@ -1,0 +1,158 @@
+"""The warm-restart journal (kvtierd.journal) on real files: what it records,
+that a replay gives back exactly the live state (after compactions too), that
+a row handed out again is never recorded ready with an old checksum, and that
+a failing file turns the journal off instead of lying; and PrimaryManager.adopt."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvtierd import journal as journal_module
+from kvtierd.journal import (
+    JournalError,
+    JournalHeader,
+    JournalWriter,
+    checksum_spans,
+    encode_freed,
+    read_journal,
+    row_checksum,
+)
+from kvtierd.primary import PrimaryManager
+
+BLOCK = 4096
+ROWS = 32
+
+
+def make_writer(tmp_path, rows: int = ROWS) -> tuple[JournalWriter, bytearray]:
+    region = bytearray(rows * BLOCK)
+    header = JournalHeader("pool", BLOCK, rows, "layout", 1, 2)
+    writer = JournalWriter(str(tmp_path / "pool.journal"), header, memoryview(region))
+    return writer, region
+
+
+def fill(region: bytearray, row: int, value: int) -> None:
+    region[row * BLOCK : (row + 1) * BLOCK] = bytes([value]) * BLOCK
+
+
+def test_replay_gives_the_ready_rows_with_their_checksums(tmp_path):
+    writer, region = make_writer(tmp_path)
+    writer.start([], [])
+    writer.rows_reserved([0, 1, 2])
+    for row in (0, 1, 2):
+        fill(region, row, row + 1)
+    writer.rows_ready([b"a", b"b"], [0, 1])  # row 2 stays in flight
+    writer.close(drain_seconds=10)
+    replay = read_journal(writer.path, 1 << 20)
+    assert replay.header == writer.header
+    assert replay.ready == {
+        0: (b"a", row_checksum(bytes([1]) * BLOCK)),
+        1: (b"b", row_checksum(bytes([2]) * BLOCK)),
+    }
+    assert replay.freed == {2}
+    assert replay.torn_bytes == 0
+
+
+def test_a_row_handed_out_again_is_never_recorded_with_its_old_key(tmp_path):
+    writer, region = make_writer(tmp_path)
+    writer.start([], [])
+    writer.rows_reserved([5])
+    generation = writer._generation[5]
+    writer.rows_reserved([5])  # evicted and handed to another writer meanwhile
+    writer._pending_jobs += 1
+    writer._record_ready([(generation, 5, b"old")], [123])  # the old completion's hash
+    writer.close(drain_seconds=10)
+    replay = read_journal(writer.path, 1 << 20)
+    assert replay.ready == {} and replay.freed == {5}
+
+
+def test_compaction_keeps_the_live_state_and_bounds_the_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(journal_module, "COMPACT_SLACK_BYTES", 2048)
+    writer, region = make_writer(tmp_path)
+    writer.start([], [])
+    expected: dict[int, bytes] = {}
+    for round_ in range(60):  # every row is stored again and again
+        rows = [(round_ * 7 + i) % ROWS for i in range(5)]
+        writer.rows_reserved(rows)
+        keys = [f"k{round_}-{i}".encode() for i in range(5)]
+        for row in rows:
+            fill(region, row, round_ % 251)
+        writer.rows_ready(keys, rows)
+        expected.update(zip(rows, keys, strict=True))
+        with writer._idle:  # let the worker catch up: each round's records land
+            writer._idle.wait_for(lambda: writer._pending_jobs == 0, timeout=10)
+    writer.close(drain_seconds=10)
+    assert writer.compactions >= 2
+    replay = read_journal(writer.path, 1 << 20)
+    assert {row: key for row, (key, _) in replay.ready.items()} == expected
+    assert os.path.getsize(writer.path) <= 2 * 60 * ROWS + 2048 + 4096
+    assert not os.path.exists(writer.path + ".tmp")
+
+
+def test_a_torn_record_ends_the_replay(tmp_path):
+    writer, region = make_writer(tmp_path)
+    writer.start([], [])
+    writer.rows_reserved([0, 1])
+    writer.rows_ready([b"first"], [0])
+    writer.close(drain_seconds=10)
+    with open(writer.path, "ab") as file:
+        file.write(encode_freed(1)[:-3])  # a write cut short by a crash
+    replay = read_journal(writer.path, 1 << 20)
+    assert set(replay.ready) == {0} and replay.torn_bytes == len(encode_freed(1)) - 3
+
+
+def test_a_failing_file_turns_the_journal_off_and_removes_it(tmp_path, caplog):
+    writer, region = make_writer(tmp_path)
+    writer.start([], [])
+    os.close(writer._fd)  # the next write fails (EBADF), as a full tmpfs would
+    writer._fd = os.open(os.devnull, os.O_RDONLY)
+    writer.rows_reserved([3])
+    assert writer.failed and not os.path.exists(writer.path)
+    assert "warm restart is off for pool pool" in caplog.text
+    writer.rows_reserved([4])  # nothing more is written, nothing raises
+    writer.close(drain_seconds=10)
+    with pytest.raises(FileNotFoundError):
+        read_journal(writer.path, 1 << 20)
+
+
+def test_another_format_version_is_refused(tmp_path):
+    writer, _ = make_writer(tmp_path)
+    writer.start([], [])
+    writer.close(drain_seconds=10)
+    path = tmp_path / "pool.journal"
+    data = bytearray(path.read_bytes())
+    data[8] = 2
+    path.write_bytes(data)
+    with pytest.raises(JournalError, match="format version 2"):
+        read_journal(writer.path, 1 << 20)
+
+
+def test_adopt_makes_blocks_ready_and_fences_quarantined_rows():
+    manager = PrimaryManager(8)
+    manager.adopt([(b"a", 5), (b"b", 2)], quarantined=[3], until=10.0)
+    manager.check_invariants()
+    assert manager.block_id(b"a") == 5 and manager.ref_count(b"b") == 0
+    stats = manager.statistics()
+    assert (stats.used_blocks, stats.free_blocks, stats.quarantined_blocks) == (2, 5, 1)
+    grant = manager.prepare_store([b"c", b"d", b"e", b"f", b"g"])
+    assert grant is not None and grant.block_ids == [0, 1, 4, 6, 7]  # lowest free first
+    grant = manager.prepare_store([b"h"])
+    assert grant is not None and grant.evicted_keys == [b"a"]  # not row 3: fenced
+    assert manager.release_quarantine(10.0) == 1
+    manager.check_invariants()
+    with pytest.raises(ValueError):
+        PrimaryManager(4).adopt([(b"a", 1), (b"b", 1)], [], 0.0)
+
+
+def test_checksum_spans_cover_whole_small_rows_and_sample_big_ones():
+    assert checksum_spans(8192, 64 << 10) == [(0, 8192)]
+    assert checksum_spans(1 << 20, 0) == [(0, 1 << 20)]
+    spans = checksum_spans(1 << 20, 64 << 10)  # 16 of 256 pages
+    assert len(spans) == 16 and spans[0] == (0, 4096) and spans[-1] == ((1 << 20) - 4096, 1 << 20)
+    assert all(end - start == 4096 for start, end in spans)
+    row = bytearray(1 << 20)
+    before = row_checksum(row, spans)
+    row[spans[5][0] + 7] ^= 1  # a sampled page changes: detected
+    assert row_checksum(row, spans) != before
+    assert row_checksum(bytes(8192), [(0, 8192)]) == row_checksum(bytes(8192))
