@@ -7,12 +7,13 @@ import os
 import sys
 import time
 
-from benchmarks import authz, buffers, copy, fs, memory, redis, replay, rpc, stall, tls
+from benchmarks import authz, buffers, copy, fastlane, fs, memory, redis, replay, rpc, stall, tls
 from benchmarks.common import machine, print_table
 
 SUITES = {"rpc": rpc.run, "copy": copy.run, "memory": memory.run, "replay": replay.run,
           "fs": fs.run, "stall": stall.run, "buffers": buffers.run,
-          "tls": tls.run, "authz": authz.run, "redis": redis.run}  # fmt: skip
+          "tls": tls.run, "authz": authz.run, "redis": redis.run,
+          "fastlane": fastlane.run}  # fmt: skip
 
 
 def main() -> int:
