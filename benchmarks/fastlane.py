@@ -33,7 +33,7 @@ from kvtierd_client.proto import pb2
 
 POOL = "bench/fastlane"
 ROUNDS = 5
-CALLS_PER_ROUND = 1000
+CALLS_PER_ROUND = 3000
 WARMUP = 200
 KEYS = [f"lane-{i:012d}-".encode().ljust(36, b"k") for i in range(32)]
 

@@ -26,6 +26,7 @@ import collections
 import contextlib
 import os
 import socket
+import struct
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -82,7 +83,9 @@ class FastLane:
         self._max_answer = _max_answer_bytes(response)
         self._pid = os.getpid()
         self._lock = threading.Lock()
-        self._buffer = bytearray()
+        self._buffer = bytearray()  # answer bytes received, not taken yet
+        self._scratch = bytearray(_RECV_BYTES)  # recv_into target: no allocation per read
+        self._timeout = -1.0  # the kernel's SO_RCVTIMEO / SO_SNDTIMEO now (seconds)
         self._owed = 0
         self.broken = False
         self.on_close: Callable[[], None] | None = None  # set by the owning client
@@ -90,6 +93,10 @@ class FastLane:
         try:
             self._sock.settimeout(timeout)
             self._sock.connect(self.path)
+            # blocking from here, with kernel timeouts: a read costs one system call
+            # (Python's own timeouts poll() before each recv)
+            self._sock.settimeout(None)
+            self._set_timeout(timeout)
             self._sock.sendall(frame(BIND, response.fast_lane_token))
             kind, body = self._read()
         except OSError as err:
@@ -117,8 +124,9 @@ class FastLane:
             if self.broken:
                 raise _lost(self.path, self.address, "is closed")
             sock = self._sock
-            sock.settimeout(timeout)
             try:
+                if timeout != self._timeout:
+                    self._set_timeout(timeout)
                 sock.sendall(data)
             except OSError as err:
                 self._break()
@@ -130,7 +138,7 @@ class FastLane:
                     self._owed -= 1
                     if self._owed == 0:
                         break
-            except TimeoutError:
+            except (TimeoutError, BlockingIOError):  # SO_RCVTIMEO ran out: EAGAIN
                 raise from_status(
                     grpc.StatusCode.DEADLINE_EXCEEDED, f"fast lane, {timeout:g}s", self.address
                 ) from None
@@ -141,9 +149,26 @@ class FastLane:
             raise _lane_error(answer_kind, body, self.address)
         return response_type.FromString(body)
 
+    def _set_timeout(self, timeout: float) -> None:
+        seconds = int(timeout)
+        value = struct.pack("ll", seconds, int((timeout - seconds) * 1e6))
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+        self._timeout = timeout
+
     def _read(self) -> tuple[int, bytes]:
         """The next answer frame; partial frames stay in ``_buffer`` across timeouts."""
         buffer = self._buffer
+        if not buffer:  # the usual case: the whole answer in one read
+            received = self._sock.recv_into(self._scratch)
+            if received >= HEADER.size:
+                length, kind = HEADER.unpack_from(self._scratch)
+                if 4 + length == received:
+                    return kind, bytes(self._scratch[HEADER.size : received])
+            if not received:
+                self._break()
+                raise _lost(self.path, self.address, "was closed by the daemon")
+            buffer += self._scratch[:received]
         while True:
             if len(buffer) >= HEADER.size:
                 length, kind = HEADER.unpack_from(buffer)
