@@ -396,6 +396,11 @@ class LaneConnection(asyncio.Protocol):
             self._transport.write(frame(code.value[0], message.encode()))
             self._cut = True
             self._transport.close()  # flushes the error frame, then closes
+            if self._timer is not None:
+                self._timer.cancel()
+            # a peer that does not read the error frame either is dropped all the same
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_later(self._lane.write_timeout, self._transport.abort)
 
     def _bind_late(self) -> None:
         self._timer = None
