@@ -251,11 +251,16 @@ class AsyncFastLane:
         self._waiting.append(answer)
         self._writer.write(frame(kind, request.SerializeToString()))
         try:
+            # bounded: waits while the socket's buffer is over its high water mark
+            await asyncio.wait_for(self._writer.drain(), timeout)
             answer_kind, body = await asyncio.wait_for(answer, timeout)
         except TimeoutError:
             raise from_status(
                 grpc.StatusCode.DEADLINE_EXCEEDED, f"fast lane, {timeout:g}s", self.address
             ) from None
+        except ConnectionError as err:  # drain: the daemon closed the connection
+            self.broken = True
+            raise _lost(self.path, self.address, f"failed ({err})") from err
         if answer_kind != OK:
             raise _lane_error(answer_kind, body, self.address)
         return response_type.FromString(body)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -25,7 +26,8 @@ from local_users import other_user
 
 from kvtierd_client.aio import AsyncClient
 from kvtierd_client.client import Client, LookupResult
-from kvtierd_client.errors import KvtierError, NotFound
+from kvtierd_client.codec import LOOKUP
+from kvtierd_client.errors import DeadlineExceeded, KvtierError, NotFound
 from kvtierd_client.lane_frames import BIND, HEADER, METHODS, frame
 from kvtierd_client.proto import pb2
 
@@ -512,3 +514,43 @@ def test_lane_process_dies_session_released_without_waiting_for_the_lease(lane_d
         child.kill()
         child.wait()
     eventually(lambda: not session_alive(lane_daemon.stub(), sid), LEASE / 2, "released by EOF")
+
+
+# -- deadlines -----------------------------------------------------------------------------
+
+
+def test_a_late_answer_after_a_deadline_is_never_taken_for_the_next_calls(lane_daemon, pool_name):
+    """The daemon stopped (SIGSTOP) past a call's deadline: DEADLINE_EXCEEDED; once it
+    runs again, the late answer is dropped and each next call gets its own answer."""
+    with Client(lane_daemon.address) as client:
+        session = client.open_session(pool_name, block_bytes=4096, num_blocks=8, keepalive=False)
+        assert session.fast_lane
+        session.prepare_store([b"stored"])
+        session.complete_store([b"stored"])
+        os.kill(lane_daemon.proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(DeadlineExceeded):
+                session._call(LOOKUP, [b"absent"], timeout=0.3)  # answer: MISS, late
+        finally:
+            os.kill(lane_daemon.proc.pid, signal.SIGCONT)
+        assert session.lookup([b"stored"]) == [LookupResult.HIT]  # not the late MISS
+        assert session.keep_alive() == int(LEASE * 1000)
+        assert session.fast_lane
+
+
+def test_the_asyncio_lane_drops_a_late_answer_too(lane_daemon, pool_name):
+    async def scenario() -> None:
+        async with AsyncClient(lane_daemon.address) as client:
+            session = await client.open_session(pool_name, block_bytes=4096, num_blocks=8)
+            await session.prepare_store([b"stored"])
+            await session.complete_store([b"stored"])
+            os.kill(lane_daemon.proc.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(DeadlineExceeded):
+                    await session._call(LOOKUP, [b"absent"], timeout=0.3)
+            finally:
+                os.kill(lane_daemon.proc.pid, signal.SIGCONT)
+            assert await session.lookup([b"stored"]) == [LookupResult.HIT]
+            assert session.fast_lane
+
+    asyncio.run(scenario())
