@@ -319,7 +319,6 @@ def test_the_end_of_a_lane_releases_its_session_at_once(lane_daemon, pool_name):
         assert read_frame(lane)[0] == 0 and read_frame(lane)[0] == 0
         before = primary(client, pool_name)
         assert (before.pinned_blocks, before.pending_blocks) == (1, 1)
-        started = time.monotonic()
         lane.close()  # EOF, as when the client process dies
 
         def released() -> bool:
@@ -327,11 +326,11 @@ def test_the_end_of_a_lane_releases_its_session_at_once(lane_daemon, pool_name):
             return now.pinned_blocks == 0 and now.pending_blocks == 0
 
         eventually(released, 10.0, "the lane's pins and reservation released")
-        assert (
-            time.monotonic() - started < LEASE or "fast lane connection ended" in lane_daemon.log()
-        )
         assert not session_alive(lane_daemon.stub(), sid)
-        assert "closed: its client's fast lane connection ended" in lane_daemon.log()
+        # released by the end of its lane, not by its lease
+        assert f"session {sid} ('', pool {pool_name}) closed: its client's fast lane" in (
+            lane_daemon.log()
+        )
 
 
 def test_lane_calls_renew_the_lease(lane_daemon, pool_name):
@@ -513,7 +512,11 @@ def test_lane_process_dies_session_released_without_waiting_for_the_lease(lane_d
     finally:
         child.kill()
         child.wait()
-    eventually(lambda: not session_alive(lane_daemon.stub(), sid), LEASE / 2, "released by EOF")
+    eventually(lambda: not session_alive(lane_daemon.stub(), sid), 10.0, "session released")
+    # released by the end of its lane, not by its lease
+    assert f"session {sid} ('', pool {pool_name}) closed: its client's fast lane" in (
+        lane_daemon.log()
+    )
 
 
 # -- deadlines -----------------------------------------------------------------------------
