@@ -7,13 +7,26 @@ import os
 import sys
 import time
 
-from benchmarks import authz, buffers, copy, fs, memory, redis, replay, rpc, stall, tls, warm
+from benchmarks import (
+    authz,
+    buffers,
+    copy,
+    fastlane,
+    fs,
+    memory,
+    redis,
+    replay,
+    rpc,
+    stall,
+    tls,
+    warm,
+)
 from benchmarks.common import machine, print_table
 
 SUITES = {"rpc": rpc.run, "copy": copy.run, "memory": memory.run, "replay": replay.run,
           "fs": fs.run, "stall": stall.run, "buffers": buffers.run,
           "tls": tls.run, "authz": authz.run, "redis": redis.run,
-          "warm": warm.run}  # fmt: skip
+          "warm": warm.run, "fastlane": fastlane.run}  # fmt: skip
 
 
 def main() -> int:

@@ -44,6 +44,7 @@ from typing import Any
 from benchmarks.replay import default_trace, missing_trace_message
 
 BLOCK_BYTES = 4096  # the manager does not touch the bytes; the smallest row
+TOKENS_PER_BLOCK = 16  # the key positions' unit (end token of each block)
 
 
 def load_chains(path: Path, requests: int) -> list[list[bytes]]:
@@ -96,6 +97,8 @@ def replay_vllm(name: str, manager: Any, chains: Sequence[list[bytes]]) -> Run:
     start = time.perf_counter()
     for i, chain in enumerate(keyed):
         ctx = ReqContext(req_id=str(i))
+        for position, key in enumerate(chain):  # as vLLM's scheduler records them
+            ctx.set_offload_key_position(key, (position + 1) * TOKENS_PER_BLOCK)
         manager.on_new_request(ctx)
         n = 0
         for key in chain:
@@ -150,6 +153,37 @@ def tiering_manager(capacity: int) -> tuple[Any, Callable[[], None]]:
 
 
 # -------------------------------------------------------------------- kvtierd
+
+
+def plugin_manager(
+    address: str, pool: str, capacity: int, store_ahead: bool
+) -> tuple[Any, Callable[[], int]]:
+    """kvtierd's vLLM plug-in manager (``KvtierdOffloadingManager``, as vLLM's
+    scheduler gets it) on its own pool; the second value closes it and returns its
+    round trips."""
+    from kvtierd_client.vllm.common import open_pool_session
+    from kvtierd_client.vllm.manager import KvtierdOffloadingManager
+    from kvtierd_client.vllm.settings import PluginSettings, PoolPlan
+
+    settings = PluginSettings.from_extra_config(
+        {"kvtierd_address": address, "eviction_policy": "lru", "kvtierd_stats_interval": 0,
+         "kvtierd_store_ahead": store_ahead}
+    )  # fmt: skip
+    plan = PoolPlan(
+        name=pool, block_bytes=BLOCK_BYTES, num_blocks=capacity, layout="bench",
+        world_size=1, blocks_per_chunk=1, sub_block_bytes=BLOCK_BYTES,
+    )  # fmt: skip
+    client, session = open_pool_session(settings, plan, "bench", queue_completions=True)
+    manager = KvtierdOffloadingManager(
+        client, session, settings, plan, events_enabled=False, client_name="bench"
+    )
+
+    def close() -> int:
+        round_trips = manager.step_stats().round_trips
+        manager.shutdown()
+        return round_trips
+
+    return manager, close
 
 
 def replay_kvtierd(
@@ -256,6 +290,13 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             close()
     with BenchDaemon("--memory-budget", "256MiB") as daemon:
+        for store_ahead in (False, True):
+            label = "stores asked ahead" if store_ahead else "prepare_store asks"
+            pool = f"bench/vllm-managers/plugin-{'ahead' if store_ahead else 'asks'}"
+            manager, close = plugin_manager(daemon.address, pool, args.capacity, store_ahead)
+            run = replay_vllm(f"kvtierd vLLM plug-in, {label}", manager, chains)
+            run.rpcs = close()
+            runs.append(run)
         for queue, label in ((False, "single RPCs"), (True, "queue_completions")):
             pool = f"bench/vllm-managers/{'queued' if queue else 'single'}"
             runs.append(

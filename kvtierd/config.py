@@ -214,6 +214,16 @@ OPTIONS: tuple[Option, ...] = (
         flag="--shutdown-grace",
     ),
     Option(
+        "server",
+        "fast_lane",
+        _bool,
+        lambda: True,
+        "offer each session opened over a Unix socket a fast lane for its hot calls (Lookup, "
+        "Touch, Prepare/Complete Load/Store, Batch, KeepAlive): framed protobuf on the "
+        "'<socket>.lane' socket next to it; false: every call goes through gRPC",
+        flag="--fast-lane",
+    ),
+    Option(
         "memory",
         "shm_dir",
         _directory,
@@ -352,7 +362,8 @@ OPTIONS: tuple[Option, ...] = (
         _duration_in(0.05, 3600.0),
         lambda: 10.0,
         "a WatchEvents stream whose client has not taken an event for this long ends "
-        "with OUT_OF_RANGE",
+        "with OUT_OF_RANGE; a fast lane whose client leaves its answers unread this long "
+        "is cut (and its session closed)",
         flag="--watch-write-timeout",
     ),
     *(
@@ -381,6 +392,7 @@ class ServerConfig:
     metrics_address: str  # "" = off
     socket_group: str  # "" = the daemon's own group
     shutdown_grace: float  # seconds
+    fast_lane: bool = True  # offer sessions the '<socket>.lane' fast lane (kvtierd.fastlane)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,8 +22,10 @@ import os
 import signal
 import tempfile
 import time
+from typing import Any
 
 from kvtierd.config import Config, ConfigError
+from kvtierd.fastlane import FastLane, first_unix_path, lane_socket_path
 from kvtierd.metrics import Metrics, serve_metrics
 from kvtierd.pools import PoolTable
 from kvtierd.region import is_region_file_name
@@ -39,6 +41,7 @@ from kvtierd.server import (
     add_listeners,
     bind_unix_socket,
     build_server,
+    max_receive_bytes,
     remove_unix_sockets,
     set_health,
 )
@@ -116,6 +119,7 @@ class Daemon:
         self._watchdog: asyncio.Task[None] | None = None
         self._sockets: list[str] = []  # unix socket files this daemon created
         self._region_fds: region_access.RegionFdServer | None = None
+        self.fast_lane: FastLane | None = None
 
     async def start(self) -> None:
         _check_shm_dir(self.config.memory.shm_dir)
@@ -130,6 +134,7 @@ class Daemon:
             self._sockets, self.sessions, self.gid, self.security
         )
         self.service.region_fd_socket = self._region_fds.path if self._region_fds else ""
+        await self._serve_fast_lane()
         await server.start()
         self._server = server
         self._supervisor = asyncio.create_task(self._supervise_forever(), name="kvtierd-supervisor")
@@ -165,6 +170,8 @@ class Daemon:
         if self._server is not None:
             await set_health(self._health, serving=False)
             await self._server.stop(self.config.server.shutdown_grace)
+        if self.fast_lane is not None:
+            self.fast_lane.close()  # bound sessions close with their lanes, as below
         for task in (self._supervisor, self._watchdog):
             if task is not None:
                 task.cancel()
@@ -182,6 +189,37 @@ class Daemon:
         if self._metrics_server is not None:
             self._metrics_server.close()
         log.info("shutdown complete")
+
+    async def _serve_fast_lane(self) -> None:
+        """With ``server.fast_lane``, the lane socket next to the first Unix socket
+        (``kvtierd.fastlane``); sessions opened over a Unix socket are offered it."""
+        listen_path = first_unix_path(self.config.server.listen)
+        if not self.config.server.fast_lane or listen_path is None:
+            return
+        path = lane_socket_path(listen_path)
+        listener = bind_unix_socket(path, self.gid, "fast lane")
+        self._sockets.append(path)
+        lane = FastLane(
+            path,
+            self.service,
+            self.sessions,
+            self.security,
+            max_frame_bytes=max_receive_bytes(self.config.limits),
+            max_connections=self.config.sessions.max_sessions + 64,
+            # a lane reader that stalls is cut as a stalled WatchEvents reader is
+            write_timeout=self.config.limits.watch_write_timeout,
+        )
+        await lane.serve(listener)
+        self.fast_lane = lane
+        self.service.offer_fast_lane = lane.offer
+        audit_session = self.sessions.observe_session
+
+        def observe_session(event: str, session: Any, reason: str) -> None:
+            lane.session_ended(event, session, reason)
+            if audit_session is not None:
+                audit_session(event, session, reason)
+
+        self.sessions.observe_session = observe_session
 
     def _serve_tickets(self) -> None:
         """With principals, a ticket socket next to each Unix socket: how local

@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -49,6 +49,7 @@ class Metrics:
     def __init__(self, pools: PoolTable, sessions: SessionTable) -> None:
         disable_created_metrics()  # process-wide: no *_created series, only the values
         self.registry = CollectorRegistry(auto_describe=True)
+        self._rpc_children: dict[tuple[str, str], tuple[Any, Any]] = {}
         self.rpc_requests = Counter(
             "kvtierd_rpc_requests",
             "gRPC calls handled, by method and status code",
@@ -82,8 +83,14 @@ class Metrics:
         self.loop_lag_seconds.observe(seconds)
 
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
-        self.rpc_requests.labels(method, code).inc()
-        self.rpc_seconds.labels(method).observe(seconds)
+        # the labelled children, looked up once per (method, code): ``labels()``
+        # costs more than the fast lane's whole Lookup. Bounded: methods x codes.
+        children = self._rpc_children.get((method, code))
+        if children is None:
+            children = (self.rpc_requests.labels(method, code), self.rpc_seconds.labels(method))
+            self._rpc_children[(method, code)] = children
+        children[0].inc()
+        children[1].observe(seconds)
 
     def observe_job(self, pool: str, tier: str, is_promotion: bool, seconds: float) -> None:
         kind = "promotion" if is_promotion else "store"

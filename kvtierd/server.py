@@ -258,10 +258,11 @@ def _make_socket_directory(directory: str, gid: int | None) -> None:
         raise ListenError(f"cannot create socket directory {directory}: {exc.strerror}") from None
 
 
-def bind_unix_socket(path: str, gid: int | None) -> socket.socket:
+def bind_unix_socket(path: str, gid: int | None, what: str = "peer tickets") -> socket.socket:
     """A listening stream socket at ``path``, mode 0660 and group ``gid`` like the
     gRPC sockets (a stale socket file is cleared as for them). For the ticket
-    sockets next to each gRPC socket (``kvtierd.security.tickets``)."""
+    sockets next to each gRPC socket (``kvtierd.security.tickets``) and the fast
+    lane's (``kvtierd.fastlane``); ``what`` names it in the log line."""
     _remove_stale_socket(path)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -274,7 +275,7 @@ def bind_unix_socket(path: str, gid: int | None) -> socket.socket:
     except OSError as exc:
         listener.close()
         raise ListenError(f"cannot listen on unix socket {path}: {exc.strerror}") from None
-    log.info("peer tickets on unix socket %s (mode 0660)", path)
+    log.info("%s on unix socket %s (mode 0660)", what, path)
     return listener
 
 

@@ -105,14 +105,15 @@ def _handle(method: Handler) -> Callable[..., Awaitable[Any]]:
         except Exception as exc:
             self._observe(name, "INTERNAL", start)
             log.exception("%s failed with an internal error", name)
-            await context.abort(
-                grpc.StatusCode.INTERNAL,
-                f"internal error in {name}: {type(exc).__name__}: {exc} (see the daemon log)",
-            )
+            await context.abort(grpc.StatusCode.INTERNAL, _internal_message(name, exc))
         self._observe(name, "OK", start)
         return response
 
     return wrapper
+
+
+def _internal_message(name: str, exc: Exception) -> str:
+    return f"internal error in {name}: {type(exc).__name__}: {exc} (see the daemon log)"
 
 
 class KVTierService(pb2_grpc.KVTierServicer):
@@ -136,6 +137,9 @@ class KVTierService(pb2_grpc.KVTierServicer):
         self.region_fd_socket = ""  # set by the daemon: security.region_access
         # (method, status code name, seconds) per handled call; set by the daemon
         self.observe_rpc: Callable[[str, str, float], None] | None = None
+        # (session, peer) -> the OpenSessionResponse fast-lane fields to offer, or
+        # None; set by the daemon when server.fast_lane is on (kvtierd.fastlane)
+        self.offer_fast_lane: Callable[[Session, str], dict[str, Any] | None] | None = None
 
     def _observe(self, method: str, code: str, start: float) -> None:
         if self.observe_rpc is not None:
@@ -150,6 +154,33 @@ class KVTierService(pb2_grpc.KVTierServicer):
         if self.shutting_down:
             raise ShuttingDown("kvtierd is shutting down; retry against the restarted daemon")
         return self._security.identify(context)
+
+    def call_direct(self, name: str, caller: Caller, peer: str, request: Any) -> Any:
+        """Runs the body of RPC ``name`` (a synchronous one: the fast lane's) for
+        ``caller`` exactly as ``_handle`` does for a gRPC call: the same
+        validation and service functions, metrics and audit. Returns the
+        response; raises ``KvtierdError`` with the status the gRPC path would
+        answer (an unexpected failure: INTERNAL, logged with its trace).
+        ``_CALLER`` is set for the call only and reset after it."""
+        start = time.perf_counter()
+        token = _CALLER.set(caller)
+        try:
+            if self.shutting_down:
+                raise ShuttingDown("kvtierd is shutting down; retry against the restarted daemon")
+            response = _DIRECT_BODIES[name](self, request, None)
+        except KvtierdError as exc:
+            self._observe(name, exc.code.name, start)
+            if exc.code in _AUDITED:
+                self._security.call_denied(name, caller, peer, exc)
+            raise
+        except Exception as exc:
+            self._observe(name, "INTERNAL", start)
+            log.exception("%s failed with an internal error", name)
+            raise KvtierdError(_internal_message(name, exc)) from exc  # code INTERNAL
+        finally:
+            _CALLER.reset(token)
+        self._observe(name, "OK", start)
+        return response
 
     # ----------------------------------------------------------------- sessions
 
@@ -175,6 +206,9 @@ class KVTierService(pb2_grpc.KVTierServicer):
             )
         )
         session = self._sessions.open(pool, request.client_name, caller.peer, caller.name)
+        lane = None
+        if self.offer_fast_lane is not None:
+            lane = self.offer_fast_lane(session, context.peer())
         return pb2.OpenSessionResponse(
             session_id=session.id,
             region=pb2.Region(
@@ -187,6 +221,7 @@ class KVTierService(pb2_grpc.KVTierServicer):
             ),
             lease_ms=self._sessions.lease_ms,
             pool=_pool_spec_message(pool.spec),
+            **(lane or {}),
         )
 
     @_handle
@@ -449,6 +484,22 @@ def _complete_store(session: Session, keys: list[bytes], request: Any) -> pb2.Co
     session.pool.complete_store(session.id, keys, request.success)
     return pb2.CompleteStoreResponse()
 
+
+# The synchronous RPC bodies the fast lane runs through ``call_direct`` (each
+# ``_handle``-wrapped method's own body: one implementation for both paths).
+_DIRECT_BODIES: dict[str, Callable[[KVTierService, Any, Any], Any]] = {
+    name: getattr(KVTierService, name).__wrapped__
+    for name in (
+        "Lookup",
+        "Touch",
+        "PrepareLoad",
+        "CompleteLoad",
+        "PrepareStore",
+        "CompleteStore",
+        "Batch",
+        "KeepAlive",
+    )
+}
 
 _BATCH_OPS: dict[str, Callable[[Session, list[bytes], Any], Any]] = {
     "lookup": _lookup,

@@ -20,6 +20,7 @@ Everything but the awaiting is shared with the sync client: requests and answers
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, TypeVar
@@ -30,7 +31,10 @@ import grpc.aio
 from kvtierd_client import codec
 from kvtierd_client.codec import EventPages, Op
 from kvtierd_client.connection import Connection, WatchStream
+from kvtierd_client.errors import KvtierError
+from kvtierd_client.fastlane import AsyncFastLane, offered
 from kvtierd_client.keepalive import KeepaliveTask
+from kvtierd_client.lane_frames import LANE_METHODS
 from kvtierd_client.proto import pb2
 from kvtierd_client.session_state import SessionState
 from kvtierd_client.tls import aio_channel
@@ -39,6 +43,8 @@ from kvtierd_client.types import LookupResult, StoreResult
 __all__ = ["AsyncClient", "AsyncEventStream", "AsyncSession", "LookupResult", "StoreResult"]
 
 R = TypeVar("R")
+
+log = logging.getLogger("kvtierd_client")
 
 
 class AsyncClient(Connection):
@@ -61,6 +67,18 @@ class AsyncClient(Connection):
             self._raise_call_error(err)
         return op.decode(response)
 
+    async def _lane_call(
+        self,
+        lane: AsyncFastLane,
+        op: Op[R],
+        *args: Any,
+        timeout: float | None = None,
+        **kwargs: Any,
+    ) -> R:
+        """Runs ``op`` over a session's fast lane; raises as ``_call``."""
+        request, deadline = self._lane_request(op, args, kwargs, timeout)
+        return op.decode(await lane.call(op.rpc, request, deadline))
+
     # -- RPCs ------------------------------------------------------------------------
 
     async def open_session(
@@ -80,6 +98,16 @@ class AsyncClient(Connection):
             codec.OPEN_SESSION, pool, block_bytes, num_blocks, layout, eviction_policy, client_name
         )
         session = AsyncSession(self, response, sent_at, keepalive=keepalive)
+        if self.fast_lane and offered(response):
+            lane = AsyncFastLane(response, self.address)
+            try:
+                await lane.connect(self.timeout)
+                session._lane = lane
+                self._keep_lane(lane)
+            except KvtierError as err:
+                log.warning(
+                    "kvtierd session %s: no fast lane, using gRPC: %s", session.session_id, err
+                )
         self._register(session)
         return session
 
@@ -109,6 +137,8 @@ class AsyncClient(Connection):
         for session in self._sessions_to_close():
             with self._closing(session):
                 await session.close()
+        for lane in self._lanes_to_close():
+            lane.close()
         channel = self._finish_close()
         if channel is not None:
             await channel.close()
@@ -188,10 +218,16 @@ class AsyncSession(SessionState):
 
     async def _call(self, op: Op[R], *args: Any, timeout: float | None = None, **kwargs: Any) -> R:
         with self._tracked_call():
+            lane = self._lane
+            if lane is not None and op.rpc in LANE_METHODS and lane.usable:
+                return await self.client._lane_call(
+                    lane, op, self.session_id, *args, timeout=timeout, **kwargs
+                )
             return await self.client._call(op, self.session_id, *args, timeout=timeout, **kwargs)
 
     def _mark_gone(self) -> None:
         super()._mark_gone()
+        self._close_lane()
         if self.keepalive is not None:
             self.keepalive.stop()
 
@@ -259,9 +295,12 @@ class AsyncSession(SessionState):
         self.client._forget(self)
         if task is not None:
             await asyncio.wait([task])
-        if usable:
-            with self._closing_call():
-                await self.client._call(codec.CLOSE_SESSION, self.session_id)
+        try:
+            if usable:
+                with self._closing_call():
+                    await self.client._call(codec.CLOSE_SESSION, self.session_id)
+        finally:
+            self._close_lane()  # after CloseSession: the close is answered, not implied
 
     async def __aenter__(self) -> AsyncSession:
         return self

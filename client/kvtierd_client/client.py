@@ -23,6 +23,7 @@ This module re-exports the names a user of the sync client needs.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from typing import Any, TypeVar
@@ -37,6 +38,8 @@ from kvtierd_client.connection import (
     Connection,
     WatchStream,
 )
+from kvtierd_client.errors import KvtierError
+from kvtierd_client.fastlane import FastLane, offered
 from kvtierd_client.proto import pb2
 from kvtierd_client.session import Session
 from kvtierd_client.tls import sync_channel
@@ -54,12 +57,15 @@ __all__ = [
 
 R = TypeVar("R")
 
+log = logging.getLogger("kvtierd_client")
+
 
 class Client(Connection):
     """A connection to kvtierd over one gRPC channel (thread-safe).
 
     Arguments as :class:`kvtierd_client.connection.Connection`: ``address``,
-    ``timeout`` (seconds, every call), ``channel_options``, ``token``, ``stub``.
+    ``timeout`` (seconds, every call), ``channel_options``, ``token``, ``stub``,
+    ``fast_lane``.
     Raises ``ValueError`` for a malformed address; an unreachable daemon shows up
     as ``Unavailable`` on the first call.
     """
@@ -75,6 +81,13 @@ class Client(Connection):
         except (grpc.RpcError, ValueError) as err:
             self._raise_call_error(err)
         return op.decode(response)
+
+    def _lane_call(
+        self, lane: FastLane, op: Op[R], *args: Any, timeout: float | None = None, **kwargs: Any
+    ) -> R:
+        """Runs ``op`` over a session's fast lane; raises as ``_call``."""
+        request, deadline = self._lane_request(op, args, kwargs, timeout)
+        return op.decode(lane.call(op.rpc, request, deadline))
 
     # -- RPCs ------------------------------------------------------------------------
 
@@ -121,6 +134,14 @@ class Client(Connection):
             queue_completions=queue_completions,
             flush_after=flush_after,
         )
+        if self.fast_lane and offered(response):
+            try:
+                session._lane = FastLane(response, self.address, self.timeout)
+                self._keep_lane(session._lane)
+            except KvtierError as err:
+                log.warning(
+                    "kvtierd session %s: no fast lane, using gRPC: %s", session.session_id, err
+                )
         self._register(session)
         return session
 
@@ -176,6 +197,8 @@ class Client(Connection):
         for session in self._sessions_to_close():
             with self._closing(session):
                 session.close()
+        for lane in self._lanes_to_close():
+            lane.close()
         channel = self._finish_close()
         if channel is not None:
             channel.close()

@@ -99,7 +99,12 @@ def _key_list(keys: Sequence[bytes]) -> list[bytes]:
 
 def _keys_request(request_type: Any) -> Callable[..., Any]:
     def encode(session_id: str, keys: Sequence[bytes], **fields: Any) -> Any:
-        return request_type(session_id=session_id, keys=_key_list(keys), **fields)
+        if isinstance(keys, (bytes, bytearray, str)):
+            raise TypeError("keys must be a sequence of bytes, not a single bytes or str value")
+        try:  # the usual case, all bytes: protobuf checks each key's type itself
+            return request_type(session_id=session_id, keys=keys, **fields)
+        except TypeError:  # bytearray / memoryview keys are copied; others raise
+            return request_type(session_id=session_id, keys=_key_list(keys), **fields)
 
     return encode
 

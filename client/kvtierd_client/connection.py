@@ -65,7 +65,8 @@ class Connection:
     instead of a ``KVTierStub`` over a new channel (tests inject fakes here).
     Over a Unix socket of a daemon with principals, the client proves its
     process's uid with a peer ticket (``kvtierd_client.credentials``; not with
-    an injected ``stub``).
+    an injected ``stub``). ``fast_lane``: a session the daemon offers a fast lane
+    sends its hot calls over it (``kvtierd_client.fastlane``); False: always gRPC.
 
     Raises ``ValueError`` for a malformed address, or TLS asked for on a Unix
     socket. Connecting is lazy: an unreachable daemon (or a failed TLS
@@ -90,6 +91,7 @@ class Connection:
         token: str | None = None,
         tls: TlsOptions | None = None,
         stub: Any = None,
+        fast_lane: bool = True,
     ) -> None:
         self.address: str = address or default_address()
         self.target: str = to_grpc_target(self.address)
@@ -104,6 +106,11 @@ class Connection:
         self._closed = False
         self._lock = threading.Lock()
         self._sessions: weakref.WeakSet[SessionState] = weakref.WeakSet()
+        self.fast_lane = fast_lane
+        # the fast lanes of this client's sessions, until each session is closed or
+        # gone: a session nobody references keeps its lane open (the daemon would
+        # close the session with it) and expires with its lease, as over gRPC
+        self._lanes: set[Any] = set()
 
     # -- calls -----------------------------------------------------------------------
 
@@ -119,6 +126,34 @@ class Connection:
             raise client_closed_error(self.address)
         deadline = self.timeout if timeout is None else timeout
         return getattr(self._stub, op.rpc), request, deadline
+
+    def _lane_request(
+        self, op: Op[Any], args: tuple[Any, ...], kwargs: dict[str, Any], timeout: float | None
+    ) -> tuple[Any, float]:
+        """The request and deadline of one call of ``op`` over a fast lane (checks as
+        ``_prepare``)."""
+        request = op.request(*args, **kwargs)
+        if self._closed:
+            raise client_closed_error(self.address)
+        return request, self.timeout if timeout is None else timeout
+
+    def _keep_lane(self, lane: Any) -> None:
+        """Holds ``lane`` until it is closed (its ``on_close`` forgets it)."""
+        with self._lock:
+            self._lanes.add(lane)
+
+        def forget() -> None:
+            with self._lock:
+                self._lanes.discard(lane)
+
+        lane.on_close = forget
+
+    def _lanes_to_close(self) -> list[Any]:
+        """The lanes still open, for ``close()`` (their sessions are closed first)."""
+        with self._lock:
+            lanes = list(self._lanes)
+            self._lanes.clear()
+        return lanes
 
     def _raise_call_error(self, err: Exception) -> NoReturn:
         """Raises what a failed send stands for: a ``grpc.RpcError`` its ``KvtierError``;

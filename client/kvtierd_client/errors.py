@@ -121,8 +121,12 @@ def from_rpc_error(err: grpc.RpcError, address: str) -> KvtierError:
     UNAVAILABLE and DEADLINE_EXCEEDED get a message naming ``address``; other
     codes keep the daemon's message as is.
     """
-    code = _code_of(err)
-    details = _details_of(err)
+    return from_status(_code_of(err), _details_of(err), address)
+
+
+def from_status(code: grpc.StatusCode, details: str, address: str) -> KvtierError:
+    """The ``KvtierError`` for status ``code`` with the daemon's message ``details``
+    (a gRPC call's, or a fast lane error frame's: the same exception either way)."""
     if code is grpc.StatusCode.UNAVAILABLE:
         details = (
             f"cannot reach kvtierd at {address}: the daemon is not running "

@@ -37,6 +37,7 @@ from kvtierd_client.completion_queue import DEFAULT_FLUSH_AFTER, CompletionQueue
 from kvtierd_client.errors import KvtierError, NotFound
 from kvtierd_client.flusher import FlushStatistics
 from kvtierd_client.keepalive import KeepaliveThread
+from kvtierd_client.lane_frames import LANE_METHODS
 from kvtierd_client.proto import pb2
 from kvtierd_client.session_state import SessionState
 from kvtierd_client.types import LookupResult, StoreResult
@@ -102,6 +103,11 @@ class Session(SessionState):
 
     def _call(self, op: Op[R], *args: Any, timeout: float | None = None, **kwargs: Any) -> R:
         with self._tracked_call():
+            lane = self._lane
+            if lane is not None and op.rpc in LANE_METHODS and lane.usable:
+                return self.client._lane_call(
+                    lane, op, self.session_id, *args, timeout=timeout, **kwargs
+                )
             return self.client._call(op, self.session_id, *args, timeout=timeout, **kwargs)
 
     def _answer(self, op: Op[R], keys: Sequence[bytes], **fields: Any) -> R:
@@ -163,7 +169,10 @@ class Session(SessionState):
         self._stop_background()
 
     def _stop_background(self) -> None:
-        """Stops the keepalive thread and the queue's flush deadline (not joined)."""
+        """Stops the keepalive thread and the queue's flush deadline (not joined);
+        closes the fast lane of a session the daemon dropped."""
+        if self._gone:
+            self._close_lane()
         if self.keepalive is not None:
             self.keepalive.stop()
         self._queue.stop()
@@ -285,9 +294,12 @@ class Session(SessionState):
         self._begin_close()
         self._stop_background()
         self.client._forget(self)
-        if usable:
-            with self._closing_call():
-                self.client._call(CLOSE_SESSION, self.session_id)
+        try:
+            if usable:
+                with self._closing_call():
+                    self.client._call(CLOSE_SESSION, self.session_id)
+        finally:
+            self._close_lane()  # after CloseSession: the close is answered, not implied
 
     def __enter__(self) -> Session:
         return self

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from kvtierd_client.errors import NotFound
 from kvtierd_client.lease_beacon import LeaseBeacon
@@ -57,6 +58,9 @@ class SessionState:
         # Invariant: only grows; published to _beacon whenever it does.
         self._lease_proven_until = 0.0
         self._beacon: LeaseBeacon | None = None
+        # the session's fast lane (kvtierd_client.fastlane), set by the client right
+        # after OpenSession when the daemon offered one and it connected; None: gRPC
+        self._lane: Any = None
         self._renewed(sent_at)
 
     # -- the lease proof -------------------------------------------------------------
@@ -136,6 +140,17 @@ class SessionState:
         self._closed = True
         if self._beacon is not None:
             self._beacon.close()
+
+    @property
+    def fast_lane(self) -> bool:
+        """Whether this session's hot calls go over its fast lane now (else gRPC)."""
+        return self._lane is not None and self._lane.usable
+
+    def _close_lane(self) -> None:
+        """Closes the fast lane, if any (the daemon closes the session with it)."""
+        lane, self._lane = self._lane, None
+        if lane is not None:
+            lane.close()
 
     @contextmanager
     def _closing_call(self) -> Iterator[None]:

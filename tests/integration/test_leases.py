@@ -27,7 +27,14 @@ def primary(stats):
     return stats.pools[0].tiers[0]
 
 
-def test_sigkilled_client_releases_pins_and_reservations(daemon, pool_name):
+@pytest.mark.parametrize(
+    ("fast_lane", "released_by"),
+    [(False, "lease expired"), (True, "closed: its client's fast lane connection ended")],
+    ids=["grpc-lease", "fast-lane-eof"],
+)
+def test_sigkilled_client_releases_pins_and_reservations(daemon, pool_name, fast_lane, released_by):
+    """Over gRPC alone the lease releases a dead client's session; with the fast
+    lane (the client's default) the end of its lane connection does, at once."""
     with Client(daemon.address) as client:
         owner = client.open_session(pool_name, block_bytes=4096, num_blocks=4)
         owner.prepare_store([b"shared"])
@@ -37,7 +44,10 @@ def test_sigkilled_client_releases_pins_and_reservations(daemon, pool_name):
             [sys.executable, "-c", textwrap.dedent(f"""
                 import sys, time
                 from kvtierd_client.client import Client
-                s = Client({daemon.address!r}).open_session({pool_name!r}, block_bytes=4096)
+                s = Client({daemon.address!r}, fast_lane={fast_lane!r}).open_session(
+                    {pool_name!r}, block_bytes=4096
+                )
+                assert s.fast_lane is {fast_lane!r}
                 s.prepare_load([b"shared"])
                 s.prepare_store([b"half-written-1", b"half-written-2"])
                 print("ready", flush=True)
@@ -75,7 +85,7 @@ def test_sigkilled_client_releases_pins_and_reservations(daemon, pool_name):
         )
         grant = owner.prepare_store([b"n1", b"n2", b"n3", b"n4"])  # needs the shared row too
         assert grant is not None and grant.evicted_keys == [b"shared"]
-        assert "lease expired" in daemon.log()
+        assert released_by in daemon.log()
 
 
 def test_keepalive_keeps_an_idle_session(daemon, pool_name):

@@ -80,8 +80,10 @@ from vllm.v1.kv_offload.base import (
 )
 
 from kvtierd_client.client import Client, Session
+from kvtierd_client.errors import KvtierError
 from kvtierd_client.proto import pb2
 from kvtierd_client.types import LookupResult as DaemonLookup
+from kvtierd_client.types import StoreResult
 from kvtierd_client.vllm.accounting import (
     METRIC_NAMES,
     CounterReport,
@@ -94,6 +96,7 @@ from kvtierd_client.vllm.connection import DaemonConnection, Generation
 from kvtierd_client.vllm.holdings import GRAVE_STEPS, Holdings
 from kvtierd_client.vllm.settings import PluginSettings, PoolPlan
 from kvtierd_client.vllm.step_cache import StepCache
+from kvtierd_client.vllm.store_ahead import StoreAhead
 
 __all__ = ["KvtierdOffloadingManager", "ManagerCounters", "METRIC_NAMES", "StepStats"]
 
@@ -130,6 +133,7 @@ class KvtierdOffloadingManager(OffloadingManager):
         self._report = CounterReport(self.counters)
         self._accounting = StepAccounting()
         self._cache = StepCache()  # cleared by on_schedule_end and by a lost session
+        self._ahead = StoreAhead()  # this step's stores asked ahead; same lifetime
         self._holdings = Holdings()
         self._daemon = DaemonConnection(
             client,
@@ -204,17 +208,30 @@ class KvtierdOffloadingManager(OffloadingManager):
         unique = list(dict.fromkeys(keys))
         if gen is None or not unique:
             return None
-        grant = self._daemon.call(
-            gen, "PrepareStore", gen.session.prepare_store, unique, req_context.req_id
-        )
-        if grant is None:  # refused (no room) or failed
-            return None
-        self._holdings.reserve(grant.keys_to_store)
-        self._cache.forget((*grant.keys_to_store, *grant.evicted_keys))
+        claim = self._ahead.claim(unique)  # asked ahead by the request's lookup
+        ask = unique if claim is None else claim.ask
+        to_store: list[bytes] = [] if claim is None else claim.keys_to_store
+        rows: list[int] = [] if claim is None else claim.rows
+        evicted: list[bytes] = [] if claim is None else claim.evicted
+        if ask:
+            grant = self._daemon.call(
+                gen, "PrepareStore", gen.session.prepare_store, ask, req_context.req_id
+            )
+            if grant is None:  # refused (no room) or failed: all or nothing
+                if to_store:
+                    complete = gen.session.complete_store
+                    self._daemon.call(gen, "CompleteStore", complete, to_store, False, quiet=True)
+                return None
+            self._ahead.note_evicted(grant.evicted_keys)
+            to_store = [*to_store, *grant.keys_to_store]
+            rows = [*rows, *grant.block_ids]
+            evicted = [*evicted, *grant.evicted_keys]
+        self._holdings.reserve(to_store)
+        self._cache.forget((*to_store, *evicted))
         return PrepareStoreOutput(
-            keys_to_store=[OffloadKey(k) for k in grant.keys_to_store],
-            store_spec=gen.spec(grant.block_ids),
-            evicted_keys=[OffloadKey(k) for k in grant.evicted_keys],
+            keys_to_store=[OffloadKey(k) for k in to_store],
+            store_spec=gen.spec(rows),
+            evicted_keys=[OffloadKey(k) for k in evicted],
         )
 
     def complete_store(
@@ -260,6 +277,7 @@ class KvtierdOffloadingManager(OffloadingManager):
         if unclaimed and gen is not None:
             self.counters.lookup_pins_released += len(unclaimed)
             self._daemon.release_pins(gen, unclaimed, unused=True)
+        self._give_back_ahead(gen)
         self._bury_due()
         if self._accounting.queue_overdue():
             self._daemon.send_queued()
@@ -276,6 +294,7 @@ class KvtierdOffloadingManager(OffloadingManager):
             unclaimed = self._cache.unclaimed()
             if unclaimed:
                 self._daemon.release_pins(gen, unclaimed, unused=True)
+        self._give_back_ahead(gen)
         self._holdings.forget()
         self._cache.clear()
         gen = self._daemon.usable()
@@ -343,36 +362,70 @@ class KvtierdOffloadingManager(OffloadingManager):
         return self._daemon.call(gen, "PrepareLoad", gen.session.prepare_load, keys)
 
     def _lookup_batch(self, key: bytes, ctx: ReqContext) -> LookupResult:
-        """Asks the daemon about ``key`` and the request's next keys (one round trip),
-        keeps the pins of the leading HIT run and caches the answers for the step."""
+        """Asks the daemon about ``key`` and the request's next keys (one round trip,
+        which also asks their store ahead: ``store_ahead``), keeps the pins of the
+        leading HIT run and caches the answers for the step."""
         positions = getattr(ctx, "_offload_key_positions", None)  # vLLM's, per request
         batch = [key, *self._cache.following_keys(key, positions)]
         answered = self._lookup_rpc(batch, ctx.req_id)
         if answered is None:
             return LookupResult.MISS
-        answers, rows = answered
-        return self._cache.record(batch, [_RESULTS[a] for a in answers], rows)
+        answers, rows, grant = answered
+        results = self._unreserved([_RESULTS[a] for a in answers], batch)
+        first = self._cache.record(batch, results, rows)
+        if grant is not None:
+            # the reserved keys keep their MISS answers (vLLM's scan stops at the first
+            # one; what asking at prepare_store time would answer); victims are gone
+            self._ahead.add(batch, grant.keys_to_store, grant.block_ids, grant.evicted_keys)
+            self._cache.forget(grant.evicted_keys)
+        return first
+
+    def _unreserved(self, results: list[LookupResult], batch: list[bytes]) -> list[LookupResult]:
+        """``results`` as they were before this step's stores asked ahead: a key they
+        reserved and nobody claimed is absent to vLLM (MISS, not HIT_PENDING), and so
+        is every key after it in the prefix chain."""
+        reserved = self._ahead.reserved
+        if reserved:
+            for i, key in enumerate(batch):
+                if key in reserved and results[i] is LookupResult.HIT_PENDING:
+                    return results[:i] + [LookupResult.MISS] * (len(results) - i)
+        return results
 
     def _lookup_rpc(
         self, batch: list[bytes], req_id: str
-    ) -> tuple[list[DaemonLookup], list[int]] | None:
+    ) -> tuple[list[DaemonLookup], list[int], StoreResult | None] | None:
         """``Session.lookup_and_pin(batch, prefix=True)``: one round trip (a ``Batch``
-        of the queued completions, if any, then the ``Lookup``) that pins the leading
-        HITs for this session; the answers and the rows, co-indexed with ``batch``
-        (-1 where not pinned). A session the daemon forgot (restart) is replaced and
-        asked again at once. None when the daemon cannot answer."""
+        of the queued completions, if any, then the ``Lookup``, and with
+        ``store_ahead`` a ``PrepareStore`` of ``batch``) that pins the leading HITs
+        for this session; the answers and the rows, co-indexed with ``batch`` (-1
+        where not pinned), and the store grant (None: not asked, refused or
+        failed). A session the daemon forgot (restart) is replaced and asked again
+        at once. None when the daemon cannot answer."""
         for _ in range(2):
             gen = self._daemon.usable()
             if gen is None:
                 return None
-            got = self._daemon.call(
-                gen, "Lookup", gen.session.lookup_and_pin, batch, req_id, prefix=True
-            )
+            if self._settings.store_ahead:
+                got = self._daemon.call(
+                    gen, "Lookup", _lookup_and_store_ahead, gen.session, batch, req_id
+                )
+            else:
+                pinned = self._daemon.call(
+                    gen, "Lookup", gen.session.lookup_and_pin, batch, req_id, prefix=True
+                )
+                got = None if pinned is None else (*pinned, None)
             if got is not None and self._daemon.generation is gen:
                 return got
             if self._daemon.generation is not None:  # failed, but not by a lost session
                 return None
         return None
+
+    def _give_back_ahead(self, gen: Generation | None) -> None:
+        """Frees the rows stores asked ahead reserved and nobody claimed (queued)."""
+        unclaimed = self._ahead.take_unclaimed()
+        if unclaimed and gen is not None:
+            complete = gen.session.complete_store
+            self._daemon.call(gen, "CompleteStore", complete, unclaimed, False, quiet=True)
 
     def _bury_due(self) -> None:
         """Releases the graves due at this step (against the generation that dug them)."""
@@ -384,6 +437,26 @@ class KvtierdOffloadingManager(OffloadingManager):
         """The daemon forgot the session: its pins and reservations died with it."""
         self._holdings.forget()
         self._cache.clear()
+        self._ahead.clear()
+
+
+def _lookup_and_store_ahead(
+    session: Session, batch: list[bytes], req_id: str
+) -> tuple[list[DaemonLookup], list[int], StoreResult | None]:
+    """One ``Batch``: the pinning prefix ``Lookup`` of ``batch``, then a
+    ``PrepareStore`` of the same keys (store_ahead). Raises the lookup's error; a
+    failed or refused store is None (vLLM's ``prepare_store`` then asks)."""
+    looked, stored = session.batch(
+        [
+            ("lookup_and_pin", batch, {"request_id": req_id, "prefix": True}),
+            ("prepare_store", batch, {"request_id": req_id}),
+        ]
+    )
+    if isinstance(looked, KvtierError):
+        raise looked
+    results, rows = looked
+    grant = stored if isinstance(stored, StoreResult) else None
+    return results, rows, grant
 
 
 def _primary_tier(response: Any) -> Any:

@@ -74,6 +74,9 @@ EXTRA_KEYS: dict[str, str] = {
     "cpu_bytes_to_use": "pool capacity in bytes (rows = this // row stride); "
     "absent: the daemon's default_pool_blocks",
     "eviction_policy": "'lru' (default) or 'arc'; fixed by the first engine that creates the pool",
+    "kvtierd_store_ahead": "true (default): a request's first lookup also reserves the rows of "
+    "its chain's missing blocks in the same round trip, and vLLM's prepare_store of them is "
+    "answered without one (kvtierd_client.vllm.store_ahead); false: prepare_store asks",
 }
 """The ``kv_connector_extra_config`` keys this plug-in reads, with their meaning."""
 
@@ -92,6 +95,7 @@ class PluginSettings:
     token: str | None
     capacity_bytes: int
     eviction_policy: str
+    store_ahead: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> PluginSettings:
@@ -120,6 +124,7 @@ class PluginSettings:
             token=str(token) if token else None,
             capacity_bytes=_non_negative_int(extra, "cpu_bytes_to_use"),
             eviction_policy=policy,
+            store_ahead=_flag(extra, "kvtierd_store_ahead", True),
         )
 
 
@@ -241,6 +246,20 @@ def _seconds(extra: Mapping[str, Any], key: str, default: float, minimum: float)
             f"kv_connector_extra_config.{key}: expected seconds >= {minimum}, got {raw!r}"
         )
     return value
+
+
+def _flag(extra: Mapping[str, Any], key: str, default: bool) -> bool:
+    raw = extra.get(key)
+    if raw is None:
+        return default
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(f"kv_connector_extra_config.{key}: expected true or false, got {raw!r}")
 
 
 def _non_negative_int(extra: Mapping[str, Any], key: str) -> int:

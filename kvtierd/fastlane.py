@@ -1,0 +1,426 @@
+"""The fast lane: a session's hot calls as framed protobuf on a Unix socket.
+
+Why: a gRPC call costs ~300 µs of daemon CPU in Python; the work of a 32-key
+Lookup costs ~10 µs. The lane carries the same protobuf messages in
+length-prefixed frames (``kvtierd_client.lane_frames``) on a stream socket
+``<listen socket>.lane`` (mode 0660 and the group of the gRPC socket), parsed
+by an ``asyncio.Protocol`` on the daemon's loop that calls the servicer's own
+bodies (``KVTierService.call_direct``): same validation, same service
+functions, same status codes and messages, same metrics and audit.
+
+Binding. ``OpenSession`` over a Unix socket offers the session a lane
+(``offer``): the socket path and a fresh 256-bit token, which only the
+opener's answer carries. A connection's first frame is ``BIND`` with that
+token; the token is used up by it (one lane per session, for the session's
+life: a second connection with it is refused). The caller of every call on
+the lane is fixed at ``BIND`` from the connection's kernel credentials
+(SO_PEERCRED): with ``[[security.principals]]``, the principal listing its
+uid or groups, which must be the principal that opened the session (else
+PERMISSION_DENIED, audited); without principals, the local caller, as on the
+Unix gRPC socket.
+
+Lifetime. Once bound, the session lives as long as its lane: when the
+connection ends (the client closed it or died: EOF; or the daemon cut it for
+a bad frame or a stalled reader), the session is closed as ``CloseSession``
+would (pins released, reservations aborted) at once, not a lease later. A
+session that ends otherwise (CloseSession over gRPC, its lease) leaves the
+connection open; its calls then answer NOT_FOUND as on gRPC. Leases renew on
+lane calls exactly as on gRPC calls (the same ``_live_session``).
+
+Bounds. A frame is at most ``max_frame_bytes`` (the gRPC receive limit): a
+longer one, a length of 0, an unknown kind or a request before ``BIND`` is
+answered with an error frame and the connection is cut. The daemon holds at
+most one frame in progress per connection plus one read's worth; it stops
+reading while its answers wait to be written and cuts a peer that does not
+drain them within ``write_timeout``. A connection that has not bound within
+``bind_timeout`` is cut; at most ``max_connections`` connections are open.
+
+Event-loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import socket
+from typing import Any
+
+import grpc
+
+from kvtierd import guards
+from kvtierd.errors import InvalidArgument, KvtierdError, SessionNotFound, Unauthenticated
+from kvtierd.ratelimit import RateLimitedLog
+from kvtierd.security.identity import LOCAL_CALLER, Caller, PeerCredentials, peer_credentials
+from kvtierd.security.state import SecurityState
+from kvtierd.service import KVTierService
+from kvtierd.sessions import Session, SessionTable
+from kvtierd_client.lane_frames import BIND, HEADER, METHODS, OK, VERSION, frame
+from kvtierd_client.proto import pb2
+
+log = logging.getLogger("kvtierd.fastlane")
+_faults = RateLimitedLog(log)
+
+LANE_SOCKET_SUFFIX = ".lane"
+TOKEN_BYTES = 32
+DEFAULT_WRITE_TIMEOUT = 10.0  # seconds a peer may leave the daemon's answers unread
+DEFAULT_BIND_TIMEOUT = 5.0  # seconds a new connection may take to send BIND
+WRITE_HIGH_WATER = 1 << 20  # answer bytes queued before the daemon stops reading
+_SERVICE = pb2.DESCRIPTOR.services_by_name["KVTier"].full_name
+LANE_ENDED = "closed: its client's fast lane connection ended"
+
+
+def lane_socket_path(listen_path: str) -> str:
+    """The lane socket next to the gRPC Unix socket ``listen_path``."""
+    return listen_path + LANE_SOCKET_SUFFIX
+
+
+def first_unix_path(listen: tuple[str, ...] | list[str]) -> str | None:
+    """The path of the first ``unix://`` address of ``listen``, or None."""
+    for address in listen:
+        if address.startswith("unix://"):
+            return address[len("unix://") :]
+    return None
+
+
+class _Method:
+    """One lane method: its RPC name and a lenient parser (``guards.lenient``: bytes
+    that do not parse become a marker the RPC body answers INVALID_ARGUMENT for,
+    with the gRPC path's message)."""
+
+    __slots__ = ("name", "parse")
+
+    def __init__(self, name: str, request_type: Any) -> None:
+        self.name = name
+        self.parse = guards.lenient(request_type.FromString, f"/{_SERVICE}/{name}")
+
+
+_BY_KIND: dict[int, _Method] = {
+    kind: _Method(name, request_type) for name, (kind, request_type, _) in METHODS.items()
+}
+
+
+class FastLane:
+    """The lane socket, its tokens and its connections.
+
+    ``_tokens``: token -> session id, for sessions offered a lane and not bound
+    yet; ``_token_of`` is its inverse. Both lose an entry when the token is used
+    (``bind``) or its session ends (``session_ended``), so they hold at most one
+    entry per open session. ``_connections``: every open connection.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        service: KVTierService,
+        sessions: SessionTable,
+        security: SecurityState,
+        *,
+        max_frame_bytes: int,
+        max_connections: int,
+        write_timeout: float = DEFAULT_WRITE_TIMEOUT,
+        bind_timeout: float = DEFAULT_BIND_TIMEOUT,
+    ) -> None:
+        self.path = path
+        self.service = service
+        self.sessions = sessions
+        self.security = security
+        self.max_frame_bytes = max_frame_bytes
+        self.max_connections = max_connections
+        self.write_timeout = write_timeout
+        self.bind_timeout = bind_timeout
+        self._tokens: dict[bytes, str] = {}
+        self._token_of: dict[str, bytes] = {}
+        self._connections: set[LaneConnection] = set()
+        self._server: asyncio.AbstractServer | None = None
+
+    async def serve(self, listener: socket.socket) -> None:
+        """Accepts lane connections on ``listener`` (bound, listening) until ``close``."""
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_unix_server(lambda: LaneConnection(self), sock=listener)
+
+    def close(self) -> None:
+        """Stops accepting and cuts every connection (their sessions close with them)."""
+        if self._server is not None:
+            self._server.close()
+        for connection in list(self._connections):
+            connection.cut()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def __len__(self) -> int:
+        return len(self._connections)
+
+    # -- sessions ------------------------------------------------------------------------
+
+    def offer(self, session: Session, peer: str) -> dict[str, Any] | None:
+        """The OpenSessionResponse fields offering ``session`` its lane, or None for a
+        session opened over TCP (the lane is a local transport)."""
+        if not peer.startswith("unix:"):
+            return None
+        token = secrets.token_bytes(TOKEN_BYTES)
+        self._tokens[token] = session.id
+        self._token_of[session.id] = token
+        return {
+            "fast_lane_path": self.path,
+            "fast_lane_token": token,
+            "fast_lane_max_frame_bytes": min(self.max_frame_bytes, 0xFFFFFFFF),
+            "fast_lane_version": VERSION,
+        }
+
+    def session_ended(self, event: str, session: Session, reason: str) -> None:
+        """``SessionTable``'s hook: a closed or expired session's token is dropped."""
+        if event != "opened":
+            token = self._token_of.pop(session.id, None)
+            if token is not None:
+                self._tokens.pop(token, None)
+
+    def bind(self, token: bytes, peer: PeerCredentials) -> tuple[str, Caller]:
+        """The session ``token`` names and the caller the connection of ``peer``
+        speaks for; uses the token up. Raises ``KvtierdError``: an unknown or used
+        token (UNAUTHENTICATED), a peer of another principal than the session's
+        (PERMISSION_DENIED), a session that ended (NOT_FOUND)."""
+        session_id = self._tokens.get(token)
+        if session_id is None:
+            raise Unauthenticated(
+                "fast lane BIND: the token is unknown or already used (a session has one lane, "
+                "bound by its first connection); open a session and bind with its token"
+            )
+        if self.security.restricted:
+            principal = self.security.authorizer.for_unix_peer(peer)  # AccessDenied
+            caller = Caller(principal, peer.describe(), "socket credentials")
+        else:
+            caller = Caller(LOCAL_CALLER.principal, peer.describe(), LOCAL_CALLER.via)
+        self.sessions.get(session_id, caller.name)  # SessionNotFound, AccessDenied
+        del self._tokens[token]
+        del self._token_of[session_id]
+        return session_id, caller
+
+    def lane_ended(self, session_id: str) -> None:
+        """A bound connection ended: its session closes now if it is still open."""
+        with contextlib.suppress(SessionNotFound):
+            self.sessions.close(session_id, LANE_ENDED)
+            log.debug("session %s %s", session_id, LANE_ENDED)
+
+    def refused(self, caller: Caller | None, peer: str, exc: KvtierdError) -> None:
+        if exc.code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+            self.security.call_denied("FastLaneBind", caller, peer, exc)
+
+
+class LaneConnection(asyncio.Protocol):
+    """One lane connection (see the module doc). Frames are parsed from the bytes
+    the transport hands over; a frame split across reads is held as its chunks
+    and joined once complete (``_chunks``: at most one frame plus one read).
+
+    State: unbound -> bound (``_session_id`` set once) -> cut; ``_caller`` is fixed
+    at bind. ``_paused``: the transport's write buffer is over its high water;
+    no frame is handled and nothing is read until it drains."""
+
+    def __init__(self, lane: FastLane) -> None:
+        self._lane = lane
+        self._transport: asyncio.Transport | None = None
+        self._peer: PeerCredentials | None = None
+        self._describe = "unix"
+        self._session_id: str | None = None
+        self._caller: Caller | None = None
+        self._chunks: list[bytes] = []
+        self._held = 0  # bytes in _chunks
+        self._needed = 0  # bytes _chunks must reach before they are joined and parsed
+        self._paused = False
+        self._cut = False
+        self._timer: asyncio.TimerHandle | None = None
+
+    # -- transport callbacks ------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        own: asyncio.Transport = transport  # type: ignore[assignment]  # uvloop's: no subclass
+        self._transport = own
+        lane = self._lane
+        lane._connections.add(self)
+        own.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+        try:
+            self._peer = peer_credentials(transport.get_extra_info("socket"))
+            self._describe = self._peer.describe()
+        except OSError as exc:
+            self._fail(grpc.StatusCode.INTERNAL, f"cannot read the peer's credentials: {exc}")
+            return
+        if len(lane._connections) > lane.max_connections:
+            self._fail(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{lane.max_connections} fast lane connections are open (one per session); "
+                "close sessions you no longer use",
+            )
+            return
+        self._timer = asyncio.get_running_loop().call_later(lane.bind_timeout, self._bind_late)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cut = True
+        self._lane._connections.discard(self)
+        self._chunks = []
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._session_id is not None:
+            self._lane.lane_ended(self._session_id)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+        if self._transport is not None:
+            self._transport.pause_reading()
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = asyncio.get_running_loop().call_later(self._lane.write_timeout, self._stalled)
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._cut or self._transport is None:
+            return
+        self._transport.resume_reading()
+        if self._chunks:
+            self.data_received(b"")
+
+    def data_received(self, data: bytes) -> None:
+        if self._cut:
+            return
+        if self._chunks:
+            if data:
+                self._chunks.append(data)
+                self._held += len(data)
+            if self._held < self._needed or self._paused:
+                return
+            data = b"".join(self._chunks)
+            self._chunks = []
+            self._held = 0
+        self._consume(data)
+
+    # -- frames --------------------------------------------------------------------------
+
+    def _consume(self, data: bytes) -> None:
+        """Handles every whole frame of ``data``; keeps the rest for the next read."""
+        view = memoryview(data)
+        end = len(data)
+        pos = 0
+        header = HEADER.size
+        limit = self._lane.max_frame_bytes
+        while end - pos >= header and not self._paused and not self._cut:
+            length, kind = HEADER.unpack_from(data, pos)
+            if length == 0 or length > limit:
+                self._fail(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED
+                    if length
+                    else grpc.StatusCode.INVALID_ARGUMENT,
+                    f"fast lane frame of {length} bytes; a frame is 1 to {limit} bytes "
+                    "(server.limits: the gRPC message limit)",
+                )
+                return
+            stop = pos + 4 + length
+            if stop > end:
+                break
+            self._frame(kind, view[pos + header : stop])
+            pos = stop
+        if self._cut or pos == end:
+            return
+        rest = data[pos:] if pos else data
+        self._chunks = [rest]
+        self._held = len(rest)
+        if len(rest) >= header:
+            self._needed = 4 + HEADER.unpack_from(rest)[0]
+        else:
+            self._needed = header
+        if self._paused:
+            self._needed = 0
+
+    def _frame(self, kind: int, body: memoryview) -> None:
+        if self._session_id is None:
+            self._bind(kind, body)
+            return
+        method = _BY_KIND.get(kind)
+        if method is None:
+            self._fail(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"fast lane frame of unknown kind {kind}; kinds are "
+                f"{sorted(_BY_KIND)} (kvtierd_client.lane_frames.METHODS)",
+            )
+            return
+        request = method.parse(body)  # type: ignore[arg-type]  # protobuf takes any buffer
+        assert self._transport is not None and self._caller is not None
+        try:
+            if (
+                not isinstance(request, guards.UnparsableRequest)
+                and request.session_id != self._session_id
+            ):
+                raise InvalidArgument(
+                    f"session_id: {request.session_id[:64]!r} is not the session this "
+                    f"fast lane is bound to ({self._session_id!r}); use gRPC for other sessions"
+                )
+            response = self._lane.service.call_direct(
+                method.name, self._caller, self._describe, request
+            )
+        except KvtierdError as exc:
+            self._transport.write(frame(exc.code.value[0], str(exc).encode()))
+            return
+        self._transport.write(frame(OK, response.SerializeToString()))
+
+    def _bind(self, kind: int, body: memoryview) -> None:
+        assert self._transport is not None and self._peer is not None
+        if kind != BIND:
+            self._fail(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"fast lane: the first frame must be BIND (kind {BIND}) with the session's "
+                f"fast_lane_token, not kind {kind}",
+            )
+            return
+        try:
+            self._session_id, self._caller = self._lane.bind(bytes(body), self._peer)
+        except KvtierdError as exc:
+            self._lane.refused(None, self._describe, exc)
+            self._fail(exc.code, str(exc))
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._transport.write(frame(OK, b""))
+
+    # -- ending ------------------------------------------------------------------------
+
+    def _fail(self, code: grpc.StatusCode, message: str) -> None:
+        """Answers an error frame and cuts the connection (the frame is written first)."""
+        _faults.warning(
+            ("fast-lane", code.name), "fast lane %s: %s; connection cut", self._describe, message
+        )
+        if self._transport is not None and not self._cut:
+            self._transport.write(frame(code.value[0], message.encode()))
+            self._cut = True
+            self._transport.close()  # flushes the error frame, then closes
+            if self._timer is not None:
+                self._timer.cancel()
+            # a peer that does not read the error frame either is dropped all the same
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_later(self._lane.write_timeout, self._transport.abort)
+
+    def _bind_late(self) -> None:
+        self._timer = None
+        self._fail(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"fast lane: no BIND within {self._lane.bind_timeout:g}s of connecting",
+        )
+
+    def _stalled(self) -> None:
+        self._timer = None
+        _faults.warning(
+            ("fast-lane", "stalled"),
+            "fast lane %s: answers unread for %gs; connection cut",
+            self._describe,
+            self._lane.write_timeout,
+        )
+        self.cut()
+
+    def cut(self) -> None:
+        """Drops the connection now, unwritten answers included."""
+        self._cut = True
+        if self._transport is not None:
+            self._transport.abort()
