@@ -227,3 +227,37 @@ def test_a_planted_entry_at_a_keys_path_is_never_followed_or_waited_on(
         reader.shutdown()
 
     run(region, tmp_path, body)
+
+
+def test_a_key_being_checked_is_not_queued_again(tmp_path, monkeypatch):
+    """Lookups that come while the key's check is on disk (the fast lane answers 30
+    lookups in a few ms) queue no second check: the check's answer is the next."""
+    import threading
+
+    index = BlockIndex("fs", FILE_BYTES, DiskBudget(1 << 30), lambda key: None)
+    shared = SharedRoot("fs", str(tmp_path), b"f" * 16, 4096, index,
+                        negative_ttl=LONG_S, rescan_interval=LONG_S)  # fmt: skip
+    on_disk, release = threading.Event(), threading.Event()
+    checked: list[list[bytes]] = []
+
+    def slow_check(keys: list[bytes]) -> None:
+        checked.append(list(keys))
+        on_disk.set()
+        release.wait(10)
+        shared._remember_absent(keys)
+
+    monkeypatch.setattr(shared, "_check_keys", slow_check)
+    shared.start()
+    try:
+        assert shared.want([b"k"]) == 1
+        assert on_disk.wait(10)
+        assert shared.want([b"k"]) == 0  # taken by the check in progress
+        release.set()
+        deadline = time.monotonic() + 10
+        while shared.want([b"k"]) != 0 or not checked:  # negative-cached now
+            assert time.monotonic() < deadline
+        time.sleep(0.05)
+        assert checked == [[b"k"]]
+    finally:
+        release.set()
+        shared.stop()

@@ -96,6 +96,9 @@ class SharedRoot:
         self._wake = threading.Condition(self._lock)
         # Guarded by _lock. Keys a lookup missed, waiting for a check, oldest first.
         self._wanted: OrderedDict[BlockKey, None] = OrderedDict()
+        # Guarded by _lock. Keys of the batch being checked (taken from _wanted, not
+        # yet answered into the index or _absent): a lookup meanwhile queues none again.
+        self._checking: set[BlockKey] = set()
         # key -> monotonic time until which it answers MISS unchecked; insertion
         # order is expiry order (one ttl for all), so the oldest is first.
         self._absent: OrderedDict[BlockKey, float] = OrderedDict()
@@ -119,7 +122,7 @@ class SharedRoot:
                     if until > now:
                         continue
                     del self._absent[key]
-                if key in self._wanted:
+                if key in self._wanted or key in self._checking:
                     continue
                 if len(self._wanted) >= MAX_WANTED:
                     break
@@ -171,9 +174,14 @@ class SharedRoot:
                 batch: list[BlockKey] = []
                 while self._wanted and len(batch) < PROBE_BATCH:
                     batch.append(self._wanted.popitem(last=False)[0])
+                self._checking.update(batch)
             try:
                 if batch:
-                    self._check_keys(batch)
+                    try:
+                        self._check_keys(batch)
+                    finally:
+                        with self._lock:
+                            self._checking.difference_update(batch)
                 if time.monotonic() >= next_rescan:
                     self.rescan()
                     next_rescan = time.monotonic() + self.rescan_interval
