@@ -313,13 +313,17 @@ def test_daemonset_manifest(containers, docker, host_tmpfs):
     check_clean_stop(containers, daemon, engine, [report["region"]])
     kept = shm_listing(containers, engine, "/dev/shm/kvtierd")
 
-    # The daemon pod replaced (a new container on the same hostPaths; the engine pod keeps
-    # running): /dev/shm/kvtierd is a directory of the node's tmpfs, so the region and its
-    # journal are still there and the new daemon adopts the pool when the engine reopens
-    # it. The blocks are HITs at the first lookup, bit-exact, from the same region file
-    # (same inode), served by the primary tier: nothing promoted from the fs tier.
+    # The daemon pod replaced (prepare-dirs again, a new daemon container on the same
+    # hostPaths; the engine pod keeps running): /dev/shm/kvtierd is a directory of the
+    # node's tmpfs, so the region and its journal are still there and the new daemon
+    # adopts the pool when the engine reopens it. The blocks are HITs at the first lookup,
+    # bit-exact, from the same region file (same inode), served by the primary tier:
+    # nothing promoted from the fs tier.
     containers.docker.run("rm", "-f", "-v", daemon)
     containers.names.remove(daemon)
+    containers.docker.run("rm", "-f", init)  # a new pod runs its init container again
+    done = containers.docker.run("run", *init_args, check=False, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
     containers.run(*pod.run_args("kvtierd", IMAGE, extra_env={"KVTIERD_MEMORY_BUDGET": "1GiB"}))
     containers.wait_healthy(daemon)
     assert shm_listing(containers, engine, "/dev/shm/kvtierd") == kept  # pools open lazily
