@@ -394,3 +394,10 @@ def build_image(docker: Docker, name: str = IMAGE, base: str = BASE_IMAGE) -> No
 
 def image_size(docker: Docker, name: str = IMAGE) -> int:
     return int(docker.run("image", "inspect", "--format", "{{.Size}}", name).stdout.strip())
+
+
+def filesystem_type(path: Path) -> str:
+    """``stat -f`` type name of the filesystem holding ``path`` (``tmpfs``, ``ext2/ext3``)."""
+    return subprocess.run(
+        ["stat", "-f", "-c", "%T", str(path)], capture_output=True, text=True, check=True
+    ).stdout.strip()

@@ -11,6 +11,8 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -24,6 +26,7 @@ from container_harness import (
     build_image,
     connect,
     ensure_base_image,
+    filesystem_type,
 )
 
 PROBE_DIR = Path(__file__).resolve().parent
@@ -138,3 +141,20 @@ def containers(docker: Docker) -> Iterator[Containers]:
         yield made
     finally:
         made.cleanup()
+
+
+HOST_SHM = Path("/dev/shm")  # this machine's tmpfs, as a node's /dev/shm
+
+
+@pytest.fixture
+def host_tmpfs() -> Iterator[Path]:
+    """A fresh directory on this machine's /dev/shm (a tmpfs, as a node's /dev/shm is),
+    removed with everything the containers left in it (their files belong to 10001)."""
+    if filesystem_type(HOST_SHM) != "tmpfs":
+        pytest.skip(f"{HOST_SHM} is not a tmpfs here ({filesystem_type(HOST_SHM)})")
+    made = Path(tempfile.mkdtemp(prefix="kvtierd-deploy-test-", dir=HOST_SHM))
+    made.chmod(0o755)  # the containers' users pass through it to their hostPaths
+    try:
+        yield made
+    finally:
+        shutil.rmtree(made, ignore_errors=True)

@@ -3,8 +3,9 @@ Python, which has kvtierd_client and numpy): it talks to the daemon container ov
 socket volume and maps the region through the shared /dev/shm, as a vLLM worker would.
 
     python engine_probe.py store POOL COUNT   # store COUNT blocks, read them back bit-exact
-    python engine_probe.py load POOL COUNT    # the same COUNT blocks must be HITs (promoted
-                                              # from the fs tier if the daemon restarted)
+    python engine_probe.py load POOL COUNT    # the same COUNT blocks must be HITs (after a
+                                              # daemon restart: adopted from the kept region,
+                                              # or promoted from the fs tier)
 
 The bytes of block ``i`` are a function of (pool, i) only, so a later container (or a later
 daemon) can check them without sharing state. Prints one JSON line with what it saw; exits 1
@@ -107,6 +108,7 @@ def store(pool: str, count: int) -> dict[str, object]:
         "uid": os.getuid(),
         "groups": sorted(os.getgroups()),
         "region": session.region.path,
+        "region_inode": int(session.region.st_ino),
         "results": [r.name for r in results],
         "mismatched": mismatched,
         "in_fs_tier": in_fs_tier,
@@ -128,6 +130,8 @@ def load(pool: str, count: int) -> dict[str, object]:
             session.close()
     return {
         "uid": os.getuid(),
+        "region": session.region.path,
+        "region_inode": int(session.region.st_ino),
         "first": [r.name for r in first],
         "results": [r.name for r in results],
         "mismatched": mismatched,

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import yaml
-from container_harness import IMAGE, image_size
+from container_harness import IMAGE, filesystem_type, image_size
 from k8s_render import Pod, prepare_pod
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -50,17 +50,83 @@ def metric_samples(text: str) -> dict[str, float]:
     return samples
 
 
-def check_clean_stop(containers, daemon: str, engine: str, region: str) -> None:
-    """``docker stop`` (SIGTERM): exit 0, the shutdown logged, the region files and the
-    socket removed (seen from the engine, which still shares /dev/shm and the socket)."""
+# What a clean stop leaves in shm_dir with memory.warm_restart on (the default): each pool's
+# region file and its journal, for the next daemon to adopt (README "Warm restart"). Modes as
+# README "Security" documents them: the region 0660 (group: server.socket_group, the
+# daemon's own group 10001 here; no principals are configured), the journal 0600, daemon
+# only; both owned by the daemon's user.
+KVTIERD_UID = 10001
+REGION_MODE = "660"
+JOURNAL_MODE = "600"
+
+
+def shm_listing(containers, container: str, shm_dir: str) -> dict[str, tuple[int, int, str]]:
+    """``{name: (uid, gid, octal mode)}`` of every entry of ``shm_dir`` as ``container``
+    sees it (``stat``, links not followed)."""
+    found = containers.exec(container, "find", shm_dir, "-mindepth", "1", "-maxdepth", "1",
+                            "-printf", "%f %U %G %m %y\n").stdout  # fmt: skip
+    listing = {}
+    for line in found.splitlines():
+        name, uid, gid, mode, kind = line.split()
+        listing[name] = (int(uid), int(gid), mode if kind == "f" else f"{kind}:{mode}")
+    return listing
+
+
+def expected_warm_files(regions: list[str]) -> dict[str, tuple[int, int, str]]:
+    """The files a clean stop keeps for the pools whose region paths are ``regions``."""
+    kept = {}
+    for region in regions:
+        name = os.path.basename(region)
+        assert name.endswith(".region"), region
+        kept[name] = (KVTIERD_UID, int(KVTIERD_GROUP), REGION_MODE)
+        kept[name[: -len(".region")] + ".journal"] = (KVTIERD_UID, int(KVTIERD_GROUP), JOURNAL_MODE)
+    return kept
+
+
+def check_clean_stop(containers, daemon: str, engine: str, regions: list[str]) -> None:
+    """``docker stop`` (SIGTERM): exit 0, the shutdown logged, the sockets removed, and in
+    shm_dir exactly each pool's region file and journal, kept for a warm restart, with the
+    daemon's owner and modes (seen from the engine, which still shares /dev/shm and the
+    socket volume)."""
     assert containers.stop(daemon) == 0, containers.logs(daemon)
     log = containers.logs(daemon)
     assert "shutdown complete" in log, log
-    left = containers.exec(engine, "ls", "-A", os.path.dirname(region)).stdout.split()
-    assert os.path.basename(region) not in left, left
-    assert not [f for f in left if f.startswith("kvtierd")], left
+    shm_dir = os.path.dirname(regions[0])
+    assert shm_listing(containers, engine, shm_dir) == expected_warm_files(regions), log
     sockets = containers.exec(engine, "ls", "-A", "/run/kvtierd").stdout.split()
     assert sockets == [], f"socket files left after shutdown: {sockets}"
+
+
+def labelled(samples: dict[str, float], family: str, **labels: str) -> float:
+    """The one sample of ``family`` whose labels include ``labels``; 0 when the daemon
+    exposes none (a labelled counter never incremented)."""
+    values = []
+    for key, value in samples.items():
+        name, _, rest = key.partition("{")
+        have = dict(pair.split("=", 1) for pair in rest.rstrip("}").split(",") if pair)
+        if name == family and labels.items() <= have.items():
+            values.append(value)
+    assert len(values) <= 1, (family, labels, values)
+    return values[0] if values else 0.0
+
+
+def check_warm_hits(containers, daemon: str, engine: str, pool: str, stored: dict) -> None:
+    """After a daemon restart that kept shm_dir: the blocks the engine stored (``stored``:
+    its store report) are HITs at the first lookup, bit-exact, from the same region file
+    (same inode), adopted by the new daemon and served by the primary tier: no promotion
+    from the fs tier, no cold start."""
+    again = containers.probe(engine, "load", pool, BLOCKS)
+    assert again["first"] == ["HIT"] * BLOCKS and again["mismatched"] == 0, again
+    assert (again["region"], again["region_inode"]) == (stored["region"], stored["region_inode"])
+    samples = metric_samples(containers.scrape(daemon))
+    assert labelled(samples, "kvtierd_warm_adopted_blocks", pool=pool) == BLOCKS, samples
+    assert labelled(samples, "kvtierd_hit_blocks_total", tier="primary", pool=pool) >= BLOCKS
+    assert labelled(samples, "kvtierd_hit_blocks_total", tier="fs", pool=pool) == 0, samples
+    for outcome in ("loaded", "failed"):
+        promoted = labelled(samples, "kvtierd_promoted_blocks_total", tier="fs",
+                            outcome=outcome, pool=pool)  # fmt: skip
+        assert promoted == 0, samples
+    assert "starting cold" not in containers.logs(daemon), containers.logs(daemon)
 
 
 def test_readme_layout(containers, docker):
@@ -106,7 +172,50 @@ def test_readme_layout(containers, docker):
     assert pool_samples[stored % "primary"] == BLOCKS * BLOCK_BYTES, pool_samples
     # the fs tier counts its files' bytes: each block's header too
     assert pool_samples[stored % "fs"] >= BLOCKS * BLOCK_BYTES, pool_samples
-    check_clean_stop(containers, daemon, engine, report["region"])
+    check_clean_stop(containers, daemon, engine, [report["region"]])
+
+
+def test_readme_host_shm_layout(containers, docker, host_tmpfs):
+    """The README's docker layout that keeps the CPU tier across ``docker restart``: the
+    regions in a directory of the host's /dev/shm (2750, 10001:10001) bind-mounted at
+    /dev/shm/kvtierd into the daemon (``memory.shm_dir`` set through the environment) and
+    the engine, no IPC namespace shared. The daemon restarted with ``docker restart``
+    (SIGTERM, clean stop, start): the engine, which kept running, finds its blocks adopted
+    (warm restart), not promoted from the fs tier."""
+    shm = host_tmpfs / "kvtierd"
+    shm.mkdir()
+    os.chown(shm, KVTIERD_UID, int(KVTIERD_GROUP))
+    shm.chmod(0o2750)
+    daemon, engine = f"{containers.prefix}-kvtierd", f"{containers.prefix}-engine"
+    run_volume, state_volume = f"{containers.prefix}-run", f"{containers.prefix}-state"
+    containers.volumes += [run_volume, state_volume]
+    containers.run(
+        "--name", daemon, "--init", "-e", "KVTIERD_MEMORY_SHM_DIR=/dev/shm/kvtierd",
+        "-e", "KVTIERD_MEMORY_BUDGET=512MiB", "-v", f"{shm}:/dev/shm/kvtierd",
+        "-v", f"{run_volume}:/run/kvtierd", "-v", f"{state_volume}:/var/lib/kvtierd",
+        IMAGE,
+    )  # fmt: skip
+    containers.wait_serving(daemon)
+    containers.run(
+        "--name", engine, "--user", ENGINE_USER, "--group-add", KVTIERD_GROUP,
+        "-v", f"{shm}:/dev/shm/kvtierd", "-v", f"{run_volume}:/run/kvtierd",
+        *engine_extras(), "--entrypoint", "sleep", IMAGE, "infinity",
+    )  # fmt: skip
+    report = containers.probe(engine, "store", "hostshm/pool", BLOCKS)
+    assert report["region"].startswith("/dev/shm/kvtierd/"), report
+    assert report["mismatched"] == 0 and report["in_fs_tier"] == BLOCKS, report
+    started = time.monotonic()
+    containers.docker.run("restart", "-t", "60", daemon, timeout=180)
+    containers.wait_serving(daemon)
+    print(
+        f"\nhost shm layout: SERVING again {time.monotonic() - started:.1f} s after docker restart"
+    )
+    assert "shutdown complete" in containers.logs(daemon), containers.logs(daemon)
+    assert shm_listing(containers, engine, "/dev/shm/kvtierd") == expected_warm_files(
+        [report["region"]]
+    )
+    check_warm_hits(containers, daemon, engine, "hostshm/pool", report)
+    check_clean_stop(containers, daemon, engine, [report["region"]])
 
 
 def _engine_args(pod: Pod, image: str) -> list[str]:
@@ -120,8 +229,9 @@ def test_sidecar_manifest(containers, docker, tmp_path):
     """deploy/k8s/sidecar.yaml rendered: kvtierd read-only, all capabilities dropped, as
     10001:10001 with no privilege escalation, its config from the ConfigMap, its probes as
     the healthcheck; the engine as 1000:1000 with fsGroup 10001, sharing the dshm emptyDir
-    (IPC) and the socket emptyDir. Then the daemon restarted on the same state volume: a
-    block stored before is a HIT after (promoted from the fs tier), bit-exact."""
+    (IPC) and the socket emptyDir. Then the daemon container restarted on the same state
+    volume: docker's /dev/shm does not survive it (the kept region is gone), so a block
+    stored before is a HIT after, promoted from the fs tier, bit-exact."""
     pod = prepare_pod(SIDECAR, containers.prefix, tmp_path)
     containers.volumes += pod.named_volumes()
     daemon, engine = pod.container_name("kvtierd"), pod.container_name("engine")
@@ -141,31 +251,41 @@ def test_sidecar_manifest(containers, docker, tmp_path):
     assert report["uid"] == 1000 and 10001 in report["groups"], report
     assert report["mismatched"] == 0 and report["in_fs_tier"] == BLOCKS, report
     assert containers.exec(daemon, "kvtierd-health").returncode == 0
-    check_clean_stop(containers, daemon, engine, report["region"])
+    check_clean_stop(containers, daemon, engine, [report["region"]])
 
-    # the same container again, on the same volumes: the fs tier is warm
+    # The same container started again, on the same volumes. docker gives a container's
+    # own /dev/shm (--ipc=shareable, the dshm emptyDir rendered) a new, empty tmpfs at every
+    # start: the kept region and journal are gone (the engine joined to the old IPC
+    # namespace still sees them: it must be restarted too), so the pool starts cold and
+    # the fs tier, which is on the state volume, serves the blocks.
     containers.docker.run("rm", "-f", "-v", engine)
     containers.docker.run("start", daemon)
     containers.wait_healthy(daemon)
+    assert shm_listing(containers, daemon, "/dev/shm") == {}, containers.logs(daemon)
     containers.run(*_engine_args(pod, IMAGE))
     again = containers.probe(engine, "load", "sidecar/pool", BLOCKS)
     assert "HIT" not in again["first"], again  # a new region: nothing in the CPU tier yet
     assert again["results"] == ["HIT"] * BLOCKS and again["mismatched"] == 0, again
     samples = metric_samples(containers.scrape(daemon))
-    promoted = sum(
-        v for k, v in samples.items()
-        if k.startswith("kvtierd_hit_blocks_total{") and "sidecar/pool" in k and "tier=fs" in k
-    )  # fmt: skip
-    assert promoted == BLOCKS, {k: v for k, v in samples.items() if "sidecar/pool" in k}
+    pool = {"pool": "sidecar/pool"}
+    assert labelled(samples, "kvtierd_warm_adopted_blocks", **pool) == 0, samples
+    assert labelled(samples, "kvtierd_hit_blocks_total", tier="fs", **pool) == BLOCKS, samples
+    promoted = labelled(samples, "kvtierd_promoted_blocks_total", tier="fs", outcome="loaded",
+                        **pool)  # fmt: skip
+    assert promoted == BLOCKS, samples
     assert containers.stop(daemon) == 0, containers.logs(daemon)
 
 
-def test_daemonset_manifest(containers, docker, tmp_path):
+def test_daemonset_manifest(containers, docker, host_tmpfs):
     """deploy/k8s/daemonset.yaml rendered: the prepare-dirs init container (root with
     CHOWN and FOWNER only, read-only) gives the hostPaths to 10001, then kvtierd runs on
     them; an engine pod as the header's snippet shows (same hostPaths, supplementary group
-    10001) stores and loads through region files under /dev/shm/kvtierd."""
-    pod = prepare_pod(DAEMONSET, containers.prefix, tmp_path)
+    10001) stores and loads through region files under /dev/shm/kvtierd. Then the daemon
+    pod replaced: the region files on the node's tmpfs survive, and the blocks are HITs
+    again from the adopted region (warm restart), not promoted from the fs tier."""
+    # the hostPaths live under a directory of this machine's /dev/shm: /dev/shm/kvtierd is
+    # on a tmpfs, as on a node, and the fs tier's few blocks fit there too
+    pod = prepare_pod(DAEMONSET, containers.prefix, host_tmpfs)
     containers.volumes += pod.named_volumes()
     init = pod.container_name("prepare-dirs")
     init_args = pod.run_args("prepare-dirs", IMAGE)
@@ -180,7 +300,8 @@ def test_daemonset_manifest(containers, docker, tmp_path):
     daemon = pod.container_name("kvtierd")
     containers.run(*pod.run_args("kvtierd", IMAGE, extra_env={"KVTIERD_MEMORY_BUDGET": "1GiB"}))
     containers.wait_healthy(daemon)
-    engine_pod = Pod(daemonset_engine_spec(), containers.prefix + "-engine-pod", tmp_path)
+    assert filesystem_type(pod.host_path("/dev/shm/kvtierd")) == "tmpfs"
+    engine_pod = Pod(daemonset_engine_spec(), containers.prefix + "-engine-pod", host_tmpfs)
     engine = engine_pod.container_name("engine")
     containers.run(
         *engine_extras(),
@@ -189,7 +310,25 @@ def test_daemonset_manifest(containers, docker, tmp_path):
     report = containers.probe(engine, "store", "daemonset/pool", BLOCKS)
     assert report["region"].startswith("/dev/shm/kvtierd/"), report
     assert report["mismatched"] == 0 and report["in_fs_tier"] == BLOCKS, report
-    check_clean_stop(containers, daemon, engine, report["region"])
+    check_clean_stop(containers, daemon, engine, [report["region"]])
+    kept = shm_listing(containers, engine, "/dev/shm/kvtierd")
+
+    # The daemon pod replaced (prepare-dirs again, a new daemon container on the same
+    # hostPaths; the engine pod keeps running): /dev/shm/kvtierd is a directory of the
+    # node's tmpfs, so the region and its journal are still there and the new daemon
+    # adopts the pool when the engine reopens it. The blocks are HITs at the first lookup,
+    # bit-exact, from the same region file (same inode), served by the primary tier:
+    # nothing promoted from the fs tier.
+    containers.docker.run("rm", "-f", "-v", daemon)
+    containers.names.remove(daemon)
+    containers.docker.run("rm", "-f", init)  # a new pod runs its init container again
+    done = containers.docker.run("run", *init_args, check=False, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    containers.run(*pod.run_args("kvtierd", IMAGE, extra_env={"KVTIERD_MEMORY_BUDGET": "1GiB"}))
+    containers.wait_healthy(daemon)
+    assert shm_listing(containers, engine, "/dev/shm/kvtierd") == kept  # pools open lazily
+    check_warm_hits(containers, daemon, engine, "daemonset/pool", report)
+    check_clean_stop(containers, daemon, engine, [report["region"]])
 
 
 def daemonset_engine_spec() -> dict:

@@ -462,3 +462,26 @@ def test_readme_docker_run_lines_are_the_ones_tests_deploy_runs():
     for option in ('"--init"', '"--ipc=shareable"', '"--group-add", KVTIERD_GROUP',
                    'f"--ipc=container:{daemon}"'):  # fmt: skip
         assert option in test, option
+
+
+def test_readme_host_shm_lines_are_the_ones_tests_deploy_runs():
+    """tests/deploy/test_containers.py::test_readme_host_shm_layout runs the README's second
+    `docker run` pair (the regions on the host's /dev/shm, kept across `docker restart`):
+    the options it relies on are the README's."""
+    readme = (REPO / "README.md").read_text()
+    deploying = readme.split("## Deploying", 1)[1].split("\n## ", 1)[0]
+    block = deploying.split("```sh", 2)[2].split("```", 1)[0].replace("\\\n", " ")
+    assert "install -d -m 2750 -o 10001 -g 10001 /dev/shm/kvtierd" in block
+    daemon_line, engine_line = [line for line in block.splitlines() if "docker run" in line]
+    for option in ("--init", "-e KVTIERD_MEMORY_SHM_DIR=/dev/shm/kvtierd",
+                   "-v /dev/shm/kvtierd:/dev/shm/kvtierd", "-v kvtierd-run:/run/kvtierd",
+                   "-v kvtierd-state:/var/lib/kvtierd"):  # fmt: skip
+        assert option in daemon_line, option
+    assert "--ipc" not in daemon_line + engine_line  # the files are shared, not the namespace
+    for option in ("--group-add 10001", "-v /dev/shm/kvtierd:/dev/shm/kvtierd",
+                   "-v kvtierd-run:/run/kvtierd"):  # fmt: skip
+        assert option in engine_line, option
+    test = (REPO / "tests" / "deploy" / "test_containers.py").read_text()
+    for option in ('"KVTIERD_MEMORY_SHM_DIR=/dev/shm/kvtierd"', 'f"{shm}:/dev/shm/kvtierd"',
+                   "shm.chmod(0o2750)", '"restart"'):  # fmt: skip
+        assert option in test, option
