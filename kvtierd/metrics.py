@@ -226,6 +226,18 @@ POOL_FAMILIES: tuple[Family, ...] = (
            "queued_jobs"),
     Family("kvtierd_queue_bytes", GAUGE, "Cascade bytes queued on the tier's I/O threads",
            "queued_bytes"),
+    Family("kvtierd_remote_nodes", GAUGE,
+           "Remote tier: masters known and reachable at the last health check (0: no server)",
+           {"known": "nodes_known", "reachable": "nodes_reachable"}, by="state"),
+    Family("kvtierd_remote_round_trip_microseconds", GAUGE,
+           "Remote tier: running average of small-command round trips (probes, PINGs)",
+           "round_trip_us"),
+    Family("kvtierd_remote_server_bytes", GAUGE,
+           "Remote tier: the server's maxmemory (capacity; 0 unbounded) and used_memory, "
+           "summed over masters", {"capacity": "server_capacity_bytes",
+                                   "used": "server_used_bytes"}, by="kind"),
+    Family("kvtierd_remote_probe_failures", COUNTER,
+           "Remote tier: presence probes (per node) that failed", "probe_failures"),
 )  # fmt: skip
 
 
