@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
 START_TIMEOUT_S = 10.0
 REDIS_SERVER = shutil.which("redis-server")
@@ -234,6 +235,27 @@ class RedisClusterNodes:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"cluster not ok on port {pending[0].port}: {info!r}")
             time.sleep(0.05)
+
+    def move_slot(self, slot: int, source: RedisServer, target: RedisServer) -> None:
+        """Reshards ``slot`` from ``source`` to ``target`` as ``redis-cli --cluster
+        reshard`` does (IMPORTING / MIGRATING, MIGRATE its keys, SETSLOT NODE on every
+        node): clients with the old slot map get MOVED from then on."""
+        src, dst = redis.Redis(port=source.port), redis.Redis(port=target.port)
+        try:
+            src_id, dst_id = (
+                src.execute_command("CLUSTER MYID"),
+                dst.execute_command("CLUSTER MYID"),
+            )
+            dst.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
+            src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
+            while keys := src.execute_command("CLUSTER GETKEYSINSLOT", slot, 100):
+                src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *keys)
+            for node in self.nodes:
+                with redis.Redis(port=node.port) as each:
+                    each.execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
+        finally:
+            src.close()
+            dst.close()
 
     def close(self) -> None:
         for node in self.nodes:

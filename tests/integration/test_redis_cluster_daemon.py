@@ -76,6 +76,37 @@ def test_a_block_stored_through_one_daemon_is_served_by_another_via_the_cluster(
     client.close()
 
 
+def test_a_resharded_slot_is_followed_moved_answers_never_fail_a_key(
+    redis_cluster_factory: Callable[..., RedisClusterNodes],
+    daemons: Callable[[str], DaemonProcess],
+    key_prefix: str,
+    pool_name,
+):
+    cluster = redis_cluster_factory()
+    config = cluster_config(cluster.urls, key_prefix)
+    node_a, node_b = daemons(config), daemons(config)
+    client = RedisCluster.from_url(cluster.urls[0])
+    writer = Engine(node_a, pool_name, num_blocks=16)
+    reader = Engine(node_b, pool_name, num_blocks=16)  # its slot map: read before the move
+    keys = block_keys("moved", 6)
+    writer.store(keys)
+    writer.settle_cascades()
+    assert writer.client.flush_pool(pool_name) == 6
+    name = redis_key(key_prefix, pool_name, keys[0])
+    source = node_of(cluster, client, name)
+    target = next(node for node in cluster.nodes if node is not source)
+    cluster.move_slot(client.keyslot(name), source, target)
+
+    for engine in (writer, reader):  # a held key's GET, an unknown key's EXISTS: MOVED
+        promoted(engine, keys)
+        assert engine.load(keys) == [payload(k) for k in keys]
+        stats = engine.tier_stats()
+        assert stats.promotion_failures == 0 and stats.probe_failures == 0
+    for engine in (writer, reader):
+        engine.close()
+    client.close()
+
+
 def test_a_killed_node_costs_its_keys_only_and_the_tier_recovers_when_it_returns(
     redis_cluster_factory: Callable[..., RedisClusterNodes],
     daemons: Callable[[str], DaemonProcess],
