@@ -15,6 +15,7 @@ from daemon_harness import DaemonProcess, eventually
 from redis.cluster import RedisCluster
 from redis_harness import RedisClusterNodes, RedisServer
 from test_fs_tier_daemon import HIT, MISS, Engine, block_keys, payload
+from test_kvtierctl import ctl
 from test_redis_tier_daemon import VALUE_BYTES, promoted, redis_key
 
 daemons = standalone.daemons  # the fixtures, shared with the standalone server's tests
@@ -71,6 +72,12 @@ def test_a_block_stored_through_one_daemon_is_served_by_another_via_the_cluster(
     assert stats.server_capacity_bytes == 0  # no maxmemory: unbounded
     assert stats.server_used_bytes > 0 and stats.round_trip_us > 0
     assert "redis tier: cluster server at" in node_b.log()
+    table = ctl(node_b.address, "stats", "--pool", pool_name).stdout.splitlines()
+    remote = table[table.index("") + 1 :]  # the remote servers' table, under the tiers'
+    assert remote[0].split()[:4] == ["pool", "remote", "tier", "nodes"]
+    assert remote[1].split()[1:3] == ["redis", "3/3"] and "unbounded" in remote[1]
+    explained = ctl(node_b.address, "explain", pool_name, keys[0].decode()).stdout
+    assert "  redis: present (3/3 nodes up, round trip " in explained
     for engine in (writer, reader):
         engine.close()
     client.close()
@@ -147,6 +154,9 @@ def test_a_killed_node_costs_its_keys_only_and_the_tier_recovers_when_it_returns
     )
     stats = engine.tier_stats()
     assert stats.nodes_known == 3 and stats.promotion_failures >= len(lost)
+    explained = ctl(daemon.address, "explain", pool_name, lost[0].decode()).stdout
+    # held as far as the tier knows (its node did not say otherwise), and the node is down
+    assert "  redis: present (2/3 nodes up" in explained, explained
     during = block_keys("during", 12)
     engine.store(during)  # the primary takes them; cascades to the dead node fail, counted
     engine.settle_cascades()
