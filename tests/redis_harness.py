@@ -158,7 +158,7 @@ REDIS_CLI = shutil.which("redis-cli")
 
 
 class RedisClusterNodes:
-    """A Redis Cluster of ``masters`` masters (no replicas) on free loopback ports,
+    """A Redis Cluster of ``masters`` masters (``replicas`` replicas each) on free loopback ports,
     each node a :class:`RedisServer` in its own temp dir (its ``nodes.conf`` there,
     so a node killed and started again on its port rejoins with its slots).
 
@@ -168,12 +168,12 @@ class RedisClusterNodes:
     :meth:`close` stops every node (the fixtures call it, also on failure).
     """
 
-    def __init__(self, masters: int = 3, *extra: str) -> None:
+    def __init__(self, masters: int = 3, *extra: str, replicas: int = 0) -> None:
         if REDIS_SERVER is None or REDIS_CLI is None:
             pytest.skip(SKIP_REASON)
         self.nodes: list[RedisServer] = []
         try:
-            for _ in range(masters):
+            for _ in range(masters * (1 + replicas)):
                 self.nodes.append(
                     RedisServer(
                         "--cluster-enabled",
@@ -192,12 +192,14 @@ class RedisClusterNodes:
             assert REDIS_CLI is not None
             created = subprocess.run(
                 [REDIS_CLI, "--cluster", "create", *addresses,
-                 "--cluster-replicas", "0", "--cluster-yes"],
+                 "--cluster-replicas", str(replicas), "--cluster-yes"],
                 capture_output=True, timeout=60, check=False,
             )  # fmt: skip
             if created.returncode != 0:
                 raise RuntimeError(f"redis-cli --cluster create failed: {created.stdout!r}")
             self.wait_ok()
+            if replicas:
+                self.wait_replicas_synced()
         except BaseException:
             self.close()
             raise
@@ -235,6 +237,20 @@ class RedisClusterNodes:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"cluster not ok on port {pending[0].port}: {info!r}")
             time.sleep(0.05)
+
+    def wait_replicas_synced(self) -> None:
+        """Until every replica's link to its master is up (its first sync done): a
+        replica that never synced is not elected when its master fails."""
+        deadline = time.monotonic() + CLUSTER_OK_TIMEOUT_S
+        for node in self.nodes:
+            with redis.Redis(port=node.port) as client:
+                while True:
+                    info = client.info("replication")
+                    if info.get("role") != "slave" or info.get("master_link_status") == "up":
+                        break
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"replica on port {node.port} never synced: {info}")
+                    time.sleep(0.05)
 
     def move_slot(self, slot: int, source: RedisServer, target: RedisServer) -> None:
         """Reshards ``slot`` from ``source`` to ``target`` as ``redis-cli --cluster
@@ -277,8 +293,8 @@ def redis_cluster_factory() -> Iterator[Callable[..., RedisClusterNodes]]:
     """Clusters of the test's own (to kill nodes of, to configure): all stopped afterwards."""
     clusters: list[RedisClusterNodes] = []
 
-    def make(masters: int = 3, *extra: str) -> RedisClusterNodes:
-        cluster = RedisClusterNodes(masters, *extra)
+    def make(masters: int = 3, *extra: str, replicas: int = 0) -> RedisClusterNodes:
+        cluster = RedisClusterNodes(masters, *extra, replicas=replicas)
         clusters.append(cluster)
         return cluster
 

@@ -185,6 +185,47 @@ def test_a_killed_node_costs_its_keys_only_and_the_tier_recovers_when_it_returns
     client.close()
 
 
+def test_a_failover_is_found_by_the_topology_refresh(
+    redis_cluster_factory: Callable[..., RedisClusterNodes],
+    daemons: Callable[[str], DaemonProcess],
+    key_prefix: str,
+    pool_name,
+):
+    cluster = redis_cluster_factory(3, replicas=1)
+    daemon = daemons(cluster_config(cluster.urls, key_prefix))
+    client = RedisCluster.from_url(cluster.urls[0])
+    engine = Engine(daemon, pool_name, num_blocks=16)
+    before = block_keys("failover", 6)
+    engine.store(before)
+    engine.settle_cascades()
+    assert engine.tier_stats().cascade_failures == 0
+    master = node_of(cluster, client, redis_key(key_prefix, pool_name, before[0]))
+    candidates = iter(  # keys of the slots the failed master served
+        k for k in block_keys("on-failed-slots", 3000)
+        if node_of(cluster, client, redis_key(key_prefix, pool_name, k)) is master
+    )  # fmt: skip
+    master.kill()  # its replica is promoted after cluster-node-timeout and an election
+    survivors = [node for node in cluster.nodes if node is not master]
+    cluster.wait_ok(survivors)
+    client.close()
+
+    def new_master_serves() -> bool:  # the tier re-read the topology: stores reach it again
+        keys = [next(candidates), next(candidates)]
+        failures = engine.tier_stats().cascade_failures
+        engine.store(keys, retry_for=5.0)
+        engine.settle_cascades()
+        engine.client.flush_pool(pool_name)
+        return engine.tier_stats().cascade_failures == failures
+
+    eventually(new_master_serves, 30.0, lambda: daemon.log()[-3000:])
+    assert engine.client.flush_pool(pool_name) >= 0
+    results = engine.wait_settled(before)  # replicated before the kill, or lost: never wrong
+    hits = [k for k, r in zip(before, results, strict=True) if r == HIT]
+    assert engine.load(hits) == [payload(k) for k in hits]
+    assert daemon.alive()
+    engine.close()
+
+
 def test_a_cluster_at_maxmemory_with_allkeys_lru_evicts_and_never_serves_wrong_bytes(
     redis_cluster_factory: Callable[..., RedisClusterNodes],
     daemons: Callable[[str], DaemonProcess],
