@@ -60,6 +60,12 @@ SECONDARY = {
     "promotion_no_room": ("kvtierd_promotion_no_room_total", {}),
     "checksum_failures": ("kvtierd_checksum_failures_total", {}),
     "queued_bytes": ("kvtierd_queue_bytes", {}),
+    "nodes_known": ("kvtierd_remote_nodes", {"state": "known"}),
+    "nodes_reachable": ("kvtierd_remote_nodes", {"state": "reachable"}),
+    "round_trip_us": ("kvtierd_remote_round_trip_microseconds", {}),
+    "server_capacity_bytes": ("kvtierd_remote_server_bytes", {"kind": "capacity"}),
+    "server_used_bytes": ("kvtierd_remote_server_bytes", {"kind": "used"}),
+    "probe_failures": ("kvtierd_remote_probe_failures_total", {}),
 }
 NUMERIC_FIELDS = [
     f.name for f in pb2.TierStats.DESCRIPTOR.fields if f.name not in ("tier", "medium", "ready")
