@@ -10,7 +10,8 @@ verify for the key and pool it was read under is a MISS: deleted, counted in
 
 The event loop never waits on Redis. Every Redis call runs on the I/O threads
 of an :class:`~kvtierd.tiers.fs.iopool.IoPool` (shared by the pools of one
-configured tier) and reports through ``loop.call_soon_threadsafe``:
+configured tier), in :mod:`.blockio`, and reports through
+``loop.call_soon_threadsafe``; this module is the loop's side:
 
 * stores: one ``SET key value NX [PX ttl]`` per block, the value sent from the
   row itself (redis-py writes a large memoryview to the socket without joining
@@ -55,14 +56,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
-import xxhash
-from redis.exceptions import AskError
 
 from kvtierd.contract import BlockKey, LookupResult, Medium
 from kvtierd.ratelimit import RateLimitedLog
 from kvtierd.tiers.base import JobCallback, JobResult, SecondaryTier, TierJob, TierStats
 from kvtierd.tiers.fs import fsformat
 from kvtierd.tiers.fs.iopool import IoPool, Outcome
+from kvtierd.tiers.redis.blockio import WRITTEN, BlockCorrupt, BlockMissing, RedisBlockIO
 from kvtierd.tiers.redis.link import RedisLink, ServerHealth
 
 log = logging.getLogger("kvtierd.tiers.redis")
@@ -85,17 +85,6 @@ _COUNTERS = (
     "dropped_writes",
     "probe_failures",
 )
-
-# what a block's store or load did (the value of an I/O task's per-block outcome)
-WRITTEN, PRESENT, LOADED = "written", "present", "loaded"
-
-
-class BlockMissing(Exception):
-    """The server holds no value under the block's key."""
-
-
-class BlockCorrupt(Exception):
-    """The value under the block's key does not verify; it was deleted."""
 
 
 class RedisTier(SecondaryTier):
@@ -133,14 +122,16 @@ class RedisTier(SecondaryTier):
         self.fingerprint = self.identity.fingerprint
         self.key_space = f"{key_prefix}:{self.fingerprint.hex()}:".encode()
         self._link = link
-        self._region = region
-        self._num_rows = len(region) // block_bytes
         self._on_done = on_done
         self._loop = loop
         self._io = io_pool
         self._ttl_ms = int(ttl_s * 1000) or None
         self._presence_ttl_s = presence_ttl_s
         self._faults = faults or RateLimitedLog(log, FAULT_LOG_INTERVAL_S)
+        # the I/O threads' side: the rows of running jobs and the link, nothing else
+        self._blocks = RedisBlockIO(
+            link, self.key_space, self.identity, region, self._ttl_ms, self._faults, name
+        )
         # Invariant: _held holds the keys this instance stored (or loaded) and not
         # dropped since, least recently used first; len * value_bytes is used_bytes.
         # each with the monotonic time its value expires on the server (inf without ttl)
@@ -154,7 +145,8 @@ class RedisTier(SecondaryTier):
         self._removals: OrderedDict[BlockKey, tuple[float, str]] = OrderedDict()
         self._ready: asyncio.Future[None] | None = None
         self._closed = False
-        self._health = ServerHealth()  # the server as last seen (on_health), loop-owned
+        # the server as last seen: set by prepare (before launch), then on the loop
+        self._health = ServerHealth()
         self._reprobe_held = False  # the server evicted keys: probe the held ones again
 
     def prepare(self) -> None:
@@ -269,8 +261,11 @@ class RedisTier(SecondaryTier):
         for key in keys:
             del self._probe_wanted[key]
         self._probing = True
-        task = functools.partial(self._exists, [self._redis_key(k) for k in keys])
-        self._io.submit_read([task], lambda outcomes: self._probe_done(keys, outcomes[0]))
+        # only a key held when the probe left may be dropped by its answer: one stored
+        # meanwhile was absent when asked and present now
+        held = {key for key in keys if key in self._held}
+        task = functools.partial(self._blocks.exists, [self._blocks.redis_key(k) for k in keys])
+        self._io.submit_read([task], lambda outcomes: self._probe_done(keys, held, outcomes[0]))
 
     def _queue_held_for_probe(self) -> None:
         """Queues held keys for a probe, least recently used first, within the cap;
@@ -284,7 +279,7 @@ class RedisTier(SecondaryTier):
                 room -= 1
         self._reprobe_held = False
 
-    def _probe_done(self, keys: list[BlockKey], outcome: Outcome) -> None:
+    def _probe_done(self, keys: list[BlockKey], held: set[BlockKey], outcome: Outcome) -> None:
         self._probing = False
         if not outcome.ok:  # the probe could not run (no client, tier shut down)
             self._counters["probe_failures"] += 1
@@ -295,7 +290,7 @@ class RedisTier(SecondaryTier):
         for key, present in zip(keys, answers, strict=True):
             if present is None:
                 continue  # its node failed: unknown, asked again at its next lookup
-            if not present and key in self._held and not self._writing[key]:
+            if not present and key in held and key in self._held and not self._writing[key]:
                 self._drop(key, "evicted by the server (a probe found it gone)")
             elif key not in self._held:
                 self._presence[key] = (present, until)
@@ -337,7 +332,7 @@ class RedisTier(SecondaryTier):
         pairs = list(zip(job.keys, job.block_ids, strict=True))
         # held or being written by another job: succeeds without a rewrite
         to_write = [(k, r) for k, r in pairs if k not in self._held and not self._writing[k]]
-        tasks, sizes = self._tasks(to_write, self._store_group)
+        tasks, sizes = self._tasks(to_write, self._blocks.store_group)
         start = time.perf_counter()
         accepted = self._io.submit_write(
             tasks,
@@ -354,7 +349,7 @@ class RedisTier(SecondaryTier):
     def submit_load(self, job: TierJob) -> None:
         self._require_open()
         pairs = list(zip(job.keys, job.block_ids, strict=True))
-        tasks, sizes = self._tasks(pairs, self._load_group)
+        tasks, sizes = self._tasks(pairs, self._blocks.load_group)
         start = time.perf_counter()
         self._io.submit_read(
             tasks, lambda outcomes: self._load_done(job, _flatten(outcomes, sizes), start)
@@ -521,7 +516,9 @@ class RedisTier(SecondaryTier):
             self._dropped.append(victim)
             self._remember(victim, "evicted: least recently used at capacity")
         if victims and not self._closed:
-            task = functools.partial(self._delete, [self._redis_key(k) for k in victims])
+            task = functools.partial(
+                self._blocks.delete, [self._blocks.redis_key(k) for k in victims]
+            )
             self._io.submit_read([task], self._delete_done)
 
     def _delete_done(self, outcomes: list[Outcome]) -> None:
@@ -538,126 +535,11 @@ class RedisTier(SecondaryTier):
         else:
             log.debug("redis tier %s: %s failed: %s", self.name, kind, error)
 
-    # -- I/O threads ---------------------------------------------------------------------
-
-    def _redis_key(self, key: BlockKey) -> bytes:
-        return self.key_space + key
-
-    def _store_group(self, pairs: list[tuple[BlockKey, int]]) -> list[Outcome]:
-        outcomes = []
-        for key, row in pairs:
-            started = time.perf_counter()
-            try:
-                value = self._store_one(key, row)
-            except Exception as exc:
-                outcomes.append(Outcome(error=exc, seconds=time.perf_counter() - started))
-            else:
-                outcomes.append(Outcome(value=value, seconds=time.perf_counter() - started))
-        return outcomes
-
-    def _store_one(self, key: BlockKey, row: int) -> str:
-        payload = self._row(row)
-        header = fsformat.encode_header(
-            key=key,
-            fingerprint=self.fingerprint,
-            payload_length=self.block_bytes,
-            payload_checksum=fsformat.payload_checksum(payload),
-        )
-        # header and row go out as separate buffers of one SET: the row is never copied
-        args: list[bytes] = [b"NX"]
-        if self._ttl_ms:
-            args += [b"PX", str(self._ttl_ms).encode()]
-        redis_key = self._redis_key(key)
-        chunks = _resp_set(redis_key, header, payload, args)
-        written = self._link.store_value(redis_key, chunks, lambda: header + bytes(payload), args)
-        return WRITTEN if written else PRESENT
-
-    def _load_group(self, pairs: list[tuple[BlockKey, int]]) -> list[Outcome]:
-        outcomes = []
-        for key, row in pairs:
-            started = time.perf_counter()
-            try:
-                self._load_one(key, row)
-            except Exception as exc:
-                outcomes.append(Outcome(error=exc, seconds=time.perf_counter() - started))
-            else:
-                outcomes.append(Outcome(value=LOADED, seconds=time.perf_counter() - started))
-        return outcomes
-
-    def _load_one(self, key: BlockKey, row: int) -> None:
-        redis_key = self._redis_key(key)
-        value = self._link.get(redis_key)
-        if value is None:
-            raise BlockMissing(key.hex())
-        if not isinstance(value, bytes):  # the client decodes nothing: never a str
-            raise TypeError(f"GET answered {type(value).__name__}")
-        try:
-            self._verify(key, value)
-        except fsformat.CorruptBlock as exc:
-            self._delete_if_same(redis_key, value)
-            raise BlockCorrupt(exc.reason) from None
-        self._row(row)[:] = memoryview(value)[fsformat.HEADER_SIZE :]
-
-    def _verify(self, key: BlockKey, value: bytes) -> None:
-        if len(value) != self.value_bytes:
-            raise fsformat.CorruptBlock(f"value of {len(value)} bytes, expected {self.value_bytes}")
-        header = fsformat.decode_header(value)
-        fsformat.verify_header(
-            header, key=key, fingerprint=self.fingerprint, block_bytes=self.block_bytes
-        )
-        if header.payload_checksum != xxhash.xxh3_64_intdigest(
-            memoryview(value)[fsformat.HEADER_SIZE :]
-        ):
-            raise fsformat.CorruptBlock("payload checksum mismatch")
-
-    def _delete_if_same(self, redis_key: bytes, value: bytes) -> None:
-        """Deletes a bad value unless another writer replaced it meanwhile
-        (WATCH/MULTI: a good value another daemon just wrote stays)."""
-        try:
-            with self._link.node_client(redis_key).pipeline(transaction=True) as pipe:
-                pipe.watch(redis_key)
-                if pipe.get(redis_key) != value:
-                    return
-                pipe.multi()
-                pipe.delete(redis_key)
-                pipe.execute()
-        except (redis.WatchError, AskError):
-            pass  # replaced meanwhile, or moved to another node (deleted at its next read)
-        except redis.RedisError as exc:
-            self._faults.warning(
-                ("delete", self.name), "redis tier %s: delete failed: %s", self.name, exc
-            )
-
-    def _delete(self, redis_keys: list[bytes]) -> int:
-        """One DEL per key, pipelined per node (a multi-key DEL would be CROSSSLOT)."""
-        replies, _ = self._link.per_node("DEL", redis_keys)
-        for reply in replies:
-            if isinstance(reply, BaseException):
-                raise reply
-        return sum(int(r) for r in replies)
-
     # -- small helpers -------------------------------------------------------------------
 
     def _require_open(self) -> None:
         if self._ready is None:
             raise RuntimeError(f"redis tier {self.name} was not launched")
-
-    def _row(self, block_id: int) -> memoryview:
-        if not 0 <= block_id < self._num_rows:
-            raise IndexError(f"row {block_id} outside the region ({self._num_rows} rows)")
-        return self._region[block_id * self.block_bytes : (block_id + 1) * self.block_bytes]
-
-
-def _resp_set(
-    redis_key: bytes, header: bytes, payload: memoryview, args: list[bytes]
-) -> list[bytes | memoryview]:
-    """``SET redis_key header+payload *args`` as RESP chunks, the payload unjoined."""
-    parts = [b"SET", redis_key]
-    head = [b"*%d\r\n" % (len(parts) + 1 + len(args))]
-    head += [b"$%d\r\n%s\r\n" % (len(p), p) for p in parts]
-    head.append(b"$%d\r\n" % (len(header) + len(payload)))
-    tail = [b"\r\n"] + [b"$%d\r\n%s\r\n" % (len(a), a) for a in args]
-    return [b"".join(head) + header, payload, b"".join(tail)]
 
 
 def _flatten(outcomes: list[Outcome], sizes: list[int]) -> list[Outcome]:
