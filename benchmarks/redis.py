@@ -18,7 +18,12 @@ test-tools`` installs it as root with apt) the suite prints a skip row.
   (redis-py's default when hiredis is installed: it copies the value into one
   buffer) and by redis-py's Python packer (the value sent as its own buffer, as
   the tier sends its row); the floor is the fastest variant. Best of REPEATS
-  for tier and floor alike.
+  for tier and floor alike, the floors' rounds run between the tier's passes
+  (on a machine shared with other work, a busy spell then hits both).
+* client library: valkey-glide's sync client (``valkey-glide-sync``, when
+  installed) ``SET`` / ``GET`` of the same values from 1 and THREADS threads
+  (one client: it multiplexes one connection per node), in the same rounds,
+  against the redis-py floor.
 * remote lookup: a second daemon, same server and key prefix, whose tier knows
   nothing of the keys the first stored. One key at a time: the first Lookup
   (MISS, queues the batched EXISTS probe), then Lookups every POLL_S until HIT
@@ -31,13 +36,16 @@ test-tools`` installs it as root with apt) the suite prints a skip row.
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import redis
@@ -143,6 +151,44 @@ def floor_pass(
     return out
 
 
+# -- valkey-glide, the other client library ---------------------------------------------
+
+
+def _glide() -> Any:
+    """The ``glide_sync`` module (``pip install valkey-glide-sync``), None without it."""
+    try:
+        return importlib.import_module("glide_sync")
+    except ImportError:
+        return None
+
+
+def glide_pass(
+    glide: Any, server: _Server, values: list[bytes], tag: str, threads: int
+) -> dict[str, float]:
+    """Seconds for valkey-glide's sync client (one client: it multiplexes its one
+    connection per node) called from ``threads`` threads to SET then GET every value."""
+    config = glide.GlideClientConfiguration(
+        [glide.NodeAddress("127.0.0.1", server.port)], request_timeout=30_000
+    )
+    client = glide.GlideClient.create(config)
+    keys = [f"glide:{tag}:{i:06d}".encode() for i in range(len(values))]
+    out: dict[str, float] = {}
+    try:
+        with ThreadPoolExecutor(threads) as executor:
+            t0 = time.perf_counter()
+            list(executor.map(lambda i: client.set(keys[i], values[i]), range(len(values))))
+            out["store"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            got = list(executor.map(client.get, keys))
+            out["promotion"] = time.perf_counter() - t0
+        if any(g is None or len(g) != VALUE_BYTES for g in got):
+            raise RuntimeError("redis bench: a glide GET came back short")
+        client.delete(keys)
+    finally:
+        client.close()
+    return out
+
+
 # -- the tier through a daemon ------------------------------------------------------------
 
 
@@ -166,8 +212,10 @@ def _release(session, keys: list[bytes]) -> None:  # noqa: ANN001
         session.complete_load(batch, unused=True)
 
 
-def tier_run(config: str) -> tuple[dict[str, float], list[bytes]]:
-    """Best seconds of REPEATS store + promotion passes; the keys of the last pass."""
+def tier_run(config: str, between: Callable[[int], None]) -> tuple[dict[str, float], list[bytes]]:
+    """Best seconds of REPEATS store + promotion passes; the keys of the last pass.
+    ``between(r)`` runs after pass ``r`` (untimed here: the floors' passes, so that
+    tier and floors take turns on a machine whose load changes)."""
     out: dict[str, float] = {}
     keys: list[bytes] = []
     with BenchDaemon("--config", config, "--memory-budget", "1GiB") as daemon:
@@ -210,6 +258,7 @@ def tier_run(config: str) -> tuple[dict[str, float], list[bytes]]:
                 raise RuntimeError("redis bench: a promoted key does not answer HIT")
             out["promotion"] = min(out.get("promotion", promotion), promotion)
             _release(session, keys)
+            between(r)
         stats = _tier_stats(client)
         if stats.promotion_failures or stats.checksum_failures:
             raise RuntimeError(f"redis bench: promotions failed: {stats}")
@@ -281,16 +330,29 @@ def run() -> list[Row]:
             value[HEADER_SIZE : HEADER_SIZE + 8] = np.frombuffer(i.to_bytes(8, "little"), np.uint8)
             values.append(value.tobytes())
         floor: dict[str, tuple[float, str]] = {}  # phase -> (best seconds, which floor)
-        for r in range(REPEATS):
+        glide = _glide()
+        glide_best: dict[str, tuple[float, str]] = {}
+
+        def floors(r: int) -> None:  # one round of every floor, between two tier passes
             for threads in FLOOR_THREADS:
+                plural = "s" if threads > 1 else ""
                 for packer in FLOOR_PACKERS:
                     tag = f"{r}-{threads}-{packer}"
-                    which = f"x{threads} thread{'s' if threads > 1 else ''}, {packer} packer"
+                    which = f"x{threads} thread{plural}, {packer} packer"
                     for phase, seconds in floor_pass(server, values, tag, threads, packer).items():
                         floor[phase] = min(floor.get(phase, (seconds, which)), (seconds, which))
-        del values
+                if glide is None:
+                    continue
+                which = f"x{threads} thread{plural}"
+                for phase, seconds in glide_pass(
+                    glide, server, values, f"{r}-{threads}", threads
+                ).items():
+                    glide_best[phase] = min(
+                        glide_best.get(phase, (seconds, which)), (seconds, which)
+                    )
+
         config = _config(work, server.url, "kvtb")
-        tier, keys = tier_run(config)
+        tier, keys = tier_run(config, floors)
         remote = remote_lookups(config, keys)
         first, until_hit, primary = remote["first"], remote["hit"], remote["primary"]
 
@@ -303,6 +365,18 @@ def run() -> list[Row]:
             rows.append(Row(GROUP, f"{name}, {BLOCKS} blocks, {THREADS} threads", gbs, "GB/s",
                             f"{floor_name} {which} {floor_gbs:.2f} GB/s",
                             gbs / floor_gbs, TARGET))  # fmt: skip
+        cgroup = "client library (2 MiB values, same server)"
+        if glide is None:
+            rows.append(Row(cgroup, "valkey-glide-sync not installed: skipped", 0.0, ""))
+        for phase, command in (("store", "SET"), ("promotion", "GET")):
+            if glide is None:
+                break
+            seconds, which = glide_best[phase]
+            floor_s, floor_which = floor[phase]
+            gbs, floor_gbs = _gbs(payload, seconds), _gbs(payload, floor_s)
+            rows.append(Row(cgroup, f"valkey-glide-sync {command}, {which}", gbs, "GB/s",
+                            f"redis-py {command} {floor_which} {floor_gbs:.2f} GB/s",
+                            gbs / floor_gbs, ""))  # fmt: skip
         lgroup = "redis tier, Lookup reaching the remote tier"
         p50_first, p50_primary = percentile(first, 0.5), percentile(primary, 0.5)
         rows.append(Row(lgroup, "first Lookup of a key only redis holds, RPC p50",

@@ -161,6 +161,42 @@ STATS_COLUMNS: tuple[tuple[str, Callable[[Any, Any], str]], ...] = (
     ("rechecks", lambda p, t: str(t.shared_rechecks) if t.tier != "primary" else "-"),
 )
 
+# A remote (redis) tier's server, one row per pool and remote tier, under the table
+# (GetStats TierStats 29-34, the metrics' kvtierd_remote_*).
+REMOTE_COLUMNS: tuple[tuple[str, Callable[[Any, Any], str]], ...] = (
+    ("pool", lambda p, t: p.name),
+    ("remote tier", lambda p, t: t.tier),
+    ("nodes up", lambda p, t: f"{t.nodes_reachable}/{t.nodes_known}"),
+    ("round trip", lambda p, t: f"{t.round_trip_us} us" if t.round_trip_us else "-"),
+    ("server used", lambda p, t: _human_bytes(t.server_used_bytes)),
+    ("server capacity", lambda p, t: _server_capacity(t)),
+    ("probe failures", lambda p, t: str(t.probe_failures)),
+)
+
+
+def _server_capacity(t: Any) -> str:
+    if t.server_capacity_bytes:
+        return _human_bytes(t.server_capacity_bytes)
+    return "unbounded" if t.nodes_reachable else "-"
+
+
+def _is_remote(t: Any) -> bool:
+    from kvtierd_client.proto import pb2
+
+    return bool(t.medium == pb2.MEDIUM_REMOTE)
+
+
+def remote_line(t: Any) -> str:
+    """One line about a remote tier's server (``kvtierctl explain``)."""
+    if not t.nodes_known:
+        return "server not reached yet"
+    return (
+        f"{t.nodes_reachable}/{t.nodes_known} nodes up, round trip "
+        f"{t.round_trip_us} us, server {_human_bytes(t.server_used_bytes)} used of "
+        f"{_server_capacity(t)}, {t.probe_failures} probe failures"
+    )
+
+
 WATCH_MIN_SECONDS = 0.1
 WATCH_MAX_SECONDS = 86400.0
 CLEAR_SCREEN = "\x1b[H\x1b[2J"  # cursor home, erase the screen (VT100 / xterm)
@@ -180,9 +216,20 @@ def watch_seconds(text: str) -> float:
 
 
 def stats_table(stats: Any) -> list[str]:
-    """The lines of the ``kvtierctl stats`` table of a GetStats answer."""
-    rows = [[c[0] for c in STATS_COLUMNS]]
-    rows += [[c[1](p, t) for c in STATS_COLUMNS] for p in stats.pools for t in p.tiers]
+    """The lines of the ``kvtierctl stats`` table of a GetStats answer, then (when a
+    pool has a remote tier) the table of the remote servers."""
+    lines = _table(STATS_COLUMNS, [(p, t) for p in stats.pools for t in p.tiers])
+    remote = [(p, t) for p in stats.pools for t in p.tiers if _is_remote(t)]
+    if remote:
+        lines += ["", *_table(REMOTE_COLUMNS, remote)]
+    return lines
+
+
+def _table(
+    columns: tuple[tuple[str, Callable[[Any, Any], str]], ...], tiers: list[tuple[Any, Any]]
+) -> list[str]:
+    rows = [[c[0] for c in columns]]
+    rows += [[c[1](p, t) for c in columns] for p, t in tiers]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return [
         "  ".join(cell.ljust(w) if i < 2 else cell.rjust(w)
@@ -278,11 +325,14 @@ def cmd_explain(args: argparse.Namespace) -> int:
     key = _parse_key(args)
     with _client(args) as client:
         report = client.explain(args.pool, key)
+        pools = client.get_stats(args.pool).pools
+    remote = {t.tier: t for p in pools for t in p.tiers if _is_remote(t)}
     print(f"key {key.hex()} in pool {args.pool}: {report.summary}")
     print(f"  primary: {LookupResult(report.primary).name} (ref count {report.ref_count})")
     for tier in report.tiers:
         state = ("present" if tier.present else "absent") if tier.known else "index rebuilding"
-        print(f"  {tier.tier}: {state}")
+        server = f" ({remote_line(remote[tier.tier])})" if tier.tier in remote else ""
+        print(f"  {tier.tier}: {state}{server}")
     for record in report.history:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.unix_time))
         print(f"  {when} {record.tier}: {record.what}")

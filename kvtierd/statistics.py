@@ -169,6 +169,13 @@ TIER_NUMBERS: tuple[TierNumber, ...] = (
     TierNumber("promotion_no_room", None, lambda s: s.counters.promotion_no_room),
     TierNumber("queued_jobs", None, lambda s: s.tier.queued_jobs, on_wire=False),
     TierNumber("queued_bytes", None, lambda s: s.tier.queued_bytes),
+    # a remote tier's server (0 for a tier without one)
+    TierNumber("nodes_known", None, lambda s: s.tier.nodes_known),
+    TierNumber("nodes_reachable", None, lambda s: s.tier.nodes_reachable),
+    TierNumber("round_trip_us", None, lambda s: s.tier.round_trip_us),
+    TierNumber("server_capacity_bytes", None, lambda s: s.tier.server_capacity_bytes),
+    TierNumber("server_used_bytes", None, lambda s: s.tier.server_used_bytes),
+    TierNumber("probe_failures", None, lambda s: s.tier.probe_failures),
     # a shared fs root (kvtierd.tiers.fs.shared)
     TierNumber("foreign_files_found", None, lambda s: s.tier.foreign_files_found),
     TierNumber("shared_rechecks", None, lambda s: s.tier.shared_rechecks),

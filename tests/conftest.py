@@ -49,4 +49,9 @@ def pool_name(request: pytest.FixtureRequest) -> str:
 
 
 # the redis tier's tests start real redis-server processes (tests/redis_harness.py)
-from redis_harness import redis_factory, redis_server  # noqa: E402, F401
+from redis_harness import (  # noqa: E402, F401
+    redis_cluster,
+    redis_cluster_factory,
+    redis_factory,
+    redis_server,
+)

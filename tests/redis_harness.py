@@ -9,6 +9,7 @@ tests that need one skip and say why.
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -18,6 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
 START_TIMEOUT_S = 10.0
 REDIS_SERVER = shutil.which("redis-server")
@@ -30,14 +32,29 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-class RedisServer:
-    """One standalone redis-server on 127.0.0.1:``port``, files under ``directory``."""
+def _free_cluster_port() -> int:
+    """A free port whose cluster bus port (+10000) is free too (Redis wants <= 55535)."""
+    for _ in range(1000):
+        port = random.randint(20000, 55535)
+        try:
+            with socket.socket() as first, socket.socket() as bus:
+                first.bind(("127.0.0.1", port))
+                bus.bind(("127.0.0.1", port + 10000))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair for a cluster node")
 
-    def __init__(self, *extra: str) -> None:
+
+class RedisServer:
+    """One redis-server on 127.0.0.1:``port``, files under ``directory``
+    (a cluster node with ``cluster=True``: its port leaves room for the bus port)."""
+
+    def __init__(self, *extra: str, cluster: bool = False) -> None:
         if REDIS_SERVER is None:
             pytest.skip(SKIP_REASON)
         self.directory = tempfile.mkdtemp(prefix="kvt-redis-")
-        self.port = _free_port()
+        self.port = _free_cluster_port() if cluster else _free_port()
         self.extra = extra
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
@@ -131,3 +148,158 @@ def redis_factory() -> Iterator[Callable[..., RedisServer]]:
     finally:
         for server in servers:
             server.close()
+
+
+# ------------------------------------------------------------------ Redis Cluster
+
+CLUSTER_NODE_TIMEOUT_MS = 1000  # a killed master is marked FAIL after this (and more)
+CLUSTER_OK_TIMEOUT_S = 30.0
+REDIS_CLI = shutil.which("redis-cli")
+
+
+class RedisClusterNodes:
+    """A Redis Cluster of ``masters`` masters (``replicas`` replicas each) on free loopback ports,
+    each node a :class:`RedisServer` in its own temp dir (its ``nodes.conf`` there,
+    so a node killed and started again on its port rejoins with its slots).
+
+    ``cluster-require-full-coverage no``: the other masters keep serving their
+    slots while one is down. Created with ``redis-cli --cluster create ...
+    --cluster-yes`` and waited until every node says ``cluster_state:ok``.
+    :meth:`close` stops every node (the fixtures call it, also on failure).
+    """
+
+    def __init__(self, masters: int = 3, *extra: str, replicas: int = 0) -> None:
+        if REDIS_SERVER is None or REDIS_CLI is None:
+            pytest.skip(SKIP_REASON)
+        self.nodes: list[RedisServer] = []
+        try:
+            for _ in range(masters * (1 + replicas)):
+                self.nodes.append(
+                    RedisServer(
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        "nodes.conf",
+                        "--cluster-node-timeout",
+                        str(CLUSTER_NODE_TIMEOUT_MS),
+                        "--cluster-require-full-coverage",
+                        "no",
+                        *extra,
+                        cluster=True,
+                    )  # fmt: skip
+                )
+            addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
+            assert REDIS_CLI is not None
+            created = subprocess.run(
+                [REDIS_CLI, "--cluster", "create", *addresses,
+                 "--cluster-replicas", str(replicas), "--cluster-yes"],
+                capture_output=True, timeout=60, check=False,
+            )  # fmt: skip
+            if created.returncode != 0:
+                raise RuntimeError(f"redis-cli --cluster create failed: {created.stdout!r}")
+            self.wait_ok()
+            if replicas:
+                self.wait_replicas_synced()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        return tuple(node.url for node in self.nodes)
+
+    def info_cluster(self, node: RedisServer) -> str:
+        """``CLUSTER INFO`` of ``node`` ('' when it does not answer)."""
+        try:
+            with socket.create_connection(("127.0.0.1", node.port), timeout=1.0) as conn:
+                conn.sendall(b"CLUSTER INFO\r\n")
+                conn.settimeout(1.0)
+                reply = b""
+                while b"cluster_state" not in reply or not reply.endswith(b"\r\n\r\n"):
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    reply += chunk
+                return reply.decode(errors="replace")
+        except OSError:
+            return ""
+
+    def wait_ok(self, nodes: list[RedisServer] | None = None) -> None:
+        """Until every node of ``nodes`` (all) says ``cluster_state:ok`` and knows
+        every slot (``cluster_slots_assigned:16384``)."""
+        deadline = time.monotonic() + CLUSTER_OK_TIMEOUT_S
+        pending = list(nodes or self.nodes)
+        while pending:
+            info = self.info_cluster(pending[0])
+            if "cluster_state:ok" in info and "cluster_slots_assigned:16384" in info:
+                pending.pop(0)
+                continue
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"cluster not ok on port {pending[0].port}: {info!r}")
+            time.sleep(0.05)
+
+    def wait_replicas_synced(self) -> None:
+        """Until every replica's link to its master is up (its first sync done): a
+        replica that never synced is not elected when its master fails."""
+        deadline = time.monotonic() + CLUSTER_OK_TIMEOUT_S
+        for node in self.nodes:
+            with redis.Redis(port=node.port) as client:
+                while True:
+                    info = client.info("replication")
+                    if info.get("role") != "slave" or info.get("master_link_status") == "up":
+                        break
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"replica on port {node.port} never synced: {info}")
+                    time.sleep(0.05)
+
+    def move_slot(self, slot: int, source: RedisServer, target: RedisServer) -> None:
+        """Reshards ``slot`` from ``source`` to ``target`` as ``redis-cli --cluster
+        reshard`` does (IMPORTING / MIGRATING, MIGRATE its keys, SETSLOT NODE on every
+        node): clients with the old slot map get MOVED from then on."""
+        src, dst = redis.Redis(port=source.port), redis.Redis(port=target.port)
+        try:
+            src_id, dst_id = (
+                src.execute_command("CLUSTER MYID"),
+                dst.execute_command("CLUSTER MYID"),
+            )
+            dst.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
+            src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
+            while keys := src.execute_command("CLUSTER GETKEYSINSLOT", slot, 100):
+                src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *keys)
+            for node in self.nodes:
+                with redis.Redis(port=node.port) as each:
+                    each.execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
+        finally:
+            src.close()
+            dst.close()
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.close()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisClusterNodes]:
+    """One 3-master cluster for the session (tests keep apart by key prefix)."""
+    cluster = RedisClusterNodes()
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture
+def redis_cluster_factory() -> Iterator[Callable[..., RedisClusterNodes]]:
+    """Clusters of the test's own (to kill nodes of, to configure): all stopped afterwards."""
+    clusters: list[RedisClusterNodes] = []
+
+    def make(masters: int = 3, *extra: str, replicas: int = 0) -> RedisClusterNodes:
+        cluster = RedisClusterNodes(masters, *extra, replicas=replicas)
+        clusters.append(cluster)
+        return cluster
+
+    try:
+        yield make
+    finally:
+        for cluster in clusters:
+            cluster.close()

@@ -118,6 +118,13 @@ class TierStats:
     dropped_writes: int  # cascade writes refused by backpressure (jobs)
     queued_jobs: int
     queued_bytes: int
+    # A remote tier's server (0 for a tier without one), as of its last health check:
+    nodes_known: int = 0  # masters it knows (1 for a standalone server)
+    nodes_reachable: int = 0  # of them, those that answered
+    round_trip_us: int = 0  # running average of small-command round trips
+    server_capacity_bytes: int = 0  # maxmemory summed over masters; 0: unbounded
+    server_used_bytes: int = 0  # used_memory summed over the reachable masters
+    probe_failures: int = 0  # presence probes (per node) that failed
     # a shared fs root (kvtierd.tiers.fs.shared); 0 for other tiers
     foreign_files_found: int = 0  # files other daemons wrote, found and indexed
     shared_rechecks: int = 0  # keys looked for on disk after a local miss

@@ -69,7 +69,7 @@ def test_bad_environment_value_names_the_key():
         ("[[tiers]]\nroot = '/x'\n", "tiers[0].type: missing"),
         ("[[tiers]]\ntype = 's3'\nroot = '/x'\n", "unsupported tier type 's3'"),
         ("[[tiers]]\ntype = 'redis'\nroot = '/x'\n", "tiers[0].root: unknown redis tier option"),
-        ("[[tiers]]\ntype = 'redis'\ncluster = true\n", "tiers[0].cluster: Redis Cluster is not"),
+        ("[[tiers]]\ntype = 'redis'\ncluster = 'yes'\n", "tiers[0].cluster: expected true, false"),
         ("[[tiers]]\ntype = 'redis'\nurls = ['http://x']\n", "tiers[0].urls: expected redis://"),
         ("[[tiers]]\ntype = 'redis'\nttl = 'soon'\n", "tiers[0].ttl"),
         (

@@ -228,6 +228,9 @@ def test_dashboard_is_importable_and_has_the_panels():
         "RPC errors by code",
         "Sessions open",
         "Shared memory used vs budget",
+        "Remote nodes reachable / known",
+        "Remote round trip and probe failures",
+        "Remote server memory",
     ):
         assert wanted in titles, wanted
     latency = " ".join(t["expr"] for t in titles["RPC latency p50 / p99 per method"]["targets"])

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import redis
+from redis.cluster import RedisCluster
 from tier_contract import CHECKS, DAMAGE_CHECKS, ROWS, Check, TierKit, run_check
 
 from kvtierd.contract import BlockKey
@@ -30,6 +31,8 @@ from kvtierd.tiers.fs import FsTier, fsformat
 from kvtierd.tiers.fs.iopool import IoPool
 from kvtierd.tiers.fs.ioworker import IoWorkers
 from kvtierd.tiers.memory import MemoryTier
+from kvtierd.tiers.redis.link import RedisLink
+from kvtierd.tiers.redis.settings import RedisTierSettings
 from kvtierd.tiers.redis.tier import RedisTier
 
 STARTED_TIMEOUT_S = 30.0
@@ -162,17 +165,26 @@ async def _stall_io(io: IoPool, threads: int) -> AsyncIterator[None]:
 
 
 class RedisKit(TierKit):
-    """RedisTiers on one real redis-server (the session's), under a key prefix of
-    this kit's own; one I/O pool per tier, as a configured tier with one pool."""
+    """RedisTiers on one real redis-server (the session's), or on the session's
+    3-master Redis Cluster (``cluster``), under a key prefix of this kit's own;
+    one link shared by the kit's tiers and one I/O pool per tier, as a
+    configured tier builds them."""
 
     block_bytes = 1024
     can_damage = True
     needs_redis = True
     threads = 2
 
-    def __init__(self, root: Path, *, url: str) -> None:
+    def __init__(self, root: Path, *, urls: tuple[str, ...], cluster: bool = False) -> None:
         super().__init__(root)
-        self.client = redis.Redis.from_url(url, socket_timeout=5)
+        self.cluster = cluster
+        mode = "true" if cluster else "false"
+        self.link = RedisLink(RedisTierSettings(urls=urls, cluster=mode, timeout=5.0), None)
+        self.client: redis.Redis | RedisCluster = (
+            RedisCluster.from_url(urls[0], socket_timeout=5)
+            if cluster
+            else redis.Redis.from_url(urls[0], socket_timeout=5)
+        )
         self.key_prefix = f"contract-{uuid.uuid4().hex[:12]}"
         self.io_pools: dict[int, IoPool] = {}
 
@@ -198,7 +210,7 @@ class RedisKit(TierKit):
         )
         tier = RedisTier(
             "redis",
-            self.client,
+            self.link,
             key_prefix=self.key_prefix,
             pool_name=pool,
             block_bytes=self.block_bytes,
@@ -232,9 +244,10 @@ class RedisKit(TierKit):
 
     def close(self) -> None:
         keys = list(self.client.scan_iter(match=f"{self.key_prefix}:*", count=1000))
-        if keys:
-            self.client.delete(*keys)
+        for key in keys:  # one by one: a Cluster refuses a DEL across slots
+            self.client.delete(key)
         self.client.close()
+        self.link.close()
 
 
 class MemoryKit(TierKit):
@@ -282,14 +295,17 @@ KITS: dict[str, tuple[type[TierKit], dict[str, Any]]] = {
     "fs-workers": (FsKit, {"io_processes": 2}),
     "fs-shared": (FsKit, {"io_processes": 0, "shared": True}),
     "redis": (RedisKit, {}),
+    "redis-cluster": (RedisKit, {"cluster": True}),
     "memory": (MemoryKit, {}),
 }
 
 
 def _run(kit: str, check: Check, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     cls, options = KITS[kit]  # a fresh kit per check
-    if getattr(cls, "needs_redis", False):  # the session's server (skips without one)
-        options = {**options, "url": request.getfixturevalue("redis_server").url}
+    if options.get("cluster"):  # the session's cluster (skips without redis-server)
+        options = {**options, "urls": request.getfixturevalue("redis_cluster").urls}
+    elif getattr(cls, "needs_redis", False):  # the session's server (skips without one)
+        options = {**options, "urls": (request.getfixturevalue("redis_server").url,)}
     asyncio.run(run_check(lambda: cls(tmp_path, **options), check))
 
 

@@ -40,6 +40,7 @@ def test_the_normative_options_and_their_defaults() -> None:
     assert settings == RedisTierSettings(urls=("redis://127.0.0.1:7000",))
     assert (DEFAULTS.cluster, DEFAULTS.key_prefix, DEFAULTS.ttl) == ("auto", "kvtierd", 0.0)
     assert parse_redis_settings({"ttl": "90s", "cluster": False}).ttl == 90.0
+    assert parse_redis_settings({"cluster": True}).cluster == "true"
     assert registry.lookup("redis").parse_settings({}) == DEFAULTS
 
 
@@ -51,7 +52,7 @@ def test_the_normative_options_and_their_defaults() -> None:
         ({"urls": ["http://h:1"]}, "urls"),
         ({"urls": ["redis://h:99999"]}, "urls"),
         ({"cluster": "maybe"}, "cluster"),
-        ({"cluster": True}, "cluster"),  # not yet
+        ({"info_interval": "0s"}, "info_interval"),
         ({"password_file": "rel"}, "password_file"),
         ({"key_prefix": ""}, "key_prefix"),
         ({"ttl": "-1s"}, "ttl"),

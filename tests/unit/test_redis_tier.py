@@ -16,6 +16,8 @@ from redis_harness import RedisServer
 from kvtierd.contract import LookupResult
 from kvtierd.tiers.base import JobResult, TierJob
 from kvtierd.tiers.fs.iopool import IoPool
+from kvtierd.tiers.redis.link import RedisLink
+from kvtierd.tiers.redis.settings import RedisTierSettings
 from kvtierd.tiers.redis.tier import RedisTier
 
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
@@ -35,6 +37,8 @@ class Rig:
 
     def __init__(self, client: redis.Redis, loop: asyncio.AbstractEventLoop) -> None:
         self.client = client
+        url = "redis://{host}:{port}".format(**client.connection_pool.connection_kwargs)
+        self.link = RedisLink(RedisTierSettings(urls=(url,), cluster="false"), None)
         self.loop = loop
         self.prefix = f"unit-{uuid.uuid4().hex[:12]}"
         self.results: dict[int, asyncio.Future[JobResult]] = {}
@@ -46,7 +50,7 @@ class Rig:
         self.pools.append(io)
         region = memoryview(bytearray(ROWS * BLOCK))
         tier = RedisTier(
-            "redis", self.client, key_prefix=self.prefix, pool_name=pool, block_bytes=BLOCK,
+            "redis", self.link, key_prefix=self.prefix, pool_name=pool, block_bytes=BLOCK,
             layout="L", region_buffer=region, capacity_bytes=0, on_done=self.on_done,
             loop=self.loop, io_pool=io, **options,
         )  # fmt: skip
@@ -68,6 +72,7 @@ class Rig:
     async def close(self) -> None:
         for io in self.pools:
             await self.loop.run_in_executor(None, io.shutdown)
+        self.link.close()
         keys = list(self.client.scan_iter(match=f"{self.prefix}:*"))
         if keys:
             self.client.delete(*keys)

@@ -1,14 +1,20 @@
 """A configured redis tier: one ``type = "redis"`` ``[[tiers]]`` entry and what its pools share.
 
 One :class:`ConfiguredRedisTier` per configured redis tier for the daemon's life.
-Its pools share one redis-py client (a thread-safe connection pool: at most
-``threads`` connections are busy at once, one per I/O thread), one
+Its pools share one :class:`~kvtierd.tiers.redis.link.RedisLink` (the redis-py
+client, standalone or Cluster: thread-safe connection pools, at most
+``threads`` connections busy at once per node, one per I/O thread), one
 :class:`~kvtierd.tiers.fs.iopool.IoPool` of ``threads`` I/O threads with the
 write-queue limits and one rate-limited fault log. ``capacity`` bounds each
 pool's tier (it evicts its own blocks).
 
 No connection is made at start: a server that is down when the daemon starts is
-a fault like any other (the tier's jobs fail, counted, until it answers).
+a fault like any other (the tier's jobs fail, counted, until it answers). The
+first pool's ``prepare`` (off the loop) asks the server its mode.
+
+Health: every ``info_interval`` a loop timer submits one
+:meth:`RedisLink.refresh_health` to the I/O threads (at most one in flight);
+its answer is handed to every pool's tier on the loop (:meth:`RedisTier.on_health`).
 """
 
 from __future__ import annotations
@@ -17,13 +23,15 @@ import asyncio
 import logging
 import os
 import stat
+import weakref
 
 import redis
 
 from kvtierd.ratelimit import RateLimitedLog
 from kvtierd.tiers.base import JobCallback
 from kvtierd.tiers.configured import ConfiguredTier, PoolBinding, TierCheckError
-from kvtierd.tiers.fs.iopool import IoPool
+from kvtierd.tiers.fs.iopool import IoPool, Outcome
+from kvtierd.tiers.redis.link import RedisLink
 from kvtierd.tiers.redis.settings import RedisTierSettings
 from kvtierd.tiers.redis.tier import FAULT_LOG_INTERVAL_S, RedisTier
 
@@ -46,20 +54,6 @@ def read_password(path: str) -> str:
         ) from None
 
 
-def make_client(settings: RedisTierSettings, password: str | None) -> redis.Redis:
-    """A client of the first URL (standalone; no I/O until the first command)."""
-    return redis.Redis.from_url(
-        settings.urls[0],
-        username=settings.username or None,
-        password=password,
-        socket_timeout=settings.timeout,
-        socket_connect_timeout=settings.timeout,
-        max_connections=settings.threads + 4,  # I/O threads, and probes sharing them
-        retry_on_timeout=False,
-        health_check_interval=0,
-    )
-
-
 class ConfiguredRedisTier(ConfiguredTier):
     """One configured redis tier: settings, the client and the I/O threads."""
 
@@ -70,9 +64,14 @@ class ConfiguredRedisTier(ConfiguredTier):
         self.settings: RedisTierSettings = settings
         self.faults = RateLimitedLog(log, FAULT_LOG_INTERVAL_S)
         self._password: str | None = None
-        self._client: redis.Redis | None = None
+        self._link: RedisLink | None = None
         self._io: IoPool | None = None
         self._pools = 0
+        # the pools' tiers, told each health refresh (a closed pool's tier goes away)
+        self._tiers: weakref.WeakSet[RedisTier] = weakref.WeakSet()
+        self._health_timer: asyncio.TimerHandle | None = None
+        self._health_in_flight = False
+        self._closed = False
 
     def check(self) -> None:
         """Reads the password file (refused if others may read it). The server is
@@ -84,8 +83,8 @@ class ConfiguredRedisTier(ConfiguredTier):
         self, pool: PoolBinding, on_done: JobCallback, loop: asyncio.AbstractEventLoop
     ) -> RedisTier:
         s = self.settings
-        if self._client is None:
-            self._client = make_client(s, self._password)
+        if self._link is None:
+            self._link = RedisLink(s, self._password)
         if self._io is None:
             self._io = IoPool(
                 loop,
@@ -96,9 +95,9 @@ class ConfiguredRedisTier(ConfiguredTier):
                 name=f"kvtierd-{self.name}",
             )
         self._pools += 1
-        return RedisTier(
+        tier = RedisTier(
             self.name,
-            self._client,
+            self._link,
             key_prefix=s.key_prefix,
             pool_name=pool.pool_name,
             block_bytes=pool.block_bytes,
@@ -112,14 +111,48 @@ class ConfiguredRedisTier(ConfiguredTier):
             presence_ttl_s=s.presence_ttl,
             faults=self.faults,
         )
+        self._tiers.add(tier)
+        if self._health_timer is None and not self._closed:
+            self._health_timer = loop.call_later(s.info_interval, self._refresh_health, loop)
+        return tier
+
+    def _refresh_health(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Loop timer: one health refresh off the loop, then the next timer."""
+        self._health_timer = None
+        if self._closed or self._io is None or self._link is None:
+            return
+        if not self._health_in_flight:
+            self._health_in_flight = True
+            self._io.submit_read([self._link.refresh_health], self._health_done)
+        self._health_timer = loop.call_later(
+            self.settings.info_interval, self._refresh_health, loop
+        )
+
+    def _health_done(self, outcomes: list[Outcome]) -> None:
+        self._health_in_flight = False
+        outcome = outcomes[0]
+        if not outcome.ok:
+            if isinstance(outcome.error, redis.RedisError):
+                self.faults.warning(
+                    ("health", self.name),
+                    "redis tier %s: health check failed: %s", self.name, outcome.error,
+                )  # fmt: skip
+            return
+        for tier in list(self._tiers):
+            tier.on_health(outcome.value)
 
     async def drain(self) -> None:
         if self._io is not None:
             await self._io.drain()
 
     def shutdown(self) -> None:
-        """Fails queued jobs, joins the I/O threads, closes the connections. Idempotent."""
+        """Stops the health timer, fails queued jobs, joins the I/O threads, closes
+        the connections. Idempotent."""
+        self._closed = True
+        if self._health_timer is not None:
+            self._health_timer.cancel()
+            self._health_timer = None
         if self._io is not None:
             self._io.shutdown()
-        if self._client is not None:
-            self._client.close()
+        if self._link is not None:
+            self._link.close()

@@ -33,7 +33,7 @@ MAX_QUEUE_JOBS = 1 << 20
 MIN_QUEUE_BYTES = 4096
 MAX_KEY_PREFIX = 64
 _SIZE_OPTIONS = frozenset({"capacity", "max_queue_bytes"})
-_DURATION_OPTIONS = frozenset({"ttl", "timeout", "presence_ttl"})
+_DURATION_OPTIONS = frozenset({"ttl", "timeout", "presence_ttl", "info_interval"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +44,9 @@ class RedisTierSettings:
         ("redis://127.0.0.1:6379",), "seed nodes, redis:// or rediss:// (TLS) URLs"
     )
     cluster: str = option(
-        "auto", 'true, false or "auto" (ask the server); only standalone servers so far'
+        "auto",
+        "true (a Redis/Valkey Cluster seeded with every URL), false (one standalone "
+        'server, the first URL) or "auto" (ask the server: INFO cluster)',
     )
     username: str = option("", "ACL user name, empty for the default user")
     password_file: str = option(
@@ -60,6 +62,9 @@ class RedisTierSettings:
     timeout: float = option(2.0, "connect and socket timeout of every Redis call")
     presence_ttl: float = option(
         1.0, "how long a lookup trusts a batched EXISTS answer about a key it did not store"
+    )
+    info_interval: float = option(
+        5.0, "how often the server's health is checked (nodes, round trips, memory, evictions)"
     )
     threads: int = option(8, "I/O threads (connections) moving blocks and probing keys")
     max_queue_bytes: int = option(
@@ -142,10 +147,6 @@ def parse_redis_settings(options: Mapping[str, Any]) -> RedisTierSettings:
         mode = ("true" if mode else "false") if isinstance(mode, bool) else mode
         if mode not in CLUSTER_MODES:
             raise TierOptionError("cluster", f'expected true, false or "auto", got {mode!r}')
-        if mode == "true":
-            raise TierOptionError(
-                "cluster", "Redis Cluster is not supported yet: use a standalone server"
-            )
         values["cluster"] = mode
     if "username" in options:
         values["username"] = read_str(options, "username")

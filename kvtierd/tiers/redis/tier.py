@@ -10,7 +10,8 @@ verify for the key and pool it was read under is a MISS: deleted, counted in
 
 The event loop never waits on Redis. Every Redis call runs on the I/O threads
 of an :class:`~kvtierd.tiers.fs.iopool.IoPool` (shared by the pools of one
-configured tier) and reports through ``loop.call_soon_threadsafe``:
+configured tier), in :mod:`.blockio`, and reports through
+``loop.call_soon_threadsafe``; this module is the loop's side:
 
 * stores: one ``SET key value NX [PX ttl]`` per block, the value sent from the
   row itself (redis-py writes a large memoryview to the socket without joining
@@ -22,14 +23,23 @@ configured tier) and reports through ``loop.call_soon_threadsafe``:
   it stored (held, in recency order) and a short-lived presence cache of
   batched ``EXISTS`` answers (``presence_ttl``) about keys other daemons may
   have stored. A key it knows nothing about answers MISS at once and joins the
-  next probe: one pipeline of ``EXISTS`` for every key waiting, one round trip,
-  one probe in flight at a time. An engine's next step (a lookup after the
-  probe returned, typically a millisecond later) sees HIT.
+  next probe: one pipeline of ``EXISTS`` per node owning some of the keys
+  waiting (a Cluster: up to one per master, all sent before any is read: one
+  round trip), one probe in flight at a time. An engine's next step (a lookup
+  after the probe returned, typically a millisecond later) sees HIT. A node
+  that fails the probe leaves its keys unknown (MISS, asked again at their next
+  lookup); the other nodes' answers stand.
+
+Routing, redirects and the server's health are :mod:`.link`'s (one per
+configured tier). The health refresh (``info_interval``) tells
+:meth:`RedisTier.on_health` the server's evictions: when they grew, the held
+keys are probed again and those the server dropped are dropped here too.
 
 Capacity: with ``capacity`` > 0 the tier keeps at most that many bytes of its
 own blocks and deletes the least recently used to admit a new one; with 0 the
 server's ``maxmemory`` policy evicts and a block the server dropped is found
-missing at its load (a failed key, dropped from the held set).
+missing at its load or at the re-probe after an eviction (MISS, dropped from
+the held set): a write is never assumed to have stayed.
 
 Faults (server down, timeout, OOM): the job's keys fail, counted; a WARNING at
 most every 10 s per kind; the tier answers from what it knows and probes again.
@@ -46,13 +56,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
-import xxhash
 
 from kvtierd.contract import BlockKey, LookupResult, Medium
 from kvtierd.ratelimit import RateLimitedLog
 from kvtierd.tiers.base import JobCallback, JobResult, SecondaryTier, TierJob, TierStats
 from kvtierd.tiers.fs import fsformat
 from kvtierd.tiers.fs.iopool import IoPool, Outcome
+from kvtierd.tiers.redis.blockio import WRITTEN, BlockCorrupt, BlockMissing, RedisBlockIO
+from kvtierd.tiers.redis.link import RedisLink, ServerHealth
 
 log = logging.getLogger("kvtierd.tiers.redis")
 
@@ -75,17 +86,6 @@ _COUNTERS = (
     "probe_failures",
 )
 
-# what a block's store or load did (the value of an I/O task's per-block outcome)
-WRITTEN, PRESENT, LOADED = "written", "present", "loaded"
-
-
-class BlockMissing(Exception):
-    """The server holds no value under the block's key."""
-
-
-class BlockCorrupt(Exception):
-    """The value under the block's key does not verify; it was deleted."""
-
 
 class RedisTier(SecondaryTier):
     """One pool's blocks in one Redis server. Loop-thread state only; the I/O
@@ -96,7 +96,7 @@ class RedisTier(SecondaryTier):
     def __init__(
         self,
         name: str,
-        client: redis.Redis,
+        link: RedisLink,
         *,
         key_prefix: str,
         pool_name: str,
@@ -121,15 +121,17 @@ class RedisTier(SecondaryTier):
         self.identity = fsformat.PoolIdentity(pool_name, block_bytes, layout)
         self.fingerprint = self.identity.fingerprint
         self.key_space = f"{key_prefix}:{self.fingerprint.hex()}:".encode()
-        self._client = client
-        self._region = region
-        self._num_rows = len(region) // block_bytes
+        self._link = link
         self._on_done = on_done
         self._loop = loop
         self._io = io_pool
         self._ttl_ms = int(ttl_s * 1000) or None
         self._presence_ttl_s = presence_ttl_s
         self._faults = faults or RateLimitedLog(log, FAULT_LOG_INTERVAL_S)
+        # the I/O threads' side: the rows of running jobs and the link, nothing else
+        self._blocks = RedisBlockIO(
+            link, self.key_space, self.identity, region, self._ttl_ms, self._faults, name
+        )
         # Invariant: _held holds the keys this instance stored (or loaded) and not
         # dropped since, least recently used first; len * value_bytes is used_bytes.
         # each with the monotonic time its value expires on the server (inf without ttl)
@@ -143,20 +145,29 @@ class RedisTier(SecondaryTier):
         self._removals: OrderedDict[BlockKey, tuple[float, str]] = OrderedDict()
         self._ready: asyncio.Future[None] | None = None
         self._closed = False
-        self._server_bytes = 0  # the server's maxmemory (or its RAM), from INFO at prepare
+        # the server as last seen: set by prepare (before launch), then on the loop
+        self._health = ServerHealth()
+        self._reprobe_held = False  # the server evicted keys: probe the held ones again
 
     def prepare(self) -> None:
-        """Off the loop: asks the server for its memory limit, for ``capacity_bytes``
-        when ``capacity`` is 0. A server that does not answer is no reason to refuse
-        the pool (it is a fault the tier lives through)."""
+        """Off the loop: learns the server's mode and health (memory limit for
+        ``capacity_bytes`` when ``capacity`` is 0). A server that does not answer is
+        no reason to refuse the pool (it is a fault the tier lives through)."""
         try:
-            info = self._client.info("memory")
+            self._health = self._link.refresh_health()
         except redis.RedisError as exc:
             self._fault("INFO", exc)
-            return
-        if isinstance(info, dict):
-            limit = info.get("maxmemory") or info.get("total_system_memory") or 0
-            self._server_bytes = int(limit)
+
+    def on_health(self, health: ServerHealth) -> None:
+        """Loop: the configured tier's periodic refresh saw ``health``. Evictions
+        grew since the last one: every held key is probed again (a key the server
+        dropped answers MISS from then on, without a failed promotion first)."""
+        if health.evicted_keys > self._health.evicted_keys and self._health.mode != "unknown":
+            self._reprobe_held = True
+        self._health = health
+        if self._reprobe_held:
+            self._queue_held_for_probe()
+            self._start_probe()
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -250,21 +261,47 @@ class RedisTier(SecondaryTier):
         for key in keys:
             del self._probe_wanted[key]
         self._probing = True
-        task = functools.partial(self._exists, [self._redis_key(k) for k in keys])
-        self._io.submit_read([task], lambda outcomes: self._probe_done(keys, outcomes[0]))
+        # only a key held when the probe left may be dropped by its answer: one stored
+        # meanwhile was absent when asked and present now
+        held = {key for key in keys if key in self._held}
+        task = functools.partial(self._blocks.exists, [self._blocks.redis_key(k) for k in keys])
+        self._io.submit_read([task], lambda outcomes: self._probe_done(keys, held, outcomes[0]))
 
-    def _probe_done(self, keys: list[BlockKey], outcome: Outcome) -> None:
+    def _queue_held_for_probe(self) -> None:
+        """Queues held keys for a probe, least recently used first, within the cap;
+        the flag stays up until every held key was queued."""
+        room = MAX_PROBE_WANTED - len(self._probe_wanted)
+        for key in self._held:
+            if room <= 0:
+                return
+            if key not in self._probe_wanted:
+                self._probe_wanted[key] = None
+                room -= 1
+        self._reprobe_held = False
+
+    def _probe_done(self, keys: list[BlockKey], held: set[BlockKey], outcome: Outcome) -> None:
         self._probing = False
-        if outcome.ok:
-            until = time.monotonic() + self._presence_ttl_s
-            for key, present in zip(keys, outcome.value, strict=True):
-                self._presence[key] = (bool(present), until)
-            self._expire_presence()
-        else:
+        if not outcome.ok:  # the probe could not run (no client, tier shut down)
             self._counters["probe_failures"] += 1
             self._fault("probe", outcome.error)
-        if outcome.ok:
-            self._start_probe()  # keys that came in meanwhile; after a fault, the next lookup
+            return
+        answers, failed_nodes, error = outcome.value
+        until = time.monotonic() + self._presence_ttl_s
+        for key, present in zip(keys, answers, strict=True):
+            if present is None:
+                continue  # its node failed: unknown, asked again at its next lookup
+            if not present and key in held and key in self._held and not self._writing[key]:
+                self._drop(key, "evicted by the server (a probe found it gone)")
+            elif key not in self._held:
+                self._presence[key] = (present, until)
+        self._expire_presence()
+        if failed_nodes:
+            self._counters["probe_failures"] += failed_nodes
+            self._fault("probe", error)
+            return  # the next lookup probes again
+        if self._reprobe_held:
+            self._queue_held_for_probe()
+        self._start_probe()  # keys that came in meanwhile
 
     def _expire_presence(self) -> None:
         if len(self._presence) < 4 * PROBE_BATCH:
@@ -272,12 +309,21 @@ class RedisTier(SecondaryTier):
         now = time.monotonic()
         self._presence = {k: v for k, v in self._presence.items() if v[1] > now}
 
-    def _exists(self, redis_keys: list[bytes]) -> list[int]:
-        """I/O thread: one pipeline of EXISTS, one round trip."""
-        pipe = self._client.pipeline(transaction=False)
-        for redis_key in redis_keys:
-            pipe.exists(redis_key)
-        return [int(n) for n in pipe.execute()]
+    def _exists(
+        self, redis_keys: list[bytes]
+    ) -> tuple[list[bool | None], int, BaseException | None]:
+        """I/O thread: one pipeline of EXISTS per node, one round trip. Each key's
+        answer (None: its node failed), the nodes that failed and one of their errors."""
+        replies, failed_nodes = self._link.per_node("EXISTS", redis_keys)
+        answers: list[bool | None] = []
+        error: BaseException | None = None
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                answers.append(None)
+                error = reply
+            else:
+                answers.append(bool(reply))
+        return answers, failed_nodes or int(error is not None), error
 
     # -- jobs (loop) ---------------------------------------------------------------------
 
@@ -286,7 +332,7 @@ class RedisTier(SecondaryTier):
         pairs = list(zip(job.keys, job.block_ids, strict=True))
         # held or being written by another job: succeeds without a rewrite
         to_write = [(k, r) for k, r in pairs if k not in self._held and not self._writing[k]]
-        tasks, sizes = self._tasks(to_write, self._store_group)
+        tasks, sizes = self._tasks(to_write, self._blocks.store_group)
         start = time.perf_counter()
         accepted = self._io.submit_write(
             tasks,
@@ -303,7 +349,7 @@ class RedisTier(SecondaryTier):
     def submit_load(self, job: TierJob) -> None:
         self._require_open()
         pairs = list(zip(job.keys, job.block_ids, strict=True))
-        tasks, sizes = self._tasks(pairs, self._load_group)
+        tasks, sizes = self._tasks(pairs, self._blocks.load_group)
         start = time.perf_counter()
         self._io.submit_read(
             tasks, lambda outcomes: self._load_done(job, _flatten(outcomes, sizes), start)
@@ -311,10 +357,11 @@ class RedisTier(SecondaryTier):
 
     def statistics(self) -> TierStats:
         c = self._counters
+        health = self._link.health
         return TierStats(
             name=self.name,
             medium=self.medium,
-            # 0: the server's limit (INFO at prepare), never below what this pool holds
+            # 0: the server's limit (INFO), never below what this pool holds
             capacity_bytes=self.capacity_bytes or max(self._server_bytes, self._used_bytes),
             used_bytes=self._used_bytes,
             bytes_per_block=self.value_bytes,
@@ -330,7 +377,18 @@ class RedisTier(SecondaryTier):
             dropped_writes=c["dropped_writes"],
             queued_jobs=self._io.queued_jobs,
             queued_bytes=self._io.queued_bytes,
+            nodes_known=health.nodes_known,
+            nodes_reachable=health.nodes_reachable,
+            round_trip_us=health.round_trip_us,
+            server_capacity_bytes=health.max_memory_bytes,
+            server_used_bytes=health.used_memory_bytes,
+            probe_failures=c["probe_failures"],
         )
+
+    @property
+    def _server_bytes(self) -> int:
+        """The server's memory limit: maxmemory, or its hosts' RAM when unbounded."""
+        return self._health.max_memory_bytes or self._health.system_memory_bytes
 
     @property
     def probe_failures(self) -> int:
@@ -458,7 +516,9 @@ class RedisTier(SecondaryTier):
             self._dropped.append(victim)
             self._remember(victim, "evicted: least recently used at capacity")
         if victims and not self._closed:
-            task = functools.partial(self._delete, [self._redis_key(k) for k in victims])
+            task = functools.partial(
+                self._blocks.delete, [self._blocks.redis_key(k) for k in victims]
+            )
             self._io.submit_read([task], self._delete_done)
 
     def _delete_done(self, outcomes: list[Outcome]) -> None:
@@ -475,129 +535,11 @@ class RedisTier(SecondaryTier):
         else:
             log.debug("redis tier %s: %s failed: %s", self.name, kind, error)
 
-    # -- I/O threads ---------------------------------------------------------------------
-
-    def _redis_key(self, key: BlockKey) -> bytes:
-        return self.key_space + key
-
-    def _store_group(self, pairs: list[tuple[BlockKey, int]]) -> list[Outcome]:
-        outcomes = []
-        for key, row in pairs:
-            started = time.perf_counter()
-            try:
-                value = self._store_one(key, row)
-            except Exception as exc:
-                outcomes.append(Outcome(error=exc, seconds=time.perf_counter() - started))
-            else:
-                outcomes.append(Outcome(value=value, seconds=time.perf_counter() - started))
-        return outcomes
-
-    def _store_one(self, key: BlockKey, row: int) -> str:
-        payload = self._row(row)
-        header = fsformat.encode_header(
-            key=key,
-            fingerprint=self.fingerprint,
-            payload_length=self.block_bytes,
-            payload_checksum=fsformat.payload_checksum(payload),
-        )
-        # header and row go out as separate buffers of one SET: the row is never copied
-        args: list[bytes] = [b"NX"]
-        if self._ttl_ms:
-            args += [b"PX", str(self._ttl_ms).encode()]
-        chunks = _resp_set(self._redis_key(key), header, payload, args)
-        pool = self._client.connection_pool
-        conn = pool.get_connection()
-        try:
-            conn.send_packed_command(chunks)
-            written = conn.read_response()
-        except BaseException:
-            conn.disconnect()  # a reply may be left unread: never reuse the connection
-            raise
-        finally:
-            pool.release(conn)
-        return WRITTEN if written else PRESENT
-
-    def _load_group(self, pairs: list[tuple[BlockKey, int]]) -> list[Outcome]:
-        outcomes = []
-        for key, row in pairs:
-            started = time.perf_counter()
-            try:
-                self._load_one(key, row)
-            except Exception as exc:
-                outcomes.append(Outcome(error=exc, seconds=time.perf_counter() - started))
-            else:
-                outcomes.append(Outcome(value=LOADED, seconds=time.perf_counter() - started))
-        return outcomes
-
-    def _load_one(self, key: BlockKey, row: int) -> None:
-        redis_key = self._redis_key(key)
-        value = self._client.get(redis_key)
-        if value is None:
-            raise BlockMissing(key.hex())
-        if not isinstance(value, bytes):  # the client decodes nothing: never a str
-            raise TypeError(f"GET answered {type(value).__name__}")
-        try:
-            self._verify(key, value)
-        except fsformat.CorruptBlock as exc:
-            self._delete_if_same(redis_key, value)
-            raise BlockCorrupt(exc.reason) from None
-        self._row(row)[:] = memoryview(value)[fsformat.HEADER_SIZE :]
-
-    def _verify(self, key: BlockKey, value: bytes) -> None:
-        if len(value) != self.value_bytes:
-            raise fsformat.CorruptBlock(f"value of {len(value)} bytes, expected {self.value_bytes}")
-        header = fsformat.decode_header(value)
-        fsformat.verify_header(
-            header, key=key, fingerprint=self.fingerprint, block_bytes=self.block_bytes
-        )
-        if header.payload_checksum != xxhash.xxh3_64_intdigest(
-            memoryview(value)[fsformat.HEADER_SIZE :]
-        ):
-            raise fsformat.CorruptBlock("payload checksum mismatch")
-
-    def _delete_if_same(self, redis_key: bytes, value: bytes) -> None:
-        """Deletes a bad value unless another writer replaced it meanwhile
-        (WATCH/MULTI: a good value another daemon just wrote stays)."""
-        try:
-            with self._client.pipeline(transaction=True) as pipe:
-                pipe.watch(redis_key)
-                if pipe.get(redis_key) != value:
-                    return
-                pipe.multi()
-                pipe.delete(redis_key)
-                pipe.execute()
-        except redis.WatchError:
-            pass
-        except redis.RedisError as exc:
-            self._faults.warning(
-                ("delete", self.name), "redis tier %s: delete failed: %s", self.name, exc
-            )
-
-    def _delete(self, redis_keys: list[bytes]) -> int:
-        return int(self._client.delete(*redis_keys))
-
     # -- small helpers -------------------------------------------------------------------
 
     def _require_open(self) -> None:
         if self._ready is None:
             raise RuntimeError(f"redis tier {self.name} was not launched")
-
-    def _row(self, block_id: int) -> memoryview:
-        if not 0 <= block_id < self._num_rows:
-            raise IndexError(f"row {block_id} outside the region ({self._num_rows} rows)")
-        return self._region[block_id * self.block_bytes : (block_id + 1) * self.block_bytes]
-
-
-def _resp_set(
-    redis_key: bytes, header: bytes, payload: memoryview, args: list[bytes]
-) -> list[bytes | memoryview]:
-    """``SET redis_key header+payload *args`` as RESP chunks, the payload unjoined."""
-    parts = [b"SET", redis_key]
-    head = [b"*%d\r\n" % (len(parts) + 1 + len(args))]
-    head += [b"$%d\r\n%s\r\n" % (len(p), p) for p in parts]
-    head.append(b"$%d\r\n" % (len(header) + len(payload)))
-    tail = [b"\r\n"] + [b"$%d\r\n%s\r\n" % (len(a), a) for a in args]
-    return [b"".join(head) + header, payload, b"".join(tail)]
 
 
 def _flatten(outcomes: list[Outcome], sizes: list[int]) -> list[Outcome]:

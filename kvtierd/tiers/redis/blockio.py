@@ -1,0 +1,207 @@
+"""The redis tier's block I/O, run on I/O threads only: one value per block.
+
+A value is exactly an fs block file (:mod:`kvtierd.tiers.fs.fsformat`): the
+4096-byte integrity header (key, pool fingerprint, payload length, payload
+checksum, its own checksum), then the row's bytes, under the Redis key
+``<key_space><block key>``. :class:`RedisBlockIO` stores a row (``SET NX``, the
+row sent from the region unjoined), loads one (``GET``, verified before a byte
+reaches the row), probes presence and deletes, through the tier's
+:class:`~kvtierd.tiers.redis.link.RedisLink`.
+
+Ownership: the region rows of the jobs in flight (pinned by the daemon until the
+job reports) and the link; no loop state. Each call may block up to the link's
+timeout and raises what the server or the verification said: the caller
+(:class:`~kvtierd.tiers.redis.tier.RedisTier`'s completion on the loop) counts.
+"""
+
+from __future__ import annotations
+
+import time
+
+import redis
+import xxhash
+from redis.exceptions import AskError
+
+from kvtierd.contract import BlockKey
+from kvtierd.ratelimit import RateLimitedLog
+from kvtierd.tiers.fs import fsformat
+from kvtierd.tiers.fs.iopool import Outcome
+from kvtierd.tiers.redis.link import RedisLink
+
+# what a block's store or load did (the value of an I/O task's per-block outcome)
+WRITTEN, PRESENT, LOADED = "written", "present", "loaded"
+
+
+class BlockMissing(Exception):
+    """The server holds no value under the block's key."""
+
+
+class BlockCorrupt(Exception):
+    """The value under the block's key does not verify; it was deleted."""
+
+
+class RedisBlockIO:
+    """One pool's blocks in the server, seen from the I/O threads (thread-safe:
+    no state of its own changes after construction)."""
+
+    def __init__(
+        self,
+        link: RedisLink,
+        key_space: bytes,
+        identity: fsformat.PoolIdentity,
+        region: memoryview,
+        ttl_ms: int | None,
+        faults: RateLimitedLog,
+        name: str,
+    ) -> None:
+        self.link = link
+        self.key_space = key_space
+        self.fingerprint = identity.fingerprint
+        self.block_bytes = identity.block_bytes
+        self.value_bytes = fsformat.HEADER_SIZE + self.block_bytes
+        self._region = region
+        self._num_rows = len(region) // self.block_bytes
+        self._ttl_ms = ttl_ms
+        self._faults = faults
+        self._name = name
+
+    def redis_key(self, key: BlockKey) -> bytes:
+        return self.key_space + key
+
+    # -- stores --------------------------------------------------------------------------
+
+    def store_group(self, pairs: list[tuple[BlockKey, int]]) -> list[Outcome]:
+        """Stores each (key, row); one outcome per block (WRITTEN, PRESENT or its error)."""
+        outcomes = []
+        for key, row in pairs:
+            started = time.perf_counter()
+            try:
+                value = self.store_one(key, row)
+            except Exception as exc:
+                outcomes.append(Outcome(error=exc, seconds=time.perf_counter() - started))
+            else:
+                outcomes.append(Outcome(value=value, seconds=time.perf_counter() - started))
+        return outcomes
+
+    def store_one(self, key: BlockKey, row: int) -> str:
+        payload = self.row(row)
+        header = fsformat.encode_header(
+            key=key,
+            fingerprint=self.fingerprint,
+            payload_length=self.block_bytes,
+            payload_checksum=fsformat.payload_checksum(payload),
+        )
+        # header and row go out as separate buffers of one SET: the row is never copied
+        args: list[bytes] = [b"NX"]
+        if self._ttl_ms:
+            args += [b"PX", str(self._ttl_ms).encode()]
+        redis_key = self.redis_key(key)
+        chunks = resp_set(redis_key, header, payload, args)
+        written = self.link.store_value(redis_key, chunks, lambda: header + bytes(payload), args)
+        return WRITTEN if written else PRESENT
+
+    # -- loads ---------------------------------------------------------------------------
+
+    def load_group(self, pairs: list[tuple[BlockKey, int]]) -> list[Outcome]:
+        """Loads each (key, row); one outcome per block (LOADED or its error)."""
+        outcomes = []
+        for key, row in pairs:
+            started = time.perf_counter()
+            try:
+                self.load_one(key, row)
+            except Exception as exc:
+                outcomes.append(Outcome(error=exc, seconds=time.perf_counter() - started))
+            else:
+                outcomes.append(Outcome(value=LOADED, seconds=time.perf_counter() - started))
+        return outcomes
+
+    def load_one(self, key: BlockKey, row: int) -> None:
+        """The verified payload into ``row``; BlockMissing, BlockCorrupt (the value was
+        deleted) or the server's error otherwise, the row then unspecified (the
+        daemon frees it: a failed promotion is never served)."""
+        redis_key = self.redis_key(key)
+        value = self.link.get(redis_key)
+        if value is None:
+            raise BlockMissing(key.hex())
+        if not isinstance(value, bytes):  # the client decodes nothing: never a str
+            raise TypeError(f"GET answered {type(value).__name__}")
+        try:
+            self.verify(key, value)
+        except fsformat.CorruptBlock as exc:
+            self.delete_if_same(redis_key, value)
+            raise BlockCorrupt(exc.reason) from None
+        self.row(row)[:] = memoryview(value)[fsformat.HEADER_SIZE :]
+
+    def verify(self, key: BlockKey, value: bytes) -> None:
+        """Raises fsformat.CorruptBlock unless ``value`` is this pool's block of ``key``."""
+        if len(value) != self.value_bytes:
+            raise fsformat.CorruptBlock(f"value of {len(value)} bytes, expected {self.value_bytes}")
+        header = fsformat.decode_header(value)
+        fsformat.verify_header(
+            header, key=key, fingerprint=self.fingerprint, block_bytes=self.block_bytes
+        )
+        if header.payload_checksum != xxhash.xxh3_64_intdigest(
+            memoryview(value)[fsformat.HEADER_SIZE :]
+        ):
+            raise fsformat.CorruptBlock("payload checksum mismatch")
+
+    # -- presence and deletes ------------------------------------------------------------
+
+    def exists(
+        self, redis_keys: list[bytes]
+    ) -> tuple[list[bool | None], int, BaseException | None]:
+        """One pipeline of EXISTS per node, one round trip. Each key's answer (None:
+        its node failed), the nodes that failed and one of their errors."""
+        replies, failed_nodes = self.link.per_node("EXISTS", redis_keys)
+        answers: list[bool | None] = []
+        error: BaseException | None = None
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                answers.append(None)
+                error = reply
+            else:
+                answers.append(bool(reply))
+        return answers, failed_nodes or int(error is not None), error
+
+    def delete_if_same(self, redis_key: bytes, value: bytes) -> None:
+        """Deletes a bad value unless another writer replaced it meanwhile
+        (WATCH/MULTI: a good value another daemon just wrote stays)."""
+        try:
+            with self.link.node_client(redis_key).pipeline(transaction=True) as pipe:
+                pipe.watch(redis_key)
+                if pipe.get(redis_key) != value:
+                    return
+                pipe.multi()
+                pipe.delete(redis_key)
+                pipe.execute()
+        except (redis.WatchError, AskError):
+            pass  # replaced meanwhile, or moved to another node (deleted at its next read)
+        except redis.RedisError as exc:
+            self._faults.warning(
+                ("delete", self._name), "redis tier %s: delete failed: %s", self._name, exc
+            )
+
+    def delete(self, redis_keys: list[bytes]) -> int:
+        """One DEL per key, pipelined per node (a multi-key DEL would be CROSSSLOT)."""
+        replies, _ = self.link.per_node("DEL", redis_keys)
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                raise reply
+        return sum(int(r) for r in replies)
+
+    def row(self, block_id: int) -> memoryview:
+        if not 0 <= block_id < self._num_rows:
+            raise IndexError(f"row {block_id} outside the region ({self._num_rows} rows)")
+        return self._region[block_id * self.block_bytes : (block_id + 1) * self.block_bytes]
+
+
+def resp_set(
+    redis_key: bytes, header: bytes, payload: memoryview, args: list[bytes]
+) -> list[bytes | memoryview]:
+    """``SET redis_key header+payload *args`` as RESP chunks, the payload unjoined."""
+    parts = [b"SET", redis_key]
+    head = [b"*%d\r\n" % (len(parts) + 1 + len(args))]
+    head += [b"$%d\r\n%s\r\n" % (len(p), p) for p in parts]
+    head.append(b"$%d\r\n" % (len(header) + len(payload)))
+    tail = [b"\r\n"] + [b"$%d\r\n%s\r\n" % (len(a), a) for a in args]
+    return [b"".join(head) + header, payload, b"".join(tail)]

@@ -1,0 +1,421 @@
+"""The link of one configured redis tier to its server: a standalone server or a Cluster.
+
+One :class:`RedisLink` per configured redis tier, shared by its pools, used on
+I/O threads only (every method may block up to ``timeout``; none is ever called
+on the event loop). It decides the server's mode, routes each key to the node
+that owns it, and keeps the server's health (nodes, round trips, memory).
+
+Mode: ``cluster = false`` a :class:`redis.Redis` of the first URL; ``true`` a
+:class:`redis.cluster.RedisCluster` seeded with every URL; ``"auto"`` asks the
+URLs in turn (``INFO cluster``, ``cluster_enabled:1``) and picks. The client is
+built lazily at the first call that needs it (a pool's ``prepare``, off the
+loop): a server that is down then is a fault like any other, and the next call
+(at most one try every :data:`RESOLVE_RETRY_S`) tries again.
+
+Keys route with the library's slot map (redis-py's ``RedisCluster``: it follows
+MOVED and ASK, and re-reads the topology after a connection error, a MOVED
+streak or CLUSTERDOWN). The hot paths go to the owning node's own client
+directly, so that
+
+* a store sends the row as a separate buffer of one ``SET`` (no 2 MiB join);
+* a presence probe is one pipeline of ``EXISTS`` per node, all written before
+  any is read (one round trip in all), and a node that is down fails its own
+  keys only (redis-py's cluster pipeline fails the whole batch when one node's
+  connection cannot be had);
+* a redirect (MOVED / ASK: a resharding or a failover) falls back to the
+  cluster client for that key, which follows it and updates the slot map.
+
+A connection error or timeout on a node asks for a topology refresh
+(:meth:`_suspect_topology`: at most one every :data:`TOPOLOGY_REFRESH_S`), so
+a failover's new master is found without waiting for a MOVED; a node restarted
+on its address is used again at the next call (the pools reconnect).
+
+Multi-key commands are avoided: every block is one value under one key, and
+the keys of one batch hash to different slots (different nodes), which a
+multi-key command would refuse (CROSSSLOT) unless hash tags pinned them to one
+slot, which would pin a pool's whole cache to one node.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import AskError, RedisClusterException
+from redis.retry import Retry
+
+from kvtierd.tiers.redis.settings import RedisTierSettings
+
+log = logging.getLogger("kvtierd.tiers.redis")
+
+RESOLVE_RETRY_S = 1.0  # a server that did not answer the mode question: asked again after
+TOPOLOGY_REFRESH_S = 1.0  # at most one slot-map refresh per this, whatever fails
+RTT_EWMA_WEIGHT = 0.2  # weight of a new round trip in the running average
+NodeClient = redis.Redis
+
+# what a per-node pipeline answers for one key: the reply, or the error of that key
+Reply = Any
+
+
+@dataclass(frozen=True, slots=True)
+class ServerHealth:
+    """The server as last seen by :meth:`RedisLink.refresh_health` (and between two
+    refreshes, the round-trip average kept by every probe).
+
+    ``max_memory_bytes`` is ``maxmemory`` summed over the reachable masters, 0 when
+    one of them has none (unbounded: the server grows until its host's RAM);
+    ``system_memory_bytes`` the RAM of their hosts (a bound when unbounded).
+    ``evicted_keys`` is the servers' cumulative eviction count: when it grows the
+    tiers re-probe what they hold (a write never stays for sure).
+    """
+
+    mode: str = "unknown"  # "standalone", "cluster" or "unknown" (not reached yet)
+    nodes_known: int = 0  # masters in the slot map (1 standalone)
+    nodes_reachable: int = 0  # of them, those that answered the last refresh
+    round_trip_us: int = 0  # running average of small-command round trips
+    max_memory_bytes: int = 0
+    used_memory_bytes: int = 0
+    system_memory_bytes: int = 0
+    evicted_keys: int = 0
+
+
+def _is_cluster_reply(info: Any) -> bool:
+    return isinstance(info, dict) and int(info.get("cluster_enabled", 0) or 0) == 1
+
+
+class RedisLink:
+    """The client of one configured redis tier (standalone or Cluster) and its health.
+
+    Thread-safe: the I/O threads of every pool of the tier share it. ``_lock``
+    guards ``_client``, ``_resolve_error`` and ``_health``; the libraries' clients
+    are thread-safe themselves (a connection is used by one thread at a time).
+    """
+
+    def __init__(self, settings: RedisTierSettings, password: str | None) -> None:
+        self.settings = settings
+        self._password = password
+        self._lock = threading.Lock()
+        self._client: redis.Redis | RedisCluster | None = None
+        self._resolved_at = 0.0  # monotonic time of the last failed try to build the client
+        self._resolve_error: BaseException | None = None
+        self._topology_refreshed_at = 0.0
+        self._refreshing = threading.Lock()  # one topology refresh at a time
+        self._health = ServerHealth()
+        self._rtt_us = 0.0
+        self._closed = False
+
+    # -- the client ----------------------------------------------------------------------
+
+    @property
+    def health(self) -> ServerHealth:
+        """The last health seen, with the running round-trip average (any thread)."""
+        with self._lock:
+            health = self._health
+            rtt = self._rtt_us
+        return ServerHealth(
+            mode=health.mode,
+            nodes_known=health.nodes_known,
+            nodes_reachable=health.nodes_reachable,
+            round_trip_us=round(rtt),
+            max_memory_bytes=health.max_memory_bytes,
+            used_memory_bytes=health.used_memory_bytes,
+            system_memory_bytes=health.system_memory_bytes,
+            evicted_keys=health.evicted_keys,
+        )
+
+    @property
+    def is_cluster(self) -> bool:
+        return isinstance(self._client, RedisCluster)
+
+    def client(self) -> redis.Redis | RedisCluster:
+        """The client, built at the first call (blocking: asks the server its mode).
+
+        Raises redis.ConnectionError when the mode cannot be learned now (no URL
+        answered); the next try is at most every :data:`RESOLVE_RETRY_S`."""
+        with self._lock:
+            if self._client is not None:
+                return self._client
+            if self._closed:
+                raise redis.ConnectionError("the redis tier is shut down")
+            if self._resolve_error is not None and (
+                time.monotonic() - self._resolved_at < RESOLVE_RETRY_S
+            ):
+                raise redis.ConnectionError(f"server not reached: {self._resolve_error}")
+            try:
+                self._client = self._build()
+            except (redis.RedisError, RedisClusterException, OSError) as exc:
+                self._resolved_at = time.monotonic()
+                self._resolve_error = exc
+                raise redis.ConnectionError(f"server not reached: {exc}") from None
+            self._resolve_error = None
+            mode = "cluster" if isinstance(self._client, RedisCluster) else "standalone"
+            self._health = ServerHealth(mode=mode, nodes_known=len(self._masters(self._client)))
+            log.info(
+                "redis tier: %s server at %s",
+                mode, ", ".join(_netloc(u) for u in self.settings.urls),
+            )  # fmt: skip
+            return self._client
+
+    def _build(self) -> redis.Redis | RedisCluster:
+        mode = self.settings.cluster
+        if mode == "auto":
+            mode = "true" if self._asks_cluster() else "false"
+        if mode == "false":
+            return redis.Redis.from_url(self.settings.urls[0], **self._options())
+        nodes = []
+        for url in self.settings.urls:
+            parts = urllib.parse.urlsplit(url)
+            nodes.append(ClusterNode(parts.hostname or "127.0.0.1", parts.port or 6379))
+        options = self._options()
+        options.pop("retry")
+        if urllib.parse.urlsplit(self.settings.urls[0]).scheme == "rediss":
+            options["ssl"] = True
+        return RedisCluster(
+            startup_nodes=nodes,
+            require_full_coverage=False,  # the nodes that are up serve their slots
+            retry=Retry(NoBackoff(), 1),  # one retry, after the topology was re-read
+            **options,
+        )
+
+    def _options(self) -> dict[str, Any]:
+        s = self.settings
+        return {
+            "username": s.username or None,
+            "password": self._password,
+            "socket_timeout": s.timeout,
+            "socket_connect_timeout": s.timeout,
+            "max_connections": s.threads + 4,  # I/O threads, and probes sharing them
+            "retry": Retry(NoBackoff(), 0),  # a fault fails the call; the tier counts it
+            "health_check_interval": 0,
+        }
+
+    def _asks_cluster(self) -> bool:
+        """``INFO cluster`` of the first URL that answers: ``cluster_enabled:1``?"""
+        error: BaseException | None = None
+        for url in self.settings.urls:
+            probe = redis.Redis.from_url(url, **self._options())
+            try:
+                return _is_cluster_reply(probe.info("cluster"))
+            except redis.RedisError as exc:
+                error = exc
+            finally:
+                probe.close()
+        raise redis.ConnectionError(f"no seed URL answered INFO: {error}")
+
+    @staticmethod
+    def _masters(client: redis.Redis | RedisCluster) -> list[tuple[str, NodeClient]]:
+        """(name, node client) of every master the client knows (standalone: one)."""
+        if isinstance(client, RedisCluster):
+            return [(n.name, client.get_redis_connection(n)) for n in client.get_primaries()]
+        return [("server", client)]
+
+    def node_for(self, redis_key: bytes) -> tuple[str, NodeClient]:
+        """The name and client of the master owning ``redis_key`` (slot map, no I/O)."""
+        client = self.client()
+        if isinstance(client, RedisCluster):
+            node = client.get_node_from_key(redis_key)
+            return node.name, client.get_redis_connection(node)
+        return "server", client
+
+    # -- commands (I/O threads) ----------------------------------------------------------
+
+    def store_value(
+        self, redis_key: bytes, chunks: Sequence[bytes | memoryview], value: Callable[[], bytes],
+        args: Sequence[bytes],
+    ) -> bool:  # fmt: skip
+        """``SET redis_key <value> *args`` on the owning node, ``chunks`` being the
+        whole command in RESP (the row unjoined). True when the value was written.
+        A redirect is followed through the cluster client with ``value()`` (joined:
+        the rare path)."""
+        _, node = self.node_for(redis_key)
+        pool = node.connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command(chunks)
+            written = conn.read_response()
+        except AskError:
+            pool.release(conn)  # the reply was read whole: the connection is clean
+            client = self.client()
+            return bool(client.execute_command("SET", redis_key, value(), *args))
+        except (redis.ConnectionError, redis.TimeoutError):
+            conn.disconnect()
+            pool.release(conn)
+            self._suspect_topology()
+            raise
+        except redis.ResponseError:
+            pool.release(conn)
+            raise
+        except BaseException:
+            conn.disconnect()  # a reply may be left unread: never reuse the connection
+            pool.release(conn)
+            raise
+        pool.release(conn)
+        return bool(written)
+
+    def get(self, redis_key: bytes) -> Any:
+        """``GET redis_key`` on the owning node (a redirect followed)."""
+        _, node = self.node_for(redis_key)
+        try:
+            return node.get(redis_key)
+        except AskError:
+            return self.client().get(redis_key)
+        except (redis.ConnectionError, redis.TimeoutError):
+            self._suspect_topology()
+            raise
+
+    def node_client(self, redis_key: bytes) -> NodeClient:
+        return self.node_for(redis_key)[1]
+
+    def per_node(self, command: str, redis_keys: Sequence[bytes]) -> tuple[list[Reply], int]:
+        """``command key`` for each key, as one pipeline per owning node: every
+        pipeline written before any is read (one round trip in all). Returns each
+        key's reply, or the exception that key got (a node that fails fails its
+        own keys only; a redirected key is asked again through the cluster client),
+        and how many nodes failed."""
+        replies: list[Reply] = [None] * len(redis_keys)
+        groups: dict[str, tuple[NodeClient, list[int]]] = {}
+        for index, redis_key in enumerate(redis_keys):
+            name, node = self.node_for(redis_key)
+            groups.setdefault(name, (node, []))[1].append(index)
+        started = time.perf_counter()
+        sent: list[tuple[Any, Any, list[int]]] = []  # (pool, connection, indices)
+        failed_nodes = 0
+        for node, indices in groups.values():
+            pool = node.connection_pool
+            conn = None
+            try:
+                conn = pool.get_connection()
+                conn.send_packed_command(
+                    conn.pack_commands([(command, redis_keys[i]) for i in indices])
+                )
+            except (redis.RedisError, OSError) as exc:
+                failed_nodes += 1
+                self._fail(replies, indices, exc, pool, conn)
+                continue
+            sent.append((pool, conn, indices))
+        for pool, conn, indices in sent:
+            done = 0
+            try:
+                for i in indices:
+                    try:
+                        replies[i] = conn.read_response()
+                    except redis.ResponseError as exc:
+                        replies[i] = exc
+                    done += 1
+            except (redis.RedisError, OSError) as exc:
+                failed_nodes += 1
+                self._fail(replies, indices[done:], exc, pool, conn)
+                continue
+            pool.release(conn)
+        if sent and not failed_nodes:
+            self._note_round_trip(time.perf_counter() - started)
+        if failed_nodes:
+            self._suspect_topology()
+        for i, reply in enumerate(replies):
+            if isinstance(reply, AskError):  # resharding / failover: the cluster client follows
+                try:
+                    replies[i] = self.client().execute_command(command, redis_keys[i])
+                except redis.RedisError as exc:
+                    replies[i] = exc
+        return replies, failed_nodes
+
+    @staticmethod
+    def _fail(
+        replies: list[Reply], indices: Sequence[int], exc: BaseException, pool: Any, conn: Any
+    ) -> None:
+        for i in indices:
+            replies[i] = exc
+        if conn is not None:
+            conn.disconnect()  # replies may be left unread
+            pool.release(conn)
+
+    # -- health (I/O threads) ------------------------------------------------------------
+
+    def refresh_health(self) -> ServerHealth:
+        """PING and ``INFO memory`` / ``INFO stats`` every master: reachable nodes,
+        round trips, memory. Never raises for a node that does not answer (it is
+        counted unreachable); raises redis.ConnectionError when no client can be
+        built yet."""
+        client = self.client()
+        masters = self._masters(client)
+        reachable = max_memory = used = system = evicted = 0
+        unbounded = False
+        for _, node in masters:
+            try:
+                started = time.perf_counter()
+                node.ping()
+                self._note_round_trip(time.perf_counter() - started)
+                memory = node.info("memory")
+                stats = node.info("stats")
+            except (redis.RedisError, OSError):
+                continue
+            reachable += 1
+            limit = int(memory.get("maxmemory", 0) or 0)
+            unbounded = unbounded or limit == 0
+            max_memory += limit
+            used += int(memory.get("used_memory", 0) or 0)
+            system += int(memory.get("total_system_memory", 0) or 0)
+            evicted += int(stats.get("evicted_keys", 0) or 0)
+        if reachable < len(masters):
+            self._suspect_topology()
+        health = ServerHealth(
+            mode="cluster" if isinstance(client, RedisCluster) else "standalone",
+            nodes_known=len(masters),
+            nodes_reachable=reachable,
+            max_memory_bytes=0 if unbounded else max_memory,
+            used_memory_bytes=used,
+            system_memory_bytes=system,
+            evicted_keys=evicted,
+        )
+        with self._lock:
+            self._health = health
+        return self.health
+
+    def _note_round_trip(self, seconds: float) -> None:
+        sample = seconds * 1e6
+        with self._lock:
+            if self._rtt_us == 0.0:
+                self._rtt_us = sample
+            else:
+                self._rtt_us += RTT_EWMA_WEIGHT * (sample - self._rtt_us)
+
+    def _suspect_topology(self) -> None:
+        """A node failed: re-read the slot map (a failover's new master), at most
+        once every :data:`TOPOLOGY_REFRESH_S`, by one thread (the others go on)."""
+        client = self._client
+        if not isinstance(client, RedisCluster):
+            return
+        now = time.monotonic()
+        if now - self._topology_refreshed_at < TOPOLOGY_REFRESH_S:
+            return
+        if not self._refreshing.acquire(blocking=False):
+            return
+        try:
+            self._topology_refreshed_at = now
+            client.nodes_manager.initialize()
+        except (redis.RedisError, RedisClusterException, OSError) as exc:
+            log.debug("redis tier: topology refresh failed: %s", exc)
+        finally:
+            self._refreshing.release()
+
+    def close(self) -> None:
+        """Closes the connections; later calls fail. Idempotent."""
+        with self._lock:
+            self._closed = True
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+
+def _netloc(url: str) -> str:
+    """``host:port`` of ``url`` (no user, no password: for logs)."""
+    parts = urllib.parse.urlsplit(url)
+    return f"{parts.hostname}:{parts.port or 6379}"
