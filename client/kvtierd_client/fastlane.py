@@ -33,7 +33,7 @@ from typing import Any
 
 import grpc
 
-from kvtierd_client.errors import KvtierError, Unavailable, from_status
+from kvtierd_client.errors import KvtierError, NotFound, Unavailable, from_status
 from kvtierd_client.lane_frames import BIND, HEADER, METHODS, OK, VERSION, frame
 from kvtierd_client.proto import pb2
 
@@ -59,10 +59,21 @@ def _lane_error(kind: int, body: bytes, address: str) -> KvtierError:
     return from_status(code, body.decode("utf-8", "replace"), address)
 
 
-def _lost(path: str, address: str, why: str) -> Unavailable:
+def _unreachable(path: str, address: str, why: str) -> Unavailable:
+    """A lane that could not be connected and bound: the session lives on (gRPC)."""
     return Unavailable(
-        f"cannot reach kvtierd at {address}: its fast lane {path} {why} "
-        "(the daemon stopped, or cut the connection; the session ended with it)",
+        f"cannot reach kvtierd at {address}: its fast lane {path} {why}", address=address
+    )
+
+
+def _lost(path: str, address: str, why: str) -> NotFound:
+    """A bound lane that ended: the daemon closes a session when its lane ends (or it
+    stopped, and a restarted daemon never knew the session), so the session is gone,
+    as a daemon answering NOT_FOUND would say. A caller reopens at once instead of
+    waiting out a daemon it believes down (a restart is seen as one lost call)."""
+    return NotFound(
+        f"the session ended: its fast lane {path} to kvtierd at {address} {why} "
+        "(the daemon stopped or restarted, or cut the connection)",
         address=address,
     )
 
@@ -101,7 +112,7 @@ class FastLane:
             kind, body = self._read()
         except OSError as err:
             self._sock.close()
-            raise _lost(self.path, address, f"cannot be connected ({err})") from err
+            raise _unreachable(self.path, address, f"cannot be connected ({err})") from err
         except KvtierError:
             self._sock.close()
             raise
@@ -232,7 +243,7 @@ class AsyncFastLane:
             kind, body = await asyncio.wait_for(self._read(), timeout)
         except (OSError, asyncio.IncompleteReadError, TimeoutError) as err:
             self.close()
-            raise _lost(self.path, self.address, f"cannot be connected ({err!r})") from err
+            raise _unreachable(self.path, self.address, f"cannot be connected ({err!r})") from err
         if kind != OK:
             self.close()
             raise _lane_error(kind, body, self.address)

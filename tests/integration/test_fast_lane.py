@@ -461,6 +461,28 @@ def test_an_unreachable_lane_falls_back_to_grpc(pool_name, caplog):
         daemon.cleanup()
 
 
+@pytest.mark.parametrize("restart", [False, True], ids=["stopped", "restarted"])
+def test_a_lane_ended_by_the_daemon_is_a_session_gone_not_a_daemon_down(pool_name, restart):
+    """The daemon stops (and maybe comes back): the session's next call finds its lane
+    closed. The session ended with its lane, so the call raises NotFound and the
+    session is gone -- a caller (the vLLM plug-in) reopens at once. Unavailable
+    made the plug-in serve misses for retry_interval after every restart."""
+    daemon = start_daemon("--memory-budget", "64MiB")
+    try:
+        with Client(daemon.address) as client:
+            session = client.open_session(pool_name, block_bytes=4096, num_blocks=8)
+            assert session.fast_lane
+            assert daemon.stop() == 0
+            if restart:
+                daemon = daemon.restart()
+            with pytest.raises(NotFound, match="fast lane"):
+                session.lookup([b"k"])
+            assert session.gone
+    finally:
+        daemon.stop()
+        daemon.cleanup()
+
+
 def test_a_forked_child_uses_grpc_not_its_parents_lane(lane_daemon, pool_name):
     with Client(lane_daemon.address) as client:
         session = client.open_session(pool_name, block_bytes=4096, num_blocks=8)
