@@ -84,19 +84,21 @@ class AsyncClient(Connection):
     async def open_session(
         self, pool: str, block_bytes: int, num_blocks: int = 0, layout: str = "",
         eviction_policy: str = "", client_name: str = "", keepalive: bool = True,
+        timeout: float | None = None,
     ) -> AsyncSession:  # fmt: skip
         """Creates or joins ``pool``; returns a session bound to it (RPC ``OpenSession``).
 
-        Arguments as :meth:`kvtierd_client.client.Client.open_session` (no completion
-        queue). With ``keepalive`` an asyncio task renews the lease every ``lease_ms / 3``
-        until the session is closed. Raises ``InvalidArgument``, ``FailedPrecondition``
-        (pool mismatch), ``ResourceExhausted`` (memory budget), ``Unavailable``,
-        ``DeadlineExceeded``, ``Unauthenticated`` / ``PermissionDenied``.
+        Arguments (``timeout`` too) as :meth:`kvtierd_client.client.Client.open_session`
+        (no completion queue). With ``keepalive`` an asyncio task renews the lease
+        every ``lease_ms / 3`` until the session is closed. Raises ``InvalidArgument``,
+        ``FailedPrecondition`` (pool mismatch), ``ResourceExhausted`` (memory budget),
+        ``Unavailable``, ``DeadlineExceeded``, ``Unauthenticated`` / ``PermissionDenied``.
         """
         sent_at = time.monotonic()
         response = await self._call(
-            codec.OPEN_SESSION, pool, block_bytes, num_blocks, layout, eviction_policy, client_name
-        )
+            codec.OPEN_SESSION, pool, block_bytes, num_blocks, layout, eviction_policy, client_name,
+            timeout=self._open_session_timeout(timeout),
+        )  # fmt: skip
         session = AsyncSession(self, response, sent_at, keepalive=keepalive)
         if self.fast_lane and offered(response):
             lane = AsyncFastLane(response, self.address)

@@ -102,6 +102,7 @@ class Client(Connection):
         keepalive: bool = True,
         queue_completions: bool = False,
         flush_after: float = DEFAULT_FLUSH_AFTER,
+        timeout: float | None = None,
     ) -> Session:
         """Creates or joins ``pool`` and returns a session bound to it (RPC ``OpenSession``).
 
@@ -117,6 +118,10 @@ class Client(Connection):
         the session's calls in the order they were made; a queued call's error is
         logged and kept in ``session.deferred_errors`` instead of raising.
 
+        ``timeout``: this call's deadline; by default the client's timeout, at least
+        ``OPEN_SESSION_TIMEOUT`` (120 s): the first session of a pool waits while the
+        daemon creates its region (seconds per GiB).
+
         Raises ``InvalidArgument`` (bad name, block size, policy), ``FailedPrecondition``
         (the pool exists with another block size or layout), ``ResourceExhausted``
         (the memory budget cannot fit the pool), ``Unavailable``, ``DeadlineExceeded``,
@@ -124,8 +129,9 @@ class Client(Connection):
         """
         sent_at = time.monotonic()
         response = self._call(
-            OPEN_SESSION, pool, block_bytes, num_blocks, layout, eviction_policy, client_name
-        )
+            OPEN_SESSION, pool, block_bytes, num_blocks, layout, eviction_policy, client_name,
+            timeout=self._open_session_timeout(timeout),
+        )  # fmt: skip
         session = Session(
             self,
             response,

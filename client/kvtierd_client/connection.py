@@ -33,6 +33,9 @@ __all__ = ["DEFAULT_CHANNEL_OPTIONS", "DEFAULT_TIMEOUT", "Connection", "WatchStr
 log = logging.getLogger("kvtierd_client")
 
 DEFAULT_TIMEOUT = 5.0
+# OpenSession creates a pool's region the first time (allocation and pre-faulting:
+# seconds per GiB), so its deadline is at least this, whatever the client's timeout
+OPEN_SESSION_TIMEOUT = 120.0
 """Seconds each call may take before it fails with ``DeadlineExceeded``."""
 
 MIN_CONNECT_TIMEOUT_MS = 20_000  # gRPC's default; see DEFAULT_CHANNEL_OPTIONS
@@ -147,6 +150,14 @@ class Connection:
                 self._lanes.discard(lane)
 
         lane.on_close = forget
+
+    def _open_session_timeout(self, timeout: float | None) -> float:
+        """The deadline of one ``OpenSession``: ``timeout`` when given, else the
+        client's timeout raised to :data:`OPEN_SESSION_TIMEOUT` (the first session of
+        a big pool waits for its region to be created)."""
+        if timeout is not None:
+            return timeout
+        return max(self.timeout, OPEN_SESSION_TIMEOUT)
 
     def _lanes_to_close(self) -> list[Any]:
         """The lanes still open, for ``close()`` (their sessions are closed first)."""

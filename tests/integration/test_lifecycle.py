@@ -156,3 +156,34 @@ def test_health_goes_not_serving_when_shutdown_begins():
         assert daemon.proc.wait(30) == 0
     finally:
         daemon.cleanup()
+
+
+def test_open_session_waits_for_a_slow_pool_creation_past_the_clients_timeout(daemon):
+    """The first OpenSession of a big pool waits while the daemon creates its region
+    (seconds per GiB, more on a busy machine): its deadline is at least
+    OPEN_SESSION_TIMEOUT, not the client's per-call timeout (0.5 s here). The daemon
+    is stopped for 1.5 s while the call waits, as a slow creation would keep it."""
+    import threading
+    import time
+
+    from kvtierd_client.client import Client
+    from kvtierd_client.errors import DeadlineExceeded
+
+    with Client(daemon.address, timeout=0.5) as client:
+        client.get_stats()  # connected: the pause below hits the call, not the connect
+        daemon.proc.send_signal(signal.SIGSTOP)
+        resume = threading.Timer(1.5, daemon.proc.send_signal, (signal.SIGCONT,))
+        resume.start()
+        try:
+            started = time.monotonic()
+            session = client.open_session("slow-open", block_bytes=4096, num_blocks=4)
+            assert time.monotonic() - started >= 1.0
+            session.close()
+        finally:
+            resume.join()
+            daemon.proc.send_signal(signal.SIGCONT)
+        daemon.proc.send_signal(signal.SIGSTOP)
+        threading.Timer(1.5, daemon.proc.send_signal, (signal.SIGCONT,)).start()
+        with pytest.raises(DeadlineExceeded):  # an explicit timeout is kept
+            client.open_session("slow-open", block_bytes=4096, num_blocks=4, timeout=0.5)
+        time.sleep(1.6)
