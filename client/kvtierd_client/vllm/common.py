@@ -123,10 +123,14 @@ def open_session_on(
     client_name: str,
     *,
     queue_completions: bool = False,
+    timeout: float | None = None,
 ) -> Session:
     """One ``OpenSession`` on ``plan``'s pool. With ``queue_completions`` the session
     queues its completions (see ``Client.open_session``) and sends them alone after
-    ``settings.flush_after`` seconds at the latest (instead of the client's 5 ms)."""
+    ``settings.flush_after`` seconds at the latest (instead of the client's 5 ms).
+    ``timeout``: the call's deadline (None: the client's, at least 120 s, for an
+    engine start that may wait for a big pool's region; a reopen on the scheduler
+    thread passes the plug-in's per-call timeout and retries later instead)."""
     return client.open_session(
         plan.name,
         block_bytes=plan.block_bytes,
@@ -136,6 +140,7 @@ def open_session_on(
         client_name=client_name,
         queue_completions=queue_completions,
         flush_after=settings.flush_after,
+        timeout=timeout,
     )
 
 

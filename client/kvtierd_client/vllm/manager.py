@@ -139,7 +139,13 @@ class KvtierdOffloadingManager(OffloadingManager):
             client,
             session,
             functools.partial(
-                open_session_on, client, settings, plan, client_name, queue_completions=True
+                open_session_on,
+                client,
+                settings,
+                plan,
+                client_name,
+                queue_completions=True,
+                timeout=settings.timeout,
             ),
             pool_name=plan.name,
             retry_interval=settings.retry_interval,
