@@ -105,6 +105,7 @@ test-vllm: install-vllm
 bench-vllm: install-vllm
 	$(VLLM_ENV) $(VLLM_BIN)/python -m benchmarks.vllm_ttft
 	$(VLLM_ENV) $(VLLM_BIN)/python -m benchmarks.vllm_managers $(TRACE)
+	$(VLLM_ENV) $(VLLM_BIN)/python -m benchmarks.vllm_overhead
 
 lint: install
 	$(BIN)/ruff check kvtierd client tests benchmarks tools setup.py

@@ -181,15 +181,17 @@ class RunSpec:
     batch: bool  # Session(queue_completions=True): completions ride on the next call
     pool_blocks: int  # capacity of each pool this run opens
     pipelined: bool = False  # one Batch per step: previous stores + this lookup (pinned)
+    fast_lane: bool = True  # the sessions' hot calls over the fast lane; False: gRPC only
 
     @property
     def label(self) -> str:
         kind = " pipelined" if self.pipelined else " batch" if self.batch else ""
-        return f"{self.mode} {self.policy}{kind}"
+        return f"{self.mode} {self.policy}{kind}{'' if self.fast_lane else ' gRPC'}"
 
     def pool(self, tag: str, engine: int) -> str:
         suffix = f"/e{engine}" if self.mode == "isolated" else ""
         kind = "p" if self.pipelined else "b" if self.batch else "u"
+        kind += "" if self.fast_lane else "g"
         return f"replay-{tag}/{self.mode}-{self.policy}-{kind}{suffix}"
 
 
@@ -210,6 +212,7 @@ class EngineResult:
     empty: list[float] = field(default_factory=list)  # empty RPC (health Check) round trips
     empty_batch: list[float] = field(default_factory=list)  # Batch of no ops, same session
     wall: float = 0.0
+    daemon_cpu: float = 0.0  # daemon CPU seconds over the run (engine 0 measures it)
 
 
 @dataclass(frozen=True)
@@ -225,6 +228,7 @@ class EngineArgs:
     copy: bool
     pending_wait: float  # seconds to wait for HIT_PENDING blocks (promotions)
     flush_after: float  # seconds a queued completion waits for a carrier call (batch runs)
+    daemon_pid: int = 0  # engine 0 reads the daemon's CPU from /proc at each run's barriers
 
 
 def _wait_turn(progress: Any, engine: int, index: int, window: int) -> None:
@@ -240,9 +244,10 @@ def _engine_main(args: EngineArgs, barrier: Any, progress: Any, results: Any) ->
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from benchmarks.common import cpu_seconds
     from kvtierd_client.client import Client
 
-    client = Client(args.address, timeout=30)
+    clients = {True: Client(args.address, timeout=30)}
     channel = grpc.insecure_channel(args.address.replace("unix://", "unix:", 1))
     health = health_pb2_grpc.HealthStub(channel)
     check = health_pb2.HealthCheckRequest()
@@ -251,6 +256,11 @@ def _engine_main(args: EngineArgs, barrier: Any, progress: Any, results: Any) ->
             extra = (
                 {"queue_completions": True, "flush_after": args.flush_after} if run.batch else {}
             )
+            client = clients.get(run.fast_lane)
+            if client is None:
+                client = clients[run.fast_lane] = Client(
+                    args.address, timeout=30, fast_lane=run.fast_lane
+                )
             session = client.open_session(
                 run.pool(args.tag, args.engine),
                 block_bytes=args.block_bytes,
@@ -267,13 +277,19 @@ def _engine_main(args: EngineArgs, barrier: Any, progress: Any, results: Any) ->
                 check=lambda: health.Check(check, timeout=30),
                 batch=_empty_batch(channel, session.session_id),
             )
+            measures_cpu = args.engine == 0 and args.daemon_pid > 0
+            cpu_before = cpu_seconds(args.daemon_pid) if measures_cpu else 0.0
             result = replay_one(args, session, floors, progress)
+            barrier.wait()  # every engine's steps are done: the run's daemon CPU ends here
+            if measures_cpu:
+                result.daemon_cpu = cpu_seconds(args.daemon_pid) - cpu_before
             session.close()
             result.rpcs = session.rpcs
             results.put((run.label, args.engine, result))
     finally:
         channel.close()
-        client.close()
+        for client in clients.values():
+            client.close()
 
 
 @dataclass(frozen=True)
@@ -485,6 +501,11 @@ class ModeResult:
         return percentile(self.merged.latencies, q) if self.merged.latencies else 0.0
 
     @property
+    def daemon_cpu_per_step(self) -> float:
+        """Daemon CPU seconds per engine step over the run (floors included, if timed)."""
+        return self.merged.daemon_cpu / self.merged.steps if self.merged.steps else 0.0
+
+    @property
     def empty_p50(self) -> float:
         return percentile(self.merged.empty, 0.5) if self.merged.empty else 0.0
 
@@ -510,6 +531,7 @@ def _merge(parts: list[EngineResult]) -> EngineResult:
         merged.empty += part.empty
         merged.empty_batch += part.empty_batch
         merged.wall = max(merged.wall, part.wall)
+        merged.daemon_cpu = max(merged.daemon_cpu, part.daemon_cpu)
     return merged
 
 
@@ -541,10 +563,13 @@ def replay(
     fs_root: str | None = None,
     pending_wait_ms: float = 20.0,
     flush_after: float = DEFAULT_FLUSH_AFTER,
+    grpc_too: bool = False,
     log: Any = sys.stderr,
 ) -> list[ModeResult]:
     """Replays ``requests`` once per (mode, policy) through one fresh daemon; with
-    ``batch`` also once unbatched in the shared LRU mode (the RPC-count reference)."""
+    ``batch`` also once unbatched in the shared LRU mode (the RPC-count reference)
+    and once pipelined; with ``grpc_too`` the pipelined run once more with
+    ``Client(fast_lane=False)`` (daemon CPU per step: fast lane vs gRPC)."""
     from kvtierd_client.client import Client
 
     runs = [RunSpec(mode, policy, batch, capacity // engines if mode == "isolated" else capacity)
@@ -552,6 +577,10 @@ def replay(
     if batch and "shared" in modes:
         runs.append(RunSpec("shared", policies[0], False, capacity))
         runs.append(RunSpec("shared", policies[0], True, capacity, pipelined=True))
+        if grpc_too:
+            runs.append(
+                RunSpec("shared", policies[0], True, capacity, pipelined=True, fast_lane=False)
+            )
     queues = assign(requests, engines, how)
     tag = f"{os.getpid()}-{time.monotonic_ns() % 10**9}"
     budget = sum(r.pool_blocks * (engines if r.mode == "isolated" else 1) for r in runs)
@@ -574,7 +603,7 @@ def replay(
             engine_args = EngineArgs(
                 daemon.address, engine, [(r.index, request_keys(r)) for r in queue], runs, tag,
                 block_bytes, engines * 2 if window is None else window, floor_every, copy,
-                pending_wait_ms / 1000.0, flush_after,
+                pending_wait_ms / 1000.0, flush_after, daemon.proc.pid,
             )  # fmt: skip
             procs.append(ctx.Process(target=_engine_main,
                                      args=(engine_args, barrier, progress, results)))  # fmt: skip
@@ -643,7 +672,7 @@ def _fs_daemon(fs_root: str, args: list[str]) -> BenchDaemon:
 COLUMNS = ["mode", "policy", "batch", "pool blocks", "hit rate", "tokens saved",
            "blocks loaded", "blocks stored", "bytes moved", "evicted", "no room",
            "RPCs/step", "step p50 ms", "step p99 ms", "empty p50 ms", "p50/empty",
-           "empty Batch p50 ms", "p50/empty Batch", "wall s"]  # fmt: skip
+           "empty Batch p50 ms", "p50/empty Batch", "daemon CPU/step µs", "wall s"]  # fmt: skip
 
 
 def table_rows(results: Sequence[ModeResult]) -> list[list[str]]:
@@ -654,7 +683,8 @@ def table_rows(results: Sequence[ModeResult]) -> list[list[str]]:
         empty, empty_batch = r.empty_p50, r.empty_batch_p50
         rows.append([
             r.run.mode, r.run.policy,
-            "pipelined" if r.run.pipelined else "yes" if r.run.batch else "no",
+            ("pipelined" if r.run.pipelined else "yes" if r.run.batch else "no")
+            + ("" if r.run.fast_lane else ", gRPC only"),
             f"{r.engines}x{r.run.pool_blocks}" if r.run.mode == "isolated"
             else str(r.run.pool_blocks),
             f"{r.hit_rate:.2%}", f"{m.hits * TOKENS_PER_BLOCK:,}", f"{m.loaded:,}",
@@ -662,7 +692,8 @@ def table_rows(results: Sequence[ModeResult]) -> list[list[str]]:
             str(m.store_rejected), f"{r.rpcs_per_step:.2f}", f"{r.latency(0.5) * 1e3:.2f}",
             f"{r.latency(0.99) * 1e3:.2f}", f"{empty * 1e3:.2f}",
             f"{r.latency(0.5) / empty:.2f}x" if empty else "", f"{empty_batch * 1e3:.2f}",
-            f"{r.latency(0.5) / empty_batch:.2f}x" if empty_batch else "", f"{m.wall:.1f}",
+            f"{r.latency(0.5) / empty_batch:.2f}x" if empty_batch else "",
+            f"{r.daemon_cpu_per_step * 1e6:.0f}", f"{m.wall:.1f}",
         ])  # fmt: skip
     return rows
 
@@ -800,6 +831,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--floor-every", type=int, default=4, help="time an empty RPC after every Nth step (4)"
     )
+    parser.add_argument(
+        "--grpc-too",
+        action="store_true",
+        help="with --batch: replay the pipelined shared run once more over gRPC only "
+        "(Client(fast_lane=False)), to compare the daemon's CPU per step with the fast lane's "
+        "(use --floor-every 0: the timed floors are gRPC calls and cost daemon CPU)",
+    )
     parser.add_argument("--fs-root", default=None, help="add an fs tier at this directory")
     parser.add_argument(
         "--pending-wait-ms",
@@ -828,6 +866,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--engines must be >= 1")
     if args.flush_after_ms < 0:
         parser.error("--flush-after-ms must be >= 0")
+    if args.grpc_too and not args.batch:
+        parser.error("--grpc-too needs --batch (it repeats the pipelined run, which batches)")
     if args.batch and not batch_supported():
         print("replay: this client cannot queue completions; --batch ignored", file=sys.stderr)
         args.batch = False
@@ -872,6 +912,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         fs_root=args.fs_root,
         pending_wait_ms=args.pending_wait_ms,
         flush_after=args.flush_after_ms / 1000.0,
+        grpc_too=args.grpc_too,
     )
     text = markdown_table(COLUMNS, table_rows(results))
     print()
@@ -879,7 +920,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     notes = []
     for r in results:
         m, s = r.merged, r.daemon_stats
-        note = f"{r.run.label}: load races {m.load_races}, mean RPCs/step {r.rpcs_per_step:.2f}"
+        note = (
+            f"{r.run.label}: load races {m.load_races}, mean RPCs/step {r.rpcs_per_step:.2f}, "
+            f"daemon CPU {m.daemon_cpu:.2f} s over {m.steps:,} steps"
+        )
         if args.fs_root:
             note += (
                 f", primary hits (daemon) {s.get('primary_hits', 0):,}, fs hits "

@@ -82,13 +82,6 @@ class Client(Connection):
             self._raise_call_error(err)
         return op.decode(response)
 
-    def _lane_call(
-        self, lane: FastLane, op: Op[R], *args: Any, timeout: float | None = None, **kwargs: Any
-    ) -> R:
-        """Runs ``op`` over a session's fast lane; raises as ``_call``."""
-        request, deadline = self._lane_request(op, args, kwargs, timeout)
-        return op.decode(lane.call(op.rpc, request, deadline))
-
     # -- RPCs ------------------------------------------------------------------------
 
     def open_session(

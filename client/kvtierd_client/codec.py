@@ -130,11 +130,12 @@ def _encode_open_session(
 # -- decoders ----------------------------------------------------------------------------
 
 _LOOKUP_RESULTS = {int(r): r for r in LookupResult}
+_LOOKUP_RESULT_OF = _LOOKUP_RESULTS.__getitem__
 
 
 def _decode_lookup(response: pb2.LookupResponse) -> list[LookupResult]:
     try:
-        return [_LOOKUP_RESULTS[r] for r in response.results]
+        return list(map(_LOOKUP_RESULT_OF, response.results))
     except KeyError as err:
         raise Internal(f"Lookup: the daemon answered an unknown result {err.args[0]}") from None
 

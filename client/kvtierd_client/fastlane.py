@@ -41,6 +41,18 @@ __all__ = ["AsyncFastLane", "FastLane", "offered"]
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _RECV_BYTES = 1 << 16
+
+# The number of forks this process descends from, counted by a fork hook: a lane
+# connected in an ancestor is not this process's (``usable``). Cheaper per call
+# than ``os.getpid()``, a system call.
+_forks = [0]
+
+
+def _forked() -> None:
+    _forks[0] += 1
+
+
+os.register_at_fork(after_in_child=_forked)
 MIN_MAX_ANSWER_BYTES = 64 << 20  # the gRPC channel's receive limit (DEFAULT_CHANNEL_OPTIONS)
 
 
@@ -93,6 +105,7 @@ class FastLane:
         self.address = address
         self._max_answer = _max_answer_bytes(response)
         self._pid = os.getpid()
+        self._forks = _forks[0]
         self._lock = threading.Lock()
         self._buffer = bytearray()  # answer bytes received, not taken yet
         self._scratch = bytearray(_RECV_BYTES)  # recv_into target: no allocation per read
@@ -122,8 +135,8 @@ class FastLane:
 
     @property
     def usable(self) -> bool:
-        """Not broken, and this is the process that connected it."""
-        return not self.broken and os.getpid() == self._pid
+        """Not broken, and this is the process that connected it (no fork since)."""
+        return not self.broken and _forks[0] == self._forks
 
     def call(self, rpc: str, request: Any, timeout: float) -> Any:
         """Sends ``request`` of RPC ``rpc`` and returns its response message; raises
@@ -225,6 +238,7 @@ class AsyncFastLane:
         self._token: bytes = response.fast_lane_token
         self._max_answer = _max_answer_bytes(response)
         self._pid = os.getpid()
+        self._forks = _forks[0]
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._waiting: collections.deque[asyncio.Future[tuple[int, bytes]]] = collections.deque()
@@ -251,7 +265,7 @@ class AsyncFastLane:
 
     @property
     def usable(self) -> bool:
-        return not self.broken and os.getpid() == self._pid
+        return not self.broken and _forks[0] == self._forks
 
     async def call(self, rpc: str, request: Any, timeout: float) -> Any:
         """As ``FastLane.call``, awaited."""

@@ -105,9 +105,11 @@ class Session(SessionState):
         with self._tracked_call():
             lane = self._lane
             if lane is not None and op.rpc in LANE_METHODS and lane.usable:
-                return self.client._lane_call(
-                    lane, op, self.session_id, *args, timeout=timeout, **kwargs
+                # Client._lane_call inlined (the lane's per-call path): the same checks
+                request, deadline = self.client._lane_request(
+                    op, (self.session_id, *args), kwargs, timeout
                 )
+                return op.decode(lane.call(op.rpc, request, deadline))
             return self.client._call(op, self.session_id, *args, timeout=timeout, **kwargs)
 
     def _answer(self, op: Op[R], keys: Sequence[bytes], **fields: Any) -> R:

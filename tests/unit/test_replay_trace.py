@@ -13,7 +13,12 @@ if str(REPO) not in sys.path:  # benchmarks/ is not an installed package
     sys.path.insert(0, str(REPO))
 
 from benchmarks.replay import (  # noqa: E402
+    COLUMNS,
+    EngineResult,
+    ModeResult,
     Request,
+    RunSpec,
+    _merge,
     assign,
     block_key,
     default_capacity,
@@ -23,6 +28,7 @@ from benchmarks.replay import (  # noqa: E402
     main,
     parse_trace,
     request_keys,
+    table_rows,
     unbounded_hit_rate,
 )
 
@@ -114,6 +120,7 @@ def test_default_capacity_is_a_multiple_of_the_engines() -> None:
     [
         ("--engines=0", "--engines must be >= 1"),
         ("--flush-after-ms=-1", "--flush-after-ms must be"),
+        ("--grpc-too", "--grpc-too needs --batch"),
     ],
 )
 def test_cli_rejects_bad_numbers_naming_the_flag(tmp_path, capsys, flag, message) -> None:
@@ -123,3 +130,26 @@ def test_cli_rejects_bad_numbers_naming_the_flag(tmp_path, capsys, flag, message
         main([str(trace), flag])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_grpc_only_run_has_its_own_label_and_pools() -> None:
+    lane = RunSpec("shared", "lru", True, 64, pipelined=True)
+    grpc_only = RunSpec("shared", "lru", True, 64, pipelined=True, fast_lane=False)
+    assert lane.label == "shared lru pipelined"
+    assert grpc_only.label == "shared lru pipelined gRPC"
+    # the two runs never see each other's keys: one daemon serves both
+    assert lane.pool("t", 0) != grpc_only.pool("t", 0)
+
+
+def test_daemon_cpu_is_reported_per_engine_step() -> None:
+    # engine 0 alone measures the daemon's CPU over the run: the merge keeps it
+    parts = [EngineResult(steps=300, daemon_cpu=0.6), EngineResult(steps=200)]
+    merged = _merge(parts)
+    assert merged.steps == 500
+    assert merged.daemon_cpu == pytest.approx(0.6)
+    spec = RunSpec("shared", "lru", True, 64, pipelined=True, fast_lane=False)
+    result = ModeResult(spec, 2, 64, 4096, merged, {})
+    assert result.daemon_cpu_per_step == pytest.approx(0.6 / 500)
+    (row,) = table_rows([result])
+    assert row[COLUMNS.index("batch")] == "pipelined, gRPC only"
+    assert row[COLUMNS.index("daemon CPU/step µs")] == "1200"
