@@ -8,17 +8,29 @@ the fs tier's tests.
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
 import redis
-from daemon_harness import DaemonProcess, eventually, start_daemon
+from daemon_harness import (
+    DaemonProcess,
+    eventually,
+    fs_tiers_config,
+    health_status,
+    start_daemon,
+)
+from local_users import LocalUser, other_user
 from redis_harness import RedisServer
 from test_fs_tier_daemon import MISS, Engine, block_keys
 from test_redis_tier_daemon import redis_config, redis_key
 
 from kvtierd_client.errors import FailedPrecondition
+
+__all__ = ["other_user"]  # the fixture, imported for these tests
 
 
 def _peak_rss_bytes(pid: int) -> int:
@@ -86,3 +98,68 @@ def test_a_huge_value_planted_under_a_blocks_redis_key_is_read_bounded(
         engine.session.prepare_load(keys[:1])
     engine.close()
     server.close()
+
+
+# -- fs root lock ----------------------------------------------------------------------
+
+_PLANT_LOCK = """
+import os, sys
+path = sys.argv[1]
+try:
+    os.unlink(path)
+except FileNotFoundError:
+    pass
+os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+"""
+
+
+def _served_or_exited(daemon: DaemonProcess) -> None:
+    def settled() -> bool:
+        if not daemon.alive():
+            return True
+        return os.path.exists(daemon.socket_path) and health_status(daemon) == "SERVING"
+
+    eventually(settled, 30.0, lambda: f"the daemon served or exited:\n{daemon.log()}")
+
+
+@pytest.fixture
+def sticky_root() -> Iterator[str]:
+    """An fs root like /tmp: world-writable with the sticky bit (the start-up root
+    check accepts it: others cannot swap the daemon's own entries)."""
+    root = tempfile.mkdtemp(prefix="kvt-sticky-", dir="/tmp")
+    os.chmod(root, 0o1777)
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_root_lock_file_planted_by_another_uid_is_refused(
+    other_user: LocalUser, sticky_root: str
+):
+    """In a sticky root another uid may create ``.kvtierd-root.lock`` before the
+    daemon. The daemon used to lock that file: its owner can then unlink it (its
+    own file, even in a sticky directory) and plant a fresh one, which a second
+    non-shared daemon locks too -- two ``shared = false`` daemons on one root, the
+    very thing the lock exists to prevent. A lock file the daemon does not own is
+    now refused at start (exit 2, naming it), so at most one of them ever runs."""
+    lock = os.path.join(sticky_root, ".kvtierd-root.lock")
+    planted = other_user.run_python(_PLANT_LOCK, lock)
+    assert planted.returncode == 0, planted.stderr
+    config = fs_tiers_config(sticky_root)
+    first = start_daemon(config=config, wait=False)
+    second: DaemonProcess | None = None
+    try:
+        _served_or_exited(first)
+        replanted = other_user.run_python(_PLANT_LOCK, lock)  # its own file: it may
+        assert replanted.returncode == 0, replanted.stderr
+        second = start_daemon(config=config, wait=False)
+        _served_or_exited(second)
+        running = [d for d in (first, second) if d.alive()]
+        assert len(running) <= 1, "two shared = false daemons run on one root"
+        assert first.proc.wait(timeout=30) == 2, first.log()
+        assert "kvtierd-root.lock" in first.log() and "another user" in first.log()
+    finally:
+        for daemon in (first, second):
+            if daemon is not None:
+                daemon.cleanup()
