@@ -260,7 +260,9 @@ class PoolTable:
             spec.name, spec.block_bytes, spec.num_blocks, spec.layout, st_dev, st_ino,
             self._memory.warm_restart_checksum_bytes,
         )  # fmt: skip
-        journal = JournalWriter(journal_path(region.path), header, region.buffer())
+        journal = JournalWriter(
+            journal_path(region.path), header, region.buffer(), region_fd=region.fileno()
+        )
         ready: list[tuple[int, bytes, int]] = []
         quarantined: list[int] = []
         if adoption is not None:

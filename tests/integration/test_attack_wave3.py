@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -28,6 +30,7 @@ from redis_harness import RedisServer
 from test_fs_tier_daemon import MISS, Engine, block_keys
 from test_redis_tier_daemon import redis_config, redis_key
 
+from kvtierd_client.client import Client, LookupResult
 from kvtierd_client.errors import FailedPrecondition
 
 __all__ = ["other_user"]  # the fixture, imported for these tests
@@ -163,3 +166,38 @@ def test_a_root_lock_file_planted_by_another_uid_is_refused(
         for daemon in (first, second):
             if daemon is not None:
                 daemon.cleanup()
+
+
+# -- warm restart ----------------------------------------------------------------------
+
+WARM_BLOCK = 8192
+
+
+def test_a_client_that_truncates_the_region_cannot_kill_the_daemon():
+    """Every client of a pool holds its region file writable (the descriptor the
+    daemon passes; group members may also open it), so it can ``ftruncate`` it. The
+    warm-restart journal hashed completed rows through the daemon's mapping: a row
+    past the new end raised SIGBUS and killed the daemon -- every pool and session of
+    every user -- at the next CompleteStore. The journal now reads rows with
+    ``preadv`` (a short read: the row is not vouched for, MISS after a restart)."""
+    daemon = start_daemon("--lease", "2s", "--write-quarantine", "1s")
+    try:
+        client = Client(daemon.address)
+        attacker = client.open_session("cut", block_bytes=WARM_BLOCK, num_blocks=64, layout="l1")
+        bystander = client.open_session("other", block_bytes=WARM_BLOCK, num_blocks=64, layout="l1")
+        os.truncate(attacker.region.path, 0)
+        keys = [b"k%d" % i for i in range(8)]
+        grant = attacker.prepare_store(keys)
+        assert grant is not None and len(grant.block_ids) == 8
+        attacker.complete_store(keys)  # never written: the rows are past the end
+        journal = attacker.region.path[: -len(".region")] + ".journal"
+        time.sleep(1.0)  # the journal hashes a completion within ~5 ms (BATCH_DELAY_SECONDS)
+        assert daemon.alive(), f"the daemon died ({daemon.proc.returncode}):\n{daemon.log()}"
+        assert bystander.lookup([b"x"]) == [LookupResult.MISS]  # everyone else still served
+        assert os.path.exists(journal)
+        attacker.close()
+        bystander.close()
+        client.close()
+    finally:
+        daemon.stop(signal.SIGKILL)
+        daemon.cleanup()
