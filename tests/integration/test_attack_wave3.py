@@ -201,3 +201,31 @@ def test_a_client_that_truncates_the_region_cannot_kill_the_daemon():
     finally:
         daemon.stop(signal.SIGKILL)
         daemon.cleanup()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: the redis tier's store (blockio.store_one) hashes the row and hands it to "
+    "the socket through the daemon's mapping on an I/O thread, so a region a client truncated "
+    "kills the daemon with SIGBUS at the cascade; fixing it means reading the row with preadv "
+    "(a copy per store: the tier's design sends it unjoined) or running the stores in worker "
+    "processes as the fs tier's io_processes do",
+)
+def test_a_truncated_region_cannot_kill_the_daemon_through_the_redis_tier(
+    redis_server: RedisServer, key_prefix: str, pool_name
+):
+    daemon = start_daemon(
+        "--memory-budget", "64MiB", config=redis_config(redis_server.url, key_prefix)
+    )
+    try:
+        engine = Engine(daemon, pool_name)
+        os.truncate(engine.session.region.path, 0)
+        keys = block_keys("cut", 4)
+        engine.session.prepare_store(keys)
+        engine.session.complete_store(keys)  # never written: past the end; cascaded to redis
+        time.sleep(2.0)  # the cascade runs within milliseconds
+        assert daemon.alive(), f"the daemon died ({daemon.proc.returncode})"
+        engine.close()
+    finally:
+        daemon.stop(signal.SIGKILL)
+        daemon.cleanup()
