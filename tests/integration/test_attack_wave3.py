@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -227,5 +229,64 @@ def test_a_truncated_region_cannot_kill_the_daemon_through_the_redis_tier(
         assert daemon.alive(), f"the daemon died ({daemon.proc.returncode})"
         engine.close()
     finally:
+        daemon.stop(signal.SIGKILL)
+        daemon.cleanup()
+
+
+# -- fast lane ---------------------------------------------------------------------------
+
+LANE_LEASE_S = 6.0
+_LANE_OWNER = """
+import sys, time
+from kvtierd_client.client import Client
+client = Client(sys.argv[1])
+session = client.open_session(sys.argv[2], block_bytes=4096, num_blocks=2, layout="l")
+assert session._lane is not None, "no fast lane"
+grant = session.prepare_store([b"a1", b"a2"])
+print(time.monotonic(), *grant.block_ids, flush=True)
+time.sleep(600)
+"""
+
+
+def test_rows_reserved_by_a_session_whose_lane_ended_stay_out_of_use_for_its_lease(pool_name):
+    """A lane's end closes its session at once, before the lease its client (and the
+    workers that copy for it, through its lease beacon) still holds as proof: vLLM's
+    workers are other processes and go on copying into the session's reserved rows
+    until ``send time + lease - margin``. The rows used to be quarantined only
+    ``write_quarantine`` from the close, so with a quarantine shorter than the lease
+    another session got them while those copies were still allowed: a late copy
+    then overwrites a block another engine stored -- served as HIT, wrong bytes.
+    They now stay quarantined until the session's lease would have run out, plus
+    ``write_quarantine``."""
+    daemon = start_daemon("--lease", f"{LANE_LEASE_S:g}s", "--write-quarantine", "0.5s", config="")
+    owner = None
+    try:
+        owner = subprocess.Popen(
+            [sys.executable, "-c", _LANE_OWNER, daemon.address, pool_name],
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert owner.stdout is not None
+        sent, *rows = owner.stdout.readline().split()
+        assert sorted(map(int, rows)) == [0, 1]
+        # the owner's proof: send time of its last answered call + lease (- a margin)
+        proof_until = float(sent) + LANE_LEASE_S - 0.6
+        owner.kill()  # its lane ends: EOF; the daemon closes the session at once
+        owner.wait()
+        with Client(daemon.address) as client:
+            other = client.open_session(pool_name, block_bytes=4096, num_blocks=2, layout="l")
+            while time.monotonic() < proof_until - 0.2:
+                grant = other.prepare_store([b"b1", b"b2"])
+                early = proof_until - time.monotonic()
+                assert grant is None, f"its rows handed out {early:.1f}s before its proof ran out"
+                time.sleep(0.1)
+            grant = eventually(
+                lambda: other.prepare_store([b"b1", b"b2"]), 20.0, "the rows back after the lease"
+            )
+            assert sorted(grant.block_ids) == [0, 1]
+            other.close()
+    finally:
+        if owner is not None and owner.poll() is None:
+            owner.kill()
+            owner.wait()
         daemon.stop(signal.SIGKILL)
         daemon.cleanup()
