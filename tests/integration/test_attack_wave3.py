@@ -32,6 +32,7 @@ from redis_harness import RedisServer
 from test_fs_tier_daemon import MISS, Engine, block_keys
 from test_redis_tier_daemon import redis_config, redis_key
 
+from kvtierd.primary import PrimaryManager
 from kvtierd_client.client import Client, LookupResult
 from kvtierd_client.errors import FailedPrecondition
 
@@ -345,3 +346,18 @@ def test_rows_pinned_by_a_session_whose_lane_ended_are_not_rewritten_within_its_
             loader.wait()
         daemon.stop(signal.SIGKILL)
         daemon.cleanup()
+
+
+def test_a_later_quarantine_does_not_hold_back_an_earlier_one():
+    """A lane-ended session's rows are quarantined through its lease, so quarantines
+    no longer arrive in time order: one queued later but due sooner is released at
+    its own time, not behind the longer one (the queue is kept sorted)."""
+    manager = PrimaryManager(4)
+    manager.prepare_store([b"lane", b"expired"])
+    manager.abort_and_quarantine([b"lane"], until=20.0)  # through the lease
+    manager.abort_and_quarantine([b"expired"], until=5.0)
+    assert manager.next_quarantine_release == 5.0
+    assert manager.release_quarantine(6.0) == 1
+    assert manager.release_quarantine(19.0) == 0
+    assert manager.release_quarantine(20.0) == 1
+    manager.check_invariants()
