@@ -9,7 +9,9 @@ On-shm format, version :data:`FORMAT_VERSION` (all integers little-endian)::
              (name, block_bytes, num_blocks, layout) and the region file's identity
              (st_dev, st_ino) the records describe.
              It also names the checksum's coverage (checksum_bytes: 0 = whole
-             rows, else evenly spaced 4 KiB pages: :func:`checksum_spans`).
+             rows, else evenly spaced 4 KiB pages: :func:`checksum_spans`) and
+             fence_seconds, the writing daemon's lease + write_quarantine (absent
+             in older files: 0).
     records: u8 kind | u32 row | u16 key_len | u64 xxh3 | key | u32 crc32
              (crc32 of the record's bytes before it). kind 1 = ready(key, row,
              xxh3_64 of the row's covered bytes), kind 2 = freed(row) (key_len 0,
@@ -133,6 +135,9 @@ class JournalHeader:
     st_dev: int
     st_ino: int
     checksum_bytes: int = 0  # memory.warm_restart_checksum_bytes (0: whole rows)
+    # lease + write_quarantine of the daemon that wrote it: how long its sessions'
+    # writers may go on copying after it died (not part of the fingerprint)
+    fence_seconds: float = 0.0
 
     def encode(self) -> bytes:
         body = json.dumps(
@@ -144,6 +149,7 @@ class JournalHeader:
                 "st_dev": self.st_dev,
                 "st_ino": self.st_ino,
                 "checksum_bytes": self.checksum_bytes,
+                "fence_seconds": self.fence_seconds,
             },
             sort_keys=True,
         ).encode()
@@ -235,6 +241,7 @@ def _decode_header(path: str, data: bytes) -> tuple[JournalHeader, int]:
             st_dev=int(fields["st_dev"]),
             st_ino=int(fields["st_ino"]),
             checksum_bytes=int(fields["checksum_bytes"]),
+            fence_seconds=float(fields.get("fence_seconds", 0.0)),
         )
     except (ValueError, KeyError, TypeError) as exc:
         raise JournalError(f"journal {path}: unreadable header ({exc})") from None

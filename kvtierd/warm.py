@@ -17,7 +17,9 @@ start cold; it never guesses:
 * rows whose last record is ``freed`` (a write in flight, or a reservation of
   the old daemon's sessions), rows that failed their checksum and rows of
   superseded copies of a key are quarantined: not handed out before
-  ``lease + write_quarantine`` seconds after the adoption, so no writer of the
+  ``lease + write_quarantine`` seconds after the adoption -- the longer of this
+  daemon's and the old one's (the journal records it: a restart with a shorter
+  lease must not cut the old sessions' writers short) -- so no writer of the
   old daemon's sessions can still be copying into them.
 
 The eviction policy and recency order are not part of the fingerprint: the
@@ -66,6 +68,7 @@ class Adoption:
     quarantined: list[int]  # rows nobody may get before the fence
     dropped: int  # ready blocks whose checksum failed
     torn_bytes: int  # bytes of a torn last record that were ignored
+    fence_seconds: float  # the old daemon's lease + write_quarantine (journal header)
     seconds: float  # replay + verification
 
 
@@ -130,6 +133,7 @@ def adopt_region(
         quarantined=quarantined,
         dropped=dropped,
         torn_bytes=replay.torn_bytes,
+        fence_seconds=replay.header.fence_seconds,
         seconds=time.perf_counter() - start,
     )
 

@@ -361,3 +361,39 @@ def test_a_later_quarantine_does_not_hold_back_an_earlier_one():
     assert manager.release_quarantine(19.0) == 0
     assert manager.release_quarantine(20.0) == 1
     manager.check_invariants()
+
+
+def test_a_restart_with_a_shorter_lease_keeps_the_old_sessions_rows_fenced():
+    """Rows an old session was writing when its daemon died are quarantined by the
+    adopting daemon for ``lease + write_quarantine`` -- its own settings. The old
+    session's copiers trust the lease the *old* daemon granted (their beacon's proof
+    runs until send time + that lease; their owner learns the session is gone only
+    at its next keepalive, a third of that lease later). Restarted with a shorter
+    lease, the daemon handed those rows to new writers while old copies were still
+    allowed: a late copy then lands in another key's block, served as HIT. The
+    journal now records the old fence and the adoption keeps the longer one."""
+    old = start_daemon("--lease", "30s", "--write-quarantine", "10s", config="")
+    new: DaemonProcess | None = None
+    try:
+        with Client(old.address) as client:
+            session = client.open_session("fence", block_bytes=WARM_BLOCK, num_blocks=2)
+            grant = session.prepare_store([b"in-flight-1", b"in-flight-2"])
+            assert grant is not None and sorted(grant.block_ids) == [0, 1]
+            old.stop(signal.SIGKILL)  # the writer's copies may go on for its 30 s lease
+        new = start_daemon("--lease", "1s", "--write-quarantine", "1s", shm_dir=old.shm_dir)
+        with Client(new.address) as client:
+            session = client.open_session("fence", block_bytes=WARM_BLOCK, num_blocks=2)
+            deadline = time.monotonic() + 5.0  # far past the new daemon's 2 s fence
+            while time.monotonic() < deadline:
+                assert session.prepare_store([b"new-1"]) is None, (
+                    "a row the old session's writer may still copy into was handed out"
+                )
+                time.sleep(0.2)
+            session.close()
+    finally:
+        for daemon in (new, old):
+            if daemon is not None:
+                daemon.stop(signal.SIGKILL)
+        old.cleanup()
+        if new is not None:
+            new.cleanup()
