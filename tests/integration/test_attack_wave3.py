@@ -26,6 +26,7 @@ from daemon_harness import (
     fs_tiers_config,
     health_status,
     start_daemon,
+    write_config,
 )
 from local_users import LocalUser, other_user
 from redis_harness import RedisServer
@@ -397,3 +398,28 @@ def test_a_restart_with_a_shorter_lease_keeps_the_old_sessions_rows_fenced():
         old.cleanup()
         if new is not None:
             new.cleanup()
+
+
+# -- listen paths ----------------------------------------------------------------------
+
+
+def test_a_listen_path_too_long_for_the_sockets_next_to_it_is_a_config_error(tmp_path):
+    """The daemon binds ``<listen>.regions``, ``.tickets`` and ``.lane`` next to its
+    Unix socket; a listen path that fits the kernel's 107 bytes but not with those
+    suffixes used to crash the start with a traceback (``AF_UNIX path too long``)
+    after the gRPC socket was already bound. It is now refused as a config error
+    (exit 2) naming the limit and the path."""
+    directory = tempfile.mkdtemp(prefix="kvt-" + "x" * 70, dir="/tmp")
+    try:
+        path = os.path.join(directory, "k.sock")
+        path = path + "s" * (104 - len(path))  # fits sun_path alone, not with ".regions"
+        done = subprocess.run(
+            [sys.executable, "-m", "kvtierd", "--config", write_config(tmp_path, ""),
+             "--listen", "unix://" + path, "--shm-dir", "/dev/shm", "--metrics-address", ""],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        assert "at most 99 bytes" in done.stderr and "Traceback" not in done.stderr
+        assert not os.path.exists(path)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
