@@ -127,13 +127,26 @@ def _directory(value: Any) -> str:
 _HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):([0-9]{1,5})$")
 
 
+# sockaddr_un.sun_path holds 107 bytes and a NUL; the daemon also binds sockets named
+# <path> + ".regions" / ".tickets" / ".lane" (region_access, tickets, fastlane)
+_MAX_UNIX_PATH_BYTES = 107 - len(".regions")
+
+
 def parse_listen_address(value: str) -> str:
-    """A normalized listen address: ``unix:///abs/path`` or ``host:port``."""
+    """A normalized listen address: ``unix:///abs/path`` (at most
+    :data:`_MAX_UNIX_PATH_BYTES` bytes, so the sockets next to it fit too) or
+    ``host:port``."""
     text = _text(value).strip()
     if text.startswith("unix://"):
         path = text[len("unix://") :]
         if not os.path.isabs(path):
             raise ValueError(f"a unix socket path must be absolute, got {value!r}")
+        if len(os.fsencode(path)) > _MAX_UNIX_PATH_BYTES:
+            raise ValueError(
+                f"a unix socket path is at most {_MAX_UNIX_PATH_BYTES} bytes (the sockets "
+                f"next to it add '.regions' within the kernel's 107), got "
+                f"{len(os.fsencode(path))}: {path!r}; use a shorter directory"
+            )
         return "unix://" + path
     match = _HOST_PORT.match(text)
     if match is None or not 0 < int(match.group(2)) < 65536:

@@ -22,7 +22,9 @@ Unix gRPC socket.
 Lifetime. Once bound, the session lives as long as its lane: when the
 connection ends (the client closed it or died: EOF; or the daemon cut it for
 a bad frame or a stalled reader), the session is closed as ``CloseSession``
-would (pins released, reservations aborted) at once, not a lease later. A
+would (pins released, reservations aborted) at once, not a lease later; the rows
+of those reservations stay quarantined until the lease would have run out, plus
+``write_quarantine`` (copiers of the client may still trust its lease). A
 session that ends otherwise (CloseSession over gRPC, its lease) leaves the
 connection open; its calls then answer NOT_FOUND as on gRPC. Leases renew on
 lane calls exactly as on gRPC calls (the same ``_live_session``).
@@ -201,7 +203,9 @@ class FastLane:
     def lane_ended(self, session_id: str) -> None:
         """A bound connection ended: its session closes now if it is still open."""
         with contextlib.suppress(SessionNotFound):
-            self.sessions.close(session_id, LANE_ENDED)
+            # its copiers (vLLM's workers, through its lease beacon) may still trust
+            # its lease: its reserved rows stay quarantined through it
+            self.sessions.close(session_id, LANE_ENDED, through_lease=True)
             log.debug("session %s %s", session_id, LANE_ENDED)
 
     def refused(self, caller: Caller | None, peer: str, exc: KvtierdError) -> None:

@@ -9,7 +9,9 @@ On-shm format, version :data:`FORMAT_VERSION` (all integers little-endian)::
              (name, block_bytes, num_blocks, layout) and the region file's identity
              (st_dev, st_ino) the records describe.
              It also names the checksum's coverage (checksum_bytes: 0 = whole
-             rows, else evenly spaced 4 KiB pages: :func:`checksum_spans`).
+             rows, else evenly spaced 4 KiB pages: :func:`checksum_spans`) and
+             fence_seconds, the writing daemon's lease + write_quarantine (absent
+             in older files: 0).
     records: u8 kind | u32 row | u16 key_len | u64 xxh3 | key | u32 crc32
              (crc32 of the record's bytes before it). kind 1 = ready(key, row,
              xxh3_64 of the row's covered bytes), kind 2 = freed(row) (key_len 0,
@@ -98,6 +100,26 @@ def row_checksum(row: memoryview | bytes, spans: Sequence[tuple[int, int]] | Non
     return xxhash.xxh3_64_intdigest(b"".join(row[start:end] for start, end in spans))
 
 
+def read_row_checksum(
+    fd: int, row: int, block_bytes: int, spans: Sequence[tuple[int, int]], scratch: bytearray
+) -> int | None:
+    """:func:`row_checksum` of row ``row`` of the region file ``fd``, its covered
+    bytes read with ``preadv`` into ``scratch`` (at least the covered bytes long),
+    never through the mapping: a client holding the region's descriptor can
+    truncate the file, and touching a mapped page past its end kills the daemon
+    with SIGBUS, where a read just comes back short. None when a read is short
+    (the row is then not vouched for: the next start drops it)."""
+    base = row * block_bytes
+    view = memoryview(scratch)
+    filled = 0
+    for start, end in spans:
+        length = end - start
+        if os.preadv(fd, [view[filled : filled + length]], base + start) != length:
+            return None
+        filled += length
+    return xxhash.xxh3_64_intdigest(view[:filled])
+
+
 class JournalError(Exception):
     """The journal cannot be used; the message says why (one log line)."""
 
@@ -113,6 +135,9 @@ class JournalHeader:
     st_dev: int
     st_ino: int
     checksum_bytes: int = 0  # memory.warm_restart_checksum_bytes (0: whole rows)
+    # lease + write_quarantine of the daemon that wrote it: how long its sessions'
+    # writers may go on copying after it died (not part of the fingerprint)
+    fence_seconds: float = 0.0
 
     def encode(self) -> bytes:
         body = json.dumps(
@@ -124,6 +149,7 @@ class JournalHeader:
                 "st_dev": self.st_dev,
                 "st_ino": self.st_ino,
                 "checksum_bytes": self.checksum_bytes,
+                "fence_seconds": self.fence_seconds,
             },
             sort_keys=True,
         ).encode()
@@ -215,6 +241,7 @@ def _decode_header(path: str, data: bytes) -> tuple[JournalHeader, int]:
             st_dev=int(fields["st_dev"]),
             st_ino=int(fields["st_ino"]),
             checksum_bytes=int(fields["checksum_bytes"]),
+            fence_seconds=float(fields.get("fence_seconds", 0.0)),
         )
     except (ValueError, KeyError, TypeError) as exc:
         raise JournalError(f"journal {path}: unreadable header ({exc})") from None
@@ -257,10 +284,20 @@ class JournalWriter:
     the state and to swap the files.
     """
 
-    def __init__(self, path: str, header: JournalHeader, region_buffer: memoryview) -> None:
+    def __init__(
+        self,
+        path: str,
+        header: JournalHeader,
+        region_buffer: memoryview,
+        region_fd: int | None = None,
+    ) -> None:
+        """``region_fd`` (the daemon's): rows are hashed from the file with ``preadv``
+        (:func:`read_row_checksum`: a client that truncates the region cannot kill
+        the daemon); without it, from ``region_buffer`` (unit tests)."""
         self.path = path
         self.header = header
         self._rows = region_buffer  # the whole region; rows sliced per job
+        self._region_fd = region_fd  # not owned: the region's, open while the pool is
         self._block_bytes = header.block_bytes
         self._spans = checksum_spans(header.block_bytes, header.checksum_bytes)
         num_blocks = header.num_blocks
@@ -369,6 +406,7 @@ class JournalWriter:
 
     def _work_forever(self) -> None:
         block = self._block_bytes
+        scratch = bytearray(sum(end - start for start, end in self._spans))
         while True:
             job = self._jobs.get()
             if job is None:
@@ -394,24 +432,36 @@ class JournalWriter:
                 with self._lock:  # rows handed out again already: nothing to hash
                     current = [job for job in batch if self._generation[job[1]] == job[0]]
                     self._pending_jobs -= len(batch) - len(current)
-                rows, spans = self._rows, self._spans
-                sums = [
-                    row_checksum(rows[r * block : (r + 1) * block], spans) for _, r, _ in current
-                ]
+                rows, spans, fd = self._rows, self._spans, self._region_fd
+                sums: list[int | None]
+                if fd is None:
+                    sums = [row_checksum(rows[r * block : (r + 1) * block], spans)
+                            for _, r, _ in current]  # fmt: skip
+                else:
+                    sums = [read_row_checksum(fd, r, block, spans, scratch) for _, r, _ in current]
                 self._record_ready(current, sums)
             except Exception as exc:  # a bug: stop vouching rather than guess
+                with self._idle:
+                    if self._fd < 0:  # closed under a late batch (the region's fd too)
+                        self._pending_jobs = 0
+                        self._idle.notify_all()
+                        continue
                 log.exception("journal %s: hashing failed", self.path)
                 with self._idle:
                     self._fail_locked(OSError(f"hashing failed: {exc!r}"))
                     self._pending_jobs = 0
                     self._idle.notify_all()
 
-    def _record_ready(self, batch: list[tuple[int, int, BlockKey]], sums: list[int]) -> None:
+    def _record_ready(
+        self, batch: list[tuple[int, int, BlockKey]], sums: Sequence[int | None]
+    ) -> None:
         records: list[bytes] = []
         with self._idle:
             for (generation, row, key), checksum in zip(batch, sums, strict=True):
                 if self._generation[row] != generation:
                     continue  # handed out again since: its freed record already follows
+                if checksum is None:
+                    continue  # the region file was cut short under it: not vouched for
                 old = self._live_key[row]
                 if old is not None:
                     self._live_bytes -= _ready_bytes(old)

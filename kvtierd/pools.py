@@ -256,18 +256,25 @@ class PoolTable:
         region.keep_file = True
         st_dev, st_ino = region.identity()
         spec = pool.spec
+        # the old daemon's writers trust the lease it granted: the longer fence (and
+        # recorded as such, should this daemon die while they may still copy)
+        fence = self._warm_fence_seconds
+        if adoption is not None:
+            fence = max(fence, adoption.fence_seconds)
         header = JournalHeader(
             spec.name, spec.block_bytes, spec.num_blocks, spec.layout, st_dev, st_ino,
-            self._memory.warm_restart_checksum_bytes,
+            self._memory.warm_restart_checksum_bytes, fence,
         )  # fmt: skip
-        journal = JournalWriter(journal_path(region.path), header, region.buffer())
+        journal = JournalWriter(
+            journal_path(region.path), header, region.buffer(), region_fd=region.fileno()
+        )
         ready: list[tuple[int, bytes, int]] = []
         quarantined: list[int] = []
         if adoption is not None:
             pool.manager.adopt(
                 [(key, row) for key, row, _ in adoption.blocks],
                 adoption.quarantined,
-                time.monotonic() + self._warm_fence_seconds,
+                time.monotonic() + fence,
             )
             ready = [(row, key, checksum) for key, row, checksum in adoption.blocks]
             quarantined = adoption.quarantined
@@ -289,7 +296,7 @@ class PoolTable:
                 "(%d dropped: checksum mismatch; %d rows quarantined for %gs; %d torn "
                 "journal bytes ignored)",
                 spec.name, len(adoption.blocks), region.path, adoption.seconds,
-                adoption.dropped, len(adoption.quarantined), self._warm_fence_seconds,
+                adoption.dropped, len(adoption.quarantined), fence,
                 adoption.torn_bytes,
             )  # fmt: skip
 

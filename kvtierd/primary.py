@@ -367,11 +367,17 @@ class PrimaryManager:
         writer may still be copying into the rows (a stopped process resumed, a
         copy in flight when its lease ran out), so handing a row to another key at
         once could let the stale copy overwrite the new key's bytes. ``until`` is
-        on the caller's clock; calls must pass non-decreasing values.
+        on the caller's clock; the queue is kept in ``until`` order (a session
+        whose lane ended is quarantined through its lease: later than the
+        sessions that end after it by expiry).
         """
         done, rows = self._unmap_writes(keys)
         if rows:
-            self._quarantine.append((until, rows))
+            quarantine = self._quarantine
+            index = len(quarantine)
+            while index and quarantine[index - 1][0] > until:
+                index -= 1  # usually none: values mostly arrive in order
+            quarantine.insert(index, (until, rows))
             self._quarantined += len(rows)
         return done
 

@@ -17,7 +17,9 @@ start cold; it never guesses:
 * rows whose last record is ``freed`` (a write in flight, or a reservation of
   the old daemon's sessions), rows that failed their checksum and rows of
   superseded copies of a key are quarantined: not handed out before
-  ``lease + write_quarantine`` seconds after the adoption, so no writer of the
+  ``lease + write_quarantine`` seconds after the adoption -- the longer of this
+  daemon's and the old one's (the journal records it: a restart with a shorter
+  lease must not cut the old sessions' writers short) -- so no writer of the
   old daemon's sessions can still be copying into them.
 
 The eviction policy and recency order are not part of the fingerprint: the
@@ -41,7 +43,7 @@ from kvtierd.journal import (
     Replay,
     checksum_spans,
     read_journal,
-    row_checksum,
+    read_row_checksum,
 )
 from kvtierd.region import MADV_POPULATE_WRITE, Region, madvise_populate_write
 
@@ -66,6 +68,7 @@ class Adoption:
     quarantined: list[int]  # rows nobody may get before the fence
     dropped: int  # ready blocks whose checksum failed
     torn_bytes: int  # bytes of a torn last record that were ignored
+    fence_seconds: float  # the old daemon's lease + write_quarantine (journal header)
     seconds: float  # replay + verification
 
 
@@ -109,7 +112,7 @@ def adopt_region(
             except OSError:
                 pass  # only speed: pages fault in at first use
         spans = checksum_spans(header.block_bytes, header.checksum_bytes)
-        blocks, quarantined, dropped = _verify(mapping, replay, header.block_bytes, spans)
+        blocks, quarantined, dropped = _verify(fd, replay, header.block_bytes, spans)
     except BaseException:
         if mapping is not None:
             mapping.close()
@@ -130,6 +133,7 @@ def adopt_region(
         quarantined=quarantined,
         dropped=dropped,
         torn_bytes=replay.torn_bytes,
+        fence_seconds=replay.header.fence_seconds,
         seconds=time.perf_counter() - start,
     )
 
@@ -142,27 +146,27 @@ def _check_fingerprint(found: JournalHeader, wanted: JournalHeader) -> None:
 
 
 def _verify(
-    mapping: mmap.mmap, replay: Replay, block_bytes: int, spans: list[tuple[int, int]]
+    fd: int, replay: Replay, block_bytes: int, spans: list[tuple[int, int]]
 ) -> tuple[list[tuple[BlockKey, int, int]], list[int], int]:
-    """Checks every ready row's bytes; returns the blocks to adopt, the rows to
-    quarantine and how many blocks failed."""
-    view = memoryview(mapping)
-    try:
-        newest: dict[BlockKey, int] = {}  # key -> its last ready row
-        for row, (key, _checksum) in replay.ready.items():
-            newest[key] = row
-        blocks: list[tuple[BlockKey, int, int]] = []
-        quarantined = set(replay.freed)
-        dropped = 0
-        for row, (key, checksum) in replay.ready.items():
-            if newest[key] != row:
-                quarantined.add(row)  # an older copy of a key stored again later
-                continue
-            if row_checksum(view[row * block_bytes : (row + 1) * block_bytes], spans) != checksum:
-                dropped += 1
-                quarantined.add(row)
-                continue
-            blocks.append((key, row, checksum))
-    finally:
-        view.release()
+    """Checks every ready row's bytes, read from the region file ``fd`` (``preadv``,
+    not the mapping: the old daemon's clients still hold the file and one that
+    truncates it must not kill this daemon with SIGBUS; a short read fails the
+    row); returns the blocks to adopt, the rows to quarantine and how many
+    blocks failed."""
+    scratch = bytearray(sum(end - start for start, end in spans))
+    newest: dict[BlockKey, int] = {}  # key -> its last ready row
+    for row, (key, _checksum) in replay.ready.items():
+        newest[key] = row
+    blocks: list[tuple[BlockKey, int, int]] = []
+    quarantined = set(replay.freed)
+    dropped = 0
+    for row, (key, checksum) in replay.ready.items():
+        if newest[key] != row:
+            quarantined.add(row)  # an older copy of a key stored again later
+            continue
+        if read_row_checksum(fd, row, block_bytes, spans, scratch) != checksum:
+            dropped += 1
+            quarantined.add(row)
+            continue
+        blocks.append((key, row, checksum))
     return blocks, sorted(quarantined), dropped

@@ -11,7 +11,9 @@ its whole life (the descriptor is closed, and the lock dropped, by
   non-shared one runs there).
 
 The lock file is opened without following a symlink and without blocking
-(``O_NOFOLLOW | O_NONBLOCK``) and must be a regular file. On NFS, Linux maps
+(``O_NOFOLLOW | O_NONBLOCK``) and must be a regular file of the daemon's uid: in a
+sticky root another user could create it first and, as its owner, unlink it and
+create a fresh one that a second daemon locks too. On NFS, Linux maps
 ``flock`` to byte-range locks the server arbitrates (NFSv4, or NFSv3 with lockd):
 the guard then holds across hosts; a mount with ``nolock``/``local_lock`` makes it
 per host only (README, Shared fs root).
@@ -23,6 +25,8 @@ import errno
 import fcntl
 import os
 import stat
+
+from kvtierd.security.trusted_dirs import UntrustedPath, require_own_entry
 
 LOCK_NAME = ".kvtierd-root.lock"
 LOCK_MODE = 0o640
@@ -68,6 +72,10 @@ class RootGuard:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise OSError(errno.EINVAL, f"{self.path} is not a regular file; remove it")
+            try:  # another user's file: it may unlink it (sticky root) and defeat the lock
+                require_own_entry(self.path, st)
+            except UntrustedPath as exc:
+                raise OSError(errno.EPERM, str(exc)) from None
             mode = fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX
             try:
                 fcntl.flock(fd, mode | fcntl.LOCK_NB)

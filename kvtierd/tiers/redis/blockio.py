@@ -4,8 +4,9 @@ A value is exactly an fs block file (:mod:`kvtierd.tiers.fs.fsformat`): the
 4096-byte integrity header (key, pool fingerprint, payload length, payload
 checksum, its own checksum), then the row's bytes, under the Redis key
 ``<key_space><block key>``. :class:`RedisBlockIO` stores a row (``SET NX``, the
-row sent from the region unjoined), loads one (``GET``, verified before a byte
-reaches the row), probes presence and deletes, through the tier's
+row sent from the region unjoined), loads one (``GETRANGE``, bounded to one
+value's size plus a byte, verified before a byte reaches the row), probes
+presence and deletes, through the tier's
 :class:`~kvtierd.tiers.redis.link.RedisLink`.
 
 Ownership: the region rows of the jobs in flight (pinned by the daemon until the
@@ -120,11 +121,11 @@ class RedisBlockIO:
         deleted) or the server's error otherwise, the row then unspecified (the
         daemon frees it: a failed promotion is never served)."""
         redis_key = self.redis_key(key)
-        value = self.link.get(redis_key)
-        if value is None:
-            raise BlockMissing(key.hex())
+        value = self.link.get(redis_key, self.value_bytes)  # bounded: one value + 1 byte
         if not isinstance(value, bytes):  # the client decodes nothing: never a str
-            raise TypeError(f"GET answered {type(value).__name__}")
+            raise TypeError(f"GETRANGE answered {type(value).__name__}")
+        if not value:  # GETRANGE of a missing key (a value is never empty)
+            raise BlockMissing(key.hex())
         try:
             self.verify(key, value)
         except fsformat.CorruptBlock as exc:
@@ -169,7 +170,8 @@ class RedisBlockIO:
         try:
             with self.link.node_client(redis_key).pipeline(transaction=True) as pipe:
                 pipe.watch(redis_key)
-                if pipe.get(redis_key) != value:
+                # bounded as the load's read: ``value`` is at most value_bytes + 1 long
+                if pipe.getrange(redis_key, 0, self.value_bytes) != value:
                     return
                 pipe.multi()
                 pipe.delete(redis_key)

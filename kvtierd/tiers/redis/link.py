@@ -260,13 +260,16 @@ class RedisLink:
         pool.release(conn)
         return bool(written)
 
-    def get(self, redis_key: bytes) -> Any:
-        """``GET redis_key`` on the owning node (a redirect followed)."""
+    def get(self, redis_key: bytes, max_bytes: int) -> Any:
+        """The value of ``redis_key`` on the owning node (a redirect followed), read
+        bounded: at most ``max_bytes + 1`` bytes (``GETRANGE 0 max_bytes``), so a
+        value planted far over a block's size never enters the daemon whole (a
+        longer answer means "too long"). A missing key answers ``b""``."""
         _, node = self.node_for(redis_key)
         try:
-            return node.get(redis_key)
+            return node.getrange(redis_key, 0, max_bytes)
         except AskError:
-            return self.client().get(redis_key)
+            return self.client().getrange(redis_key, 0, max_bytes)
         except (redis.ConnectionError, redis.TimeoutError):
             self._suspect_topology()
             raise
