@@ -53,7 +53,7 @@ from typing import Any
 import grpc
 
 from kvtierd import guards
-from kvtierd.errors import InvalidArgument, KvtierdError, SessionNotFound, Unauthenticated
+from kvtierd.errors import InvalidArgument, KvtierdError, Unauthenticated
 from kvtierd.ratelimit import RateLimitedLog
 from kvtierd.security.identity import LOCAL_CALLER, Caller, PeerCredentials, peer_credentials
 from kvtierd.security.state import SecurityState
@@ -71,7 +71,7 @@ DEFAULT_WRITE_TIMEOUT = 10.0  # seconds a peer may leave the daemon's answers un
 DEFAULT_BIND_TIMEOUT = 5.0  # seconds a new connection may take to send BIND
 WRITE_HIGH_WATER = 1 << 20  # answer bytes queued before the daemon stops reading
 _SERVICE = pb2.DESCRIPTOR.services_by_name["KVTier"].full_name
-LANE_ENDED = "closed: its client's fast lane connection ended"
+LANE_ENDED = "its client's fast lane connection ended"
 
 
 def lane_socket_path(listen_path: str) -> str:
@@ -201,12 +201,13 @@ class FastLane:
         return session_id, caller
 
     def lane_ended(self, session_id: str) -> None:
-        """A bound connection ended: its session closes now if it is still open."""
-        with contextlib.suppress(SessionNotFound):
-            # its copiers (vLLM's workers, through its lease beacon) may still trust
-            # its lease: its reserved rows stay quarantined through it
-            self.sessions.close(session_id, LANE_ENDED, through_lease=True)
-            log.debug("session %s %s", session_id, LANE_ENDED)
+        """A bound connection ended. Its session is left to its lease, as a gRPC
+        client that went away is: the processes that copy its rows (vLLM's workers,
+        through its lease beacon) may go on trusting that lease, so its pins and
+        reservations must hold until it runs out (an attack test read another key's
+        bytes through a pin released at the lane's end). Nothing renews it from the
+        lane any more; a KeepAlive over gRPC still may (a worker proving the lease)."""
+        log.debug("session %s: %s; it ends with its lease", session_id, LANE_ENDED)
 
     def refused(self, caller: Caller | None, peer: str, exc: KvtierdError) -> None:
         if exc.code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):

@@ -164,20 +164,14 @@ class SessionTable:
         session_id: str,
         reason: str = "closed by client",
         principal: str | None = None,
-        *,
-        through_lease: bool = False,
     ) -> None:
-        """Closes a live session; with ``principal``, as ``get`` refuses another's.
-
-        ``through_lease``: the client did not ask (its fast lane ended), so its
-        copiers may go on trusting its lease; the rows of its aborted reservations
-        stay quarantined until the lease would have run out, plus the quarantine."""
+        """Closes a live session; with ``principal``, as ``get`` refuses another's."""
         session = self._sessions.get(session_id)
         if session is None:
             raise SessionNotFound(f"session {session_id[:64]!r} is unknown, closed or expired")
         _check_owner(session, principal)
         del self._sessions[session_id]
-        self._release(session, reason, "closed", through_lease=through_lease)
+        self._release(session, reason, "closed")
 
     def expire(self) -> int:
         """Closes every session whose lease ran out; returns how many."""
@@ -195,12 +189,8 @@ class SessionTable:
             _, session = self._sessions.popitem()
             self._release(session, reason, "closed")
 
-    def _release(
-        self, session: Session, reason: str, event: str, *, through_lease: bool = False
-    ) -> None:
-        now = self._clock()
-        start = max(now, session.expires_at) if through_lease else now
-        quarantine_until = start + self.write_quarantine
+    def _release(self, session: Session, reason: str, event: str) -> None:
+        quarantine_until = self._clock() + self.write_quarantine
         pins, reservations = session.pool.release_session(session.id, quarantine_until)
         log.info(
             "session %s (%r, pool %s) %s: released %d pins, aborted %d reservations",

@@ -306,15 +306,6 @@ time.sleep(600)
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: a session closed by its lane's end releases its pins at once, while its "
-    "copiers (vLLM's workers, trusting its lease beacon) may still be loading from those rows "
-    "until its lease ends; the rows can be evicted and rewritten meanwhile, so such a load "
-    "reads another key's bytes. Fixing it means holding the pins of a lane-ended session "
-    "until its lease (the feature releases them at once by design); documented in README "
-    "'The fast lane'",
-)
 def test_rows_pinned_by_a_session_whose_lane_ended_are_not_rewritten_within_its_lease(
     pool_name,
 ):

@@ -97,6 +97,15 @@ def call_frame(name: str, request) -> bytes:
     return frame(METHODS[name][0], request.SerializeToString())
 
 
+def expired(daemon: DaemonProcess, session_id: str) -> bool:
+    """Whether the daemon logged ``session_id``'s lease expiry (a KeepAlive to ask
+    would renew the lease it is waiting out)."""
+    return any(
+        line.find(f"session {session_id} (") >= 0 and "lease expired" in line
+        for line in daemon.log().splitlines()
+    )
+
+
 def session_alive(stub, session_id: str) -> bool:
     try:
         stub.KeepAlive(pb2.KeepAliveRequest(session_id=session_id))
@@ -270,8 +279,8 @@ def test_a_bad_frame_cuts_its_lane_and_nothing_else(lane_daemon, pool_name, data
         with lane:
             lane.sendall(data)
             _expect_cut(lane, code, words)
-        # the cut lane's session closed with it; the daemon and the other session serve on
-        eventually(lambda: not session_alive(stub, response.session_id), 10.0, "session closed")
+        # the cut lane's session ends with its lease; the daemon and the other session serve on
+        eventually(lambda: expired(lane_daemon, response.session_id), LEASE + 10.0, "expired")
         assert bystander.lookup([b"x"]) == [LookupResult.MISS]
         assert lane_daemon.alive()
 
@@ -303,7 +312,12 @@ def test_a_request_before_bind_and_a_wrong_token_are_refused(lane_daemon, pool_n
 # -- the end of a lane, leases, stalled readers ---------------------------------------------
 
 
-def test_the_end_of_a_lane_releases_its_session_at_once(lane_daemon, pool_name):
+def test_the_end_of_a_lane_leaves_its_session_to_its_lease(lane_daemon, pool_name):
+    """A lane's end (the client died, or the daemon cut it) does not end its session:
+    processes that copy its rows (vLLM's workers) trust its lease, so its pins and
+    reservations hold until the lease runs out, then the session expires as a gRPC
+    client's does. (Releasing them at the lane's end let a worker still loading
+    under the lease read another key's bytes: test_attack_wave3.py.)"""
     with Client(lane_daemon.address, fast_lane=False) as client:
         owner = client.open_session(pool_name, block_bytes=4096, num_blocks=8)
         owner.prepare_store([b"pinned"])
@@ -317,20 +331,20 @@ def test_the_end_of_a_lane_releases_its_session_at_once(lane_daemon, pool_name):
             call_frame("PrepareStore", pb2.PrepareStoreRequest(session_id=sid, keys=[b"half"]))
         )
         assert read_frame(lane)[0] == 0 and read_frame(lane)[0] == 0
-        before = primary(client, pool_name)
-        assert (before.pinned_blocks, before.pending_blocks) == (1, 1)
+        ended = time.monotonic()
         lane.close()  # EOF, as when the client process dies
+        time.sleep(LEASE / 4)
+        held = primary(client, pool_name)
+        if time.monotonic() - ended < LEASE * 0.9:  # (a stalled test machine proves nothing)
+            assert (held.pinned_blocks, held.pending_blocks) == (1, 1)
 
         def released() -> bool:
             now = primary(client, pool_name)
             return now.pinned_blocks == 0 and now.pending_blocks == 0
 
-        eventually(released, 10.0, "the lane's pins and reservation released")
-        assert not session_alive(lane_daemon.stub(), sid)
-        # released by the end of its lane, not by its lease
-        assert f"session {sid} ('', pool {pool_name}) closed: its client's fast lane" in (
-            lane_daemon.log()
-        )
+        eventually(released, LEASE + 10.0, "the lane's pins and reservation released")
+        assert time.monotonic() - ended >= LEASE * 0.9, "released before its lease ran out"
+        assert expired(lane_daemon, sid)
 
 
 def test_lane_calls_renew_the_lease(lane_daemon, pool_name):
@@ -368,8 +382,9 @@ def test_a_lane_that_stops_reading_is_cut(lane_daemon, pool_name):
             except (BrokenPipeError, ConnectionResetError):
                 break
         assert sent > 64 << 10  # far more than one answer: the daemon stopped reading
-        eventually(lambda: not session_alive(lane_daemon.stub(), sid), 30.0, "the stalled lane cut")
-        assert "answers unread" in lane_daemon.log()
+        eventually(lambda: "answers unread" in lane_daemon.log(), 30.0, "the stalled lane cut")
+        # its session then ends with its lease (its pins held until then)
+        eventually(lambda: expired(lane_daemon, sid), LEASE + 30.0, "the session's lease expiry")
 
 
 # -- another uid ---------------------------------------------------------------------------
@@ -518,7 +533,7 @@ def test_the_asyncio_client_uses_the_lane(lane_daemon, pool_name):
     asyncio.run(scenario())
 
 
-def test_lane_process_dies_session_released_without_waiting_for_the_lease(lane_daemon, pool_name):
+def test_a_dead_lane_clients_session_ends_with_its_lease(lane_daemon, pool_name):
     child = subprocess.Popen(
         [sys.executable, "-c", (
             "import time\nfrom kvtierd_client.client import Client\n"
@@ -534,11 +549,7 @@ def test_lane_process_dies_session_released_without_waiting_for_the_lease(lane_d
     finally:
         child.kill()
         child.wait()
-    eventually(lambda: not session_alive(lane_daemon.stub(), sid), 10.0, "session released")
-    # released by the end of its lane, not by its lease
-    assert f"session {sid} ('', pool {pool_name}) closed: its client's fast lane" in (
-        lane_daemon.log()
-    )
+    eventually(lambda: expired(lane_daemon, sid), LEASE + 10.0, "the session's lease expiry")
 
 
 # -- deadlines -----------------------------------------------------------------------------
