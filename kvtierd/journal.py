@@ -47,7 +47,9 @@ from typing import Any
 
 import xxhash
 
+from kvtierd import safecopy
 from kvtierd.contract import BlockKey
+from kvtierd.safecopy import address_of
 
 log = logging.getLogger("kvtierd.journal")
 
@@ -291,13 +293,18 @@ class JournalWriter:
         region_buffer: memoryview,
         region_fd: int | None = None,
     ) -> None:
-        """``region_fd`` (the daemon's): rows are hashed from the file with ``preadv``
-        (:func:`read_row_checksum`: a client that truncates the region cannot kill
-        the daemon); without it, from ``region_buffer`` (unit tests)."""
+        """``region_fd`` given (the daemon): the covered bytes of a batch's rows are
+        copied out of the mapping with one ``process_vm_readv`` (:mod:`kvtierd.safecopy`:
+        a client that truncates the region cannot kill the daemon with SIGBUS, and
+        the thread does not wait for the interpreter lock once per row, which left
+        it far behind a storm of stores); without it, hashed in place from
+        ``region_buffer`` (unit tests)."""
         self.path = path
         self.header = header
         self._rows = region_buffer  # the whole region; rows sliced per job
         self._region_fd = region_fd  # not owned: the region's, open while the pool is
+        self._base = address_of(region_buffer) if region_fd is not None else 0
+        self._gather_buffer = bytearray(0)  # the journal thread's only
         self._block_bytes = header.block_bytes
         self._spans = checksum_spans(header.block_bytes, header.checksum_bytes)
         num_blocks = header.num_blocks
@@ -406,7 +413,6 @@ class JournalWriter:
 
     def _work_forever(self) -> None:
         block = self._block_bytes
-        scratch = bytearray(sum(end - start for start, end in self._spans))
         while True:
             job = self._jobs.get()
             if job is None:
@@ -432,13 +438,13 @@ class JournalWriter:
                 with self._lock:  # rows handed out again already: nothing to hash
                     current = [job for job in batch if self._generation[job[1]] == job[0]]
                     self._pending_jobs -= len(batch) - len(current)
-                rows, spans, fd = self._rows, self._spans, self._region_fd
+                rows, spans = self._rows, self._spans
                 sums: list[int | None]
-                if fd is None:
+                if self._region_fd is None:
                     sums = [row_checksum(rows[r * block : (r + 1) * block], spans)
                             for _, r, _ in current]  # fmt: skip
                 else:
-                    sums = [read_row_checksum(fd, r, block, spans, scratch) for _, r, _ in current]
+                    sums = self._gathered_checksums([r for _, r, _ in current])
                 self._record_ready(current, sums)
             except Exception as exc:  # a bug: stop vouching rather than guess
                 with self._idle:
@@ -451,6 +457,25 @@ class JournalWriter:
                     self._fail_locked(OSError(f"hashing failed: {exc!r}"))
                     self._pending_jobs = 0
                     self._idle.notify_all()
+
+    def _gathered_checksums(self, rows: list[int]) -> list[int | None]:
+        """The checksum of each row's covered bytes, copied out of the region in one
+        system call per 1024 ranges; None for a row that could not be read whole
+        (the file was cut short under it: not vouched for)."""
+        block, spans = self._block_bytes, self._spans
+        per_row = sum(end - start for start, end in spans)
+        ranges = [(r * block + start, r * block + end) for r in rows for start, end in spans]
+        if len(self._gather_buffer) < per_row * len(rows):
+            self._gather_buffer = bytearray(per_row * len(rows))
+        buffer = self._gather_buffer
+        copied = safecopy.gather(self._base, ranges, buffer)
+        view = memoryview(buffer)
+        return [
+            xxhash.xxh3_64_intdigest(view[i * per_row : (i + 1) * per_row])
+            if (i + 1) * per_row <= copied
+            else None
+            for i in range(len(rows))
+        ]
 
     def _record_ready(
         self, batch: list[tuple[int, int, BlockKey]], sums: Sequence[int | None]

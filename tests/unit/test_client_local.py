@@ -23,6 +23,7 @@ from kvtierd_client.address import (
 )
 from kvtierd_client.aio import AsyncClient
 from kvtierd_client.client import Client, LookupResult, StoreResult
+from kvtierd_client.connection import OPEN_SESSION_TIMEOUT
 from kvtierd_client.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -324,7 +325,8 @@ def test_session_calls_encode_and_decode():
     assert client.get_stats().version == "fake"
 
     for rpc, request, kwargs in stub.calls:
-        assert kwargs["timeout"] == 3.0, rpc
+        # OpenSession waits at least OPEN_SESSION_TIMEOUT (a big pool's region creation)
+        assert kwargs["timeout"] == (OPEN_SESSION_TIMEOUT if rpc == "OpenSession" else 3.0), rpc
         assert kwargs["metadata"] == (("authorization", "Bearer sekret"),), rpc
         if rpc not in ("OpenSession", "GetStats"):
             assert request.session_id == "s-1"
