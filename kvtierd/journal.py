@@ -66,6 +66,7 @@ MAX_RECORD_BYTES = _RECORD_HEAD.size + MAX_KEY_BYTES + _CRC.size
 # the worker waits this long after the first completion of a batch: a crash
 # loses at most about this much of the latest completions (MISS, never wrong)
 BATCH_DELAY_SECONDS = 0.005
+GATHER_BYTES = 1 << 20  # covered bytes copied out of the region per system call, at most
 # compaction: when the file grows past twice its live size plus this slack
 COMPACT_SLACK_BYTES = 1 << 20
 _OPEN_READ = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
@@ -459,23 +460,35 @@ class JournalWriter:
                     self._idle.notify_all()
 
     def _gathered_checksums(self, rows: list[int]) -> list[int | None]:
-        """The checksum of each row's covered bytes, copied out of the region in one
-        system call per 1024 ranges; None for a row that could not be read whole
-        (the file was cut short under it: not vouched for)."""
+        """The checksum of each row's covered bytes, copied out of the region by
+        :func:`safecopy.gather` at most :data:`GATHER_BYTES` at a time (the buffer is
+        bounded: one row's coverage or that, whichever is larger); None for a row
+        that could not be read whole (the file was cut short under it: not vouched
+        for)."""
         block, spans = self._block_bytes, self._spans
         per_row = sum(end - start for start, end in spans)
-        ranges = [(r * block + start, r * block + end) for r in rows for start, end in spans]
-        if len(self._gather_buffer) < per_row * len(rows):
-            self._gather_buffer = bytearray(per_row * len(rows))
+        rows_per_gather = max(1, GATHER_BYTES // per_row)
+        if not self._gather_buffer:
+            self._gather_buffer = bytearray(per_row * min(rows_per_gather, len(rows)))
         buffer = self._gather_buffer
-        copied = safecopy.gather(self._base, ranges, buffer)
         view = memoryview(buffer)
-        return [
-            xxhash.xxh3_64_intdigest(view[i * per_row : (i + 1) * per_row])
-            if (i + 1) * per_row <= copied
-            else None
-            for i in range(len(rows))
-        ]
+        sums: list[int | None] = []
+        for first in range(0, len(rows), rows_per_gather):
+            chunk = rows[first : first + rows_per_gather]
+            if len(buffer) < per_row * len(chunk):
+                view.release()
+                buffer = self._gather_buffer = bytearray(per_row * len(chunk))
+                view = memoryview(buffer)
+            ranges = [(r * block + start, r * block + end) for r in chunk for start, end in spans]
+            copied = safecopy.gather(self._base, ranges, buffer)
+            sums.extend(
+                xxhash.xxh3_64_intdigest(view[i * per_row : (i + 1) * per_row])
+                if (i + 1) * per_row <= copied
+                else None
+                for i in range(len(chunk))
+            )
+        view.release()
+        return sums
 
     def _record_ready(
         self, batch: list[tuple[int, int, BlockKey]], sums: Sequence[int | None]
