@@ -444,8 +444,10 @@ class JournalWriter:
                 if self._region_fd is None:
                     sums = [row_checksum(rows[r * block : (r + 1) * block], spans)
                             for _, r, _ in current]  # fmt: skip
-                else:
+                elif self._base:
                     sums = self._gathered_checksums([r for _, r, _ in current])
+                else:
+                    sums = self._read_checksums([r for _, r, _ in current])
                 self._record_ready(current, sums)
             except Exception as exc:  # a bug: stop vouching rather than guess
                 with self._idle:
@@ -480,7 +482,16 @@ class JournalWriter:
                 buffer = self._gather_buffer = bytearray(per_row * len(chunk))
                 view = memoryview(buffer)
             ranges = [(r * block + start, r * block + end) for r in chunk for start, end in spans]
-            copied = safecopy.gather(self._base, ranges, buffer)
+            try:
+                copied = safecopy.gather(self._base, ranges, buffer)
+            except OSError as exc:  # refused here (seccomp): one pread per row from now on
+                log.warning(
+                    "journal %s: process_vm_readv refused (%s); hashing rows with one "
+                    "pread each", self.path, exc,
+                )  # fmt: skip
+                self._base = 0
+                view.release()
+                return sums + self._read_checksums(rows[first:])
             sums.extend(
                 xxhash.xxh3_64_intdigest(view[i * per_row : (i + 1) * per_row])
                 if (i + 1) * per_row <= copied
@@ -489,6 +500,15 @@ class JournalWriter:
             )
         view.release()
         return sums
+
+    def _read_checksums(self, rows: list[int]) -> list[int | None]:
+        """As :meth:`_gathered_checksums`, one ``preadv`` per covered span (where
+        ``process_vm_readv`` is refused); the same values."""
+        fd = self._region_fd
+        if fd is None:
+            return [None] * len(rows)
+        scratch = bytearray(sum(end - start for start, end in self._spans))
+        return [read_row_checksum(fd, r, self._block_bytes, self._spans, scratch) for r in rows]
 
     def _record_ready(
         self, batch: list[tuple[int, int, BlockKey]], sums: Sequence[int | None]

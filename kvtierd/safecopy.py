@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import os
 from collections.abc import Sequence
 
@@ -53,7 +54,9 @@ def gather(base: int, ranges: Sequence[tuple[int, int]], into: bytearray) -> int
     """Copies the memory ``[base + start, base + end)`` of each range, back to
     back, into ``into`` (at least their total length); returns the bytes copied.
     Fewer than the total means a range could not be read (a truncated file, an
-    unmapped region): the ranges before it were copied whole, none after it."""
+    unmapped region): the ranges before it were copied whole, none after it.
+    Raises OSError when the system call itself is refused (EPERM from a seccomp
+    profile that allows it only with CAP_SYS_PTRACE, ENOSYS): use ``pread``."""
     pid = os.getpid()  # this process's (a forked child reads its own copy)
     dest = (ctypes.c_char * len(into)).from_buffer(into)
     try:
@@ -68,7 +71,11 @@ def gather(base: int, ranges: Sequence[tuple[int, int]], into: bytearray) -> int
             local = _IoVec(dest_address + copied, length)
             got = int(_process_vm_readv(pid, ctypes.byref(local), 1, remote, len(chunk), 0))
             if got < 0:
-                return copied
+                err = ctypes.get_errno()
+                if err in (errno.EFAULT, errno.ENOMEM, errno.ESRCH):
+                    return copied  # a range not mapped (any more): short
+                # EPERM / ENOSYS: the call is refused here (a seccomp profile)
+                raise OSError(err, f"process_vm_readv: {os.strerror(err)}")
             copied += got
             if got < length:
                 return copied

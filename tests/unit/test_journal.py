@@ -156,3 +156,44 @@ def test_checksum_spans_cover_whole_small_rows_and_sample_big_ones():
     row[spans[5][0] + 7] ^= 1  # a sampled page changes: detected
     assert row_checksum(row, spans) != before
     assert row_checksum(bytes(8192), [(0, 8192)]) == row_checksum(bytes(8192))
+
+
+@pytest.mark.parametrize("refused", [False, True], ids=["process_vm_readv", "pread-fallback"])
+def test_the_daemon_path_hashes_the_region_file_the_same_way(tmp_path, monkeypatch, refused):
+    """With the region's descriptor (the daemon), rows are copied out with
+    process_vm_readv (never SIGBUS on a truncated file); where a seccomp profile
+    refuses it (Docker without CAP_SYS_PTRACE: the container test found every row
+    left unjournaled) the writer falls back to one pread per row. Both record the
+    checksums hashing in place would, and a row past a truncation is not vouched for."""
+    import errno
+    import mmap
+
+    from kvtierd import safecopy
+
+    if refused:
+
+        def refuse(base, ranges, into):
+            raise OSError(errno.EPERM, "process_vm_readv: Operation not permitted")
+
+        monkeypatch.setattr(safecopy, "gather", refuse)
+    path = tmp_path / "pool.region"
+    with open(path, "w+b") as file:
+        file.truncate(ROWS * BLOCK)
+        mapping = mmap.mmap(file.fileno(), ROWS * BLOCK)
+        region = memoryview(mapping)
+        header = JournalHeader("pool", BLOCK, ROWS, "layout", 1, 2)
+        writer = JournalWriter(str(tmp_path / "pool.journal"), header, region, file.fileno())
+        writer.start([], [])
+        writer.rows_reserved([0, 1, 30])
+        for row in (0, 1, 30):
+            region[row * BLOCK : (row + 1) * BLOCK] = bytes([row + 1]) * BLOCK
+        file.truncate(4 * BLOCK)  # a client cuts the file under row 30
+        writer.rows_ready([b"a", b"b", b"c"], [0, 1, 30])
+        writer.close(drain_seconds=10)
+        replay = read_journal(writer.path, 1 << 20)
+        assert replay.ready == {
+            0: (b"a", row_checksum(bytes([1]) * BLOCK)),
+            1: (b"b", row_checksum(bytes([2]) * BLOCK)),
+        }
+        region.release()
+        mapping.close()
