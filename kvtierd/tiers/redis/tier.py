@@ -309,22 +309,6 @@ class RedisTier(SecondaryTier):
         now = time.monotonic()
         self._presence = {k: v for k, v in self._presence.items() if v[1] > now}
 
-    def _exists(
-        self, redis_keys: list[bytes]
-    ) -> tuple[list[bool | None], int, BaseException | None]:
-        """I/O thread: one pipeline of EXISTS per node, one round trip. Each key's
-        answer (None: its node failed), the nodes that failed and one of their errors."""
-        replies, failed_nodes = self._link.per_node("EXISTS", redis_keys)
-        answers: list[bool | None] = []
-        error: BaseException | None = None
-        for reply in replies:
-            if isinstance(reply, BaseException):
-                answers.append(None)
-                error = reply
-            else:
-                answers.append(bool(reply))
-        return answers, failed_nodes or int(error is not None), error
-
     # -- jobs (loop) ---------------------------------------------------------------------
 
     def submit_store(self, job: TierJob) -> bool:
