@@ -367,9 +367,8 @@ class PrimaryManager:
         writer may still be copying into the rows (a stopped process resumed, a
         copy in flight when its lease ran out), so handing a row to another key at
         once could let the stale copy overwrite the new key's bytes. ``until`` is
-        on the caller's clock; the queue is kept in ``until`` order (a session
-        whose lane ended is quarantined through its lease: later than the
-        sessions that end after it by expiry).
+        on the caller's clock; the queue is kept in ``until`` order (the fence of
+        an adopted region, :meth:`adopt`, may end after the aborts that follow it).
         """
         done, rows = self._unmap_writes(keys)
         if rows:

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -31,13 +30,13 @@ from daemon_harness import (
 from local_users import LocalUser, other_user
 from redis_harness import RedisServer
 from test_fs_tier_daemon import MISS, Engine, block_keys
-from test_redis_tier_daemon import redis_config, redis_key
+from test_redis_tier_daemon import daemons, key_prefix, redis_config, redis_key
 
 from kvtierd.primary import PrimaryManager
 from kvtierd_client.client import Client, LookupResult
 from kvtierd_client.errors import FailedPrecondition
 
-__all__ = ["other_user"]  # the fixture, imported for these tests
+__all__ = ["daemons", "key_prefix", "other_user"]  # fixtures, imported for these tests
 
 
 def _peak_rss_bytes(pid: int) -> int:
@@ -47,29 +46,6 @@ def _peak_rss_bytes(pid: int) -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     raise AssertionError("no VmHWM in /proc/<pid>/status")
-
-
-@pytest.fixture
-def key_prefix() -> str:
-    return f"atk-{uuid.uuid4().hex[:12]}"
-
-
-@pytest.fixture
-def daemons() -> Iterator[Callable[[str], DaemonProcess]]:
-    started: list[DaemonProcess] = []
-
-    def start(config: str) -> DaemonProcess:
-        daemon = start_daemon("--memory-budget", "64MiB", config=config)
-        started.append(daemon)
-        return daemon
-
-    try:
-        yield start
-        for daemon in started:
-            assert daemon.stop() == 0, daemon.log()
-    finally:
-        for daemon in started:
-            daemon.cleanup()
 
 
 # -- redis tier ------------------------------------------------------------------------
