@@ -312,6 +312,7 @@ class PoolTable:
             spec.layout,
             pool.region.buffer(),
             region_file=(pool.region.path, *pool.region.identity()),
+            region_rows=pool.region.safe_rows(),
         )
         try:
             for configured in self._tiers:

@@ -58,6 +58,7 @@ import weakref
 from typing import Any
 
 from kvtierd import filekind
+from kvtierd.regionrows import RegionRows
 from kvtierd.units import format_bytes
 
 log = logging.getLogger("kvtierd.region")
@@ -119,9 +120,12 @@ class Region:
     Lifetime: :meth:`create` -> rows handed out with :meth:`row` / :meth:`buffer`
     -> :meth:`close` (unlinks the file). Only the daemon holds a ``Region``.
 
-    Threads: :meth:`row` and :meth:`buffer` may be called from I/O threads (tiers
-    read and write rows there); :meth:`close` runs once at shutdown, after the
-    tiers stopped using the rows.
+    Threads: :meth:`safe_rows` is how I/O threads (tiers) read and write rows:
+    the daemon never dereferences the mapping itself (a client can truncate the
+    file under it: SIGBUS; :mod:`kvtierd.regionrows`). :meth:`row` and
+    :meth:`buffer` are zero-copy views for tests and for the addresses the
+    journal copies from; :meth:`close` runs once at shutdown, after the tiers
+    stopped using the rows.
     """
 
     def __init__(
@@ -151,6 +155,8 @@ class Region:
         self._views: list[weakref.ref[memoryview]] = []  # guarded by _lock
         self._views_pruned_at = 0  # guarded by _lock
         self._lock = threading.Lock()
+        # the one way the daemon copies row bytes (never through the mapping); _lock
+        self._safe_rows: RegionRows | None = None
         # memory.warm_restart: close() leaves the file for the next daemon to adopt
         self.keep_file = False
 
@@ -240,8 +246,19 @@ class Region:
         """
         return self._track(self._mapping()[:])
 
+    def safe_rows(self) -> RegionRows:
+        """The region's :class:`~kvtierd.regionrows.RegionRows`: how the daemon
+        reads and writes row bytes (system calls only: a client that truncates
+        the file makes a copy fail, never the daemon die of SIGBUS). One per
+        region, closed by :meth:`close` before the mapping goes."""
+        with self._lock:
+            if self._safe_rows is None:
+                self._safe_rows = RegionRows(self._mapping(), self.block_bytes, path=self.path)
+            return self._safe_rows
+
     def row(self, block_id: int) -> memoryview:
-        """Row ``block_id`` (``block_bytes`` bytes, writable, zero-copy).
+        """Row ``block_id`` (``block_bytes`` bytes, writable, zero-copy). For
+        clients and tests: the daemon's own code copies rows with :meth:`safe_rows`.
 
         Raises IndexError unless ``0 <= block_id < num_blocks``. Valid until :meth:`close`.
         """
@@ -261,6 +278,10 @@ class Region:
         array, say), the mapping cannot be closed now: that is logged and the
         mapping is left to the garbage collector; the file is unlinked anyway.
         """
+        with self._lock:
+            safe_rows = self._safe_rows
+        if safe_rows is not None:
+            safe_rows.close()  # waits for the copies in flight, then lets the mapping go
         mapping, self._mmap = self._mmap, None
         if mapping is None:
             return

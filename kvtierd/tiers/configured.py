@@ -34,6 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
+from kvtierd.regionrows import RegionRows
 from kvtierd.tiers.base import JobCallback, SecondaryTier
 
 
@@ -77,7 +78,10 @@ class PoolBinding:
     """What a pool gives each tier created for it.
 
     ``region_buffer`` is the pool's whole region (rows of ``block_bytes``); the
-    tier touches a row only while a job of it runs (see :mod:`kvtierd.tiers.base`).
+    tier touches a row only while a job of it runs (see :mod:`kvtierd.tiers.base`),
+    and in the daemon's process only through ``region_rows`` (system calls: a
+    client that truncates the region fails a copy, never kills the daemon; None:
+    the tier makes one of ``region_buffer`` and closes it at its shutdown).
     ``region_file`` (path, st_dev, st_ino) lets a tier map the region in another
     process; None when the region has no file.
     """
@@ -87,6 +91,7 @@ class PoolBinding:
     layout: Any  # JSON-serialisable: what the bytes of a row mean
     region_buffer: memoryview
     region_file: tuple[str, int, int] | None = None
+    region_rows: RegionRows | None = None
 
 
 class ConfiguredTier(abc.ABC):

@@ -99,7 +99,7 @@ class Harness:
 
     def gated(self, op: str) -> GatedIo:
         """Block I/O in the daemon (inline) that holds every ``op`` request at a gate."""
-        return GatedIo(InlineIo(self.region.buffer()), op)
+        return GatedIo(InlineIo(self.region.safe_rows()), op)
 
     def job(self, keys: list[bytes], rows: list[int], promotion: bool) -> TierJob:
         self.next_job += 1

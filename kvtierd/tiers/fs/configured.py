@@ -151,6 +151,7 @@ class ConfiguredFsTier(ConfiguredTier):
             budget=self.budget,
             workers=workers,
             region_file=pool.region_file if workers is not None else None,
+            region_rows=pool.region_rows,
             write_log=self.write_log,
             shared=s.shared,
             shared_negative_ttl=s.shared_negative_ttl,

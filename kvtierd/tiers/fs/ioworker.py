@@ -53,6 +53,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from kvtierd.regionrows import RegionRows, scratch
 from kvtierd.tiers.fs import blockfile
 from kvtierd.tiers.fs.blockfile import CorruptFile
 from kvtierd.tiers.fs.safefs import PoolDir, UnexpectedEntry
@@ -108,18 +109,79 @@ def _receive_exactly(sock: socket.socket, n: int, *, at_boundary: bool) -> bytes
 # -- the worker process ---------------------------------------------------------------
 
 
+class RowAccess(Protocol):
+    """How a :class:`_Worker` reaches the rows of one region."""
+
+    def for_write(self, block_id: int) -> memoryview:
+        """Row ``block_id``'s bytes, to hash and write to a block file."""
+        ...
+
+    def for_read(self, block_id: int) -> memoryview:
+        """Where a block file's payload for row ``block_id`` is read and verified."""
+        ...
+
+    def commit(self, block_id: int, payload: memoryview) -> None:
+        """Row ``block_id`` now holds ``payload`` (verified): puts it there if it
+        is not already (``payload`` is what :meth:`for_read` gave)."""
+        ...
+
+
+class _MappedRows:
+    """A worker process's own mapping of a region: rows hashed, written and read in
+    place. A client that truncates the file kills this worker with SIGBUS (its
+    requests fail, the daemon starts another), never the daemon."""
+
+    def __init__(self, rows: memoryview, block_bytes: int) -> None:
+        self._rows = rows
+        self._block_bytes = block_bytes
+
+    def for_write(self, block_id: int) -> memoryview:
+        row = self._rows[block_id * self._block_bytes : (block_id + 1) * self._block_bytes]
+        if block_id < 0 or len(row) != self._block_bytes:  # the daemon checks; so do we
+            raise ValueError(f"block id {block_id} is outside the region")
+        return row
+
+    for_read = for_write
+
+    def commit(self, block_id: int, payload: memoryview) -> None:
+        pass  # read in place
+
+
+class _CopiedRows:
+    """The daemon's I/O threads (``io_processes = 0``): the daemon never touches a
+    region mapping (:mod:`kvtierd.regionrows`), so a row to write is copied into
+    this thread's bounce buffer first, and a block read is verified there and
+    then copied into its row; a truncated region fails that block."""
+
+    def __init__(self, rows: RegionRows) -> None:
+        self._rows = rows
+
+    def for_write(self, block_id: int) -> memoryview:
+        payload = scratch(self._rows.block_bytes)
+        self._rows.read(block_id, payload)
+        return payload
+
+    def for_read(self, block_id: int) -> memoryview:
+        if not 0 <= block_id < self._rows.num_rows:
+            raise ValueError(f"block id {block_id} is outside the region")
+        return scratch(self._rows.block_bytes)
+
+    def commit(self, block_id: int, payload: memoryview) -> None:
+        self._rows.write(block_id, payload)
+
+
 class _Regions:
     """The regions a worker process has mapped, shared by its channel threads."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._mapped: dict[RegionRef, memoryview] = {}  # _lock
+        self._mapped: dict[RegionRef, _MappedRows] = {}  # _lock
 
-    def rows(self, region: RegionRef) -> memoryview:
+    def rows(self, region: RegionRef) -> _MappedRows:
         with self._lock:
             rows = self._mapped.get(region)
             if rows is None:
-                rows = self._mapped[region] = _map_region(region)
+                rows = self._mapped[region] = _MappedRows(_map_region(region), region[3])
             return rows
 
 
@@ -127,7 +189,7 @@ class _Worker:
     """Runs block I/O requests one at a time (one channel of a worker process,
     or one I/O thread of :class:`InlineIo`)."""
 
-    def __init__(self, rows_of: Callable[[RegionRef], memoryview]) -> None:
+    def __init__(self, rows_of: Callable[[RegionRef], RowAccess]) -> None:
         self._rows_of = rows_of
         self._head = blockfile.header_buffer()
 
@@ -143,46 +205,44 @@ class _Worker:
             error = _error(_refused(exc) if isinstance(exc, UnexpectedEntry) else exc)
             return [error] * len(items)
         with pool:
-            return self._run(pool, op, rows, region[3], params, items)
+            return self._run(pool, op, rows, params, items)
 
     def _run(
         self,
         pool: PoolDir,
         op: str,
-        rows: memoryview,
-        block_bytes: int,
+        rows: RowAccess,
         params: tuple[Any, ...],
         items: Sequence[tuple[Any, ...]],
     ) -> list[Reply]:
         run = self._write if op == WRITE else self._read
         replies: list[Reply] = []
         for item in items:
-            block_id = item[0]
-            row = rows[block_id * block_bytes : (block_id + 1) * block_bytes]
             try:
-                if block_id < 0 or len(row) != block_bytes:  # the daemon checks; so do we
-                    raise ValueError(f"block id {block_id} is outside the region")
-                run(pool, row, params, item)
+                run(pool, rows, params, item)
                 replies.append(None)
             except Exception as exc:  # one block's failure is that block's reply
                 replies.append(_error(exc))
         return replies
 
     def _write(
-        self, pool: PoolDir, row: memoryview, params: tuple[Any, ...], item: tuple[Any, ...]
+        self, pool: PoolDir, rows: RowAccess, params: tuple[Any, ...], item: tuple[Any, ...]
     ) -> None:
         fingerprint, o_direct, fsync, _ = params
-        _, rel, temp_name, key = item
+        block_id, rel, temp_name, key = item
+        row = rows.for_write(block_id)
         blockfile.write_block_file(
             pool, rel, temp_name, key, fingerprint, row, self._head, o_direct=o_direct, fsync=fsync
         )
 
     def _read(
-        self, pool: PoolDir, row: memoryview, params: tuple[Any, ...], item: tuple[Any, ...]
+        self, pool: PoolDir, rows: RowAccess, params: tuple[Any, ...], item: tuple[Any, ...]
     ) -> None:
         fingerprint, o_direct, _ = params
-        _, rel, key = item
+        block_id, rel, key = item
+        row = rows.for_read(block_id)
         blockfile.read_block_file(pool, rel, key, fingerprint, row, self._head, o_direct=o_direct)
+        rows.commit(block_id, row)
 
 
 def _refused(exc: UnexpectedEntry) -> OSError:
@@ -293,10 +353,11 @@ class BlockIo(Protocol):
 
 
 class InlineIo:
-    """Block I/O on the calling I/O thread, in the daemon (``io_processes = 0``)."""
+    """Block I/O on the calling I/O thread, in the daemon (``io_processes = 0``):
+    rows copied through ``rows`` (:class:`_CopiedRows`), never touched in place."""
 
-    def __init__(self, rows: memoryview) -> None:
-        self._rows = rows
+    def __init__(self, rows: RegionRows) -> None:
+        self._rows = _CopiedRows(rows)
         self._local = threading.local()
 
     def call(self, request: tuple[Any, ...]) -> list[Reply]:

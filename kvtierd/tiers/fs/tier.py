@@ -16,10 +16,16 @@ This module is the tier's lifecycle and job flow; the state lives elsewhere:
 Ownership and invariants:
 
 * Rows: during a store job the pool keeps the rows pinned and this tier only
-  reads them (checksum + write straight from the row); during a load job the
-  rows are reserved and only this tier writes them (``preadv`` straight into
-  the row). A row is never touched after its job's ``on_done`` ran. A row whose
-  block failed verification may hold garbage; it is never reported as loaded.
+  reads them; during a load job the rows are reserved and only this tier
+  writes them. In an I/O worker process that happens in place (checksum + write
+  from the worker's own mapping of the row, ``preadv`` into it); in the
+  daemon's own I/O threads (``io_processes = 0``) never through the mapping: a
+  row is copied out with :class:`~kvtierd.regionrows.RegionRows` first, a
+  block file is read and verified in a bounce buffer and then copied in, so a
+  client that truncated the region fails that block instead of killing the
+  daemon with SIGBUS. A row is never touched after its job's ``on_done`` ran.
+  A row whose block failed verification may hold garbage; it is never
+  reported as loaded.
 * Block I/O: the file work of a group of blocks (:mod:`~kvtierd.tiers.fs.blockfile`)
   is one request to the tier's :class:`~kvtierd.tiers.fs.ioworker.BlockIo`, run
   inline on the I/O thread or in an I/O worker process that maps the region
@@ -54,6 +60,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import logging
 import mmap
@@ -63,6 +70,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvtierd.contract import BlockKey, LookupResult, Medium
+from kvtierd.ratelimit import RateLimitedLog
+from kvtierd.regionrows import RegionRows
 from kvtierd.tiers.base import JobCallback, JobResult, SecondaryTier, TierJob, TierStats
 from kvtierd.tiers.fs import fsformat, ioworker, startup
 from kvtierd.tiers.fs.blockfile import CorruptFile
@@ -84,6 +93,7 @@ __all__ = ["DiskBudget", "FsTier", "FsTierError", "PoolMismatchError", "ScanRepo
 log = logging.getLogger("kvtierd.tiers.fs")
 
 GROUP_BYTES = 16 << 20  # blocks per I/O task: this many bytes (at least one block)
+REGION_FAULT_LOG_S = 10.0  # at most one "region cut short" WARNING per kind this often
 
 Pairs = list[tuple[BlockKey, int]]  # (key, row) of one group of a job
 
@@ -129,6 +139,7 @@ class FsTier(SecondaryTier):
         budget: DiskBudget | None = None,
         workers: IoWorkers | None = None,
         region_file: tuple[str, int, int] | None = None,
+        region_rows: RegionRows | None = None,
         write_log: WriteFailureLog | None = None,
         block_io: BlockIo | None = None,
         before_scan: Callable[[], object] | None = None,
@@ -189,10 +200,17 @@ class FsTier(SecondaryTier):
         )  # fmt: skip
         self._ready: asyncio.Future[None] | None = None
         self._write_log = write_log if write_log is not None else WriteFailureLog(name, log)
-        self._block_io: BlockIo = (
-            workers if workers is not None else block_io if block_io is not None
-            else InlineIo(self._region)
-        )  # fmt: skip
+        self._region_faults = RateLimitedLog(log, REGION_FAULT_LOG_S)  # loop thread
+        # inline block I/O copies rows through region_rows (never the mapping); a
+        # RegionRows this tier made of region_buffer is its own, closed at shutdown
+        self._own_rows: RegionRows | None = None
+        if workers is not None:
+            block_io = workers
+        elif block_io is None:
+            if region_rows is None:
+                region_rows = self._own_rows = RegionRows(self._region, block_bytes, path=name)
+            block_io = InlineIo(region_rows)
+        self._block_io: BlockIo = block_io
         self._region_ref: RegionRef = (*(region_file or ("", 0, 0)), block_bytes)
 
     # -- lifecycle (loop thread unless said otherwise) -----------------------------------
@@ -251,6 +269,8 @@ class FsTier(SecondaryTier):
         if self._io is not None and self._owns_io:
             self._io.shutdown()
         self._scan.join()
+        if self._own_rows is not None:
+            self._own_rows.close()  # copies in flight finish first; later ones fail
 
     def _index_ready(self) -> None:
         """Scan thread: the index is ready; starts the shared-root thread (if any) and
@@ -339,7 +359,9 @@ class FsTier(SecondaryTier):
     def _store_done(self, job: TierJob, outcomes: list[Outcome], start: float) -> None:
         stored = tuple(key for key, o in zip(job.keys, outcomes, strict=True) if o.ok)
         for key, outcome in zip(job.keys, outcomes, strict=True):
-            if isinstance(outcome.error, OSError):  # the disk refused: the operator hears
+            if _row_cut_short(outcome.error):  # a client truncated the region, not the disk
+                self._region_fault("store", outcome.error)
+            elif isinstance(outcome.error, OSError):  # the disk refused: the operator hears
                 self._write_log.failed(outcome.error, self._files.path(key))
             elif not outcome.ok:  # capacity, shutdown: counted only
                 log.debug("FS tier %s: store of %s failed: %s", self.name, key.hex(), outcome.error)
@@ -356,7 +378,18 @@ class FsTier(SecondaryTier):
         failures = len(job.keys) - len(loaded)
         if failures:
             self.index.count("load_failures", failures)
+            for outcome in outcomes:
+                if _row_cut_short(outcome.error):
+                    self._region_fault("promotion", outcome.error)
         self._report(job, loaded, failures, start, len(loaded) * self.file_bytes)
+
+    def _region_fault(self, kind: str, error: BaseException | None) -> None:
+        """One rate-limited WARNING per kind per :data:`REGION_FAULT_LOG_S`: a row of
+        the pool's region could not be copied (``error`` names the row and region)."""
+        self._region_faults.warning(
+            kind, "FS tier %s: pool %s: %s failed, block not %s: %s", self.name,
+            self.identity.pool_name, kind, "stored" if kind == "store" else "promoted", error,
+        )  # fmt: skip
 
     def _report(
         self, job: TierJob, done: tuple[BlockKey, ...], failures: int, start: float, moved: int
@@ -535,3 +568,10 @@ def _flatten(outcomes: list[Outcome], sizes: list[int]) -> list[Outcome]:
     for outcome, size in zip(outcomes, sizes, strict=True):
         flat.extend(outcome.value if outcome.ok else [outcome] * size)
     return flat
+
+
+def _row_cut_short(error: BaseException | None) -> bool:
+    """A block failed because its row of the region could not be copied (EFAULT:
+    :class:`~kvtierd.regionrows.RegionCutShort`, rebuilt as an OSError from the
+    block I/O reply), not because of the disk."""
+    return isinstance(error, OSError) and error.errno == errno.EFAULT

@@ -4,10 +4,19 @@ A value is exactly an fs block file (:mod:`kvtierd.tiers.fs.fsformat`): the
 4096-byte integrity header (key, pool fingerprint, payload length, payload
 checksum, its own checksum), then the row's bytes, under the Redis key
 ``<key_space><block key>``. :class:`RedisBlockIO` stores a row (``SET NX``, the
-row sent from the region unjoined), loads one (``GETRANGE``, bounded to one
-value's size plus a byte, verified before a byte reaches the row), probes
-presence and deletes, through the tier's
+row sent unjoined from this thread's bounce buffer), loads one (``GETRANGE``,
+bounded to one value's size plus a byte, verified before a byte reaches the
+row), probes presence and deletes, through the tier's
 :class:`~kvtierd.tiers.redis.link.RedisLink`.
+
+Rows are never touched through the region's mapping (a client may truncate the
+file under it: SIGBUS would kill the daemon). A store copies its row out with
+:meth:`~kvtierd.regionrows.RegionRows.read` into :func:`~kvtierd.regionrows.scratch`
+(one row-sized buffer per I/O thread, reused: the bytes held are at most
+``threads`` x ``block_bytes``), then hashes and sends that copy; a load writes
+the verified payload in with :meth:`~kvtierd.regionrows.RegionRows.write`
+straight from the value redis-py returned. A row that cannot be copied
+(:class:`~kvtierd.regionrows.RegionCutShort`) fails that block only.
 
 Ownership: the region rows of the jobs in flight (pinned by the daemon until the
 job reports) and the link; no loop state. Each call may block up to the link's
@@ -25,6 +34,7 @@ from redis.exceptions import AskError
 
 from kvtierd.contract import BlockKey
 from kvtierd.ratelimit import RateLimitedLog
+from kvtierd.regionrows import RegionRows, scratch
 from kvtierd.tiers.fs import fsformat
 from kvtierd.tiers.fs.iopool import Outcome
 from kvtierd.tiers.redis.link import RedisLink
@@ -50,7 +60,7 @@ class RedisBlockIO:
         link: RedisLink,
         key_space: bytes,
         identity: fsformat.PoolIdentity,
-        region: memoryview,
+        rows: RegionRows,
         ttl_ms: int | None,
         faults: RateLimitedLog,
         name: str,
@@ -60,8 +70,7 @@ class RedisBlockIO:
         self.fingerprint = identity.fingerprint
         self.block_bytes = identity.block_bytes
         self.value_bytes = fsformat.HEADER_SIZE + self.block_bytes
-        self._region = region
-        self._num_rows = len(region) // self.block_bytes
+        self._rows = rows
         self._ttl_ms = ttl_ms
         self._faults = faults
         self._name = name
@@ -85,14 +94,19 @@ class RedisBlockIO:
         return outcomes
 
     def store_one(self, key: BlockKey, row: int) -> str:
-        payload = self.row(row)
+        """Stores row ``row`` as ``key``'s value, sent from a copy (this thread's
+        bounce buffer, valid until its next store: redis-py has written the whole
+        command when ``store_value`` returns). Raises RegionCutShort when the row
+        cannot be read (nothing is sent), or the server's error."""
+        payload = scratch(self.block_bytes)
+        self._rows.read(row, payload)
         header = fsformat.encode_header(
             key=key,
             fingerprint=self.fingerprint,
             payload_length=self.block_bytes,
             payload_checksum=fsformat.payload_checksum(payload),
         )
-        # header and row go out as separate buffers of one SET: the row is never copied
+        # header and row copy go out as separate buffers of one SET: never joined
         args: list[bytes] = [b"NX"]
         if self._ttl_ms:
             args += [b"PX", str(self._ttl_ms).encode()]
@@ -131,7 +145,7 @@ class RedisBlockIO:
         except fsformat.CorruptBlock as exc:
             self.delete_if_same(redis_key, value)
             raise BlockCorrupt(exc.reason) from None
-        self.row(row)[:] = memoryview(value)[fsformat.HEADER_SIZE :]
+        self._rows.write(row, value, fsformat.HEADER_SIZE)  # from the value: no copy
 
     def verify(self, key: BlockKey, value: bytes) -> None:
         """Raises fsformat.CorruptBlock unless ``value`` is this pool's block of ``key``."""
@@ -190,11 +204,6 @@ class RedisBlockIO:
             if isinstance(reply, BaseException):
                 raise reply
         return sum(int(r) for r in replies)
-
-    def row(self, block_id: int) -> memoryview:
-        if not 0 <= block_id < self._num_rows:
-            raise IndexError(f"row {block_id} outside the region ({self._num_rows} rows)")
-        return self._region[block_id * self.block_bytes : (block_id + 1) * self.block_bytes]
 
 
 def resp_set(

@@ -103,6 +103,7 @@ class ConfiguredRedisTier(ConfiguredTier):
             block_bytes=pool.block_bytes,
             layout=pool.layout,
             region_buffer=pool.region_buffer,
+            region_rows=pool.region_rows,
             capacity_bytes=s.capacity,
             on_done=on_done,
             loop=loop,

@@ -13,12 +13,16 @@ of an :class:`~kvtierd.tiers.fs.iopool.IoPool` (shared by the pools of one
 configured tier), in :mod:`.blockio`, and reports through
 ``loop.call_soon_threadsafe``; this module is the loop's side:
 
-* stores: one ``SET key value NX [PX ttl]`` per block, the value sent from the
-  row itself (redis-py writes a large memoryview to the socket without joining
-  it into one buffer); NX: a key another daemon wrote already is left alone
-  (keys name content);
+* stores: one ``SET key value NX [PX ttl]`` per block, the value sent from a
+  copy of the row in the I/O thread's bounce buffer (redis-py writes a large
+  memoryview to the socket without joining it into one buffer); NX: a key
+  another daemon wrote already is left alone (keys name content);
 * loads: one ``GET`` per block, verified (header, then the payload's xxh3)
   before its payload is copied into the row;
+* rows are copied with :class:`~kvtierd.regionrows.RegionRows` (system calls,
+  never the daemon's mapping): a region a client truncated fails the block
+  whose row is gone (store not cascaded, promotion not served), with one
+  rate-limited WARNING naming the pool and the region, and nothing else;
 * presence: a lookup answers from what the tier knows on the loop -- the keys
   it stored (held, in recency order) and a short-lived presence cache of
   batched ``EXISTS`` answers (``presence_ttl``) about keys other daemons may
@@ -59,6 +63,7 @@ import redis
 
 from kvtierd.contract import BlockKey, LookupResult, Medium
 from kvtierd.ratelimit import RateLimitedLog
+from kvtierd.regionrows import RegionCutShort, RegionRows, RowIoUnavailable
 from kvtierd.tiers.base import JobCallback, JobResult, SecondaryTier, TierJob, TierStats
 from kvtierd.tiers.fs import fsformat
 from kvtierd.tiers.fs.iopool import IoPool, Outcome
@@ -110,11 +115,18 @@ class RedisTier(SecondaryTier):
         ttl_s: float = 0.0,
         presence_ttl_s: float = 1.0,
         faults: RateLimitedLog | None = None,
+        region_rows: RegionRows | None = None,
     ) -> None:
+        """``region_rows``: how the I/O threads copy rows (the pool's region's; None:
+        one made of ``region_buffer``, owned and closed by :meth:`shutdown`)."""
         region = region_buffer.cast("B") if region_buffer.format != "B" else region_buffer
         if block_bytes < 1 or len(region) % block_bytes:
             raise ValueError("region_buffer length is not a multiple of block_bytes")
+        self._own_rows: RegionRows | None = None
+        if region_rows is None:
+            region_rows = self._own_rows = RegionRows(region, block_bytes, path=name)
         self.name = name
+        self.pool_name = pool_name
         self.block_bytes = block_bytes
         self.value_bytes = fsformat.HEADER_SIZE + block_bytes
         self.capacity_bytes = capacity_bytes  # 0: the server's (no local eviction)
@@ -130,7 +142,7 @@ class RedisTier(SecondaryTier):
         self._faults = faults or RateLimitedLog(log, FAULT_LOG_INTERVAL_S)
         # the I/O threads' side: the rows of running jobs and the link, nothing else
         self._blocks = RedisBlockIO(
-            link, self.key_space, self.identity, region, self._ttl_ms, self._faults, name
+            link, self.key_space, self.identity, region_rows, self._ttl_ms, self._faults, name
         )
         # Invariant: _held holds the keys this instance stored (or loaded) and not
         # dropped since, least recently used first; len * value_bytes is used_bytes.
@@ -194,6 +206,8 @@ class RedisTier(SecondaryTier):
         """No new probes; the shared I/O pool (its owner stops it) fails what is queued."""
         self._closed = True
         self._probe_wanted.clear()
+        if self._own_rows is not None:
+            self._own_rows.close()  # copies in flight finish first; later ones fail
 
     # -- lookups (loop) ------------------------------------------------------------------
 
@@ -510,7 +524,16 @@ class RedisTier(SecondaryTier):
             self._fault("delete", outcomes[0].error)
 
     def _fault(self, kind: str, error: BaseException | None) -> None:
-        if isinstance(error, redis.RedisError):
+        if isinstance(error, (RegionCutShort, RowIoUnavailable)):
+            # a client truncated the region: this block only; the message names row and region
+            what = "store" if kind == "store" else "promotion"
+            self._faults.warning(
+                ("region", what, self.name),
+                "redis tier %s: pool %s: %s failed, block not %s: %s",
+                self.name, self.pool_name, what,
+                "stored" if what == "store" else "promoted", error,
+            )  # fmt: skip
+        elif isinstance(error, redis.RedisError):
             self._faults.warning(
                 (kind, self.name),
                 "redis tier %s: %s failed: %s: %s",

@@ -1,0 +1,165 @@
+"""A client that truncates its pool's region file cannot kill the daemon.
+
+Every client of a pool holds the region file writable (the descriptor the daemon
+passes), so it can ``ftruncate`` it. A page of the daemon's mapping past the new
+end raises SIGBUS when the daemon's own code touches it (hashing a row, sending
+it to a socket from the mapping, copying a promoted block into it), and SIGBUS
+kills the daemon: every pool and session of every user. The daemon now copies
+row bytes only through system calls (``kvtierd.regionrows``): the block whose
+row is gone fails, with one rate-limited WARNING naming the pool and the region,
+and nothing else does.
+
+Each scenario runs against a real daemon process, a real truncated file and each
+secondary tier that moves row bytes: the redis tier (``redis-server``), the fs
+tier with its block I/O on the daemon's own threads (``io_processes = 0``) and
+the fs tier with I/O worker processes (the default: a worker that dies of SIGBUS
+is replaced; a regression guard). The journal's path is
+``test_attack_wave3.py::test_a_client_that_truncates_the_region_cannot_kill_the_daemon``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from daemon_harness import DaemonProcess, eventually, fs_tiers_config, start_daemon
+from test_fs_tier_daemon import HIT, MISS, Engine, block_keys, payload
+from test_redis_tier_daemon import key_prefix, redis_config
+
+__all__ = ["key_prefix"]  # a fixture, imported for these tests
+
+TIERS = ["redis", "fs-inline", "fs-workers"]
+
+
+@pytest.fixture(params=TIERS)
+def tiered_daemon(
+    request: pytest.FixtureRequest, tmp_path: Path, key_prefix: str
+) -> Iterator[tuple[str, DaemonProcess, Callable[[], int]]]:
+    """(tier kind, a daemon with that one secondary tier, how many blocks the tier holds)."""
+    kind = request.param
+    held: Callable[[], int]
+    client: redis.Redis | None = None
+    if kind == "redis":
+        server = request.getfixturevalue("redis_server")
+        config = redis_config(server.url, key_prefix)
+        client = redis.Redis.from_url(server.url)
+
+        def held() -> int:
+            assert client is not None
+            return sum(1 for _ in client.scan_iter(match=f"{key_prefix}:*"))
+    else:
+        root = tmp_path / "fs"
+        root.mkdir()
+        io = {"io_processes": 0} if kind == "fs-inline" else {}
+        config = fs_tiers_config(root, **io)
+
+        def held() -> int:
+            return sum(1 for _ in root.rglob("*.kvb"))
+
+    daemon = start_daemon("--memory-budget", "64MiB", config=config)
+    try:
+        yield kind, daemon, held
+    finally:
+        daemon.stop(signal.SIGKILL)
+        daemon.cleanup()
+        if client is not None:
+            client.close()
+
+
+def _region_lines(daemon: DaemonProcess, pool: str, kind: str) -> list[str]:
+    """The daemon's WARNING lines saying a ``kind`` of ``pool`` failed on its region."""
+    return [
+        line
+        for line in daemon.log().splitlines()
+        if "WARNING" in line and f"pool {pool}: {kind} failed" in line and "region" in line
+    ]
+
+
+def test_a_store_into_a_truncated_region_fails_those_blocks_only(tiered_daemon, pool_name):
+    """Scenario: an engine truncates its pool's region to 0 bytes, then completes a
+    store of 4 keys (never written: the rows are gone). The cascade of each to the
+    secondary tier reads a row past the end: it used to be hashed / sent through
+    the daemon's mapping (SIGBUS, the daemon died). Now those 4 stores fail, one
+    WARNING names the pool and the region, the file stays 0 bytes (nothing grows
+    it back), and another pool's engine stores and loads bit-exact through the
+    same tier afterwards."""
+    kind, daemon, held = tiered_daemon
+    engine = Engine(daemon, pool_name)
+    bystander = Engine(daemon, pool_name + "-other")
+    try:
+        before = block_keys("before", 2)
+        engine.store(before)
+        engine.settle_cascades()
+        assert held() == 2
+        failures_before = engine.tier_stats().failures
+
+        os.truncate(engine.session.region.path, 0)
+        cut = block_keys("cut", 4)
+        engine.session.prepare_store(cut)
+        engine.session.complete_store(cut)  # cascaded: each row is read past the end
+        engine.settle_cascades()
+
+        assert daemon.alive(), f"the daemon died ({daemon.proc.returncode}):\n{daemon.log()}"
+        assert engine.tier_stats().failures - failures_before == 4
+        assert held() == 2, "a block whose row was cut off reached the tier"
+        assert os.stat(engine.session.region.path).st_size == 0  # never grown back
+        if kind != "fs-workers":  # there, the worker dies (logged as a failed write)
+            lines = _region_lines(daemon, pool_name, "store")
+            assert len(lines) == 1, daemon.log()  # 4 failures, one line
+            assert engine.session.region.path in lines[0]
+
+        others = block_keys("other", 3)
+        bystander.store(others)
+        bystander.settle_cascades()
+        assert bystander.load(others) == [payload(k) for k in others]
+        assert held() == 5
+    finally:
+        engine.close()
+        bystander.close()
+
+
+def test_a_promotion_into_a_truncated_region_fails_and_never_grows_the_file(
+    tiered_daemon, pool_name
+):
+    """Scenario: 4 blocks reach the tier and are evicted from a 4-row primary; the
+    engine truncates the region to 0 bytes; a Lookup of them starts promotions,
+    which copy each verified block into its row: that write used to go through
+    the daemon's mapping (SIGBUS on write, the daemon died). Now the promotions
+    fail (the keys answer MISS, never HIT), the tier keeps the blocks (the file
+    and the value are good; only the row is gone), a WARNING names the pool and
+    the region, and the region file stays 0 bytes: nothing grows it back, so no
+    reader can find zeros where the daemon lists a block."""
+    kind, daemon, held = tiered_daemon
+    engine = Engine(daemon, pool_name, num_blocks=4)
+    try:
+        first, second = block_keys("a", 4), block_keys("b", 4)
+        engine.store(first)
+        engine.settle_cascades()
+        engine.store(second)  # evicts `first` from the primary
+        engine.settle_cascades()
+        assert held() == 8
+
+        os.truncate(engine.session.region.path, 0)
+        results: list[object] = []
+
+        def all_failed() -> bool:
+            results[:] = engine.wait_settled(first)
+            return engine.tier_stats().promotion_failures >= 4 and results == [MISS] * 4
+
+        eventually(all_failed, 30, lambda: f"the promotions failed; lookups {results}")
+        assert daemon.alive(), f"the daemon died ({daemon.proc.returncode}):\n{daemon.log()}"
+        assert HIT not in engine.session.lookup(first)
+        assert os.stat(engine.session.region.path).st_size == 0  # never grown back
+        assert held() == 8, "a good block was dropped because its row was cut off"
+        if kind != "fs-workers":
+            lines = _region_lines(daemon, pool_name, "promotion")
+            assert lines, daemon.log()
+            assert engine.session.region.path in lines[0]
+            assert re.search(r"could not be written|could not be read", lines[0])
+    finally:
+        engine.close()
