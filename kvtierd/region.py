@@ -253,7 +253,9 @@ class Region:
         region, closed by :meth:`close` before the mapping goes."""
         with self._lock:
             if self._safe_rows is None:
-                self._safe_rows = RegionRows(self._mapping(), self.block_bytes, path=self.path)
+                self._safe_rows = RegionRows(
+                    self._mapping(), self.block_bytes, path=self.path, fd=self.fileno()
+                )
             return self._safe_rows
 
     def row(self, block_id: int) -> memoryview:

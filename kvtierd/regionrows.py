@@ -8,8 +8,11 @@ resume from it: the daemon, every pool and every session of every user would
 die. The bytes of a row are therefore copied only by system calls, which fail
 with an error instead of a signal and never grow the file back:
 
-* reads: ``process_vm_readv`` on this process (:func:`kvtierd.safecopy.gather`)
-  into a buffer of the caller's (see :func:`scratch`);
+* reads: ``preadv`` on the region file's descriptor (a read past the end just
+  comes back short; about as fast as a copy out of the mapping), into a buffer
+  of the caller's (see :func:`scratch`); without a descriptor (a tier built on
+  a bare buffer, in tests) ``process_vm_readv`` on this process
+  (:func:`kvtierd.safecopy.gather`);
 * writes: ``process_vm_writev`` (:func:`kvtierd.safecopy.put`); a ``pwrite`` on
   the region file would re-grow a truncated tmpfs file with zeros, which a
   reader of the other rows would then load as if they were the blocks the
@@ -28,10 +31,12 @@ promotion is not served) and logs it, rate-limited, naming the pool and region.
 Ownership: the :class:`~kvtierd.region.Region` creates its one
 :class:`RegionRows` and closes it first in :meth:`~kvtierd.region.Region.close`.
 :class:`RegionRows` holds an export of the mapping (the address it copies to
-and from stays mapped, never reused by another mapping, until it is closed);
+and from stays mapped, never reused by another mapping, until it is closed) and
+borrows the region's descriptor (the region closes it only after this);
 ``close`` waits for the copies in flight (memory copies: microseconds to a few
 milliseconds, never a wait on anything else) and refuses new ones, so no copy
-runs against an address that was unmapped and handed to something else.
+runs against an address or a descriptor number that was released and handed
+to something else.
 
 Other places where kvtierd code still touches a mapping, and why that is safe:
 the fs tier's I/O *worker processes* (``io_processes`` > 0) map the region
@@ -47,7 +52,9 @@ import ctypes
 import errno
 import logging
 import mmap
+import os
 import threading
+from collections.abc import Callable
 
 from kvtierd import safecopy
 
@@ -118,9 +125,13 @@ class RegionRows:
     releases the export only when it reaches 0.
     """
 
-    def __init__(self, buffer: memoryview, block_bytes: int, *, path: str) -> None:
+    def __init__(
+        self, buffer: memoryview, block_bytes: int, *, path: str, fd: int | None = None
+    ) -> None:
         """``buffer``: the whole region (writable, ``block_bytes`` per row); its
-        export is held until :meth:`close`. ``path`` names the region in errors."""
+        export is held until :meth:`close`. ``path`` names the region in errors.
+        ``fd``: the region file's descriptor (borrowed: valid until :meth:`close`
+        returns), which reads use."""
         view = buffer.cast("B") if buffer.format != "B" else buffer
         if block_bytes < 1 or len(view) % block_bytes:
             raise ValueError("the region's length is not a multiple of block_bytes")
@@ -131,6 +142,7 @@ class RegionRows:
             view
         )
         self._base = ctypes.addressof(self._anchor)
+        self._fd = fd
         self._idle = threading.Condition(threading.Lock())
         self._in_flight = 0  # guarded by _idle
         self._closed = False  # guarded by _idle
@@ -145,21 +157,14 @@ class RegionRows:
         start = self._start(row, len(into))
         self._enter()
         try:
-            while True:
-                mechanism = _Mechanism.current
-                try:
-                    if mechanism == _SYSCALLS:
-                        got = safecopy.gather(self._base, [(start, start + len(into))], into)
-                    elif mechanism == _PROC_SELF_MEM:
-                        got = safecopy.ProcSelfMem.read(self._base + start, into)
-                    else:
-                        raise RowIoUnavailable(f"cannot read row {row} of region {self.path}")
-                except RowIoUnavailable:
-                    raise
-                except OSError as exc:  # the call is refused here: the next path
-                    _Mechanism.refused(mechanism, exc)
-                    continue
-                break
+            if self._fd is not None:
+                got = _pread_all(self._fd, into, start)
+            else:
+                got = _copy(
+                    lambda: safecopy.gather(self._base, [(start, start + len(into))], into),
+                    lambda: safecopy.ProcSelfMem.read(self._base + start, into),
+                    f"cannot read row {row} of region {self.path}",
+                )
         finally:
             self._exit()
         if got != len(into):
@@ -179,21 +184,11 @@ class RegionRows:
         start = self._start(row, length)
         self._enter()
         try:
-            while True:
-                mechanism = _Mechanism.current
-                try:
-                    if mechanism == _SYSCALLS:
-                        got = safecopy.put(self._base, start, data, data_start)
-                    elif mechanism == _PROC_SELF_MEM:
-                        got = safecopy.ProcSelfMem.write(self._base + start, data, data_start)
-                    else:
-                        raise RowIoUnavailable(f"cannot write row {row} of region {self.path}")
-                except RowIoUnavailable:
-                    raise
-                except OSError as exc:
-                    _Mechanism.refused(mechanism, exc)
-                    continue
-                break
+            got = _copy(
+                lambda: safecopy.put(self._base, start, data, data_start),
+                lambda: safecopy.ProcSelfMem.write(self._base + start, data, data_start),
+                f"cannot write row {row} of region {self.path}",
+            )
         finally:
             self._exit()
         if got != length:
@@ -236,6 +231,33 @@ class RegionRows:
             self._in_flight -= 1
             if not self._in_flight:
                 self._idle.notify_all()
+
+
+def _copy(by_syscall: Callable[[], int], by_proc_self_mem: Callable[[], int], what: str) -> int:
+    """Runs the copy with this process's current mechanism (moving on to the next
+    one when it is refused); the bytes copied. Raises RowIoUnavailable."""
+    while True:
+        mechanism = _Mechanism.current
+        try:
+            if mechanism == _SYSCALLS:
+                return by_syscall()
+            if mechanism == _PROC_SELF_MEM:
+                return by_proc_self_mem()
+        except OSError as exc:  # the call is refused here: the next path
+            _Mechanism.refused(mechanism, exc)
+            continue
+        raise RowIoUnavailable(what)
+
+
+def _pread_all(fd: int, into: memoryview, offset: int) -> int:
+    """``preadv`` until ``into`` is full or the file ends; the bytes read."""
+    done = 0
+    while done < len(into):
+        got = os.preadv(fd, [into[done:]], offset + done)
+        if got <= 0:
+            break
+        done += got
+    return done
 
 
 _scratch = threading.local()
