@@ -57,7 +57,7 @@ import time
 import weakref
 from typing import Any
 
-from kvtierd import filekind
+from kvtierd import filekind, safecopy
 from kvtierd.regionrows import RegionRows
 from kvtierd.units import format_bytes
 
@@ -554,16 +554,27 @@ def _libc() -> ctypes.CDLL:
 
 
 def touch_pages(mapping: Any) -> None:
-    """Writes one byte per page with its own value (read-modify-write ``|= 0``): the
-    pre-fault of kernels without MADV_POPULATE_WRITE; the bytes stay as they were.
+    """Faults every page of ``mapping`` in: the pre-fault of kernels without
+    MADV_POPULATE_WRITE. The bytes stay as they were.
 
-    Only safe while no other process writes the mapping: the daemon calls it on a
-    region no client knows yet.
+    It reads one byte per page with ``process_vm_readv`` (1024 pages a call), never
+    touching the mapping from user space: a client of the socket group could open
+    the region file by path and truncate it meanwhile, and a touch past the end
+    would kill the daemon with SIGBUS; the read just stops short. Where the call
+    is refused (seccomp) the pages fault in at first use instead (only speed).
     """
-    import numpy as np  # daemon dependency; only this rare fallback needs it
-
-    pages = np.frombuffer(mapping, dtype=np.uint8)[:: mmap.PAGESIZE]
+    view = memoryview(mapping)
     try:
-        np.bitwise_or(pages, 0, out=pages)
+        base = safecopy.address_of(view)
+        page_starts = range(0, len(view), mmap.PAGESIZE)
+        scratch = bytearray(safecopy.IOV_MAX)
+        for first in range(0, len(page_starts), safecopy.IOV_MAX):
+            chunk = [(start, start + 1) for start in page_starts[first : first + safecopy.IOV_MAX]]
+            try:
+                if safecopy.gather(base, chunk, scratch) < len(chunk):
+                    return  # the file was cut short meanwhile: nothing more to fault in
+            except OSError as exc:
+                log.debug("process_vm_readv refused (%s); pages fault in at first use", exc)
+                return
     finally:
-        del pages  # drop the export even when a traceback keeps this frame alive
+        view.release()

@@ -41,9 +41,10 @@ to something else.
 Other places where kvtierd code still touches a mapping, and why that is safe:
 the fs tier's I/O *worker processes* (``io_processes`` > 0) map the region
 themselves and hash / write from it: a SIGBUS kills that worker only, whose
-requests then fail and which is replaced; :func:`kvtierd.region.touch_pages`
-(kernels without ``MADV_POPULATE_WRITE``) runs on a region no client has been
-given yet; the client library maps it in the clients' own processes.
+requests then fail and which is replaced; the client library maps it in the
+clients' own processes. (:func:`kvtierd.region.touch_pages`, the pre-fault of
+kernels without ``MADV_POPULATE_WRITE``, reads one byte per page with
+``process_vm_readv``: a system call too.)
 """
 
 from __future__ import annotations

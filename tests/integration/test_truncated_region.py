@@ -31,6 +31,8 @@ from daemon_harness import DaemonProcess, eventually, fs_tiers_config, start_dae
 from test_fs_tier_daemon import HIT, MISS, Engine, block_keys, payload
 from test_redis_tier_daemon import key_prefix, redis_config
 
+from kvtierd_client.client import Client
+
 __all__ = ["key_prefix"]  # a fixture, imported for these tests
 
 TIERS = ["redis", "fs-inline", "fs-workers"]
@@ -163,3 +165,43 @@ def test_a_promotion_into_a_truncated_region_fails_and_never_grows_the_file(
             assert re.search(r"could not be written|could not be read", lines[0])
     finally:
         engine.close()
+
+
+WARM_BLOCK = 8192
+
+
+def test_a_region_truncated_while_the_daemon_was_down_starts_its_pool_cold(pool_name):
+    """Scenario: the daemon stops (warm restart keeps the region and its journal);
+    a client of the old daemon, still holding the file, truncates it; the next
+    daemon's adoption checks the size before anything reads the rows (and hashes
+    them with ``preadv`` anyway): the pool starts cold with one line saying why, the
+    daemon serves it and every other pool."""
+    daemon = start_daemon("--lease", "2s", "--write-quarantine", "1s")
+    daemons = [daemon]
+    try:
+        with Client(daemon.address) as client:
+            session = client.open_session(pool_name, block_bytes=WARM_BLOCK, num_blocks=16)
+            grant = session.prepare_store([b"kept"])
+            assert grant is not None
+            with open(session.region.path, "r+b") as region:
+                os.pwrite(region.fileno(), b"k" * WARM_BLOCK, grant.block_ids[0] * WARM_BLOCK)
+            session.complete_store([b"kept"])
+            path = session.region.path
+        assert daemon.stop() == 0, daemon.log()
+        os.truncate(path, 3 * WARM_BLOCK)
+        daemon = daemon.restart()
+        daemons.append(daemon)
+        with Client(daemon.address) as client:
+            session = client.open_session(pool_name, block_bytes=WARM_BLOCK, num_blocks=16)
+            assert session.lookup([b"kept"]) == [MISS]
+            grant = session.prepare_store([b"new"])
+            assert grant is not None
+            session.complete_store([b"new"])
+            assert session.lookup([b"new"]) == [HIT]
+        assert daemon.alive(), daemon.log()
+        lines = [line for line in daemon.log().splitlines() if "starting cold" in line]
+        assert len(lines) == 1 and f"is {3 * WARM_BLOCK} bytes, expected" in lines[0], lines
+    finally:
+        for each in daemons:
+            each.stop(signal.SIGKILL)
+        daemons[-1].cleanup()

@@ -314,6 +314,29 @@ def test_page_touching_fallback_preserves_data(region_dir):
         assert mapping[:] == data
 
 
+def test_page_touching_fallback_survives_a_file_cut_short_under_it(region_dir):
+    """A member of the socket group can open a new region by path and truncate it
+    while the daemon pre-faults it on a kernel without MADV_POPULATE_WRITE. Touching
+    the pages from user space died of SIGBUS (the whole daemon); the fallback reads
+    them with process_vm_readv now and stops short. Run in a child process, so the
+    old behaviour fails this test instead of killing pytest."""
+    path = os.path.join(region_dir, "cut")
+    script = (
+        "import mmap, os, sys\n"
+        "from kvtierd import region\n"
+        "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)\n"
+        "os.ftruncate(fd, 64 * mmap.PAGESIZE)\n"
+        "mapping = mmap.mmap(fd, 64 * mmap.PAGESIZE)\n"
+        "os.ftruncate(fd, 5 * mmap.PAGESIZE)\n"
+        "region.touch_pages(mapping)\n"
+        "print('survived')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, path], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0 and "survived" in done.stdout, (done.returncode, done.stderr)
+
+
 # -- rows and close ------------------------------------------------------------------
 
 
