@@ -40,8 +40,9 @@ to something else.
 
 Other places where kvtierd code still touches a mapping, and why that is safe:
 the fs tier's I/O *worker processes* (``io_processes`` > 0) map the region
-themselves and hash / write from it: a SIGBUS kills that worker only, whose
-requests then fail and which is replaced; the client library maps it in the
+themselves and hash / write from it after checking the row against the file's
+size: only a truncation racing a copy gets a SIGBUS, which kills that worker
+only, whose requests then fail and which is replaced; the client library maps it in the
 clients' own processes. (:func:`kvtierd.region.touch_pages`, the pre-fault of
 kernels without ``MADV_POPULATE_WRITE``, reads one byte per page with
 ``process_vm_readv``: a system call too.)

@@ -53,7 +53,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from kvtierd.regionrows import RegionRows, scratch
+from kvtierd.regionrows import RegionCutShort, RegionRows, scratch
 from kvtierd.tiers.fs import blockfile
 from kvtierd.tiers.fs.blockfile import CorruptFile
 from kvtierd.tiers.fs.safefs import PoolDir, UnexpectedEntry
@@ -128,17 +128,30 @@ class RowAccess(Protocol):
 
 class _MappedRows:
     """A worker process's own mapping of a region: rows hashed, written and read in
-    place. A client that truncates the file kills this worker with SIGBUS (its
-    requests fail, the daemon starts another), never the daemon."""
+    place (zero-copy). A client that truncates the file cannot kill the daemon
+    this way, only this worker (SIGBUS: its requests fail, the daemon starts
+    another). So that this takes a race and not just a truncation, each row is
+    checked against the file's size first (one ``fstat`` of the descriptor kept
+    open for that): a row past the end fails its block with
+    :class:`~kvtierd.regionrows.RegionCutShort`, as in the daemon."""
 
-    def __init__(self, rows: memoryview, block_bytes: int) -> None:
+    def __init__(self, rows: memoryview, block_bytes: int, fd: int, path: str) -> None:
         self._rows = rows
         self._block_bytes = block_bytes
+        self._fd = fd  # the region file, open as long as the mapping (the process's life)
+        self._path = path
 
     def for_write(self, block_id: int) -> memoryview:
         row = self._rows[block_id * self._block_bytes : (block_id + 1) * self._block_bytes]
         if block_id < 0 or len(row) != self._block_bytes:  # the daemon checks; so do we
             raise ValueError(f"block id {block_id} is outside the region")
+        size = os.fstat(self._fd).st_size
+        if size < (block_id + 1) * self._block_bytes:
+            raise RegionCutShort(
+                f"row {block_id} of region {self._path} is past the end of the file "
+                f"({size} bytes): the region file is shorter than the region (a client "
+                "truncated it)"
+            )
         return row
 
     for_read = for_write
@@ -181,7 +194,8 @@ class _Regions:
         with self._lock:
             rows = self._mapped.get(region)
             if rows is None:
-                rows = self._mapped[region] = _MappedRows(_map_region(region), region[3])
+                fd, mapping = _map_region(region)
+                rows = self._mapped[region] = _MappedRows(mapping, region[3], fd, region[0])
             return rows
 
 
@@ -201,7 +215,7 @@ class _Worker:
         try:
             rows = self._rows_of(region)
             pool = PoolDir(params[-1], create=op == WRITE)
-        except (OSError, UnexpectedEntry) as exc:
+        except (OSError, ValueError, UnexpectedEntry) as exc:  # ValueError: mmap refused
             error = _error(_refused(exc) if isinstance(exc, UnexpectedEntry) else exc)
             return [error] * len(items)
         with pool:
@@ -251,16 +265,24 @@ def _refused(exc: UnexpectedEntry) -> OSError:
     return OSError(code, f"{exc}: not followed", exc.path)
 
 
-def _map_region(region: RegionRef) -> memoryview:
+def _map_region(region: RegionRef) -> tuple[int, memoryview]:
+    """The region file's descriptor (kept open: rows are checked against its size)
+    and a mapping of it."""
     path, dev, ino, _ = region
     fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
         if (st.st_dev, st.st_ino) != (dev, ino):
             raise OSError(errno.ESTALE, f"{path} is no longer the daemon's region file")
-        return memoryview(mmap.mmap(fd, st.st_size))
-    finally:
+        if st.st_size == 0:  # mmap refuses an empty file: every row is past the end
+            raise RegionCutShort(
+                f"region {path} is 0 bytes: the region file is shorter than the region "
+                "(a client truncated it)"
+            )
+        return fd, memoryview(mmap.mmap(fd, st.st_size))
+    except BaseException:
         os.close(fd)
+        raise
 
 
 def _error(exc: BaseException) -> tuple[Any, ...]:
