@@ -21,8 +21,9 @@ with an error instead of a signal and never grow the file back:
   CAP_SYS_PTRACE), the same copies go through ``/proc/self/mem``
   (:class:`kvtierd.safecopy.ProcSelfMem`): one WARNING, then that path for the
   process's life. Where that cannot be opened either (no ``/proc``), every
-  copy fails with :class:`RowIoUnavailable` (one ERROR): the tiers fail their
-  jobs, the primary tier keeps serving; nothing falls back to the mapping.
+  write (and every read of a :class:`RegionRows` without a descriptor) fails
+  with :class:`RowIoUnavailable` (one ERROR): promotions fail, the primary tier
+  keeps serving; nothing falls back to the mapping.
 
 A copy that comes back short raises :class:`RegionCutShort` (an OSError,
 EFAULT): the caller fails that block only (a store is not cascaded, a
@@ -56,11 +57,19 @@ import logging
 import mmap
 import os
 import threading
+import weakref
 from collections.abc import Callable
 
 from kvtierd import safecopy
 
-__all__ = ["RegionClosed", "RegionCutShort", "RegionRows", "RowIoUnavailable", "scratch"]
+__all__ = [
+    "RegionClosed",
+    "RegionCutShort",
+    "RegionRows",
+    "RowIoUnavailable",
+    "scratch",
+    "scratch_bytes",
+]
 
 log = logging.getLogger("kvtierd.regionrows")
 
@@ -111,9 +120,10 @@ class _Mechanism:
             else:
                 cls.current = _NONE
                 log.error(
-                    "/proc/self/mem cannot be used either (%s): the daemon cannot copy region "
-                    "rows without risking SIGBUS, so every secondary-tier store and promotion "
-                    "fails (the primary tier keeps serving)", exc,
+                    "/proc/self/mem cannot be used either (%s): the daemon cannot write region "
+                    "rows without risking SIGBUS, so every promotion from a secondary tier "
+                    "fails from now on (stores read rows with pread and go on; the primary "
+                    "tier keeps serving)", exc,
                 )  # fmt: skip
 
 
@@ -263,6 +273,8 @@ def _pread_all(fd: int, into: memoryview, offset: int) -> int:
 
 
 _scratch = threading.local()
+_scratch_lock = threading.Lock()
+_scratch_bytes = 0  # bytes of live bounce buffers, all threads; guarded by _scratch_lock
 
 
 def scratch(nbytes: int) -> memoryview:
@@ -270,10 +282,25 @@ def scratch(nbytes: int) -> memoryview:
     is hashed and sent from here, a verified block staged here before
     :meth:`RegionRows.write`. One buffer per thread, grown to the largest size
     asked and reused (a view of it is valid until this thread's next call), so the
-    bytes held are at most (I/O threads) x (largest block_bytes). Anonymous and
-    private (nobody else can truncate it) and page-aligned (O_DIRECT reads and
-    writes it)."""
+    bytes held are at most (I/O threads) x (largest block_bytes): see
+    :func:`scratch_bytes`. Anonymous and private (nobody else can truncate it) and
+    page-aligned (O_DIRECT reads and writes it). Freed when its thread ends."""
     buffer: mmap.mmap | None = getattr(_scratch, "buffer", None)
     if buffer is None or len(buffer) < nbytes:
-        buffer = _scratch.buffer = mmap.mmap(-1, max(nbytes, 1))
+        buffer = mmap.mmap(-1, max(nbytes, 1))
+        _count_scratch(len(buffer))
+        weakref.finalize(buffer, _count_scratch, -len(buffer))
+        _scratch.buffer = buffer  # the one it replaces is freed when its last view goes
     return memoryview(buffer)[:nbytes]
+
+
+def scratch_bytes() -> int:
+    """Bytes held by the bounce buffers of every thread of this process now."""
+    with _scratch_lock:
+        return _scratch_bytes
+
+
+def _count_scratch(delta: int) -> None:
+    global _scratch_bytes
+    with _scratch_lock:
+        _scratch_bytes += delta

@@ -4,6 +4,7 @@ client truncated the region file, and never grow it back."""
 from __future__ import annotations
 
 import errno
+import gc
 import mmap
 import os
 import tempfile
@@ -14,7 +15,14 @@ import pytest
 
 from kvtierd import regionrows, safecopy
 from kvtierd.region import Region
-from kvtierd.regionrows import RegionClosed, RegionCutShort, RegionRows, RowIoUnavailable, scratch
+from kvtierd.regionrows import (
+    RegionClosed,
+    RegionCutShort,
+    RegionRows,
+    RowIoUnavailable,
+    scratch,
+    scratch_bytes,
+)
 
 BLOCK = 16384
 ROWS = 8
@@ -167,3 +175,28 @@ def test_scratch_is_per_thread_page_aligned_and_reused():
     thread.start()
     thread.join()
     assert other[0] != safecopy.address_of(first)
+
+
+def test_bounce_buffers_are_bounded_by_threads_times_the_largest_row():
+    """Every buffer bounded in bytes: one per thread, grown to the largest row
+    asked, reused, and given back when its thread ends."""
+    before = scratch_bytes()
+    go = threading.Barrier(4)
+    done = threading.Event()
+
+    def io_thread() -> None:
+        for size in (BLOCK, 4 * BLOCK, BLOCK, 2 * BLOCK) * 10:
+            scratch(size)
+        go.wait(10)
+        done.wait(10)
+
+    threads = [threading.Thread(target=io_thread) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    go.wait(10)
+    assert scratch_bytes() - before == 3 * 4 * BLOCK
+    done.set()
+    for thread in threads:
+        thread.join(10)
+    gc.collect()
+    assert scratch_bytes() == before
