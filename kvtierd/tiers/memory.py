@@ -9,7 +9,9 @@ contract: the contract suite (``tests/tiers/``) runs it beside the fs tier,
 and the orchestration tests script faults on a subclass of it.
 
 It is not a configurable tier type: blocks kept in the daemon's own memory
-would compete with the primary region they are meant to extend.
+would compete with the primary region they are meant to extend. Being test-only,
+it copies rows through the region's mapping in place; the tiers the daemon runs
+never do (a client may truncate the region: :mod:`kvtierd.regionrows`).
 
 Ownership: everything here belongs to the event loop thread.
 
