@@ -25,6 +25,13 @@ Invariants:
   A worker that dies alone fails the requests in flight on it (the daemon
   removes the temp files it named) and is replaced on the next request; a
   failed read never makes a row visible, so no wrong bytes are served.
+* Rows: a worker process hashes, writes and reads rows in its own mapping
+  (zero-copy), each row checked against the region file's size first; the
+  daemon's own I/O threads (:class:`InlineIo`, ``io_processes = 0``) never
+  touch the mapping: rows go through :class:`~kvtierd.regionrows.RegionRows`
+  and a per-thread bounce buffer. A client that truncates the region fails the
+  blocks whose rows are gone (EFAULT, logged by the tier); at worst a
+  truncation racing a copy kills a worker, never the daemon.
 * Requests and replies are ``marshal``-ed tuples of builtins, length-prefixed
   on a Unix stream socket; nothing is unpickled.
 * A request names its pool directory and each block file relative to it; the
