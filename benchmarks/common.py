@@ -33,15 +33,21 @@ class Row:
 
 
 def print_table(rows: list[Row]) -> str:
+    """Prints the markdown table of ``rows`` and returns it."""
+    text = format_table(rows)
+    print(text, flush=True)
+    return text
+
+
+def format_table(rows: list[Row]) -> str:
+    """``rows`` as a markdown table, the columns padded to their widest cell."""
     header = ["group", "benchmark", "value", "unit", "floor (same run)", "ratio", "target"]
     table = [header] + [row.cells() for row in rows]
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |"
              for r in table]  # fmt: skip
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    text = "\n".join(lines)
-    print(text, flush=True)
-    return text
+    return "\n".join(lines)
 
 
 def percentile(samples: list[float], q: float) -> float:

@@ -27,6 +27,8 @@ import mmap
 import os
 from typing import TYPE_CHECKING, Any
 
+from kvtierd_client.cuda_runtime import clear_last_error, error_text
+
 if TYPE_CHECKING:
     import numpy as np
     import torch
@@ -196,9 +198,10 @@ class AttachedRegion:
         ptr = self.tensor.data_ptr()
         code = int(torch.cuda.cudart().cudaHostRegister(ptr, self.size, 0))
         if code != 0:
+            clear_last_error()  # else torch's next launch check reports it as its own
             raise RuntimeError(
                 f"cudaHostRegister of region {self.path} ({self.size} bytes at {ptr:#x}) "
-                f"failed with cudaError {code}"
+                f"failed with cudaError {code} ({error_text(code)})"
             )
         self._cuda_registered_ptr = ptr
 
@@ -215,8 +218,10 @@ class AttachedRegion:
 
         code = int(torch.cuda.cudart().cudaHostUnregister(ptr))
         if code != 0:
+            clear_last_error()
             raise RuntimeError(
-                f"cudaHostUnregister of region {self.path} at {ptr:#x} failed with cudaError {code}"
+                f"cudaHostUnregister of region {self.path} at {ptr:#x} failed with cudaError "
+                f"{code} ({error_text(code)})"
             )
 
     def close(self) -> None:

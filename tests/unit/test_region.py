@@ -493,3 +493,20 @@ def test_importing_the_client_region_does_not_import_torch():
     env = dict(os.environ, PYTHONPATH=str(REPO / "client"))
     code = "import sys, kvtierd_client.region; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], env=env, timeout=60).returncode == 0
+
+
+def test_the_runtime_library_is_found_among_the_mapped_files():
+    from kvtierd_client.cuda_runtime import clear_last_error, loaded_libraries
+
+    maps = (
+        "7f00-7f10 r-xp 00000000 08:01 42 /opt/venv/lib/nvidia/cu13/lib/libcudart.so.13\n"
+        "7f10-7f20 r--p 00010000 08:01 42 /opt/venv/lib/nvidia/cu13/lib/libcudart.so.13\n"
+        "7f20-7f30 rw-p 00000000 00:00 0 \n"
+        "7f30-7f40 r-xp 00000000 08:01 43 /usr/lib/libcudart_static_helper.so\n"
+        "7f40-7f50 r-xp 00000000 08:01 44 /usr/lib/libcuda.so.1\n"
+    )
+    assert loaded_libraries("libcudart.so", maps) == [
+        "/opt/venv/lib/nvidia/cu13/lib/libcudart.so.13"
+    ]
+    # this process: a CUDA build of torch has mapped it, a CPU build has not
+    assert clear_last_error() == bool(loaded_libraries("libcudart.so"))
