@@ -293,7 +293,8 @@ class PoolTable:
             log.log(
                 logging.WARNING if adoption.dropped else logging.INFO,
                 "pool %s: warm restart adopted %d ready blocks of region %s in %.3fs "
-                "(%d dropped: checksum mismatch; %d rows quarantined for %gs; %d torn "
+                "(%d dropped: checksum mismatch; %d rows quarantined and the adopted "
+                "blocks pinned, not evictable, for %gs: the old sessions' copiers; %d torn "
                 "journal bytes ignored)",
                 spec.name, len(adoption.blocks), region.path, adoption.seconds,
                 adoption.dropped, len(adoption.quarantined), fence,

@@ -9,12 +9,15 @@ has its test passing; one left open is ``xfail(strict=True)`` with the reason.
 
 from __future__ import annotations
 
+import signal
 import socket
 import time
 
 import grpc
+import pytest
 from daemon_harness import start_daemon
 from test_fast_lane import read_frame
+from test_warm_restart import BLOCK, content, read_row, store, write_rows
 
 from kvtierd.fastlane import MAX_BIND_FRAME_BYTES
 from kvtierd_client.client import Client, LookupResult
@@ -89,3 +92,50 @@ def test_an_unbound_lane_connection_cannot_make_the_daemon_hold_a_large_frame():
             peer.close()
         daemon.stop()
         daemon.cleanup()
+
+
+# -- warm restart ----------------------------------------------------------------------
+
+WARM_LEASE_S = 10.0
+
+
+def test_a_load_under_the_old_daemons_lease_never_reads_a_row_reused_after_a_restart():
+    """README "Lost leases": *a load that ended before the deadline read rows the
+    session still pinned* -- the deadline being the client's proof of its lease
+    (``Session.lease_deadline``; vLLM's workers read it from the lease beacon). A
+    restart breaks that: the old daemon's pins are not journaled, so the new
+    daemon adopts a pinned row as a plain ready block, evicts it at the first
+    store into a full pool and hands the row to a writer at once, while a copier of
+    the old session -- whose proven lease runs for seconds more -- is still loading
+    from it. The load ends before its deadline and holds another key's bytes."""
+    daemon = start_daemon("--lease", f"{WARM_LEASE_S:g}s", "--write-quarantine", "1s")
+    daemons = [daemon]
+    try:
+        keys = [b"old-%d" % i for i in range(4)]
+        with Client(daemon.address) as client:
+            old = client.open_session(
+                "w", block_bytes=BLOCK, num_blocks=4, layout="l", keepalive=False
+            )
+            store(old, keys)
+            # a copier of the old session pins the oldest block to load it ...
+            (row,) = old.prepare_load(keys[:1])
+            deadline = old.lease_deadline
+            path = old.region.path
+            daemon.stop(signal.SIGTERM)  # ... and the daemon restarts under it
+            daemon = daemon.restart()
+            daemons.append(daemon)
+            with Client(daemon.address) as other_client:
+                new = other_client.open_session("w", block_bytes=BLOCK, num_blocks=4, layout="l")
+                assert new.lookup(keys) == [LookupResult.HIT] * 4  # adopted
+                grant = new.prepare_store([b"new-0"])  # full pool: evicts the oldest
+                if grant is not None and grant.block_ids:
+                    write_rows(path, {grant.block_ids[0]: content(b"new-0")})
+                    new.complete_store([b"new-0"])
+            loaded = read_row(path, row)  # the copier's load, still under its lease
+            if time.monotonic() >= deadline:
+                pytest.skip("the restart outlasted the lease: this run proves nothing")
+            assert loaded == content(keys[0]), "a load under its lease read another key's bytes"
+    finally:
+        for each in daemons:
+            each.stop(signal.SIGKILL)
+        daemons[-1].cleanup()
