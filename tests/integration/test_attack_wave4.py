@@ -9,19 +9,27 @@ has its test passing; one left open is ``xfail(strict=True)`` with the reason.
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import time
+from collections.abc import Callable
 
 import grpc
 import pytest
-from daemon_harness import start_daemon
+import redis
+from daemon_harness import DaemonProcess, eventually, start_daemon
+from redis_harness import RedisServer
 from test_fast_lane import read_frame
+from test_fs_tier_daemon import Engine
+from test_redis_tier_daemon import daemons, key_prefix, redis_config, redis_key
 from test_warm_restart import BLOCK, content, read_row, store, write_rows
 
 from kvtierd.fastlane import MAX_BIND_FRAME_BYTES
 from kvtierd_client.client import Client, LookupResult
 from kvtierd_client.lane_frames import BIND, HEADER
+
+__all__ = ["daemons", "key_prefix"]  # fixtures, imported for these tests
 
 # -- fast lane -------------------------------------------------------------------------
 
@@ -139,3 +147,71 @@ def test_a_load_under_the_old_daemons_lease_never_reads_a_row_reused_after_a_res
         for each in daemons:
             each.stop(signal.SIGKILL)
         daemons[-1].cleanup()
+
+
+# -- redis tier ------------------------------------------------------------------------
+
+STORE_EVERY_S = 0.05
+STALLED_FOR_S = 8.0
+
+
+def _store_for(engine: Engine, seconds: float, prefix: str) -> tuple[int, int]:
+    """Stores one new block every STORE_EVERY_S for ``seconds``: (stored, refused)."""
+    stored = refused = 0
+    started = time.monotonic()
+    while time.monotonic() - started < seconds:
+        keys = [f"{prefix}-{stored + refused}".encode()]
+        grant = engine.session.prepare_store(keys)
+        if grant is None or not grant.block_ids:
+            refused += 1
+        else:
+            engine.session.complete_store(keys)
+            stored += 1
+        time.sleep(STORE_EVERY_S)
+    return stored, refused
+
+
+def test_a_redis_node_that_stops_answering_does_not_shut_the_primary_to_stores(
+    redis_server: RedisServer,
+    daemons: Callable[[str], DaemonProcess],
+    key_prefix: str,
+    pool_name,
+):
+    """Each cascade pins its primary block until the tier reports. A node that stops
+    answering (SIGSTOP here: a hung host, a black-holed route; no RST) made every
+    block wait ``timeout`` on one of the tier's threads, so the primary's store rate
+    fell to ``threads / timeout`` blocks a second: with 2 threads and 1 s, 81 % of
+    the stores of an engine storing 20 blocks a second were refused, for as long as
+    the node hung (the issue: "the daemon keeps serving the primary"). A node that
+    timed out is now skipped, its blocks failing at once, with one trial call at a
+    time until it answers again."""
+    config = redis_config(redis_server.url, key_prefix, timeout="1s").replace(
+        "threads = 4", "threads = 2"
+    )
+    daemon = daemons(config)
+    engine = Engine(daemon, pool_name, num_blocks=16)
+    stored, refused = _store_for(engine, 2.0, "healthy")
+    assert refused == 0, "a healthy node refused stores"
+    assert redis_server.proc is not None
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        stored, refused = _store_for(engine, STALLED_FOR_S, "stalled")
+        assert engine.session.lookup([b"unknown"]) == [LookupResult.MISS]
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    assert refused <= 0.4 * (stored + refused), f"{refused} of {stored + refused} refused"
+    # the node answers again: the tier takes it back by itself
+    server = redis.Redis.from_url(redis_server.url)
+    tries: list[bytes] = []
+
+    def cascaded() -> bool:
+        if tries and server.exists(redis_key(key_prefix, pool_name, tries[-1])):
+            return True
+        tries.append(b"later-%d" % len(tries))
+        engine.store(tries[-1:], retry_for=10.0)
+        return False
+
+    eventually(cascaded, 30.0, "a block cascaded to the node once it answered", interval=0.5)
+    assert daemon.alive()
+    server.close()
+    engine.close()

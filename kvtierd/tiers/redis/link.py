@@ -30,6 +30,14 @@ A connection error or timeout on a node asks for a topology refresh
 a failover's new master is found without waiting for a MOVED; a node restarted
 on its address is used again at the next call (the pools reconnect).
 
+A node that timed out is **skipped** (:class:`NodeSkipped`, at once, no I/O)
+for ``max(timeout, 1 s)``; then one call at a time tries it (the others
+keep skipping it) and its success takes it back, as does an answered health
+check. Why: every cascade pins its primary block until the tier reports, and a
+node that stopped answering without a reset (a hung host, a black-holed route)
+made each block wait ``timeout`` on a thread, which throttled the primary's
+stores to ``threads / timeout`` blocks a second (an attack test).
+
 Multi-key commands are avoided: every block is one value under one key, and
 the keys of one batch hash to different slots (different nodes), which a
 multi-key command would refuse (CROSSSLOT) unless hash tags pinned them to one
@@ -87,6 +95,10 @@ class ServerHealth:
     evicted_keys: int = 0
 
 
+class NodeSkipped(redis.ConnectionError):
+    """The call was not sent: its node failed lately and is skipped (module doc)."""
+
+
 def _is_cluster_reply(info: Any) -> bool:
     return isinstance(info, dict) and int(info.get("cluster_enabled", 0) or 0) == 1
 
@@ -111,6 +123,10 @@ class RedisLink:
         self._health = ServerHealth()
         self._rtt_us = 0.0
         self._closed = False
+        # node name -> monotonic time until which its calls are skipped (guarded by
+        # _lock); a node is in it from a connection error or timeout to a success
+        self._skip_until: dict[str, float] = {}
+        self._skip_for = max(settings.timeout, 1.0)
 
     # -- the client ----------------------------------------------------------------------
 
@@ -225,6 +241,38 @@ class RedisLink:
             return node.name, client.get_redis_connection(node)
         return "server", client
 
+    # -- nodes that do not answer (I/O threads) -----------------------------------------
+
+    def _check_node(self, name: str) -> None:
+        """Raises NodeSkipped when node ``name`` failed lately; past its skip time,
+        lets this call through as the one trial (the others keep skipping it for
+        the trial's own timeout)."""
+        if not self._skip_until:  # the usual case: no lock
+            return
+        now = time.monotonic()
+        with self._lock:
+            until = self._skip_until.get(name)
+            if until is None:
+                return
+            if now < until:
+                raise NodeSkipped(
+                    f"redis node {name} did not answer lately; skipped (one call tries it "
+                    f"every {self._skip_for:g}s)"
+                )
+            self._skip_until[name] = now + self.settings.timeout + self._skip_for
+
+    def _node_failed(self, name: str, exc: BaseException) -> None:
+        """Skips node ``name`` after a timeout (a refused connection fails fast by
+        itself: a node restarted on its address is used at the very next call)."""
+        if isinstance(exc, (redis.TimeoutError, TimeoutError)):
+            with self._lock:
+                self._skip_until[name] = time.monotonic() + self._skip_for
+
+    def _node_answered(self, name: str) -> None:
+        if name in self._skip_until:
+            with self._lock:
+                self._skip_until.pop(name, None)
+
     # -- commands (I/O threads) ----------------------------------------------------------
 
     def store_value(
@@ -235,9 +283,15 @@ class RedisLink:
         whole command in RESP (the row unjoined). True when the value was written.
         A redirect is followed through the cluster client with ``value()`` (joined:
         the rare path)."""
-        _, node = self.node_for(redis_key)
+        name, node = self.node_for(redis_key)
+        self._check_node(name)
         pool = node.connection_pool
-        conn = pool.get_connection()
+        try:
+            conn = pool.get_connection()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            self._node_failed(name, exc)
+            self._suspect_topology()
+            raise
         try:
             conn.send_packed_command(chunks)
             written = conn.read_response()
@@ -245,19 +299,22 @@ class RedisLink:
             pool.release(conn)  # the reply was read whole: the connection is clean
             client = self.client()
             return bool(client.execute_command("SET", redis_key, value(), *args))
-        except (redis.ConnectionError, redis.TimeoutError):
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
             conn.disconnect()
             pool.release(conn)
+            self._node_failed(name, exc)
             self._suspect_topology()
             raise
         except redis.ResponseError:
             pool.release(conn)
+            self._node_answered(name)  # with an error of its own (OOM, WRONGTYPE, ...)
             raise
         except BaseException:
             conn.disconnect()  # a reply may be left unread: never reuse the connection
             pool.release(conn)
             raise
         pool.release(conn)
+        self._node_answered(name)
         return bool(written)
 
     def get(self, redis_key: bytes, max_bytes: int) -> Any:
@@ -265,14 +322,21 @@ class RedisLink:
         bounded: at most ``max_bytes + 1`` bytes (``GETRANGE 0 max_bytes``), so a
         value planted far over a block's size never enters the daemon whole (a
         longer answer means "too long"). A missing key answers ``b""``."""
-        _, node = self.node_for(redis_key)
+        name, node = self.node_for(redis_key)
+        self._check_node(name)
         try:
-            return node.getrange(redis_key, 0, max_bytes)
+            value = node.getrange(redis_key, 0, max_bytes)
         except AskError:
             return self.client().getrange(redis_key, 0, max_bytes)
-        except (redis.ConnectionError, redis.TimeoutError):
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            self._node_failed(name, exc)
             self._suspect_topology()
             raise
+        except redis.ResponseError:
+            self._node_answered(name)  # with an error of its own (WRONGTYPE, ...)
+            raise
+        self._node_answered(name)
+        return value
 
     def node_client(self, redis_key: bytes) -> NodeClient:
         return self.node_for(redis_key)[1]
@@ -289,22 +353,24 @@ class RedisLink:
             name, node = self.node_for(redis_key)
             groups.setdefault(name, (node, []))[1].append(index)
         started = time.perf_counter()
-        sent: list[tuple[Any, Any, list[int]]] = []  # (pool, connection, indices)
+        sent: list[tuple[str, Any, Any, list[int]]] = []  # (node, pool, connection, indices)
         failed_nodes = 0
-        for node, indices in groups.values():
+        for name, (node, indices) in groups.items():
             pool = node.connection_pool
             conn = None
             try:
+                self._check_node(name)
                 conn = pool.get_connection()
                 conn.send_packed_command(
                     conn.pack_commands([(command, redis_keys[i]) for i in indices])
                 )
             except (redis.RedisError, OSError) as exc:
                 failed_nodes += 1
+                self._node_failed(name, exc)
                 self._fail(replies, indices, exc, pool, conn)
                 continue
-            sent.append((pool, conn, indices))
-        for pool, conn, indices in sent:
+            sent.append((name, pool, conn, indices))
+        for name, pool, conn, indices in sent:
             done = 0
             try:
                 for i in indices:
@@ -315,9 +381,11 @@ class RedisLink:
                     done += 1
             except (redis.RedisError, OSError) as exc:
                 failed_nodes += 1
+                self._node_failed(name, exc)
                 self._fail(replies, indices[done:], exc, pool, conn)
                 continue
             pool.release(conn)
+            self._node_answered(name)
         if sent and not failed_nodes:
             self._note_round_trip(time.perf_counter() - started)
         if failed_nodes:
@@ -351,15 +419,17 @@ class RedisLink:
         masters = self._masters(client)
         reachable = max_memory = used = system = evicted = 0
         unbounded = False
-        for _, node in masters:
+        for name, node in masters:
             try:
                 started = time.perf_counter()
                 node.ping()
                 self._note_round_trip(time.perf_counter() - started)
                 memory = node.info("memory")
                 stats = node.info("stats")
-            except (redis.RedisError, OSError):
+            except (redis.RedisError, OSError) as exc:
+                self._node_failed(name, exc)
                 continue
+            self._node_answered(name)
             reachable += 1
             limit = int(memory.get("maxmemory", 0) or 0)
             unbounded = unbounded or limit == 0
