@@ -10,18 +10,21 @@ has its test passing; one left open is ``xfail(strict=True)`` with the reason.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
 import redis
-from daemon_harness import DaemonProcess, eventually, start_daemon
+from daemon_harness import DaemonProcess, eventually, fs_tiers_config, start_daemon
+from local_users import LocalUser, other_user
 from redis_harness import RedisServer
 from test_fast_lane import read_frame
-from test_fs_tier_daemon import Engine
+from test_fs_tier_daemon import HIT, MISS, Engine, block_keys
 from test_redis_tier_daemon import daemons, key_prefix, redis_config, redis_key
 from test_warm_restart import BLOCK, content, read_row, store, write_rows
 
@@ -29,7 +32,7 @@ from kvtierd.fastlane import MAX_BIND_FRAME_BYTES
 from kvtierd_client.client import Client, LookupResult
 from kvtierd_client.lane_frames import BIND, HEADER
 
-__all__ = ["daemons", "key_prefix"]  # fixtures, imported for these tests
+__all__ = ["daemons", "key_prefix", "other_user"]  # fixtures, imported for these tests
 
 # -- fast lane -------------------------------------------------------------------------
 
@@ -215,3 +218,61 @@ def test_a_redis_node_that_stops_answering_does_not_shut_the_primary_to_stores(
     assert daemon.alive()
     server.close()
     engine.close()
+
+
+# -- shared fs root --------------------------------------------------------------------
+
+
+@pytest.fixture
+def sticky_root() -> Iterator[str]:
+    """An fs root like /tmp: world-writable with the sticky bit (the start-up root
+    check accepts it: others cannot swap the daemon's own entries)."""
+    root = tempfile.mkdtemp(prefix="kvt-sticky-", dir="/tmp")
+    os.chmod(root, 0o1777)
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+_PLANT_SPARSE = """
+import os, sys
+root = sys.argv[1]
+path = os.path.join(root, "planted-0000000000000000", "00", "00")
+os.makedirs(path)
+with open(os.path.join(path, "00" * 20 + ".kvb"), "wb") as f:
+    f.truncate(1 << 40)  # 1 TiB apparent, no disk block
+"""
+
+
+def test_a_sparse_file_planted_in_a_shared_root_does_not_evict_the_cache(
+    other_user: LocalUser, sticky_root: str, pool_name
+):
+    """On a shared root the capacity counts the pool directories no pool here serves
+    (other daemons' pools), file by file. They were counted by ``st_size``: anyone
+    who may create a directory in the root (a sticky root is accepted at start) made
+    a 1 TiB *sparse* ``*.kvb`` file there -- no disk used -- and at the next rescan the
+    daemon evicted every block it had, and every new one right after its store.
+    The bound is about disk bytes: they are counted as the disk blocks they hold."""
+    config = fs_tiers_config(
+        sticky_root, shared=True, capacity=f"{1 << 20}", shared_rescan_interval="0.3s",
+        shared_negative_ttl="0.2s",
+    )  # fmt: skip
+    daemon = start_daemon("--memory-budget", "64MiB", config=config)
+    try:
+        engine = Engine(daemon, pool_name)
+        eventually(lambda: engine.tier_stats().ready, 30, "the fs tier's index ready")
+        keys = block_keys("kept", 4)
+        engine.store(keys)
+        engine.settle_cascades()
+        planted = other_user.run_python(_PLANT_SPARSE, sticky_root)
+        assert planted.returncode == 0, planted.stderr
+        time.sleep(2.0)  # several rescans
+        assert engine.client.flush_pool(pool_name) == 4  # loads now come from the fs tier
+        assert engine.wait_settled(keys) == [HIT] * 4, "the planted file evicted the cache"
+        assert engine.tier_stats().evictions == 0
+        assert engine.wait_settled(block_keys("never", 1)) == [MISS]
+        engine.close()
+    finally:
+        daemon.stop()
+        daemon.cleanup()

@@ -13,7 +13,10 @@ recently used files.
 One :class:`UnservedPools` per configured fs tier, shared by its pools'
 shared-root threads: whichever rescans first after ``interval`` recounts (the
 others skip), walking every pool directory not served here and ``lstat``-ing
-its ``*.kvb`` entries (no link followed; sizes differ by pool). A directory
+its ``*.kvb`` entries (no link followed; sizes differ by pool), each counted as
+the disk bytes it holds (:func:`disk_bytes`: a sparse file planted by anyone who
+may create a directory in the root must not make the daemon evict its whole
+cache for a terabyte that uses no disk). A directory
 becomes served when a pool attaches to it: its count leaves the charge at once,
 so the pool's own start-up scan does not count it twice.
 """
@@ -35,6 +38,12 @@ from kvtierd.tiers.fs.safefs import PoolDir, UnexpectedEntry
 log = logging.getLogger("kvtierd.tiers.fs")
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def disk_bytes(st: os.stat_result) -> int:
+    """The bytes a file holds on disk, at most its length: its allocated blocks
+    (``st_blocks`` counts 512-byte units), so a sparse file counts what it uses."""
+    return min(st.st_size, st.st_blocks * 512)
 
 
 class UnservedPools:
@@ -106,7 +115,7 @@ class UnservedPools:
                         except FileNotFoundError:
                             continue
                         if stat.S_ISREG(st.st_mode):
-                            total += st.st_size
+                            total += disk_bytes(st)
             except (OSError, UnexpectedEntry) as exc:
                 self._fault("not counting %s: %s", path, exc)
                 continue
