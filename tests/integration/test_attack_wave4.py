@@ -14,6 +14,7 @@ import shutil
 import signal
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -220,6 +221,87 @@ def test_a_redis_node_that_stops_answering_does_not_shut_the_primary_to_stores(
     assert daemon.alive()
     server.close()
     engine.close()
+
+
+class TrickleProxy:
+    """A TCP proxy in front of a real redis-server; once ``slow`` is set, the server's
+    answers reach the daemon one byte every ``TRICKLE_S`` (a node or a middlebox that
+    keeps the connection alive, so no socket timeout ever fires)."""
+
+    TRICKLE_S = 0.5
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.slow = threading.Event()
+        self.closed = threading.Event()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._sockets: list[socket.socket] = [self._listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while not self.closed.is_set():
+            try:
+                client, _ = self._listener.accept()
+                upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            except OSError:
+                return
+            self._sockets += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, answers: bool) -> None:
+        try:
+            while not self.closed.is_set():
+                data = source.recv(1 << 16)
+                if not data:
+                    return
+                if answers and self.slow.is_set():
+                    for i in range(len(data)):
+                        sink.sendall(data[i : i + 1])
+                        time.sleep(self.TRICKLE_S)
+                else:
+                    sink.sendall(data)
+        except OSError:
+            return
+
+    def close(self) -> None:
+        self.closed.set()
+        for each in self._sockets:
+            each.close()
+
+
+def test_a_redis_node_that_trickles_its_answers_does_not_shut_the_primary_to_stores(
+    redis_server: RedisServer,
+    daemons: Callable[[str], DaemonProcess],
+    key_prefix: str,
+    pool_name,
+):
+    """The tier's ``timeout`` was redis-py's socket timeout, which bounds each
+    ``recv``, not a call: a node (or a middlebox) that answers one byte every half
+    second never tripped it, so each call lasted as long as its answer had bytes (a
+    SET's ``+OK``: 2.5 s; a block's load or an INFO: minutes) while the cascade held
+    its primary pin, and the primary's stores were throttled as by a hung node
+    (88 % refused). A whole call, a connection's handshake and a health check now
+    have a deadline (2 x ``timeout``, kvtierd.tiers.redis.deadline), after which
+    the node is skipped as for any timeout."""
+    proxy = TrickleProxy(redis_server.port)
+    try:
+        config = redis_config(proxy.url, key_prefix, timeout="1s", cluster="false")
+        daemon = daemons(config.replace("threads = 4", "threads = 2"))
+        engine = Engine(daemon, pool_name, num_blocks=16)
+        stored, refused = _store_for(engine, 2.0, "healthy")
+        assert refused == 0, "a healthy node refused stores"
+        proxy.slow.set()
+        stored, refused = _store_for(engine, STALLED_FOR_S, "trickled")
+        assert refused <= 0.5 * (stored + refused), f"{refused} of {stored + refused} refused"
+        engine.close()
+    finally:
+        proxy.close()
 
 
 @pytest.mark.xfail(

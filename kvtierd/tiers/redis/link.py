@@ -46,6 +46,7 @@ slot, which would pin a pool's whole cache to one node.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -55,11 +56,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from redis._parsers.helpers import parse_info
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import AskError, RedisClusterException
 from redis.retry import Retry
 
+from kvtierd.tiers.redis.deadline import CallDeadlines, Watched, deadline_connection_class
 from kvtierd.tiers.redis.settings import RedisTierSettings
 
 log = logging.getLogger("kvtierd.tiers.redis")
@@ -67,6 +70,7 @@ log = logging.getLogger("kvtierd.tiers.redis")
 RESOLVE_RETRY_S = 1.0  # a server that did not answer the mode question: asked again after
 TOPOLOGY_REFRESH_S = 1.0  # at most one slot-map refresh per this, whatever fails
 RTT_EWMA_WEIGHT = 0.2  # weight of a new round trip in the running average
+CALL_DEADLINE_TIMEOUTS = 2  # a call's whole deadline, in socket timeouts (deadline.py)
 NodeClient = redis.Redis
 
 # what a per-node pipeline answers for one key: the reply, or the error of that key
@@ -127,6 +131,11 @@ class RedisLink:
         # _lock); a node is in it from a connection error or timeout to a success
         self._skip_until: dict[str, float] = {}
         self._skip_for = max(settings.timeout, 1.0)
+        # a whole call (send and answer) is cut past twice the socket timeout
+        self._deadlines = CallDeadlines(
+            CALL_DEADLINE_TIMEOUTS * settings.timeout, _netloc(settings.urls[0])
+        )
+        self._connection_class = deadline_connection_class(self._deadlines)
 
     # -- the client ----------------------------------------------------------------------
 
@@ -192,6 +201,9 @@ class RedisLink:
             nodes.append(ClusterNode(parts.hostname or "127.0.0.1", parts.port or 6379))
         options = self._options()
         options.pop("retry")
+        # the cluster builds its node clients itself (no connection_class): their
+        # handshakes are bounded by the socket timeout only; every call is watched
+        options.pop("connection_class", None)
         if urllib.parse.urlsplit(self.settings.urls[0]).scheme == "rediss":
             options["ssl"] = True
         return RedisCluster(
@@ -203,7 +215,12 @@ class RedisLink:
 
     def _options(self) -> dict[str, Any]:
         s = self.settings
+        tls = urllib.parse.urlsplit(s.urls[0]).scheme == "rediss"
+        # the handshake of a new connection under the call deadline too (TLS: redis-py's
+        # own SSL connection class, whose handshake is bounded by the socket timeout only)
+        watched = {} if tls else {"connection_class": self._connection_class}
         return {
+            **watched,
             "username": s.username or None,
             "password": self._password,
             "socket_timeout": s.timeout,
@@ -292,9 +309,11 @@ class RedisLink:
             self._node_failed(name, exc)
             self._suspect_topology()
             raise
+        call = Watched()
         try:
-            conn.send_packed_command(chunks)
-            written = conn.read_response()
+            with self._deadlines.watch(conn) as call:
+                conn.send_packed_command(chunks)
+                written = conn.read_response()
         except AskError:
             pool.release(conn)  # the reply was read whole: the connection is clean
             client = self.client()
@@ -302,9 +321,10 @@ class RedisLink:
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             conn.disconnect()
             pool.release(conn)
-            self._node_failed(name, exc)
+            failure = self._cut_if_expired(call, exc)
+            self._node_failed(name, failure)
             self._suspect_topology()
-            raise
+            raise failure from exc
         except redis.ResponseError:
             pool.release(conn)
             self._node_answered(name)  # with an error of its own (OOM, WRONGTYPE, ...)
@@ -313,6 +333,8 @@ class RedisLink:
             conn.disconnect()  # a reply may be left unread: never reuse the connection
             pool.release(conn)
             raise
+        if call.expired:  # answered as the watchdog cut it: the socket is shut down
+            conn.disconnect()
         pool.release(conn)
         self._node_answered(name)
         return bool(written)
@@ -324,19 +346,53 @@ class RedisLink:
         longer answer means "too long"). A missing key answers ``b""``."""
         name, node = self.node_for(redis_key)
         self._check_node(name)
+        pool = node.connection_pool
         try:
-            value = node.getrange(redis_key, 0, max_bytes)
-        except AskError:
-            return self.client().getrange(redis_key, 0, max_bytes)
+            conn = pool.get_connection()
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             self._node_failed(name, exc)
             self._suspect_topology()
             raise
+        call = Watched()
+        try:
+            with self._deadlines.watch(conn) as call:
+                conn.send_command("GETRANGE", redis_key, 0, max_bytes)
+                value = conn.read_response()
+        except AskError:
+            pool.release(conn)  # the reply was read whole: the connection is clean
+            return self.client().getrange(redis_key, 0, max_bytes)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            conn.disconnect()
+            pool.release(conn)
+            failure = self._cut_if_expired(call, exc)
+            self._node_failed(name, failure)
+            self._suspect_topology()
+            raise failure from exc
         except redis.ResponseError:
+            pool.release(conn)
             self._node_answered(name)  # with an error of its own (WRONGTYPE, ...)
             raise
+        except BaseException:
+            conn.disconnect()  # a reply may be left unread: never reuse the connection
+            pool.release(conn)
+            raise
+        if call.expired:  # answered as the watchdog cut it: the socket is shut down
+            conn.disconnect()
+        pool.release(conn)
         self._node_answered(name)
         return value
+
+    def _cut_if_expired(
+        self, call: Watched, exc: redis.ConnectionError | redis.TimeoutError
+    ) -> redis.ConnectionError | redis.TimeoutError:
+        """The error a failed call raises: a timeout when the deadline watchdog cut it
+        (its node is then skipped), else its own."""
+        if call.expired:
+            return redis.TimeoutError(
+                f"no whole answer within {self._deadlines.seconds:g}s "
+                f"({CALL_DEADLINE_TIMEOUTS} x timeout): the call was cut"
+            )
+        return exc
 
     def node_client(self, redis_key: bytes) -> NodeClient:
         return self.node_for(redis_key)[1]
@@ -353,40 +409,19 @@ class RedisLink:
             name, node = self.node_for(redis_key)
             groups.setdefault(name, (node, []))[1].append(index)
         started = time.perf_counter()
-        sent: list[tuple[str, Any, Any, list[int]]] = []  # (node, pool, connection, indices)
-        failed_nodes = 0
-        for name, (node, indices) in groups.items():
-            pool = node.connection_pool
-            conn = None
-            try:
-                self._check_node(name)
-                conn = pool.get_connection()
-                conn.send_packed_command(
-                    conn.pack_commands([(command, redis_keys[i]) for i in indices])
-                )
-            except (redis.RedisError, OSError) as exc:
-                failed_nodes += 1
-                self._node_failed(name, exc)
-                self._fail(replies, indices, exc, pool, conn)
-                continue
-            sent.append((name, pool, conn, indices))
-        for name, pool, conn, indices in sent:
-            done = 0
-            try:
-                for i in indices:
-                    try:
-                        replies[i] = conn.read_response()
-                    except redis.ResponseError as exc:
-                        replies[i] = exc
-                    done += 1
-            except (redis.RedisError, OSError) as exc:
-                failed_nodes += 1
-                self._node_failed(name, exc)
-                self._fail(replies, indices[done:], exc, pool, conn)
-                continue
+        # every connection taken, with its watch and whether it must be dropped; given
+        # back only once its watch ended (the watchdog may shut a watched socket down,
+        # and must never reach a connection another thread took from the pool since)
+        taken: list[tuple[Any, Any, Watched, bool]] = []
+        with contextlib.ExitStack() as watches:
+            failed_nodes = self._per_node_round_trip(
+                command, redis_keys, groups, replies, taken, watches
+            )
+        for pool, conn, call, broken in taken:
+            if broken or call.expired:
+                conn.disconnect()  # replies may be left unread
             pool.release(conn)
-            self._node_answered(name)
-        if sent and not failed_nodes:
+        if taken and not failed_nodes:
             self._note_round_trip(time.perf_counter() - started)
         if failed_nodes:
             self._suspect_topology()
@@ -398,15 +433,74 @@ class RedisLink:
                     replies[i] = exc
         return replies, failed_nodes
 
-    @staticmethod
-    def _fail(
-        replies: list[Reply], indices: Sequence[int], exc: BaseException, pool: Any, conn: Any
+    def _per_node_round_trip(
+        self,
+        command: str,
+        redis_keys: Sequence[bytes],
+        groups: dict[str, tuple[NodeClient, list[int]]],
+        replies: list[Reply],
+        taken: list[tuple[Any, Any, Watched, bool]],
+        watches: contextlib.ExitStack,
+    ) -> int:
+        """:meth:`per_node`'s pipelines: all written, then all read, each connection
+        watched by the call deadline from its write to its last reply (``watches``)
+        and listed in ``taken`` (True: drop it). Returns how many nodes failed."""
+        failed_nodes = 0
+        sent: list[tuple[str, Any, Watched, list[int], int]] = []  # (node, conn, call, indices, #)
+        for name, (node, indices) in groups.items():
+            try:
+                self._check_node(name)
+                conn = node.connection_pool.get_connection()
+            except (redis.RedisError, OSError) as exc:
+                failed_nodes += 1
+                self._node_failed(name, exc)
+                _fail(replies, indices, exc)
+                continue
+            call = watches.enter_context(self._deadlines.watch(conn))
+            taken.append((node.connection_pool, conn, call, False))
+            try:
+                conn.send_packed_command(
+                    conn.pack_commands([(command, redis_keys[i]) for i in indices])
+                )
+            except (redis.RedisError, OSError) as exc:
+                failed_nodes += 1
+                self._connection_failed(name, call, exc, replies, indices, taken)
+                continue
+            sent.append((name, conn, call, indices, len(taken) - 1))
+        for name, conn, call, indices, slot in sent:
+            done = 0
+            try:
+                for i in indices:
+                    try:
+                        replies[i] = conn.read_response()
+                    except redis.ResponseError as exc:
+                        replies[i] = exc
+                    done += 1
+            except (redis.RedisError, OSError) as exc:
+                failed_nodes += 1
+                self._connection_failed(name, call, exc, replies, indices[done:], taken, slot)
+                continue
+            self._node_answered(name)
+        return failed_nodes
+
+    def _connection_failed(
+        self,
+        name: str,
+        call: Watched,
+        exc: BaseException,
+        replies: list[Reply],
+        indices: Sequence[int],
+        taken: list[tuple[Any, Any, Watched, bool]],
+        slot: int = -1,
     ) -> None:
-        for i in indices:
-            replies[i] = exc
-        if conn is not None:
-            conn.disconnect()  # replies may be left unread
-            pool.release(conn)
+        """A pipeline's connection failed: its keys get the error (a timeout when the
+        deadline cut it), the node may be skipped, the connection is dropped."""
+        if isinstance(exc, redis.ConnectionError):
+            exc = self._cut_if_expired(call, exc)
+        self._node_failed(name, exc)
+        _fail(replies, indices, exc)
+        pool, conn, _, _ = taken[slot]
+        taken[slot] = (pool, conn, call, True)
 
     # -- health (I/O threads) ------------------------------------------------------------
 
@@ -421,11 +515,8 @@ class RedisLink:
         unbounded = False
         for name, node in masters:
             try:
-                started = time.perf_counter()
-                node.ping()
-                self._note_round_trip(time.perf_counter() - started)
-                memory = node.info("memory")
-                stats = node.info("stats")
+                self._check_node(name)  # a skipped node: unreachable (or this is its trial)
+                memory, stats = self._node_health(node)
             except (redis.RedisError, OSError) as exc:
                 self._node_failed(name, exc)
                 continue
@@ -451,6 +542,36 @@ class RedisLink:
         with self._lock:
             self._health = health
         return self.health
+
+    def _node_health(self, node: NodeClient) -> tuple[dict[str, Any], dict[str, Any]]:
+        """PING (its round trip noted), ``INFO memory`` and ``INFO stats`` of one node,
+        on one connection under one call deadline (a node that trickles its answers
+        must not hold an I/O thread for the minutes an INFO answer would take)."""
+        pool = node.connection_pool
+        conn = pool.get_connection()
+        call = Watched()
+        try:
+            with self._deadlines.watch(conn) as call:
+                started = time.perf_counter()
+                conn.send_command("PING")
+                conn.read_response()
+                self._note_round_trip(time.perf_counter() - started)
+                conn.send_command("INFO", "memory")
+                memory = parse_info(conn.read_response())
+                conn.send_command("INFO", "stats")
+                stats = parse_info(conn.read_response())
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            conn.disconnect()
+            pool.release(conn)
+            raise self._cut_if_expired(call, exc) from exc
+        except BaseException:
+            conn.disconnect()  # a reply may be left unread: never reuse the connection
+            pool.release(conn)
+            raise
+        if call.expired:
+            conn.disconnect()
+        pool.release(conn)
+        return memory, stats
 
     def _note_round_trip(self, seconds: float) -> None:
         sample = seconds * 1e6
@@ -481,11 +602,17 @@ class RedisLink:
 
     def close(self) -> None:
         """Closes the connections; later calls fail. Idempotent."""
+        self._deadlines.close()
         with self._lock:
             self._closed = True
             client, self._client = self._client, None
         if client is not None:
             client.close()
+
+
+def _fail(replies: list[Reply], indices: Sequence[int], exc: BaseException) -> None:
+    for i in indices:
+        replies[i] = exc
 
 
 def _netloc(url: str) -> str:
