@@ -27,7 +27,7 @@ from typing import Any
 from kvtierd.config import Config, ConfigError
 from kvtierd.fastlane import FastLane, first_unix_path, lane_socket_path
 from kvtierd.metrics import Metrics, serve_metrics
-from kvtierd.pools import PoolTable
+from kvtierd.pools import PoolTable, region_access_text
 from kvtierd.region import is_region_file_name
 from kvtierd.sdnotify import notify, watchdog_interval
 from kvtierd.security import region_access
@@ -86,6 +86,7 @@ class Daemon:
             region_mode=region_mode,
             # an adopted region's old writers: their lease, then the write fence
             warm_fence_seconds=config.sessions.lease + config.sessions.write_quarantine,
+            region_access=region_access_text(region_mode, self.gid, config.security.principals),
         )
         self.sessions = SessionTable(
             config.sessions.lease,

@@ -9,10 +9,12 @@ has its test passing; one left open is ``xfail(strict=True)`` with the reason.
 
 from __future__ import annotations
 
+import grp
 import os
 import shutil
 import signal
 import socket
+import subprocess
 import tempfile
 import threading
 import time
@@ -22,7 +24,7 @@ import grpc
 import pytest
 import redis
 from daemon_harness import DaemonProcess, eventually, fs_tiers_config, start_daemon
-from local_users import LocalUser, other_user
+from local_users import SYSTEM_PYTHON, LocalUser, other_user
 from redis_harness import RedisServer
 from test_fast_lane import read_frame
 from test_fs_tier_daemon import BLOCK as FS_BLOCK
@@ -153,6 +155,72 @@ def test_a_load_under_the_old_daemons_lease_never_reads_a_row_reused_after_a_res
         for each in daemons:
             each.stop(signal.SIGKILL)
         daemons[-1].cleanup()
+
+
+_HOLD_MAPPING = """
+import mmap, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+region = mmap.mmap(fd, 0)
+print("mapped", flush=True)
+for line in sys.stdin:  # a row number: print that row's bytes, as hex
+    row, size = (int(x) for x in line.split())
+    print(region[row * size : (row + 1) * size].hex(), flush=True)
+"""
+
+
+def test_a_restart_that_takes_a_groups_access_away_does_not_leave_it_the_adopted_region(
+    other_user: LocalUser, pool_name
+):
+    """An operator revokes a group's access to the cache (``server.socket_group``
+    changed; the same holds for principals) and restarts the daemon. Warm restart
+    adopted the same region file (same inode) and only re-applied the new group to
+    it: every process of the old group that had mapped it -- by path or through a
+    descriptor -- kept reading and writing it, so the KV bytes other users store
+    after the restart reached the revoked group. A pool whose access changed now
+    starts cold: a new region file, the old inode keeps only the old bytes."""
+    group = grp.getgrgid(other_user.gid).gr_name
+    shm_dir = tempfile.mkdtemp(prefix="kvtierd-test-", dir="/dev/shm")
+    os.chown(shm_dir, 0, other_user.gid)
+    os.chmod(shm_dir, 0o750)  # the old group may reach the region files by path
+    first = start_daemon("--socket-group", group, shm_dir=shm_dir)
+    second: DaemonProcess | None = None
+    holder: subprocess.Popen[str] | None = None
+    try:
+        with Client(first.address) as client:
+            session = client.open_session(pool_name, block_bytes=BLOCK, num_blocks=4, layout="l")
+            path = session.region.path
+            store(session, [b"before"])
+        holder = subprocess.Popen(
+            [SYSTEM_PYTHON, "-c", _HOLD_MAPPING, path],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            user=other_user.uid, group=other_user.gid, extra_groups=[], cwd="/",
+        )  # fmt: skip
+        assert holder.stdout is not None and holder.stdin is not None
+        assert holder.stdout.readline().strip() == "mapped"
+        first.stop()
+        # the restart takes the group's access away: the socket group is root's now
+        second = start_daemon("--socket-group", "root", shm_dir=shm_dir)
+        with Client(second.address) as client:
+            session = client.open_session(pool_name, block_bytes=BLOCK, num_blocks=4, layout="l")
+            assert os.stat(session.region.path).st_gid == 0  # by path: refused from now on
+            rows = store(session, [b"secret-after-the-revocation"])
+        holder.stdin.write(f"{rows[b'secret-after-the-revocation']} {BLOCK}\n")
+        holder.stdin.flush()
+        seen = bytes.fromhex(holder.stdout.readline().strip())
+        assert seen != content(b"secret-after-the-revocation"), (
+            "a process of the revoked group read bytes stored after the revocation"
+        )
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.wait()
+        for daemon in (first, second):
+            if daemon is not None:
+                daemon.stop(signal.SIGKILL)
+        first.cleanup()
+        if second is not None:
+            second.cleanup()
+        shutil.rmtree(shm_dir, ignore_errors=True)
 
 
 # -- redis tier ------------------------------------------------------------------------
