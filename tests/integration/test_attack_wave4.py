@@ -423,25 +423,33 @@ def sticky_root() -> Iterator[str]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-_PLANT_SPARSE = """
+_PLANT_BLOCK_FILE = """
 import os, sys
-root = sys.argv[1]
+root, size, sparse = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "sparse"
 path = os.path.join(root, "planted-0000000000000000", "00", "00")
 os.makedirs(path)
 with open(os.path.join(path, "00" * 20 + ".kvb"), "wb") as f:
-    f.truncate(1 << 40)  # 1 TiB apparent, no disk block
+    if sparse:
+        f.truncate(size)  # its length, no disk block
+    else:
+        f.write(b"x" * size)
 """
 
 
-def test_a_sparse_file_planted_in_a_shared_root_does_not_evict_the_cache(
-    other_user: LocalUser, sticky_root: str, pool_name
+@pytest.mark.parametrize(
+    ("size", "kind"), [(1 << 40, "sparse"), (4 << 20, "written")], ids=["sparse-1TiB", "4MiB"]
+)
+def test_a_file_another_user_plants_in_a_shared_root_does_not_evict_the_cache(
+    other_user: LocalUser, sticky_root: str, pool_name, size: int, kind: str
 ):
     """On a shared root the capacity counts the pool directories no pool here serves
-    (other daemons' pools), file by file. They were counted by ``st_size``: anyone
-    who may create a directory in the root (a sticky root is accepted at start) made
-    a 1 TiB *sparse* ``*.kvb`` file there -- no disk used -- and at the next rescan the
-    daemon evicted every block it had, and every new one right after its store.
-    The bound is about disk bytes: they are counted as the disk blocks they hold."""
+    (other daemons' pools), file by file, by ``st_size``: anyone who may create a
+    directory in the root (a sticky root is accepted at start) made a 1 TiB *sparse*
+    ``*.kvb`` file there -- no disk used -- or a real one over the capacity, and at
+    the next rescan the daemon evicted every block it had, and every new one right
+    after its store. Files now count as the disk blocks they hold, and directories
+    of another uid not at all (every daemon of a root runs as one uid: the root
+    lock refuses another's)."""
     config = fs_tiers_config(
         sticky_root, shared=True, capacity=f"{1 << 20}", shared_rescan_interval="0.3s",
         shared_negative_ttl="0.2s",
@@ -453,7 +461,7 @@ def test_a_sparse_file_planted_in_a_shared_root_does_not_evict_the_cache(
         keys = block_keys("kept", 4)
         engine.store(keys)
         engine.settle_cascades()
-        planted = other_user.run_python(_PLANT_SPARSE, sticky_root)
+        planted = other_user.run_python(_PLANT_BLOCK_FILE, sticky_root, str(size), kind)
         assert planted.returncode == 0, planted.stderr
         time.sleep(2.0)  # several rescans
         assert engine.client.flush_pool(pool_name) == 4  # loads now come from the fs tier

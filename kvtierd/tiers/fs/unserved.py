@@ -16,7 +16,9 @@ others skip), walking every pool directory not served here and ``lstat``-ing
 its ``*.kvb`` entries (no link followed; sizes differ by pool), each counted as
 the disk bytes it holds (:func:`disk_bytes`: a sparse file planted by anyone who
 may create a directory in the root must not make the daemon evict its whole
-cache for a terabyte that uses no disk). A directory
+cache for a terabyte that uses no disk). Directories of another uid are not
+counted at all: every daemon of a root runs as one uid (the root lock refuses
+another's), so such a directory was planted, not written by a daemon. A directory
 becomes served when a pool attaches to it: its count leaves the charge at once,
 so the pool's own start-up scan does not count it twice.
 """
@@ -105,6 +107,12 @@ class UnservedPools:
             total = 0
             try:
                 with PoolDir(path) as pool:
+                    owner = os.fstat(pool.fd).st_uid
+                    if owner != os.geteuid():
+                        # every daemon of a root runs as one uid (the root lock refuses
+                        # another's): a directory of another user is no daemon's pool
+                        self._fault("not counting %s: owned by uid %d, not a daemon", path, owner)
+                        continue
                     for entry in pool.walk(
                         lambda p, exc: self._fault("not counting %s: %s", p, exc)
                     ):
