@@ -20,6 +20,7 @@ import grp
 import logging
 import os
 import signal
+import stat
 import tempfile
 import time
 from typing import Any
@@ -335,7 +336,9 @@ def _check_shm_dir(path: str) -> None:
         raise ConfigError("memory.shm_dir", f"{path} is not a directory")
     try:
         require_trusted_dir(path)
-        require_own_entries(path, is_region_file_name)
+        shared = bool(os.stat(path).st_mode & stat.S_ISVTX)  # others may write there
+        for planted in require_own_entries(path, is_region_file_name, shared=shared):
+            log.warning("memory.shm_dir: %s (ignored: never followed)", planted)
     except UntrustedPath as exc:
         raise ConfigError("memory.shm_dir", str(exc)) from None
     try:

@@ -223,6 +223,40 @@ def test_a_restart_that_takes_a_groups_access_away_does_not_leave_it_the_adopted
         shutil.rmtree(shm_dir, ignore_errors=True)
 
 
+def test_a_symlink_any_user_plants_in_a_sticky_shm_dir_does_not_keep_the_daemon_down(
+    other_user: LocalUser, pool_name
+):
+    """``memory.shm_dir`` is ``/dev/shm`` by default (the systemd and container
+    configurations too): sticky, writable by every local user. A symlink planted
+    there at any ``kvtierd-*.region`` name refused the daemon's start (exit 2), so
+    any local user could keep kvtierd from starting or restarting -- with warm
+    restart, restarts are routine -- until an administrator removed it. In a sticky
+    shm_dir it is now a WARNING: nothing follows it, and only the pool whose file it
+    would be is refused when created (a private shm_dir still refuses the start)."""
+    shm_dir = tempfile.mkdtemp(prefix="kvtierd-test-", dir="/dev/shm")
+    os.chmod(shm_dir, 0o1777)
+    daemon: DaemonProcess | None = None
+    try:
+        planted = other_user.run_python(
+            "import os, sys; os.symlink('/etc/shadow', "
+            "os.path.join(sys.argv[1], 'kvtierd-anything-0123456789ab.region'))",
+            shm_dir,
+        )
+        assert planted.returncode == 0, planted.stderr
+        daemon = start_daemon("--memory-budget", "64MiB", shm_dir=shm_dir)
+        with Client(daemon.address) as client:
+            session = client.open_session(pool_name, block_bytes=BLOCK, num_blocks=4, layout="l")
+            rows = store(session, [b"k"])
+            assert read_row(session.region.path, rows[b"k"]) == content(b"k")
+        assert "kvtierd-anything-0123456789ab.region" in daemon.log()
+        assert os.path.islink(os.path.join(shm_dir, "kvtierd-anything-0123456789ab.region"))
+    finally:
+        if daemon is not None:
+            daemon.stop()
+            daemon.cleanup()
+        shutil.rmtree(shm_dir, ignore_errors=True)
+
+
 # -- redis tier ------------------------------------------------------------------------
 
 STORE_EVERY_S = 0.05
