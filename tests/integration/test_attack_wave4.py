@@ -325,6 +325,52 @@ def test_a_redis_node_that_stops_answering_does_not_shut_the_primary_to_stores(
     engine.close()
 
 
+def test_an_unreachable_redis_server_never_stalls_the_event_loop_through_getstats(
+    redis_server: RedisServer,
+    daemons: Callable[[str], DaemonProcess],
+    key_prefix: str,
+    pool_name,
+):
+    """Until the tier has reached its server once, each I/O call tries to build the
+    client (at most once a second), asking the seeds ``INFO cluster`` -- and the link
+    held its lock across that, which the event loop takes to read the tier's health
+    for GetStats and /metrics: with a server that accepts but never answers, every
+    GetStats (every Prometheus scrape) froze the whole daemon -- every session of
+    every pool -- for ``timeout``. The build no longer holds that lock."""
+    assert redis_server.proc is not None
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)  # connected, never answering
+    try:
+        daemon = daemons(redis_config(redis_server.url, key_prefix, timeout="5s"))
+        with Client(daemon.address, timeout=60) as client:
+            session = client.open_session(pool_name, block_bytes=4096, num_blocks=16)
+            worst = 0.0
+            stop = threading.Event()
+
+            def look_up() -> None:
+                nonlocal worst
+                n = 0
+                while not stop.is_set():
+                    started = time.monotonic()
+                    session.lookup([b"k-%d" % n])  # each new key asks for a probe (a build)
+                    worst = max(worst, time.monotonic() - started)
+                    n += 1
+                    time.sleep(0.02)
+
+            looker = threading.Thread(target=look_up)
+            looker.start()
+            try:
+                deadline = time.monotonic() + 12.0
+                while time.monotonic() < deadline:
+                    client.get_stats(pool_name)
+                    time.sleep(0.05)
+            finally:
+                stop.set()
+                looker.join()
+            assert worst < 2.0, f"a Lookup waited {worst:.2f}s: the event loop stalled"
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+
+
 class TrickleProxy:
     """A TCP proxy in front of a real redis-server; once ``slow`` is set, the server's
     answers reach the daemon one byte every ``TRICKLE_S`` (a node or a middlebox that

@@ -111,8 +111,11 @@ class RedisLink:
     """The client of one configured redis tier (standalone or Cluster) and its health.
 
     Thread-safe: the I/O threads of every pool of the tier share it. ``_lock``
-    guards ``_client``, ``_resolve_error`` and ``_health``; the libraries' clients
-    are thread-safe themselves (a connection is used by one thread at a time).
+    guards ``_client``, ``_resolve_error`` and ``_health`` and is never held
+    across I/O (the event loop takes it to read the health); ``_building``
+    serializes the client's build, which talks to the servers. The libraries'
+    clients are thread-safe themselves (a connection is used by one thread at a
+    time).
     """
 
     def __init__(self, settings: RedisTierSettings, password: str | None) -> None:
@@ -124,6 +127,7 @@ class RedisLink:
         self._resolve_error: BaseException | None = None
         self._topology_refreshed_at = 0.0
         self._refreshing = threading.Lock()  # one topology refresh at a time
+        self._building = threading.Lock()  # one client build at a time (I/O threads)
         self._health = ServerHealth()
         self._rtt_us = 0.0
         self._closed = False
@@ -165,29 +169,42 @@ class RedisLink:
 
         Raises redis.ConnectionError when the mode cannot be learned now (no URL
         answered); the next try is at most every :data:`RESOLVE_RETRY_S`."""
-        with self._lock:
-            if self._client is not None:
-                return self._client
-            if self._closed:
-                raise redis.ConnectionError("the redis tier is shut down")
-            if self._resolve_error is not None and (
-                time.monotonic() - self._resolved_at < RESOLVE_RETRY_S
-            ):
-                raise redis.ConnectionError(f"server not reached: {self._resolve_error}")
+        built = self._client  # the usual case: built already (an attribute read)
+        if built is not None:
+            return built
+        with self._building:  # one build at a time (I/O threads only wait here)
+            with self._lock:
+                if self._client is not None:
+                    return self._client
+                if self._closed:
+                    raise redis.ConnectionError("the redis tier is shut down")
+                if self._resolve_error is not None and (
+                    time.monotonic() - self._resolved_at < RESOLVE_RETRY_S
+                ):
+                    raise redis.ConnectionError(f"server not reached: {self._resolve_error}")
+            # the build talks to the servers: never under _lock, which the event loop
+            # takes to read the health (a GetStats waited out a dead seed's timeout)
             try:
-                self._client = self._build()
+                client = self._build()
             except (redis.RedisError, RedisClusterException, OSError) as exc:
-                self._resolved_at = time.monotonic()
-                self._resolve_error = exc
+                with self._lock:
+                    self._resolved_at = time.monotonic()
+                    self._resolve_error = exc
                 raise redis.ConnectionError(f"server not reached: {exc}") from None
-            self._resolve_error = None
-            mode = "cluster" if isinstance(self._client, RedisCluster) else "standalone"
-            self._health = ServerHealth(mode=mode, nodes_known=len(self._masters(self._client)))
+            mode = "cluster" if isinstance(client, RedisCluster) else "standalone"
+            health = ServerHealth(mode=mode, nodes_known=len(self._masters(client)))
+            with self._lock:
+                if self._closed:  # shut down while building
+                    client.close()
+                    raise redis.ConnectionError("the redis tier is shut down")
+                self._client = client
+                self._resolve_error = None
+                self._health = health
             log.info(
                 "redis tier: %s server at %s",
                 mode, ", ".join(_netloc(u) for u in self.settings.urls),
             )  # fmt: skip
-            return self._client
+            return client
 
     def _build(self) -> redis.Redis | RedisCluster:
         mode = self.settings.cluster
