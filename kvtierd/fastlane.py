@@ -37,7 +37,9 @@ frame and the connection is cut. The daemon holds at
 most one frame in progress per connection plus one read's worth; it stops
 reading while its answers wait to be written and cuts a peer that does not
 drain them within ``write_timeout``. A connection that has not bound within
-``bind_timeout`` is cut; at most ``max_connections`` connections are open.
+``bind_timeout`` is cut; at most ``max_connections`` connections are open (a
+new one past that drops the oldest connection that has not bound yet, as the
+region socket does, so idle connections cannot keep sessions off their lanes).
 
 Event-loop only.
 """
@@ -141,6 +143,9 @@ class FastLane:
         self._tokens: dict[bytes, str] = {}
         self._token_of: dict[str, bytes] = {}
         self._connections: set[LaneConnection] = set()
+        # the connections that have not bound yet, oldest first (a subset of
+        # _connections): a full lane drops the oldest of them for a new one
+        self._unbound: dict[LaneConnection, None] = {}
         self._server: asyncio.AbstractServer | None = None
 
     async def serve(self, listener: socket.socket) -> None:
@@ -249,6 +254,7 @@ class LaneConnection(asyncio.Protocol):
         self._transport = own
         lane = self._lane
         lane._connections.add(self)
+        lane._unbound[self] = None
         own.set_write_buffer_limits(high=WRITE_HIGH_WATER)
         try:
             self._peer = peer_credentials(transport.get_extra_info("socket"))
@@ -257,17 +263,28 @@ class LaneConnection(asyncio.Protocol):
             self._fail(grpc.StatusCode.INTERNAL, f"cannot read the peer's credentials: {exc}")
             return
         if len(lane._connections) > lane.max_connections:
-            self._fail(
+            # the oldest connection still silent makes room (as on the region socket):
+            # otherwise idle connections, re-opened as they are cut, would keep every
+            # session's lane refused (its client falling back to gRPC)
+            oldest = next(iter(lane._unbound))
+            if oldest is self:
+                self._fail(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{lane.max_connections} fast lane connections are open (one per "
+                    "session); close sessions you no longer use",
+                )
+                return
+            oldest._fail(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{lane.max_connections} fast lane connections are open (one per session); "
-                "close sessions you no longer use",
+                f"fast lane full ({lane.max_connections} connections): the oldest "
+                "connection that had not sent BIND was dropped for a new one",
             )
-            return
         self._timer = asyncio.get_running_loop().call_later(lane.bind_timeout, self._bind_late)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cut = True
         self._lane._connections.discard(self)
+        self._lane._unbound.pop(self, None)
         self._chunks = []
         if self._timer is not None:
             self._timer.cancel()
@@ -396,6 +413,7 @@ class LaneConnection(asyncio.Protocol):
             self._lane.refused(None, self._describe, exc)
             self._fail(exc.code, str(exc))
             return
+        self._lane._unbound.pop(self, None)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -408,6 +426,7 @@ class LaneConnection(asyncio.Protocol):
         _faults.warning(
             ("fast-lane", code.name), "fast lane %s: %s; connection cut", self._describe, message
         )
+        self._lane._unbound.pop(self, None)  # never the one dropped for a newcomer again
         if self._transport is not None and not self._cut:
             self._transport.write(frame(code.value[0], message.encode()))
             self._cut = True

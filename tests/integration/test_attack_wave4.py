@@ -110,6 +110,36 @@ def test_an_unbound_lane_connection_cannot_make_the_daemon_hold_a_large_frame():
         daemon.cleanup()
 
 
+def test_idle_lane_connections_cannot_keep_a_session_off_its_lane():
+    """Unbound connections counted against the lane's ``max_sessions + 64`` until
+    their 5 s bind timeout: a peer of the socket group holding that many (and
+    opening them again as they were cut) kept every new session off its lane -- its
+    client fell back to gRPC, ~5x the control-plane cost. A full lane now drops the
+    oldest connection that has not bound for a new one, as the region socket does."""
+    daemon = start_daemon("--memory-budget", "64MiB", "--max-sessions", "4")
+    lane_path = daemon.socket_path + ".lane"
+    idle: list[socket.socket] = []
+    try:
+        for _ in range(4 + 64):  # every slot taken by a connection that never binds
+            peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            peer.settimeout(5)
+            peer.connect(lane_path)
+            idle.append(peer)
+        time.sleep(0.3)  # accepted
+        with Client(daemon.address) as client:
+            session = client.open_session("idle", block_bytes=4096, num_blocks=8)
+            assert session.fast_lane, "the session fell back to gRPC: the lane was full"
+            assert session.lookup([b"k"]) == [LookupResult.MISS]
+        dropped = read_frame(idle[0])  # the oldest idle connection made room
+        assert dropped is not None and dropped[0] == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        assert daemon.alive()
+    finally:
+        for peer in idle:
+            peer.close()
+        daemon.stop()
+        daemon.cleanup()
+
+
 # -- warm restart ----------------------------------------------------------------------
 
 WARM_LEASE_S = 10.0
