@@ -20,6 +20,7 @@ import grp
 import logging
 import os
 import signal
+import stat
 import tempfile
 import time
 from typing import Any
@@ -27,7 +28,7 @@ from typing import Any
 from kvtierd.config import Config, ConfigError
 from kvtierd.fastlane import FastLane, first_unix_path, lane_socket_path
 from kvtierd.metrics import Metrics, serve_metrics
-from kvtierd.pools import PoolTable
+from kvtierd.pools import PoolTable, region_access_text
 from kvtierd.region import is_region_file_name
 from kvtierd.sdnotify import notify, watchdog_interval
 from kvtierd.security import region_access
@@ -86,6 +87,7 @@ class Daemon:
             region_mode=region_mode,
             # an adopted region's old writers: their lease, then the write fence
             warm_fence_seconds=config.sessions.lease + config.sessions.write_quarantine,
+            region_access=region_access_text(region_mode, self.gid, config.security.principals),
         )
         self.sessions = SessionTable(
             config.sessions.lease,
@@ -334,7 +336,9 @@ def _check_shm_dir(path: str) -> None:
         raise ConfigError("memory.shm_dir", f"{path} is not a directory")
     try:
         require_trusted_dir(path)
-        require_own_entries(path, is_region_file_name)
+        shared = bool(os.stat(path).st_mode & stat.S_ISVTX)  # others may write there
+        for planted in require_own_entries(path, is_region_file_name, shared=shared):
+            log.warning("memory.shm_dir: %s (ignored: never followed)", planted)
     except UntrustedPath as exc:
         raise ConfigError("memory.shm_dir", str(exc)) from None
     try:

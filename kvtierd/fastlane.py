@@ -19,23 +19,27 @@ uid or groups, which must be the principal that opened the session (else
 PERMISSION_DENIED, audited); without principals, the local caller, as on the
 Unix gRPC socket.
 
-Lifetime. Once bound, the session lives as long as its lane: when the
-connection ends (the client closed it or died: EOF; or the daemon cut it for
-a bad frame or a stalled reader), the session is closed as ``CloseSession``
-would (pins released, reservations aborted) at once, not a lease later; the rows
-of those reservations stay quarantined until the lease would have run out, plus
-``write_quarantine`` (copiers of the client may still trust its lease). A
-session that ends otherwise (CloseSession over gRPC, its lease) leaves the
-connection open; its calls then answer NOT_FOUND as on gRPC. Leases renew on
-lane calls exactly as on gRPC calls (the same ``_live_session``).
+Lifetime. When a bound connection ends (the client closed it or died: EOF;
+or the daemon cut it for a bad frame or a stalled reader) its session is left
+to its lease (``FastLane.lane_ended``), as a gRPC client that went away is:
+copiers of the client may still trust that lease, so its pins and reservations
+hold until it runs out. A session that ends otherwise (CloseSession over gRPC,
+its lease) leaves the connection open; its calls then answer NOT_FOUND as on
+gRPC. Leases renew on lane calls exactly as on gRPC calls (the same
+``_live_session``).
 
-Bounds. A frame is at most ``max_frame_bytes`` (the gRPC receive limit): a
-longer one, a length of 0, an unknown kind or a request before ``BIND`` is
-answered with an error frame and the connection is cut. The daemon holds at
+Bounds. A frame is at most ``max_frame_bytes`` (the gRPC receive limit) once
+bound, and at most :data:`MAX_BIND_FRAME_BYTES` before (the only frame an
+unbound peer may send is ``BIND``: a peer that proved nothing yet must not
+make the daemon hold a 35 MiB frame per connection); a longer one, a length of
+0, an unknown kind or a request before ``BIND`` is answered with an error
+frame and the connection is cut. The daemon holds at
 most one frame in progress per connection plus one read's worth; it stops
 reading while its answers wait to be written and cuts a peer that does not
 drain them within ``write_timeout``. A connection that has not bound within
-``bind_timeout`` is cut; at most ``max_connections`` connections are open.
+``bind_timeout`` is cut; at most ``max_connections`` connections are open (a
+new one past that drops the oldest connection that has not bound yet, as the
+region socket does, so idle connections cannot keep sessions off their lanes).
 
 Event-loop only.
 """
@@ -67,6 +71,9 @@ _faults = RateLimitedLog(log)
 
 LANE_SOCKET_SUFFIX = ".lane"
 TOKEN_BYTES = 32
+# the longest frame an unbound connection may send: BIND's kind byte and a token
+# (with room for a longer token in a later version); longer is cut at its header
+MAX_BIND_FRAME_BYTES = 1 + 4 * TOKEN_BYTES
 DEFAULT_WRITE_TIMEOUT = 10.0  # seconds a peer may leave the daemon's answers unread
 DEFAULT_BIND_TIMEOUT = 5.0  # seconds a new connection may take to send BIND
 WRITE_HIGH_WATER = 1 << 20  # answer bytes queued before the daemon stops reading
@@ -136,6 +143,9 @@ class FastLane:
         self._tokens: dict[bytes, str] = {}
         self._token_of: dict[str, bytes] = {}
         self._connections: set[LaneConnection] = set()
+        # the connections that have not bound yet, oldest first (a subset of
+        # _connections): a full lane drops the oldest of them for a new one
+        self._unbound: dict[LaneConnection, None] = {}
         self._server: asyncio.AbstractServer | None = None
 
     async def serve(self, listener: socket.socket) -> None:
@@ -244,6 +254,7 @@ class LaneConnection(asyncio.Protocol):
         self._transport = own
         lane = self._lane
         lane._connections.add(self)
+        lane._unbound[self] = None
         own.set_write_buffer_limits(high=WRITE_HIGH_WATER)
         try:
             self._peer = peer_credentials(transport.get_extra_info("socket"))
@@ -252,17 +263,28 @@ class LaneConnection(asyncio.Protocol):
             self._fail(grpc.StatusCode.INTERNAL, f"cannot read the peer's credentials: {exc}")
             return
         if len(lane._connections) > lane.max_connections:
-            self._fail(
+            # the oldest connection still silent makes room (as on the region socket):
+            # otherwise idle connections, re-opened as they are cut, would keep every
+            # session's lane refused (its client falling back to gRPC)
+            oldest = next(iter(lane._unbound))
+            if oldest is self:
+                self._fail(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{lane.max_connections} fast lane connections are open (one per "
+                    "session); close sessions you no longer use",
+                )
+                return
+            oldest._fail(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{lane.max_connections} fast lane connections are open (one per session); "
-                "close sessions you no longer use",
+                f"fast lane full ({lane.max_connections} connections): the oldest "
+                "connection that had not sent BIND was dropped for a new one",
             )
-            return
         self._timer = asyncio.get_running_loop().call_later(lane.bind_timeout, self._bind_late)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cut = True
         self._lane._connections.discard(self)
+        self._lane._unbound.pop(self, None)
         self._chunks = []
         if self._timer is not None:
             self._timer.cancel()
@@ -310,16 +332,22 @@ class LaneConnection(asyncio.Protocol):
         end = len(data)
         pos = 0
         header = HEADER.size
-        limit = self._lane.max_frame_bytes
         while end - pos >= header and not self._paused and not self._cut:
             length, kind = HEADER.unpack_from(data, pos)
+            bound = self._session_id is not None
+            limit = self._lane.max_frame_bytes if bound else MAX_BIND_FRAME_BYTES
             if length == 0 or length > limit:
                 self._fail(
                     grpc.StatusCode.RESOURCE_EXHAUSTED
                     if length
                     else grpc.StatusCode.INVALID_ARGUMENT,
                     f"fast lane frame of {length} bytes; a frame is 1 to {limit} bytes "
-                    "(server.limits: the gRPC message limit)",
+                    + (
+                        "(server.limits: the gRPC message limit)"
+                        if bound
+                        else "before BIND (the first frame: BIND with the session's "
+                        "fast_lane_token)"
+                    ),
                 )
                 return
             stop = pos + 4 + length
@@ -385,6 +413,7 @@ class LaneConnection(asyncio.Protocol):
             self._lane.refused(None, self._describe, exc)
             self._fail(exc.code, str(exc))
             return
+        self._lane._unbound.pop(self, None)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -397,6 +426,7 @@ class LaneConnection(asyncio.Protocol):
         _faults.warning(
             ("fast-lane", code.name), "fast lane %s: %s; connection cut", self._describe, message
         )
+        self._lane._unbound.pop(self, None)  # never the one dropped for a newcomer again
         if self._transport is not None and not self._cut:
             self._transport.write(frame(code.value[0], message.encode()))
             self._cut = True

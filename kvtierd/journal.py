@@ -11,7 +11,8 @@ On-shm format, version :data:`FORMAT_VERSION` (all integers little-endian)::
              It also names the checksum's coverage (checksum_bytes: 0 = whole
              rows, else evenly spaced 4 KiB pages: :func:`checksum_spans`) and
              fence_seconds, the writing daemon's lease + write_quarantine (absent
-             in older files: 0).
+             in older files: 0), and access, who could map the region (absent in
+             older files: "", which matches no daemon's: such a pool starts cold).
     records: u8 kind | u32 row | u16 key_len | u64 xxh3 | key | u32 crc32
              (crc32 of the record's bytes before it). kind 1 = ready(key, row,
              xxh3_64 of the row's covered bytes), kind 2 = freed(row) (key_len 0,
@@ -141,6 +142,9 @@ class JournalHeader:
     # lease + write_quarantine of the daemon that wrote it: how long its sessions'
     # writers may go on copying after it died (not part of the fingerprint)
     fence_seconds: float = 0.0
+    # who could map the region (its mode, group and the principals): part of the
+    # fingerprint, as a process that mapped it keeps it across an adoption
+    access: str = ""
 
     def encode(self) -> bytes:
         body = json.dumps(
@@ -153,6 +157,7 @@ class JournalHeader:
                 "st_ino": self.st_ino,
                 "checksum_bytes": self.checksum_bytes,
                 "fence_seconds": self.fence_seconds,
+                "access": self.access,
             },
             sort_keys=True,
         ).encode()
@@ -245,6 +250,7 @@ def _decode_header(path: str, data: bytes) -> tuple[JournalHeader, int]:
             st_ino=int(fields["st_ino"]),
             checksum_bytes=int(fields["checksum_bytes"]),
             fence_seconds=float(fields.get("fence_seconds", 0.0)),
+            access=str(fields.get("access", "")),
         )
     except (ValueError, KeyError, TypeError) as exc:
         raise JournalError(f"journal {path}: unreadable header ({exc})") from None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import logging
 import os
 import threading
@@ -27,6 +28,7 @@ from kvtierd.errors import FailedPrecondition, PoolNotFound, ResourceExhausted
 from kvtierd.journal import JournalHeader, JournalWriter, journal_path, remove_journal
 from kvtierd.pool import Pool, PoolSpec
 from kvtierd.region import InsufficientSpaceError, Region, RegionError, region_file_name
+from kvtierd.security.principals import Principal
 from kvtierd.tiers.configured import ConfiguredTier, PoolBinding, TierStartError
 from kvtierd.units import format_bytes
 from kvtierd.warm import Adoption, ColdStart, adopt_region
@@ -48,10 +50,13 @@ class PoolTable:
         *,
         region_mode: int = 0o660,
         warm_fence_seconds: float = 20.0,
+        region_access: str = "",
     ) -> None:
         """``warm_fence_seconds``: how long the rows an adopted region's old sessions
         may still be writing stay quarantined (the daemon passes lease +
-        write_quarantine)."""
+        write_quarantine). ``region_access``: who may map the regions (the daemon
+        passes :func:`region_access_text`), journaled: a pool whose access changed
+        starts cold."""
         self._memory = memory
         self._limits = limits
         self._gid = gid
@@ -60,6 +65,7 @@ class PoolTable:
         self._region_mode = region_mode
         self._tiers = tuple(tiers)  # every pool gets one of each, in this order
         self._warm_fence_seconds = warm_fence_seconds
+        self._region_access = region_access
         # given to each new pool's Tiering (metrics); set by the daemon
         self.observe_job: Callable[[str, str, bool, float], None] | None = None
         self._pools: dict[str, Pool] = {}
@@ -231,7 +237,7 @@ class PoolTable:
             return None, ""
         wanted = JournalHeader(
             spec.name, spec.block_bytes, spec.num_blocks, spec.layout, 0, 0,
-            self._memory.warm_restart_checksum_bytes,
+            self._memory.warm_restart_checksum_bytes, access=self._region_access,
         )  # fmt: skip
         try:
             adoption = adopt_region(region_path, journal, wanted, prefault=self._memory.prefault)
@@ -263,7 +269,7 @@ class PoolTable:
             fence = max(fence, adoption.fence_seconds)
         header = JournalHeader(
             spec.name, spec.block_bytes, spec.num_blocks, spec.layout, st_dev, st_ino,
-            self._memory.warm_restart_checksum_bytes, fence,
+            self._memory.warm_restart_checksum_bytes, fence, self._region_access,
         )  # fmt: skip
         journal = JournalWriter(
             journal_path(region.path), header, region.buffer(), region_fd=region.fileno()
@@ -293,7 +299,8 @@ class PoolTable:
             log.log(
                 logging.WARNING if adoption.dropped else logging.INFO,
                 "pool %s: warm restart adopted %d ready blocks of region %s in %.3fs "
-                "(%d dropped: checksum mismatch; %d rows quarantined for %gs; %d torn "
+                "(%d dropped: checksum mismatch; %d rows quarantined and the adopted "
+                "blocks pinned, not evictable, for %gs: the old sessions' copiers; %d torn "
                 "journal bytes ignored)",
                 spec.name, len(adoption.blocks), region.path, adoption.seconds,
                 adoption.dropped, len(adoption.quarantined), fence,
@@ -408,3 +415,14 @@ def _check_compatible(existing: PoolSpec, requested: PoolSpec) -> None:
             f"{existing.eviction_policy!r}; this session asked for "
             f"{requested.eviction_policy!r}"
         )
+
+
+def region_access_text(mode: int, gid: int | None, principals: Sequence[Principal]) -> str:
+    """Who may map a region, as a short text the journal records: the region file's
+    mode and group, and a digest of the principals (their names, uids, gids and
+    pool patterns: any change may take a pool away from someone)."""
+    described = sorted(
+        (p.name, sorted(p.pools), sorted(p.uids), sorted(p.gids)) for p in principals
+    )
+    digest = hashlib.sha256(repr(described).encode()).hexdigest()
+    return f"mode {mode:o}, gid {gid}, principals {digest[:16]}"

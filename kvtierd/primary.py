@@ -145,6 +145,12 @@ class PrimaryManager:
         # passes their time. (release time, rows) in release-time order.
         self._quarantine: deque[tuple[float, list[int]]] = deque()
         self._quarantined = 0  # rows in _quarantine
+        # Warm restart: the rows of adopted blocks hold one pin each, for the previous
+        # daemon's sessions (their pins were not journaled, and their copiers may go
+        # on loading under the lease that daemon granted), released by
+        # ``release_quarantine`` at ``_adoption_pins_until``; [] once released.
+        self._adoption_pins: list[int] = []
+        self._adoption_pins_until = 0.0
         self._evictable = 0
         self._pinned = 0
         self._pending = 0
@@ -164,8 +170,12 @@ class PrimaryManager:
         fresh manager: each (key, row) becomes ready (ref 0) in the given order
         (the first is the least recent); ``quarantined`` rows are kept out of use
         until ``release_quarantine(until)``; every other row is free, lowest first.
-        Emits no event. Raises ValueError (nothing changed) on a duplicate key or
-        row, a row out of range, or a manager already in use."""
+        Each adopted block also holds one pin until then (HIT and loadable, never
+        evicted): the previous daemon's sessions may still be loading from rows they
+        had pinned, under the lease it granted, and their pins died with it; handing
+        such a row to a writer would let a load that ends within its lease read
+        another key's bytes. Emits no event. Raises ValueError (nothing changed) on
+        a duplicate key or row, a row out of range, or a manager already in use."""
         if self._allocated or self._block_of:
             raise ValueError("adopt() needs a manager that has handed out no row")
         rows = [row for _, row in blocks]
@@ -179,9 +189,13 @@ class PrimaryManager:
             self._block_of[key] = row
             self._key_of[row] = key
         if rows:
-            self._policy.insert_rows(rows)
-            self._policy.mark_evictable_rows(rows)
-        self._evictable = len(rows)
+            self._policy.insert_rows(rows)  # non-evictable: pinned until ``until``
+        refs = self._refs
+        for row in rows:
+            refs[row] = 1
+        self._pinned = len(rows)
+        self._adoption_pins = rows
+        self._adoption_pins_until = until
         self._allocated = self._num_blocks  # every row is mapped, free or quarantined
         self._free = [row for row in range(self._num_blocks - 1, -1, -1) if row not in taken]
         if quarantined:
@@ -382,7 +396,10 @@ class PrimaryManager:
 
     def release_quarantine(self, now: float) -> int:
         """Frees the quarantined rows whose time has come (``until <= now``), in the
-        order they were quarantined; returns how many."""
+        order they were quarantined; returns how many. Also releases the adopted
+        blocks' pins (:meth:`adopt`) once their time has come."""
+        if self._adoption_pins and self._adoption_pins_until <= now:
+            self._release_adoption_pins()
         released = 0
         quarantine = self._quarantine
         while quarantine and quarantine[0][0] <= now:
@@ -396,6 +413,28 @@ class PrimaryManager:
     def next_quarantine_release(self) -> float | None:
         """The earliest ``until`` still quarantined, None when nothing is."""
         return self._quarantine[0][0] if self._quarantine else None
+
+    def _release_adoption_pins(self) -> None:
+        """Drops the pin each adopted block held for the previous daemon's sessions;
+        the blocks that had no other pin become evictable, oldest first."""
+        refs = self._refs
+        released: list[int] = []
+        for row in self._adoption_pins:
+            ref = refs[row] - 1
+            assert ref >= 0 and self._key_of[row] is not None, "an adoption pin went missing"
+            refs[row] = ref
+            if ref == 0:
+                released.append(row)
+        self._adoption_pins = []
+        if released:
+            self._pinned -= len(released)
+            self._evictable += len(released)
+            self._policy.mark_evictable_rows(released)
+
+    @property
+    def adoption_pins(self) -> int:
+        """Adopted blocks still pinned for the previous daemon's sessions."""
+        return len(self._adoption_pins)
 
     def evict_all_evictable(self) -> list[BlockKey]:
         """Evicts every ready block (ref 0); pinned and in-flight blocks stay.

@@ -8,7 +8,9 @@ start cold; it never guesses:
 
 * the journal must exist, be of :data:`kvtierd.journal.FORMAT_VERSION`, have a
   valid header, and name this pool's fingerprint (name, block_bytes,
-  num_blocks, layout) and the region file's (st_dev, st_ino);
+  num_blocks, layout), today's access (region mode, group, principals: every
+  process that mapped the region keeps it, so a pool whose access was narrowed
+  must get a new file) and the region file's (st_dev, st_ino);
 * the region file must be this uid's regular file, of the right size, and not
   flocked by a live daemon;
 * a block is adopted only if its row's xxh3_64 (over the bytes the journal's
@@ -143,6 +145,12 @@ def _check_fingerprint(found: JournalHeader, wanted: JournalHeader) -> None:
         old, new = getattr(found, field), getattr(wanted, field)
         if old != new:
             raise ColdStart(f"the pool's {field} changed from {old!r} to {new!r}")
+    if found.access != wanted.access:
+        raise ColdStart(
+            f"who may map its region changed (from {found.access or 'unrecorded'!r} to "
+            f"{wanted.access!r}: server.socket_group, [[security.principals]]); a process "
+            "that mapped the old region keeps it, so it must not hold the bytes stored from now on"
+        )
 
 
 def _verify(

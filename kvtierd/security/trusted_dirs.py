@@ -14,7 +14,10 @@ daemon write block files into a root-only directory). So, at start:
   such a directory (a pool directory, a region file): never a symlink, and
   owned by the daemon's uid (in a sticky, world-writable directory another
   user may have created it first). :func:`require_own_entries` refuses, at
-  start, a symlink planted at any of the names the daemon creates.
+  start, a symlink planted at any of the names the daemon creates -- in a
+  private directory; in a sticky one anyone may plant it, so it is reported
+  (a WARNING) and left: refusing the start would hand every local user a way
+  to keep the daemon down.
 
 Each refusal is :class:`UntrustedPath`, whose message names the path, its owner
 and what to fix; the daemon turns it into exit code 2 naming the option.
@@ -97,12 +100,21 @@ def require_own_entry(path: str, st: os.stat_result) -> None:
         )  # fmt: skip
 
 
-def require_own_entries(directory: str, is_ours: Callable[[str], bool]) -> None:
+def require_own_entries(
+    directory: str, is_ours: Callable[[str], bool], *, shared: bool = False
+) -> list[UntrustedPath]:
     """:func:`require_own_entry` for every entry of ``directory`` whose name
     ``is_ours`` (a name the daemon creates there) that is a symlink; entries
-    with other names are not looked at."""
+    with other names are not looked at.
+
+    ``shared``: ``directory`` is one others may write in (sticky, as /dev/shm):
+    such an entry is returned instead of raised. Anyone may plant one there, and
+    refusing the start for it let any local user keep the daemon from starting
+    (or restarting); the daemon never follows it, and the pool whose file it
+    would be is refused when it is created."""
     with os.scandir(directory) as entries:
         names = sorted(entry.name for entry in entries if is_ours(entry.name))
+    planted: list[UntrustedPath] = []
     for name in names:
         path = os.path.join(directory, name)
         try:
@@ -110,7 +122,13 @@ def require_own_entries(directory: str, is_ours: Callable[[str], bool]) -> None:
         except FileNotFoundError:
             continue
         if stat.S_ISLNK(st.st_mode):
-            require_own_entry(path, st)
+            try:
+                require_own_entry(path, st)
+            except UntrustedPath as exc:
+                if not shared:
+                    raise
+                planted.append(exc)
+    return planted
 
 
 def _self_and_ancestors(real: str) -> list[str]:

@@ -107,23 +107,27 @@ def test_sigterm_restart_serves_ready_blocks_bit_exact_from_the_same_inode(warm_
         assert session.prepare_load(keys) == [rows[key] for key in keys]  # same rows
         session.complete_load(keys)
         assert_bit_exact(session, keys)
-        # the aborted reservation's row is fenced: the free rows go first, and it
-        # is not handed out before lease + write_quarantine (3 s)
+        # the aborted reservation's row is fenced and the adopted blocks stay pinned
+        # for the old daemon's sessions (their copiers trust its lease) until lease +
+        # write_quarantine (3 s): the free rows go first, nothing is evicted before
         free = BLOCKS - len(keys) - 1
-        grant = session.prepare_store([f"new-{i}".encode() for i in range(free + 1)])
-        assert grant is not None
+        assert session.prepare_store([f"new-{i}".encode() for i in range(free + 1)]) is None
+        grant = session.prepare_store([f"new-{i}".encode() for i in range(free)])
+        assert grant is not None and not grant.evicted_keys
         assert in_flight.block_ids[0] not in grant.block_ids
-        assert len(grant.evicted_keys) == 1  # room made by evicting, not the fenced row
         session.complete_store(grant.keys_to_store, success=False)
         (stats,) = client.get_stats("warm").pools
         assert (stats.warm_adopted_blocks, stats.warm_dropped_blocks) == (20, 0)
         assert stats.journal_bytes > 0
         assert stats.tiers[0].quarantined_blocks == 1
-        # once the fence has passed, the row is free again (not lost)
+        assert stats.tiers[0].pinned_blocks == 20
+        # once the fence has passed, the row is free again (not lost) and the adopted
+        # blocks evictable
         eventually(
             lambda: client.get_stats("warm").pools[0].tiers[0].quarantined_blocks == 0,
             20, "the fenced row released",
         )  # fmt: skip
+        assert client.get_stats("warm").pools[0].tiers[0].pinned_blocks == 0
         grant = session.prepare_store([f"later-{i}".encode() for i in range(free + 1)])
         assert grant is not None and in_flight.block_ids[0] in grant.block_ids
     assert "warm restart adopted 20 ready blocks" in daemon.log()

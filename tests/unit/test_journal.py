@@ -128,18 +128,26 @@ def test_another_format_version_is_refused(tmp_path):
         read_journal(writer.path, 1 << 20)
 
 
-def test_adopt_makes_blocks_ready_and_fences_quarantined_rows():
+def test_adopt_makes_blocks_ready_pinned_until_the_fence_and_fences_quarantined_rows():
     manager = PrimaryManager(8)
     manager.adopt([(b"a", 5), (b"b", 2)], quarantined=[3], until=10.0)
     manager.check_invariants()
-    assert manager.block_id(b"a") == 5 and manager.ref_count(b"b") == 0
+    assert manager.block_id(b"a") == 5 and manager.ref_count(b"b") == 1  # its adoption pin
     stats = manager.statistics()
     assert (stats.used_blocks, stats.free_blocks, stats.quarantined_blocks) == (2, 5, 1)
     grant = manager.prepare_store([b"c", b"d", b"e", b"f", b"g"])
     assert grant is not None and grant.block_ids == [0, 1, 4, 6, 7]  # lowest free first
-    grant = manager.prepare_store([b"h"])
-    assert grant is not None and grant.evicted_keys == [b"a"]  # not row 3: fenced
+    # adopted blocks stay pinned for the old daemon's sessions until the fence, and
+    # row 3 is fenced: no room yet
+    assert manager.prepare_store([b"h"]) is None
+    assert manager.statistics().pinned_blocks == 2 and manager.adoption_pins == 2
+    assert manager.release_quarantine(9.9) == 0
     assert manager.release_quarantine(10.0) == 1
+    assert manager.adoption_pins == 0 and manager.ref_count(b"b") == 0
+    manager.check_invariants()
+    grant = manager.prepare_store([b"h", b"i"])
+    assert grant is not None and sorted(grant.block_ids) == [3, 5]  # the fenced row, and
+    assert grant.evicted_keys == [b"a"]  # the oldest adopted block's
     manager.check_invariants()
     with pytest.raises(ValueError):
         PrimaryManager(4).adopt([(b"a", 1), (b"b", 1)], [], 0.0)

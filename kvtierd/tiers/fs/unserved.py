@@ -13,7 +13,12 @@ recently used files.
 One :class:`UnservedPools` per configured fs tier, shared by its pools'
 shared-root threads: whichever rescans first after ``interval`` recounts (the
 others skip), walking every pool directory not served here and ``lstat``-ing
-its ``*.kvb`` entries (no link followed; sizes differ by pool). A directory
+its ``*.kvb`` entries (no link followed; sizes differ by pool), each counted as
+the disk bytes it holds (:func:`disk_bytes`: a sparse file planted by anyone who
+may create a directory in the root must not make the daemon evict its whole
+cache for a terabyte that uses no disk). Directories of another uid are not
+counted at all: every daemon of a root runs as one uid (the root lock refuses
+another's), so such a directory was planted, not written by a daemon. A directory
 becomes served when a pool attaches to it: its count leaves the charge at once,
 so the pool's own start-up scan does not count it twice.
 """
@@ -35,6 +40,12 @@ from kvtierd.tiers.fs.safefs import PoolDir, UnexpectedEntry
 log = logging.getLogger("kvtierd.tiers.fs")
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def disk_bytes(st: os.stat_result) -> int:
+    """The bytes a file holds on disk, at most its length: its allocated blocks
+    (``st_blocks`` counts 512-byte units), so a sparse file counts what it uses."""
+    return min(st.st_size, st.st_blocks * 512)
 
 
 class UnservedPools:
@@ -96,6 +107,12 @@ class UnservedPools:
             total = 0
             try:
                 with PoolDir(path) as pool:
+                    owner = os.fstat(pool.fd).st_uid
+                    if owner != os.geteuid():
+                        # every daemon of a root runs as one uid (the root lock refuses
+                        # another's): a directory of another user is no daemon's pool
+                        self._fault("not counting %s: owned by uid %d, not a daemon", path, owner)
+                        continue
                     for entry in pool.walk(
                         lambda p, exc: self._fault("not counting %s: %s", p, exc)
                     ):
@@ -106,7 +123,7 @@ class UnservedPools:
                         except FileNotFoundError:
                             continue
                         if stat.S_ISREG(st.st_mode):
-                            total += st.st_size
+                            total += disk_bytes(st)
             except (OSError, UnexpectedEntry) as exc:
                 self._fault("not counting %s: %s", path, exc)
                 continue

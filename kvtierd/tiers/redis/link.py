@@ -30,6 +30,14 @@ A connection error or timeout on a node asks for a topology refresh
 a failover's new master is found without waiting for a MOVED; a node restarted
 on its address is used again at the next call (the pools reconnect).
 
+A node that timed out is **skipped** (:class:`NodeSkipped`, at once, no I/O)
+for ``max(timeout, 1 s)``; then one call at a time tries it (the others
+keep skipping it) and its success takes it back, as does an answered health
+check. Why: every cascade pins its primary block until the tier reports, and a
+node that stopped answering without a reset (a hung host, a black-holed route)
+made each block wait ``timeout`` on a thread, which throttled the primary's
+stores to ``threads / timeout`` blocks a second (an attack test).
+
 Multi-key commands are avoided: every block is one value under one key, and
 the keys of one batch hash to different slots (different nodes), which a
 multi-key command would refuse (CROSSSLOT) unless hash tags pinned them to one
@@ -38,6 +46,7 @@ slot, which would pin a pool's whole cache to one node.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -47,11 +56,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from redis._parsers.helpers import parse_info
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import AskError, RedisClusterException
 from redis.retry import Retry
 
+from kvtierd.tiers.redis.deadline import CallDeadlines, Watched, deadline_connection_class
 from kvtierd.tiers.redis.settings import RedisTierSettings
 
 log = logging.getLogger("kvtierd.tiers.redis")
@@ -59,6 +70,7 @@ log = logging.getLogger("kvtierd.tiers.redis")
 RESOLVE_RETRY_S = 1.0  # a server that did not answer the mode question: asked again after
 TOPOLOGY_REFRESH_S = 1.0  # at most one slot-map refresh per this, whatever fails
 RTT_EWMA_WEIGHT = 0.2  # weight of a new round trip in the running average
+CALL_DEADLINE_TIMEOUTS = 2  # a call's whole deadline, in socket timeouts (deadline.py)
 NodeClient = redis.Redis
 
 # what a per-node pipeline answers for one key: the reply, or the error of that key
@@ -87,6 +99,10 @@ class ServerHealth:
     evicted_keys: int = 0
 
 
+class NodeSkipped(redis.ConnectionError):
+    """The call was not sent: its node failed lately and is skipped (module doc)."""
+
+
 def _is_cluster_reply(info: Any) -> bool:
     return isinstance(info, dict) and int(info.get("cluster_enabled", 0) or 0) == 1
 
@@ -95,8 +111,11 @@ class RedisLink:
     """The client of one configured redis tier (standalone or Cluster) and its health.
 
     Thread-safe: the I/O threads of every pool of the tier share it. ``_lock``
-    guards ``_client``, ``_resolve_error`` and ``_health``; the libraries' clients
-    are thread-safe themselves (a connection is used by one thread at a time).
+    guards ``_client``, ``_resolve_error`` and ``_health`` and is never held
+    across I/O (the event loop takes it to read the health); ``_building``
+    serializes the client's build, which talks to the servers. The libraries'
+    clients are thread-safe themselves (a connection is used by one thread at a
+    time).
     """
 
     def __init__(self, settings: RedisTierSettings, password: str | None) -> None:
@@ -108,9 +127,19 @@ class RedisLink:
         self._resolve_error: BaseException | None = None
         self._topology_refreshed_at = 0.0
         self._refreshing = threading.Lock()  # one topology refresh at a time
+        self._building = threading.Lock()  # one client build at a time (I/O threads)
         self._health = ServerHealth()
         self._rtt_us = 0.0
         self._closed = False
+        # node name -> monotonic time until which its calls are skipped (guarded by
+        # _lock); a node is in it from a connection error or timeout to a success
+        self._skip_until: dict[str, float] = {}
+        self._skip_for = max(settings.timeout, 1.0)
+        # a whole call (send and answer) is cut past twice the socket timeout
+        self._deadlines = CallDeadlines(
+            CALL_DEADLINE_TIMEOUTS * settings.timeout, _netloc(settings.urls[0])
+        )
+        self._connection_class = deadline_connection_class(self._deadlines)
 
     # -- the client ----------------------------------------------------------------------
 
@@ -140,29 +169,42 @@ class RedisLink:
 
         Raises redis.ConnectionError when the mode cannot be learned now (no URL
         answered); the next try is at most every :data:`RESOLVE_RETRY_S`."""
-        with self._lock:
-            if self._client is not None:
-                return self._client
-            if self._closed:
-                raise redis.ConnectionError("the redis tier is shut down")
-            if self._resolve_error is not None and (
-                time.monotonic() - self._resolved_at < RESOLVE_RETRY_S
-            ):
-                raise redis.ConnectionError(f"server not reached: {self._resolve_error}")
+        built = self._client  # the usual case: built already (an attribute read)
+        if built is not None:
+            return built
+        with self._building:  # one build at a time (I/O threads only wait here)
+            with self._lock:
+                if self._client is not None:
+                    return self._client
+                if self._closed:
+                    raise redis.ConnectionError("the redis tier is shut down")
+                if self._resolve_error is not None and (
+                    time.monotonic() - self._resolved_at < RESOLVE_RETRY_S
+                ):
+                    raise redis.ConnectionError(f"server not reached: {self._resolve_error}")
+            # the build talks to the servers: never under _lock, which the event loop
+            # takes to read the health (a GetStats waited out a dead seed's timeout)
             try:
-                self._client = self._build()
+                client = self._build()
             except (redis.RedisError, RedisClusterException, OSError) as exc:
-                self._resolved_at = time.monotonic()
-                self._resolve_error = exc
+                with self._lock:
+                    self._resolved_at = time.monotonic()
+                    self._resolve_error = exc
                 raise redis.ConnectionError(f"server not reached: {exc}") from None
-            self._resolve_error = None
-            mode = "cluster" if isinstance(self._client, RedisCluster) else "standalone"
-            self._health = ServerHealth(mode=mode, nodes_known=len(self._masters(self._client)))
+            mode = "cluster" if isinstance(client, RedisCluster) else "standalone"
+            health = ServerHealth(mode=mode, nodes_known=len(self._masters(client)))
+            with self._lock:
+                if self._closed:  # shut down while building
+                    client.close()
+                    raise redis.ConnectionError("the redis tier is shut down")
+                self._client = client
+                self._resolve_error = None
+                self._health = health
             log.info(
                 "redis tier: %s server at %s",
                 mode, ", ".join(_netloc(u) for u in self.settings.urls),
             )  # fmt: skip
-            return self._client
+            return client
 
     def _build(self) -> redis.Redis | RedisCluster:
         mode = self.settings.cluster
@@ -176,6 +218,9 @@ class RedisLink:
             nodes.append(ClusterNode(parts.hostname or "127.0.0.1", parts.port or 6379))
         options = self._options()
         options.pop("retry")
+        # the cluster builds its node clients itself (no connection_class): their
+        # handshakes are bounded by the socket timeout only; every call is watched
+        options.pop("connection_class", None)
         if urllib.parse.urlsplit(self.settings.urls[0]).scheme == "rediss":
             options["ssl"] = True
         return RedisCluster(
@@ -187,7 +232,12 @@ class RedisLink:
 
     def _options(self) -> dict[str, Any]:
         s = self.settings
+        tls = urllib.parse.urlsplit(s.urls[0]).scheme == "rediss"
+        # the handshake of a new connection under the call deadline too (TLS: redis-py's
+        # own SSL connection class, whose handshake is bounded by the socket timeout only)
+        watched = {} if tls else {"connection_class": self._connection_class}
         return {
+            **watched,
             "username": s.username or None,
             "password": self._password,
             "socket_timeout": s.timeout,
@@ -225,6 +275,38 @@ class RedisLink:
             return node.name, client.get_redis_connection(node)
         return "server", client
 
+    # -- nodes that do not answer (I/O threads) -----------------------------------------
+
+    def _check_node(self, name: str) -> None:
+        """Raises NodeSkipped when node ``name`` failed lately; past its skip time,
+        lets this call through as the one trial (the others keep skipping it for
+        the trial's own timeout)."""
+        if not self._skip_until:  # the usual case: no lock
+            return
+        now = time.monotonic()
+        with self._lock:
+            until = self._skip_until.get(name)
+            if until is None:
+                return
+            if now < until:
+                raise NodeSkipped(
+                    f"redis node {name} did not answer lately; skipped (one call tries it "
+                    f"every {self._skip_for:g}s)"
+                )
+            self._skip_until[name] = now + self.settings.timeout + self._skip_for
+
+    def _node_failed(self, name: str, exc: BaseException) -> None:
+        """Skips node ``name`` after a timeout (a refused connection fails fast by
+        itself: a node restarted on its address is used at the very next call)."""
+        if isinstance(exc, (redis.TimeoutError, TimeoutError)):
+            with self._lock:
+                self._skip_until[name] = time.monotonic() + self._skip_for
+
+    def _node_answered(self, name: str) -> None:
+        if name in self._skip_until:
+            with self._lock:
+                self._skip_until.pop(name, None)
+
     # -- commands (I/O threads) ----------------------------------------------------------
 
     def store_value(
@@ -235,29 +317,43 @@ class RedisLink:
         whole command in RESP (the row unjoined). True when the value was written.
         A redirect is followed through the cluster client with ``value()`` (joined:
         the rare path)."""
-        _, node = self.node_for(redis_key)
+        name, node = self.node_for(redis_key)
+        self._check_node(name)
         pool = node.connection_pool
-        conn = pool.get_connection()
         try:
-            conn.send_packed_command(chunks)
-            written = conn.read_response()
+            conn = pool.get_connection()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            self._node_failed(name, exc)
+            self._suspect_topology()
+            raise
+        call = Watched()
+        try:
+            with self._deadlines.watch(conn) as call:
+                conn.send_packed_command(chunks)
+                written = conn.read_response()
         except AskError:
             pool.release(conn)  # the reply was read whole: the connection is clean
             client = self.client()
             return bool(client.execute_command("SET", redis_key, value(), *args))
-        except (redis.ConnectionError, redis.TimeoutError):
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
             conn.disconnect()
             pool.release(conn)
+            failure = self._cut_if_expired(call, exc)
+            self._node_failed(name, failure)
             self._suspect_topology()
-            raise
+            raise failure from exc
         except redis.ResponseError:
             pool.release(conn)
+            self._node_answered(name)  # with an error of its own (OOM, WRONGTYPE, ...)
             raise
         except BaseException:
             conn.disconnect()  # a reply may be left unread: never reuse the connection
             pool.release(conn)
             raise
+        if call.expired:  # answered as the watchdog cut it: the socket is shut down
+            conn.disconnect()
         pool.release(conn)
+        self._node_answered(name)
         return bool(written)
 
     def get(self, redis_key: bytes, max_bytes: int) -> Any:
@@ -265,14 +361,55 @@ class RedisLink:
         bounded: at most ``max_bytes + 1`` bytes (``GETRANGE 0 max_bytes``), so a
         value planted far over a block's size never enters the daemon whole (a
         longer answer means "too long"). A missing key answers ``b""``."""
-        _, node = self.node_for(redis_key)
+        name, node = self.node_for(redis_key)
+        self._check_node(name)
+        pool = node.connection_pool
         try:
-            return node.getrange(redis_key, 0, max_bytes)
-        except AskError:
-            return self.client().getrange(redis_key, 0, max_bytes)
-        except (redis.ConnectionError, redis.TimeoutError):
+            conn = pool.get_connection()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            self._node_failed(name, exc)
             self._suspect_topology()
             raise
+        call = Watched()
+        try:
+            with self._deadlines.watch(conn) as call:
+                conn.send_command("GETRANGE", redis_key, 0, max_bytes)
+                value = conn.read_response()
+        except AskError:
+            pool.release(conn)  # the reply was read whole: the connection is clean
+            return self.client().getrange(redis_key, 0, max_bytes)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            conn.disconnect()
+            pool.release(conn)
+            failure = self._cut_if_expired(call, exc)
+            self._node_failed(name, failure)
+            self._suspect_topology()
+            raise failure from exc
+        except redis.ResponseError:
+            pool.release(conn)
+            self._node_answered(name)  # with an error of its own (WRONGTYPE, ...)
+            raise
+        except BaseException:
+            conn.disconnect()  # a reply may be left unread: never reuse the connection
+            pool.release(conn)
+            raise
+        if call.expired:  # answered as the watchdog cut it: the socket is shut down
+            conn.disconnect()
+        pool.release(conn)
+        self._node_answered(name)
+        return value
+
+    def _cut_if_expired(
+        self, call: Watched, exc: redis.ConnectionError | redis.TimeoutError
+    ) -> redis.ConnectionError | redis.TimeoutError:
+        """The error a failed call raises: a timeout when the deadline watchdog cut it
+        (its node is then skipped), else its own."""
+        if call.expired:
+            return redis.TimeoutError(
+                f"no whole answer within {self._deadlines.seconds:g}s "
+                f"({CALL_DEADLINE_TIMEOUTS} x timeout): the call was cut"
+            )
+        return exc
 
     def node_client(self, redis_key: bytes) -> NodeClient:
         return self.node_for(redis_key)[1]
@@ -289,36 +426,19 @@ class RedisLink:
             name, node = self.node_for(redis_key)
             groups.setdefault(name, (node, []))[1].append(index)
         started = time.perf_counter()
-        sent: list[tuple[Any, Any, list[int]]] = []  # (pool, connection, indices)
-        failed_nodes = 0
-        for node, indices in groups.values():
-            pool = node.connection_pool
-            conn = None
-            try:
-                conn = pool.get_connection()
-                conn.send_packed_command(
-                    conn.pack_commands([(command, redis_keys[i]) for i in indices])
-                )
-            except (redis.RedisError, OSError) as exc:
-                failed_nodes += 1
-                self._fail(replies, indices, exc, pool, conn)
-                continue
-            sent.append((pool, conn, indices))
-        for pool, conn, indices in sent:
-            done = 0
-            try:
-                for i in indices:
-                    try:
-                        replies[i] = conn.read_response()
-                    except redis.ResponseError as exc:
-                        replies[i] = exc
-                    done += 1
-            except (redis.RedisError, OSError) as exc:
-                failed_nodes += 1
-                self._fail(replies, indices[done:], exc, pool, conn)
-                continue
+        # every connection taken, with its watch and whether it must be dropped; given
+        # back only once its watch ended (the watchdog may shut a watched socket down,
+        # and must never reach a connection another thread took from the pool since)
+        taken: list[tuple[Any, Any, Watched, bool]] = []
+        with contextlib.ExitStack() as watches:
+            failed_nodes = self._per_node_round_trip(
+                command, redis_keys, groups, replies, taken, watches
+            )
+        for pool, conn, call, broken in taken:
+            if broken or call.expired:
+                conn.disconnect()  # replies may be left unread
             pool.release(conn)
-        if sent and not failed_nodes:
+        if taken and not failed_nodes:
             self._note_round_trip(time.perf_counter() - started)
         if failed_nodes:
             self._suspect_topology()
@@ -330,15 +450,74 @@ class RedisLink:
                     replies[i] = exc
         return replies, failed_nodes
 
-    @staticmethod
-    def _fail(
-        replies: list[Reply], indices: Sequence[int], exc: BaseException, pool: Any, conn: Any
+    def _per_node_round_trip(
+        self,
+        command: str,
+        redis_keys: Sequence[bytes],
+        groups: dict[str, tuple[NodeClient, list[int]]],
+        replies: list[Reply],
+        taken: list[tuple[Any, Any, Watched, bool]],
+        watches: contextlib.ExitStack,
+    ) -> int:
+        """:meth:`per_node`'s pipelines: all written, then all read, each connection
+        watched by the call deadline from its write to its last reply (``watches``)
+        and listed in ``taken`` (True: drop it). Returns how many nodes failed."""
+        failed_nodes = 0
+        sent: list[tuple[str, Any, Watched, list[int], int]] = []  # (node, conn, call, indices, #)
+        for name, (node, indices) in groups.items():
+            try:
+                self._check_node(name)
+                conn = node.connection_pool.get_connection()
+            except (redis.RedisError, OSError) as exc:
+                failed_nodes += 1
+                self._node_failed(name, exc)
+                _fail(replies, indices, exc)
+                continue
+            call = watches.enter_context(self._deadlines.watch(conn))
+            taken.append((node.connection_pool, conn, call, False))
+            try:
+                conn.send_packed_command(
+                    conn.pack_commands([(command, redis_keys[i]) for i in indices])
+                )
+            except (redis.RedisError, OSError) as exc:
+                failed_nodes += 1
+                self._connection_failed(name, call, exc, replies, indices, taken)
+                continue
+            sent.append((name, conn, call, indices, len(taken) - 1))
+        for name, conn, call, indices, slot in sent:
+            done = 0
+            try:
+                for i in indices:
+                    try:
+                        replies[i] = conn.read_response()
+                    except redis.ResponseError as exc:
+                        replies[i] = exc
+                    done += 1
+            except (redis.RedisError, OSError) as exc:
+                failed_nodes += 1
+                self._connection_failed(name, call, exc, replies, indices[done:], taken, slot)
+                continue
+            self._node_answered(name)
+        return failed_nodes
+
+    def _connection_failed(
+        self,
+        name: str,
+        call: Watched,
+        exc: BaseException,
+        replies: list[Reply],
+        indices: Sequence[int],
+        taken: list[tuple[Any, Any, Watched, bool]],
+        slot: int = -1,
     ) -> None:
-        for i in indices:
-            replies[i] = exc
-        if conn is not None:
-            conn.disconnect()  # replies may be left unread
-            pool.release(conn)
+        """A pipeline's connection failed: its keys get the error (a timeout when the
+        deadline cut it), the node may be skipped, the connection is dropped."""
+        if isinstance(exc, redis.ConnectionError):
+            exc = self._cut_if_expired(call, exc)
+        self._node_failed(name, exc)
+        _fail(replies, indices, exc)
+        pool, conn, _, _ = taken[slot]
+        taken[slot] = (pool, conn, call, True)
 
     # -- health (I/O threads) ------------------------------------------------------------
 
@@ -351,15 +530,14 @@ class RedisLink:
         masters = self._masters(client)
         reachable = max_memory = used = system = evicted = 0
         unbounded = False
-        for _, node in masters:
+        for name, node in masters:
             try:
-                started = time.perf_counter()
-                node.ping()
-                self._note_round_trip(time.perf_counter() - started)
-                memory = node.info("memory")
-                stats = node.info("stats")
-            except (redis.RedisError, OSError):
+                self._check_node(name)  # a skipped node: unreachable (or this is its trial)
+                memory, stats = self._node_health(node)
+            except (redis.RedisError, OSError) as exc:
+                self._node_failed(name, exc)
                 continue
+            self._node_answered(name)
             reachable += 1
             limit = int(memory.get("maxmemory", 0) or 0)
             unbounded = unbounded or limit == 0
@@ -381,6 +559,36 @@ class RedisLink:
         with self._lock:
             self._health = health
         return self.health
+
+    def _node_health(self, node: NodeClient) -> tuple[dict[str, Any], dict[str, Any]]:
+        """PING (its round trip noted), ``INFO memory`` and ``INFO stats`` of one node,
+        on one connection under one call deadline (a node that trickles its answers
+        must not hold an I/O thread for the minutes an INFO answer would take)."""
+        pool = node.connection_pool
+        conn = pool.get_connection()
+        call = Watched()
+        try:
+            with self._deadlines.watch(conn) as call:
+                started = time.perf_counter()
+                conn.send_command("PING")
+                conn.read_response()
+                self._note_round_trip(time.perf_counter() - started)
+                conn.send_command("INFO", "memory")
+                memory = parse_info(conn.read_response())
+                conn.send_command("INFO", "stats")
+                stats = parse_info(conn.read_response())
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            conn.disconnect()
+            pool.release(conn)
+            raise self._cut_if_expired(call, exc) from exc
+        except BaseException:
+            conn.disconnect()  # a reply may be left unread: never reuse the connection
+            pool.release(conn)
+            raise
+        if call.expired:
+            conn.disconnect()
+        pool.release(conn)
+        return memory, stats
 
     def _note_round_trip(self, seconds: float) -> None:
         sample = seconds * 1e6
@@ -411,11 +619,17 @@ class RedisLink:
 
     def close(self) -> None:
         """Closes the connections; later calls fail. Idempotent."""
+        self._deadlines.close()
         with self._lock:
             self._closed = True
             client, self._client = self._client, None
         if client is not None:
             client.close()
+
+
+def _fail(replies: list[Reply], indices: Sequence[int], exc: BaseException) -> None:
+    for i in indices:
+        replies[i] = exc
 
 
 def _netloc(url: str) -> str:
