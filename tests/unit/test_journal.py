@@ -14,12 +14,11 @@ from kvtierd.journal import (
     JournalError,
     JournalHeader,
     JournalWriter,
-    checksum_spans,
     encode_freed,
     read_journal,
-    row_checksum,
 )
 from kvtierd.primary import PrimaryManager
+from kvtierd.rowsums import checksum_spans, row_checksum
 
 BLOCK = 4096
 ROWS = 32
@@ -158,19 +157,20 @@ def test_checksum_spans_cover_whole_small_rows_and_sample_big_ones():
     assert row_checksum(bytes(8192), [(0, 8192)]) == row_checksum(bytes(8192))
 
 
-@pytest.mark.parametrize("refused", [False, True], ids=["process_vm_readv", "pread-fallback"])
-def test_the_daemon_path_hashes_the_region_file_the_same_way(tmp_path, monkeypatch, refused):
-    """With the region's descriptor (the daemon), rows are copied out with
+@pytest.mark.parametrize("path", ["hash-worker", "process_vm_readv", "pread-fallback"])
+def test_the_daemon_path_hashes_the_region_file_the_same_way(tmp_path, monkeypatch, path):
+    """With the region's descriptor (the daemon), rows are hashed by a hash worker
+    process in place from its own mapping; without one, copied out with
     process_vm_readv (never SIGBUS on a truncated file); where a seccomp profile
-    refuses it (Docker without CAP_SYS_PTRACE: the container test found every row
-    left unjournaled) the writer falls back to one pread per row. Both record the
+    refuses that (Docker without CAP_SYS_PTRACE: the container test found every row
+    left unjournaled) the writer falls back to one pread per row. All record the
     checksums hashing in place would, and a row past a truncation is not vouched for."""
     import errno
     import mmap
 
     from kvtierd import safecopy
 
-    if refused:
+    if path == "pread-fallback":
 
         def refuse(base, ranges, into):
             raise OSError(errno.EPERM, "process_vm_readv: Operation not permitted")
@@ -182,7 +182,10 @@ def test_the_daemon_path_hashes_the_region_file_the_same_way(tmp_path, monkeypat
         mapping = mmap.mmap(file.fileno(), ROWS * BLOCK)
         region = memoryview(mapping)
         header = JournalHeader("pool", BLOCK, ROWS, "layout", 1, 2)
-        writer = JournalWriter(str(tmp_path / "pool.journal"), header, region, file.fileno())
+        writer = JournalWriter(
+            str(tmp_path / "pool.journal"), header, region, file.fileno(),
+            hash_worker=path == "hash-worker",
+        )  # fmt: skip
         writer.start([], [])
         writer.rows_reserved([0, 1, 30])
         for row in (0, 1, 30):
@@ -195,5 +198,6 @@ def test_the_daemon_path_hashes_the_region_file_the_same_way(tmp_path, monkeypat
             0: (b"a", row_checksum(bytes([1]) * BLOCK)),
             1: (b"b", row_checksum(bytes([2]) * BLOCK)),
         }
+        assert writer.hash_workers_started == (1 if path == "hash-worker" else 0)
         region.release()
         mapping.close()
