@@ -28,8 +28,9 @@ Invariants:
 * Messages are bounded: a request names at most :data:`MAX_ROWS_PER_REQUEST`
   rows (u32 each); a reply is 9 bytes per row. Nothing is unpickled.
 
-Wire (little-endian, one Unix stream socket): request ``u32 n | n x u32 row``;
-reply ``n x u64 checksum | n x u8 valid`` (0: the row was not inside the file).
+Wire (little-endian, one Unix stream socket): once mapped, the worker sends one
+byte (:data:`READY`); then request ``u32 n | n x u32 row``, reply ``n x u64
+checksum | n x u8 valid`` (0: the row was not inside the file).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import subprocess
 import sys
 from array import array
 from collections.abc import Sequence
+from typing import NoReturn
 
 import xxhash
 
@@ -62,6 +64,7 @@ REPLY_TIMEOUT_S = 60.0  # a worker silent this long on one request is killed
 REMAP_EVERY_BYTES = 8 << 30
 _STOP_WAIT_S = 2.0
 _COUNT = struct.Struct("<I")
+READY = b"R"  # the worker's first byte: mapped, serving
 _PR_SET_PDEATHSIG = 1
 
 
@@ -115,17 +118,39 @@ class HashWorker:
         self.name = name
         self._sock = ours
         self._num_blocks = num_blocks
+        self._ready = False
         self.broken = False
 
     @property
     def pid(self) -> int:
         return self.process.pid
 
+    def ready(self) -> bool:
+        """Whether the worker has started and mapped the region (it said so); does
+        not block. Until then its user hashes elsewhere: a worker starting slowly
+        on a saturated node (its Python start-up, niced) must not hold the journal.
+        Raises WorkerDied if it exited or sent anything else."""
+        return self._take_ready(socket.MSG_DONTWAIT)
+
+    def _take_ready(self, flags: int) -> bool:
+        if not self._ready:
+            try:
+                first = self._sock.recv(1, flags)
+            except BlockingIOError:
+                return False
+            except OSError as exc:
+                self._died(exc)
+            if first != READY:
+                self._died(EOFError("the worker ended before it was ready"))
+            self._ready = True
+        return True
+
     def checksums(self, rows: Sequence[int]) -> list[int | None]:
         """The checksum of each row (None: not inside the region file), at most
         :data:`MAX_ROWS_PER_REQUEST` rows per request. Raises WorkerDied (and marks
         the worker broken) if it is gone, stalled or out of step: then none of
-        the rows is vouched for."""
+        the rows is vouched for. Waits for the worker to be ready."""
+        self._take_ready(0)
         sums: list[int | None] = []
         for first in range(0, len(rows), MAX_ROWS_PER_REQUEST):
             sums.extend(self._request(rows[first : first + MAX_ROWS_PER_REQUEST]))
@@ -137,18 +162,21 @@ class HashWorker:
             self._sock.sendall(_COUNT.pack(count) + array("I", rows).tobytes())
             reply = _receive_exactly(self._sock, 9 * count)
         except (OSError, EOFError) as exc:
-            self.broken = True
-            code = self.process.poll()
-            raise WorkerDied(
-                errno.EIO,
-                f"hash worker {self.name} (pid {self.pid}) "
-                f"{'died with exit status ' + str(code) if code is not None else 'stopped'}"
-                f": {exc or type(exc).__name__}",
-            ) from None
+            self._died(exc)
         sums = array("Q")
         sums.frombytes(reply[: 8 * count])
         valid = reply[8 * count :]
         return [checksum if valid[i] == 1 else None for i, checksum in enumerate(sums)]
+
+    def _died(self, exc: BaseException) -> NoReturn:
+        self.broken = True
+        code = self.process.poll()
+        raise WorkerDied(
+            errno.EIO,
+            f"hash worker {self.name} (pid {self.pid}) "
+            f"{'died with exit status ' + str(code) if code is not None else 'stopped'}"
+            f": {exc or type(exc).__name__}",
+        ) from None
 
     def interrupt(self) -> None:
         """Wakes a request blocked on the worker (it fails with WorkerDied). Any thread."""
@@ -276,7 +304,9 @@ def main(argv: Sequence[str]) -> int:
         return 1  # the journal thread that started us is already gone
     sock = socket.socket(fileno=sock_fd)
     try:
-        serve(sock, _RowHasher(region_fd, block_bytes, num_blocks, spans))
+        hasher = _RowHasher(region_fd, block_bytes, num_blocks, spans)
+        sock.sendall(READY)
+        serve(sock, hasher)
     except (BrokenPipeError, ConnectionError):
         pass  # the daemon went away while we answered
     finally:

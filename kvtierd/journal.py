@@ -300,6 +300,7 @@ class JournalWriter:
         # at most one _HASH and one _COMPACT are queued at a time
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._idle = threading.Condition(self._lock)
+        self._worker_spawned = threading.Event()  # the thread started its hash worker
         self._thread: threading.Thread | None = None
 
     # -------------------------------------------------------------- lifecycle
@@ -324,6 +325,11 @@ class JournalWriter:
             target=self._work_forever, name=f"kvtierd-journal-{self.header.name}", daemon=True
         )
         self._thread.start()
+        # the thread starts the hash worker first: here, before the pool serves its
+        # first store (spawning takes dozens of interpreter-lock hand-offs, which
+        # cost up to 5 ms each once the event loop is busy: a storm of stores had
+        # the spawn, and so the journal, seconds behind)
+        self._worker_spawned.wait(timeout=_SPAWN_WAIT_S)
 
     def close(self, drain_seconds: float) -> None:
         """Waits up to ``drain_seconds`` for the queued hash jobs (their ready records
@@ -400,6 +406,10 @@ class JournalWriter:
 
     def _work_forever(self) -> None:
         try:
+            try:
+                self._checksums.start()
+            finally:
+                self._worker_spawned.set()
             self._serve_jobs()
         finally:
             self._checksums.close()  # the hash worker ends with this thread
@@ -419,13 +429,8 @@ class JournalWriter:
             try:
                 with self._lock:
                     waiting, self._waiting, self._hash_asked = self._waiting, {}, False
-                    generation = self._generation  # rows handed out again: nothing to hash
-                    current = [(gen, row, key) for row, (gen, key) in waiting.items()
-                               if generation[row] == gen]  # fmt: skip
-                    self._pending_jobs -= len(waiting) - len(current)
-                    self.hash_jobs_stale += len(waiting) - len(current)
-                if current:
-                    self._record_ready(current, self._checksums.compute([r for _, r, _ in current]))
+                batch = [(gen, row, key) for row, (gen, key) in waiting.items()]
+                self._record_ready(batch, self._hash_newest_first(batch))
             except Exception as exc:  # a bug: stop vouching rather than guess
                 with self._idle:
                     if self._fd < 0:  # closed under a late batch (the region's fd too)
@@ -439,6 +444,25 @@ class JournalWriter:
                     self._waiting.clear()
                     self._pending_jobs = 0
                     self._idle.notify_all()
+
+    def _hash_newest_first(self, batch: list[tuple[int, int, BlockKey]]) -> list[int | None]:
+        """The checksums of a batch (completion order), hashed in chunks from the
+        newest completion back, each chunk without the rows handed out again by
+        the time it comes up (None for those: nothing to hash). Under a backlog the
+        newest blocks, the ones eviction takes last, are vouched for first, and a
+        row reused while its batch waits costs no hashing."""
+        sums: list[int | None] = [None] * len(batch)
+        chunk = self._checksums.rows_per_chunk
+        generation = self._generation
+        for end in range(len(batch), 0, -chunk):
+            with self._lock:
+                current = [i for i in range(max(0, end - chunk), end)
+                           if generation[batch[i][1]] == batch[i][0]]  # fmt: skip
+            if current:
+                hashed = self._checksums.compute([batch[i][1] for i in current])
+                for i, checksum in zip(current, hashed, strict=True):
+                    sums[i] = checksum
+        return sums
 
     def _record_ready(
         self, batch: list[tuple[int, int, BlockKey]], sums: Sequence[int | None]
@@ -556,6 +580,7 @@ class JournalWriter:
         )  # fmt: skip
 
 
+_SPAWN_WAIT_S = 10.0  # start() waits this long at most for the hash worker's spawn
 _COMPACT = object()  # a thread job: rewrite the journal as its live state
 _HASH = object()  # a thread job: hash the backlog (JournalWriter._waiting)
 

@@ -39,6 +39,9 @@ _rate_limited = RateLimitedLog(log)
 PAGE = 4096
 GATHER_BYTES = 1 << 20  # covered bytes copied out of the region per system call, at most
 WORKER_RESPAWN_S = 1.0  # a hash worker that died is replaced at most this often
+# covered bytes per request the journal sends at a time (it re-checks which rows
+# are still worth hashing between two): a few ms of hashing at most
+CHUNK_COVERED_BYTES = 2 << 20
 
 
 def checksum_spans(block_bytes: int, checksum_bytes: int) -> list[tuple[int, int]]:
@@ -112,6 +115,8 @@ class RowChecksums:
         self._num_blocks = len(region_buffer) // block_bytes
         self._spans = list(spans)
         self._per_row = sum(end - start for start, end in spans)
+        # rows per compute() call the journal makes: CHUNK_COVERED_BYTES, at least 4
+        self.rows_per_chunk = max(4, CHUNK_COVERED_BYTES // self._per_row)
         self._gather_buffer = bytearray(0)
         self._use_worker = use_worker and region_fd is not None
         self._worker: HashWorker | None = None
@@ -132,7 +137,8 @@ class RowChecksums:
         worker = self._running_worker()
         if worker is not None:
             try:
-                return worker.checksums(rows)
+                if worker.ready():  # else hashed here while it starts
+                    return worker.checksums(rows)
             except WorkerDied as exc:  # a truncation's SIGBUS, a kill: this batch here
                 _rate_limited.warning(
                     ("worker died", self._name),
@@ -143,6 +149,11 @@ class RowChecksums:
         if self._base:
             return self._gathered_checksums(rows)
         return self._read_checksums(rows)
+
+    def start(self) -> None:
+        """Starts the hash worker ahead of the first batch (its start-up runs while
+        the pool gets its first stores). Journal thread."""
+        self._running_worker()
 
     def interrupt(self) -> None:
         """Wakes a :meth:`compute` waiting on the worker (the batch falls back to

@@ -66,6 +66,37 @@ def test_a_row_handed_out_again_is_never_recorded_with_its_old_key(tmp_path):
     assert replay.ready == {} and replay.freed == {5}
 
 
+def test_a_backlog_is_hashed_newest_first_and_rows_handed_out_meanwhile_are_skipped(tmp_path):
+    """A backlog of 12 completions, hashed 4 rows at a time: the newest chunk first
+    (eviction takes the oldest blocks first), and a row handed out while an earlier
+    chunk was hashed is not hashed at all (nor recorded); the records keep the
+    completion order, and every completion is accounted for."""
+    writer, region = make_writer(tmp_path)
+    writer._checksums.rows_per_chunk = 4
+    real_compute = writer._checksums.compute
+    asked: list[list[int]] = []
+
+    def compute(rows):  # the real hashing, watched; the loop hands row 1 out meanwhile
+        asked.append(list(rows))
+        if len(asked) == 1:
+            writer.rows_reserved([1])
+        return real_compute(rows)
+
+    writer._checksums.compute = compute
+    writer.rows_reserved(list(range(12)))
+    for row in range(12):
+        fill(region, row, row + 1)
+    writer.start([], [])
+    writer.rows_ready([b"k%d" % row for row in range(12)], list(range(12)))
+    writer.close(drain_seconds=10)
+    assert asked == [[8, 9, 10, 11], [4, 5, 6, 7], [0, 2, 3]]
+    replay = read_journal(writer.path, 1 << 20)
+    assert list(replay.ready) == [0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]  # completion order
+    assert replay.ready[2] == (b"k2", row_checksum(bytes([3]) * BLOCK))
+    assert replay.freed == {1}
+    assert (writer.rows_journaled, writer.hash_jobs_stale) == (11, 1)
+
+
 def test_compaction_keeps_the_live_state_and_bounds_the_file(tmp_path, monkeypatch):
     monkeypatch.setattr(journal_module, "COMPACT_SLACK_BYTES", 2048)
     writer, region = make_writer(tmp_path)
