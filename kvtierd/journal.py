@@ -467,30 +467,47 @@ class JournalWriter:
     def _record_ready(
         self, batch: list[tuple[int, int, BlockKey]], sums: Sequence[int | None]
     ) -> None:
-        records: list[bytes] = []
-        with self._idle:
-            for (generation, row, key), checksum in zip(batch, sums, strict=True):
-                if self._generation[row] != generation:
-                    self.hash_jobs_stale += 1
-                    continue  # handed out again since: its freed record already follows
-                if checksum is None:
-                    self.hash_jobs_unreadable += 1
-                    continue  # the region file was cut short under it: not vouched for
-                old = self._live_key[row]
-                if old is not None:
-                    self._live_bytes -= _ready_bytes(old)
-                elif self._freed[row]:
-                    self._live_bytes -= _FREED_BYTES
-                self._live_key[row] = key
-                self._live_sum[row] = checksum
-                self._freed[row] = 0
-                self._live_bytes += _ready_bytes(key)
-                records.append(encode_ready(key, row, checksum))
-            if records:
-                self._append_locked(b"".join(records), len(records))
-                self.rows_journaled += len(records)
-            self._pending_jobs -= len(batch)
-            self._idle.notify_all()
+        """Appends the ``ready`` records of a hashed batch (completion order) for the
+        rows still the ones hashed. Records are encoded without ``_lock`` (the
+        loop's calls wait on it); the generation check and the append happen
+        together under it, :data:`_RECORD_SLICE` rows at a time, so a ``freed``
+        record the loop writes can never be followed by a stale ``ready``."""
+        generation = self._generation  # read unlocked here only to skip work
+        encoded = [
+            encode_ready(key, row, checksum)
+            if checksum is not None and generation[row] == gen
+            else None
+            for (gen, row, key), checksum in zip(batch, sums, strict=True)
+        ]
+        live_key, live_sum, freed = self._live_key, self._live_sum, self._freed
+        for first in range(0, len(batch), _RECORD_SLICE):
+            last = min(first + _RECORD_SLICE, len(batch))
+            records: list[bytes] = []
+            with self._idle:
+                for i in range(first, last):
+                    gen, row, key = batch[i]
+                    if generation[row] != gen:
+                        self.hash_jobs_stale += 1
+                        continue  # handed out again since: its freed record already follows
+                    record = encoded[i]
+                    if record is None:
+                        self.hash_jobs_unreadable += 1
+                        continue  # the region file was cut short under it: not vouched for
+                    old = live_key[row]
+                    if old is not None:
+                        self._live_bytes -= _ready_bytes(old)
+                    elif freed[row]:
+                        self._live_bytes -= _FREED_BYTES
+                    live_key[row] = key
+                    live_sum[row] = sums[i]  # type: ignore[assignment]  # not None: encoded
+                    freed[row] = 0
+                    self._live_bytes += len(record)
+                    records.append(record)
+                if records:
+                    self._append_locked(b"".join(records), len(records))
+                    self.rows_journaled += len(records)
+                self._pending_jobs -= last - first
+                self._idle.notify_all()
 
     def _compact(self) -> None:
         """Rewrites the journal as its live state: the state is copied under the
@@ -580,6 +597,7 @@ class JournalWriter:
         )  # fmt: skip
 
 
+_RECORD_SLICE = 64  # rows recorded per hold of the journal's lock (the loop waits on it)
 _SPAWN_WAIT_S = 10.0  # start() waits this long at most for the hash worker's spawn
 _COMPACT = object()  # a thread job: rewrite the journal as its live state
 _HASH = object()  # a thread job: hash the backlog (JournalWriter._waiting)
