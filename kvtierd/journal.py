@@ -22,12 +22,14 @@ Replay rule: the last valid record of a row says what it holds. ``freed`` is
 appended *before* the answer that hands a row to a writer (PrepareStore, a
 promotion), so a row whose last record is ``ready`` was not given to any writer
 since that record; ``ready`` is appended once the row's checksum is computed,
-after CompleteStore, by :class:`JournalWriter`'s hashing thread. A record that
-fails its CRC ends the replay (a torn last write); nothing after it is trusted.
+after CompleteStore, by :class:`JournalWriter`'s thread. A record that fails its
+CRC ends the replay (a torn last write); nothing after it is trusted.
 
 Threads: the event loop calls :meth:`JournalWriter.rows_reserved` /
-:meth:`JournalWriter.rows_ready`; the hashing thread writes ``ready`` records.
-Every write and the per-row generations are under ``JournalWriter._lock``.
+:meth:`JournalWriter.rows_ready`; the journal's thread has each batch hashed
+(:mod:`kvtierd.rowsums`: by a hash worker process, :mod:`kvtierd.hashworker`)
+and writes the ``ready`` records. Every write, the per-row generations and the
+hashing backlog are under ``JournalWriter._lock``.
 """
 
 from __future__ import annotations
@@ -46,11 +48,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import xxhash
-
-from kvtierd import safecopy
 from kvtierd.contract import BlockKey
-from kvtierd.safecopy import address_of
+from kvtierd.rowsums import RowChecksums, checksum_spans
 
 log = logging.getLogger("kvtierd.journal")
 
@@ -64,10 +63,10 @@ _HEADER_HEAD = struct.Struct("<8sII")  # magic, version, json length
 MAX_HEADER_JSON = 64 * 1024
 MAX_KEY_BYTES = 256
 MAX_RECORD_BYTES = _RECORD_HEAD.size + MAX_KEY_BYTES + _CRC.size
-# the worker waits this long after the first completion of a batch: a crash
-# loses at most about this much of the latest completions (MISS, never wrong)
+# the journal's thread waits this long after the first completion of a batch: a
+# crash loses about this much of the latest completions, plus their hashing
+# (MISS, never wrong)
 BATCH_DELAY_SECONDS = 0.005
-GATHER_BYTES = 1 << 20  # covered bytes copied out of the region per system call, at most
 # compaction: when the file grows past twice its live size plus this slack
 COMPACT_SLACK_BYTES = 1 << 20
 _OPEN_READ = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
@@ -77,51 +76,6 @@ def journal_path(region_path: str) -> str:
     """The journal of a region file: the same name with ``.journal`` for ``.region``."""
     base = region_path[: -len(".region")] if region_path.endswith(".region") else region_path
     return base + ".journal"
-
-
-PAGE = 4096
-
-
-def checksum_spans(block_bytes: int, checksum_bytes: int) -> list[tuple[int, int]]:
-    """The byte ranges of a row that its checksum covers: the whole row when
-    ``checksum_bytes`` is 0 or at least ``block_bytes``; else ``checksum_bytes //
-    4096`` pages (at least 2), evenly spaced, the first and the last included."""
-    if checksum_bytes <= 0 or checksum_bytes >= block_bytes:
-        return [(0, block_bytes)]
-    pages = block_bytes // PAGE
-    wanted = max(2, checksum_bytes // PAGE)
-    chosen = sorted({i * (pages - 1) // (wanted - 1) for i in range(wanted)})
-    return [(page * PAGE, (page + 1) * PAGE) for page in chosen]
-
-
-def row_checksum(row: memoryview | bytes, spans: Sequence[tuple[int, int]] | None = None) -> int:
-    """xxh3_64 of the row's bytes in ``spans`` (None: all of them), concatenated.
-    Releases the GIL: ~19 GB/s on one core here."""
-    if spans is None or len(spans) == 1:
-        start, end = spans[0] if spans else (0, len(row))
-        return xxhash.xxh3_64_intdigest(row[start:end])
-    # one call over the pages gathered (a 64 KiB copy) instead of one per page
-    return xxhash.xxh3_64_intdigest(b"".join(row[start:end] for start, end in spans))
-
-
-def read_row_checksum(
-    fd: int, row: int, block_bytes: int, spans: Sequence[tuple[int, int]], scratch: bytearray
-) -> int | None:
-    """:func:`row_checksum` of row ``row`` of the region file ``fd``, its covered
-    bytes read with ``preadv`` into ``scratch`` (at least the covered bytes long),
-    never through the mapping: a client holding the region's descriptor can
-    truncate the file, and touching a mapped page past its end kills the daemon
-    with SIGBUS, where a read just comes back short. None when a read is short
-    (the row is then not vouched for: the next start drops it)."""
-    base = row * block_bytes
-    view = memoryview(scratch)
-    filled = 0
-    for start, end in spans:
-        length = end - start
-        if os.preadv(fd, [view[filled : filled + length]], base + start) != length:
-            return None
-        filled += length
-    return xxhash.xxh3_64_intdigest(view[:filled])
 
 
 class JournalError(Exception):
@@ -283,14 +237,17 @@ class JournalWriter:
     Invariants (under ``_lock``): ``_generation[row]`` counts the times the row
     was handed to a writer; a hash job carries the generation it was queued at
     and its ``ready`` record is written only if the row was not handed out again
-    meanwhile (a ``freed`` record would then already follow it). ``_live_key`` /
+    meanwhile (a ``freed`` record would then already follow it), checked again
+    after the hashing (the row may be handed out while it is hashed). The backlog
+    ``_waiting`` holds at most one job per row. ``_live_key`` /
     ``_live_sum`` / ``_freed`` are the replay state of the file (what compaction
     writes). Once a write fails the journal is removed and stays off
     (``failed``): the next start is cold for this pool, never wrong.
 
-    The event loop only appends (one ``os.write`` per call); hashing and
-    compaction run on the worker thread, which holds ``_lock`` only to snapshot
-    the state and to swap the files.
+    The event loop only appends (one ``os.write`` per call) and queues; the
+    journal's thread takes the backlog, has it hashed (without ``_lock``: in the
+    hash worker process, or itself) and runs compactions, holding ``_lock`` only
+    to take the backlog, to record, to snapshot the state and to swap the files.
     """
 
     def __init__(
@@ -299,23 +256,27 @@ class JournalWriter:
         header: JournalHeader,
         region_buffer: memoryview,
         region_fd: int | None = None,
+        *,
+        hash_worker: bool = True,
     ) -> None:
-        """``region_fd`` given (the daemon): the covered bytes of a batch's rows are
-        copied out of the mapping with one ``process_vm_readv`` (:mod:`kvtierd.safecopy`:
-        a client that truncates the region cannot kill the daemon with SIGBUS, and
-        the thread does not wait for the interpreter lock once per row, which left
-        it far behind a storm of stores); without it, hashed in place from
-        ``region_buffer`` (unit tests)."""
+        """``region_fd`` given (the daemon): a batch's rows are hashed by a hash worker
+        process, in place from its own mapping, or by this journal's thread where
+        none runs (:class:`kvtierd.rowsums.RowChecksums`: a client that truncates
+        the region cannot kill the daemon with SIGBUS either way); without it,
+        hashed in place from ``region_buffer`` on the journal thread (unit tests).
+        ``hash_worker`` False: never start a worker (measurements, tests)."""
         self.path = path
         self.header = header
-        self._rows = region_buffer  # the whole region; rows sliced per job
-        self._region_fd = region_fd  # not owned: the region's, open while the pool is
-        self._base = address_of(region_buffer) if region_fd is not None else 0
-        self._gather_buffer = bytearray(0)  # the journal thread's only
-        self._block_bytes = header.block_bytes
-        self._spans = checksum_spans(header.block_bytes, header.checksum_bytes)
+        # the journal thread's only (it starts and stops the hash worker)
+        self._checksums = RowChecksums(
+            header.name,
+            region_buffer,
+            region_fd,  # not owned: the region's, open while the pool is
+            header.block_bytes,
+            checksum_spans(header.block_bytes, header.checksum_bytes),
+            use_worker=hash_worker,
+        )
         num_blocks = header.num_blocks
-        self._max_pending_jobs = 2 * num_blocks
         self._lock = threading.Lock()
         self._generation = array("I", [0]) * num_blocks  # guarded by _lock
         self._live_key: list[BlockKey | None] = [None] * num_blocks  # guarded by _lock
@@ -328,13 +289,24 @@ class JournalWriter:
         self.failed = False
         self.records_written = 0
         self.compactions = 0
-        self.hash_jobs_dropped = 0  # completions not journaled: the queue was full
-        # lists of (generation, row, key) of blocks to hash (one list per call),
-        # or _COMPACT, or None (stop).
-        # Bounded: at most 2 * num_blocks hash jobs are queued (_pending_jobs).
+        # completed blocks by outcome (counts only grow; written under _lock):
+        self.hash_jobs_stale = 0  # not journaled: the row was handed out again first
+        self.hash_jobs_unreadable = 0  # not journaled: the region file was cut short
+        self.rows_journaled = 0  # ready records written
+        # The hashing backlog: row -> (generation, key) of its latest completion not
+        # yet taken by the thread, in completion order. Bounded by construction: one
+        # entry per row (a newer completion of a row replaces its entry, which was
+        # stale anyway), so a lagging hasher delays the journal but never makes it
+        # drop a completion, and holds at most num_blocks entries. Guarded by _lock.
+        self._waiting: dict[int, tuple[int, BlockKey]] = {}
+        self._hash_asked = False  # a _HASH token is queued; guarded by _lock
+        # completions waiting or being hashed (close waits for 0); guarded by _lock
+        self._pending_jobs = 0
+        # the thread's work: _HASH (take the backlog), _COMPACT, or None (stop);
+        # at most one _HASH and one _COMPACT are queued at a time
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._pending_jobs = 0  # guarded by _lock
         self._idle = threading.Condition(self._lock)
+        self._worker_spawned = threading.Event()  # the thread started its hash worker
         self._thread: threading.Thread | None = None
 
     # -------------------------------------------------------------- lifecycle
@@ -359,12 +331,20 @@ class JournalWriter:
             target=self._work_forever, name=f"kvtierd-journal-{self.header.name}", daemon=True
         )
         self._thread.start()
+        # the thread starts the hash worker first: here, before the pool serves its
+        # first store (spawning takes dozens of interpreter-lock hand-offs, which
+        # cost up to 5 ms each once the event loop is busy: a storm of stores had
+        # the spawn, and so the journal, seconds behind)
+        self._worker_spawned.wait(timeout=_SPAWN_WAIT_S)
 
     def close(self, drain_seconds: float) -> None:
         """Waits up to ``drain_seconds`` for the queued hash jobs (their ready records
-        land), stops the worker and closes the file (which stays). Blocking."""
+        land), stops the thread (and its hash worker) and closes the file (which
+        stays). Blocking."""
         with self._idle:
-            self._idle.wait_for(lambda: self._pending_jobs <= 0, timeout=drain_seconds)
+            drained = self._idle.wait_for(lambda: self._pending_jobs <= 0, timeout=drain_seconds)
+        if not drained:
+            self._checksums.interrupt()  # a stalled worker must not hold the stop
         self._jobs.put(None)
         if self._thread is not None:
             self._thread.join(timeout=drain_seconds + 1.0)
@@ -372,6 +352,16 @@ class JournalWriter:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+        log.info(
+            "journal %s closed: %d completed blocks journaled, %d handed out again before "
+            "they were hashed, %d unreadable (the region file cut short)",
+            self.path, self.rows_journaled, self.hash_jobs_stale, self.hash_jobs_unreadable,
+        )  # fmt: skip
+
+    @property
+    def hash_workers_started(self) -> int:
+        """Hash worker processes started so far (more than one: one died)."""
+        return self._checksums.workers_started
 
     @property
     def file_bytes(self) -> int:
@@ -406,20 +396,31 @@ class JournalWriter:
         if self.failed:
             return
         with self._lock:
-            room = self._max_pending_jobs - self._pending_jobs
-            generation = self._generation
-            jobs = [(generation[row], row, key) for key, row in zip(keys, rows, strict=True)]
-            if len(jobs) > room:
-                self.hash_jobs_dropped += len(jobs) - max(room, 0)
-                jobs = jobs[: max(room, 0)]
-            self._pending_jobs += len(jobs)
-        if jobs:
-            self._jobs.put(jobs)  # one item per call: the worker takes them as a batch
+            waiting, generation = self._waiting, self._generation
+            for key, row in zip(keys, rows, strict=True):
+                if waiting.pop(row, None) is not None:
+                    self.hash_jobs_stale += 1  # re-inserted below: completion order
+                else:
+                    self._pending_jobs += 1
+                waiting[row] = (generation[row], key)
+            wake = bool(waiting) and not self._hash_asked
+            self._hash_asked = self._hash_asked or wake
+        if wake:
+            self._jobs.put(_HASH)  # the thread takes the whole backlog as one batch
 
     # -------------------------------------------------------------- worker thread
 
     def _work_forever(self) -> None:
-        block = self._block_bytes
+        try:
+            try:
+                self._checksums.start()
+            finally:
+                self._worker_spawned.set()
+            self._serve_jobs()
+        finally:
+            self._checksums.close()  # the hash worker ends with this thread
+
+    def _serve_jobs(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None:
@@ -429,117 +430,90 @@ class JournalWriter:
                 continue
             # let the completions of the next few calls gather: one wake-up, one
             # lock and one write per batch instead of per call (the GIL and the
-            # 2 cores are shared with the event loop)
+            # cores are shared with the event loop)
             time.sleep(BATCH_DELAY_SECONDS)
-            batch = list(job)
-            while len(batch) < 4096:
-                try:
-                    more = self._jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None or more is _COMPACT:
-                    self._jobs.put(more)
-                    break
-                batch.extend(more)
             try:
-                with self._lock:  # rows handed out again already: nothing to hash
-                    current = [job for job in batch if self._generation[job[1]] == job[0]]
-                    self._pending_jobs -= len(batch) - len(current)
-                rows, spans = self._rows, self._spans
-                sums: list[int | None]
-                if self._region_fd is None:
-                    sums = [row_checksum(rows[r * block : (r + 1) * block], spans)
-                            for _, r, _ in current]  # fmt: skip
-                elif self._base:
-                    sums = self._gathered_checksums([r for _, r, _ in current])
-                else:
-                    sums = self._read_checksums([r for _, r, _ in current])
-                self._record_ready(current, sums)
+                with self._lock:
+                    waiting, self._waiting, self._hash_asked = self._waiting, {}, False
+                batch = [(gen, row, key) for row, (gen, key) in waiting.items()]
+                self._record_ready(batch, self._hash_newest_first(batch))
             except Exception as exc:  # a bug: stop vouching rather than guess
                 with self._idle:
                     if self._fd < 0:  # closed under a late batch (the region's fd too)
+                        self._waiting.clear()
                         self._pending_jobs = 0
                         self._idle.notify_all()
                         continue
                 log.exception("journal %s: hashing failed", self.path)
                 with self._idle:
                     self._fail_locked(OSError(f"hashing failed: {exc!r}"))
+                    self._waiting.clear()
                     self._pending_jobs = 0
                     self._idle.notify_all()
 
-    def _gathered_checksums(self, rows: list[int]) -> list[int | None]:
-        """The checksum of each row's covered bytes, copied out of the region by
-        :func:`safecopy.gather` at most :data:`GATHER_BYTES` at a time (the buffer is
-        bounded: one row's coverage or that, whichever is larger); None for a row
-        that could not be read whole (the file was cut short under it: not vouched
-        for)."""
-        block, spans = self._block_bytes, self._spans
-        per_row = sum(end - start for start, end in spans)
-        rows_per_gather = max(1, GATHER_BYTES // per_row)
-        if not self._gather_buffer:
-            self._gather_buffer = bytearray(per_row * min(rows_per_gather, len(rows)))
-        buffer = self._gather_buffer
-        view = memoryview(buffer)
-        sums: list[int | None] = []
-        for first in range(0, len(rows), rows_per_gather):
-            chunk = rows[first : first + rows_per_gather]
-            if len(buffer) < per_row * len(chunk):
-                view.release()
-                buffer = self._gather_buffer = bytearray(per_row * len(chunk))
-                view = memoryview(buffer)
-            ranges = [(r * block + start, r * block + end) for r in chunk for start, end in spans]
-            try:
-                copied = safecopy.gather(self._base, ranges, buffer)
-            except OSError as exc:  # refused here (seccomp): one pread per row from now on
-                log.warning(
-                    "journal %s: process_vm_readv refused (%s); hashing rows with one "
-                    "pread each", self.path, exc,
-                )  # fmt: skip
-                self._base = 0
-                view.release()
-                return sums + self._read_checksums(rows[first:])
-            sums.extend(
-                xxhash.xxh3_64_intdigest(view[i * per_row : (i + 1) * per_row])
-                if (i + 1) * per_row <= copied
-                else None
-                for i in range(len(chunk))
-            )
-        view.release()
+    def _hash_newest_first(self, batch: list[tuple[int, int, BlockKey]]) -> list[int | None]:
+        """The checksums of a batch (completion order), hashed in chunks from the
+        newest completion back, each chunk without the rows handed out again by
+        the time it comes up (None for those: nothing to hash). Under a backlog the
+        newest blocks, the ones eviction takes last, are vouched for first, and a
+        row reused while its batch waits costs no hashing."""
+        sums: list[int | None] = [None] * len(batch)
+        chunk = self._checksums.rows_per_chunk
+        generation = self._generation
+        for end in range(len(batch), 0, -chunk):
+            with self._lock:
+                current = [i for i in range(max(0, end - chunk), end)
+                           if generation[batch[i][1]] == batch[i][0]]  # fmt: skip
+            if current:
+                hashed = self._checksums.compute([batch[i][1] for i in current])
+                for i, checksum in zip(current, hashed, strict=True):
+                    sums[i] = checksum
         return sums
-
-    def _read_checksums(self, rows: list[int]) -> list[int | None]:
-        """As :meth:`_gathered_checksums`, one ``preadv`` per covered span (where
-        ``process_vm_readv`` is refused); the same values."""
-        fd = self._region_fd
-        if fd is None:
-            return [None] * len(rows)
-        scratch = bytearray(sum(end - start for start, end in self._spans))
-        return [read_row_checksum(fd, r, self._block_bytes, self._spans, scratch) for r in rows]
 
     def _record_ready(
         self, batch: list[tuple[int, int, BlockKey]], sums: Sequence[int | None]
     ) -> None:
-        records: list[bytes] = []
-        with self._idle:
-            for (generation, row, key), checksum in zip(batch, sums, strict=True):
-                if self._generation[row] != generation:
-                    continue  # handed out again since: its freed record already follows
-                if checksum is None:
-                    continue  # the region file was cut short under it: not vouched for
-                old = self._live_key[row]
-                if old is not None:
-                    self._live_bytes -= _ready_bytes(old)
-                elif self._freed[row]:
-                    self._live_bytes -= _FREED_BYTES
-                self._live_key[row] = key
-                self._live_sum[row] = checksum
-                self._freed[row] = 0
-                self._live_bytes += _ready_bytes(key)
-                records.append(encode_ready(key, row, checksum))
-            if records:
-                self._append_locked(b"".join(records), len(records))
-            self._pending_jobs -= len(batch)
-            self._idle.notify_all()
+        """Appends the ``ready`` records of a hashed batch (completion order) for the
+        rows still the ones hashed. Records are encoded without ``_lock`` (the
+        loop's calls wait on it); the generation check and the append happen
+        together under it, :data:`_RECORD_SLICE` rows at a time, so a ``freed``
+        record the loop writes can never be followed by a stale ``ready``."""
+        generation = self._generation  # read unlocked here only to skip work
+        encoded = [
+            encode_ready(key, row, checksum)
+            if checksum is not None and generation[row] == gen
+            else None
+            for (gen, row, key), checksum in zip(batch, sums, strict=True)
+        ]
+        live_key, live_sum, freed = self._live_key, self._live_sum, self._freed
+        for first in range(0, len(batch), _RECORD_SLICE):
+            last = min(first + _RECORD_SLICE, len(batch))
+            records: list[bytes] = []
+            with self._idle:
+                for i in range(first, last):
+                    gen, row, key = batch[i]
+                    if generation[row] != gen:
+                        self.hash_jobs_stale += 1
+                        continue  # handed out again since: its freed record already follows
+                    record = encoded[i]
+                    if record is None:
+                        self.hash_jobs_unreadable += 1
+                        continue  # the region file was cut short under it: not vouched for
+                    old = live_key[row]
+                    if old is not None:
+                        self._live_bytes -= _ready_bytes(old)
+                    elif freed[row]:
+                        self._live_bytes -= _FREED_BYTES
+                    live_key[row] = key
+                    live_sum[row] = sums[i]  # type: ignore[assignment]  # not None: encoded
+                    freed[row] = 0
+                    self._live_bytes += len(record)
+                    records.append(record)
+                if records:
+                    self._append_locked(b"".join(records), len(records))
+                    self.rows_journaled += len(records)
+                self._pending_jobs -= last - first
+                self._idle.notify_all()
 
     def _compact(self) -> None:
         """Rewrites the journal as its live state: the state is copied under the
@@ -629,7 +603,10 @@ class JournalWriter:
         )  # fmt: skip
 
 
-_COMPACT = object()  # a worker job: rewrite the journal as its live state
+_RECORD_SLICE = 64  # rows recorded per hold of the journal's lock (the loop waits on it)
+_SPAWN_WAIT_S = 10.0  # start() waits this long at most for the hash worker's spawn
+_COMPACT = object()  # a thread job: rewrite the journal as its live state
+_HASH = object()  # a thread job: hash the backlog (JournalWriter._waiting)
 
 
 class _Closed(Exception):

@@ -39,15 +39,9 @@ import time
 from dataclasses import dataclass
 
 from kvtierd.contract import BlockKey
-from kvtierd.journal import (
-    JournalError,
-    JournalHeader,
-    Replay,
-    checksum_spans,
-    read_journal,
-    read_row_checksum,
-)
+from kvtierd.journal import JournalError, JournalHeader, Replay, read_journal
 from kvtierd.region import MADV_POPULATE_WRITE, Region, madvise_populate_write
+from kvtierd.rowsums import checksum_spans, read_row_checksum
 
 log = logging.getLogger("kvtierd.warm")
 

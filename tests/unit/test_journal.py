@@ -14,12 +14,11 @@ from kvtierd.journal import (
     JournalError,
     JournalHeader,
     JournalWriter,
-    checksum_spans,
     encode_freed,
     read_journal,
-    row_checksum,
 )
 from kvtierd.primary import PrimaryManager
+from kvtierd.rowsums import checksum_spans, row_checksum
 
 BLOCK = 4096
 ROWS = 32
@@ -65,6 +64,37 @@ def test_a_row_handed_out_again_is_never_recorded_with_its_old_key(tmp_path):
     writer.close(drain_seconds=10)
     replay = read_journal(writer.path, 1 << 20)
     assert replay.ready == {} and replay.freed == {5}
+
+
+def test_a_backlog_is_hashed_newest_first_and_rows_handed_out_meanwhile_are_skipped(tmp_path):
+    """A backlog of 12 completions, hashed 4 rows at a time: the newest chunk first
+    (eviction takes the oldest blocks first), and a row handed out while an earlier
+    chunk was hashed is not hashed at all (nor recorded); the records keep the
+    completion order, and every completion is accounted for."""
+    writer, region = make_writer(tmp_path)
+    writer._checksums.rows_per_chunk = 4
+    real_compute = writer._checksums.compute
+    asked: list[list[int]] = []
+
+    def compute(rows):  # the real hashing, watched; the loop hands row 1 out meanwhile
+        asked.append(list(rows))
+        if len(asked) == 1:
+            writer.rows_reserved([1])
+        return real_compute(rows)
+
+    writer._checksums.compute = compute
+    writer.rows_reserved(list(range(12)))
+    for row in range(12):
+        fill(region, row, row + 1)
+    writer.start([], [])
+    writer.rows_ready([b"k%d" % row for row in range(12)], list(range(12)))
+    writer.close(drain_seconds=10)
+    assert asked == [[8, 9, 10, 11], [4, 5, 6, 7], [0, 2, 3]]
+    replay = read_journal(writer.path, 1 << 20)
+    assert list(replay.ready) == [0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]  # completion order
+    assert replay.ready[2] == (b"k2", row_checksum(bytes([3]) * BLOCK))
+    assert replay.freed == {1}
+    assert (writer.rows_journaled, writer.hash_jobs_stale) == (11, 1)
 
 
 def test_compaction_keeps_the_live_state_and_bounds_the_file(tmp_path, monkeypatch):
@@ -166,19 +196,20 @@ def test_checksum_spans_cover_whole_small_rows_and_sample_big_ones():
     assert row_checksum(bytes(8192), [(0, 8192)]) == row_checksum(bytes(8192))
 
 
-@pytest.mark.parametrize("refused", [False, True], ids=["process_vm_readv", "pread-fallback"])
-def test_the_daemon_path_hashes_the_region_file_the_same_way(tmp_path, monkeypatch, refused):
-    """With the region's descriptor (the daemon), rows are copied out with
+@pytest.mark.parametrize("path", ["hash-worker", "process_vm_readv", "pread-fallback"])
+def test_the_daemon_path_hashes_the_region_file_the_same_way(tmp_path, monkeypatch, path):
+    """With the region's descriptor (the daemon), rows are hashed by a hash worker
+    process in place from its own mapping; without one, copied out with
     process_vm_readv (never SIGBUS on a truncated file); where a seccomp profile
-    refuses it (Docker without CAP_SYS_PTRACE: the container test found every row
-    left unjournaled) the writer falls back to one pread per row. Both record the
+    refuses that (Docker without CAP_SYS_PTRACE: the container test found every row
+    left unjournaled) the writer falls back to one pread per row. All record the
     checksums hashing in place would, and a row past a truncation is not vouched for."""
     import errno
     import mmap
 
     from kvtierd import safecopy
 
-    if refused:
+    if path == "pread-fallback":
 
         def refuse(base, ranges, into):
             raise OSError(errno.EPERM, "process_vm_readv: Operation not permitted")
@@ -190,7 +221,10 @@ def test_the_daemon_path_hashes_the_region_file_the_same_way(tmp_path, monkeypat
         mapping = mmap.mmap(file.fileno(), ROWS * BLOCK)
         region = memoryview(mapping)
         header = JournalHeader("pool", BLOCK, ROWS, "layout", 1, 2)
-        writer = JournalWriter(str(tmp_path / "pool.journal"), header, region, file.fileno())
+        writer = JournalWriter(
+            str(tmp_path / "pool.journal"), header, region, file.fileno(),
+            hash_worker=path == "hash-worker",
+        )  # fmt: skip
         writer.start([], [])
         writer.rows_reserved([0, 1, 30])
         for row in (0, 1, 30):
@@ -203,5 +237,6 @@ def test_the_daemon_path_hashes_the_region_file_the_same_way(tmp_path, monkeypat
             0: (b"a", row_checksum(bytes([1]) * BLOCK)),
             1: (b"b", row_checksum(bytes([2]) * BLOCK)),
         }
+        assert writer.hash_workers_started == (1 if path == "hash-worker" else 0)
         region.release()
         mapping.close()
