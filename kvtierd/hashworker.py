@@ -35,12 +35,10 @@ checksum | n x u8 valid`` (0: the row was not inside the file).
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import mmap
 import os
-import signal
 import socket
 import struct
 import subprocess
@@ -50,6 +48,8 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 import xxhash
+
+from kvtierd.workerproc import die_with
 
 log = logging.getLogger("kvtierd.hashworker")
 
@@ -65,7 +65,6 @@ REMAP_EVERY_BYTES = 8 << 30
 _STOP_WAIT_S = 2.0
 _COUNT = struct.Struct("<I")
 READY = b"R"  # the worker's first byte: mapped, serving
-_PR_SET_PDEATHSIG = 1
 
 
 class WorkerDied(OSError):
@@ -295,12 +294,7 @@ def main(argv: Sequence[str]) -> int:
         print("usage: python -m kvtierd.hashworker DAEMON_PID SOCK_FD REGION_FD BLOCK_BYTES "
               "NUM_BLOCKS SPANS (started by kvtierd)", file=sys.stderr)  # fmt: skip
         return 2
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass  # not Linux: the worker still exits at EOF
-    if os.getppid() != daemon_pid:
+    if not die_with(daemon_pid):
         return 1  # the journal thread that started us is already gone
     sock = socket.socket(fileno=sock_fd)
     try:

@@ -307,3 +307,12 @@ def wait_tier_jobs(stub: pb2_grpc.KVTierStub, pool: str, timeout: float = 30.0) 
         return all(tier.jobs_in_flight == 0 for tier in last[0].tiers[1:])
 
     eventually(idle, timeout, lambda: f"tier jobs of pool {pool} done; still {last}", interval=0.01)
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """The process's peak resident set (VmHWM), in bytes."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM in /proc/{pid}/status")

@@ -69,17 +69,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_isolated(name: str, runner: Callable[[], SectionResult]) -> SectionResult:
-    """The section's result, or a failed one carrying the error: never raises."""
+    """The section's result, or a failed one carrying the error, timed: never raises."""
     started = time.perf_counter()
     try:
-        return runner()
+        section = runner()
     except CheckFailed as failure:
-        return SectionResult(name, error=str(failure), seconds=time.perf_counter() - started)
+        section = SectionResult(name, error=str(failure))
     except Exception as error:  # a crash of the section is reported, the rest still runs
         traceback.print_exc()
-        return SectionResult(
-            name, error=f"{type(error).__name__}: {error}", seconds=time.perf_counter() - started
-        )
+        section = SectionResult(name, error=f"{type(error).__name__}: {error}")
+    section.seconds = time.perf_counter() - started
+    return section
 
 
 def _parser() -> argparse.ArgumentParser:

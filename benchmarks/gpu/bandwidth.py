@@ -22,15 +22,13 @@ moved blocks is compared after the timed runs, so a fast wrong path cannot pass.
 from __future__ import annotations
 
 import random
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 
 import torch
 
 from benchmarks.common import Row
-from benchmarks.gpu.environment import kv_device
+from benchmarks.gpu.environment import kv_device, scratch_directory
 from benchmarks.gpu.report import CheckFailed, SectionResult
 from kvtierd.region import Region
 from kvtierd_client.copy_engine import CopyEngine
@@ -65,15 +63,10 @@ def run(shm_dir: str, quick: bool = False) -> SectionResult:
     section = SectionResult("bandwidth")
     device = kv_device()
     total = QUICK_TOTAL_BYTES if quick else TOTAL_BYTES[device.type]
-    started = time.perf_counter()
-    directory = tempfile.mkdtemp(prefix="kvtierd-gpu-check-", dir=shm_dir)
-    try:
+    with scratch_directory(shm_dir, "bandwidth") as directory:
         for row_bytes, layers in SIZES:
             blocks = max(8, total // row_bytes)
             section.rows += _measure_size(directory, device, row_bytes, blocks, layers, section)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-    section.seconds = time.perf_counter() - started
     section.notes.append(
         f"{'GPU' if device.type == 'cuda' else 'CPU'} KV tensors; about "
         f"{total >> 20} MiB moved per direction and size; best of {REPEATS}; shuffled ids"

@@ -21,15 +21,12 @@ from __future__ import annotations
 
 import ctypes
 import random
-import shutil
-import tempfile
-import time
 
 import torch
 
 from benchmarks.common import Row
 from benchmarks.gpu.bandwidth import REPEATS, best_seconds, check_sample, kv_tensors, size_label
-from benchmarks.gpu.environment import cuda_device
+from benchmarks.gpu.environment import cuda_device, scratch_directory
 from benchmarks.gpu.report import CheckFailed, SectionResult
 from kvtierd.region import Region
 from kvtierd_client.copy_engine import CopyEngine
@@ -47,14 +44,9 @@ def run(shm_dir: str) -> SectionResult:
     if device is None:
         section.notes.append("no CUDA here: the copy-method candidates are not measured")
         return section
-    started = time.perf_counter()
-    directory = tempfile.mkdtemp(prefix="kvtierd-gpu-candidates-", dir=shm_dir)
-    try:
+    with scratch_directory(shm_dir, "candidates") as directory:
         for row_bytes, layers in CASES:
             section.rows += _compare(directory, device, row_bytes, layers)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-    section.seconds = time.perf_counter() - started
     section.notes.append(f"best of {REPEATS}; {TOTAL_BYTES >> 20} MiB per case and direction")
     return section
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
+import shutil
+import tempfile
+from collections.abc import Iterator
 
 import torch
 
@@ -44,6 +48,16 @@ def describe(shm_dir: str) -> list[str]:
     except OSError as error:
         facts.append(f"shm: {shm_dir}: {error.strerror} (the sections that need it fail)")
     return facts
+
+
+@contextlib.contextmanager
+def scratch_directory(shm_dir: str, name: str) -> Iterator[str]:
+    """A new directory under ``shm_dir`` for a section's regions, removed with them."""
+    directory = tempfile.mkdtemp(prefix=f"kvtierd-gpu-{name}-", dir=shm_dir)
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def free_bytes(directory: str) -> int:

@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
-import tempfile
 import time
 
 import torch
 
 from benchmarks.common import Row
-from benchmarks.gpu.environment import cuda_device, free_bytes
+from benchmarks.gpu.environment import cuda_device, free_bytes, scratch_directory
 from benchmarks.gpu.report import CheckFailed, SectionResult
 from kvtierd.region import Region
 from kvtierd_client.copy_engine import CopyEngine
@@ -47,9 +45,7 @@ def run(shm_dir: str, sizes_gib: tuple[int, ...] = SIZES_GIB) -> SectionResult:
     if device is None:
         section.notes.append("no CUDA here: cudaHostRegister is not measured")
         return section
-    started = time.perf_counter()
-    directory = tempfile.mkdtemp(prefix="kvtierd-gpu-register-", dir=shm_dir)
-    try:
+    with scratch_directory(shm_dir, "register") as directory:
         for gib in sizes_gib:
             available = free_bytes(directory)
             if available < gib * GIB * HEADROOM:
@@ -61,9 +57,6 @@ def run(shm_dir: str, sizes_gib: tuple[int, ...] = SIZES_GIB) -> SectionResult:
             section.rows += _measure_registration(directory, gib)
         section.rows += _measure_failure(directory, device)
         section.rows += _measure_pageable(directory, device)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-    section.seconds = time.perf_counter() - started
     return section
 
 

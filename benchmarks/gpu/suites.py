@@ -7,7 +7,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 from benchmarks import fs
 from benchmarks.common import Row
@@ -25,7 +24,6 @@ def cuda_tests(cuda: bool) -> SectionResult:
     """``pytest -k cuda`` over the files that hold the CUDA tests; with CUDA all three
     must pass, without it they must skip (and the no-CUDA check pass)."""
     section = SectionResult("cuda-tests")
-    started = time.perf_counter()
     command = [
         sys.executable,
         "-m",
@@ -41,7 +39,6 @@ def cuda_tests(cuda: bool) -> SectionResult:
     done = subprocess.run(
         command, cwd=REPO, capture_output=True, text=True, timeout=TESTS_TIMEOUT_S, check=False
     )
-    section.seconds = time.perf_counter() - started
     counts = parse_pytest_counts(done.stdout)
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-300:]
     section.notes.append(f"`{' '.join(command[1:])}`: {summary}")
@@ -79,7 +76,6 @@ def fs_tier(fs_root: str, compare_io_processes: list[int], rounds: int) -> Secti
     """``python -m benchmarks fs`` under ``fs_root``, then (when asked) the tier with
     each ``io_processes`` setting against the plain floors, round by round."""
     section = SectionResult("fs")
-    started = time.perf_counter()
     previous = os.environ.get("KVTIERD_BENCH_FS_ROOT")
     os.environ["KVTIERD_BENCH_FS_ROOT"] = fs_root
     try:
@@ -91,6 +87,5 @@ def fs_tier(fs_root: str, compare_io_processes: list[int], rounds: int) -> Secti
             os.environ.pop("KVTIERD_BENCH_FS_ROOT", None)
         else:
             os.environ["KVTIERD_BENCH_FS_ROOT"] = previous
-    section.seconds = time.perf_counter() - started
     section.notes.append(f"fs root {fs_root} ({fs.fs_type(fs_root)}), {os.cpu_count()} cores")
     return section

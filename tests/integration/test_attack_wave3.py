@@ -24,6 +24,7 @@ from daemon_harness import (
     eventually,
     fs_tiers_config,
     health_status,
+    peak_rss_bytes,
     start_daemon,
     write_config,
 )
@@ -37,15 +38,6 @@ from kvtierd_client.client import Client, LookupResult
 from kvtierd_client.errors import FailedPrecondition
 
 __all__ = ["daemons", "key_prefix", "other_user"]  # fixtures, imported for these tests
-
-
-def _peak_rss_bytes(pid: int) -> int:
-    """The process's peak resident set (VmHWM), in bytes."""
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM in /proc/<pid>/status")
 
 
 # -- redis tier ------------------------------------------------------------------------
@@ -67,14 +59,14 @@ def test_a_huge_value_planted_under_a_blocks_redis_key_is_read_bounded(
     victim = redis_key(key_prefix, pool_name, keys[0])
     server.set(victim, b"\0" * PLANTED_BYTES)
     engine = Engine(daemon, pool_name)
-    before = _peak_rss_bytes(daemon.proc.pid)
+    before = peak_rss_bytes(daemon.proc.pid)
 
     def rejected() -> bool:  # a Lookup asks for the promotion (again)
         assert engine.wait_settled(keys[:1]) == [MISS]
         return engine.tier_stats().checksum_failures == 1
 
     eventually(rejected, 30.0, lambda: f"the value rejected: {engine.tier_stats()}", interval=0.2)
-    grown = _peak_rss_bytes(daemon.proc.pid) - before
+    grown = peak_rss_bytes(daemon.proc.pid) - before
     assert grown < PLANTED_BYTES // 4, f"the daemon's peak RSS grew by {grown >> 20} MiB"
     eventually(lambda: server.exists(victim) == 0, 10.0, "the planted value deleted")
     with pytest.raises(FailedPrecondition):  # never served

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 import grpc
 import pytest
 import redis
-from daemon_harness import DaemonProcess, eventually, fs_tiers_config, start_daemon
+from daemon_harness import DaemonProcess, eventually, fs_tiers_config, peak_rss_bytes, start_daemon
 from local_users import SYSTEM_PYTHON, LocalUser, other_user
 from redis_harness import RedisServer
 from test_fast_lane import read_frame
@@ -40,15 +40,6 @@ from kvtierd_client.lane_frames import BIND, HEADER
 __all__ = ["daemons", "key_prefix", "other_user"]  # fixtures, imported for these tests
 
 # -- fast lane -------------------------------------------------------------------------
-
-
-def _peak_rss_bytes(pid: int) -> int:
-    """The process's peak resident set (VmHWM), in bytes."""
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM in /proc/<pid>/status")
 
 
 UNBOUND_PEERS = 6
@@ -80,7 +71,7 @@ def test_an_unbound_lane_connection_cannot_make_the_daemon_hold_a_large_frame():
             assert "before BIND" in body.decode(), body
             assert time.monotonic() - started < 4.0, "refused by the bind timeout, not the bound"
         # several peers pushing their frame's body: the daemon's memory stays flat
-        before = _peak_rss_bytes(daemon.proc.pid)
+        before = peak_rss_bytes(daemon.proc.pid)
         chunk = b"\0" * (1 << 20)
         for _ in range(UNBOUND_PEERS):
             peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -94,7 +85,7 @@ def test_an_unbound_lane_connection_cannot_make_the_daemon_hold_a_large_frame():
                     peer.sendall(chunk)
             except OSError:
                 pass  # cut: what the bound is for
-        grown = _peak_rss_bytes(daemon.proc.pid) - before
+        grown = peak_rss_bytes(daemon.proc.pid) - before
         assert grown < 48 << 20, f"the daemon's peak RSS grew by {grown >> 20} MiB"
         # a real client still binds its lane and is served
         with Client(daemon.address) as client:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from daemon_harness import DaemonProcess, eventually, free_port, start_daemon
+from daemon_harness import DaemonProcess, eventually, free_port, peak_rss_bytes, start_daemon
 from users_harness import Group, ThrowawayAccounts, User, require_root, run_as
 
 from kvtierd_client.client import Client
@@ -347,14 +347,6 @@ def test_the_socket_directory_the_daemon_creates_gets_the_socket_group(accounts)
     finally:
         daemon.cleanup()
         shutil.rmtree(base, ignore_errors=True)
-
-
-def peak_rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM in /proc/PID/status")
 
 
 def test_large_unauthenticated_requests_are_refused_unread(tmp_path):

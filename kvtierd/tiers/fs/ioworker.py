@@ -42,7 +42,6 @@ Invariants:
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import itertools
 import logging
@@ -50,7 +49,6 @@ import marshal
 import mmap
 import os
 import queue
-import signal
 import socket
 import struct
 import subprocess
@@ -64,11 +62,11 @@ from kvtierd.regionrows import RegionCutShort, RegionRows, scratch
 from kvtierd.tiers.fs import blockfile
 from kvtierd.tiers.fs.blockfile import CorruptFile
 from kvtierd.tiers.fs.safefs import PoolDir, UnexpectedEntry
+from kvtierd.workerproc import die_with
 
 log = logging.getLogger("kvtierd.tiers.fs.ioworker")
 
 _LENGTH = struct.Struct("<I")
-_PR_SET_PDEATHSIG = 1
 STOP_WAIT_S = 5.0  # seconds a worker gets to exit after EOF before it is killed
 _KILL_WAIT = 1.0  # seconds to wait for a killed worker to be reaped
 
@@ -339,7 +337,7 @@ def main(argv: Sequence[str]) -> int:
         print("usage: python -m kvtierd.tiers.fs.ioworker DAEMON_PID FD... (started by kvtierd)",
               file=sys.stderr)  # fmt: skip
         return 2
-    if not _die_with(int(argv[0])):
+    if not die_with(int(argv[0])):
         return 1
     regions = _Regions()
     threads = [
@@ -351,20 +349,6 @@ def main(argv: Sequence[str]) -> int:
     for thread in threads:
         thread.join()
     return 0
-
-
-def _die_with(daemon_pid: int) -> bool:
-    """Asks the kernel to SIGKILL this process when the thread that started it
-    ends (the daemon's spawner thread, which lives as long as the daemon), so a
-    killed daemon leaves no worker finishing a write behind its back (a temp
-    file left by the kill is removed by the next start's scan). False if the
-    daemon is already gone."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass  # not Linux: the worker still exits at EOF after its request
-    return os.getppid() == daemon_pid
 
 
 # -- the daemon side ------------------------------------------------------------------
@@ -546,7 +530,8 @@ class IoWorkers:
 
     def _spawn(self, name: str) -> WorkerProcess:
         """A new worker, started by the spawner thread: a worker dies with the thread
-        that started it (see ``_die_with``), and I/O threads may end before the daemon."""
+        that started it (``kvtierd.workerproc.die_with``), and I/O threads may end
+        before the daemon."""
         with self._spawner_lock:
             if self._spawner is None:
                 self._spawner = threading.Thread(

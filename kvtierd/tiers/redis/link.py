@@ -317,6 +317,38 @@ class RedisLink:
         whole command in RESP (the row unjoined). True when the value was written.
         A redirect is followed through the cluster client with ``value()`` (joined:
         the rare path)."""
+
+        def exchange(conn: Any) -> Any:
+            conn.send_packed_command(chunks)
+            return conn.read_response()
+
+        def redirected() -> Any:
+            return self.client().execute_command("SET", redis_key, value(), *args)
+
+        return bool(self._on_owner(redis_key, exchange, redirected))
+
+    def get(self, redis_key: bytes, max_bytes: int) -> Any:
+        """The value of ``redis_key`` on the owning node (a redirect followed), read
+        bounded: at most ``max_bytes + 1`` bytes (``GETRANGE 0 max_bytes``), so a
+        value planted far over a block's size never enters the daemon whole (a
+        longer answer means "too long"). A missing key answers ``b""``."""
+
+        def exchange(conn: Any) -> Any:
+            conn.send_command("GETRANGE", redis_key, 0, max_bytes)
+            return conn.read_response()
+
+        return self._on_owner(
+            redis_key, exchange, lambda: self.client().getrange(redis_key, 0, max_bytes)
+        )
+
+    def _on_owner(
+        self, redis_key: bytes, exchange: Callable[[Any], Any], redirected: Callable[[], Any]
+    ) -> Any:
+        """``exchange(conn)`` on a pooled connection to the node owning ``redis_key``,
+        under the call deadline; ``redirected()`` when the node answers ASK. Keeps the
+        node's health: a connection or timeout failure marks it failed (and the
+        topology suspect), any answer, an error reply included, marks it answering.
+        A connection that may hold an unread reply is never reused."""
         name, node = self.node_for(redis_key)
         self._check_node(name)
         pool = node.connection_pool
@@ -329,12 +361,10 @@ class RedisLink:
         call = Watched()
         try:
             with self._deadlines.watch(conn) as call:
-                conn.send_packed_command(chunks)
-                written = conn.read_response()
+                answer = exchange(conn)
         except AskError:
             pool.release(conn)  # the reply was read whole: the connection is clean
-            client = self.client()
-            return bool(client.execute_command("SET", redis_key, value(), *args))
+            return redirected()
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             conn.disconnect()
             pool.release(conn)
@@ -354,50 +384,7 @@ class RedisLink:
             conn.disconnect()
         pool.release(conn)
         self._node_answered(name)
-        return bool(written)
-
-    def get(self, redis_key: bytes, max_bytes: int) -> Any:
-        """The value of ``redis_key`` on the owning node (a redirect followed), read
-        bounded: at most ``max_bytes + 1`` bytes (``GETRANGE 0 max_bytes``), so a
-        value planted far over a block's size never enters the daemon whole (a
-        longer answer means "too long"). A missing key answers ``b""``."""
-        name, node = self.node_for(redis_key)
-        self._check_node(name)
-        pool = node.connection_pool
-        try:
-            conn = pool.get_connection()
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            self._node_failed(name, exc)
-            self._suspect_topology()
-            raise
-        call = Watched()
-        try:
-            with self._deadlines.watch(conn) as call:
-                conn.send_command("GETRANGE", redis_key, 0, max_bytes)
-                value = conn.read_response()
-        except AskError:
-            pool.release(conn)  # the reply was read whole: the connection is clean
-            return self.client().getrange(redis_key, 0, max_bytes)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            conn.disconnect()
-            pool.release(conn)
-            failure = self._cut_if_expired(call, exc)
-            self._node_failed(name, failure)
-            self._suspect_topology()
-            raise failure from exc
-        except redis.ResponseError:
-            pool.release(conn)
-            self._node_answered(name)  # with an error of its own (WRONGTYPE, ...)
-            raise
-        except BaseException:
-            conn.disconnect()  # a reply may be left unread: never reuse the connection
-            pool.release(conn)
-            raise
-        if call.expired:  # answered as the watchdog cut it: the socket is shut down
-            conn.disconnect()
-        pool.release(conn)
-        self._node_answered(name)
-        return value
+        return answer
 
     def _cut_if_expired(
         self, call: Watched, exc: redis.ConnectionError | redis.TimeoutError

@@ -1,0 +1,29 @@
+"""What every worker process the daemon starts does first: die with its starter.
+
+The fs tier's I/O workers (:mod:`kvtierd.tiers.fs.ioworker`) and the warm-restart
+hash workers (:mod:`kvtierd.hashworker`) are children of one daemon thread. A
+worker outliving a killed daemon would go on touching a region or a tier's files
+behind the next daemon's back, so each asks the kernel for SIGKILL when that
+thread ends.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with(daemon_pid: int) -> bool:
+    """Asks the kernel to SIGKILL this process when the thread that started it ends
+    (``PR_SET_PDEATHSIG``). False if the daemon is already gone (this process was
+    re-parented before the request took effect). Without ``prctl`` (not Linux) the
+    worker still exits at EOF of its channel."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: EOF on the channel ends the worker
+    return os.getppid() == daemon_pid
