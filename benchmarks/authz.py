@@ -31,7 +31,7 @@ from benchmarks.common import BenchDaemon, Row, cpu_seconds, percentile
 from kvtierd.config import load_config
 from kvtierd.security.state import SecurityState
 from kvtierd_client.client import Client
-from kvtierd_client.peer_ticket import obtain_ticket, ticket_socket_path
+from kvtierd_client.wire.peer_ticket import obtain_ticket, ticket_socket_path
 
 POOL = "bench/authz"
 BLOCK = 4096

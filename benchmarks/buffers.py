@@ -22,7 +22,7 @@ import grpc
 
 from benchmarks.common import BenchDaemon, Row, rss_anon_bytes
 from kvtierd_client.client import Client
-from kvtierd_client.proto import pb2, pb2_grpc
+from kvtierd_client.wire.proto import pb2, pb2_grpc
 
 MIB = 1 << 20
 CHURN_ROWS = 65536

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from benchmarks.common import Row
-from kvtierd.region import Region
+from kvtierd.primary.region import Region
 from kvtierd_client.copy_engine import CopyEngine
 from kvtierd_client.region import AttachedRegion
 

@@ -29,7 +29,7 @@ import time
 
 from benchmarks.common import BenchDaemon, Row, cpu_seconds, percentile
 from kvtierd_client.client import Client
-from kvtierd_client.proto import pb2
+from kvtierd_client.wire.proto import pb2
 
 POOL = "bench/fastlane"
 ROUNDS = 5
@@ -40,7 +40,7 @@ KEYS = [f"lane-{i:012d}-".encode().ljust(36, b"k") for i in range(32)]
 ECHO_SERVER = textwrap.dedent("""
     import asyncio, struct, sys
     import uvloop
-    from kvtierd_client.proto import pb2
+    from kvtierd_client.wire.proto import pb2
     HEADER = struct.Struct("<IB")
     ANSWER = pb2.LookupResponse(results=[pb2.LOOKUP_RESULT_MISS] * 32).SerializeToString()
     FRAME = HEADER.pack(len(ANSWER) + 1, 0) + ANSWER

@@ -303,7 +303,7 @@ class _Floors:
 
 
 def _empty_batch(channel: Any, session_id: str) -> Callable[[], Any]:
-    from kvtierd_client.proto import pb2, pb2_grpc
+    from kvtierd_client.wire.proto import pb2, pb2_grpc
 
     stub = pb2_grpc.KVTierStub(channel)
     request = pb2.BatchRequest(session_id=session_id)

@@ -1,7 +1,7 @@
 """What a row copy costs when the daemon never touches a region mapping.
 
 ``python -m benchmarks.rowcopy``: one 2 MiB-row region in ``/dev/shm`` (a real
-:class:`kvtierd.region.Region`, pre-faulted), and per row, best of ROUNDS x
+:class:`kvtierd.primary.region.Region`, pre-faulted), and per row, best of ROUNDS x
 BATCH copies, one thread, next to the floors of the same run:
 
 * the redis tier's store: before, the row was hashed in place (xxh3) and sent
@@ -27,9 +27,9 @@ from collections.abc import Callable
 import xxhash
 
 from benchmarks.common import Row, machine, print_table
-from kvtierd import safecopy
-from kvtierd.region import Region
-from kvtierd.regionrows import scratch
+from kvtierd.primary import safecopy
+from kvtierd.primary.region import Region
+from kvtierd.primary.rows import scratch
 
 ROW_BYTES = 2 << 20
 ROWS = 32

@@ -129,7 +129,7 @@ BATCH_OPS = 32  # ops per Batch: e.g. 8 requests x (lookup, prepare, complete, t
 def _batched_vs_single(daemon: BenchDaemon, rounds: int = 200) -> list[Row]:
     """Block operations per second at 16 keys per op: single RPCs vs one Batch of
     BATCH_OPS ops. Same ops, same order: Lookup, PrepareLoad, CompleteLoad, Touch."""
-    from kvtierd_client.proto import pb2, pb2_grpc
+    from kvtierd_client.wire.proto import pb2, pb2_grpc
 
     client = Client(daemon.address)
     session = client.open_session(POOL, block_bytes=BLOCK)

@@ -38,7 +38,7 @@ import tempfile
 import time
 
 from benchmarks.common import BenchDaemon, Row
-from kvtierd.units import parse_size
+from kvtierd.util.units import parse_size
 from kvtierd_client.client import Client, LookupResult
 
 POOL = "bench/warm"

@@ -1,3 +1,3 @@
-from kvtierd.cli import main
+from kvtierd.ops.cli import main
 
 raise SystemExit(main())

@@ -16,14 +16,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtierd.events import KEY_OVERHEAD_BYTES, MAX_EVENT_BYTES
-from kvtierd.history import KEY_OVERHEAD_BYTES as REMOVAL_OVERHEAD_BYTES
+from kvtierd.records.events import KEY_OVERHEAD_BYTES, MAX_EVENT_BYTES
+from kvtierd.records.history import KEY_OVERHEAD_BYTES as REMOVAL_OVERHEAD_BYTES
 from kvtierd.security import config as security_config
 from kvtierd.security.config import SecurityConfig, SecurityOptionError
 from kvtierd.tiers import registry
 from kvtierd.tiers.configured import TierOptionError, TierSettings
-from kvtierd.units import format_bytes, parse_duration, parse_size
-from kvtierd_client.address import default_socket_path
+from kvtierd.util.units import format_bytes, parse_duration, parse_size
+from kvtierd_client.wire.address import default_socket_path
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -405,7 +405,7 @@ class ServerConfig:
     metrics_address: str  # "" = off
     socket_group: str  # "" = the daemon's own group
     shutdown_grace: float  # seconds
-    fast_lane: bool = True  # offer sessions the '<socket>.lane' fast lane (kvtierd.fastlane)
+    fast_lane: bool = True  # offer sessions the '<socket>.lane' fast lane (kvtierd.api.fastlane)
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 # The answer of a lookup is defined once, with the client (it is a wire value the
 # client decodes too); the daemon already depends on kvtierd_client for the stubs.
-from kvtierd_client.types import LookupResult as LookupResult
+from kvtierd_client.wire.results import LookupResult as LookupResult
 
 BlockKey = bytes
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvtierd_client.proto import pb2, pb2_grpc
+from kvtierd_client.wire.proto import pb2, pb2_grpc
 
 if TYPE_CHECKING:
     from kvtierd_client.client import Client

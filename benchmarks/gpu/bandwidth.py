@@ -30,7 +30,7 @@ import torch
 from benchmarks.common import Row
 from benchmarks.gpu.environment import kv_device, scratch_directory
 from benchmarks.gpu.report import CheckFailed, SectionResult
-from kvtierd.region import Region
+from kvtierd.primary.region import Region
 from kvtierd_client.copy_engine import CopyEngine
 from kvtierd_client.region import AttachedRegion
 

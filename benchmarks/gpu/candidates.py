@@ -28,7 +28,7 @@ from benchmarks.common import Row
 from benchmarks.gpu.bandwidth import REPEATS, best_seconds, check_sample, kv_tensors, size_label
 from benchmarks.gpu.environment import cuda_device, scratch_directory
 from benchmarks.gpu.report import CheckFailed, SectionResult
-from kvtierd.region import Region
+from kvtierd.primary.region import Region
 from kvtierd_client.copy_engine import CopyEngine
 from kvtierd_client.region import AttachedRegion
 

@@ -281,7 +281,7 @@ def _load(
     rng: random.Random,
     report: WorkerReport,
 ) -> None:
-    from kvtierd_client.types import LookupResult
+    from kvtierd_client.wire.results import LookupResult
 
     results = session.lookup(keys)
     if any(r != LookupResult.HIT for r in results):

@@ -27,7 +27,7 @@ import torch
 from benchmarks.common import Row
 from benchmarks.gpu.environment import cuda_device, free_bytes, scratch_directory
 from benchmarks.gpu.report import CheckFailed, SectionResult
-from kvtierd.region import Region
+from kvtierd.primary.region import Region
 from kvtierd_client.copy_engine import CopyEngine
 from kvtierd_client.region import AttachedRegion
 

@@ -7,7 +7,7 @@ scheduler side never imports torch:
   ``Session`` (``kvtierd_client.session``);
 * ``kvtierd_client.aio`` — ``AsyncClient`` (asyncio);
 * ``kvtierd_client.tls`` — ``TlsOptions`` for TLS and mTLS over TCP;
-* ``kvtierd_client.types`` — ``LookupResult``, ``StoreResult`` (the daemon's
+* ``kvtierd_client.wire.results`` — ``LookupResult``, ``StoreResult`` (the daemon's
   contract uses the same ``LookupResult``);
 * ``kvtierd_client.region`` — attach a pool's shared-memory region;
 * ``kvtierd_client.copy_engine`` — move blocks between KV tensors and region rows.

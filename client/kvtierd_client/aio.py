@@ -10,10 +10,10 @@ Typical use (create the client inside a running event loop)::
             await session.complete_store(grant.keys_to_store)
 
 Everything but the awaiting is shared with the sync client: requests and answers
-(``kvtierd_client.codec``), the channel and error mapping
-(``kvtierd_client.connection``), the session's lease proof
-(``kvtierd_client.session_state``) and the keepalive schedule
-(``kvtierd_client.keepalive``). Errors are the same
+(``kvtierd_client._rpc.codec``), the channel and error mapping
+(``kvtierd_client._rpc.connection``), the session's lease proof
+(``kvtierd_client._rpc.session_state``) and the keepalive schedule
+(``kvtierd_client._rpc.keepalive``). Errors are the same
 ``kvtierd_client.errors.KvtierError`` subclasses.
 """
 
@@ -28,17 +28,17 @@ from typing import Any, TypeVar
 import grpc
 import grpc.aio
 
-from kvtierd_client import codec
-from kvtierd_client.codec import EventPages, Op
-from kvtierd_client.connection import Connection, WatchStream
+from kvtierd_client._rpc import codec
+from kvtierd_client._rpc.codec import EventPages, Op
+from kvtierd_client._rpc.connection import Connection, WatchStream
+from kvtierd_client._rpc.fastlane import AsyncFastLane, offered
+from kvtierd_client._rpc.keepalive import KeepaliveTask
+from kvtierd_client._rpc.session_state import SessionState
 from kvtierd_client.errors import KvtierError
-from kvtierd_client.fastlane import AsyncFastLane, offered
-from kvtierd_client.keepalive import KeepaliveTask
-from kvtierd_client.lane_frames import LANE_METHODS
-from kvtierd_client.proto import pb2
-from kvtierd_client.session_state import SessionState
 from kvtierd_client.tls import aio_channel
-from kvtierd_client.types import LookupResult, StoreResult
+from kvtierd_client.wire.lane_frames import LANE_METHODS
+from kvtierd_client.wire.proto import pb2
+from kvtierd_client.wire.results import LookupResult, StoreResult
 
 __all__ = ["AsyncClient", "AsyncEventStream", "AsyncSession", "LookupResult", "StoreResult"]
 

@@ -15,9 +15,9 @@ Every call passes a deadline (``Client.timeout`` seconds) and raises a
 ``DeadlineExceeded`` when it does not answer in time, ``NotFound`` when the
 session is gone, ``InvalidArgument`` for malformed input, ...
 
-The pieces: requests and answers in ``kvtierd_client.codec``, the channel in
-``kvtierd_client.connection`` (shared with ``kvtierd_client.aio``), the session
-in ``kvtierd_client.session``, its keepalive in ``kvtierd_client.keepalive``.
+The pieces: requests and answers in ``kvtierd_client._rpc.codec``, the channel in
+``kvtierd_client._rpc.connection`` (shared with ``kvtierd_client.aio``), the session
+in ``kvtierd_client.session``, its keepalive in ``kvtierd_client._rpc.keepalive``.
 This module re-exports the names a user of the sync client needs.
 """
 
@@ -30,20 +30,20 @@ from typing import Any, TypeVar
 
 import grpc
 
-from kvtierd_client.codec import EXPLAIN, FLUSH_POOL, GET_STATS, KEEP_ALIVE, OPEN_SESSION, Op
-from kvtierd_client.completion_queue import DEFAULT_FLUSH_AFTER
-from kvtierd_client.connection import (
+from kvtierd_client._rpc.codec import EXPLAIN, FLUSH_POOL, GET_STATS, KEEP_ALIVE, OPEN_SESSION, Op
+from kvtierd_client._rpc.completion_queue import DEFAULT_FLUSH_AFTER
+from kvtierd_client._rpc.connection import (
     DEFAULT_CHANNEL_OPTIONS,
     DEFAULT_TIMEOUT,
     Connection,
     WatchStream,
 )
+from kvtierd_client._rpc.fastlane import FastLane, offered
 from kvtierd_client.errors import KvtierError
-from kvtierd_client.fastlane import FastLane, offered
-from kvtierd_client.proto import pb2
 from kvtierd_client.session import Session
 from kvtierd_client.tls import sync_channel
-from kvtierd_client.types import LookupResult, StoreResult
+from kvtierd_client.wire.proto import pb2
+from kvtierd_client.wire.results import LookupResult, StoreResult
 
 __all__ = [
     "DEFAULT_CHANNEL_OPTIONS",
@@ -63,7 +63,7 @@ log = logging.getLogger("kvtierd_client")
 class Client(Connection):
     """A connection to kvtierd over one gRPC channel (thread-safe).
 
-    Arguments as :class:`kvtierd_client.connection.Connection`: ``address``,
+    Arguments as :class:`kvtierd_client._rpc.connection.Connection`: ``address``,
     ``timeout`` (seconds, every call), ``channel_options``, ``token``, ``stub``,
     ``fast_lane``.
     Raises ``ValueError`` for a malformed address; an unreachable daemon shows up

@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import time
 
+from kvtierd_client._rpc.session_state import fence_margin
 from kvtierd_client.client import Client
 from kvtierd_client.errors import KvtierError, NotFound
 from kvtierd_client.lease_beacon import LeaseBeaconReader, LeaseState
-from kvtierd_client.session_state import fence_margin
 
 RENEW_EVERY = 0.1  # seconds between two KeepAlives for one unproven session
 RENEW_TIMEOUT = 0.5  # one such KeepAlive's deadline

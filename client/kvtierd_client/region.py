@@ -1,7 +1,7 @@
 """Attach to a pool's shared-memory region (the worker side).
 
 Ownership: the daemon creates the region file, sizes it, allocates it and is
-the only process that unlinks it (``kvtierd.region``). A worker learns the path,
+the only process that unlinks it (``kvtierd.primary.region``). A worker learns the path,
 geometry and identity (``st_dev``, ``st_ino``) from OpenSession's ``region`` and
 *attaches* (:func:`attach_announced`): it maps the existing file read/write only
 if the file it opened is the one the daemon created (the daemon keeps that file
@@ -27,7 +27,7 @@ import mmap
 import os
 from typing import TYPE_CHECKING, Any
 
-from kvtierd_client.cuda_runtime import clear_last_error, error_text
+from kvtierd_client._shm.cuda_runtime import clear_last_error, error_text
 
 if TYPE_CHECKING:
     import numpy as np
@@ -299,7 +299,7 @@ def attach_announced(
 
     With ``session_id`` and a daemon that offers region descriptors
     (``region.fd_socket``), the descriptor comes from the daemon over the Unix
-    socket (:mod:`kvtierd_client.region_fd`; RegionAccessDenied when this
+    socket (:mod:`kvtierd_client._shm.region_fd`; RegionAccessDenied when this
     process may not map the pool), not from the path.
     """
     return attach_region(
@@ -334,7 +334,7 @@ def attach_region(
     daemon refuses this process the pool's region (never retried by path).
     """
     if fd_socket and session_id:
-        from kvtierd_client.region_fd import request_region_fd
+        from kvtierd_client._shm.region_fd import request_region_fd
 
         fd = request_region_fd(fd_socket, session_id, server_uid=_daemon_uid(path, identity))
         return AttachedRegion.attach_fd(

@@ -2,9 +2,9 @@
 
 A :class:`Session` is returned by ``Client.open_session``. Its calls go through
 the client's channel; with ``queue_completions`` the completions wait in a
-:class:`~kvtierd_client.completion_queue.CompletionQueue` for the next call that
+:class:`~kvtierd_client._rpc.completion_queue.CompletionQueue` for the next call that
 needs an answer (one ``Batch``), and a
-:class:`~kvtierd_client.keepalive.KeepaliveThread` renews the lease.
+:class:`~kvtierd_client._rpc.keepalive.KeepaliveThread` renews the lease.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvtierd_client.codec import (
+from kvtierd_client._rpc.codec import (
     BATCH,
     BATCH_METHODS,
     CLOSE_SESSION,
@@ -33,14 +33,14 @@ from kvtierd_client.codec import (
     batch_error,
     batch_op,
 )
-from kvtierd_client.completion_queue import DEFAULT_FLUSH_AFTER, CompletionQueue
+from kvtierd_client._rpc.completion_queue import DEFAULT_FLUSH_AFTER, CompletionQueue
+from kvtierd_client._rpc.flusher import FlushStatistics
+from kvtierd_client._rpc.keepalive import KeepaliveThread
+from kvtierd_client._rpc.session_state import SessionState
 from kvtierd_client.errors import KvtierError, NotFound
-from kvtierd_client.flusher import FlushStatistics
-from kvtierd_client.keepalive import KeepaliveThread
-from kvtierd_client.lane_frames import LANE_METHODS
-from kvtierd_client.proto import pb2
-from kvtierd_client.session_state import SessionState
-from kvtierd_client.types import LookupResult, StoreResult
+from kvtierd_client.wire.lane_frames import LANE_METHODS
+from kvtierd_client.wire.proto import pb2
+from kvtierd_client.wire.results import LookupResult, StoreResult
 
 if TYPE_CHECKING:
     from kvtierd_client.client import Client

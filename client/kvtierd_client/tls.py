@@ -29,7 +29,7 @@ from typing import Any
 
 import grpc
 
-from kvtierd_client.address import uses_tls
+from kvtierd_client.wire.address import uses_tls
 
 __all__ = ["TlsOptions", "aio_channel", "resolve_tls", "sync_channel"]
 

@@ -2,7 +2,7 @@
 
 Why: a gRPC call costs ~300 µs of daemon CPU in Python; the work of a 32-key
 Lookup costs ~10 µs. The lane carries the same protobuf messages in
-length-prefixed frames (``kvtierd_client.lane_frames``) on a stream socket
+length-prefixed frames (``kvtierd_client.wire.lane_frames``) on a stream socket
 ``<listen socket>.lane`` (mode 0660 and the group of the gRPC socket), parsed
 by an ``asyncio.Protocol`` on the daemon's loop that calls the servicer's own
 bodies (``KVTierService.call_direct``): same validation, same service
@@ -56,15 +56,15 @@ from typing import Any
 
 import grpc
 
-from kvtierd import guards
+from kvtierd.api import guards
+from kvtierd.api.service import KVTierService
+from kvtierd.core.sessions import Session, SessionTable
 from kvtierd.errors import InvalidArgument, KvtierdError, Unauthenticated
-from kvtierd.ratelimit import RateLimitedLog
 from kvtierd.security.identity import LOCAL_CALLER, Caller, PeerCredentials, peer_credentials
 from kvtierd.security.state import SecurityState
-from kvtierd.service import KVTierService
-from kvtierd.sessions import Session, SessionTable
-from kvtierd_client.lane_frames import BIND, HEADER, METHODS, OK, VERSION, frame
-from kvtierd_client.proto import pb2
+from kvtierd.util.ratelimit import RateLimitedLog
+from kvtierd_client.wire.lane_frames import BIND, HEADER, METHODS, OK, VERSION, frame
+from kvtierd_client.wire.proto import pb2
 
 log = logging.getLogger("kvtierd.fastlane")
 _faults = RateLimitedLog(log)
@@ -376,7 +376,7 @@ class LaneConnection(asyncio.Protocol):
             self._fail(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"fast lane frame of unknown kind {kind}; kinds are "
-                f"{sorted(_BY_KIND)} (kvtierd_client.lane_frames.METHODS)",
+                f"{sorted(_BY_KIND)} (kvtierd_client.wire.lane_frames.METHODS)",
             )
             return
         request = method.parse(body)  # type: ignore[arg-type]  # protobuf takes any buffer

@@ -10,7 +10,7 @@ ERROR with a traceback of its own internals, once per call: a burst of 200
 cancelled WatchEvents streams wrote up to 185 tracebacks. The same record comes
 from an answer over ``grpc.max_send_message_length`` (the client gets
 RESOURCE_EXHAUSTED). Either way the traceback says nothing useful, so those
-records are replaced by one WARNING on ``kvtierd.server`` per ``INTERVAL``
+records are replaced by one WARNING on ``kvtierd.api.server`` per ``INTERVAL``
 seconds (``ratelimit.RateLimitedLog``), which counts the others.
 
 Every other grpc record passes unchanged: a servicer bug still logs its
@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import re
 
-from kvtierd.ratelimit import RateLimitedLog
+from kvtierd.util.ratelimit import RateLimitedLog
 
 GRPC_LOGGER = "grpc._cython.cygrpc"
 INTERVAL = 10.0

@@ -24,12 +24,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
-from kvtierd import filekind, grpclog, guards
+from kvtierd.api import grpclog, guards
+from kvtierd.api.service import KVTierService
+from kvtierd.api.validation import MAX_KEY_BYTES
 from kvtierd.config import ConfigError, LimitsConfig
 from kvtierd.security.state import SecurityState
-from kvtierd.service import KVTierService
-from kvtierd.validation import MAX_KEY_BYTES
-from kvtierd_client.proto import pb2, pb2_grpc
+from kvtierd.util import filekind
+from kvtierd_client.wire.proto import pb2, pb2_grpc
 
 log = logging.getLogger("kvtierd.server")
 
@@ -262,7 +263,7 @@ def bind_unix_socket(path: str, gid: int | None, what: str = "peer tickets") -> 
     """A listening stream socket at ``path``, mode 0660 and group ``gid`` like the
     gRPC sockets (a stale socket file is cleared as for them). For the ticket
     sockets next to each gRPC socket (``kvtierd.security.tickets``) and the fast
-    lane's (``kvtierd.fastlane``); ``what`` names it in the log line."""
+    lane's (``kvtierd.api.fastlane``); ``what`` names it in the log line."""
     _remove_stale_socket(path)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:

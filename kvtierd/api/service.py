@@ -34,30 +34,31 @@ from typing import Any, TypeVar
 
 import grpc
 
-from kvtierd import __version__, wire
-from kvtierd.contract import BlockEvent
-from kvtierd.errors import (
-    InvalidArgument,
-    KvtierdError,
-    OutOfRange,
-    ShuttingDown,
-)
-from kvtierd.pool import Pool, PoolSpec
-from kvtierd.pools import PoolTable
-from kvtierd.security.access import check_pool
-from kvtierd.security.identity import Caller
-from kvtierd.security.state import SecurityState
-from kvtierd.sessions import Session, SessionTable
-from kvtierd.statistics import PoolStatistics, tier_views
-from kvtierd.validation import (
+from kvtierd import __version__
+from kvtierd.api import wire
+from kvtierd.api.validation import (
     check_block_bytes,
     check_eviction_policy,
     check_keys,
     check_pool_name,
     check_text,
 )
-from kvtierd.watch import WatchStreams, end_stream
-from kvtierd_client.proto import pb2, pb2_grpc
+from kvtierd.api.watch import WatchStreams, end_stream
+from kvtierd.contract import BlockEvent
+from kvtierd.core.pool import Pool, PoolSpec
+from kvtierd.core.pools import PoolTable
+from kvtierd.core.sessions import Session, SessionTable
+from kvtierd.core.statistics import PoolStatistics, tier_views
+from kvtierd.errors import (
+    InvalidArgument,
+    KvtierdError,
+    OutOfRange,
+    ShuttingDown,
+)
+from kvtierd.security.access import check_pool
+from kvtierd.security.identity import Caller
+from kvtierd.security.state import SecurityState
+from kvtierd_client.wire.proto import pb2, pb2_grpc
 
 log = logging.getLogger("kvtierd.service")
 
@@ -138,7 +139,7 @@ class KVTierService(pb2_grpc.KVTierServicer):
         # (method, status code name, seconds) per handled call; set by the daemon
         self.observe_rpc: Callable[[str, str, float], None] | None = None
         # (session, peer) -> the OpenSessionResponse fast-lane fields to offer, or
-        # None; set by the daemon when server.fast_lane is on (kvtierd.fastlane)
+        # None; set by the daemon when server.fast_lane is on (kvtierd.api.fastlane)
         self.offer_fast_lane: Callable[[Session, str], dict[str, Any] | None] | None = None
 
     def _observe(self, method: str, code: str, start: float) -> None:
@@ -536,7 +537,7 @@ def _event_message(seq: int, event: BlockEvent) -> pb2.Event:
 
 def pool_stats_message(stats: PoolStatistics) -> pb2.PoolStats:
     """GetStats' view of one pool snapshot: its spec and, per tier, the numbers
-    :func:`kvtierd.statistics.tier_views` computes (no other source)."""
+    :func:`kvtierd.core.statistics.tier_views` computes (no other source)."""
     spec = stats.spec
     return pb2.PoolStats(
         name=spec.name,

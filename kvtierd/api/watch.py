@@ -11,7 +11,7 @@ stream asks the log for one event at a time and holds no list of them.
 So the daemon bounds, per stream and in total:
 
 * each message: events are split to at most ``MAX_EVENT_BYTES`` (64 KiB) when
-  they are logged (:mod:`kvtierd.events`);
+  they are logged (:mod:`kvtierd.records.events`);
 * the number of streams: ``limits.max_watch_streams`` (all pools); one more is
   refused with RESOURCE_EXHAUSTED;
 * the wait: a write that has not completed within ``limits.watch_write_timeout``

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import cast
 
 from kvtierd.contract import LookupResult, Medium
-from kvtierd_client.proto import pb2
+from kvtierd_client.wire.proto import pb2
 
 
 def lookup_result(result: LookupResult) -> pb2.LookupResult:

@@ -9,8 +9,8 @@
 
 This module is bookkeeping only: it never changes a ref count. The pool changes
 the primary's ref counts and the claims in the same call, after validating both
-(:class:`kvtierd.pool.Pool`), and checks them against each other in
-:meth:`kvtierd.pool.Pool.check_invariants`.
+(:class:`kvtierd.core.pool.Pool`), and checks them against each other in
+:meth:`kvtierd.core.pool.Pool.check_invariants`.
 
 Invariants (of the records; the pool adds the ref-count ones):
 

@@ -1,5 +1,5 @@
 """A pool: one namespace of blocks with its region, its primary manager, its
-event log, and the claims of its sessions (:mod:`kvtierd.claims`).
+event log, and the claims of its sessions (:mod:`kvtierd.core.claims`).
 
 Ownership (DESIGN.md §4):
 
@@ -12,9 +12,9 @@ Ownership (DESIGN.md §4):
   aborts every reservation it still holds.
 
 Secondary tiers (cascade after CompleteStore, promotion on Lookup) are driven
-by :class:`kvtierd.tiering.Tiering`, which owns the pins of its cascade jobs,
+by :class:`kvtierd.tiering.manager.Tiering`, which owns the pins of its cascade jobs,
 the reservations of its promotions and the promotion holds (pins that keep a
-promoted block until a session pins it, :mod:`kvtierd.holds`); sessions never
+promoted block until a session pins it, :mod:`kvtierd.tiering.holds`); sessions never
 see or release those. A session's pin *claims* the hold of its key: PrepareLoad
 always, a pinning Lookup when its request waits for nothing (no HIT_PENDING).
 
@@ -34,19 +34,19 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvtierd.claims import ClaimTable
+from kvtierd.api.validation import key_repr
 from kvtierd.config import LimitsConfig
 from kvtierd.contract import PRIMARY_TIER, BlockKey, LookupResult, StoreGrant
+from kvtierd.core.claims import ClaimTable
+from kvtierd.core.statistics import PoolStatistics, PrimaryStatistics, SecondaryStatistics
 from kvtierd.errors import FailedPrecondition
-from kvtierd.events import EventLog
-from kvtierd.history import EVICTED_FOR_ROOM, FLUSHED, KeyRecord, RemovalLog
-from kvtierd.journal import JournalWriter
 from kvtierd.prefix import READY, prefix_end
-from kvtierd.primary import NotLoadableError, PrimaryManager
-from kvtierd.region import Region
-from kvtierd.statistics import PoolStatistics, PrimaryStatistics, SecondaryStatistics
-from kvtierd.tiering import Tiering
-from kvtierd.validation import key_repr
+from kvtierd.primary.manager import NotLoadableError, PrimaryManager
+from kvtierd.primary.region import Region
+from kvtierd.primary.warm.journal import JournalWriter
+from kvtierd.records.events import EventLog
+from kvtierd.records.history import EVICTED_FOR_ROOM, FLUSHED, KeyRecord, RemovalLog
+from kvtierd.tiering.manager import Tiering
 
 log = logging.getLogger("kvtierd.pool")
 
@@ -124,7 +124,7 @@ class Pool:
 
     def attach_journal(self, journal: JournalWriter) -> None:
         """From now on every row handed to a writer and every completed block is
-        journaled (``kvtierd.journal``); at close the region file stays."""
+        journaled (``kvtierd.primary.warm.journal``); at close the region file stays."""
         self.journal = journal
         self.manager.on_rows_reserved = journal.rows_reserved
         self.manager.on_rows_ready = journal.rows_ready

@@ -24,14 +24,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from kvtierd.config import LimitsConfig, MemoryConfig
+from kvtierd.core.pool import Pool, PoolSpec
 from kvtierd.errors import FailedPrecondition, PoolNotFound, ResourceExhausted
-from kvtierd.journal import JournalHeader, JournalWriter, journal_path, remove_journal
-from kvtierd.pool import Pool, PoolSpec
-from kvtierd.region import InsufficientSpaceError, Region, RegionError, region_file_name
+from kvtierd.primary.region import InsufficientSpaceError, Region, RegionError, region_file_name
+from kvtierd.primary.warm.adoption import Adoption, ColdStart, adopt_region
+from kvtierd.primary.warm.journal import JournalHeader, JournalWriter, journal_path, remove_journal
 from kvtierd.security.principals import Principal
 from kvtierd.tiers.configured import ConfiguredTier, PoolBinding, TierStartError
-from kvtierd.units import format_bytes
-from kvtierd.warm import Adoption, ColdStart, adopt_region
+from kvtierd.util.units import format_bytes
 
 log = logging.getLogger("kvtierd.pools")
 

@@ -31,8 +31,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kvtierd.contract import BlockEvent
+from kvtierd.core.pool import Pool
 from kvtierd.errors import ResourceExhausted, SessionNotFound
-from kvtierd.pool import Pool
 from kvtierd.security.access import session_not_owned
 
 log = logging.getLogger("kvtierd.sessions")

@@ -1,4 +1,4 @@
-"""A pool's statistics: the one snapshot (:meth:`kvtierd.pool.Pool.statistics`) and
+"""A pool's statistics: the one snapshot (:meth:`kvtierd.core.pool.Pool.statistics`) and
 the numbers each of its tiers tells, computed from it in one place.
 
 GetStats (``service.py``), the metrics endpoint (``metrics.py``) and, through
@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvtierd.contract import PRIMARY_TIER, Medium
-from kvtierd.tiering import TierCounters
+from kvtierd.tiering.manager import TierCounters
 from kvtierd.tiers.base import TierStats
 
 if TYPE_CHECKING:
-    from kvtierd.pool import PoolSpec
+    from kvtierd.core.pool import PoolSpec
 
 
 @dataclass(frozen=True, slots=True)

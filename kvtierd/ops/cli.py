@@ -67,7 +67,7 @@ def configure_logging(level: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in CTL_COMMANDS:  # kvtierd fsck ROOT == kvtierctl fsck ROOT
-        from kvtierd import ctl
+        from kvtierd.ops import ctl
 
         return ctl.main(argv, prog="kvtierd")
     try:
@@ -76,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvtierd: invalid configuration: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     configure_logging(config.log.level)
-    from kvtierd.daemon import serve  # heavy imports after argument checks
+    from kvtierd.ops.daemon import serve  # heavy imports after argument checks
 
     try:
         _run(serve(config))

@@ -181,7 +181,7 @@ def _server_capacity(t: Any) -> str:
 
 
 def _is_remote(t: Any) -> bool:
-    from kvtierd_client.proto import pb2
+    from kvtierd_client.wire.proto import pb2
 
     return bool(t.medium == pb2.MEDIUM_REMOTE)
 
@@ -291,7 +291,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 
 def _event_line(event: Any) -> str:
-    from kvtierd_client.proto import pb2
+    from kvtierd_client.wire.proto import pb2
 
     what = "removed" if event.removed else "stored"
     medium = pb2.Medium.Name(event.medium).removeprefix("MEDIUM_").lower()

@@ -25,19 +25,8 @@ import tempfile
 import time
 from typing import Any
 
-from kvtierd.config import Config, ConfigError
-from kvtierd.fastlane import FastLane, first_unix_path, lane_socket_path
-from kvtierd.metrics import Metrics, serve_metrics
-from kvtierd.pools import PoolTable, region_access_text
-from kvtierd.region import is_region_file_name
-from kvtierd.sdnotify import notify, watchdog_interval
-from kvtierd.security import region_access
-from kvtierd.security.reload import credential_reloader
-from kvtierd.security.state import SecurityState
-from kvtierd.security.tls import ServerTls, TlsFiles
-from kvtierd.security.tokens import TokensFileError
-from kvtierd.security.trusted_dirs import UntrustedPath, require_own_entries, require_trusted_dir
-from kvtierd.server import (
+from kvtierd.api.fastlane import FastLane, first_unix_path, lane_socket_path
+from kvtierd.api.server import (
     TransportServers,
     add_listeners,
     bind_unix_socket,
@@ -46,11 +35,22 @@ from kvtierd.server import (
     remove_unix_sockets,
     set_health,
 )
-from kvtierd.service import KVTierService
-from kvtierd.sessions import SessionTable
+from kvtierd.api.service import KVTierService
+from kvtierd.config import Config, ConfigError
+from kvtierd.core.pools import PoolTable, region_access_text
+from kvtierd.core.sessions import SessionTable
+from kvtierd.ops.metrics import Metrics, serve_metrics
+from kvtierd.ops.sdnotify import notify, watchdog_interval
+from kvtierd.primary.region import is_region_file_name
+from kvtierd.security import region_access
+from kvtierd.security.reload import credential_reloader
+from kvtierd.security.state import SecurityState
+from kvtierd.security.tls import ServerTls, TlsFiles
+from kvtierd.security.tokens import TokensFileError
+from kvtierd.security.trusted_dirs import UntrustedPath, require_own_entries, require_trusted_dir
 from kvtierd.tiers import registry
 from kvtierd.tiers.configured import ConfiguredTier, TierCheckError
-from kvtierd_client.peer_ticket import ticket_socket_path
+from kvtierd_client.wire.peer_ticket import ticket_socket_path
 
 log = logging.getLogger("kvtierd.daemon")
 
@@ -194,7 +194,7 @@ class Daemon:
 
     async def _serve_fast_lane(self) -> None:
         """With ``server.fast_lane``, the lane socket next to the first Unix socket
-        (``kvtierd.fastlane``); sessions opened over a Unix socket are offered it."""
+        (``kvtierd.api.fastlane``); sessions opened over a Unix socket are offered it."""
         listen_path = first_unix_path(self.config.server.listen)
         if not self.config.server.fast_lane or listen_path is None:
             return

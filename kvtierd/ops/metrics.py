@@ -4,7 +4,7 @@ and ``tier`` where they apply. The README's metrics table documents each one.
 Two kinds of source:
 
 * *state read at scrape time* (:class:`DaemonCollector`): counters and gauges
-  converted from each pool's :meth:`kvtierd.pool.Pool.statistics` snapshot (the
+  converted from each pool's :meth:`kvtierd.core.pool.Pool.statistics` snapshot (the
   one GetStats converts too, so both always tell the same numbers) and from the
   sessions. Nothing is added to the request path for them.
 * *observations* (histograms and the RPC counter): recorded as they happen
@@ -30,11 +30,11 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
 from kvtierd import __version__
-from kvtierd.statistics import PoolStatistics, TierView, tier_views
+from kvtierd.core.statistics import PoolStatistics, TierView, tier_views
 
 if TYPE_CHECKING:
-    from kvtierd.pools import PoolTable
-    from kvtierd.sessions import SessionTable
+    from kvtierd.core.pools import PoolTable
+    from kvtierd.core.sessions import SessionTable
 
 log = logging.getLogger("kvtierd.metrics")
 
@@ -134,7 +134,7 @@ class Family:
     help, where its values come from and how they are labelled.
 
     ``source`` names a pool number (:data:`POOL_NUMBERS`) or a tier number
-    (:data:`kvtierd.statistics.TIER_NUMBERS`); a mapping gives one sample per
+    (:data:`kvtierd.core.statistics.TIER_NUMBERS`); a mapping gives one sample per
     value of the label ``by`` (value -> number). ``scope``: ``"pool"`` (labels
     ``pool``), ``"primary"`` (the primary's number, labels ``pool``) or ``"tier"``
     (labels ``pool``, ``tier``: one sample per tier that has the number).

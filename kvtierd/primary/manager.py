@@ -2,7 +2,7 @@
 (DESIGN.md §4; vLLM's ``CPUOffloadingManager``, reference §3).
 
 Ownership: the manager owns every row of the pool's region and the state of
-the block in it; the eviction policy only orders keys (``kvtierd.policies``).
+the block in it; the eviction policy only orders keys (``kvtierd.primary.policies``).
 Who may change a ref count, and when:
 
 * ``prepare_store`` reserves a free row for a new key: ref ``-1`` (write in
@@ -45,7 +45,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtierd.contract import BlockEvent, BlockKey, LookupResult, Medium, StoreGrant
-from kvtierd.policies import ARCPolicy, CachePolicy, LRUPolicy, make_policy
+from kvtierd.primary.policies import ARCPolicy, CachePolicy, LRUPolicy, make_policy
 
 _MISS = LookupResult.MISS
 _HIT = LookupResult.HIT
@@ -157,7 +157,7 @@ class PrimaryManager:
         self._evictions = 0
         self._stored = 0
         self._failed = 0
-        # Warm restart journal hooks (kvtierd.journal): rows whose journaled block
+        # Warm restart journal hooks (kvtierd.primary.warm.journal): rows whose journaled block
         # is void from now on (about to be handed to a writer, or flushed), called
         # before the call returns; rows whose write completed.
         self.on_rows_reserved: Callable[[list[int]], object] | None = None

@@ -57,9 +57,10 @@ import time
 import weakref
 from typing import Any
 
-from kvtierd import filekind, safecopy
-from kvtierd.regionrows import RegionRows
-from kvtierd.units import format_bytes
+from kvtierd.primary import safecopy
+from kvtierd.primary.rows import RegionRows
+from kvtierd.util import filekind
+from kvtierd.util.units import format_bytes
 
 log = logging.getLogger("kvtierd.region")
 
@@ -122,7 +123,7 @@ class Region:
 
     Threads: :meth:`safe_rows` is how I/O threads (tiers) read and write rows:
     the daemon never dereferences the mapping itself (a client can truncate the
-    file under it: SIGBUS; :mod:`kvtierd.regionrows`). :meth:`row` and
+    file under it: SIGBUS; :mod:`kvtierd.primary.rows`). :meth:`row` and
     :meth:`buffer` are zero-copy views for tests and for the addresses the
     journal copies from; :meth:`close` runs once at shutdown, after the tiers
     stopped using the rows.
@@ -139,8 +140,9 @@ class Region:
         allocate_seconds: float,
         prefault_seconds: float,
     ) -> None:
-        """Internal: use :meth:`create` (or :func:`kvtierd.warm.adopt_region`, which
-        takes over the file a previous daemon left). Takes ownership of ``fd``
+        """Internal: use :meth:`create` (or
+        :func:`kvtierd.primary.warm.adoption.adopt_region`, which takes over the file a
+        previous daemon left). Takes ownership of ``fd``
         (flocked) and ``mapping``."""
         self.path = path
         self.num_blocks = num_blocks
@@ -247,7 +249,7 @@ class Region:
         return self._track(self._mapping()[:])
 
     def safe_rows(self) -> RegionRows:
-        """The region's :class:`~kvtierd.regionrows.RegionRows`: how the daemon
+        """The region's :class:`~kvtierd.primary.rows.RegionRows`: how the daemon
         reads and writes row bytes (system calls only: a client that truncates
         the file makes a copy fail, never the daemon die of SIGBUS). One per
         region, closed by :meth:`close` before the mapping goes."""

@@ -12,14 +12,14 @@ with an error instead of a signal and never grow the file back:
   comes back short; about as fast as a copy out of the mapping), into a buffer
   of the caller's (see :func:`scratch`); without a descriptor (a tier built on
   a bare buffer, in tests) ``process_vm_readv`` on this process
-  (:func:`kvtierd.safecopy.gather`);
-* writes: ``process_vm_writev`` (:func:`kvtierd.safecopy.put`); a ``pwrite`` on
+  (:func:`kvtierd.primary.safecopy.gather`);
+* writes: ``process_vm_writev`` (:func:`kvtierd.primary.safecopy.put`); a ``pwrite`` on
   the region file would re-grow a truncated tmpfs file with zeros, which a
   reader of the other rows would then load as if they were the blocks the
   daemon still lists;
 * where a seccomp profile refuses those two calls (Docker's default without
   CAP_SYS_PTRACE), the same copies go through ``/proc/self/mem``
-  (:class:`kvtierd.safecopy.ProcSelfMem`): one WARNING, then that path for the
+  (:class:`kvtierd.primary.safecopy.ProcSelfMem`): one WARNING, then that path for the
   process's life. Where that cannot be opened either (no ``/proc``), every
   write (and every read of a :class:`RegionRows` without a descriptor) fails
   with :class:`RowIoUnavailable` (one ERROR): promotions fail, the primary tier
@@ -29,8 +29,8 @@ A copy that comes back short raises :class:`RegionCutShort` (an OSError,
 EFAULT): the caller fails that block only (a store is not cascaded, a
 promotion is not served) and logs it, rate-limited, naming the pool and region.
 
-Ownership: the :class:`~kvtierd.region.Region` creates its one
-:class:`RegionRows` and closes it first in :meth:`~kvtierd.region.Region.close`.
+Ownership: the :class:`~kvtierd.primary.region.Region` creates its one
+:class:`RegionRows` and closes it first in :meth:`~kvtierd.primary.region.Region.close`.
 :class:`RegionRows` holds an export of the mapping (the address it copies to
 and from stays mapped, never reused by another mapping, until it is closed) and
 borrows the region's descriptor (the region closes it only after this);
@@ -44,7 +44,7 @@ the fs tier's I/O *worker processes* (``io_processes`` > 0) map the region
 themselves and hash / write from it after checking the row against the file's
 size: only a truncation racing a copy gets a SIGBUS, which kills that worker
 only, whose requests then fail and which is replaced; the client library maps it in the
-clients' own processes. (:func:`kvtierd.region.touch_pages`, the pre-fault of
+clients' own processes. (:func:`kvtierd.primary.region.touch_pages`, the pre-fault of
 kernels without ``MADV_POPULATE_WRITE``, reads one byte per page with
 ``process_vm_readv``: a system call too.)
 """
@@ -60,7 +60,7 @@ import threading
 import weakref
 from collections.abc import Callable
 
-from kvtierd import safecopy
+from kvtierd.primary import safecopy
 
 __all__ = [
     "RegionClosed",

@@ -17,7 +17,7 @@ instead, and neither grows the file back (a ``pwrite`` on the file would).
   file fails the same way (EIO).
 
 Invariant: ``base`` is the address of a mapping this process keeps mapped while
-the call runs (:class:`kvtierd.regionrows.RegionRows` holds it so), or one
+the call runs (:class:`kvtierd.primary.rows.RegionRows` holds it so), or one
 already unmapped (then the copy comes back short: EFAULT, never a crash).
 """
 

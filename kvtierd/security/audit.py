@@ -29,7 +29,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 
-from kvtierd.ratelimit import RateLimitedLog
+from kvtierd.util.ratelimit import RateLimitedLog
 
 log = logging.getLogger("kvtierd.audit")
 

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtierd.units import parse_size
+from kvtierd.util.units import parse_size
 
 PRINCIPAL_KEYS = ("name", "uids", "gids", "pools", "memory_quota")
 # A principal's name appears in token files, certificates (CN, DNS SAN), log lines

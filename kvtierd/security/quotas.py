@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 
 from kvtierd.errors import ResourceExhausted
 from kvtierd.security.principals import Principal
-from kvtierd.units import format_bytes
+from kvtierd.util.units import format_bytes
 
 
 class PoolQuotas:

@@ -12,7 +12,7 @@ opened, and the map policy decides (:func:`map_policy`):
   member of the socket's group: whom the socket permissions let call at all);
 * principals configured: the peer's principal must be the session's and may
   reach the pool, the same rule as every RPC on that session. Region files are
-  then created 0600 (``kvtierd.daemon``), so no other uid reaches them by path.
+  then created 0600 (``kvtierd.ops.daemon``), so no other uid reaches them by path.
 
 Protocol (one request per connection, stdlib-only on the client side):
 
@@ -50,13 +50,13 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvtierd import filekind
 from kvtierd.config import ConfigError
 from kvtierd.errors import SessionNotFound
-from kvtierd.ratelimit import RateLimitedLog
 from kvtierd.security.access import AccessDenied
 from kvtierd.security.identity import PeerCredentials, peer_credentials, peer_uid
 from kvtierd.security.state import SecurityState
+from kvtierd.util import filekind
+from kvtierd.util.ratelimit import RateLimitedLog
 
 log = logging.getLogger("kvtierd.security.region_access")
 

@@ -41,11 +41,11 @@ from kvtierd.security.identity import LOCAL_CALLER, Caller, tls_peer_names
 from kvtierd.security.principals import Principal
 from kvtierd.security.quotas import PoolQuotas
 from kvtierd.security.tickets import TicketOffice
-from kvtierd_client.peer_ticket import METADATA_KEY as TICKET_KEY
-from kvtierd_client.peer_ticket import TICKET_SOCKET_SUFFIX
+from kvtierd_client.wire.peer_ticket import METADATA_KEY as TICKET_KEY
+from kvtierd_client.wire.peer_ticket import TICKET_SOCKET_SUFFIX
 
 if TYPE_CHECKING:
-    from kvtierd.sessions import Session
+    from kvtierd.core.sessions import Session
 
 log = logging.getLogger("kvtierd.security")
 

@@ -6,7 +6,7 @@ a Unix-socket peer: ``context.peer()`` is ``"unix:"``, the auth context of
 an accepted socket. A proxy in front of grpc that reads SO_PEERCRED and
 relays every byte would cost each call two more socket hops. Instead each
 client proves who it is once, on a separate socket, and carries the proof in
-its calls' metadata (``kvtierd_client.peer_ticket`` holds the protocol):
+its calls' metadata (``kvtierd_client.wire.peer_ticket`` holds the protocol):
 
 - the daemon accepts on ``PATH.tickets`` (same mode and group as the gRPC
   socket ``PATH``), reads the connection's kernel credentials, maps them to a
@@ -37,7 +37,7 @@ from typing import Any
 from kvtierd.security.access import AccessDenied
 from kvtierd.security.identity import Caller, PeerCredentials, peer_credentials
 from kvtierd.security.principals import Principal
-from kvtierd_client.peer_ticket import TICKET_BYTES, granted_line, refused_line
+from kvtierd_client.wire.peer_ticket import TICKET_BYTES, granted_line, refused_line
 
 log = logging.getLogger("kvtierd.security.tickets")
 

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvtierd.contract import BlockKey
-from kvtierd.primary import PrimaryManager
+from kvtierd.primary.manager import PrimaryManager
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ tiers (DESIGN.md §5; vLLM's ``TieringOffloadingManager``, reference §5).
   (their rows freed: MISS). A key whose promotion failed is not promoted from
   that tier again for :data:`PROMOTION_RETRY_AFTER` seconds (no retry loop on a
   file that keeps failing); a verification failure removes the file anyway.
-* Promotion holds (:mod:`kvtierd.holds`): the blocks a promotion brought in
+* Promotion holds (:mod:`kvtierd.tiering.holds`): the blocks a promotion brought in
   stay pinned by the pool (one *hold* each) until a session pins them or
   ``hold_seconds`` pass; so do the ready blocks a prefix Lookup answers HIT in
   front of a key it answers HIT_PENDING (the request loads them together). A
@@ -52,10 +52,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 
 from kvtierd.contract import PRIMARY_TIER, BlockEvent, BlockKey, LookupResult
-from kvtierd.history import EVICTED_FOR_ROOM, RemovalLog
-from kvtierd.holds import HoldStats, HoldTable
 from kvtierd.prefix import prefix_end
-from kvtierd.primary import PrimaryManager
+from kvtierd.primary.manager import PrimaryManager
+from kvtierd.records.history import EVICTED_FOR_ROOM, RemovalLog
+from kvtierd.tiering.holds import HoldStats, HoldTable
 from kvtierd.tiers.base import JobResult, SecondaryTier, TierJob
 
 log = logging.getLogger("kvtierd.tiering")

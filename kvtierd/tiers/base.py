@@ -1,7 +1,7 @@
 """The secondary-tier contract (DESIGN.md §5; vLLM's ``tiering/base.py``, reference §5).
 
 A tier keeps copies of primary blocks somewhere else (files, process memory,
-Redis). The pool's :class:`~kvtierd.tiering.Tiering` drives it; the tier never
+Redis). The pool's :class:`~kvtierd.tiering.manager.Tiering` drives it; the tier never
 decides what the primary holds. Every implementation runs the contract suite
 (``tests/tiers/``): what is written here is what that suite checks.
 

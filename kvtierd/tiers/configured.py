@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from kvtierd.regionrows import RegionRows
+from kvtierd.primary.rows import RegionRows
 from kvtierd.tiers.base import JobCallback, SecondaryTier
 
 

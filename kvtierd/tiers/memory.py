@@ -11,7 +11,7 @@ and the orchestration tests script faults on a subclass of it.
 It is not a configurable tier type: blocks kept in the daemon's own memory
 would compete with the primary region they are meant to extend. Being test-only,
 it copies rows through the region's mapping in place; the tiers the daemon runs
-never do (a client may truncate the region: :mod:`kvtierd.regionrows`).
+never do (a client may truncate the region: :mod:`kvtierd.primary.rows`).
 
 Ownership: everything here belongs to the event loop thread.
 

@@ -1,7 +1,7 @@
 """What every worker process the daemon starts does first: die with its starter.
 
 The fs tier's I/O workers (:mod:`kvtierd.tiers.fs.ioworker`) and the warm-restart
-hash workers (:mod:`kvtierd.hashworker`) are children of one daemon thread. A
+hash workers (:mod:`kvtierd.primary.warm.hashworker`) are children of one daemon thread. A
 worker outliving a killed daemon would go on touching a region or a tier's files
 behind the next daemon's back, so each asks the kernel for SIGKILL when that
 thread ends.

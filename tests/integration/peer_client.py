@@ -19,11 +19,11 @@ import sys
 import grpc
 import numpy  # noqa: F401 - imported while root: the user may not read the venv
 
+from kvtierd_client._shm.region_fd import RegionAccessDenied, request_region_fd
 from kvtierd_client.client import Client
 from kvtierd_client.errors import KvtierError
-from kvtierd_client.proto import pb2, pb2_grpc
 from kvtierd_client.region import attach_announced
-from kvtierd_client.region_fd import RegionAccessDenied, request_region_fd
+from kvtierd_client.wire.proto import pb2, pb2_grpc
 
 
 def main() -> int:

@@ -18,7 +18,7 @@ from daemon_harness import DaemonProcess, eventually, health_status
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_bounded_buffers import long_keys, make_daemon, open_session, store, vm_rss
 
-from kvtierd_client.proto import pb2, pb2_grpc
+from kvtierd_client.wire.proto import pb2, pb2_grpc
 
 __all__ = ["make_daemon"]  # the fixture, imported for these tests
 

@@ -19,8 +19,8 @@ from users_harness import ThrowawayAccounts, require_root, run_as
 
 from kvtierd_client.client import Client
 from kvtierd_client.errors import ResourceExhausted
-from kvtierd_client.peer_ticket import TicketRefused, obtain_ticket
-from kvtierd_client.proto import pb2
+from kvtierd_client.wire.peer_ticket import TicketRefused, obtain_ticket
+from kvtierd_client.wire.proto import pb2
 
 
 @pytest.fixture
@@ -225,7 +225,7 @@ def test_a_local_flood_of_region_socket_connections_does_not_drop_another_uids_r
     import subprocess
     import sys
 
-    from kvtierd_client.region_fd import RegionAccessDenied, request_region_fd
+    from kvtierd_client._shm.region_fd import RegionAccessDenied, request_region_fd
 
     group = accounts.group()
     attacker = accounts.user(group)

@@ -33,7 +33,7 @@ from redis_harness import RedisServer
 from test_fs_tier_daemon import MISS, Engine, block_keys
 from test_redis_tier_daemon import daemons, key_prefix, redis_config, redis_key
 
-from kvtierd.primary import PrimaryManager
+from kvtierd.primary.manager import PrimaryManager
 from kvtierd_client.client import Client, LookupResult
 from kvtierd_client.errors import FailedPrecondition
 
@@ -181,7 +181,7 @@ def test_a_truncated_region_cannot_kill_the_daemon_through_the_redis_tier(
     """The redis tier's store hashed the row and handed it to the socket through the
     daemon's mapping on an I/O thread: a region its client truncated killed the
     daemon with SIGBUS at the cascade. Rows are now copied out with a system call
-    (``kvtierd.regionrows``): the store of a row past the cut fails, nothing else.
+    (``kvtierd.primary.rows``): the store of a row past the cut fails, nothing else.
     (``tests/integration/test_truncated_region.py`` covers every other path.)"""
     daemon = start_daemon(
         "--memory-budget", "64MiB", config=redis_config(redis_server.url, key_prefix)

@@ -32,10 +32,10 @@ from test_fs_tier_daemon import HIT, MISS, Engine, block_keys, payload
 from test_redis_tier_daemon import daemons, key_prefix, promoted, redis_config, redis_key
 from test_warm_restart import BLOCK, content, read_row, store, write_rows
 
-from kvtierd.fastlane import MAX_BIND_FRAME_BYTES
+from kvtierd.api.fastlane import MAX_BIND_FRAME_BYTES
 from kvtierd.tiers.fs import fsformat
 from kvtierd_client.client import Client, LookupResult
-from kvtierd_client.lane_frames import BIND, HEADER
+from kvtierd_client.wire.lane_frames import BIND, HEADER
 
 __all__ = ["daemons", "key_prefix", "other_user"]  # fixtures, imported for these tests
 

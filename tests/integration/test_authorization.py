@@ -26,8 +26,8 @@ from users_harness import Group, ThrowawayAccounts, User, require_root, run_as
 
 from kvtierd_client.client import Client
 from kvtierd_client.errors import PermissionDenied, ResourceExhausted
-from kvtierd_client.peer_ticket import obtain_ticket
-from kvtierd_client.proto import pb2
+from kvtierd_client.wire.peer_ticket import obtain_ticket
+from kvtierd_client.wire.proto import pb2
 
 
 @pytest.fixture

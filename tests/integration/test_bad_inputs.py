@@ -9,7 +9,7 @@ import grpc
 import pytest
 from daemon_harness import wait_tier_jobs
 
-from kvtierd_client.proto import pb2
+from kvtierd_client.wire.proto import pb2
 
 BLOCK = 4096
 OK_KEY = b"k" * 36

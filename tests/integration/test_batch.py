@@ -9,10 +9,10 @@ import grpc
 import pytest
 from daemon_harness import PoolEvents, eventually
 
-from kvtierd_client import flusher
+from kvtierd_client._rpc import flusher
 from kvtierd_client.client import Client, LookupResult
 from kvtierd_client.errors import FailedPrecondition
-from kvtierd_client.proto import pb2
+from kvtierd_client.wire.proto import pb2
 
 OK = 0
 HIT, MISS, PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING

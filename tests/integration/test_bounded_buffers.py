@@ -8,7 +8,7 @@ import grpc
 import pytest
 from daemon_harness import DaemonProcess, eventually, start_daemon
 
-from kvtierd_client.proto import pb2, pb2_grpc
+from kvtierd_client.wire.proto import pb2, pb2_grpc
 
 
 @pytest.fixture

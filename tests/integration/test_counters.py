@@ -20,7 +20,7 @@ from daemon_harness import DaemonProcess, free_port, fs_tiers_config, start_daem
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtierd_client.client import Client, LookupResult
-from kvtierd_client.proto import pb2
+from kvtierd_client.wire.proto import pb2
 
 KVTIERCTL = str(Path(sys.executable).parent / "kvtierctl")
 BLOCK = 8192

@@ -15,7 +15,7 @@ from daemon_harness import start_daemon
 from kvtierd_client.aio import AsyncClient
 from kvtierd_client.client import Client, LookupResult
 from kvtierd_client.errors import OutOfRange, Unauthenticated
-from kvtierd_client.proto import pb2, pb2_grpc
+from kvtierd_client.wire.proto import pb2, pb2_grpc
 
 
 def store(session, *keys: bytes) -> None:

@@ -1,4 +1,4 @@
-"""The fast lane (kvtierd.fastlane) against the real daemon over real sockets:
+"""The fast lane (kvtierd.api.fastlane) against the real daemon over real sockets:
 the same answers, errors and leases as gRPC, ordering, bad frames cut the
 connection and nothing else, the end of a lane closes its session, a stalled
 reader is cut, another uid cannot use a session's lane, and the client falls
@@ -24,12 +24,12 @@ import pytest
 from daemon_harness import DaemonProcess, eventually, start_daemon
 from local_users import other_user
 
+from kvtierd_client._rpc.codec import LOOKUP
 from kvtierd_client.aio import AsyncClient
 from kvtierd_client.client import Client, LookupResult
-from kvtierd_client.codec import LOOKUP
 from kvtierd_client.errors import DeadlineExceeded, KvtierError, NotFound
-from kvtierd_client.lane_frames import BIND, HEADER, METHODS, frame
-from kvtierd_client.proto import pb2
+from kvtierd_client.wire.lane_frames import BIND, HEADER, METHODS, frame
+from kvtierd_client.wire.proto import pb2
 
 __all__ = ["other_user"]  # the fixture, imported for these tests
 
@@ -441,7 +441,7 @@ def test_another_uid_cannot_use_a_sessions_lane(other_user, tmp_path):
 
 
 def _reopen_with_token(client: Client, pool: str) -> pb2.OpenSessionResponse:
-    from kvtierd_client.codec import OPEN_SESSION
+    from kvtierd_client._rpc.codec import OPEN_SESSION
 
     return client._call(OPEN_SESSION, pool, 4096, 8, "", "", "")
 

@@ -22,7 +22,7 @@ from daemon_harness import daemon_command, eventually, fs_tiers_config, start_da
 from local_users import LocalUser, other_user
 from test_fs_tier_daemon import Engine, block_keys, file_of
 
-from kvtierd.region import region_file_name
+from kvtierd.primary.region import region_file_name
 from kvtierd.tiers.fs import fsformat
 
 __all__ = ["other_user"]  # the fixture, imported for these tests

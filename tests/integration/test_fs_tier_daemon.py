@@ -29,8 +29,8 @@ from daemon_harness import (
 from kvtierd.tiers.fs import fsformat
 from kvtierd_client.client import Client, LookupResult, Session
 from kvtierd_client.errors import FailedPrecondition
-from kvtierd_client.proto import pb2
 from kvtierd_client.region import AttachedRegion, attach_announced
+from kvtierd_client.wire.proto import pb2
 
 BLOCK = 65536
 FILE_BYTES = fsformat.HEADER_SIZE + BLOCK

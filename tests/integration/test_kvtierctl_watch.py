@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from daemon_harness import eventually
 
-from kvtierd.ctl import CLEAR_SCREEN
+from kvtierd.ops.ctl import CLEAR_SCREEN
 from kvtierd_client.client import Client
 
 KVTIERCTL = str(Path(sys.executable).parent / "kvtierctl")

@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-from kvtierd_client.proto import pb2
+from kvtierd_client.wire.proto import pb2
 
 
 def open_pool(daemon, name: str, num_blocks: int = 4):

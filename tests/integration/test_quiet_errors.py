@@ -16,7 +16,7 @@ import grpc
 import pytest
 from daemon_harness import start_daemon
 
-from kvtierd_client.proto import pb2, pb2_grpc
+from kvtierd_client.wire.proto import pb2, pb2_grpc
 
 KVTIER = "/kvtier.v1.KVTier/"
 HEALTH = "/grpc.health.v1.Health/"

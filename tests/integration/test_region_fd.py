@@ -28,9 +28,9 @@ from kvtierd.security.region_access import (
     REQUEST_TIMEOUT_S,
     socket_path_for,
 )
+from kvtierd_client._shm.region_fd import RegionAccessDenied, request_region_fd
 from kvtierd_client.client import Client
 from kvtierd_client.region import AttachedRegion, RegionIdentityError, attach_announced
-from kvtierd_client.region_fd import RegionAccessDenied, request_region_fd
 
 __all__ = ["other_user"]  # the fixture, imported for these tests
 

@@ -23,7 +23,7 @@ import pytest
 from daemon_harness import DaemonProcess, eventually, start_daemon
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvtierd.region import region_file_name
+from kvtierd.primary.region import region_file_name
 from kvtierd_client.client import Client, LookupResult
 from kvtierd_client.errors import FailedPrecondition
 from kvtierd_client.region import AttachedRegion

@@ -5,7 +5,7 @@ passes), so it can ``ftruncate`` it. A page of the daemon's mapping past the new
 end raises SIGBUS when the daemon's own code touches it (hashing a row, sending
 it to a socket from the mapping, copying a promoted block into it), and SIGBUS
 kills the daemon: every pool and session of every user. The daemon now copies
-row bytes only through system calls (``kvtierd.regionrows``): the block whose
+row bytes only through system calls (``kvtierd.primary.rows``): the block whose
 row is gone fails, with one rate-limited WARNING naming the pool and the region,
 and nothing else does.
 

@@ -1,4 +1,4 @@
-"""Warm restart's hashing off the daemon (kvtierd.hashworker): the journal's row
+"""Warm restart's hashing off the daemon (kvtierd.primary.warm.hashworker): the journal's row
 checksums are computed by a niced helper process of a real daemon. A worker that
 stalls delays the journal but never makes it drop a completed block (the backlog
 holds one entry per row) nor holds the daemon's stop; a worker that dies is
@@ -16,7 +16,7 @@ import pytest
 from daemon_harness import DaemonProcess, eventually, start_daemon
 from test_warm_restart import BLOCK, HIT, MISS, assert_bit_exact, restart, store
 
-from kvtierd.hashworker import WORKER_NICE
+from kvtierd.primary.warm.hashworker import WORKER_NICE
 from kvtierd_client.client import Client
 
 ROWS = 16
@@ -24,7 +24,8 @@ _CLOSED = re.compile(r"(\d+) completed blocks journaled, (\d+) handed out again"
 
 
 def hash_workers(daemon: DaemonProcess) -> list[int]:
-    """Process ids of the daemon's hash workers (its children running kvtierd.hashworker)."""
+    """Process ids of the daemon's hash workers (its children running
+    kvtierd.primary.warm.hashworker)."""
     pids: list[int] = []
     for task in os.listdir(f"/proc/{daemon.proc.pid}/task"):
         try:
@@ -33,7 +34,10 @@ def hash_workers(daemon: DaemonProcess) -> list[int]:
             continue
         for child in map(int, children):
             try:
-                if b"kvtierd.hashworker" in Path(f"/proc/{child}/cmdline").read_bytes():
+                if (
+                    b"kvtierd.primary.warm.hashworker"
+                    in Path(f"/proc/{child}/cmdline").read_bytes()
+                ):
                     pids.append(child)
             except FileNotFoundError:
                 continue

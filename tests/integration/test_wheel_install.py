@@ -42,7 +42,7 @@ BUILD_TIMEOUT = 120.0  # seconds; a build takes a few here
 # Run by the fresh venv's python: the round trip, and where every module came from.
 CLIENT_SCRIPT = """
 import importlib.util, json, sys
-import kvtierd, kvtierd.cli, kvtierd.daemon, kvtierd_client
+import kvtierd, kvtierd.ops.cli, kvtierd.ops.daemon, kvtierd_client
 from kvtierd_client._proto.kvtier.v1 import kvtier_pb2
 from kvtierd_client.client import Client
 

@@ -25,7 +25,7 @@ from redis.cluster import RedisCluster
 from tier_contract import CHECKS, DAMAGE_CHECKS, ROWS, Check, TierKit, run_check
 
 from kvtierd.contract import BlockKey
-from kvtierd.region import Region
+from kvtierd.primary.region import Region
 from kvtierd.tiers.base import JobCallback, SecondaryTier
 from kvtierd.tiers.fs import FsTier, fsformat
 from kvtierd.tiers.fs.iopool import IoPool

@@ -14,16 +14,9 @@ from typing import Any
 import grpc
 import pytest
 
-from kvtierd_client import address as address_mod
-from kvtierd_client.address import (
-    default_address,
-    default_runtime_dir,
-    default_socket_path,
-    to_grpc_target,
-)
+from kvtierd_client._rpc.connection import OPEN_SESSION_TIMEOUT
 from kvtierd_client.aio import AsyncClient
 from kvtierd_client.client import Client, LookupResult, StoreResult
-from kvtierd_client.connection import OPEN_SESSION_TIMEOUT
 from kvtierd_client.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -38,7 +31,14 @@ from kvtierd_client.errors import (
     Unavailable,
     from_rpc_error,
 )
-from kvtierd_client.proto import pb2
+from kvtierd_client.wire import address as address_mod
+from kvtierd_client.wire.address import (
+    default_address,
+    default_runtime_dir,
+    default_socket_path,
+    to_grpc_target,
+)
+from kvtierd_client.wire.proto import pb2
 
 # -- addresses -------------------------------------------------------------------------
 

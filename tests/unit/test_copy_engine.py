@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvtierd.region import Region
+from kvtierd.primary.region import Region
 from kvtierd_client import copy_engine as copy_engine_mod
 from kvtierd_client.copy_engine import CopyEngine, CopyEngineStatistics
 from kvtierd_client.region import AttachedRegion

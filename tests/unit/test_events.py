@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from kvtierd.contract import BlockEvent, Medium
-from kvtierd.events import (
+from kvtierd.records.events import (
     EVENT_OVERHEAD_BYTES,
     KEY_OVERHEAD_BYTES,
     MAX_EVENT_BYTES,

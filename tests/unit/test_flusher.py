@@ -11,8 +11,8 @@ import time
 import pytest
 from daemon_harness import eventually
 
-from kvtierd_client import flusher
-from kvtierd_client.flusher import FlushDeadline
+from kvtierd_client._rpc import flusher
+from kvtierd_client._rpc.flusher import FlushDeadline
 
 
 class Recorder:

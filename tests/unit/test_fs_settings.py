@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from kvtierd.cli import build_parser
+from kvtierd.ops.cli import build_parser
 from kvtierd.tiers.configured import TierOptionError
 from kvtierd.tiers.fs import FsTier
 from kvtierd.tiers.fs.iopool import IoPool

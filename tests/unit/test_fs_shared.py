@@ -20,7 +20,7 @@ import pytest
 from test_fs_tier import BLOCK, FILE_BYTES, POOL, ROWS, Harness, run
 
 from kvtierd.contract import LookupResult
-from kvtierd.region import Region
+from kvtierd.primary.region import Region
 from kvtierd.tiers.fs import FsTier, fsformat
 from kvtierd.tiers.fs.index import BlockIndex, DiskBudget
 from kvtierd.tiers.fs.shared import MAX_WANTED, SharedRoot

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from kvtierd.contract import LookupResult
-from kvtierd.region import Region
+from kvtierd.primary.region import Region
 from kvtierd.tiers.base import JobResult, TierJob
 from kvtierd.tiers.fs import FsTier, FsTierError, PoolMismatchError, fsformat, ioworker, safefs
 from kvtierd.tiers.fs.fsck import fsck

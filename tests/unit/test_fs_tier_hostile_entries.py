@@ -25,7 +25,7 @@ from daemon_harness import eventually
 from test_fs_tier import BLOCK_IO, Harness, block_path, region, run
 
 from kvtierd.contract import LookupResult
-from kvtierd.region import Region
+from kvtierd.primary.region import Region
 from kvtierd.tiers.fs import FsTier, FsTierError, fsformat, iopool, ioworker, scan
 from kvtierd.tiers.fs.iopool import IoPool
 

@@ -1,5 +1,5 @@
-"""kvtierd.hashworker and kvtierd.rowsums: the journal's row checksums computed
-in a real helper process from its own mapping of a /dev/shm file, equal to the
+"""kvtierd.primary.warm.hashworker and kvtierd.primary.warm.rowsums: the journal's row
+checksums computed in a real helper process from its own mapping of a /dev/shm file, equal to the
 daemon's own ways of computing them; a truncated file or a dead worker never
 yields a checksum of bytes that were not read, and never stops the hashing."""
 
@@ -14,9 +14,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvtierd import rowsums
-from kvtierd.hashworker import WORKER_NICE, HashWorker, WorkerDied
-from kvtierd.rowsums import RowChecksums, checksum_spans, read_row_checksum, row_checksum
+from kvtierd.primary.warm import rowsums
+from kvtierd.primary.warm.hashworker import WORKER_NICE, HashWorker, WorkerDied
+from kvtierd.primary.warm.rowsums import (
+    RowChecksums,
+    checksum_spans,
+    read_row_checksum,
+    row_checksum,
+)
 
 BLOCK = 1 << 20
 ROWS = 8
@@ -111,7 +116,7 @@ def test_the_worker_maps_the_region_afresh_so_its_page_tables_stay_bounded(regio
     do not change."""
     from array import array
 
-    from kvtierd import hashworker
+    from kvtierd.primary.warm import hashworker
 
     fd, view = region
     spans = checksum_spans(BLOCK, 64 << 10)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtierd.history import KEY_OVERHEAD_BYTES, RemovalLog
+from kvtierd.records.history import KEY_OVERHEAD_BYTES, RemovalLog
 
 
 def test_keeps_the_last_records_per_key_oldest_first():

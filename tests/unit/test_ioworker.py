@@ -14,7 +14,7 @@ from daemon_harness import eventually
 from test_fs_tier import BLOCK, FILE_BYTES, Harness, block_path, region, run, temp_files
 
 from kvtierd.contract import LookupResult
-from kvtierd.region import Region
+from kvtierd.primary.region import Region
 from kvtierd.tiers.fs import fsformat, ioworker
 from kvtierd.tiers.fs.blockfile import CorruptFile
 from kvtierd.tiers.fs.ioworker import IoWorkers, WorkerDied, WorkerProcess

@@ -1,4 +1,4 @@
-"""The warm-restart journal (kvtierd.journal) on real files: what it records,
+"""The warm-restart journal (kvtierd.primary.warm.journal) on real files: what it records,
 that a replay gives back exactly the live state (after compactions too), that
 a row handed out again is never recorded ready with an old checksum, and that
 a failing file turns the journal off instead of lying; and PrimaryManager.adopt."""
@@ -9,16 +9,16 @@ import os
 
 import pytest
 
-from kvtierd import journal as journal_module
-from kvtierd.journal import (
+from kvtierd.primary.manager import PrimaryManager
+from kvtierd.primary.warm import journal as journal_module
+from kvtierd.primary.warm.journal import (
     JournalError,
     JournalHeader,
     JournalWriter,
     encode_freed,
     read_journal,
 )
-from kvtierd.primary import PrimaryManager
-from kvtierd.rowsums import checksum_spans, row_checksum
+from kvtierd.primary.warm.rowsums import checksum_spans, row_checksum
 
 BLOCK = 4096
 ROWS = 32
@@ -207,7 +207,7 @@ def test_the_daemon_path_hashes_the_region_file_the_same_way(tmp_path, monkeypat
     import errno
     import mmap
 
-    from kvtierd import safecopy
+    from kvtierd.primary import safecopy
 
     if path == "pread-fallback":
 

@@ -15,7 +15,7 @@ from kvtierd_client.client import Client
 from kvtierd_client.errors import NotFound, Unavailable
 from kvtierd_client.lease_beacon import LeaseBeacon, LeaseBeaconReader, LeaseState
 from kvtierd_client.lease_fence import LeaseFence
-from kvtierd_client.proto import pb2
+from kvtierd_client.wire.proto import pb2
 
 
 class ScriptedDaemon:

@@ -8,7 +8,7 @@ from collections import OrderedDict
 
 import pytest
 
-from kvtierd.policies import (
+from kvtierd.primary.policies import (
     POLICY_NAMES,
     ARCPolicy,
     ArcStats,

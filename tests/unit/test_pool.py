@@ -14,10 +14,10 @@ import pytest
 
 from kvtierd.config import load_config
 from kvtierd.contract import BlockKey, LookupResult, Medium
+from kvtierd.core.pool import Pool, PoolSpec
 from kvtierd.errors import FailedPrecondition
-from kvtierd.history import EVICTED_FOR_ROOM, FLUSHED
-from kvtierd.pool import Pool, PoolSpec
-from kvtierd.region import Region
+from kvtierd.primary.region import Region
+from kvtierd.records.history import EVICTED_FOR_ROOM, FLUSHED
 from kvtierd.tiers.base import JobResult, SecondaryTier, TierJob, TierStats
 
 HIT, MISS, PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING

@@ -13,10 +13,10 @@ from typing import Any, TypeVar
 import pytest
 
 from kvtierd.config import load_config
+from kvtierd.core.pool import Pool, PoolSpec
+from kvtierd.core.pools import PoolTable
 from kvtierd.errors import FailedPrecondition, PoolNotFound, ResourceExhausted
-from kvtierd.pool import Pool, PoolSpec
-from kvtierd.pools import PoolTable
-from kvtierd.region import region_file_name
+from kvtierd.primary.region import region_file_name
 
 BLOCK = 4096
 _T = TypeVar("_T")

@@ -11,8 +11,8 @@ from collections.abc import Callable
 import pytest
 
 from kvtierd.contract import PRIMARY_TIER, BlockEvent, LookupResult, Medium, StoreGrant
-from kvtierd.policies import POLICY_NAMES, ARCPolicy, LRUPolicy
-from kvtierd.primary import NotLoadableError, NotPinnedError, PrimaryManager, PrimaryStats
+from kvtierd.primary.manager import NotLoadableError, NotPinnedError, PrimaryManager, PrimaryStats
+from kvtierd.primary.policies import POLICY_NAMES, ARCPolicy, LRUPolicy
 
 MISS, HIT, PENDING = LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING
 

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from kvtierd.ratelimit import RateLimitedLog
+from kvtierd.util.ratelimit import RateLimitedLog
 
 
 class Clock:

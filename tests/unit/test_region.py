@@ -1,4 +1,5 @@
-"""The daemon's region files (kvtierd.region) and the workers' attach (kvtierd_client.region).
+"""The daemon's region files (kvtierd.primary.region) and the workers' attach
+(kvtierd_client.region).
 
 Real files, real mmap, real flock, in a private directory on /dev/shm (a tmpfs,
 as in production) when there is one. Faults the kernel will not produce on
@@ -24,8 +25,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvtierd import region as region_mod
-from kvtierd.region import (
+from kvtierd.primary import region as region_mod
+from kvtierd.primary.region import (
     InsufficientSpaceError,
     Region,
     RegionError,
@@ -160,7 +161,7 @@ def test_stale_file_of_a_dead_daemon_is_replaced_not_reused(region_dir, caplog):
     crashed = child_python(
         """
         import os, sys
-        from kvtierd.region import Region
+        from kvtierd.primary.region import Region
         region = Region.create(sys.argv[1], "pool", 8, 16384)
         region.buffer()[:] = b"\\xab" * region.size
         print(region.path, flush=True)
@@ -323,7 +324,7 @@ def test_page_touching_fallback_survives_a_file_cut_short_under_it(region_dir):
     path = os.path.join(region_dir, "cut")
     script = (
         "import mmap, os, sys\n"
-        "from kvtierd import region\n"
+        "from kvtierd.primary import region\n"
         "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)\n"
         "os.ftruncate(fd, 64 * mmap.PAGESIZE)\n"
         "mapping = mmap.mmap(fd, 64 * mmap.PAGESIZE)\n"
@@ -496,7 +497,7 @@ def test_importing_the_client_region_does_not_import_torch():
 
 
 def test_the_runtime_library_is_found_among_the_mapped_files():
-    from kvtierd_client.cuda_runtime import clear_last_error, loaded_libraries
+    from kvtierd_client._shm.cuda_runtime import clear_last_error, loaded_libraries
 
     maps = (
         "7f00-7f10 r-xp 00000000 08:01 42 /opt/venv/lib/nvidia/cu13/lib/libcudart.so.13\n"

@@ -1,4 +1,4 @@
-"""The client side of the region-descriptor socket (kvtierd_client.region_fd):
+"""The client side of the region-descriptor socket (kvtierd_client._shm.region_fd):
 a process that is not the daemon never learns the session id."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvtierd_client.region_fd import RegionSocketImpostor, request_region_fd
+from kvtierd_client._shm.region_fd import RegionSocketImpostor, request_region_fd
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""kvtierd.regionrows: row copies that fail with an error, never SIGBUS, when a
+"""kvtierd.primary.rows: row copies that fail with an error, never SIGBUS, when a
 client truncated the region file, and never grow it back."""
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvtierd import regionrows, safecopy
-from kvtierd.region import Region
-from kvtierd.regionrows import (
+from kvtierd.primary import rows as regionrows
+from kvtierd.primary import safecopy
+from kvtierd.primary.region import Region
+from kvtierd.primary.rows import (
     RegionClosed,
     RegionCutShort,
     RegionRows,

@@ -1,4 +1,4 @@
-"""kvtierd.safecopy: copies out of a shared mapping whose file a client may truncate."""
+"""kvtierd.primary.safecopy: copies out of a shared mapping whose file a client may truncate."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import mmap
 import os
 import tempfile
 
-from kvtierd.safecopy import IOV_MAX, address_of, gather
+from kvtierd.primary.safecopy import IOV_MAX, address_of, gather
 
 
 def test_gather_copies_ranges_back_to_back_and_comes_back_short_past_a_truncation():

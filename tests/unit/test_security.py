@@ -28,7 +28,7 @@ from kvtierd.security.principals import (
 from kvtierd.security.quotas import PoolQuotas
 from kvtierd.security.state import SecurityState
 from kvtierd.security.tokens import TokensFileError, read_token_lines
-from kvtierd_client.peer_ticket import (
+from kvtierd_client.wire.peer_ticket import (
     MAX_ANSWER_BYTES,
     TicketRefused,
     TicketSocketError,

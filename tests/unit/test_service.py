@@ -15,14 +15,14 @@ from typing import Any, TypeVar
 import grpc
 import pytest
 
+from kvtierd.api.service import MAX_BATCH_OPS, TAKE_EVENTS_MAX_BYTES, KVTierService
 from kvtierd.config import load_config
 from kvtierd.contract import BlockEvent, LookupResult, Medium
-from kvtierd.events import event_bytes
-from kvtierd.pools import PoolTable
+from kvtierd.core.pools import PoolTable
+from kvtierd.core.sessions import SessionTable
+from kvtierd.records.events import event_bytes
 from kvtierd.security.state import SecurityState
-from kvtierd.service import MAX_BATCH_OPS, TAKE_EVENTS_MAX_BYTES, KVTierService
-from kvtierd.sessions import SessionTable
-from kvtierd_client.proto import pb2
+from kvtierd_client.wire.proto import pb2
 
 _T = TypeVar("_T")
 BLOCK = 4096
@@ -300,7 +300,7 @@ def test_take_events_pages_and_keeps_one_cursor_per_session(daemon):
 
 
 def counted_bytes(event: pb2.Event) -> int:
-    """What an event counts against the answer's byte limit (kvtierd.events)."""
+    """What an event counts against the answer's byte limit (kvtierd.records.events)."""
     return event_bytes(BlockEvent(tuple(event.keys), Medium(event.medium), event.removed))
 
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 
 from kvtierd.config import load_config
+from kvtierd.core.pool import Pool, PoolSpec
+from kvtierd.core.sessions import SessionTable
 from kvtierd.errors import ResourceExhausted, SessionNotFound
-from kvtierd.events import event_bytes
-from kvtierd.pool import Pool, PoolSpec
-from kvtierd.region import Region
+from kvtierd.primary.region import Region
+from kvtierd.records.events import event_bytes
 from kvtierd.security.access import AccessDenied
-from kvtierd.sessions import SessionTable
 
 
 class Clock:

@@ -20,20 +20,20 @@ from typing import Any
 import pytest
 from prometheus_client.core import Metric
 
+from kvtierd.api.service import pool_stats_message
 from kvtierd.contract import Medium
-from kvtierd.metrics import POOL_FAMILIES, POOL_NUMBERS, collect_pool_families
-from kvtierd.pool import PoolSpec
-from kvtierd.service import pool_stats_message
-from kvtierd.statistics import (
+from kvtierd.core.pool import PoolSpec
+from kvtierd.core.statistics import (
     TIER_NUMBERS,
     WIRE_NUMBERS,
     PoolStatistics,
     PrimaryStatistics,
     SecondaryStatistics,
 )
-from kvtierd.tiering import TierCounters
+from kvtierd.ops.metrics import POOL_FAMILIES, POOL_NUMBERS, collect_pool_families
+from kvtierd.tiering.manager import TierCounters
 from kvtierd.tiers.base import TierStats
-from kvtierd_client.proto import pb2
+from kvtierd_client.wire.proto import pb2
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

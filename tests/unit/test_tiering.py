@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterator, Sequence
 import pytest
 
 from kvtierd.contract import BlockKey, LookupResult
-from kvtierd.primary import PrimaryManager
-from kvtierd.tiering import Tiering
+from kvtierd.primary.manager import PrimaryManager
+from kvtierd.tiering.manager import Tiering
 from kvtierd.tiers.base import JobCallback, TierJob
 from kvtierd.tiers.memory import MemoryTier, StoreOutcome
 

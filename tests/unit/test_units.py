@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtierd.units import format_bytes, parse_duration, parse_size
+from kvtierd.util.units import format_bytes, parse_duration, parse_size
 
 
 @pytest.mark.parametrize(

@@ -1,12 +1,12 @@
-"""The daemon's enums are the wire's (``kvtierd.wire`` casts on that ground)."""
+"""The daemon's enums are the wire's (``kvtierd.api.wire`` casts on that ground)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvtierd import wire
+from kvtierd.api import wire
 from kvtierd.contract import LookupResult, Medium
-from kvtierd_client.proto import pb2
+from kvtierd_client.wire.proto import pb2
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,7 @@ from openai_server import OpenAIServer
 from vllm_e2e import BLOCK_KV_BYTES
 
 from benchmarks.vllm_model import random_prompt
-from kvtierd.units import parse_size
+from kvtierd.util.units import parse_size
 from kvtierd_client.client import Client
 
 README = Path(__file__).resolve().parents[2] / "README.md"

@@ -19,10 +19,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import kvtierd_client.region_fd as region_fd
+import kvtierd_client._shm.region_fd as region_fd
+from kvtierd_client._shm.region_fd import RegionAccessDenied
 from kvtierd_client.client import Client, Session
 from kvtierd_client.region import RegionIdentityError
-from kvtierd_client.region_fd import RegionAccessDenied
 from kvtierd_client.vllm.common import RegionIdentity
 from kvtierd_client.vllm.settings import PoolPlan
 from kvtierd_client.vllm.worker import KvtierdOffloadingWorker, _attach_exactly

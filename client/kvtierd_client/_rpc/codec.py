@@ -25,8 +25,8 @@ from typing import Any, Generic, TypeVar
 import grpc
 
 from kvtierd_client.errors import Internal, InvalidArgument, KvtierError, error_class
-from kvtierd_client.proto import pb2
-from kvtierd_client.types import LookupResult, StoreResult
+from kvtierd_client.wire.proto import pb2
+from kvtierd_client.wire.results import LookupResult, StoreResult
 
 __all__ = [
     "BATCH",

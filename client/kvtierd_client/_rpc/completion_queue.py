@@ -3,7 +3,7 @@
 ``CompleteStore`` / ``CompleteLoad`` / ``Touch`` of a session that queues its
 completions are not sent when called: they wait here until the session's next
 call that needs an answer carries them in the same ``Batch``, or until the
-:class:`~kvtierd_client.flusher.FlushDeadline` sends them alone ``flush_after``
+:class:`~kvtierd_client._rpc.flusher.FlushDeadline` sends them alone ``flush_after``
 seconds after the oldest was queued. Their failures cannot be raised by the call
 that queued them: they are logged and kept in :attr:`CompletionQueue.deferred_errors`.
 """
@@ -14,9 +14,9 @@ import logging
 import threading
 from collections.abc import Callable
 
+from kvtierd_client._rpc.flusher import FlushDeadline, FlushStatistics
 from kvtierd_client.errors import KvtierError
-from kvtierd_client.flusher import FlushDeadline, FlushStatistics
-from kvtierd_client.proto import pb2
+from kvtierd_client.wire.proto import pb2
 
 __all__ = ["DEFAULT_FLUSH_AFTER", "DEFERRED_ERRORS_KEPT", "CompletionQueue"]
 

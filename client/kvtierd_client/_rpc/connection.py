@@ -3,7 +3,7 @@
 :class:`Connection` holds the daemon address, the stub over a channel it opened
 (or one a test injected), the call deadline, the credentials every call carries
 (a bearer token; over a Unix socket of a daemon with principals, a peer ticket:
-``kvtierd_client.credentials``) and the sessions opened through it. It prepares
+``kvtierd_client._rpc.credentials``) and the sessions opened through it. It prepares
 every call (request, deadline, closed check) and turns gRPC failures into
 ``KvtierError``; sending the call (blocking, or awaited) is all that
 ``kvtierd_client.client.Client`` and ``kvtierd_client.aio.AsyncClient`` add.
@@ -20,13 +20,13 @@ from typing import Any, ClassVar, NoReturn
 
 import grpc
 
-from kvtierd_client.address import default_address, to_grpc_target
-from kvtierd_client.codec import WATCH_EVENTS, Op, client_closed_error
-from kvtierd_client.credentials import CallCredentials
+from kvtierd_client._rpc.codec import WATCH_EVENTS, Op, client_closed_error
+from kvtierd_client._rpc.credentials import CallCredentials
+from kvtierd_client._rpc.session_state import SessionState
 from kvtierd_client.errors import KvtierError, from_rpc_error
-from kvtierd_client.proto import pb2_grpc
-from kvtierd_client.session_state import SessionState
 from kvtierd_client.tls import TlsOptions, resolve_tls
+from kvtierd_client.wire.address import default_address, to_grpc_target
+from kvtierd_client.wire.proto import pb2_grpc
 
 __all__ = ["DEFAULT_CHANNEL_OPTIONS", "DEFAULT_TIMEOUT", "Connection", "WatchStream"]
 
@@ -59,7 +59,7 @@ class Connection:
     """One channel to kvtierd and the sessions opened over it (base of both clients).
 
     ``address``: ``unix:///abs/path``, ``/abs/path``, ``host:port``, ... (see
-    ``kvtierd_client.address``); default ``$KVTIERD_ADDRESS`` or the default socket.
+    ``kvtierd_client.wire.address``); default ``$KVTIERD_ADDRESS`` or the default socket.
     ``timeout``: the deadline in seconds of every call. ``channel_options``
     replaces ``DEFAULT_CHANNEL_OPTIONS``. ``token``: sent as
     ``authorization: Bearer <token>`` on every call. ``tls``: TLS (and mTLS)
@@ -67,9 +67,9 @@ class Connection:
     address uses TLS even without them). ``stub``: use this object
     instead of a ``KVTierStub`` over a new channel (tests inject fakes here).
     Over a Unix socket of a daemon with principals, the client proves its
-    process's uid with a peer ticket (``kvtierd_client.credentials``; not with
+    process's uid with a peer ticket (``kvtierd_client._rpc.credentials``; not with
     an injected ``stub``). ``fast_lane``: a session the daemon offers a fast lane
-    sends its hot calls over it (``kvtierd_client.fastlane``); False: always gRPC.
+    sends its hot calls over it (``kvtierd_client._rpc.fastlane``); False: always gRPC.
 
     Raises ``ValueError`` for a malformed address, or TLS asked for on a Unix
     socket. Connecting is lazy: an unreachable daemon (or a failed TLS

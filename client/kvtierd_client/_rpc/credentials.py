@@ -1,5 +1,5 @@
 """What a client's calls carry to prove who they are: a bearer token (TCP) and,
-over a Unix socket, the peer ticket of ``kvtierd_client.peer_ticket``.
+over a Unix socket, the peer ticket of ``kvtierd_client.wire.peer_ticket``.
 
 A client asks for a ticket when it is made, if the daemon serves a ticket
 socket next to its Unix socket (it does when principals are configured).
@@ -20,10 +20,10 @@ from typing import Any
 
 import grpc
 
-from kvtierd_client.address import to_grpc_target
-from kvtierd_client.codec import auth_metadata
+from kvtierd_client._rpc.codec import auth_metadata
 from kvtierd_client.errors import PermissionDenied, Unavailable
-from kvtierd_client.peer_ticket import TicketHolder, TicketRefused, TicketSocketError
+from kvtierd_client.wire.address import to_grpc_target
+from kvtierd_client.wire.peer_ticket import TicketHolder, TicketRefused, TicketSocketError
 
 log = logging.getLogger("kvtierd_client.credentials")
 

@@ -34,8 +34,8 @@ from typing import Any
 import grpc
 
 from kvtierd_client.errors import KvtierError, NotFound, Unavailable, from_status
-from kvtierd_client.lane_frames import BIND, HEADER, METHODS, OK, VERSION, frame
-from kvtierd_client.proto import pb2
+from kvtierd_client.wire.lane_frames import BIND, HEADER, METHODS, OK, VERSION, frame
+from kvtierd_client.wire.proto import pb2
 
 __all__ = ["AsyncFastLane", "FastLane", "offered"]
 

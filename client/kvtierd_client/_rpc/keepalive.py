@@ -25,9 +25,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from kvtierd_client.codec import KEEP_ALIVE
+from kvtierd_client._rpc.codec import KEEP_ALIVE
+from kvtierd_client._rpc.session_state import SESSION_GONE, SessionState
 from kvtierd_client.errors import KvtierError, NotFound
-from kvtierd_client.session_state import SESSION_GONE, SessionState
 
 __all__ = [
     "Beat",

@@ -16,7 +16,7 @@ from typing import Any
 
 from kvtierd_client.errors import NotFound
 from kvtierd_client.lease_beacon import LeaseBeacon
-from kvtierd_client.proto import pb2
+from kvtierd_client.wire.proto import pb2
 
 __all__ = ["SESSION_GONE", "SessionState", "fence_margin"]
 
@@ -58,7 +58,7 @@ class SessionState:
         # Invariant: only grows; published to _beacon whenever it does.
         self._lease_proven_until = 0.0
         self._beacon: LeaseBeacon | None = None
-        # the session's fast lane (kvtierd_client.fastlane), set by the client right
+        # the session's fast lane (kvtierd_client._rpc.fastlane), set by the client right
         # after OpenSession when the daemon offered one and it connected; None: gRPC
         self._lane: Any = None
         self._renewed(sent_at)

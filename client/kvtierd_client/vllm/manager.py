@@ -81,9 +81,6 @@ from vllm.v1.kv_offload.base import (
 
 from kvtierd_client.client import Client, Session
 from kvtierd_client.errors import KvtierError
-from kvtierd_client.proto import pb2
-from kvtierd_client.types import LookupResult as DaemonLookup
-from kvtierd_client.types import StoreResult
 from kvtierd_client.vllm.accounting import (
     METRIC_NAMES,
     CounterReport,
@@ -97,6 +94,9 @@ from kvtierd_client.vllm.holdings import GRAVE_STEPS, Holdings
 from kvtierd_client.vllm.settings import PluginSettings, PoolPlan
 from kvtierd_client.vllm.step_cache import StepCache
 from kvtierd_client.vllm.store_ahead import StoreAhead
+from kvtierd_client.wire.proto import pb2
+from kvtierd_client.wire.results import LookupResult as DaemonLookup
+from kvtierd_client.wire.results import StoreResult
 
 __all__ = ["KvtierdOffloadingManager", "ManagerCounters", "METRIC_NAMES", "StepStats"]
 

@@ -34,8 +34,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtierd_client.address import default_address, to_grpc_target
 from kvtierd_client.client import DEFAULT_TIMEOUT
+from kvtierd_client.wire.address import default_address, to_grpc_target
 
 __all__ = [
     "EXTRA_KEYS",

@@ -1,5 +1,5 @@
-"""The fast lane's framing, shared by the daemon (``kvtierd.fastlane``) and the
-clients (``kvtierd_client.fastlane``). No I/O here.
+"""The fast lane's framing, shared by the daemon (``kvtierd.api.fastlane``) and the
+clients (``kvtierd_client._rpc.fastlane``). No I/O here.
 
 A lane is one Unix stream connection bound to one session. Every frame is::
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-from kvtierd_client.proto import pb2
+from kvtierd_client.wire.proto import pb2
 
 __all__ = [
     "BIND",

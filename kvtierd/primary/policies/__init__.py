@@ -6,9 +6,9 @@ are the values of ``PoolSpec.eviction_policy``.
 
 from __future__ import annotations
 
-from kvtierd.policies.arc import ARCPolicy, ArcStats
-from kvtierd.policies.base import CachePolicy, KeyOf, RefCount, RowOf
-from kvtierd.policies.lru import LRUPolicy
+from kvtierd.primary.policies.arc import ARCPolicy, ArcStats
+from kvtierd.primary.policies.base import CachePolicy, KeyOf, RefCount, RowOf
+from kvtierd.primary.policies.lru import LRUPolicy
 
 __all__ = [
     "POLICY_NAMES",

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvtierd.contract import BlockKey
-from kvtierd.policies.base import CachePolicy, KeyOf, RefCount, RowOf
+from kvtierd.primary.policies.base import CachePolicy, KeyOf, RefCount, RowOf
 
 ArcList = Literal["t1", "t2", "b1", "b2"]
 

@@ -1,6 +1,6 @@
 """The eviction-policy interface of the primary tier (DESIGN.md §4, reference §4).
 
-Division of labour: the :class:`~kvtierd.primary.PrimaryManager` owns every
+Division of labour: the :class:`~kvtierd.primary.manager.PrimaryManager` owns every
 block (its row, its ref count, its presence); a policy only *orders* the keys
 the manager tells it about and, when asked, names which ready blocks to evict.
 A policy never changes a ref count and never allocates or frees a row.

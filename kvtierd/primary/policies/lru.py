@@ -22,7 +22,7 @@ from itertools import compress, count, islice, repeat
 from operator import itemgetter, ne
 
 from kvtierd.contract import BlockKey
-from kvtierd.policies.base import CachePolicy, KeyOf, RefCount, RowOf
+from kvtierd.primary.policies.base import CachePolicy, KeyOf, RefCount, RowOf
 
 _OUT = -1  # _next[row] of a row that is not in the list
 

@@ -6,7 +6,7 @@ opens it. It either returns an :class:`Adoption` (the old region file, mapped
 and flocked, plus the blocks whose bytes verified) or a reason the pool must
 start cold; it never guesses:
 
-* the journal must exist, be of :data:`kvtierd.journal.FORMAT_VERSION`, have a
+* the journal must exist, be of :data:`kvtierd.primary.warm.journal.FORMAT_VERSION`, have a
   valid header, and name this pool's fingerprint (name, block_bytes,
   num_blocks, layout), today's access (region mode, group, principals: every
   process that mapped the region keeps it, so a pool whose access was narrowed
@@ -39,9 +39,9 @@ import time
 from dataclasses import dataclass
 
 from kvtierd.contract import BlockKey
-from kvtierd.journal import JournalError, JournalHeader, Replay, read_journal
-from kvtierd.region import MADV_POPULATE_WRITE, Region, madvise_populate_write
-from kvtierd.rowsums import checksum_spans, read_row_checksum
+from kvtierd.primary.region import MADV_POPULATE_WRITE, Region, madvise_populate_write
+from kvtierd.primary.warm.journal import JournalError, JournalHeader, Replay, read_journal
+from kvtierd.primary.warm.rowsums import checksum_spans, read_row_checksum
 
 log = logging.getLogger("kvtierd.warm")
 

@@ -1,12 +1,12 @@
 """The warm-restart journal's row checksums, computed in a helper process.
 
-The journal (:mod:`kvtierd.journal`) records ``xxh3_64`` of each completed
+The journal (:mod:`kvtierd.primary.warm.journal`) records ``xxh3_64`` of each completed
 block's covered bytes. Hashing in the daemon cost it twice over on the store
 path: the covered bytes had to be *copied* out of the mapping first
 (``process_vm_readv``, because a client may truncate the region file and a
 mapped page past its end kills the reader with SIGBUS), and the copy plus the
 per-row Python work held the interpreter lock the event loop needs. A *hash
-worker* (``python -m kvtierd.hashworker ...``, one per journal) instead maps the
+worker* (``python -m kvtierd.primary.warm.hashworker ...``, one per journal) instead maps the
 region read-only itself and hashes the rows **in place**: no copy, its own
 interpreter lock, and a SIGBUS from a truncated file kills the worker, never
 the daemon. It runs at a lower scheduling priority (:data:`WORKER_NICE`), so on
@@ -14,8 +14,8 @@ a busy node it takes the idle time and leaves the loop and the engines theirs.
 
 Invariants:
 
-* The checksum of a row is the same value :func:`kvtierd.journal.row_checksum`
-  and :func:`kvtierd.journal.read_row_checksum` give: ``xxh3_64`` of the covered
+* The checksum of a row is the same value :func:`kvtierd.primary.warm.journal.row_checksum`
+  and :func:`kvtierd.primary.warm.journal.read_row_checksum` give: ``xxh3_64`` of the covered
   spans in order (one streaming state per row, so no copy is needed).
 * A worker vouches only for rows that lie inside the region file as it
   ``fstat``-s it when the request arrives; a truncation racing the hashing
@@ -49,7 +49,7 @@ from typing import NoReturn
 
 import xxhash
 
-from kvtierd.workerproc import die_with
+from kvtierd.util.workerproc import die_with
 
 log = logging.getLogger("kvtierd.hashworker")
 
@@ -98,7 +98,7 @@ class HashWorker:
         spans_arg = ",".join(f"{start}:{end}" for start, end in spans)
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "kvtierd.hashworker", str(os.getpid()),
+                [sys.executable, "-m", "kvtierd.primary.warm.hashworker", str(os.getpid()),
                  str(theirs.fileno()), str(region_fd), str(block_bytes), str(num_blocks),
                  spans_arg],
                 pass_fds=[theirs.fileno(), region_fd],
@@ -291,8 +291,8 @@ def main(argv: Sequence[str]) -> int:
         daemon_pid, sock_fd, region_fd, block_bytes, num_blocks = (int(a) for a in argv[:5])
         spans = [(int(a), int(b)) for a, b in (s.split(":") for s in argv[5].split(","))]
     except (ValueError, IndexError):
-        print("usage: python -m kvtierd.hashworker DAEMON_PID SOCK_FD REGION_FD BLOCK_BYTES "
-              "NUM_BLOCKS SPANS (started by kvtierd)", file=sys.stderr)  # fmt: skip
+        print("usage: python -m kvtierd.primary.warm.hashworker DAEMON_PID SOCK_FD REGION_FD "
+              "BLOCK_BYTES NUM_BLOCKS SPANS (started by kvtierd)", file=sys.stderr)  # fmt: skip
         return 2
     if not die_with(daemon_pid):
         return 1  # the journal thread that started us is already gone

@@ -27,9 +27,10 @@ CRC ends the replay (a torn last write); nothing after it is trusted.
 
 Threads: the event loop calls :meth:`JournalWriter.rows_reserved` /
 :meth:`JournalWriter.rows_ready`; the journal's thread has each batch hashed
-(:mod:`kvtierd.rowsums`: by a hash worker process, :mod:`kvtierd.hashworker`)
-and writes the ``ready`` records. Every write, the per-row generations and the
-hashing backlog are under ``JournalWriter._lock``.
+(:mod:`kvtierd.primary.warm.rowsums`: by a hash worker process,
+:mod:`kvtierd.primary.warm.hashworker`) and writes the ``ready`` records. Every
+write, the per-row generations and the hashing backlog are under
+``JournalWriter._lock``.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtierd.contract import BlockKey
-from kvtierd.rowsums import RowChecksums, checksum_spans
+from kvtierd.primary.warm.rowsums import RowChecksums, checksum_spans
 
 log = logging.getLogger("kvtierd.journal")
 
@@ -261,7 +262,7 @@ class JournalWriter:
     ) -> None:
         """``region_fd`` given (the daemon): a batch's rows are hashed by a hash worker
         process, in place from its own mapping, or by this journal's thread where
-        none runs (:class:`kvtierd.rowsums.RowChecksums`: a client that truncates
+        none runs (:class:`kvtierd.primary.warm.rowsums.RowChecksums`: a client that truncates
         the region cannot kill the daemon with SIGBUS either way); without it,
         hashed in place from ``region_buffer`` on the journal thread (unit tests).
         ``hash_worker`` False: never start a worker (measurements, tests)."""

@@ -5,13 +5,13 @@ A row's checksum is ``xxh3_64`` of the bytes of its covered spans
 (:func:`checksum_spans`), concatenated. Three ways compute that same value, in
 order of preference (:class:`RowChecksums`):
 
-1. a hash worker process (:mod:`kvtierd.hashworker`) that hashes in place from
+1. a hash worker process (:mod:`kvtierd.primary.warm.hashworker`) that hashes in place from
    its own read-only mapping: no copy, off the daemon's interpreter lock, and a
    SIGBUS from a truncated region file kills the worker, not the daemon;
 2. while no worker runs (it could not start, or died: restarted at most once per
    :data:`WORKER_RESPAWN_S`), in the journal thread: the covered bytes copied out
    of the daemon's mapping with one ``process_vm_readv`` per
-   :data:`GATHER_BYTES` (:mod:`kvtierd.safecopy`: EFAULT, never SIGBUS);
+   :data:`GATHER_BYTES` (:mod:`kvtierd.primary.safecopy`: EFAULT, never SIGBUS);
 3. where ``process_vm_readv`` is refused (Docker's default seccomp profile
    without CAP_SYS_PTRACE), one ``preadv`` per span from the region file.
 
@@ -28,10 +28,10 @@ from collections.abc import Sequence
 
 import xxhash
 
-from kvtierd import safecopy
-from kvtierd.hashworker import HashWorker, WorkerDied
-from kvtierd.ratelimit import RateLimitedLog
-from kvtierd.safecopy import address_of
+from kvtierd.primary import safecopy
+from kvtierd.primary.safecopy import address_of
+from kvtierd.primary.warm.hashworker import HashWorker, WorkerDied
+from kvtierd.util.ratelimit import RateLimitedLog
 
 log = logging.getLogger("kvtierd.journal")
 _rate_limited = RateLimitedLog(log)

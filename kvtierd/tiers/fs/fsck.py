@@ -28,7 +28,6 @@ from typing import Any
 
 import xxhash
 
-from kvtierd import filekind
 from kvtierd.tiers.fs import blockfile, fsformat, safefs
 from kvtierd.tiers.fs.fsformat import (
     BLOCK_SUFFIX,
@@ -38,6 +37,7 @@ from kvtierd.tiers.fs.fsformat import (
     CorruptBlock,
 )
 from kvtierd.tiers.fs.safefs import DIRECTORY, Entry, Identity, PoolDir, UnexpectedEntry
+from kvtierd.util import filekind
 
 CHUNK_BYTES = 1 << 20  # payload bytes read and hashed at a time
 _POOL_DIR_NAME = re.compile(r"-[0-9a-f]{16}$")  # <pool>-<fingerprint16>

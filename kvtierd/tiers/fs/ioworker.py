@@ -28,7 +28,7 @@ Invariants:
 * Rows: a worker process hashes, writes and reads rows in its own mapping
   (zero-copy), each row checked against the region file's size first; the
   daemon's own I/O threads (:class:`InlineIo`, ``io_processes = 0``) never
-  touch the mapping: rows go through :class:`~kvtierd.regionrows.RegionRows`
+  touch the mapping: rows go through :class:`~kvtierd.primary.rows.RegionRows`
   and a per-thread bounce buffer. A client that truncates the region fails the
   blocks whose rows are gone (EFAULT, logged by the tier); at worst a
   truncation racing a copy kills a worker, never the daemon.
@@ -58,11 +58,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from kvtierd.regionrows import RegionCutShort, RegionRows, scratch
+from kvtierd.primary.rows import RegionCutShort, RegionRows, scratch
 from kvtierd.tiers.fs import blockfile
 from kvtierd.tiers.fs.blockfile import CorruptFile
 from kvtierd.tiers.fs.safefs import PoolDir, UnexpectedEntry
-from kvtierd.workerproc import die_with
+from kvtierd.util.workerproc import die_with
 
 log = logging.getLogger("kvtierd.tiers.fs.ioworker")
 
@@ -138,7 +138,7 @@ class _MappedRows:
     another). So that this takes a race and not just a truncation, each row is
     checked against the file's size first (one ``fstat`` of the descriptor kept
     open for that): a row past the end fails its block with
-    :class:`~kvtierd.regionrows.RegionCutShort`, as in the daemon."""
+    :class:`~kvtierd.primary.rows.RegionCutShort`, as in the daemon."""
 
     def __init__(self, rows: memoryview, block_bytes: int, fd: int, path: str) -> None:
         self._rows = rows
@@ -167,7 +167,7 @@ class _MappedRows:
 
 class _CopiedRows:
     """The daemon's I/O threads (``io_processes = 0``): the daemon never touches a
-    region mapping (:mod:`kvtierd.regionrows`), so a row to write is copied into
+    region mapping (:mod:`kvtierd.primary.rows`), so a row to write is copied into
     this thread's bounce buffer first, and a block read is verified there and
     then copied into its row; a truncated region fails that block."""
 
@@ -530,7 +530,7 @@ class IoWorkers:
 
     def _spawn(self, name: str) -> WorkerProcess:
         """A new worker, started by the spawner thread: a worker dies with the thread
-        that started it (``kvtierd.workerproc.die_with``), and I/O threads may end
+        that started it (``kvtierd.util.workerproc.die_with``), and I/O threads may end
         before the daemon."""
         with self._spawner_lock:
             if self._spawner is None:

@@ -37,8 +37,8 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from kvtierd.filekind import DIRECTORY, REGULAR, kind_of
 from kvtierd.tiers.fs.permissions import DIR_MODE, FILE_MODE  # nothing for others
+from kvtierd.util.filekind import DIRECTORY, REGULAR, kind_of
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 FILE_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC

@@ -30,7 +30,7 @@ from kvtierd.tiers.options import (
     read_int,
     size_text,
 )
-from kvtierd.units import parse_duration, parse_size
+from kvtierd.util.units import parse_duration, parse_size
 
 O_DIRECT_MODES = ("auto", "on", "off")
 MAX_IO_THREADS = 256  # per kind (read, write), and worker processes

@@ -47,13 +47,13 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 from kvtierd.contract import BlockKey
-from kvtierd.filekind import REGULAR
-from kvtierd.ratelimit import RateLimitedLog
 from kvtierd.tiers.fs import blockfile, fsformat, safefs
 from kvtierd.tiers.fs.fsformat import BLOCK_SUFFIX, CorruptBlock
 from kvtierd.tiers.fs.index import BlockIndex, TierFull
 from kvtierd.tiers.fs.safefs import PoolDir, UnexpectedEntry
 from kvtierd.tiers.fs.unserved import UnservedPools
+from kvtierd.util.filekind import REGULAR
+from kvtierd.util.ratelimit import RateLimitedLog
 
 log = logging.getLogger("kvtierd.tiers.fs")
 

@@ -20,7 +20,7 @@ Ownership and invariants:
   writes them. In an I/O worker process that happens in place (checksum + write
   from the worker's own mapping of the row, ``preadv`` into it); in the
   daemon's own I/O threads (``io_processes = 0``) never through the mapping: a
-  row is copied out with :class:`~kvtierd.regionrows.RegionRows` first, a
+  row is copied out with :class:`~kvtierd.primary.rows.RegionRows` first, a
   block file is read and verified in a bounce buffer and then copied in, so a
   client that truncated the region fails that block instead of killing the
   daemon with SIGBUS. A row is never touched after its job's ``on_done`` ran.
@@ -70,8 +70,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvtierd.contract import BlockKey, LookupResult, Medium
-from kvtierd.ratelimit import RateLimitedLog
-from kvtierd.regionrows import RegionRows
+from kvtierd.primary.rows import RegionRows
 from kvtierd.tiers.base import JobCallback, JobResult, SecondaryTier, TierJob, TierStats
 from kvtierd.tiers.fs import fsformat, ioworker, startup
 from kvtierd.tiers.fs.blockfile import CorruptFile
@@ -87,6 +86,7 @@ from kvtierd.tiers.fs.shared import SharedRoot
 from kvtierd.tiers.fs.startup import FsTierError, PoolMismatchError
 from kvtierd.tiers.fs.unserved import UnservedPools
 from kvtierd.tiers.fs.writelog import WriteFailureLog
+from kvtierd.util.ratelimit import RateLimitedLog
 
 __all__ = ["DiskBudget", "FsTier", "FsTierError", "PoolMismatchError", "ScanReport", "TierFull"]
 
@@ -572,6 +572,6 @@ def _flatten(outcomes: list[Outcome], sizes: list[int]) -> list[Outcome]:
 
 def _row_cut_short(error: BaseException | None) -> bool:
     """A block failed because its row of the region could not be copied (EFAULT:
-    :class:`~kvtierd.regionrows.RegionCutShort`, rebuilt as an OSError from the
+    :class:`~kvtierd.primary.rows.RegionCutShort`, rebuilt as an OSError from the
     block I/O reply), not because of the disk."""
     return isinstance(error, OSError) and error.errno == errno.EFAULT

@@ -31,11 +31,11 @@ import stat
 import threading
 import time
 
-from kvtierd.filekind import REGULAR
-from kvtierd.ratelimit import RateLimitedLog
 from kvtierd.tiers.fs.fsformat import BLOCK_SUFFIX
 from kvtierd.tiers.fs.index import DiskBudget
 from kvtierd.tiers.fs.safefs import PoolDir, UnexpectedEntry
+from kvtierd.util.filekind import REGULAR
+from kvtierd.util.ratelimit import RateLimitedLog
 
 log = logging.getLogger("kvtierd.tiers.fs")
 

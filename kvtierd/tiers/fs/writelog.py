@@ -4,7 +4,7 @@ A full or read-only disk fails every cascade write, thousands a second: each
 one is counted in the tier's statistics, but the log gets at most one WARNING
 line per tier per :data:`REPORT_EVERY_S` seconds (errno name, strerror, path,
 and how many lines were suppressed since the previous one:
-:class:`kvtierd.ratelimit.RateLimitedLog`), and once writes work again, one line
+:class:`kvtierd.util.ratelimit.RateLimitedLog`), and once writes work again, one line
 saying so with the number of failures in between.
 """
 
@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from kvtierd.ratelimit import RateLimitedLog
+from kvtierd.util.ratelimit import RateLimitedLog
 
 REPORT_EVERY_S = 10.0
 

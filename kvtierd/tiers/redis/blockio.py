@@ -11,12 +11,12 @@ row), probes presence and deletes, through the tier's
 
 Rows are never touched through the region's mapping (a client may truncate the
 file under it: SIGBUS would kill the daemon). A store copies its row out with
-:meth:`~kvtierd.regionrows.RegionRows.read` into :func:`~kvtierd.regionrows.scratch`
+:meth:`~kvtierd.primary.rows.RegionRows.read` into :func:`~kvtierd.primary.rows.scratch`
 (one row-sized buffer per I/O thread, reused: the bytes held are at most
 ``threads`` x ``block_bytes``), then hashes and sends that copy; a load writes
-the verified payload in with :meth:`~kvtierd.regionrows.RegionRows.write`
+the verified payload in with :meth:`~kvtierd.primary.rows.RegionRows.write`
 straight from the value redis-py returned. A row that cannot be copied
-(:class:`~kvtierd.regionrows.RegionCutShort`) fails that block only.
+(:class:`~kvtierd.primary.rows.RegionCutShort`) fails that block only.
 
 Ownership: the region rows of the jobs in flight (pinned by the daemon until the
 job reports) and the link; no loop state. Each call may block up to the link's
@@ -33,11 +33,11 @@ import xxhash
 from redis.exceptions import AskError
 
 from kvtierd.contract import BlockKey
-from kvtierd.ratelimit import RateLimitedLog
-from kvtierd.regionrows import RegionRows, scratch
+from kvtierd.primary.rows import RegionRows, scratch
 from kvtierd.tiers.fs import fsformat
 from kvtierd.tiers.fs.iopool import Outcome
 from kvtierd.tiers.redis.link import RedisLink
+from kvtierd.util.ratelimit import RateLimitedLog
 
 # what a block's store or load did (the value of an I/O task's per-block outcome)
 WRITTEN, PRESENT, LOADED = "written", "present", "loaded"

@@ -27,13 +27,13 @@ import weakref
 
 import redis
 
-from kvtierd.ratelimit import RateLimitedLog
 from kvtierd.tiers.base import JobCallback
 from kvtierd.tiers.configured import ConfiguredTier, PoolBinding, TierCheckError
 from kvtierd.tiers.fs.iopool import IoPool, Outcome
 from kvtierd.tiers.redis.link import RedisLink
 from kvtierd.tiers.redis.settings import RedisTierSettings
 from kvtierd.tiers.redis.tier import FAULT_LOG_INTERVAL_S, RedisTier
+from kvtierd.util.ratelimit import RateLimitedLog
 
 log = logging.getLogger("kvtierd.tiers.redis")
 

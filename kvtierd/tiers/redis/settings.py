@@ -24,7 +24,7 @@ from kvtierd.tiers.options import (
     read_str,
     size_text,
 )
-from kvtierd.units import parse_duration, parse_size
+from kvtierd.util.units import parse_duration, parse_size
 
 CLUSTER_MODES = ("auto", "true", "false")
 URL_SCHEMES = ("redis", "rediss")

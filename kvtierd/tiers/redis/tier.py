@@ -19,7 +19,7 @@ configured tier), in :mod:`.blockio`, and reports through
   another daemon wrote already is left alone (keys name content);
 * loads: one ``GET`` per block, verified (header, then the payload's xxh3)
   before its payload is copied into the row;
-* rows are copied with :class:`~kvtierd.regionrows.RegionRows` (system calls,
+* rows are copied with :class:`~kvtierd.primary.rows.RegionRows` (system calls,
   never the daemon's mapping): a region a client truncated fails the block
   whose row is gone (store not cascaded, promotion not served), with one
   rate-limited WARNING naming the pool and the region, and nothing else;
@@ -62,13 +62,13 @@ from typing import Any
 import redis
 
 from kvtierd.contract import BlockKey, LookupResult, Medium
-from kvtierd.ratelimit import RateLimitedLog
-from kvtierd.regionrows import RegionCutShort, RegionRows, RowIoUnavailable
+from kvtierd.primary.rows import RegionCutShort, RegionRows, RowIoUnavailable
 from kvtierd.tiers.base import JobCallback, JobResult, SecondaryTier, TierJob, TierStats
 from kvtierd.tiers.fs import fsformat
 from kvtierd.tiers.fs.iopool import IoPool, Outcome
 from kvtierd.tiers.redis.blockio import WRITTEN, BlockCorrupt, BlockMissing, RedisBlockIO
 from kvtierd.tiers.redis.link import RedisLink, ServerHealth
+from kvtierd.util.ratelimit import RateLimitedLog
 
 log = logging.getLogger("kvtierd.tiers.redis")
 

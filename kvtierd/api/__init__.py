@@ -1,0 +1,16 @@
+"""The daemon's API: the gRPC service and the fast lane, and what guards them.
+
+- ``service``: the request handlers (validate, call the pool, answer);
+- ``server``: the gRPC servers and their Unix and TCP listeners;
+- ``fastlane``: a session's hot calls as framed protobuf on a Unix socket;
+- ``guards``, ``validation``: unparsable requests and field checks (INVALID_ARGUMENT,
+  nothing changed);
+- ``wire``: the daemon's enums as the wire's; ``watch``: WatchEvents stream bounds;
+- ``grpclog``: grpc's own log lines, rate limited.
+
+Invariants: every RPC validates every field before touching state; a rejected call
+changes nothing; a client mistake is never logged with a traceback.
+
+May import: ``kvtierd.core`` and everything below it, and ``kvtierd_client.wire``.
+Never ``kvtierd.ops``.
+"""

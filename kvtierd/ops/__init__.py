@@ -1,0 +1,10 @@
+"""Running the daemon: lifecycle, command lines and what operators watch.
+
+- ``daemon``: start, serve, ordered shutdown; ``cli``: ``kvtierd``;
+- ``ctl``: ``kvtierctl`` (a client of the daemon, through ``kvtierd_client``);
+- ``metrics``: the Prometheus collector and its HTTP endpoint;
+- ``sdnotify``: systemd's notify protocol.
+
+May import every other package of the daemon; nothing imports it (``kvtierd.__main__``
+excepted).
+"""

@@ -1,0 +1,18 @@
+"""The primary tier: one shared-memory region per pool, and the block table over its rows.
+
+- ``region``: the region file (created, sized, mapped, handed to clients by descriptor);
+- ``rows``: the daemon's only way to read or write a row's bytes (never a dereference of
+  a client-writable mapping: ``preadv`` / ``process_vm_writev``);
+- ``safecopy``: copies out of and into this process's own mappings that survive SIGBUS;
+- ``manager``: slots, ref counts, eviction and events of one pool's blocks;
+- ``policies``: eviction orders (LRU, ARC) the manager consults;
+- ``warm``: the warm-restart journal, its row checksums and the adoption of a region a
+  previous daemon left.
+
+Invariants: the manager owns every row and the state of the block in it; a ref count
+changes only through the manager's methods (docs/design/invariants.md). A row whose
+bytes are not verified is never adopted.
+
+May import: the root vocabulary, ``kvtierd.util`` and ``kvtierd.records``. Never the
+secondary tiers, the pools or the API.
+"""

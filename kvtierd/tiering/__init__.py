@@ -1,0 +1,14 @@
+"""Moving blocks between one pool's primary tier and its secondary tiers.
+
+- ``manager``: :class:`Tiering`: cascades after CompleteStore (primary -> every tier)
+  and promotions on Lookup (a tier -> the primary);
+- ``holds``: promotion holds, pool-owned pins that keep a promoted block in the
+  primary until the engine that asked comes back for it.
+
+Invariants: a cascade job owns one pin per key it copies and a promotion owns the
+reservation of the row it fills; both are released exactly once, when the tier answers
+or the pool closes. Sessions never see or release them.
+
+May import: ``kvtierd.tiers`` (the tier contract), ``kvtierd.primary``,
+``kvtierd.records``, the root vocabulary and ``kvtierd.util``.
+"""
