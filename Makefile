@@ -127,6 +127,7 @@ lint: install
 	$(BIN)/ruff check kvtierd client tests benchmarks tools setup.py
 	$(BIN)/ruff format --check kvtierd client tests benchmarks tools setup.py
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 # mypy over kvtierd/ and client/ (configured in pyproject.toml's [tool.mypy])
 typecheck: install

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvtierd.errors import ConfigError as ConfigError
 from kvtierd.records.events import KEY_OVERHEAD_BYTES, MAX_EVENT_BYTES
 from kvtierd.records.history import KEY_OVERHEAD_BYTES as REMOVAL_OVERHEAD_BYTES
 from kvtierd.security import config as security_config
@@ -33,14 +34,6 @@ else:  # Python 3.10: the same parser, from PyPI
 LOG_LEVELS = ("debug", "info", "warning", "error")
 EVICTION_POLICIES = ("lru", "arc")
 MAX_BLOCK_BYTES = 1 << 30
-
-
-class ConfigError(ValueError):
-    """An invalid configuration value; ``key`` is its dotted name (``memory.budget``)."""
-
-    def __init__(self, key: str, message: str) -> None:
-        super().__init__(f"{key}: {message}")
-        self.key = key
 
 
 # --------------------------------------------------------------------------- values

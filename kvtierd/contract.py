@@ -35,6 +35,23 @@ class Medium(enum.IntEnum):
     REMOTE = 3
 
 
+def key_repr(key: BlockKey) -> str:
+    """A short printable form of a key for error messages and logs."""
+    text = key[:16].hex()
+    return text + ("..." if len(key) > 16 else "") + f" ({len(key)} bytes)"
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    """What a pool is: fixed at creation; joiners must match name, block size, layout."""
+
+    name: str
+    block_bytes: int
+    num_blocks: int
+    layout: str
+    eviction_policy: str
+
+
 @dataclass(frozen=True, slots=True)
 class StoreGrant:
     """Result of an accepted PrepareStore.

@@ -11,6 +11,16 @@ from __future__ import annotations
 import grpc
 
 
+class ConfigError(ValueError):
+    """An invalid configuration value; ``key`` is its dotted name (``memory.budget``).
+    Not a client's error: the daemon refuses to start (exit code 2) or, on SIGHUP,
+    keeps its previous credentials."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
 class KvtierdError(Exception):
     """Base of every error a client can cause; ``code`` is its gRPC status."""
 

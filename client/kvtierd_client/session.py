@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from kvtierd_client._rpc.codec import (
     BATCH,
@@ -42,14 +42,30 @@ from kvtierd_client.wire.lane_frames import LANE_METHODS
 from kvtierd_client.wire.proto import pb2
 from kvtierd_client.wire.results import LookupResult, StoreResult
 
-if TYPE_CHECKING:
-    from kvtierd_client.client import Client
-
-__all__ = ["Session"]
+__all__ = ["Session", "SessionOwner"]
 
 log = logging.getLogger("kvtierd_client")
 
 R = TypeVar("R")
+
+
+class SessionOwner(Protocol):
+    """What a :class:`Session` uses of the client that opened it
+    (:class:`kvtierd_client.client.Client`): its address, its deadline and its calls."""
+
+    address: str
+    timeout: float
+
+    @property
+    def closed(self) -> bool: ...
+
+    def _call(self, op: Op[R], *args: Any, timeout: float | None = None, **kwargs: Any) -> R: ...
+
+    def _lane_request(
+        self, op: Op[Any], args: tuple[Any, ...], kwargs: dict[str, Any], timeout: float | None
+    ) -> tuple[Any, float]: ...
+
+    def _forget(self, session: SessionState) -> None: ...
 
 
 class Session(SessionState):
@@ -73,7 +89,7 @@ class Session(SessionState):
 
     def __init__(
         self,
-        client: Client,
+        client: SessionOwner,
         response: pb2.OpenSessionResponse,
         sent_at: float,
         *,

@@ -44,8 +44,8 @@ from kvtierd.api.validation import (
     check_text,
 )
 from kvtierd.api.watch import WatchStreams, end_stream
-from kvtierd.contract import BlockEvent
-from kvtierd.core.pool import Pool, PoolSpec
+from kvtierd.contract import BlockEvent, PoolSpec
+from kvtierd.core.pool import Pool
 from kvtierd.core.pools import PoolTable
 from kvtierd.core.sessions import Session, SessionTable
 from kvtierd.core.statistics import PoolStatistics, tier_views

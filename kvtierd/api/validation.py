@@ -7,18 +7,13 @@ import re
 from collections.abc import Sequence
 
 from kvtierd.config import EVICTION_POLICIES, MAX_BLOCK_BYTES
+from kvtierd.contract import key_repr
 from kvtierd.errors import InvalidArgument
 
 MAX_KEY_BYTES = 256
 BLOCK_ALIGNMENT = 4096
 MAX_NAME_BYTES = 256
 _POOL_NAME = re.compile(r"[A-Za-z0-9._:/-]{1,128}")
-
-
-def key_repr(key: bytes) -> str:
-    """A short printable form of a key for error messages and logs."""
-    text = key[:16].hex()
-    return text + ("..." if len(key) > 16 else "") + f" ({len(key)} bytes)"
 
 
 def check_keys(keys: Sequence[bytes], max_keys: int, field: str = "keys") -> None:

@@ -34,9 +34,15 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvtierd.api.validation import key_repr
 from kvtierd.config import LimitsConfig
-from kvtierd.contract import PRIMARY_TIER, BlockKey, LookupResult, StoreGrant
+from kvtierd.contract import (
+    PRIMARY_TIER,
+    BlockKey,
+    LookupResult,
+    PoolSpec,
+    StoreGrant,
+    key_repr,
+)
 from kvtierd.core.claims import ClaimTable
 from kvtierd.core.statistics import PoolStatistics, PrimaryStatistics, SecondaryStatistics
 from kvtierd.errors import FailedPrecondition
@@ -49,17 +55,6 @@ from kvtierd.records.history import EVICTED_FOR_ROOM, FLUSHED, KeyRecord, Remova
 from kvtierd.tiering.manager import Tiering
 
 log = logging.getLogger("kvtierd.pool")
-
-
-@dataclass(frozen=True, slots=True)
-class PoolSpec:
-    """What a pool is: fixed at creation; joiners must match name, block size, layout."""
-
-    name: str
-    block_bytes: int
-    num_blocks: int
-    layout: str
-    eviction_policy: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from kvtierd.config import LimitsConfig, MemoryConfig
-from kvtierd.core.pool import Pool, PoolSpec
+from kvtierd.contract import PoolSpec
+from kvtierd.core.pool import Pool
 from kvtierd.errors import FailedPrecondition, PoolNotFound, ResourceExhausted
 from kvtierd.primary.region import InsufficientSpaceError, Region, RegionError, region_file_name
 from kvtierd.primary.warm.adoption import Adoption, ColdStart, adopt_region

@@ -51,6 +51,10 @@ class Session:
     events_cursor: int  # last event seq this session has taken; moved by take_events()
     principal: str = "*"  # who opened it; only this principal may use it (security)
 
+    @property
+    def pool_name(self) -> str:
+        return self.pool.spec.name
+
 
 @dataclass(frozen=True, slots=True)
 class TakenEvents:

@@ -15,14 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from kvtierd.contract import PRIMARY_TIER, Medium
+from kvtierd.contract import PRIMARY_TIER, Medium, PoolSpec
 from kvtierd.tiering.manager import TierCounters
 from kvtierd.tiers.base import TierStats
-
-if TYPE_CHECKING:
-    from kvtierd.core.pool import PoolSpec
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,8 +50,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvtierd.config import ConfigError
-from kvtierd.errors import SessionNotFound
+from kvtierd.errors import ConfigError, SessionNotFound
 from kvtierd.security.access import AccessDenied
 from kvtierd.security.identity import PeerCredentials, peer_credentials, peer_uid
 from kvtierd.security.state import SecurityState

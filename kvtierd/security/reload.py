@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvtierd.config import ConfigError
+from kvtierd.errors import ConfigError
 from kvtierd.security.tls import ServerTls
 from kvtierd.security.tokens import TokensFileError
 

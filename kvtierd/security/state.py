@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import grpc
 from grpc_health.v1.health_pb2 import HealthCheckRequest
@@ -44,8 +44,18 @@ from kvtierd.security.tickets import TicketOffice
 from kvtierd_client.wire.peer_ticket import METADATA_KEY as TICKET_KEY
 from kvtierd_client.wire.peer_ticket import TICKET_SOCKET_SUFFIX
 
-if TYPE_CHECKING:
-    from kvtierd.core.sessions import Session
+
+class AuditedSession(Protocol):
+    """What the audit log reads of a session (``kvtierd.core.sessions.Session``)."""
+
+    id: str
+    client_name: str
+    peer: str
+    principal: str
+
+    @property
+    def pool_name(self) -> str: ...
+
 
 log = logging.getLogger("kvtierd.security")
 
@@ -202,11 +212,12 @@ class SecurityState:
             method, exc.code.name, principal, caller.peer if caller else peer, pool, str(exc)
         )
 
-    def session_event(self, event: str, session: Session, reason: str) -> None:
+    def session_event(self, event: str, session: AuditedSession, reason: str) -> None:
         """Audits a session ``opened``, ``closed`` or ``expired`` (``SessionTable``'s hook)."""
         extra = {"client": session.client_name} if event == "opened" else {"reason": reason}
-        pool = session.pool.spec.name
-        self.audit.session(event, session.id, session.principal, session.peer, pool, **extra)
+        self.audit.session(
+            event, session.id, session.principal, session.peer, session.pool_name, **extra
+        )
 
     def _gate_refused(self, method: str, peer: str, message: str) -> None:
         name = method.rpartition("/")[2]

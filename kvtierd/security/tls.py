@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvtierd.config import ConfigError
+from kvtierd.errors import ConfigError
 from kvtierd.security.config import SecurityConfig
 
 CertificateFetcher = Callable[[], "grpc.ServerCertificateConfiguration | None"]

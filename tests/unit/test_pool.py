@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from kvtierd.config import load_config
-from kvtierd.contract import BlockKey, LookupResult, Medium
-from kvtierd.core.pool import Pool, PoolSpec
+from kvtierd.contract import BlockKey, LookupResult, Medium, PoolSpec
+from kvtierd.core.pool import Pool
 from kvtierd.errors import FailedPrecondition
 from kvtierd.primary.region import Region
 from kvtierd.records.history import EVICTED_FOR_ROOM, FLUSHED

@@ -13,7 +13,8 @@ from typing import Any, TypeVar
 import pytest
 
 from kvtierd.config import load_config
-from kvtierd.core.pool import Pool, PoolSpec
+from kvtierd.contract import PoolSpec
+from kvtierd.core.pool import Pool
 from kvtierd.core.pools import PoolTable
 from kvtierd.errors import FailedPrecondition, PoolNotFound, ResourceExhausted
 from kvtierd.primary.region import region_file_name

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvtierd.config import load_config
-from kvtierd.core.pool import Pool, PoolSpec
+from kvtierd.contract import PoolSpec
+from kvtierd.core.pool import Pool
 from kvtierd.core.sessions import SessionTable
 from kvtierd.errors import ResourceExhausted, SessionNotFound
 from kvtierd.primary.region import Region

@@ -21,8 +21,7 @@ import pytest
 from prometheus_client.core import Metric
 
 from kvtierd.api.service import pool_stats_message
-from kvtierd.contract import Medium
-from kvtierd.core.pool import PoolSpec
+from kvtierd.contract import Medium, PoolSpec
 from kvtierd.core.statistics import (
     TIER_NUMBERS,
     WIRE_NUMBERS,
