@@ -374,4 +374,3 @@ class Pool:
 
 # how long closing a pool waits for the checksums of its last completed blocks
 _JOURNAL_DRAIN_SECONDS = 10.0
-from kvtierd.ops import metrics  # noqa: F401
