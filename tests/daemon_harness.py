@@ -316,3 +316,15 @@ def peak_rss_bytes(pid: int) -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     raise AssertionError(f"no VmHWM in /proc/{pid}/status")
+
+
+KVTIERCTL = str(Path(sys.executable).parent / "kvtierctl")
+
+
+def ctl(daemon_address: str, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [KVTIERCTL, "--address", daemon_address, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

@@ -1,6 +1,6 @@
 """Runs kvtierd client calls as another user, for the authorization tests.
 
-Started as root by ``tests/integration/test_authorization.py``: imports the
+Started as root by ``tests/integration/security/test_authorization.py``: imports the
 client, then drops to the uid, gid and groups it is given (the interpreter and
 the modules live where that user may not read), then makes the calls in
 order over a real socket and prints one JSON result per call. The daemon sees

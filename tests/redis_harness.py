@@ -20,6 +20,10 @@ from pathlib import Path
 
 import pytest
 import redis
+from daemon_harness import eventually
+from engine_harness import BLOCK, HIT, Engine
+
+from kvtierd.tiers.fs import fsformat
 
 START_TIMEOUT_S = 10.0
 REDIS_SERVER = shutil.which("redis-server")
@@ -303,3 +307,32 @@ def redis_cluster_factory() -> Iterator[Callable[..., RedisClusterNodes]]:
     finally:
         for cluster in clusters:
             cluster.close()
+
+
+VALUE_BYTES = fsformat.HEADER_SIZE + BLOCK
+
+
+def redis_config(url: str, key_prefix: str, **options: object) -> str:
+    extra = "".join(f'{key} = "{value}"\n' for key, value in options.items())
+    return (
+        f'[[tiers]]\ntype = "redis"\nname = "redis"\nurls = ["{url}"]\n'
+        f'key_prefix = "{key_prefix}"\nthreads = 4\n{extra}'
+    )
+
+
+def redis_key(key_prefix: str, pool: str, key: bytes, layout: str = "L") -> bytes:
+    fingerprint = fsformat.PoolIdentity(pool, BLOCK, layout).fingerprint
+    return f"{key_prefix}:{fingerprint.hex()}:".encode() + key
+
+
+def promoted(engine: Engine, keys: list[bytes], timeout: float = 20.0) -> list[object]:
+    """Looks keys up until every one is HIT or a settled MISS: the first lookup of a
+    key the tier never heard of answers MISS and starts a probe; a later one sees it."""
+    results: list[object] = []
+
+    def all_hit() -> bool:
+        results[:] = engine.wait_settled(keys)
+        return all(r == HIT for r in results)
+
+    eventually(all_hit, timeout, lambda: f"every key HIT; still {results}", interval=0.01)
+    return results

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from daemon_harness import DaemonProcess, start_daemon
 
-PEER_CLIENT = Path(__file__).resolve().parent / "integration" / "peer_client.py"
+PEER_CLIENT = Path(__file__).resolve().parent / "peer_client.py"
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ def _run(*command: str) -> None:
 
 
 def run_as(user: User, address: str, calls: list[list[object]]) -> list[dict[str, object]]:
-    """Runs ``calls`` (see ``integration/peer_client.py``) in a new process with
+    """Runs ``calls`` (see ``peer_client.py``) in a new process with
     ``user``'s uid, gid and groups; one ``{"ok": ...}`` or ``{"error": CODE,
     "details": ...}`` per call."""
     spec = {
@@ -100,3 +101,21 @@ def run_as(user: User, address: str, calls: list[list[object]]) -> list[dict[str
     report = json.loads(done.stdout.splitlines()[-1])
     assert report["uid"] == user.uid, report
     return report["results"]
+
+
+def principals_toml(*tables: dict[str, object]) -> str:
+    text = ""
+    for table in tables:
+        text += "[[security.principals]]\n"
+        for key, value in table.items():
+            rendered = repr(value).replace("'", '"') if not isinstance(value, str) else f'"{value}"'
+            text += f"{key} = {rendered}\n"
+    return text
+
+
+def start_shared(config: str, group: Group, *args: str) -> DaemonProcess:
+    """A daemon whose socket the members of ``group`` may reach (the harness's
+    work directory is root's 0700: opened to traversal)."""
+    daemon = start_daemon("--socket-group", group.name, *args, config=config)
+    os.chmod(daemon.workdir, 0o711)
+    return daemon

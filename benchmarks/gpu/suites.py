@@ -14,7 +14,7 @@ from benchmarks.gpu.report import CheckFailed, SectionResult
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # the CUDA tests of `make test` (they skip without CUDA) and the no-CUDA one beside them
-CUDA_TESTS = ("tests/unit/test_copy_engine.py", "tests/unit/test_region.py")
+CUDA_TESTS = ("tests/unit/client/test_copy_engine.py", "tests/unit/primary/test_region.py")
 CUDA_TEST_FILTER = "cuda"
 EXPECTED_CUDA_TESTS = 3
 TESTS_TIMEOUT_S = 300

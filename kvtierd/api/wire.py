@@ -6,7 +6,7 @@ and nothing else (an enum field of a message takes any int). protoc's ``.pyi``
 types those fields as a class of its own (``pb2.LookupResult``, an ``int``
 subclass there; at run time an ``EnumTypeWrapper``, nothing to convert with):
 the casts below are the one place that says an int of ours is a wire value.
-``tests/unit/test_wire.py`` checks that the names and values agree.
+``tests/unit/api/test_wire.py`` checks that the names and values agree.
 """
 
 from __future__ import annotations

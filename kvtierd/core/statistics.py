@@ -7,7 +7,7 @@ GetStats, ``kvtierctl stats`` convert the same snapshot through
 GetStats ``TierStats`` field, and is computed once for the primary and once for
 a secondary tier. A few numbers only the metrics endpoint tells (``on_wire``
 False: GetStats has no field for them and the wire contract stays as it is).
-``tests/unit/test_statistics.py`` checks that every field of the snapshot
+``tests/unit/core/test_statistics.py`` checks that every field of the snapshot
 reaches both outputs, or is declared to reach only one and why.
 """
 

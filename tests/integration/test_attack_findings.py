@@ -16,11 +16,9 @@ import grpc
 import pytest
 from daemon_harness import DaemonProcess, eventually, health_status
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from test_bounded_buffers import long_keys, make_daemon, open_session, store, vm_rss
+from raw_calls import long_keys, open_session, store, vm_rss
 
 from kvtierd_client.wire.proto import pb2, pb2_grpc
-
-__all__ = ["make_daemon"]  # the fixture, imported for these tests
 
 
 @pytest.mark.xfail(

@@ -12,10 +12,9 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from daemon_harness import free_port, start_daemon
+from daemon_harness import free_port, peak_rss_bytes, start_daemon
 from grpc_health.v1 import health_pb2
-from test_authorization import peak_rss_bytes, principals_toml, start_shared
-from users_harness import ThrowawayAccounts, require_root, run_as
+from users_harness import ThrowawayAccounts, principals_toml, require_root, run_as, start_shared
 
 from kvtierd_client.client import Client
 from kvtierd_client.errors import ResourceExhausted

@@ -28,16 +28,15 @@ from daemon_harness import (
     start_daemon,
     write_config,
 )
+from engine_harness import MISS, Engine, block_keys
 from local_users import LocalUser, other_user
-from redis_harness import RedisServer
-from test_fs_tier_daemon import MISS, Engine, block_keys
-from test_redis_tier_daemon import daemons, key_prefix, redis_config, redis_key
+from redis_harness import RedisServer, redis_config, redis_key
 
 from kvtierd.primary.manager import PrimaryManager
 from kvtierd_client.client import Client, LookupResult
 from kvtierd_client.errors import FailedPrecondition
 
-__all__ = ["daemons", "key_prefix", "other_user"]  # fixtures, imported for these tests
+__all__ = ["other_user"]  # a fixture, imported for these tests
 
 
 # -- redis tier ------------------------------------------------------------------------
@@ -182,7 +181,7 @@ def test_a_truncated_region_cannot_kill_the_daemon_through_the_redis_tier(
     daemon's mapping on an I/O thread: a region its client truncated killed the
     daemon with SIGBUS at the cascade. Rows are now copied out with a system call
     (``kvtierd.primary.rows``): the store of a row past the cut fails, nothing else.
-    (``tests/integration/test_truncated_region.py`` covers every other path.)"""
+    (``tests/integration/primary/test_truncated_region.py`` covers every other path.)"""
     daemon = start_daemon(
         "--memory-budget", "64MiB", config=redis_config(redis_server.url, key_prefix)
     )

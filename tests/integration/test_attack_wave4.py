@@ -24,20 +24,19 @@ import grpc
 import pytest
 import redis
 from daemon_harness import DaemonProcess, eventually, fs_tiers_config, peak_rss_bytes, start_daemon
+from engine_harness import BLOCK as FS_BLOCK
+from engine_harness import HIT, MISS, Engine, block_keys, payload
+from lane_harness import read_frame
 from local_users import SYSTEM_PYTHON, LocalUser, other_user
-from redis_harness import RedisServer
-from test_fast_lane import read_frame
-from test_fs_tier_daemon import BLOCK as FS_BLOCK
-from test_fs_tier_daemon import HIT, MISS, Engine, block_keys, payload
-from test_redis_tier_daemon import daemons, key_prefix, promoted, redis_config, redis_key
-from test_warm_restart import BLOCK, content, read_row, store, write_rows
+from redis_harness import RedisServer, promoted, redis_config, redis_key
+from warm_harness import BLOCK, content, read_row, store, write_rows
 
 from kvtierd.api.fastlane import MAX_BIND_FRAME_BYTES
 from kvtierd.tiers.fs import fsformat
 from kvtierd_client.client import Client, LookupResult
 from kvtierd_client.wire.lane_frames import BIND, HEADER
 
-__all__ = ["daemons", "key_prefix", "other_user"]  # fixtures, imported for these tests
+__all__ = ["other_user"]  # a fixture, imported for these tests
 
 # -- fast lane -------------------------------------------------------------------------
 

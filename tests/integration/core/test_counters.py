@@ -201,7 +201,7 @@ def test_getstats_metrics_and_kvtierctl_agree_after_promotions(metered, pool_nam
 def test_dashboard_and_alerts_compute_hit_rates_from_hit_and_miss_answers():
     """A HIT_PENDING answer is not a hit (a client polling a promotion would count it
     many times): every hit rate the deploy files compute is HIT / (HIT + MISS)."""
-    deploy = Path(__file__).resolve().parents[2] / "deploy"
+    deploy = Path(__file__).resolve().parents[3] / "deploy"
     dashboard = (deploy / "grafana" / "kvtierd-dashboard.json").read_text()
     alerts = (deploy / "prometheus" / "alerts.yml").read_text()
     queries = [t["expr"] for p in json.loads(dashboard)["panels"] for t in p.get("targets", [])]

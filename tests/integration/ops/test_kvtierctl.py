@@ -4,27 +4,22 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from daemon_harness import DaemonProcess, fs_tiers_config, start_daemon, wait_tier_jobs
+from daemon_harness import (
+    KVTIERCTL,
+    DaemonProcess,
+    ctl,
+    fs_tiers_config,
+    start_daemon,
+    wait_tier_jobs,
+)
 
 from kvtierd_client.client import Client
 
-KVTIERCTL = str(Path(sys.executable).parent / "kvtierctl")
 BLOCK = 4096
-
-
-def ctl(daemon_address: str, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [KVTIERCTL, "--address", daemon_address, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 @pytest.fixture(scope="module")

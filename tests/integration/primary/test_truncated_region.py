@@ -28,12 +28,10 @@ from pathlib import Path
 import pytest
 import redis
 from daemon_harness import DaemonProcess, eventually, fs_tiers_config, start_daemon
-from test_fs_tier_daemon import HIT, MISS, Engine, block_keys, payload
-from test_redis_tier_daemon import key_prefix, redis_config
+from engine_harness import HIT, MISS, Engine, block_keys, payload
+from redis_harness import redis_config
 
 from kvtierd_client.client import Client
-
-__all__ = ["key_prefix"]  # a fixture, imported for these tests
 
 TIERS = ["redis", "fs-inline", "fs-workers"]
 

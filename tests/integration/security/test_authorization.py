@@ -22,40 +22,12 @@ from pathlib import Path
 import grpc
 import pytest
 from daemon_harness import DaemonProcess, eventually, free_port, peak_rss_bytes, start_daemon
-from users_harness import Group, ThrowawayAccounts, User, require_root, run_as
+from users_harness import Group, ThrowawayAccounts, User, principals_toml, run_as, start_shared
 
 from kvtierd_client.client import Client
 from kvtierd_client.errors import PermissionDenied, ResourceExhausted
 from kvtierd_client.wire.peer_ticket import obtain_ticket
 from kvtierd_client.wire.proto import pb2
-
-
-@pytest.fixture
-def accounts() -> Iterator[ThrowawayAccounts]:
-    require_root()
-    made = ThrowawayAccounts()
-    try:
-        yield made
-    finally:
-        made.remove_all()
-
-
-def principals_toml(*tables: dict[str, object]) -> str:
-    text = ""
-    for table in tables:
-        text += "[[security.principals]]\n"
-        for key, value in table.items():
-            rendered = repr(value).replace("'", '"') if not isinstance(value, str) else f'"{value}"'
-            text += f"{key} = {rendered}\n"
-    return text
-
-
-def start_shared(config: str, group: Group, *args: str) -> DaemonProcess:
-    """A daemon whose socket the members of ``group`` may reach (the harness's
-    work directory is root's 0700: opened to traversal)."""
-    daemon = start_daemon("--socket-group", group.name, *args, config=config)
-    os.chmod(daemon.workdir, 0o711)
-    return daemon
 
 
 @pytest.fixture

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 from daemon_harness import daemon_command, eventually, fs_tiers_config, start_daemon, write_config
+from engine_harness import Engine, block_keys, file_of
 from local_users import LocalUser, other_user
-from test_fs_tier_daemon import Engine, block_keys, file_of
 
 from kvtierd.primary.region import region_file_name
 from kvtierd.tiers.fs import fsformat

@@ -34,7 +34,7 @@ from kvtierd.tiering.manager import TierCounters
 from kvtierd.tiers.base import TierStats
 from kvtierd_client.wire.proto import pb2
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[3] / "README.md"
 
 # Snapshot fields (paths; a secondary tier's without its index) told by one output only.
 GETSTATS_ONLY = {

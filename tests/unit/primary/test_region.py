@@ -38,7 +38,7 @@ from kvtierd_client.region import AttachedRegion
 
 PAGE = mmap.PAGESIZE
 BLOCK = 16384
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture

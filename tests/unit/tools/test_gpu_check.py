@@ -14,7 +14,7 @@ import torch
 from benchmarks.gpu.correctness import SENTINEL, compare_loaded, expected_pages
 from benchmarks.gpu.suites import parse_pytest_counts
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "tools"))
 import gpu_pack  # noqa: E402
 

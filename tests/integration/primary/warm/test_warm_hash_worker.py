@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from daemon_harness import DaemonProcess, eventually, start_daemon
-from test_warm_restart import BLOCK, HIT, MISS, assert_bit_exact, restart, store
+from warm_harness import BLOCK, HIT, MISS, assert_bit_exact, restart, store
 
 from kvtierd.primary.warm.hashworker import WORKER_NICE
 from kvtierd_client.client import Client

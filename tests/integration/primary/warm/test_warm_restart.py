@@ -5,8 +5,6 @@ changed pool, a torn or foreign journal) is dropped or starts the pool cold."""
 
 from __future__ import annotations
 
-import hashlib
-import mmap
 import os
 import signal
 import struct
@@ -18,59 +16,21 @@ from pathlib import Path
 
 import pytest
 from daemon_harness import DaemonProcess, eventually, start_daemon
+from warm_harness import (
+    BLOCK,
+    HIT,
+    MISS,
+    assert_bit_exact,
+    content,
+    journal_of,
+    restart,
+    store,
+    write_rows,
+)
 
-from kvtierd_client.client import Client, LookupResult
+from kvtierd_client.client import Client
 
-BLOCK = 8192
 BLOCKS = 64
-HIT = LookupResult.HIT
-MISS = LookupResult.MISS
-
-
-def content(key: bytes, block_bytes: int = BLOCK) -> bytes:
-    """The bytes a test stores under ``key``: derived from it, so any mix-up shows."""
-    seed = hashlib.sha256(key).digest()
-    return (seed * (block_bytes // len(seed) + 1))[:block_bytes]
-
-
-def write_rows(path: str, rows: dict[int, bytes], block_bytes: int = BLOCK) -> None:
-    with open(path, "r+b") as file, mmap.mmap(file.fileno(), 0) as region:
-        for row, data in rows.items():
-            region[row * block_bytes : (row + 1) * block_bytes] = data
-
-
-def read_row(path: str, row: int, block_bytes: int = BLOCK) -> bytes:
-    with open(path, "rb") as file:
-        file.seek(row * block_bytes)
-        return file.read(block_bytes)
-
-
-def store(session, keys: list[bytes], block_bytes: int = BLOCK) -> dict[bytes, int]:
-    grant = session.prepare_store(keys)
-    assert grant is not None and grant.keys_to_store == keys
-    write_rows(
-        session.region.path,
-        {row: content(key, block_bytes) for key, row in zip(keys, grant.block_ids, strict=True)},
-        block_bytes,
-    )
-    session.complete_store(keys)
-    return dict(zip(keys, grant.block_ids, strict=True))
-
-
-def assert_bit_exact(session, keys: list[bytes], block_bytes: int = BLOCK) -> None:
-    rows = session.prepare_load(keys)
-    for key, row in zip(keys, rows, strict=True):
-        assert read_row(session.region.path, row, block_bytes) == content(key, block_bytes), key
-    session.complete_load(keys)
-
-
-def journal_of(region_path: str) -> Path:
-    return Path(region_path[: -len(".region")] + ".journal")
-
-
-def restart(daemon: DaemonProcess, sig: int = signal.SIGTERM) -> DaemonProcess:
-    daemon.stop(sig)
-    return daemon.restart()
 
 
 @pytest.fixture
@@ -155,7 +115,7 @@ def test_sigkill_storm_of_writers_never_serves_a_reservation(warm_daemon, tmp_pa
                 str(log_files[n]),
                 str(STORM_ROWS),
             ],
-            cwd=str(Path(__file__).resolve().parents[2]),
+            cwd=str(Path(__file__).resolve().parents[4]),
             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
         )
         for n in range(3)
@@ -387,7 +347,7 @@ def test_warm_restart_off_is_cold_as_before():
 
 
 def test_systemd_unit_keeps_the_shm_files_across_a_restart():
-    unit = (Path(__file__).resolve().parents[2] / "deploy/systemd/kvtierd.service").read_text()
+    unit = (Path(__file__).resolve().parents[4] / "deploy/systemd/kvtierd.service").read_text()
     settings = dict(
         line.split("=", 1) for line in unit.splitlines() if "=" in line and line[0] != "#"
     )

@@ -18,20 +18,9 @@ from pathlib import Path
 import pytest
 import xxhash
 from daemon_harness import daemon_command, fs_tiers_config, start_daemon
-from test_fs_tier_daemon import (
-    BLOCK,
-    HIT,
-    MISS,
-    Engine,
-    block_keys,
-    file_of,
-    fs_root,
-    payload,
-)
+from engine_harness import BLOCK, HIT, MISS, Engine, block_keys, file_of, payload
 
 from kvtierd.tiers.fs import fsformat
-
-__all__ = ["fs_root"]  # the fixture, imported for these tests
 
 GRACE_S = 1.0  # --shutdown-grace of these daemons
 STOP_BOUND_S = GRACE_S + 6.0  # grace + a bounded drain: what SIGTERM may take at most

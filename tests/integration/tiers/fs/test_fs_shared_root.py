@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from daemon_harness import DaemonProcess, eventually, free_port, fs_tiers_config, start_daemon
-from test_fs_tier_daemon import (  # the fs tier's own daemon tests' engine and payloads
+from engine_harness import (
     BLOCK,
     FILE_BYTES,
     HIT,

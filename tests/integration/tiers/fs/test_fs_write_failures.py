@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from daemon_harness import eventually, fs_tiers_config, start_daemon
-from test_fs_tier_daemon import HIT, Engine, block_files, block_keys, file_of, payload
+from engine_harness import HIT, Engine, block_files, block_keys, file_of, payload
 
 SMALL = "8m"  # ~120 block files of 68 KiB
 BIGGER = "64m"

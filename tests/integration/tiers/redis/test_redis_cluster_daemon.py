@@ -10,16 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import test_redis_tier_daemon as standalone
-from daemon_harness import DaemonProcess, eventually
+from daemon_harness import DaemonProcess, ctl, eventually
+from engine_harness import HIT, MISS, Engine, block_keys, payload
 from redis.cluster import RedisCluster
-from redis_harness import RedisClusterNodes, RedisServer
-from test_fs_tier_daemon import HIT, MISS, Engine, block_keys, payload
-from test_kvtierctl import ctl
-from test_redis_tier_daemon import VALUE_BYTES, promoted, redis_key
-
-daemons = standalone.daemons  # the fixtures, shared with the standalone server's tests
-key_prefix = standalone.key_prefix
+from redis_harness import VALUE_BYTES, RedisClusterNodes, RedisServer, promoted, redis_key
 
 CLUSTER_OPTIONS = {"info_interval": "300ms", "timeout": "500ms"}
 

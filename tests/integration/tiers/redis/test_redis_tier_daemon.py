@@ -11,69 +11,16 @@ from __future__ import annotations
 import os
 import signal
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import redis
-from daemon_harness import DaemonProcess, eventually, start_daemon
-from redis_harness import RedisServer
-from test_fs_tier_daemon import BLOCK, HIT, MISS, Engine, block_keys, payload
+from daemon_harness import DaemonProcess, eventually
+from engine_harness import HIT, MISS, Engine, block_keys, payload
+from redis_harness import VALUE_BYTES, RedisServer, promoted, redis_config, redis_key
 
 from kvtierd.tiers.fs import fsformat
 from kvtierd_client.errors import FailedPrecondition
-
-VALUE_BYTES = fsformat.HEADER_SIZE + BLOCK
-
-
-def redis_config(url: str, key_prefix: str, **options: object) -> str:
-    extra = "".join(f'{key} = "{value}"\n' for key, value in options.items())
-    return (
-        f'[[tiers]]\ntype = "redis"\nname = "redis"\nurls = ["{url}"]\n'
-        f'key_prefix = "{key_prefix}"\nthreads = 4\n{extra}'
-    )
-
-
-@pytest.fixture
-def key_prefix() -> str:
-    return f"test-{uuid.uuid4().hex[:12]}"
-
-
-@pytest.fixture
-def daemons() -> Iterator[Callable[[str], DaemonProcess]]:
-    """Starts daemons (each its own socket and shm dir); stops them all afterwards."""
-    started: list[DaemonProcess] = []
-
-    def start(config: str) -> DaemonProcess:
-        daemon = start_daemon("--memory-budget", "64MiB", config=config)
-        started.append(daemon)
-        return daemon
-
-    try:
-        yield start
-        for daemon in started:
-            assert daemon.stop() == 0, daemon.log()
-    finally:
-        for daemon in started:
-            daemon.cleanup()
-
-
-def redis_key(key_prefix: str, pool: str, key: bytes, layout: str = "L") -> bytes:
-    fingerprint = fsformat.PoolIdentity(pool, BLOCK, layout).fingerprint
-    return f"{key_prefix}:{fingerprint.hex()}:".encode() + key
-
-
-def promoted(engine: Engine, keys: list[bytes], timeout: float = 20.0) -> list[object]:
-    """Looks keys up until every one is HIT or a settled MISS: the first lookup of a
-    key the tier never heard of answers MISS and starts a probe; a later one sees it."""
-    results: list[object] = []
-
-    def all_hit() -> bool:
-        results[:] = engine.wait_settled(keys)
-        return all(r == HIT for r in results)
-
-    eventually(all_hit, timeout, lambda: f"every key HIT; still {results}", interval=0.01)
-    return results
 
 
 def test_a_block_stored_through_one_daemon_is_served_by_another(

@@ -26,7 +26,7 @@ from kvtierd.tiers.fs.settings import (
     parse_fs_settings,
 )
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[4] / "README.md"
 
 
 def test_the_readme_table_of_fs_options_is_the_generated_one() -> None:

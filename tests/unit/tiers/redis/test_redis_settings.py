@@ -18,7 +18,7 @@ from kvtierd.tiers.redis.settings import (
     parse_redis_settings,
 )
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[4] / "README.md"
 
 
 def test_the_readme_table_of_redis_options_is_the_generated_one() -> None:
