@@ -47,7 +47,8 @@ from kvtierd.core.claims import ClaimTable
 from kvtierd.core.statistics import PoolStatistics, PrimaryStatistics, SecondaryStatistics
 from kvtierd.errors import FailedPrecondition
 from kvtierd.prefix import READY, prefix_end
-from kvtierd.primary.manager import NotLoadableError, PrimaryManager
+from kvtierd.primary.errors import NotLoadableError
+from kvtierd.primary.manager import PrimaryManager
 from kvtierd.primary.region import Region
 from kvtierd.primary.warm.journal import JournalWriter
 from kvtierd.records.events import EventLog

@@ -45,6 +45,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtierd.contract import BlockEvent, BlockKey, LookupResult, Medium, StoreGrant
+from kvtierd.primary.errors import NotLoadableError, NotPinnedError
 from kvtierd.primary.policies import ARCPolicy, CachePolicy, LRUPolicy, make_policy
 
 _MISS = LookupResult.MISS
@@ -52,33 +53,6 @@ _HIT = LookupResult.HIT
 _HIT_PENDING = LookupResult.HIT_PENDING
 
 _PENDING = -1  # ref count of a row whose write is in flight
-
-
-class PrimaryStateError(KeyError):
-    """A key is not in the state a call needs; ``key`` names it. Nothing changed."""
-
-    def __init__(self, key: BlockKey, message: str) -> None:
-        super().__init__(key)
-        self.key = key
-        self.message = message
-
-    def __str__(self) -> str:
-        return self.message
-
-
-class NotLoadableError(PrimaryStateError):
-    """``prepare_load`` of a key that is not HIT (absent or write in flight)."""
-
-    def __init__(self, key: BlockKey, state: LookupResult = _MISS) -> None:
-        super().__init__(key, f"key {key!r} is {state.name}, not HIT; it cannot be loaded")
-        self.state = state
-
-
-class NotPinnedError(PrimaryStateError):
-    """``complete_load`` of a key that holds fewer pins than the call releases."""
-
-    def __init__(self, key: BlockKey) -> None:
-        super().__init__(key, f"key {key!r} is not pinned (complete_load without prepare_load)")
 
 
 @dataclass(frozen=True, slots=True)

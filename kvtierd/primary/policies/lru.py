@@ -160,36 +160,51 @@ class LRUPolicy(CachePolicy):
             self._link_before(s, reversed(rows))
             return
         if len(set(rows)) != m:
-            # Duplicates: unlink row by row, first occurrence only (an unlinked row
-            # reads _OUT), then relink the moved rows at the MRU end, last key first.
-            moved: list[int] = []
-            keep = moved.append
-            for row in rows:
-                n = nxt[row]
-                if n == _OUT:
-                    continue
-                p = prv[row]
-                nxt[p] = n
-                prv[n] = p
-                nxt[row] = _OUT
-                keep(row)
-            self._link_before(s, reversed(moved))
+            self._touch_with_duplicates(rows)
             return
         # Blocks: maximal runs of the call whose rows already lie in the list in
         # the wanted (reverse call) order, e.g. a prefix touched before. A block
         # moves as a whole: its inner links stay.
         block_starts = [0, *compress(count(1), map(ne, islice(nexts, 1, None), rows))]
         if 2 * len(block_starts) <= m:
-            anchor = s
-            block_ends = [*block_starts[1:], m]
-            for a, b in zip(block_starts, block_ends, strict=True):
-                first = rows[b - 1]  # the block's LRU row; rows[a] is its MRU row
-                self._move_chain(first, rows[a], anchor)
-                anchor = first
+            self._touch_blocks(rows, block_starts)
             return
-        # Otherwise unlink runs of rows that follow each other in the list in call
-        # order (e.g. a batch stored together and not touched since) by their ends;
-        # ``nexts`` is still valid inside a run. Then relink row by row.
+        self._touch_runs(rows, nexts)
+
+    def _touch_with_duplicates(self, rows: list[int]) -> None:
+        """``touch`` of rows some of which repeat: unlink row by row, first occurrence
+        only (an unlinked row reads _OUT), then relink the moved rows at the MRU end,
+        last key first."""
+        nxt, prv = self._next, self._prev
+        moved: list[int] = []
+        keep = moved.append
+        for row in rows:
+            n = nxt[row]
+            if n == _OUT:
+                continue
+            p = prv[row]
+            nxt[p] = n
+            prv[n] = p
+            nxt[row] = _OUT
+            keep(row)
+        self._link_before(self._sentinel, reversed(moved))
+
+    def _touch_blocks(self, rows: list[int], block_starts: list[int]) -> None:
+        """``touch`` where ``rows`` fall into few blocks already in the wanted order
+        (``block_starts``: where each begins): each block moves whole."""
+        anchor = self._sentinel
+        block_ends = [*block_starts[1:], len(rows)]
+        for a, b in zip(block_starts, block_ends, strict=True):
+            first = rows[b - 1]  # the block's LRU row; rows[a] is its MRU row
+            self._move_chain(first, rows[a], anchor)
+            anchor = first
+
+    def _touch_runs(self, rows: list[int], nexts: list[int]) -> None:
+        """``touch`` of scattered rows: unlink runs of rows that follow each other in
+        the list in call order (e.g. a batch stored together and not touched since)
+        by their ends (``nexts``, each row's successor, is still valid inside a run),
+        then relink row by row."""
+        nxt, prv = self._next, self._prev
         start = 0
         for end in compress(count(), map(ne, nexts, islice(rows, 1, None))):
             p = prv[rows[start]]
@@ -197,12 +212,12 @@ class LRUPolicy(CachePolicy):
             nxt[p] = n
             prv[n] = p
             start = end + 1
-        if start < m:
+        if start < len(rows):
             p = prv[rows[start]]
             n = nxt[rows[-1]]
             nxt[p] = n
             prv[n] = p
-        self._link_before(s, reversed(rows))
+        self._link_before(self._sentinel, reversed(rows))
 
     def evict(self, n: int, protected: Collection[BlockKey]) -> list[BlockKey] | None:
         assert n >= 0

@@ -52,7 +52,6 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -63,6 +62,7 @@ from redis.exceptions import AskError, RedisClusterException
 from redis.retry import Retry
 
 from kvtierd.tiers.redis.deadline import CallDeadlines, Watched, deadline_connection_class
+from kvtierd.tiers.redis.health import NodeInfo, ServerHealth, summarize
 from kvtierd.tiers.redis.settings import RedisTierSettings
 
 log = logging.getLogger("kvtierd.tiers.redis")
@@ -75,28 +75,6 @@ NodeClient = redis.Redis
 
 # what a per-node pipeline answers for one key: the reply, or the error of that key
 Reply = Any
-
-
-@dataclass(frozen=True, slots=True)
-class ServerHealth:
-    """The server as last seen by :meth:`RedisLink.refresh_health` (and between two
-    refreshes, the round-trip average kept by every probe).
-
-    ``max_memory_bytes`` is ``maxmemory`` summed over the reachable masters, 0 when
-    one of them has none (unbounded: the server grows until its host's RAM);
-    ``system_memory_bytes`` the RAM of their hosts (a bound when unbounded).
-    ``evicted_keys`` is the servers' cumulative eviction count: when it grows the
-    tiers re-probe what they hold (a write never stays for sure).
-    """
-
-    mode: str = "unknown"  # "standalone", "cluster" or "unknown" (not reached yet)
-    nodes_known: int = 0  # masters in the slot map (1 standalone)
-    nodes_reachable: int = 0  # of them, those that answered the last refresh
-    round_trip_us: int = 0  # running average of small-command round trips
-    max_memory_bytes: int = 0
-    used_memory_bytes: int = 0
-    system_memory_bytes: int = 0
-    evicted_keys: int = 0
 
 
 class NodeSkipped(redis.ConnectionError):
@@ -515,39 +493,24 @@ class RedisLink:
         built yet."""
         client = self.client()
         masters = self._masters(client)
-        reachable = max_memory = used = system = evicted = 0
-        unbounded = False
+        answers: list[NodeInfo] = []
         for name, node in masters:
             try:
                 self._check_node(name)  # a skipped node: unreachable (or this is its trial)
-                memory, stats = self._node_health(node)
+                answers.append(self._node_health(node))
             except (redis.RedisError, OSError) as exc:
                 self._node_failed(name, exc)
                 continue
             self._node_answered(name)
-            reachable += 1
-            limit = int(memory.get("maxmemory", 0) or 0)
-            unbounded = unbounded or limit == 0
-            max_memory += limit
-            used += int(memory.get("used_memory", 0) or 0)
-            system += int(memory.get("total_system_memory", 0) or 0)
-            evicted += int(stats.get("evicted_keys", 0) or 0)
-        if reachable < len(masters):
+        if len(answers) < len(masters):
             self._suspect_topology()
-        health = ServerHealth(
-            mode="cluster" if isinstance(client, RedisCluster) else "standalone",
-            nodes_known=len(masters),
-            nodes_reachable=reachable,
-            max_memory_bytes=0 if unbounded else max_memory,
-            used_memory_bytes=used,
-            system_memory_bytes=system,
-            evicted_keys=evicted,
-        )
+        mode = "cluster" if isinstance(client, RedisCluster) else "standalone"
+        health = summarize(mode, len(masters), answers)
         with self._lock:
             self._health = health
         return self.health
 
-    def _node_health(self, node: NodeClient) -> tuple[dict[str, Any], dict[str, Any]]:
+    def _node_health(self, node: NodeClient) -> NodeInfo:
         """PING (its round trip noted), ``INFO memory`` and ``INFO stats`` of one node,
         on one connection under one call deadline (a node that trickles its answers
         must not hold an I/O thread for the minutes an INFO answer would take)."""

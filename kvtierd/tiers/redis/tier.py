@@ -67,7 +67,8 @@ from kvtierd.tiers.base import JobCallback, JobResult, SecondaryTier, TierJob, T
 from kvtierd.tiers.fs import fsformat
 from kvtierd.tiers.fs.iopool import IoPool, Outcome
 from kvtierd.tiers.redis.blockio import WRITTEN, BlockCorrupt, BlockMissing, RedisBlockIO
-from kvtierd.tiers.redis.link import RedisLink, ServerHealth
+from kvtierd.tiers.redis.health import ServerHealth
+from kvtierd.tiers.redis.link import RedisLink
 from kvtierd.util.ratelimit import RateLimitedLog
 
 log = logging.getLogger("kvtierd.tiers.redis")

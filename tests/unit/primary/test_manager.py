@@ -11,7 +11,8 @@ from collections.abc import Callable
 import pytest
 
 from kvtierd.contract import PRIMARY_TIER, BlockEvent, LookupResult, Medium, StoreGrant
-from kvtierd.primary.manager import NotLoadableError, NotPinnedError, PrimaryManager, PrimaryStats
+from kvtierd.primary.errors import NotLoadableError, NotPinnedError
+from kvtierd.primary.manager import PrimaryManager, PrimaryStats
 from kvtierd.primary.policies import POLICY_NAMES, ARCPolicy, LRUPolicy
 
 MISS, HIT, PENDING = LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING
