@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import grpc
 import pytest
+from fake_clock import FakeClock
 
 from kvtierd.api.service import MAX_BATCH_OPS, TAKE_EVENTS_MAX_BYTES, KVTierService
 from kvtierd.config import load_config
@@ -59,14 +60,6 @@ class Context:
         raise Aborted(code, details)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @dataclasses.dataclass
 class Daemon:
     """A servicer over real pool and session tables (regions under ``tmp_path``)."""
@@ -74,7 +67,7 @@ class Daemon:
     service: KVTierService
     sessions: SessionTable
     pools: PoolTable
-    clock: Clock
+    clock: FakeClock
     observed: list[tuple[str, str]]
 
     def call(self, method: str, request: Any, context: Context | None = None) -> Any:
@@ -107,7 +100,7 @@ def daemon(tmp_path) -> Iterator[Daemon]:
         defaults.memory, shm_dir=str(tmp_path), budget=256 << 20, prefault=False,
         warm_restart=False,  # its journal's ready records land later: GetStats would move
     )  # fmt: skip
-    clock = Clock()
+    clock = FakeClock()
     pools = PoolTable(memory, defaults.limits, gid=None)
     sessions = SessionTable(LEASE, 16, clock=clock)
     tokens = tmp_path / "tokens"

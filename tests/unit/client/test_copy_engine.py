@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
+from fake_clock import FakeClock
 
 from kvtierd.primary.region import Region
 from kvtierd_client import copy_engine as copy_engine_mod
@@ -388,25 +389,15 @@ def test_a_store_past_its_lease_deadline_is_refused_and_copies_nothing(writer):
     assert np.array_equal(writer.numpy(), before)
 
 
-class ScriptedClock:
-    """``time.monotonic``, except for the readings queued in ``next`` (taken in order)."""
-
-    def __init__(self) -> None:
-        self.next: list[float] = []
-
-    def __call__(self) -> float:
-        return self.next.pop(0) if self.next else time.monotonic()
-
-
 def test_a_store_that_ends_past_its_lease_deadline_is_reported_late(writer):
     """The deadline passed between the check and the copy's end (a stopped process,
     a slow copy): the job is reported late, once, and the caller fails the store."""
-    clock = ScriptedClock()
+    clock = FakeClock(0.0)
     with CopyEngine(writer, kv_tensors(7)[1:], page_bytes=PAGE, clock=clock) as engine:
-        on_time = engine.submit_store([(0, 0)], lease_deadline=time.monotonic() + 60)
-        clock.next = [100.0, 200.0]  # the check, then the end of the copy
+        on_time = engine.submit_store([(0, 0)], lease_deadline=60.0)
+        clock.script(100.0, 200.0)  # the check, then the end of the copy
         late = engine.submit_store([(1, 1)], lease_deadline=150.0)
-        assert clock.next == []  # both read by that store (a CPU copy ends in submit)
+        assert not clock.scripted  # both read by that store (a CPU copy ends in submit)
         assert engine.poll() == [on_time, late]
         assert engine.late_jobs() == [late]
         assert engine.late_jobs() == []
@@ -418,13 +409,13 @@ def test_a_store_that_ends_past_its_lease_deadline_is_reported_late(writer):
 def test_a_load_past_its_lease_deadline_is_refused_and_one_ending_past_it_is_late(writer):
     kv = kv_tensors(7)[1:]
     before = kv[0].clone()
-    clock = ScriptedClock()
+    clock = FakeClock(0.0)
     with CopyEngine(writer, kv, page_bytes=PAGE, clock=clock) as engine:
         with pytest.raises(copy_engine_mod.LeaseLostError, match="load refused"):
-            engine.submit_load([(0, 0)], lease_deadline=time.monotonic() - 0.001)
+            engine.submit_load([(0, 0)], lease_deadline=-0.001)
         assert torch.equal(kv[0], before)  # nothing copied
-        clock.next = [100.0, 200.0]  # the check, then the end of the copy
+        clock.script(100.0, 200.0)  # the check, then the end of the copy
         late = engine.submit_load([(1, 1)], lease_deadline=150.0)
-        assert clock.next == []
+        assert not clock.scripted
         assert engine.poll() == [late]
         assert engine.late_jobs() == [late]

@@ -4,6 +4,7 @@ credited, quarantined rows, the session limit and TakeEvents cursors."""
 from __future__ import annotations
 
 import pytest
+from fake_clock import FakeClock
 
 from kvtierd.config import load_config
 from kvtierd.contract import PoolSpec
@@ -13,14 +14,6 @@ from kvtierd.errors import ResourceExhausted, SessionNotFound
 from kvtierd.primary.region import Region
 from kvtierd.records.events import event_bytes
 from kvtierd.security.access import AccessDenied
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
@@ -35,7 +28,7 @@ def pool(tmp_path):
 
 
 def test_a_lease_runs_out_without_calls_and_is_renewed_by_one(pool):
-    clock = Clock()
+    clock = FakeClock(100.0)
     table = SessionTable(2.0, 8, clock=clock, write_quarantine=5.0)
     session = table.open(pool, "c", "unix:")
     clock.now += 1.5
@@ -49,7 +42,7 @@ def test_a_lease_runs_out_without_calls_and_is_renewed_by_one(pool):
 
 
 def test_a_stall_of_the_daemon_is_credited_to_every_lease(pool):
-    clock = Clock()
+    clock = FakeClock(100.0)
     table = SessionTable(2.0, 8, clock=clock)
     sessions = [table.open(pool, f"c{i}", "unix:") for i in range(3)]
     clock.now += 10.0  # the loop did not run for 10 s
@@ -61,7 +54,7 @@ def test_a_stall_of_the_daemon_is_credited_to_every_lease(pool):
 
 
 def test_an_ended_sessions_reservations_are_quarantined_for_write_quarantine(pool):
-    clock = Clock()
+    clock = FakeClock(100.0)
     table = SessionTable(2.0, 8, clock=clock, write_quarantine=5.0)
     session = table.open(pool, "writer", "unix:")
     pool.prepare_store(session.id, [b"a", b"b"])
@@ -75,7 +68,7 @@ def test_an_ended_sessions_reservations_are_quarantined_for_write_quarantine(poo
 
 
 def test_get_finds_a_session_without_renewing_its_lease(pool):
-    clock = Clock()
+    clock = FakeClock(100.0)
     table = SessionTable(2.0, 8, clock=clock)
     session = table.open(pool, "c", "unix:")
     clock.now += 1.5
@@ -88,7 +81,7 @@ def test_get_finds_a_session_without_renewing_its_lease(pool):
 
 
 def test_open_refuses_beyond_max_sessions_and_attaches_to_the_pool(pool):
-    table = SessionTable(2.0, 2, clock=Clock())
+    table = SessionTable(2.0, 2, clock=FakeClock(100.0))
     first = table.open(pool, "a", "unix:")
     table.open(pool, "b", "unix:")
     with pytest.raises(ResourceExhausted, match="2 sessions are open, the limit is 2"):
@@ -103,7 +96,7 @@ def test_open_refuses_beyond_max_sessions_and_attaches_to_the_pool(pool):
 
 
 def test_closing_a_session_releases_what_it_held_in_its_pool(pool):
-    table = SessionTable(2.0, 8, clock=Clock(), write_quarantine=5.0)
+    table = SessionTable(2.0, 8, clock=FakeClock(100.0), write_quarantine=5.0)
     owner, reader = table.open(pool, "owner", "unix:"), table.open(pool, "reader", "unix:")
     pool.prepare_store(owner.id, [b"a"])
     pool.complete_store(owner.id, [b"a"], True)
@@ -119,7 +112,7 @@ def test_closing_a_session_releases_what_it_held_in_its_pool(pool):
 
 
 def test_a_stall_credit_of_zero_or_less_changes_nothing(pool):
-    clock = Clock()
+    clock = FakeClock(100.0)
     table = SessionTable(2.0, 8, clock=clock)
     session = table.open(pool, "c", "unix:")
     table.credit_stall(0.0)
@@ -128,7 +121,7 @@ def test_a_stall_credit_of_zero_or_less_changes_nothing(pool):
 
 
 def test_take_events_moves_only_this_sessions_cursor_page_by_page(pool):
-    table = SessionTable(2.0, 8, clock=Clock())
+    table = SessionTable(2.0, 8, clock=FakeClock(100.0))
     first, second = table.open(pool, "a", "unix:"), table.open(pool, "b", "unix:")
     names = [f"k{i}".encode() for i in range(4)]
     for name in names:  # four stored events
@@ -146,7 +139,7 @@ def test_take_events_moves_only_this_sessions_cursor_page_by_page(pool):
 
 
 def test_a_session_opened_later_sees_only_later_events(pool):
-    table = SessionTable(2.0, 8, clock=Clock())
+    table = SessionTable(2.0, 8, clock=FakeClock(100.0))
     early = table.open(pool, "early", "unix:")
     pool.prepare_store(early.id, [b"a"])
     pool.complete_store(early.id, [b"a"], True)
@@ -159,7 +152,7 @@ def test_another_principals_call_on_a_session_is_refused_before_its_lease_moves(
     """Scenario: team-b names team-a's session: KeepAlive-like ``get`` and ``close``
     are PERMISSION_DENIED and change nothing (the lease still runs out on time);
     every open, close and expiry is reported to ``observe_session``."""
-    clock = Clock()
+    clock = FakeClock(100.0)
     table = SessionTable(2.0, 8, clock=clock)
     seen: list[tuple[str, str, str]] = []
     table.observe_session = lambda event, s, reason: seen.append((event, s.principal, reason))

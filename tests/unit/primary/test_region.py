@@ -93,7 +93,14 @@ def test_file_name_is_safe_and_unique_per_pool_name():
     assert name.startswith("kvtierd-llama_8b_tp2_v1-") and name.endswith(".region")
     assert len(name.split("-")[-1]) == len("0123456789ab.region")
     assert region_file_name("a/b") != region_file_name("a:b")  # same sanitized text
-    assert region_file_name("a/b") == region_file_name("a/b")
+    # the same name in another process (another hash seed) names the same file: a
+    # restarted daemon must find the region and journal its predecessor left
+    other = subprocess.run(
+        [sys.executable, "-c", "from kvtierd.primary.region import region_file_name as f; "
+         "print(f('a/b'))"],
+        env={**os.environ, "PYTHONHASHSEED": "12345"}, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert other.stdout.strip() == region_file_name("a/b")
     long = region_file_name("x" * 500)
     assert len(long) == len("kvtierd-") + 80 + len("-0123456789ab.region")
     assert "/" not in region_file_name("../../etc/passwd")
@@ -472,10 +479,15 @@ def test_attach_populate_other_errors_propagate(region, monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
-def test_register_cuda_is_a_no_op_without_cuda(region):
+def test_register_cuda_is_a_no_op_without_cuda(region, monkeypatch):
+    runtime_calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: runtime_calls.append("cudart"))
     with AttachedRegion.attach(region.path, 8, BLOCK) as attached:
         attached.register_cuda()
+        attached.numpy()[3][:4] = 7  # the mapping is still the worker's to use
         attached.unregister_cuda()
+        assert bytes(attached.numpy()[3][:4]) == b"\x07" * 4
+    assert runtime_calls == []  # no CUDA runtime call without CUDA
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

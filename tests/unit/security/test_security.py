@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
+from fake_clock import FakeClock
 
 from kvtierd.config import ConfigError, load_config
 from kvtierd.errors import ResourceExhausted
@@ -240,14 +241,14 @@ def test_audit_fields_are_quoted_when_not_plain():
 
 
 def test_audit_denials_are_rate_limited_per_kind(caplog):
-    now = [0.0]
-    audit = AuditLog(logging.getLogger("test.audit"), clock=lambda: now[0])
+    clock = FakeClock(0.0)
+    audit = AuditLog(logging.getLogger("test.audit"), clock=clock)
     with caplog.at_level(logging.INFO, logger="test.audit"):
         for _ in range(5):
             audit.denied("FlushPool", "PERMISSION_DENIED", "team-b", "unix", "team-a/x", "no")
         audit.denied("OpenSession", "PERMISSION_DENIED", "team-b", "unix", "team-a/x", "no")
         audit.session("opened", "s1", "team-b", "unix", "team-b/y", client="c")
-        now[0] = 60.0
+        clock.advance(60.0)
         audit.denied("FlushPool", "PERMISSION_DENIED", "team-b", "unix", "team-a/x", "no")
     lines = [r.getMessage() for r in caplog.records]
     assert [line.split(" ")[:3] for line in lines] == [

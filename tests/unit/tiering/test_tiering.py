@@ -12,6 +12,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 
 import pytest
+from fake_clock import FakeClock
 
 from kvtierd.contract import BlockKey, LookupResult
 from kvtierd.primary.manager import PrimaryManager
@@ -243,17 +244,9 @@ def test_each_key_asked_of_a_tier_is_counted_once_as_what_it_got(manager, attach
 HOLD = 2.0
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def clock() -> FakeClock:
-    return FakeClock()
+    return FakeClock(100.0)
 
 
 def holding(manager: PrimaryManager, clock: FakeClock) -> Tiering:

@@ -6,21 +6,14 @@ import logging
 import threading
 
 import pytest
+from fake_clock import FakeClock
 
 from kvtierd.util.ratelimit import RateLimitedLog
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
+def clock() -> FakeClock:
+    return FakeClock()
 
 
 @pytest.fixture

@@ -86,12 +86,17 @@ def test_defaults_are_shown_as_toml_values(option: str, shown: str) -> None:
 
 
 def test_a_shown_default_parses_back_to_the_default() -> None:
+    checked = []
     for option in OPTIONS:
         shown = format_default(option)
         if shown:
             value = tomllib.loads(f"v = {shown}")["v"]
             parsed = parse_fs_settings({"root": "/x", option: value})
             assert getattr(parsed, option) == getattr(DEFAULTS, option), option
+            checked.append(option)
+    # every option but the root (no default) is shown, so none can be skipped unseen
+    assert sorted(checked) == sorted(option for option in OPTIONS if option != "root")
+    assert {"capacity", "max_queue_bytes", "fsync", "o_direct", "read_threads"} <= set(checked)
 
 
 def test_an_unknown_option_lists_the_known_ones() -> None:

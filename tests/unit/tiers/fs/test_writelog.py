@@ -7,16 +7,9 @@ import errno
 import logging
 
 import pytest
+from fake_clock import FakeClock
 
 from kvtierd.tiers.fs.writelog import WriteFailureLog
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def enospc(path: str = "/fs/p/ab/cd/abcd.kvb") -> OSError:
@@ -26,7 +19,7 @@ def enospc(path: str = "/fs/p/ab/cd/abcd.kvb") -> OSError:
 def test_one_line_per_interval_with_the_count_of_suppressed_failures_then_one_recovery_line(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    clock = Clock()
+    clock = FakeClock()
     reports = WriteFailureLog("nvme", logging.getLogger("test.writelog"), every_s=10, clock=clock)
     caplog.set_level(logging.DEBUG, logger="test.writelog")
     for _ in range(1000):
