@@ -375,8 +375,9 @@ OPTIONS: tuple[Option, ...] = (
         _duration_in(0.05, 3600.0),
         lambda: 10.0,
         "a WatchEvents stream whose client has not taken an event for this long ends "
-        "with OUT_OF_RANGE; a fast lane whose client leaves its answers unread this long "
-        "is cut (and its session closed)",
+        "with OUT_OF_RANGE; a fast lane whose client leaves its answers unread this long, "
+        "or takes longer than this to send one frame, is cut (its session is left to its "
+        "lease)",
         flag="--watch-write-timeout",
     ),
     *(

@@ -173,7 +173,7 @@ class Daemon:
             await set_health(self._health, serving=False)
             await self._server.stop(self.config.server.shutdown_grace)
         if self.fast_lane is not None:
-            self.fast_lane.close()  # bound sessions close with their lanes, as below
+            self.fast_lane.close()  # every lane cut; their sessions close below
         for task in (self._supervisor, self._watchdog):
             if task is not None:
                 task.cancel()
