@@ -3,6 +3,8 @@ the figures of the issue, measured on this checkout's daemon and, with
 ``--base DIR``, on another checkout's daemon in the same run, scenario by
 scenario, alternating (``python -m benchmarks.local_attack --base DIR``).
 
+* **lane-cost**: the fast lane's own cost, quiet: 32-key Lookups back to back,
+  alternating between the builds' daemons (p50, daemon CPU per call).
 * **lanes**: a probe session's 32-key Lookup mean (one call every 2 ms, over its
   lane when it has one), quiet, then after an attacker made
   ``sessions.max_sessions + 64`` lanes of closed sessions (OpenSession, connect
@@ -12,10 +14,10 @@ scenario, alternating (``python -m benchmarks.local_attack --base DIR``).
   lanes of live sessions.
 * **2-byte pieces**: the same with 16 lanes sending 19.8 MiB in all, in 2-byte
   pieces.
-* **scrape flood**: the probe's Lookup p50 / p99 quiet, then while one process
-  scrapes ``/metrics`` as fast as it can and another holds thousands of idle
-  connections to it; the daemon's peak descriptor count and its "event loop
-  stalled" warnings.
+* **scrape flood**: the probe's Lookup p50 / p99 in quiet windows and in windows
+  where one process scrapes ``/metrics`` as fast as it can and another holds
+  thousands of idle connections to it (alternating, three of each); the
+  daemon's peak descriptor count and its "event loop stalled" warnings.
 
 Another checkout's daemon runs with ``PYTHONPATH=DIR:DIR/client`` (its generated
 stubs must be there: copy ``client/kvtierd_client/_proto``); the attackers and
@@ -38,7 +40,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from benchmarks.common import BenchDaemon, Row, percentile
+from benchmarks.common import BenchDaemon, Row, cpu_seconds, percentile
 from kvtierd_client.client import Client
 from kvtierd_client.lane_frames import BIND, HEADER, METHODS, frame
 from kvtierd_client.proto import pb2, pb2_grpc
@@ -50,8 +52,11 @@ LANE_MAX_SESSIONS = 256  # lanes attack: max_sessions + 64 closed-session lanes
 PARTIAL_LANES = 60
 PIECE_LANES = 16
 PIECE_TOTAL = int(19.8 * MIB)
-FLOOD_SECONDS = 12.0
+FLOOD_ROUNDS = 3  # quiet window, flooded window, alternating
+FLOOD_WINDOW = 6.0  # seconds of probing per window
 IDLE_CONNECTIONS = 8000
+COST_ROUNDS = 6
+COST_CALLS = 2000
 LOOKUP = METHODS["Lookup"][0]
 
 
@@ -126,7 +131,7 @@ def max_frame_bytes(stub: pb2_grpc.KVTierStub) -> int:
     return int(response.fast_lane_max_frame_bytes)
 
 
-def send_or_drop(lanes: list[socket.socket], send: Callable[[socket.socket], None]) -> int:
+def send_or_drop(lanes: list[socket.socket], send: Callable[[socket.socket], object]) -> int:
     """Calls ``send`` on each lane; a lane the daemon closed is dropped. Lanes left."""
     for lane in list(lanes):
         try:
@@ -265,7 +270,8 @@ SCRAPER = textwrap.dedent("""
 
 IDLER = textwrap.dedent("""
     import asyncio, json, sys, time
-    host, port, wanted, seconds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+    host, port, wanted = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    seconds = float(sys.argv[4])
     stats = {"open": 0, "peak": 0, "opened": 0, "failed": 0}
     end = time.monotonic() + seconds
 
@@ -318,40 +324,87 @@ class FdSampler:
 
 
 def flood_scenario(build: Build) -> list[Row]:
+    """``FLOOD_ROUNDS`` rounds of a quiet window then a flooded one, in one daemon."""
     group = f"scrape flood ({build.name})"
     port = _free_port()
+    quiet: list[float] = []
+    flooded: list[float] = []
+    scraped: list[dict[str, float]] = []
+    held = 0
     with BenchDaemon("--metrics-address", f"127.0.0.1:{port}", env=build.env) as daemon, \
             Client(daemon.address) as client:  # fmt: skip
-        quiet, _ = probe(client, "probe/quiet", FLOOD_SECONDS - 2)
         quiet_fds = len(os.listdir(f"/proc/{daemon.proc.pid}/fd"))
         fds = FdSampler(daemon.proc.pid)
-        attackers = [
-            _spawn(SCRAPER, "127.0.0.1", port, FLOOD_SECONDS),
-            _spawn(IDLER, "127.0.0.1", port, IDLE_CONNECTIONS, FLOOD_SECONDS),
-        ]
-        time.sleep(1.0)  # the flood builds up
-        flooded, _ = probe(client, "probe/flooded", FLOOD_SECONDS - 2)
-        scraper, idler = (json.loads(a.communicate(timeout=120)[0].splitlines()[-1])
-                          for a in attackers)  # fmt: skip
+        for _ in range(FLOOD_ROUNDS):
+            quiet.extend(probe(client, "probe/quiet", FLOOD_WINDOW)[0])
+            attackers = [
+                _spawn(SCRAPER, "127.0.0.1", port, FLOOD_WINDOW + 1.5),
+                _spawn(IDLER, "127.0.0.1", port, IDLE_CONNECTIONS, FLOOD_WINDOW + 1.5),
+            ]
+            time.sleep(1.0)  # the flood builds up
+            flooded.extend(probe(client, "probe/flooded", FLOOD_WINDOW)[0])
+            scraper, idler = (json.loads(a.communicate(timeout=120)[0].splitlines()[-1])
+                              for a in attackers)  # fmt: skip
+            scraped.append(scraper)
+            held = max(held, idler["peak"])
         peak_fds = fds.stop()
         with open(os.path.join(daemon.workdir, "daemon.log"), errors="replace") as log:
             stalls = sum("event loop stalled" in line for line in log)
+
+    def rate(status: str) -> float:
+        return sum(s.get(status, 0.0) for s in scraped) / len(scraped)
+
+    def us(samples: list[float], q: float) -> float:
+        return percentile(samples, q) * 1e6
+
     return [
-        Row(group, "probe Lookup p50, quiet", percentile(quiet, 0.5) * 1e6, "µs"),
-        Row(group, "probe Lookup p99, quiet", percentile(quiet, 0.99) * 1e6, "µs"),
-        Row(group, "probe Lookup p50, flood", percentile(flooded, 0.5) * 1e6, "µs", "quiet p50",
-            percentile(flooded, 0.5) / percentile(quiet, 0.5)),
-        Row(group, "probe Lookup p99, flood", percentile(flooded, 0.99) * 1e6, "µs", "quiet p99",
-            percentile(flooded, 0.99) / percentile(quiet, 0.99), "<= 2x quiet"),
+        Row(group, "probe Lookup p50, quiet", us(quiet, 0.5), "µs"),
+        Row(group, "probe Lookup p99, quiet", us(quiet, 0.99), "µs"),
+        Row(group, "probe Lookup p50, flood", us(flooded, 0.5), "µs", "quiet p50",
+            us(flooded, 0.5) / us(quiet, 0.5)),
+        Row(group, "probe Lookup p99, flood", us(flooded, 0.99), "µs", "quiet p99",
+            us(flooded, 0.99) / us(quiet, 0.99), "<= 2x quiet"),
+        Row(group, "probe Lookup max, quiet", max(quiet) * 1e6, "µs"),
         Row(group, "probe Lookup max, flood", max(flooded) * 1e6, "µs"),
-        Row(group, "scrapes answered 200 per second", scraper.get("200", 0.0), "/s"),
-        Row(group, "scrapes answered 429 per second", scraper.get("429", 0.0), "/s"),
-        Row(group, "scrape errors per second", scraper.get("error", 0.0), "/s"),
-        Row(group, "idle connections held at once (attacker's peak)", idler["peak"], "conns"),
+        Row(group, "scrapes answered 200 per second", rate("200"), "/s"),
+        Row(group, "scrapes answered 429 per second", rate("429"), "/s"),
+        Row(group, "scrape errors per second", rate("error"), "/s"),
+        Row(group, "idle connections held at once (attacker's peak)", held, "conns"),
         Row(group, "daemon descriptors, quiet", quiet_fds, "fds"),
         Row(group, "daemon descriptors, flood peak", peak_fds, "fds"),
         Row(group, "event loop stalled warnings", stalls, "lines"),
     ]  # fmt: skip
+
+
+def lane_cost(builds: tuple[Build, ...]) -> list[Row]:
+    """The fast lane's own cost, quiet: a 32-key Lookup back to back on each
+    build's daemon (all running at once), ``COST_ROUNDS`` rounds alternating
+    between them; p50 and the daemon's CPU per call."""
+    daemons = [BenchDaemon("--memory-budget", "256MiB", env=b.env) for b in builds]
+    try:
+        clients = [Client(d.address) for d in daemons]
+        sessions = [c.open_session("probe/cost", block_bytes=4096) for c in clients]
+        samples: list[list[float]] = [[] for _ in builds]
+        cpu: list[float] = [0.0 for _ in builds]
+        for _ in range(COST_ROUNDS):
+            for i, (daemon, session) in enumerate(zip(daemons, sessions, strict=True)):
+                before = cpu_seconds(daemon.proc.pid)
+                for _ in range(COST_CALLS):
+                    started = time.perf_counter()
+                    session.lookup(KEYS)
+                    samples[i].append(time.perf_counter() - started)
+                cpu[i] += cpu_seconds(daemon.proc.pid) - before
+        for client in clients:
+            client.close()
+    finally:
+        for daemon in daemons:
+            daemon.close()
+    rows = []
+    for build, taken, used in zip(builds, samples, cpu, strict=True):
+        group = f"lane Lookup(32 keys), back to back ({build.name})"
+        rows.append(Row(group, "p50", percentile(taken, 0.5) * 1e6, "µs"))
+        rows.append(Row(group, "daemon CPU per call", used / len(taken) * 1e6, "µs"))
+    return rows
 
 
 def _spawn(script: str, *args: object) -> subprocess.Popen[str]:
@@ -378,9 +431,14 @@ SCENARIOS: dict[str, Callable[[Build], list[Row]]] = {
 }
 
 
-def run(builds: tuple[Build, ...] = (Build("this", None),), only: tuple[str, ...] = ()) -> list[Row]:
+def run(
+    builds: tuple[Build, ...] = (Build("this", None),), only: tuple[str, ...] = ()
+) -> list[Row]:
     """Every scenario (or ``only`` those), each on every build in turn."""
     rows: list[Row] = []
+    if not only or "lane-cost" in only:
+        print("  lane-cost on every build ...", file=sys.stderr, flush=True)
+        rows.extend(lane_cost(builds))
     for name, scenario in SCENARIOS.items():
         if only and name not in only:
             continue
@@ -395,7 +453,8 @@ def main() -> int:
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.local_attack", description=__doc__)
     parser.add_argument("--base", help="another checkout whose daemon runs each scenario too")
-    parser.add_argument("scenarios", nargs="*", help=f"of {', '.join(SCENARIOS)} (all)")
+    names = ", ".join(["lane-cost", *SCENARIOS])
+    parser.add_argument("scenarios", nargs="*", help=f"of {names} (all)")
     args = parser.parse_args()
     builds = (Build("this", None),) + ((build_of(args.base),) if args.base else ())
     with open("/proc/loadavg") as load:

@@ -286,9 +286,9 @@ class LaneConnection(asyncio.BufferedProtocol):
     ``LaneBuffers``), read into up to its last byte and no further.
 
     State: unbound -> bound (``_session_id`` set once) -> ended (``_cut``);
-    ``_caller`` is fixed at bind. ``_held``: bytes of ``_body`` and ``_backlog``
-    reserved under ``_owner``, released as they are dropped (at the latest when
-    the connection ends). ``_paused``: the transport's write buffer is over its
+    ``_caller`` is fixed at bind. ``_body`` and ``_backlog`` are reserved under
+    ``_owner`` while they exist and released as they are dropped (at the latest
+    when the connection ends: ``_forget``). ``_paused``: the transport's write buffer is over its
     high water; no frame is handled and nothing is read until it drains, the
     rest of the last read waiting in ``_backlog``."""
 
@@ -306,7 +306,6 @@ class LaneConnection(asyncio.BufferedProtocol):
         self._body_filled = 0
         self._kind = 0  # the kind of the frame in _body
         self._backlog = b""  # unhandled bytes of the last read, while paused
-        self._held = 0
         self._paused = False
         self._cut = False
         self._timer: asyncio.TimerHandle | None = None  # bind, write stall, or abort
@@ -493,11 +492,9 @@ class LaneConnection(asyncio.BufferedProtocol):
         if refusal is not None:
             self._fail(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{what} refused: {refusal}")
             return False
-        self._held += nbytes
         return True
 
     def _release(self, nbytes: int) -> None:
-        self._held -= nbytes
         self._lane.buffers.release(self._owner, nbytes)
 
     def _frame(self, kind: int, body: memoryview) -> None:
