@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -169,6 +170,8 @@ def lanes_scenario(build: Build) -> list[Row]:
         Row(group, "probe Lookup mean, quiet", mean_us(quiet), "µs"),
         Row(group, "probe Lookup mean, attacked", mean_us(attacked), "µs", "quiet",
             mean_us(attacked) / mean_us(quiet)),
+        Row(group, "probe Lookup p50, quiet", percentile(quiet, 0.5) * 1e6, "µs"),
+        Row(group, "probe Lookup p50, attacked", percentile(attacked, 0.5) * 1e6, "µs"),
         Row(group, "probe had a lane under attack", float(had_lane), "bool"),
         Row(group, "attacker lanes still open", float(still_open), "lanes"),
     ]  # fmt: skip
@@ -335,21 +338,31 @@ def flood_scenario(build: Build) -> list[Row]:
             Client(daemon.address) as client:  # fmt: skip
         quiet_fds = len(os.listdir(f"/proc/{daemon.proc.pid}/fd"))
         fds = FdSampler(daemon.proc.pid)
+        pid = daemon.proc.pid
+        cpu = {"quiet": 0.0, "flood": 0.0, "attackers": 0.0}
         for _ in range(FLOOD_ROUNDS):
+            before = cpu_seconds(pid)
             quiet.extend(probe(client, "probe/quiet", FLOOD_WINDOW)[0])
+            cpu["quiet"] += cpu_seconds(pid) - before
+            children = _children_cpu()
             attackers = [
                 _spawn(SCRAPER, "127.0.0.1", port, FLOOD_WINDOW + 1.5),
                 _spawn(IDLER, "127.0.0.1", port, IDLE_CONNECTIONS, FLOOD_WINDOW + 1.5),
             ]
             time.sleep(1.0)  # the flood builds up
+            before = cpu_seconds(pid)
             flooded.extend(probe(client, "probe/flooded", FLOOD_WINDOW)[0])
+            cpu["flood"] += cpu_seconds(pid) - before
             scraper, idler = (json.loads(a.communicate(timeout=120)[0].splitlines()[-1])
                               for a in attackers)  # fmt: skip
+            cpu["attackers"] += (_children_cpu() - children) * FLOOD_WINDOW / (FLOOD_WINDOW + 1.5)
             scraped.append(scraper)
             held = max(held, idler["peak"])
         peak_fds = fds.stop()
         with open(os.path.join(daemon.workdir, "daemon.log"), errors="replace") as log:
             stalls = sum("event loop stalled" in line for line in log)
+
+    windows = FLOOD_ROUNDS * FLOOD_WINDOW
 
     def rate(status: str) -> float:
         return sum(s.get(status, 0.0) for s in scraped) / len(scraped)
@@ -373,6 +386,10 @@ def flood_scenario(build: Build) -> list[Row]:
         Row(group, "daemon descriptors, quiet", quiet_fds, "fds"),
         Row(group, "daemon descriptors, flood peak", peak_fds, "fds"),
         Row(group, "event loop stalled warnings", stalls, "lines"),
+        *(Row(group, f"CPU of {who} ({window})", cpu[key] / windows * 100, "% of a core")
+          for who, window, key in (("the daemon", "quiet", "quiet"),
+                                   ("the daemon", "flood", "flood"),
+                                   ("the attackers", "flood", "attackers"))),
     ]  # fmt: skip
 
 
@@ -405,6 +422,12 @@ def lane_cost(builds: tuple[Build, ...]) -> list[Row]:
         rows.append(Row(group, "p50", percentile(taken, 0.5) * 1e6, "µs"))
         rows.append(Row(group, "daemon CPU per call", used / len(taken) * 1e6, "µs"))
     return rows
+
+
+def _children_cpu() -> float:
+    """CPU seconds of this process's children that ended and were waited for."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _spawn(script: str, *args: object) -> subprocess.Popen[str]:
