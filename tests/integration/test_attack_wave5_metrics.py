@@ -151,6 +151,15 @@ def metered_daemon_with_pools(tmp_path, extra: str) -> tuple[DaemonProcess, str]
     config = extra + fs_tiers_config(root)
     config += principals_toml({"name": "team-a", "uids": [0], "pools": ["team-a/*"]})
     daemon = start_daemon("--metrics-address", address, config=config)
+    try:
+        store_one_block_per_pool(daemon)
+    except BaseException:
+        daemon.cleanup()
+        raise
+    return daemon, address
+
+
+def store_one_block_per_pool(daemon: DaemonProcess) -> None:
     with Client(daemon.address) as client:
         for pool in POOLS:
             session = client.open_session(pool, block_bytes=4096, num_blocks=8)
@@ -164,7 +173,6 @@ def metered_daemon_with_pools(tmp_path, extra: str) -> tuple[DaemonProcess, str]
                 return tiers[1].used_blocks == 1 and tiers[1].jobs_in_flight == 0
 
             eventually(stored, 30, f"pool {pool}'s block on the fs tier")
-    return daemon, address
 
 
 def test_with_principals_metrics_names_no_pool_by_default(other_user, tmp_path):
