@@ -85,8 +85,14 @@ def rss_anon_bytes(pid: int) -> int:
 class BenchDaemon:
     """A real kvtierd process on a temporary socket and shm directory."""
 
-    def __init__(self, *args: str, shm_dir: str | None = None) -> None:
-        """``shm_dir``: an existing one (kept at close: warm restarts), else a new one."""
+    def __init__(
+        self, *args: str, shm_dir: str | None = None, env: dict[str, str] | None = None
+    ) -> None:
+        """``shm_dir``: an existing one (kept at close: warm restarts), else a new one.
+        ``env``: the daemon's environment (default: this process's), e.g. a
+        ``PYTHONPATH`` that runs another checkout's daemon for a before/after (it
+        then runs in its work directory, so this checkout's sources stay out of
+        its path)."""
         self.workdir = tempfile.mkdtemp(prefix="kvtb-", dir="/tmp")
         self._own_shm_dir = shm_dir is None
         self.shm_dir = shm_dir or tempfile.mkdtemp(prefix="kvtierd-bench-", dir="/dev/shm")
@@ -101,7 +107,9 @@ class BenchDaemon:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvtierd", "--listen", self.address, "--shm-dir",
              self.shm_dir, "--metrics-address", "", "--log-level", "warning", *args],
-            stdout=self.log, stderr=subprocess.STDOUT,
+            stdout=self.log, stderr=subprocess.STDOUT, env=env,
+            # another checkout's daemon (env): not this one's from the current directory
+            cwd=self.workdir if env is not None else None,
         )  # fmt: skip
         self._wait_serving()
 

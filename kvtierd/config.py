@@ -161,6 +161,27 @@ def _metrics_address(value: Any) -> str:
     return text
 
 
+MAX_POOL_LABEL_PATTERNS = 256
+
+
+def _pool_label_patterns(value: Any) -> tuple[str, ...] | None:
+    """``server.metrics_pool_labels``: "auto" (None: decided by whether principals are
+    configured), or pool name globs: a TOML list, or a comma-separated string
+    (environment, flag; "" shows no pool)."""
+    if value == "auto":
+        return None
+    items = [p.strip() for p in value.split(",") if p.strip()] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or len(items) > MAX_POOL_LABEL_PATTERNS:
+        raise ValueError(
+            f'expected "auto" or a list of at most {MAX_POOL_LABEL_PATTERNS} pool name globs '
+            f'(["team-a/*"]), got {value!r}'
+        )
+    for item in items:
+        if not isinstance(item, str) or not 0 < len(item) <= 256:
+            raise ValueError(f"expected pool name globs of 1 to 256 characters, got {item!r}")
+    return tuple(items)
+
+
 # --------------------------------------------------------------------------- options
 
 
@@ -202,6 +223,16 @@ OPTIONS: tuple[Option, ...] = (
         lambda: "127.0.0.1:9464",
         "Prometheus endpoint HOST:PORT ('' turns it off)",
         flag="--metrics-address",
+    ),
+    Option(
+        "server",
+        "metrics_pool_labels",
+        _pool_label_patterns,
+        lambda: None,
+        "pools whose series the metrics endpoint shows (with their names): 'auto' (every "
+        "pool, none when [[security.principals]] are configured: the endpoint asks no "
+        "identity) or pool name globs, comma-separated on the command line ('' for none)",
+        flag="--metrics-pool-labels",
     ),
     Option(
         "server",
@@ -368,8 +399,9 @@ OPTIONS: tuple[Option, ...] = (
         _duration_in(0.05, 3600.0),
         lambda: 10.0,
         "a WatchEvents stream whose client has not taken an event for this long ends "
-        "with OUT_OF_RANGE; a fast lane whose client leaves its answers unread this long "
-        "is cut (and its session closed)",
+        "with OUT_OF_RANGE; a fast lane whose client leaves its answers unread this long, "
+        "or takes longer than this to send one frame, is cut (its session is left to its "
+        "lease)",
         flag="--watch-write-timeout",
     ),
     *(
@@ -399,6 +431,8 @@ class ServerConfig:
     socket_group: str  # "" = the daemon's own group
     shutdown_grace: float  # seconds
     fast_lane: bool = True  # offer sessions the '<socket>.lane' fast lane (kvtierd.api.fastlane)
+    # pool globs whose series /metrics shows; None ("auto"): all, none with principals
+    metrics_pool_labels: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

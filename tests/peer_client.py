@@ -93,6 +93,13 @@ def run(client: Client, sessions: dict[str, object], call: list) -> object:
         except PermissionError:
             return "EACCES"
         return "opened"
+    if what == "lane_lookup":  # [lane_lookup, pool]: a session of its own on its fast lane
+        with Client(client.address, timeout=10) as own:
+            lane_session = own.open_session(args[0], block_bytes=4096, num_blocks=4)
+            results = [int(r) for r in lane_session.lookup([b"k"])]
+            used_lane = lane_session.fast_lane
+            lane_session.close()
+        return {"lane": used_lane, "results": results}
     if what in ("keepalive", "hijack_lookup", "close_session"):  # on someone else's session id
         return foreign_session_call(client, what, args[0])
     raise ValueError(f"unknown call {what!r}")

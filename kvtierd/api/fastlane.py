@@ -4,7 +4,7 @@ Why: a gRPC call costs ~300 µs of daemon CPU in Python; the work of a 32-key
 Lookup costs ~10 µs. The lane carries the same protobuf messages in
 length-prefixed frames (``kvtierd_client.wire.lane_frames``) on a stream socket
 ``<listen socket>.lane`` (mode 0660 and the group of the gRPC socket), parsed
-by an ``asyncio.Protocol`` on the daemon's loop that calls the servicer's own
+by an ``asyncio.BufferedProtocol`` on the daemon's loop that calls the servicer's own
 bodies (``KVTierService.call_direct``): same validation, same service
 functions, same status codes and messages, same metrics and audit.
 
@@ -19,13 +19,16 @@ uid or groups, which must be the principal that opened the session (else
 PERMISSION_DENIED, audited); without principals, the local caller, as on the
 Unix gRPC socket.
 
-Lifetime. When a bound connection ends (the client closed it or died: EOF;
-or the daemon cut it for a bad frame or a stalled reader) its session is left
-to its lease (``FastLane.lane_ended``), as a gRPC client that went away is:
-copiers of the client may still trust that lease, so its pins and reservations
-hold until it runs out. A session that ends otherwise (CloseSession over gRPC,
-its lease) leaves the connection open; its calls then answer NOT_FOUND as on
-gRPC. Leases renew on lane calls exactly as on gRPC calls (the same
+Lifetime. A lane lives as long as its session, no longer. A session that ends
+(CloseSession, its lease, the daemon's stop: ``FastLane.session_ended``) ends
+its lane: the answers already due are written, then a NOT_FOUND frame saying
+why, and the connection is closed (aborted if its client does not read them
+within ``write_timeout``); nothing of it is held any more. When a bound
+connection ends first (the client closed it or died: EOF; or the daemon cut it
+for a bad frame or a stalled reader) its session is left to its lease
+(``FastLane.lane_ended``), as a gRPC client that went away is: copiers of the
+client may still trust that lease, so its pins and reservations hold until it
+runs out. Leases renew on lane calls exactly as on gRPC calls (the same
 ``_live_session``).
 
 Bounds. A frame is at most ``max_frame_bytes`` (the gRPC receive limit) once
@@ -33,13 +36,21 @@ bound, and at most :data:`MAX_BIND_FRAME_BYTES` before (the only frame an
 unbound peer may send is ``BIND``: a peer that proved nothing yet must not
 make the daemon hold a 35 MiB frame per connection); a longer one, a length of
 0, an unknown kind or a request before ``BIND`` is answered with an error
-frame and the connection is cut. The daemon holds at
-most one frame in progress per connection plus one read's worth; it stops
-reading while its answers wait to be written and cuts a peer that does not
-drain them within ``write_timeout``. A connection that has not bound within
-``bind_timeout`` is cut; at most ``max_connections`` connections are open (a
-new one past that drops the oldest connection that has not bound yet, as the
-region socket does, so idle connections cannot keep sessions off their lanes).
+frame and the connection is cut. Reads land in one buffer shared by every
+connection (:data:`READ_BYTES`; the loop runs one protocol at a time), whose
+whole frames are handled in place. A frame that did not arrive whole is held in
+one buffer allocated at its header to the size it announces, and must arrive
+whole within ``frame_timeout``; while a client leaves its answers unread, the
+rest of its last read waits in one copy, and the daemon stops reading it and
+cuts it after ``write_timeout``. Both kinds of buffer are reserved from
+``LaneBuffers`` (``kvtierd.api.lanebuffers``): at most ``per_owner`` bytes per
+principal (per uid without principals) and ``total`` in all; a frame that
+would pass either bound is refused (RESOURCE_EXHAUSTED, connection cut). A
+connection that has not bound within ``bind_timeout`` is cut; at most
+``max_connections`` connections are open (a new one past that drops the oldest
+connection that has not bound yet, as the region socket does, so idle
+connections cannot keep sessions off their lanes; bound connections are at
+most one per live session).
 
 Event-loop only.
 """
@@ -57,9 +68,11 @@ from typing import Any
 import grpc
 
 from kvtierd.api import guards
+from kvtierd.api.lanebuffers import LaneBuffers, frame_buffer
 from kvtierd.api.service import KVTierService
 from kvtierd.core.sessions import Session, SessionTable
 from kvtierd.errors import InvalidArgument, KvtierdError, Unauthenticated
+from kvtierd.security.access import AccessDenied
 from kvtierd.security.identity import LOCAL_CALLER, Caller, PeerCredentials, peer_credentials
 from kvtierd.security.state import SecurityState
 from kvtierd.util.ratelimit import RateLimitedLog
@@ -77,6 +90,11 @@ MAX_BIND_FRAME_BYTES = 1 + 4 * TOKEN_BYTES
 DEFAULT_WRITE_TIMEOUT = 10.0  # seconds a peer may leave the daemon's answers unread
 DEFAULT_BIND_TIMEOUT = 5.0  # seconds a new connection may take to send BIND
 WRITE_HIGH_WATER = 1 << 20  # answer bytes queued before the daemon stops reading
+READ_BYTES = 64 << 10  # the shared read buffer: frames that arrive whole are handled in it
+# What LaneBuffers allows by default, in frames of max_frame_bytes (and a read's
+# worth each): a principal may have two frames in flight at once, all of them eight.
+FRAMES_PER_OWNER = 2
+FRAMES_IN_ALL = 8
 _SERVICE = pb2.DESCRIPTOR.services_by_name["KVTier"].full_name
 LANE_ENDED = "its client's fast lane connection ended"
 
@@ -92,6 +110,12 @@ def first_unix_path(listen: tuple[str, ...] | list[str]) -> str | None:
         if address.startswith("unix://"):
             return address[len("unix://") :]
     return None
+
+
+def default_buffers(max_frame_bytes: int) -> LaneBuffers:
+    """The bounds of a lane whose frames are at most ``max_frame_bytes``."""
+    slot = HEADER.size + max_frame_bytes + READ_BYTES
+    return LaneBuffers(total=FRAMES_IN_ALL * slot, per_owner=FRAMES_PER_OWNER * slot)
 
 
 class _Method:
@@ -117,7 +141,10 @@ class FastLane:
     ``_tokens``: token -> session id, for sessions offered a lane and not bound
     yet; ``_token_of`` is its inverse. Both lose an entry when the token is used
     (``bind``) or its session ends (``session_ended``), so they hold at most one
-    entry per open session. ``_connections``: every open connection.
+    entry per open session. ``_connections``: every open connection that is not
+    being closed; ``_bound``: session id -> its connection, for live sessions
+    only (an entry leaves with its session or its connection); ``_closing``: the
+    connections cut or ended whose last frames are still being written.
     """
 
     def __init__(
@@ -131,7 +158,11 @@ class FastLane:
         max_connections: int,
         write_timeout: float = DEFAULT_WRITE_TIMEOUT,
         bind_timeout: float = DEFAULT_BIND_TIMEOUT,
+        frame_timeout: float | None = None,
+        buffers: LaneBuffers | None = None,
     ) -> None:
+        """``frame_timeout``: seconds a frame begun may take to arrive whole (default
+        ``write_timeout``); ``buffers``: the byte bounds (``default_buffers``)."""
         self.path = path
         self.service = service
         self.sessions = sessions
@@ -140,12 +171,17 @@ class FastLane:
         self.max_connections = max_connections
         self.write_timeout = write_timeout
         self.bind_timeout = bind_timeout
+        self.frame_timeout = write_timeout if frame_timeout is None else frame_timeout
+        self.buffers = buffers if buffers is not None else default_buffers(max_frame_bytes)
+        self.read_buffer = memoryview(bytearray(READ_BYTES))
         self._tokens: dict[bytes, str] = {}
         self._token_of: dict[str, bytes] = {}
         self._connections: set[LaneConnection] = set()
         # the connections that have not bound yet, oldest first (a subset of
         # _connections): a full lane drops the oldest of them for a new one
         self._unbound: dict[LaneConnection, None] = {}
+        self._bound: dict[str, LaneConnection] = {}
+        self._closing: set[LaneConnection] = set()
         self._server: asyncio.AbstractServer | None = None
 
     async def serve(self, listener: socket.socket) -> None:
@@ -157,13 +193,22 @@ class FastLane:
         """Stops accepting and cuts every connection (their sessions close with them)."""
         if self._server is not None:
             self._server.close()
-        for connection in list(self._connections):
+        for connection in [*self._connections, *self._closing]:
             connection.cut()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
     def __len__(self) -> int:
         return len(self._connections)
+
+    def owner_of(self, peer: PeerCredentials) -> str:
+        """Whose byte bound a connection of ``peer`` draws on: with principals the
+        one listing it (the one BIND will find), else (or for a peer none lists)
+        its uid."""
+        if self.security.restricted:
+            with contextlib.suppress(AccessDenied):
+                return self.security.authorizer.for_unix_peer(peer).name
+        return f"uid {peer.uid}"
 
     # -- sessions ------------------------------------------------------------------------
 
@@ -183,11 +228,19 @@ class FastLane:
         }
 
     def session_ended(self, event: str, session: Session, reason: str) -> None:
-        """``SessionTable``'s hook: a closed or expired session's token is dropped."""
-        if event != "opened":
-            token = self._token_of.pop(session.id, None)
-            if token is not None:
-                self._tokens.pop(token, None)
+        """``SessionTable``'s hook: a closed or expired session's token is dropped
+        and its lane ended (``LaneConnection.end_with_session``)."""
+        if event == "opened":
+            return
+        token = self._token_of.pop(session.id, None)
+        if token is not None:
+            self._tokens.pop(token, None)
+        connection = self._bound.pop(session.id, None)
+        if connection is not None:
+            connection.end_with_session(
+                f"session {session.id!r} {event} ({reason}); its fast lane is closed with "
+                "it: open a new session"
+            )
 
     def bind(self, token: bytes, peer: PeerCredentials) -> tuple[str, Caller]:
         """The session ``token`` names and the caller the connection of ``peer``
@@ -224,28 +277,39 @@ class FastLane:
             self.security.call_denied("FastLaneBind", caller, peer, exc)
 
 
-class LaneConnection(asyncio.Protocol):
-    """One lane connection (see the module doc). Frames are parsed from the bytes
-    the transport hands over; a frame split across reads is held as its chunks
-    and joined once complete (``_chunks``: at most one frame plus one read).
+class LaneConnection(asyncio.BufferedProtocol):
+    """One lane connection (see the module doc). The transport reads into
+    ``get_buffer``'s answer: the lane's shared read buffer, whose whole frames are
+    handled at once (``_consume``); the rest of a frame's header (``_head``);
+    or, once a header announced a frame that did not arrive whole, that frame's
+    own buffer (``_body``, allocated to its size, reserved from the lane's
+    ``LaneBuffers``), read into up to its last byte and no further.
 
-    State: unbound -> bound (``_session_id`` set once) -> cut; ``_caller`` is fixed
-    at bind. ``_paused``: the transport's write buffer is over its high water;
-    no frame is handled and nothing is read until it drains."""
+    State: unbound -> bound (``_session_id`` set once) -> ended (``_cut``);
+    ``_caller`` is fixed at bind. ``_body`` and ``_backlog`` are reserved under
+    ``_owner`` while they exist and released as they are dropped (at the latest
+    when the connection ends: ``_forget``). ``_paused``: the transport's write buffer is over its
+    high water; no frame is handled and nothing is read until it drains, the
+    rest of the last read waiting in ``_backlog``."""
 
     def __init__(self, lane: FastLane) -> None:
         self._lane = lane
         self._transport: asyncio.Transport | None = None
         self._peer: PeerCredentials | None = None
         self._describe = "unix"
+        self._owner = ""
         self._session_id: str | None = None
         self._caller: Caller | None = None
-        self._chunks: list[bytes] = []
-        self._held = 0  # bytes in _chunks
-        self._needed = 0  # bytes _chunks must reach before they are joined and parsed
+        self._head = memoryview(bytearray(HEADER.size))
+        self._head_filled = 0  # > 0: a frame's header is partly in _head
+        self._body: memoryview | None = None  # the body of the frame being read
+        self._body_filled = 0
+        self._kind = 0  # the kind of the frame in _body
+        self._backlog = b""  # unhandled bytes of the last read, while paused
         self._paused = False
         self._cut = False
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.TimerHandle | None = None  # bind, write stall, or abort
+        self._frame_timer: asyncio.TimerHandle | None = None  # the frame in _body
 
     # -- transport callbacks ------------------------------------------------------------
 
@@ -262,6 +326,7 @@ class LaneConnection(asyncio.Protocol):
         except OSError as exc:
             self._fail(grpc.StatusCode.INTERNAL, f"cannot read the peer's credentials: {exc}")
             return
+        self._owner = lane.owner_of(self._peer)
         if len(lane._connections) > lane.max_connections:
             # the oldest connection still silent makes room (as on the region socket):
             # otherwise idle connections, re-opened as they are cut, would keep every
@@ -282,90 +347,155 @@ class LaneConnection(asyncio.Protocol):
         self._timer = asyncio.get_running_loop().call_later(lane.bind_timeout, self._bind_late)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        lane = self._lane
         self._cut = True
-        self._lane._connections.discard(self)
-        self._lane._unbound.pop(self, None)
-        self._chunks = []
+        self._forget()
+        lane._closing.discard(self)
         if self._timer is not None:
             self._timer.cancel()
-        if self._session_id is not None:
-            self._lane.lane_ended(self._session_id)
+        if self._session_id is not None and lane._bound.get(self._session_id) is self:
+            del lane._bound[self._session_id]
+            lane.lane_ended(self._session_id)
 
     def pause_writing(self) -> None:
         self._paused = True
-        if self._transport is not None:
-            self._transport.pause_reading()
+        if self._cut or self._transport is None:
+            return  # closing: its abort timer stands
+        self._transport.pause_reading()
         if self._timer is not None:
             self._timer.cancel()
         self._timer = asyncio.get_running_loop().call_later(self._lane.write_timeout, self._stalled)
 
     def resume_writing(self) -> None:
         self._paused = False
+        if self._cut or self._transport is None:
+            return
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self._cut or self._transport is None:
-            return
         self._transport.resume_reading()
-        if self._chunks:
-            self.data_received(b"")
+        if self._backlog:
+            backlog, self._backlog = self._backlog, b""
+            self._release(len(backlog))
+            self._consume(memoryview(backlog))
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._body is not None:
+            return self._body[self._body_filled :]
+        if self._head_filled:
+            return self._head[self._head_filled :]
+        return self._lane.read_buffer
+
+    def buffer_updated(self, nbytes: int) -> None:
         if self._cut:
             return
-        if self._chunks:
-            if data:
-                self._chunks.append(data)
-                self._held += len(data)
-            if self._held < self._needed or self._paused:
-                return
-            data = b"".join(self._chunks)
-            self._chunks = []
-            self._held = 0
-        self._consume(data)
+        if self._body is not None:
+            self._body_filled += nbytes
+            if self._body_filled == len(self._body):
+                self._finish_body()
+        elif self._head_filled:
+            self._head_filled += nbytes
+            if self._head_filled == HEADER.size:
+                self._head_filled = 0
+                self._header_read()
+        else:
+            self._consume(self._lane.read_buffer[:nbytes])
 
     # -- frames --------------------------------------------------------------------------
 
-    def _consume(self, data: bytes) -> None:
-        """Handles every whole frame of ``data``; keeps the rest for the next read."""
-        view = memoryview(data)
+    def _consume(self, data: memoryview) -> None:
+        """Handles every whole frame of ``data`` (which the next read may overwrite);
+        keeps the rest: a frame begun, or while paused everything left."""
         end = len(data)
         pos = 0
         header = HEADER.size
         while end - pos >= header and not self._paused and not self._cut:
             length, kind = HEADER.unpack_from(data, pos)
-            bound = self._session_id is not None
-            limit = self._lane.max_frame_bytes if bound else MAX_BIND_FRAME_BYTES
-            if length == 0 or length > limit:
-                self._fail(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED
-                    if length
-                    else grpc.StatusCode.INVALID_ARGUMENT,
-                    f"fast lane frame of {length} bytes; a frame is 1 to {limit} bytes "
-                    + (
-                        "(server.limits: the gRPC message limit)"
-                        if bound
-                        else "before BIND (the first frame: BIND with the session's "
-                        "fast_lane_token)"
-                    ),
-                )
+            if not self._length_ok(length):
                 return
             stop = pos + 4 + length
             if stop > end:
                 break
-            self._frame(kind, view[pos + header : stop])
+            self._frame(kind, data[pos + header : stop])
             pos = stop
         if self._cut or pos == end:
             return
-        rest = data[pos:] if pos else data
-        self._chunks = [rest]
-        self._held = len(rest)
-        if len(rest) >= header:
-            self._needed = 4 + HEADER.unpack_from(rest)[0]
-        else:
-            self._needed = header
         if self._paused:
-            self._needed = 0
+            self._keep_backlog(data[pos:])
+        elif end - pos < header:
+            self._head[: end - pos] = data[pos:]
+            self._head_filled = end - pos
+        else:
+            length, kind = HEADER.unpack_from(data, pos)
+            self._begin_body(kind, length - 1, data[pos + header :])
+
+    def _header_read(self) -> None:
+        """``_head`` holds a whole header: the frame's body is read into its own buffer."""
+        length, kind = HEADER.unpack_from(self._head)
+        if not self._length_ok(length):
+            return
+        if length == 1:  # an empty body: the frame is whole
+            self._frame(kind, self._head[HEADER.size :])
+        else:
+            self._begin_body(kind, length - 1, self._head[HEADER.size :])
+
+    def _length_ok(self, length: int) -> bool:
+        """Whether a frame of ``length`` may be read; else the connection is cut."""
+        bound = self._session_id is not None
+        limit = self._lane.max_frame_bytes if bound else MAX_BIND_FRAME_BYTES
+        if 0 < length <= limit:
+            return True
+        self._fail(
+            grpc.StatusCode.RESOURCE_EXHAUSTED if length else grpc.StatusCode.INVALID_ARGUMENT,
+            f"fast lane frame of {length} bytes; a frame is 1 to {limit} bytes "
+            + (
+                "(server.limits: the gRPC message limit)"
+                if bound
+                else "before BIND (the first frame: BIND with the session's fast_lane_token)"
+            ),
+        )
+        return False
+
+    def _begin_body(self, kind: int, size: int, first: memoryview) -> None:
+        """A frame of ``kind`` whose ``size`` body bytes did not all arrive (``first``
+        did): its buffer is reserved and allocated, and must fill within the
+        lane's ``frame_timeout``."""
+        if not self._reserve(size, f"a fast lane frame of {size + 1} bytes"):
+            return
+        body = memoryview(frame_buffer(size))
+        body[: len(first)] = first
+        self._body, self._body_filled, self._kind = body, len(first), kind
+        loop = asyncio.get_running_loop()
+        self._frame_timer = loop.call_later(self._lane.frame_timeout, self._frame_late)
+
+    def _finish_body(self) -> None:
+        body, kind = self._body, self._kind
+        assert body is not None
+        self._drop_body()
+        self._frame(kind, body)
+
+    def _drop_body(self) -> None:
+        if self._body is not None:
+            self._release(len(self._body))
+            self._body = None  # the buffer goes with its last view
+        if self._frame_timer is not None:
+            self._frame_timer.cancel()
+            self._frame_timer = None
+
+    def _keep_backlog(self, rest: memoryview) -> None:
+        if self._reserve(len(rest), "the unread rest of a fast lane read"):
+            self._backlog = bytes(rest)
+
+    def _reserve(self, nbytes: int, what: str) -> bool:
+        """Reserves ``nbytes`` from the lane's bounds; refused: the connection is cut."""
+        refusal = self._lane.buffers.reserve(self._owner, nbytes)
+        if refusal is not None:
+            self._fail(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{what} refused: {refusal}")
+            return False
+        return True
+
+    def _release(self, nbytes: int) -> None:
+        self._lane.buffers.release(self._owner, nbytes)
 
     def _frame(self, kind: int, body: memoryview) -> None:
         if self._session_id is None:
@@ -414,6 +544,7 @@ class LaneConnection(asyncio.Protocol):
             self._fail(exc.code, str(exc))
             return
         self._lane._unbound.pop(self, None)
+        self._lane._bound[self._session_id] = self
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -421,27 +552,60 @@ class LaneConnection(asyncio.Protocol):
 
     # -- ending ------------------------------------------------------------------------
 
+    def end_with_session(self, message: str) -> None:
+        """The session ended: the answers due, then a NOT_FOUND frame with
+        ``message``, and the connection is closed; it holds nothing from now."""
+        log.debug("fast lane %s: %s", self._describe, message)
+        self._close(frame(grpc.StatusCode.NOT_FOUND.value[0], message.encode()))
+
     def _fail(self, code: grpc.StatusCode, message: str) -> None:
         """Answers an error frame and cuts the connection (the frame is written first)."""
         _faults.warning(
             ("fast-lane", code.name), "fast lane %s: %s; connection cut", self._describe, message
         )
-        self._lane._unbound.pop(self, None)  # never the one dropped for a newcomer again
-        if self._transport is not None and not self._cut:
-            self._transport.write(frame(code.value[0], message.encode()))
-            self._cut = True
-            self._transport.close()  # flushes the error frame, then closes
-            if self._timer is not None:
-                self._timer.cancel()
-            # a peer that does not read the error frame either is dropped all the same
-            loop = asyncio.get_running_loop()
-            self._timer = loop.call_later(self._lane.write_timeout, self._transport.abort)
+        self._close(frame(code.value[0], message.encode()))
+
+    def _close(self, last: bytes) -> None:
+        """Writes ``last`` after the answers due and closes; aborts after the lane's
+        ``write_timeout`` a peer that does not read them."""
+        if self._transport is None or self._cut:
+            return
+        self._transport.write(last)
+        self._cut = True
+        self._forget()
+        self._lane._closing.add(self)
+        self._transport.close()  # flushes what is queued, then closes
+        if self._timer is not None:
+            self._timer.cancel()
+        # a peer that does not read the last frames either is dropped all the same
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later(self._lane.write_timeout, self._transport.abort)
+
+    def _forget(self) -> None:
+        """Leaves the lane's open connections and gives back every byte held."""
+        lane = self._lane
+        lane._connections.discard(self)
+        lane._unbound.pop(self, None)  # never the one dropped for a newcomer again
+        self._drop_body()
+        self._head_filled = 0
+        if self._backlog:
+            self._release(len(self._backlog))
+            self._backlog = b""
 
     def _bind_late(self) -> None:
         self._timer = None
         self._fail(
             grpc.StatusCode.DEADLINE_EXCEEDED,
             f"fast lane: no BIND within {self._lane.bind_timeout:g}s of connecting",
+        )
+
+    def _frame_late(self) -> None:
+        self._frame_timer = None
+        size = 0 if self._body is None else len(self._body) + 1
+        self._fail(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"fast lane: a frame of {size} bytes did not arrive whole within "
+            f"{self._lane.frame_timeout:g}s of its header; send each frame at once",
         )
 
     def _stalled(self) -> None:
@@ -457,5 +621,6 @@ class LaneConnection(asyncio.Protocol):
     def cut(self) -> None:
         """Drops the connection now, unwritten answers included."""
         self._cut = True
+        self._forget()
         if self._transport is not None:
             self._transport.abort()

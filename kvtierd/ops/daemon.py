@@ -39,7 +39,8 @@ from kvtierd.api.service import KVTierService
 from kvtierd.config import Config, ConfigError
 from kvtierd.core.pools import PoolTable, region_access_text
 from kvtierd.core.sessions import SessionTable
-from kvtierd.ops.metrics import Metrics, serve_metrics
+from kvtierd.ops.metrics import Metrics, pool_labels_for
+from kvtierd.ops.metrics_http import MetricsEndpoint
 from kvtierd.ops.sdnotify import notify, watchdog_interval
 from kvtierd.primary.region import is_region_file_name
 from kvtierd.security import region_access
@@ -107,14 +108,18 @@ class Daemon:
         self.reloader = credential_reloader(
             config.security.tokens_file, self.security.reload_tokens, self.tls
         )
-        self.metrics = Metrics(self.pools, self.sessions)
+        self.metrics = Metrics(
+            self.pools,
+            self.sessions,
+            pool_labels_for(config.server.metrics_pool_labels, self.security.restricted),
+        )
         self.service.observe_rpc = self.metrics.observe_rpc
         self.pools.observe_job = self.metrics.observe_job
         self.sessions.observe_session = self.security.session_event
         self.security.observe_refused = self.metrics.observe_rpc
         if self.security.quotas:
             self.pools.admit_pool = self.security.quotas.check
-        self._metrics_server: asyncio.Server | None = None
+        self._metrics_endpoint: MetricsEndpoint | None = None
         self._stop = asyncio.Event()
         self._server: TransportServers | None = None
         self._supervisor: asyncio.Task[None] | None = None
@@ -173,7 +178,7 @@ class Daemon:
             await set_health(self._health, serving=False)
             await self._server.stop(self.config.server.shutdown_grace)
         if self.fast_lane is not None:
-            self.fast_lane.close()  # bound sessions close with their lanes, as below
+            self.fast_lane.close()  # every lane cut; their sessions close below
         for task in (self._supervisor, self._watchdog):
             if task is not None:
                 task.cancel()
@@ -188,8 +193,8 @@ class Daemon:
         if self._region_fds is not None:
             self._region_fds.close()
         remove_unix_sockets(self._sockets)
-        if self._metrics_server is not None:
-            self._metrics_server.close()
+        if self._metrics_endpoint is not None:
+            await self._metrics_endpoint.close()
         log.info("shutdown complete")
 
     async def _serve_fast_lane(self) -> None:
@@ -234,16 +239,24 @@ class Daemon:
             self._sockets.append(tickets)
 
     async def _start_metrics(self) -> None:
+        """The metrics endpoint on its own thread (``kvtierd.ops.metrics_http``): the
+        state is collected on this loop, everything else happens there."""
         address = self.config.server.metrics_address
         if not address:
             return
+        endpoint = MetricsEndpoint(address, self.metrics.collect, self.metrics.render)
         try:
-            self._metrics_server = await serve_metrics(address, self.metrics.render)
+            endpoint.start()
         except OSError as exc:
             raise ConfigError(
                 "server.metrics_address", f"cannot listen on {address}: {exc.strerror or exc}"
             ) from None
-        log.info("metrics on http://%s/metrics", address)
+        self._metrics_endpoint = endpoint
+        shown = self.metrics.pool_labels.patterns
+        log.info(
+            "metrics on http://%s/metrics (pool series: %s)",
+            address, ", ".join(shown) if shown else "none (server.metrics_pool_labels)",
+        )  # fmt: skip
 
     def _check_tiers(self) -> None:
         """Each configured tier checks its resources; the first refusal stops the

@@ -10,23 +10,27 @@ Two kinds of source:
 * *observations* (histograms and the RPC counter): recorded as they happen
   through :meth:`Metrics.observe_rpc` and :meth:`Metrics.observe_job`.
 
-The HTTP endpoint runs on the daemon's event loop (``asyncio.start_server``),
-so a scrape reads pool state on the same thread that mutates it: a scrape is
-always a consistent snapshot, and no lock is needed.
+A scrape is two steps (``kvtierd.ops.metrics_http`` serves them): ``collect`` reads
+the state on the daemon's event loop, the thread that mutates it, so a scrape is
+always a consistent snapshot without a lock; ``render`` formats those families
+and the observations (prometheus_client's values are thread-safe) into the
+exposition text on the endpoint's own thread. ``render`` leaves out every
+sample of a pool that ``PoolLabels`` does not show (``server.metrics_pool_labels``:
+with principals, no pool's by default).
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
+import fnmatch
+import re
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
 from kvtierd import __version__
@@ -36,18 +40,46 @@ if TYPE_CHECKING:
     from kvtierd.core.pools import PoolTable
     from kvtierd.core.sessions import SessionTable
 
-log = logging.getLogger("kvtierd.metrics")
-
 RPC_BUCKETS = (50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 50e-3, 0.25, 1.0)
 LAG_BUCKETS = (1e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 1.0, 5.0)
 JOB_BUCKETS = (1e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 
 
+class PoolLabels:
+    """Which pools' series /metrics shows: the pools matching one of ``patterns``
+    (``fnmatch`` globs matched against the whole name, ``*`` also matching ``/``,
+    as principals' pool patterns are)."""
+
+    def __init__(self, patterns: Sequence[str]) -> None:
+        self.patterns = tuple(patterns)
+        alternatives = "|".join(f"(?:{fnmatch.translate(p)})" for p in self.patterns)
+        self._matcher = re.compile(alternatives or "(?!)")
+        self.every_pool = "*" in self.patterns
+
+    def shows(self, pool: str) -> bool:
+        return self.every_pool or self._matcher.match(pool) is not None
+
+
+EVERY_POOL = PoolLabels(("*",))
+
+
+def pool_labels_for(patterns: Sequence[str] | None, principals: bool) -> PoolLabels:
+    """``server.metrics_pool_labels``: its patterns, or when unset ("auto") every
+    pool without principals and none with them (the endpoint asks no identity:
+    any local user reads it, while GetStats tells a principal its own pools only)."""
+    if patterns is None:
+        patterns = () if principals else ("*",)
+    return PoolLabels(patterns)
+
+
 class Metrics:
     """The daemon's registry: observed histograms plus the scrape-time collector."""
 
-    def __init__(self, pools: PoolTable, sessions: SessionTable) -> None:
+    def __init__(
+        self, pools: PoolTable, sessions: SessionTable, pool_labels: PoolLabels = EVERY_POOL
+    ) -> None:
         disable_created_metrics()  # process-wide: no *_created series, only the values
+        self.pool_labels = pool_labels
         self.registry = CollectorRegistry(auto_describe=True)
         self._rpc_children: dict[tuple[str, str], tuple[Any, Any]] = {}
         self.rpc_requests = Counter(
@@ -77,7 +109,7 @@ class Metrics:
             buckets=LAG_BUCKETS,
             registry=self.registry,
         )
-        self.registry.register(DaemonCollector(pools, sessions))
+        self.collector = DaemonCollector(pools, sessions)
 
     def observe_loop_lag(self, seconds: float) -> None:
         self.loop_lag_seconds.observe(seconds)
@@ -96,8 +128,31 @@ class Metrics:
         kind = "promotion" if is_promotion else "store"
         self.job_seconds.labels(pool, tier, kind).observe(seconds)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def collect(self) -> list[Metric]:
+        """The state's families, fresh objects (event loop only)."""
+        return list(self.collector.collect())
+
+    def render(self, state: list[Metric]) -> bytes:
+        """The exposition text of ``state`` (from ``collect``) and of the
+        observations, pools ``pool_labels`` does not show left out (any thread)."""
+        return generate_latest(_Exposition([*state, *self.registry.collect()], self.pool_labels))
+
+
+class _Exposition:
+    """What ``generate_latest`` reads: ``families`` without the samples of the pools
+    ``labels`` hides (families left empty keep their HELP and TYPE lines)."""
+
+    def __init__(self, families: list[Metric], labels: PoolLabels) -> None:
+        self._families, self._labels = families, labels
+
+    def collect(self) -> Iterator[Metric]:
+        shows = self._labels.shows
+        for family in self._families:
+            if not self._labels.every_pool:
+                family.samples = [
+                    s for s in family.samples if "pool" not in s.labels or shows(s.labels["pool"])
+                ]
+            yield family
 
 
 class DaemonCollector(Collector):
@@ -299,41 +354,3 @@ def _family_metric(family: Family, pools: list[tuple[PoolStatistics, list[TierVi
                     value = view.numbers[number]
                     metric.add_metric([*labels, *([label] if label else [])], value)
     return metric
-
-
-# ----------------------------------------------------------------------- endpoint
-
-
-async def serve_metrics(address: str, render: Callable[[], bytes]) -> asyncio.Server:
-    """Serves ``GET /metrics`` on ``HOST:PORT`` from the running loop."""
-    host, _, port = address.rpartition(":")
-    host = host.strip("[]")
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            request = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=10)
-            method, path, *_ = request.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
-            path = path.split("?", 1)[0]
-            if method not in ("GET", "HEAD"):
-                status, body, ctype = "405 Method Not Allowed", b"GET only\n", "text/plain"
-            elif path == "/metrics":
-                status, body, ctype = "200 OK", render(), CONTENT_TYPE_LATEST
-            elif path == "/":
-                status, body, ctype = "200 OK", b"kvtierd: metrics at /metrics\n", "text/plain"
-            else:
-                status, body, ctype = "404 Not Found", b"not found; try /metrics\n", "text/plain"
-            head = (
-                f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-            )
-            writer.write(head.encode("latin-1") + (b"" if method == "HEAD" else body))
-            await writer.drain()
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError,
-                ConnectionError, ValueError):  # fmt: skip
-            pass  # a broken or slow client; nothing to answer
-        except Exception:
-            log.exception("metrics request failed")
-        finally:
-            writer.close()
-
-    return await asyncio.start_server(handle, host, int(port))

@@ -8,8 +8,13 @@ offered a lane (TCP, TLS, ``server.fast_lane = false``) or whose lane could not
 be connected, goes through gRPC. Answers and errors are the same as gRPC's:
 the same response messages, the same ``KvtierError`` subclasses and messages.
 
-The daemon closes the session when its lane connection ends, so a lane is
-closed only after ``CloseSession`` (or when the session is gone or collected).
+A lane lives as long as its session, no longer: when the session ends
+(``CloseSession``, from this client or another; its lease running out) the
+daemon writes the answers due, then a NOT_FOUND frame saying why, and closes
+the connection. A lane that ends is therefore taken as its session's end
+(``NotFound``). The client closes its lane after ``CloseSession`` (or when the
+session is gone or collected); a lane's end alone leaves the session to its
+lease on the daemon's side.
 
 :class:`FastLane` (blocking, thread-safe: one call at a time under ``_lock``)
 serves ``Client``; :class:`AsyncFastLane` (one event loop; calls may overlap,
@@ -79,13 +84,14 @@ def _unreachable(path: str, address: str, why: str) -> Unavailable:
 
 
 def _lost(path: str, address: str, why: str) -> NotFound:
-    """A bound lane that ended: the daemon closes a session when its lane ends (or it
-    stopped, and a restarted daemon never knew the session), so the session is gone,
-    as a daemon answering NOT_FOUND would say. A caller reopens at once instead of
+    """A bound lane that ended: the daemon ends a lane when its session ends (or it
+    stopped, and a restarted daemon never knew the session), so the session is taken
+    as gone, as a daemon answering NOT_FOUND would say. A caller reopens at once instead of
     waiting out a daemon it believes down (a restart is seen as one lost call)."""
     return NotFound(
         f"the session ended: its fast lane {path} to kvtierd at {address} {why} "
-        "(the daemon stopped or restarted, or cut the connection)",
+        "(the session was closed or its lease ran out, the daemon stopped or restarted, "
+        "or it cut the connection)",
         address=address,
     )
 
