@@ -4,9 +4,9 @@ Why: a gRPC call costs ~300 µs of daemon CPU in Python; the work of a 32-key
 Lookup costs ~10 µs. The lane carries the same protobuf messages in
 length-prefixed frames (``kvtierd_client.wire.lane_frames``) on a stream socket
 ``<listen socket>.lane`` (mode 0660 and the group of the gRPC socket), parsed
-by an ``asyncio.BufferedProtocol`` on the daemon's loop that calls the servicer's own
-bodies (``KVTierService.call_direct``): same validation, same service
-functions, same status codes and messages, same metrics and audit.
+by an ``asyncio.BufferedProtocol`` on the daemon's loop that calls the request
+handlers the gRPC servicer calls (``RequestHandlers.run``): same validation, same
+service functions, same status codes and messages, same metrics and audit.
 
 Binding. ``OpenSession`` over a Unix socket offers the session a lane
 (``offer``): the socket path and a fresh 256-bit token, which only the
@@ -68,8 +68,8 @@ from typing import Any
 import grpc
 
 from kvtierd.api import guards
+from kvtierd.api.handlers import RequestHandlers
 from kvtierd.api.lanebuffers import LaneBuffers, frame_buffer
-from kvtierd.api.service import KVTierService
 from kvtierd.core.sessions import Session, SessionTable
 from kvtierd.errors import InvalidArgument, KvtierdError, Unauthenticated
 from kvtierd.security.access import AccessDenied
@@ -150,7 +150,6 @@ class FastLane:
     def __init__(
         self,
         path: str,
-        service: KVTierService,
         sessions: SessionTable,
         security: SecurityState,
         *,
@@ -164,7 +163,6 @@ class FastLane:
         """``frame_timeout``: seconds a frame begun may take to arrive whole (default
         ``write_timeout``); ``buffers``: the byte bounds (``default_buffers``)."""
         self.path = path
-        self.service = service
         self.sessions = sessions
         self.security = security
         self.max_frame_bytes = max_frame_bytes
@@ -183,9 +181,12 @@ class FastLane:
         self._bound: dict[str, LaneConnection] = {}
         self._closing: set[LaneConnection] = set()
         self._server: asyncio.AbstractServer | None = None
+        self.handlers: RequestHandlers | None = None  # set by serve: the lane's calls
 
-    async def serve(self, listener: socket.socket) -> None:
-        """Accepts lane connections on ``listener`` (bound, listening) until ``close``."""
+    async def serve(self, listener: socket.socket, handlers: RequestHandlers) -> None:
+        """Accepts lane connections on ``listener`` (bound, listening) until ``close``;
+        their calls run through ``handlers`` (the gRPC servicer's too)."""
+        self.handlers = handlers
         loop = asyncio.get_running_loop()
         self._server = await loop.create_unix_server(lambda: LaneConnection(self), sock=listener)
 
@@ -520,13 +521,18 @@ class LaneConnection(asyncio.BufferedProtocol):
                     f"session_id: {request.session_id[:64]!r} is not the session this "
                     f"fast lane is bound to ({self._session_id!r}); use gRPC for other sessions"
                 )
-            response = self._lane.service.call_direct(
-                method.name, self._caller, self._describe, request
+            response = self._lane.handlers.run(  # type: ignore[union-attr]  # set by serve
+                method.name, request, self._describe, self._identify
             )
         except KvtierdError as exc:
             self._transport.write(frame(exc.code.value[0], str(exc).encode()))
             return
         self._transport.write(frame(OK, response.SerializeToString()))
+
+    def _identify(self) -> Caller:
+        """The caller of every call on this lane: fixed at BIND."""
+        assert self._caller is not None  # a call frame is handled only once bound
+        return self._caller
 
     def _bind(self, kind: int, body: memoryview) -> None:
         assert self._transport is not None and self._peer is not None

@@ -1,41 +1,45 @@
-"""The KVTier gRPC servicer: validate, convert, call the pool, convert back.
+"""The request handlers of the KVTier API: validate, call the pool, answer.
+
+Both transports are thin adapters over this module: the gRPC servicer
+(:mod:`kvtierd.api.grpc_service`) and the fast lane (:mod:`kvtierd.api.fastlane`)
+call :meth:`RequestHandlers.run` with the method's name, its request, the peer and
+how to identify the caller. Validation, the mapping of errors to statuses, the
+metrics of each call and the audit of refusals are written here, once.
 
 No state lives here. Every handler validates every field before touching any
-state, so a rejected call changes nothing. ``KvtierdError`` subclasses map to
-their status code in one place (``_handle``); anything else is a bug, logged
-with its trace and answered INTERNAL — the daemon keeps serving. Client
-mistakes are never logged with a trace.
+state, so a rejected call changes nothing. ``KvtierdError`` subclasses carry
+their status code; anything else is a bug, logged with its trace and answered
+INTERNAL: the daemon keeps serving. Client mistakes are never logged with a
+trace.
 
-Requests whose bytes do not parse arrive as ``guards.UnparsableRequest``
-(server.py installs the lenient deserializers): reading any of its fields
-raises ``InvalidArgument``. Invariant: handlers read their request only inside
-``_handle`` (or WatchEvents' own mapping), after ``authorize``, and before
-changing any state, so garbage is INVALID_ARGUMENT over the Unix socket and
-UNAUTHENTICATED over TCP without a token.
+Requests whose bytes do not parse arrive as ``guards.UnparsableRequest`` (both
+transports install the lenient parsers): reading any of its fields raises
+``InvalidArgument``. Invariant: a handler reads its request only after the caller
+was identified and before changing any state, so garbage is INVALID_ARGUMENT over
+the Unix socket and UNAUTHENTICATED over TCP without a token.
 
-Authorization (``kvtierd.security``): ``authorize`` identifies the caller of
-every call (``current_caller()`` inside a handler); a call naming a pool is
-checked against the caller's principal, and a call on a session must come from
-the principal that opened it. Without ``[[security.principals]]`` every caller
-reaches every pool, as before. Refusals are audited.
+Authorization (``kvtierd.security``): each call's caller is identified first
+(``identify``, the transport's); a call naming a pool is checked against the
+caller's principal, and a call on a session must come from the principal that
+opened it. Without ``[[security.principals]]`` every caller reaches every pool.
+Refusals (PERMISSION_DENIED, UNAUTHENTICATED) are audited.
 
-The request path reads top to bottom: service -> session -> pool -> manager.
+The request path reads top to bottom: handlers -> session -> pool -> manager.
+Event-loop only.
 """
 
 from __future__ import annotations
 
-import contextvars
-import functools
-import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 
 from kvtierd import __version__
 from kvtierd.api import wire
+from kvtierd.api.messages import event_message, pool_spec_message, pool_stats_message
 from kvtierd.api.validation import (
     check_block_bytes,
     check_eviction_policy,
@@ -43,22 +47,15 @@ from kvtierd.api.validation import (
     check_pool_name,
     check_text,
 )
-from kvtierd.api.watch import WatchStreams, end_stream
-from kvtierd.contract import BlockEvent, PoolSpec
+from kvtierd.contract import PoolSpec
 from kvtierd.core.pool import Pool
 from kvtierd.core.pools import PoolTable
 from kvtierd.core.sessions import Session, SessionTable
-from kvtierd.core.statistics import PoolStatistics, tier_views
-from kvtierd.errors import (
-    InvalidArgument,
-    KvtierdError,
-    OutOfRange,
-    ShuttingDown,
-)
+from kvtierd.errors import InvalidArgument, KvtierdError, OutOfRange, ShuttingDown
 from kvtierd.security.access import check_pool
 from kvtierd.security.identity import Caller
 from kvtierd.security.state import SecurityState
-from kvtierd_client.wire.proto import pb2, pb2_grpc
+from kvtierd_client.wire.proto import pb2
 
 log = logging.getLogger("kvtierd.service")
 
@@ -68,128 +65,122 @@ MAX_BATCH_OPS = 4096
 # answer then holds the daemon to a few MiB, not to the whole retained log.
 TAKE_EVENTS_MAX_BYTES = 1 << 20
 
-Request = TypeVar("Request")
-Response = TypeVar("Response")
-Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Any]
-# The caller of the call being handled: set by ``_handle`` (each grpc.aio call
-# runs in its own task, so a value never leaks into another call).
-_CALLER: contextvars.ContextVar[Caller] = contextvars.ContextVar("kvtierd_caller")
+# (session, peer) -> the OpenSessionResponse fields offering the session a fast lane,
+# or None (kvtierd.api.fastlane.FastLane.offer)
+LaneOffer = Callable[[Session, str], "dict[str, Any] | None"]
+# (method, status code name, seconds): one call's outcome (kvtierd.ops.metrics)
+ObserveCall = Callable[[str, str, float], None]
+# the transport's way to name the caller of the call being handled; raises
+# KvtierdError (UNAUTHENTICATED, PERMISSION_DENIED) for a caller it refuses
+Identify = Callable[[], Caller]
+
 _AUDITED = frozenset({grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED})
-
-
-def current_caller() -> Caller:
-    """The caller of the call being handled (``LookupError`` outside a call)."""
-    return _CALLER.get()
-
-
-def _handle(method: Handler) -> Callable[..., Awaitable[Any]]:
-    """Runs a synchronous handler body on the loop and maps its errors to statuses:
-    ``KvtierdError`` (an unparsable request's included) to its code with its
-    message, nothing logged; anything else to INTERNAL, logged with its trace."""
-    name = method.__name__
-
-    @functools.wraps(method)
-    async def wrapper(self: KVTierService, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        # Each outcome is observed before the answer leaves, so a client that
-        # scrapes metrics after its call returned always sees the call counted.
-        start = time.perf_counter()
-        try:
-            _CALLER.set(self.authorize(context))
-            response = method(self, request, context)
-            if inspect.iscoroutine(response):  # OpenSession may wait for a pool's creation
-                response = await response
-        except KvtierdError as exc:
-            self._observe(name, exc.code.name, start)
-            if exc.code in _AUDITED:
-                self._security.call_denied(name, _CALLER.get(None), context.peer(), exc)
-            await context.abort(exc.code, str(exc))
-        except Exception as exc:
-            self._observe(name, "INTERNAL", start)
-            log.exception("%s failed with an internal error", name)
-            await context.abort(grpc.StatusCode.INTERNAL, _internal_message(name, exc))
-        self._observe(name, "OK", start)
-        return response
-
-    return wrapper
 
 
 def _internal_message(name: str, exc: Exception) -> str:
     return f"internal error in {name}: {type(exc).__name__}: {exc} (see the daemon log)"
 
 
-class KVTierService(pb2_grpc.KVTierServicer):
+def _ignore_call(method: str, code: str, seconds: float) -> None:
+    """The default observer: no metrics."""
+
+
+class RequestHandlers:
+    """The API's handlers over the daemon's pools and sessions.
+
+    Collaborators, all given at construction: ``pools`` and ``sessions`` (the
+    state), ``security`` (pool checks' principals and the audit log),
+    ``max_keys_per_call``, ``region_fd_socket`` (where clients get a region's
+    descriptor; "" when none is served), ``offer_lane`` (the fast lane's offer to
+    a new session; None without a lane) and ``observe`` (each call's outcome)."""
+
     def __init__(
         self,
         pools: PoolTable,
         sessions: SessionTable,
+        security: SecurityState,
         *,
         max_keys_per_call: int,
-        security: SecurityState,
-        max_watch_streams: int = 64,
-        watch_write_timeout: float = 10.0,
+        region_fd_socket: str = "",
+        offer_lane: LaneOffer | None = None,
+        observe: ObserveCall = _ignore_call,
     ) -> None:
         self._pools = pools
         self._sessions = sessions
-        self._max_keys = max_keys_per_call
         self._security = security
+        self._max_keys = max_keys_per_call
+        self._region_fd_socket = region_fd_socket
+        self._offer_lane = offer_lane
+        self._observe = observe
         self._started = time.monotonic()
-        self.watches = WatchStreams(max_watch_streams, watch_write_timeout)
-        self.shutting_down = False
-        self.region_fd_socket = ""  # set by the daemon: security.region_access
-        # (method, status code name, seconds) per handled call; set by the daemon
-        self.observe_rpc: Callable[[str, str, float], None] | None = None
-        # (session, peer) -> the OpenSessionResponse fast-lane fields to offer, or
-        # None; set by the daemon when server.fast_lane is on (kvtierd.api.fastlane)
-        self.offer_fast_lane: Callable[[Session, str], dict[str, Any] | None] | None = None
+        self._stopping = False
 
-    def _observe(self, method: str, code: str, start: float) -> None:
-        if self.observe_rpc is not None:
-            self.observe_rpc(method, code, time.perf_counter() - start)
+    def stop_accepting(self) -> None:
+        """From now on every call is refused with UNAVAILABLE (the daemon is stopping)."""
+        self._stopping = True
 
-    # ----------------------------------------------------------------- auth
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
 
-    def authorize(self, context: grpc.aio.ServicerContext) -> Caller:
-        """The caller (``SecurityState.identify``): without principals Unix-socket
-        peers are trusted (file permissions guard the socket); TCP peers must
-        present ``authorization: Bearer <token>`` or a client certificate."""
-        if self.shutting_down:
-            raise ShuttingDown("kvtierd is shutting down; retry against the restarted daemon")
-        return self._security.identify(context)
+    # ----------------------------------------------------------------- dispatch
 
-    def call_direct(self, name: str, caller: Caller, peer: str, request: Any) -> Any:
-        """Runs the body of RPC ``name`` (a synchronous one: the fast lane's) for
-        ``caller`` exactly as ``_handle`` does for a gRPC call: the same
-        validation and service functions, metrics and audit. Returns the
-        response; raises ``KvtierdError`` with the status the gRPC path would
-        answer (an unexpected failure: INTERNAL, logged with its trace).
-        ``_CALLER`` is set for the call only and reset after it."""
+    def run(self, name: str, request: Any, peer: str, identify: Identify) -> Any:
+        """Runs the synchronous RPC ``name`` for the caller ``identify`` names and
+        returns its response. Raises ``KvtierdError`` with the status to answer (an
+        unexpected failure: INTERNAL, logged with its trace). Every call's outcome is
+        observed before the answer leaves, so a client that scrapes metrics after its
+        call returned always sees it counted."""
         start = time.perf_counter()
-        token = _CALLER.set(caller)
+        caller = None
         try:
-            if self.shutting_down:
-                raise ShuttingDown("kvtierd is shutting down; retry against the restarted daemon")
-            response = _DIRECT_BODIES[name](self, request, None)
+            caller = self._admit(identify)
+            response = _UNARY[name](self, caller, peer, request)
         except KvtierdError as exc:
-            self._observe(name, exc.code.name, start)
-            if exc.code in _AUDITED:
-                self._security.call_denied(name, caller, peer, exc)
+            self._refused(name, exc, caller, peer, start)
             raise
         except Exception as exc:
-            self._observe(name, "INTERNAL", start)
-            log.exception("%s failed with an internal error", name)
-            raise KvtierdError(_internal_message(name, exc)) from exc  # code INTERNAL
-        else:  # _observe inlined: this is the fast lane's whole per-call path
-            observe = self.observe_rpc
-            if observe is not None:
-                observe(name, "OK", time.perf_counter() - start)
-            return response
-        finally:
-            _CALLER.reset(token)
+            raise self._internal(name, exc, start) from exc
+        self._observe(name, "OK", time.perf_counter() - start)
+        return response
+
+    async def open_session(self, request: Any, peer: str, identify: Identify) -> Any:
+        """``OpenSession``, as :meth:`run` runs the others (it may wait for the
+        pool's creation, so it is a coroutine)."""
+        name = "OpenSession"
+        start = time.perf_counter()
+        caller = None
+        try:
+            caller = self._admit(identify)
+            response = await self._open_session(caller, peer, request)
+        except KvtierdError as exc:
+            self._refused(name, exc, caller, peer, start)
+            raise
+        except Exception as exc:
+            raise self._internal(name, exc, start) from exc
+        self._observe(name, "OK", time.perf_counter() - start)
+        return response
+
+    def _admit(self, identify: Identify) -> Caller:
+        if self._stopping:
+            raise ShuttingDown("kvtierd is shutting down; retry against the restarted daemon")
+        return identify()
+
+    def _refused(
+        self, name: str, exc: KvtierdError, caller: Caller | None, peer: str, start: float
+    ) -> None:
+        self._observe(name, exc.code.name, time.perf_counter() - start)
+        if exc.code in _AUDITED:
+            self._security.call_denied(name, caller, peer, exc)
+
+    def _internal(self, name: str, exc: Exception, start: float) -> KvtierdError:
+        self._observe(name, "INTERNAL", time.perf_counter() - start)
+        log.exception("%s failed with an internal error", name)
+        return KvtierdError(_internal_message(name, exc))  # code INTERNAL
 
     # ----------------------------------------------------------------- sessions
 
-    @_handle
-    async def OpenSession(self, request: pb2.OpenSessionRequest, context: Any) -> Any:
+    async def _open_session(self, caller: Caller, peer: str, request: Any) -> Any:
         spec = request.pool
         check_pool_name(spec.name)
         check_block_bytes(spec.block_bytes)
@@ -198,7 +189,6 @@ class KVTierService(pb2_grpc.KVTierServicer):
         check_text(request.client_name, "client_name")
         if spec.num_blocks > (1 << 40):
             raise InvalidArgument(f"pool.num_blocks: {spec.num_blocks} is absurdly large")
-        caller = current_caller()
         check_pool(caller, spec.name, "open")
         pool = await self._pools.open(
             PoolSpec(
@@ -210,9 +200,7 @@ class KVTierService(pb2_grpc.KVTierServicer):
             )
         )
         session = self._sessions.open(pool, request.client_name, caller.peer, caller.name)
-        lane = None
-        if self.offer_fast_lane is not None:
-            lane = self.offer_fast_lane(session, context.peer())
+        lane = self._offer_lane(session, peer) if self._offer_lane is not None else None
         return pb2.OpenSessionResponse(
             session_id=session.id,
             region=pb2.Region(
@@ -221,72 +209,63 @@ class KVTierService(pb2_grpc.KVTierServicer):
                 block_bytes=pool.spec.block_bytes,
                 st_dev=pool.region.identity()[0],  # the client maps only this very file
                 st_ino=pool.region.identity()[1],
-                fd_socket=self.region_fd_socket,  # "" until the daemon serves descriptors
+                fd_socket=self._region_fd_socket,
             ),
             lease_ms=self._sessions.lease_ms,
-            pool=_pool_spec_message(pool.spec),
+            pool=pool_spec_message(pool.spec),
             **(lane or {}),
         )
 
-    @_handle
-    def KeepAlive(self, request: pb2.KeepAliveRequest, context: Any) -> Any:
-        self._live_session(request.session_id)
+    def keep_alive(self, caller: Caller, peer: str, request: Any) -> Any:
+        self._live_session(caller, request.session_id)
         return pb2.KeepAliveResponse(lease_ms=self._sessions.lease_ms)
 
-    @_handle
-    def CloseSession(self, request: pb2.CloseSessionRequest, context: Any) -> Any:
-        self._sessions.close(request.session_id, principal=current_caller().name)
+    def close_session(self, caller: Caller, peer: str, request: Any) -> Any:
+        self._sessions.close(request.session_id, principal=caller.name)
         return pb2.CloseSessionResponse()
 
-    # ----------------------------------------------------------------- manager
-
-    def _live_session(self, session_id: str) -> Session:
+    def _live_session(self, caller: Caller, session_id: str) -> Session:
         """The session a validated call names, its lease renewed: every call on a
         session, KeepAlive included, is proof of its client's life. A session
         another principal opened is refused (``AccessDenied``) before its lease
         moves."""
-        session = self._sessions.get(session_id, current_caller().name)
+        session = self._sessions.get(session_id, caller.name)
         self._sessions.renew(session)
         return session
 
-    def _session_and_keys(self, request: Any) -> tuple[Session, list[bytes]]:
+    def _session_and_keys(self, caller: Caller, request: Any) -> tuple[Session, list[bytes]]:
         keys = list(request.keys)
         check_keys(keys, self._max_keys)
-        return self._live_session(request.session_id), keys
+        return self._live_session(caller, request.session_id), keys
 
-    @_handle
-    def Lookup(self, request: pb2.LookupRequest, context: Any) -> Any:
-        return _lookup(*self._session_and_keys(request), request)
+    # ----------------------------------------------------------------- manager
 
-    @_handle
-    def Touch(self, request: pb2.TouchRequest, context: Any) -> Any:
-        return _touch(*self._session_and_keys(request), request)
+    def lookup(self, caller: Caller, peer: str, request: Any) -> Any:
+        return _lookup(*self._session_and_keys(caller, request), request)
 
-    @_handle
-    def PrepareLoad(self, request: pb2.PrepareLoadRequest, context: Any) -> Any:
-        return _prepare_load(*self._session_and_keys(request), request)
+    def touch(self, caller: Caller, peer: str, request: Any) -> Any:
+        return _touch(*self._session_and_keys(caller, request), request)
 
-    @_handle
-    def CompleteLoad(self, request: pb2.CompleteLoadRequest, context: Any) -> Any:
-        return _complete_load(*self._session_and_keys(request), request)
+    def prepare_load(self, caller: Caller, peer: str, request: Any) -> Any:
+        return _prepare_load(*self._session_and_keys(caller, request), request)
 
-    @_handle
-    def PrepareStore(self, request: pb2.PrepareStoreRequest, context: Any) -> Any:
-        return _prepare_store(*self._session_and_keys(request), request)
+    def complete_load(self, caller: Caller, peer: str, request: Any) -> Any:
+        return _complete_load(*self._session_and_keys(caller, request), request)
 
-    @_handle
-    def CompleteStore(self, request: pb2.CompleteStoreRequest, context: Any) -> Any:
-        return _complete_store(*self._session_and_keys(request), request)
+    def prepare_store(self, caller: Caller, peer: str, request: Any) -> Any:
+        return _prepare_store(*self._session_and_keys(caller, request), request)
 
-    @_handle
-    def Batch(self, request: pb2.BatchRequest, context: Any) -> Any:
+    def complete_store(self, caller: Caller, peer: str, request: Any) -> Any:
+        return _complete_store(*self._session_and_keys(caller, request), request)
+
+    def batch(self, caller: Caller, peer: str, request: Any) -> Any:
         """Runs the ops in order on one loop turn; each op's error is its own result."""
         if len(request.ops) > MAX_BATCH_OPS:
             raise InvalidArgument(
                 f"ops: {len(request.ops)} operations; at most {MAX_BATCH_OPS} per Batch"
             )
         self._check_batch_keys(request.ops)
-        session = self._live_session(request.session_id)
+        session = self._live_session(caller, request.session_id)
         return pb2.BatchResponse(results=[self._batch_op(session, op) for op in request.ops])
 
     def _check_batch_keys(self, ops: Any) -> None:
@@ -325,56 +304,29 @@ class KVTierService(pb2_grpc.KVTierServicer):
 
     # ----------------------------------------------------------------- events
 
-    @_handle
-    def TakeEvents(self, request: pb2.TakeEventsRequest, context: Any) -> Any:
-        session = self._live_session(request.session_id)
+    def take_events(self, caller: Caller, peer: str, request: Any) -> Any:
+        session = self._live_session(caller, request.session_id)
         taken = self._sessions.take_events(session, TAKE_EVENTS_MAX_BYTES)
         return pb2.TakeEventsResponse(
-            events=[_event_message(seq, event) for seq, event in taken.events],
+            events=[event_message(seq, event) for seq, event in taken.events],
             dropped=taken.dropped,
             more=taken.more,
         )
 
-    async def WatchEvents(self, request: pb2.WatchEventsRequest, context: Any) -> None:
-        """Streams a pool's events. A coroutine writing with ``context.write`` (not a
-        generator: a write must be able to time out); bounded by ``self.watches``."""
+    def open_watch(self, request: Any, peer: str, identify: Identify) -> tuple[Pool, int]:
+        """Where a WatchEvents stream starts: its pool and the seq it has sent up to.
+        Raises ``KvtierdError`` (a refusal audited, as :meth:`run`'s); streams are
+        not counted in the per-call metrics."""
         caller = None
         try:
-            caller = self.authorize(context)
-            pool, cursor = self._watch_start(request, caller)
-            self.watches.reserve()
+            caller = self._admit(identify)
+            return self._watch_start(caller, request)
         except KvtierdError as exc:
             if exc.code in _AUDITED:
-                self._security.call_denied("WatchEvents", caller, context.peer(), exc)
-            await context.abort(exc.code, str(exc))
-        with self.watches.held():  # until the status is out: gRPC holds the last write
-            try:
-                await self._stream_events(pool, cursor, context)
-            except KvtierdError as exc:
-                await end_stream(context, exc)
+                self._security.call_denied("WatchEvents", caller, peer, exc)
+            raise
 
-    async def _stream_events(self, pool: Pool, cursor: int, context: Any) -> None:
-        # Invariant: every event with seq <= cursor was sent, none after it. The
-        # stream holds one event at a time (never a list the log has dropped), and
-        # events dropped by the bounded log before it sent them end it with
-        # OUT_OF_RANGE (a gap is never skipped silently).
-        events = pool.events
-        while not self.shutting_down:
-            if cursor + 1 < events.oldest_seq:
-                raise OutOfRange(
-                    f"this WatchEvents stream fell {events.oldest_seq - cursor - 1} events "
-                    f"behind pool {pool.spec.name!r}'s log (limits.events_retained, "
-                    f"limits.events_retained_bytes); read faster or resume from after_seq "
-                    f"{events.oldest_seq - 1}"
-                )
-            event = events.get(cursor + 1)
-            if event is None:
-                await events.wait_beyond(cursor)
-                continue
-            await self.watches.write(context, _event_message(cursor + 1, event), cursor + 1)
-            cursor += 1
-
-    def _watch_start(self, request: pb2.WatchEventsRequest, caller: Caller) -> tuple[Pool, int]:
+    def _watch_start(self, caller: Caller, request: Any) -> tuple[Pool, int]:
         check_pool_name(request.pool, "pool")
         check_pool(caller, request.pool, "watch")
         pool = self._pools.get(request.pool)
@@ -399,9 +351,7 @@ class KVTierService(pb2_grpc.KVTierServicer):
 
     # ----------------------------------------------------------------- stats
 
-    @_handle
-    def GetStats(self, request: pb2.GetStatsRequest, context: Any) -> Any:
-        caller = current_caller()
+    def get_stats(self, caller: Caller, peer: str, request: Any) -> Any:
         if request.pool:
             check_pool_name(request.pool, "pool")
             check_pool(caller, request.pool, "stat")
@@ -417,17 +367,15 @@ class KVTierService(pb2_grpc.KVTierServicer):
             version=__version__,
         )
 
-    @_handle
-    def FlushPool(self, request: pb2.FlushPoolRequest, context: Any) -> Any:
+    def flush_pool(self, caller: Caller, peer: str, request: Any) -> Any:
         check_pool_name(request.pool, "pool")
-        check_pool(current_caller(), request.pool, "flush")
+        check_pool(caller, request.pool, "flush")
         evicted = self._pools.get(request.pool).flush()
         return pb2.FlushPoolResponse(evicted_blocks=evicted)
 
-    @_handle
-    def Explain(self, request: pb2.ExplainRequest, context: Any) -> Any:
+    def explain(self, caller: Caller, peer: str, request: Any) -> Any:
         check_pool_name(request.pool, "pool")
-        check_pool(current_caller(), request.pool, "explain")
+        check_pool(caller, request.pool, "explain")
         check_keys([request.key], 1, field="key")
         report = self._pools.get(request.pool).explain(request.key)
         return pb2.ExplainResponse(
@@ -489,21 +437,24 @@ def _complete_store(session: Session, keys: list[bytes], request: Any) -> pb2.Co
     return pb2.CompleteStoreResponse()
 
 
-# The synchronous RPC bodies the fast lane runs through ``call_direct`` (each
-# ``_handle``-wrapped method's own body: one implementation for both paths).
-_DIRECT_BODIES: dict[str, Callable[[KVTierService, Any, Any], Any]] = {
-    name: getattr(KVTierService, name).__wrapped__
-    for name in (
-        "Lookup",
-        "Touch",
-        "PrepareLoad",
-        "CompleteLoad",
-        "PrepareStore",
-        "CompleteStore",
-        "Batch",
-        "KeepAlive",
-    )
+# The synchronous RPCs by their wire name: what RequestHandlers.run dispatches.
+Body = Callable[[RequestHandlers, Caller, str, Any], Any]
+_UNARY: dict[str, Body] = {
+    "KeepAlive": RequestHandlers.keep_alive,
+    "CloseSession": RequestHandlers.close_session,
+    "Lookup": RequestHandlers.lookup,
+    "Touch": RequestHandlers.touch,
+    "PrepareLoad": RequestHandlers.prepare_load,
+    "CompleteLoad": RequestHandlers.complete_load,
+    "PrepareStore": RequestHandlers.prepare_store,
+    "CompleteStore": RequestHandlers.complete_store,
+    "Batch": RequestHandlers.batch,
+    "TakeEvents": RequestHandlers.take_events,
+    "GetStats": RequestHandlers.get_stats,
+    "FlushPool": RequestHandlers.flush_pool,
+    "Explain": RequestHandlers.explain,
 }
+UNARY_METHODS = frozenset(_UNARY)
 
 _BATCH_OPS: dict[str, Callable[[Session, list[bytes], Any], Any]] = {
     "lookup": _lookup,
@@ -514,50 +465,4 @@ _BATCH_OPS: dict[str, Callable[[Session, list[bytes], Any], Any]] = {
     "complete_store": _complete_store,
 }
 
-
-def _pool_spec_message(spec: PoolSpec) -> pb2.PoolSpec:
-    return pb2.PoolSpec(
-        name=spec.name,
-        block_bytes=spec.block_bytes,
-        num_blocks=spec.num_blocks,
-        layout=spec.layout,
-        eviction_policy=spec.eviction_policy,
-    )
-
-
-def _event_message(seq: int, event: BlockEvent) -> pb2.Event:
-    return pb2.Event(
-        seq=seq,
-        keys=event.keys,
-        medium=wire.medium(event.medium),
-        removed=event.removed,
-        tier=event.tier,
-    )
-
-
-def pool_stats_message(stats: PoolStatistics) -> pb2.PoolStats:
-    """GetStats' view of one pool snapshot: its spec and, per tier, the numbers
-    :func:`kvtierd.core.statistics.tier_views` computes (no other source)."""
-    spec = stats.spec
-    return pb2.PoolStats(
-        name=spec.name,
-        block_bytes=spec.block_bytes,
-        num_blocks=spec.num_blocks,
-        layout=spec.layout,
-        eviction_policy=spec.eviction_policy,
-        sessions=stats.sessions,
-        region_path=stats.region_path,
-        last_event_seq=stats.last_event_seq,
-        warm_adopted_blocks=stats.warm_adopted_blocks,
-        warm_dropped_blocks=stats.warm_dropped_blocks,
-        journal_bytes=stats.journal_bytes,
-        tiers=[
-            pb2.TierStats(
-                tier=view.name,
-                medium=wire.medium(view.medium),
-                # ints all; the stub types `ready` bool, which protobuf sets from 0 / 1 too
-                **view.wire_numbers(),  # type: ignore[arg-type]
-            )
-            for view in tier_views(stats)
-        ],
-    )
+__all__ = ["MAX_BATCH_OPS", "TAKE_EVENTS_MAX_BYTES", "RequestHandlers", "UNARY_METHODS"]

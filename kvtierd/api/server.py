@@ -25,7 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from kvtierd.api import grpclog, guards
-from kvtierd.api.service import KVTierService
+from kvtierd.api.grpc_service import GrpcService
 from kvtierd.api.validation import MAX_KEY_BYTES
 from kvtierd.config import ConfigError, LimitsConfig
 from kvtierd.security.state import SecurityState
@@ -63,7 +63,7 @@ def max_send_bytes(limits: LimitsConfig) -> int:
 
 
 def build_server(
-    service: KVTierService, limits: LimitsConfig, security: SecurityState | None = None
+    service: GrpcService, limits: LimitsConfig, security: SecurityState | None = None
 ) -> tuple[TransportServers, health.aio.HealthServicer]:
     """The servers with their three services; call ``add_listeners`` then start them.
     ``security`` decides which calls are refused before their request is read

@@ -26,6 +26,8 @@ import time
 from typing import Any
 
 from kvtierd.api.fastlane import FastLane, first_unix_path, lane_socket_path
+from kvtierd.api.grpc_service import GrpcService
+from kvtierd.api.handlers import RequestHandlers
 from kvtierd.api.server import (
     TransportServers,
     add_listeners,
@@ -35,7 +37,7 @@ from kvtierd.api.server import (
     remove_unix_sockets,
     set_health,
 )
-from kvtierd.api.service import KVTierService
+from kvtierd.api.watch import WatchStreams
 from kvtierd.config import Config, ConfigError
 from kvtierd.core.pools import PoolTable, region_access_text
 from kvtierd.core.sessions import SessionTable
@@ -95,14 +97,6 @@ class Daemon:
             config.sessions.max_sessions,
             write_quarantine=config.sessions.write_quarantine,
         )
-        self.service = KVTierService(
-            self.pools,
-            self.sessions,
-            max_keys_per_call=config.limits.max_keys_per_call,
-            security=self.security,
-            max_watch_streams=config.limits.max_watch_streams,
-            watch_write_timeout=config.limits.watch_write_timeout,
-        )
         # SIGHUP: the tokens go into the one token store, the security state's
         # Authorizer (rebuilt and swapped whole), then the TLS files are re-read
         self.reloader = credential_reloader(
@@ -113,9 +107,26 @@ class Daemon:
             self.sessions,
             pool_labels_for(config.server.metrics_pool_labels, self.security.restricted),
         )
-        self.service.observe_rpc = self.metrics.observe_rpc
+        # the fast lane and the region-descriptor socket live next to the first Unix
+        # socket; both transports call the same request handlers
+        listen_path = first_unix_path(config.server.listen)
+        self.fast_lane = self._fast_lane(listen_path)
+        self.handlers = RequestHandlers(
+            self.pools,
+            self.sessions,
+            self.security,
+            max_keys_per_call=config.limits.max_keys_per_call,
+            region_fd_socket=region_access.socket_path_for(listen_path) if listen_path else "",
+            offer_lane=self.fast_lane.offer if self.fast_lane is not None else None,
+            observe=self.metrics.observe_rpc,
+        )
+        self.service = GrpcService(
+            self.handlers,
+            self.security,
+            WatchStreams(config.limits.max_watch_streams, config.limits.watch_write_timeout),
+        )
         self.pools.observe_job = self.metrics.observe_job
-        self.sessions.observe_session = self.security.session_event
+        self.sessions.observe_session = self._session_event
         self.security.observe_refused = self.metrics.observe_rpc
         if self.security.quotas:
             self.pools.admit_pool = self.security.quotas.check
@@ -126,7 +137,6 @@ class Daemon:
         self._watchdog: asyncio.Task[None] | None = None
         self._sockets: list[str] = []  # unix socket files this daemon created
         self._region_fds: region_access.RegionFdServer | None = None
-        self.fast_lane: FastLane | None = None
 
     async def start(self) -> None:
         _check_shm_dir(self.config.memory.shm_dir)
@@ -140,7 +150,6 @@ class Daemon:
         self._region_fds = region_access.serve_next_to(
             self._sockets, self.sessions, self.gid, self.security
         )
-        self.service.region_fd_socket = self._region_fds.path if self._region_fds else ""
         await self._serve_fast_lane()
         await server.start()
         self._server = server
@@ -171,7 +180,7 @@ class Daemon:
         """Ordered shutdown; each step runs even if an earlier one failed."""
         log.info("shutting down: refusing new calls, finishing in-flight ones")
         notify("STOPPING=1")
-        self.service.shutting_down = True
+        self.handlers.stop_accepting()
         for pool in self.pools:
             pool.events.wake_all()  # watch streams end
         if self._server is not None:
@@ -197,18 +206,22 @@ class Daemon:
             await self._metrics_endpoint.close()
         log.info("shutdown complete")
 
-    async def _serve_fast_lane(self) -> None:
-        """With ``server.fast_lane``, the lane socket next to the first Unix socket
-        (``kvtierd.api.fastlane``); sessions opened over a Unix socket are offered it."""
-        listen_path = first_unix_path(self.config.server.listen)
+    def _session_event(self, event: str, session: Any, reason: str) -> None:
+        """``SessionTable``'s hook: a session that ends ends its fast lane; every
+        session opened, closed or expired is audited."""
+        if self.fast_lane is not None:
+            self.fast_lane.session_ended(event, session, reason)
+        self.security.session_event(event, session, reason)
+
+    def _fast_lane(self, listen_path: str | None) -> FastLane | None:
+        """With ``server.fast_lane`` and a Unix socket to listen on, the lane next to it
+        (``kvtierd.api.fastlane``): sessions opened over a Unix socket are offered it,
+        and a session that ends ends its lane (``_session_event``). It serves from
+        :meth:`start` on."""
         if not self.config.server.fast_lane or listen_path is None:
-            return
-        path = lane_socket_path(listen_path)
-        listener = bind_unix_socket(path, self.gid, "fast lane")
-        self._sockets.append(path)
+            return None
         lane = FastLane(
-            path,
-            self.service,
+            lane_socket_path(listen_path),
             self.sessions,
             self.security,
             max_frame_bytes=max_receive_bytes(self.config.limits),
@@ -216,17 +229,15 @@ class Daemon:
             # a lane reader that stalls is cut as a stalled WatchEvents reader is
             write_timeout=self.config.limits.watch_write_timeout,
         )
-        await lane.serve(listener)
-        self.fast_lane = lane
-        self.service.offer_fast_lane = lane.offer
-        audit_session = self.sessions.observe_session
+        return lane
 
-        def observe_session(event: str, session: Any, reason: str) -> None:
-            lane.session_ended(event, session, reason)
-            if audit_session is not None:
-                audit_session(event, session, reason)
-
-        self.sessions.observe_session = observe_session
+    async def _serve_fast_lane(self) -> None:
+        """The lane's socket bound and served, through the request handlers."""
+        if self.fast_lane is None:
+            return
+        listener = bind_unix_socket(self.fast_lane.path, self.gid, "fast lane")
+        self._sockets.append(self.fast_lane.path)
+        await self.fast_lane.serve(listener, self.handlers)
 
     def _serve_tickets(self) -> None:
         """With principals, a ticket socket next to each Unix socket: how local

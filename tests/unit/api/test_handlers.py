@@ -1,5 +1,5 @@
-"""The servicer driven directly, without a socket: each handler is awaited with a
-minimal context. Error mapping (one status code per error type, INTERNAL for a
+"""The request handlers driven through the gRPC servicer, without a socket: each RPC
+is awaited with a minimal context. Error mapping (one status code per error type, INTERNAL for a
 bug), validation before any state changes (a refused call renews no lease),
 explicit lease renewal on an injected clock, Batch's per-op results, TakeEvents
 paging, and the TCP token check."""
@@ -16,7 +16,9 @@ import grpc
 import pytest
 from fake_clock import FakeClock
 
-from kvtierd.api.service import MAX_BATCH_OPS, TAKE_EVENTS_MAX_BYTES, KVTierService
+from kvtierd.api.grpc_service import GrpcService
+from kvtierd.api.handlers import MAX_BATCH_OPS, TAKE_EVENTS_MAX_BYTES, RequestHandlers
+from kvtierd.api.watch import WatchStreams
 from kvtierd.config import load_config
 from kvtierd.contract import BlockEvent, LookupResult, Medium
 from kvtierd.core.pools import PoolTable
@@ -64,7 +66,8 @@ class Context:
 class Daemon:
     """A servicer over real pool and session tables (regions under ``tmp_path``)."""
 
-    service: KVTierService
+    service: GrpcService
+    handlers: RequestHandlers
     sessions: SessionTable
     pools: PoolTable
     clock: FakeClock
@@ -107,10 +110,16 @@ def daemon(tmp_path) -> Iterator[Daemon]:
     tokens.write_text(TOKEN + "\n")
     tokens.chmod(0o600)
     security = SecurityState((), str(tokens), max_ticket_holders=16)
-    service = KVTierService(pools, sessions, max_keys_per_call=MAX_KEYS, security=security)
     observed: list[tuple[str, str]] = []
-    service.observe_rpc = lambda method, code, seconds: observed.append((method, code))
-    yield Daemon(service, sessions, pools, clock, observed)
+    handlers = RequestHandlers(
+        pools,
+        sessions,
+        security,
+        max_keys_per_call=MAX_KEYS,
+        observe=lambda method, code, seconds: observed.append((method, code)),
+    )
+    service = GrpcService(handlers, security, WatchStreams(64, 10.0))
+    yield Daemon(service, handlers, sessions, pools, clock, observed)
     sessions.close_all("test over")
     run(lambda: pools.close_all(wait_for_creations=1.0))
 
@@ -311,6 +320,6 @@ def test_tcp_peers_need_the_token_and_unix_peers_do_not(daemon):
 
 def test_a_daemon_shutting_down_answers_unavailable(daemon):
     session = daemon.open()
-    daemon.service.shutting_down = True
+    daemon.handlers.stop_accepting()
     aborted = daemon.refused("KeepAlive", pb2.KeepAliveRequest(session_id=session))
     assert aborted.code is grpc.StatusCode.UNAVAILABLE and "shutting down" in aborted.details

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from prometheus_client.core import Metric
 
-from kvtierd.api.service import pool_stats_message
+from kvtierd.api.messages import pool_stats_message
 from kvtierd.contract import Medium, PoolSpec
 from kvtierd.core.statistics import (
     TIER_NUMBERS,

@@ -1,0 +1,57 @@
+"""The daemon's values as ``kvtier.v1`` messages: a pool's spec, an event, a pool's
+statistics. Pure functions: no state, no validation (the handlers validate)."""
+
+from __future__ import annotations
+
+from kvtierd.api import wire
+from kvtierd.contract import BlockEvent, PoolSpec
+from kvtierd.core.statistics import PoolStatistics, tier_views
+from kvtierd_client.wire.proto import pb2
+
+
+def pool_spec_message(spec: PoolSpec) -> pb2.PoolSpec:
+    return pb2.PoolSpec(
+        name=spec.name,
+        block_bytes=spec.block_bytes,
+        num_blocks=spec.num_blocks,
+        layout=spec.layout,
+        eviction_policy=spec.eviction_policy,
+    )
+
+
+def event_message(seq: int, event: BlockEvent) -> pb2.Event:
+    return pb2.Event(
+        seq=seq,
+        keys=event.keys,
+        medium=wire.medium(event.medium),
+        removed=event.removed,
+        tier=event.tier,
+    )
+
+
+def pool_stats_message(stats: PoolStatistics) -> pb2.PoolStats:
+    """GetStats' view of one pool snapshot: its spec and, per tier, the numbers
+    :func:`kvtierd.core.statistics.tier_views` computes (no other source)."""
+    spec = stats.spec
+    return pb2.PoolStats(
+        name=spec.name,
+        block_bytes=spec.block_bytes,
+        num_blocks=spec.num_blocks,
+        layout=spec.layout,
+        eviction_policy=spec.eviction_policy,
+        sessions=stats.sessions,
+        region_path=stats.region_path,
+        last_event_seq=stats.last_event_seq,
+        warm_adopted_blocks=stats.warm_adopted_blocks,
+        warm_dropped_blocks=stats.warm_dropped_blocks,
+        journal_bytes=stats.journal_bytes,
+        tiers=[
+            pb2.TierStats(
+                tier=view.name,
+                medium=wire.medium(view.medium),
+                # ints all; the stub types `ready` bool, which protobuf sets from 0 / 1 too
+                **view.wire_numbers(),  # type: ignore[arg-type]
+            )
+            for view in tier_views(stats)
+        ],
+    )
