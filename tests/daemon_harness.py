@@ -20,7 +20,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -145,14 +145,20 @@ def start_daemon(
     timeout: float = 30.0,
     shm_dir: str | None = None,
     config: str | None = "",
+    command_prefix: Sequence[str] = (),
+    owner: tuple[int, int] | None = None,
 ) -> DaemonProcess:
     """Starts kvtierd on a fresh socket and (unless given) shm directory; waits for SERVING.
 
     ``config`` is the text of the TOML file it gets (``""``: primary tier only, no
     secondary tiers); ``None`` runs it without ``--config`` (the embedded default:
     an fs tier under ``$STATE_DIRECTORY``, which is the daemon's workdir here).
+    ``command_prefix`` runs the daemon through another command (``nonroot.py``: as
+    another user); ``owner`` (uid, gid) then owns its workdir (socket, config).
     """
     workdir = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")  # short: sun_path is 108 bytes
+    if owner is not None:
+        os.chown(workdir, *owner)
     if config is not None:
         extra_args = ("--config", write_config(workdir, config), *extra_args)
     shm_dir = shm_dir or tempfile.mkdtemp(prefix="kvtierd-test-", dir="/dev/shm")
@@ -169,7 +175,7 @@ def start_daemon(
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "STATE_DIRECTORY": workdir, **(env or {})}
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(
-            daemon_command(*args), stdout=log_file, stderr=subprocess.STDOUT,
+            [*command_prefix, *daemon_command(*args)], stdout=log_file, stderr=subprocess.STDOUT,
             env=full_env, cwd=workdir,
         )  # fmt: skip
     daemon = DaemonProcess(proc, socket_path, shm_dir, log_path, workdir, full_env)
