@@ -20,8 +20,6 @@ import grp
 import logging
 import os
 import signal
-import stat
-import tempfile
 import time
 from typing import Any
 
@@ -29,14 +27,12 @@ from kvtierd.config import Config, ConfigError
 from kvtierd.fastlane import FastLane, first_unix_path, lane_socket_path
 from kvtierd.metrics import Metrics, serve_metrics
 from kvtierd.pools import PoolTable, region_access_text
-from kvtierd.region import is_region_file_name
 from kvtierd.sdnotify import notify, watchdog_interval
 from kvtierd.security import region_access
 from kvtierd.security.reload import credential_reloader
 from kvtierd.security.state import SecurityState
 from kvtierd.security.tls import ServerTls, TlsFiles
 from kvtierd.security.tokens import TokensFileError
-from kvtierd.security.trusted_dirs import UntrustedPath, require_own_entries, require_trusted_dir
 from kvtierd.server import (
     TransportServers,
     add_listeners,
@@ -48,6 +44,7 @@ from kvtierd.server import (
 )
 from kvtierd.service import KVTierService
 from kvtierd.sessions import SessionTable
+from kvtierd.shmdir import prepare_shm_dir
 from kvtierd.tiers import registry
 from kvtierd.tiers.configured import ConfiguredTier, TierCheckError
 from kvtierd_client.peer_ticket import ticket_socket_path
@@ -124,7 +121,7 @@ class Daemon:
         self.fast_lane: FastLane | None = None
 
     async def start(self) -> None:
-        _check_shm_dir(self.config.memory.shm_dir)
+        prepare_shm_dir(self.config.memory.shm_dir, self.gid, private=self.security.restricted)
         self._check_tiers()
         await self._start_metrics()
         server, self._health = build_server(self.service, self.config.limits, self.security)
@@ -327,27 +324,6 @@ def build_security(config: Config) -> SecurityState:
         )
     except TokensFileError as exc:
         raise ConfigError("security.tokens_file", str(exc)) from None
-
-
-def _check_shm_dir(path: str) -> None:
-    """The daemon's own (``security.trusted_dirs``), no symlink at a region file's
-    name; then creates and removes a probe file: permission bits alone lie for root."""
-    if not os.path.isdir(path):
-        raise ConfigError("memory.shm_dir", f"{path} is not a directory")
-    try:
-        require_trusted_dir(path)
-        shared = bool(os.stat(path).st_mode & stat.S_ISVTX)  # others may write there
-        for planted in require_own_entries(path, is_region_file_name, shared=shared):
-            log.warning("memory.shm_dir: %s (ignored: never followed)", planted)
-    except UntrustedPath as exc:
-        raise ConfigError("memory.shm_dir", str(exc)) from None
-    try:
-        probe = tempfile.NamedTemporaryFile(dir=path, prefix=".kvtierd-probe-")  # noqa: SIM115
-        probe.close()
-    except OSError as exc:
-        raise ConfigError(
-            "memory.shm_dir", f"cannot create files in {path}: {exc.strerror}"
-        ) from None
 
 
 async def serve(config: Config) -> None:

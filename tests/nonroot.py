@@ -24,11 +24,12 @@ import pytest
 from users_harness import User
 
 _SCRIPT = (
-    'set -e; hidden="$1"; keep="$2"; shift 2; '
+    'set -e; hidden="$1"; keep="$2"; small="$3"; size="$4"; shift 4; '
     'if [ -n "$hidden" ]; then '
     'spare=$(mktemp -d /tmp/kvt-ns-XXXXXX); mount --bind "$keep" "$spare"; '
     'mount -t tmpfs -o mode=0755,size=1m kvtierd-test "$hidden"; '
     'mkdir -p "$keep"; mount --bind "$spare" "$keep"; umount "$spare"; rmdir "$spare"; fi; '
+    'if [ -n "$small" ]; then mount -t tmpfs -o "mode=1777,size=$size" kvtierd-test "$small"; fi; '
     'exec "$@"'
 )
 
@@ -51,9 +52,11 @@ def _unreachable_ancestor(path: str) -> str:
     return ""
 
 
-def as_user_prefix(user: User) -> list[str]:
+def as_user_prefix(user: User, small_tmpfs: tuple[str, int] | None = None) -> list[str]:
     """The command prefix that runs what follows it as ``user`` (see the module
-    docstring)."""
+    docstring). ``small_tmpfs`` (directory, bytes): a tmpfs of that size is mounted
+    there for the daemon alone (sticky, as /dev/shm), to fill for real; the test
+    reaches it through ``/proc/<daemon pid>/root``."""
     base = os.path.realpath(sys.base_prefix)
     hidden = _unreachable_ancestor(base)
     for needed in (os.path.realpath(sys.prefix), os.path.dirname(os.path.abspath(__file__))):
@@ -61,7 +64,7 @@ def as_user_prefix(user: User) -> list[str]:
             pytest.skip(f"{needed} is not reachable by other users")
     return [
         "unshare", "--mount", "--propagation", "private", "--", "sh", "-c", _SCRIPT, "sh",
-        hidden, base if hidden else "",
+        hidden, base if hidden else "", *(map(str, small_tmpfs) if small_tmpfs else ("", "")),
         "setpriv", f"--reuid={user.uid}", f"--regid={user.gid}", "--clear-groups",
         "--inh-caps=-all", "--",
     ]  # fmt: skip

@@ -145,6 +145,24 @@ class _JournalSize:
         )  # fmt: skip
 
 
+def fill(path: str) -> None:
+    """Writes ``path`` until its file system is full (ENOSPC)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with pytest.raises(OSError, match="No space"):
+            while True:
+                os.write(fd, bytes(65536))
+    finally:
+        os.close(fd)
+
+
+def store_unwritten(session, keys: list[bytes]) -> None:
+    """Stores ``keys`` without writing their rows (their bytes do not matter here)."""
+    grant = session.prepare_store(keys)
+    assert grant is not None and grant.keys_to_store == keys
+    session.complete_store(keys)
+
+
 def stop_promptly(daemon: DaemonProcess) -> None:
     started = time.monotonic()
     assert daemon.stop(signal.SIGTERM) == 0, daemon.log()
@@ -236,3 +254,74 @@ def test_a_temp_file_planted_while_the_pool_runs_neither_kills_the_journal_nor_s
         session = client.open_session(pool_name, block_bytes=BLOCK, num_blocks=ROWS, layout="l")
         assert session.lookup(final) == [HIT] * len(final)
         assert_bit_exact(session, final)
+
+
+def test_a_journal_write_that_fails_turns_warm_restart_off_with_one_error_and_a_metric(
+    host, pool_name
+):
+    """A real ENOSPC: the daemon's shm_dir is a 2 MiB tmpfs of its own, filled by
+    root once the pool runs. The journal's next write fails: warm restart is off for
+    that pool (one ERROR line, ``kvtierd_warm_restart_off`` 1, the journal removed),
+    the pool goes on serving, and the stop is prompt."""
+    daemon = start_daemon(
+        "--memory-budget", "64MiB", "--metrics-address", host.metrics,
+        shm_dir=host.shm_dir,
+        command_prefix=as_user_prefix(host.kvtierd, small_tmpfs=(host.shm_dir, 2 << 20)),
+        owner=(host.kvtierd.uid, host.kvtierd.gid),
+    )  # fmt: skip
+    host.daemons.append(daemon)
+    seen = f"/proc/{daemon.proc.pid}/root{host.shm_dir}"  # the daemon's own tmpfs
+    with Client(daemon.address) as client:
+        session = client.open_session(pool_name, block_bytes=BLOCK, num_blocks=ROWS, layout="l")
+        store_unwritten(session, [b"before"])  # the region is in the daemon's namespace
+        journal = seen + "/" + os.path.basename(host.journal(pool_name))
+        assert os.path.exists(journal)
+        fill(seen + "/filler")
+        # the journal's last page may hold a few more records: store until one
+        # needs a new page (19 bytes per freed row, 28 per ready one here)
+        for i in range(400):
+            store_unwritten(session, [f"after-{i}".encode()])
+            if host.metric("kvtierd_warm_restart_off", pool_name):
+                break
+        assert host.metric("kvtierd_warm_restart_off", pool_name) == 1
+        assert not os.path.exists(journal)
+        assert session.lookup([f"after-{i}".encode()]) == [HIT]  # the pool serves on
+    errors = [line for line in daemon.log().splitlines() if " ERROR " in line]
+    assert len(errors) == 1, daemon.log()
+    assert "No space left on device" in errors[0] and "warm restart is off" in errors[0]
+    stop_promptly(daemon)
+
+
+def test_a_missing_shm_dir_is_created_private_and_nobody_else_can_plant_in_it(host, pool_name):
+    """The shipped configurations name ``/dev/shm/kvtierd``: the daemon creates it
+    (its own, 0750) under the sticky shared tmpfs, so no other user can create a
+    file at any of its names; one another user made first refuses the start
+    with one line naming its owner."""
+    private = os.path.join(host.shm_dir, "kvtierd")
+    daemon = start_daemon(
+        "--memory-budget", "64MiB", shm_dir=private,
+        command_prefix=as_user_prefix(host.kvtierd), owner=(host.kvtierd.uid, host.kvtierd.gid),
+    )  # fmt: skip
+    host.daemons.append(daemon)
+    st = os.stat(private)
+    assert (st.st_uid, oct(st.st_mode & 0o7777)) == (host.kvtierd.uid, "0o750")
+    journal = journal_path(os.path.join(private, region_file_name(pool_name)))
+    refused = _run_as(host.mallory, _PLANT, journal)
+    assert refused.returncode != 0 and "PermissionError" in refused.stderr
+    with Client(daemon.address) as client:
+        session = client.open_session(pool_name, block_bytes=BLOCK, num_blocks=ROWS, layout="l")
+        store(session, [b"k"])
+        assert session.lookup([b"k"]) == [HIT]
+    stop_promptly(daemon)
+    shutil.rmtree(private)
+
+    taken = _run_as(host.mallory, "import os, sys; os.mkdir(sys.argv[1], 0o777)", private)
+    assert taken.returncode == 0, taken.stderr
+    refused_start = start_daemon(
+        "--memory-budget", "64MiB", shm_dir=private, wait=False,
+        command_prefix=as_user_prefix(host.kvtierd), owner=(host.kvtierd.uid, host.kvtierd.gid),
+    )  # fmt: skip
+    host.daemons.append(refused_start)
+    assert refused_start.proc.wait(30) == 2, refused_start.log()
+    errors = [line for line in refused_start.log().splitlines() if "memory.shm_dir" in line]
+    assert len(errors) == 1 and host.mallory.name in errors[0], refused_start.log()
