@@ -150,10 +150,14 @@ def fill(path: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         with pytest.raises(OSError, match="No space"):
-            while True:
-                os.write(fd, bytes(65536))
+            _write_forever(fd)
     finally:
         os.close(fd)
+
+
+def _write_forever(fd: int) -> None:
+    while True:
+        os.write(fd, bytes(65536))
 
 
 def store_unwritten(session, keys: list[bytes]) -> None:
