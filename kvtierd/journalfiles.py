@@ -81,7 +81,7 @@ def remove_journal(path: str, *, temporaries: bool = True) -> str | None:
     description of an entry at ``path`` that is not this daemon's (left alone),
     or of a failure to remove it; None when ``path`` is gone."""
     if temporaries:
-        _remove_temporaries(path)
+        remove_temporaries(path)
     found = planted(path)
     if found is not None:
         return found
@@ -94,7 +94,7 @@ def remove_journal(path: str, *, temporaries: bool = True) -> str | None:
     return None
 
 
-def _remove_temporaries(path: str) -> None:
+def remove_temporaries(path: str) -> None:
     """Unlinks this uid's ``<path>.tmp-*`` files (a daemon killed during a rewrite
     leaves one; ``<path>.tmp``: an older kvtierd's fixed name). One listing of the
     directory (a worker thread's, never the loop's)."""

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 from kvtierd.config import LimitsConfig, MemoryConfig
 from kvtierd.errors import FailedPrecondition, PoolNotFound, ResourceExhausted
 from kvtierd.journal import JournalHeader, JournalWriter, journal_path
-from kvtierd.journalfiles import planted, remove_journal
+from kvtierd.journalfiles import planted, remove_journal, remove_temporaries
 from kvtierd.pool import Pool, PoolSpec
 from kvtierd.region import InsufficientSpaceError, Region, RegionError, region_file_name
 from kvtierd.security.principals import Principal
@@ -364,6 +364,7 @@ def _start_journal_file(
     taken = planted(path)
     if taken is not None:
         return taken
+    remove_temporaries(path)  # a daemon killed while it rewrote the journal leaves one
     journal = JournalWriter(path, header, region.buffer(), region_fd=region.fileno())
     try:
         journal.start(ready, quarantined)
