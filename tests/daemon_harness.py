@@ -322,3 +322,22 @@ def peak_rss_bytes(pid: int) -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     raise AssertionError(f"no VmHWM in /proc/{pid}/status")
+
+
+def stopped(pid: int) -> bool:
+    """Whether every thread of process ``pid`` is stopped. SIGSTOP takes effect
+    asynchronously: in a multi-threaded process the thread the kernel picks has to
+    run to start the group stop, and meanwhile the others go on (on a busy machine
+    long enough to answer a request)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return False
+    for task in tasks:
+        try:
+            stat = Path(f"/proc/{pid}/task/{task}/stat").read_text()
+        except FileNotFoundError:
+            continue
+        if stat.rsplit(")", 1)[1].split()[0] not in ("T", "t"):
+            return False
+    return bool(tasks)

@@ -17,7 +17,7 @@ import signal
 import time
 from pathlib import Path
 
-from daemon_harness import DaemonProcess, eventually, fs_tiers_config, start_daemon
+from daemon_harness import DaemonProcess, eventually, fs_tiers_config, start_daemon, stopped
 from test_fs_tier_daemon import HIT, MISS, PENDING, Engine, block_keys, payload
 from test_warm_hash_worker import gone
 
@@ -57,13 +57,14 @@ def test_a_stopped_io_worker_is_replaced_and_its_jobs_fail_cleanly(tmp_path, poo
         (worker,) = io_workers(daemon)
 
         os.kill(worker, signal.SIGSTOP)
-        stopped = time.monotonic()
+        eventually(lambda: stopped(worker), 10, f"worker {worker} stopped")
+        stopped_at = time.monotonic()
         assert engine.session.lookup(first[:1]) == [PENDING]  # a promotion: one row reserved
         engine.store(block_keys("c", 3))  # three cascades: three rows pinned
         assert engine.session.prepare_store([b"refused"]) is None  # no row free
 
         eventually(lambda: gone(worker), 30, lambda: f"the stopped worker killed:\n{daemon.log()}")
-        assert time.monotonic() - stopped >= TIMEOUT_S * 0.9  # not before the bound
+        assert time.monotonic() - stopped_at >= TIMEOUT_S * 0.9  # not before the bound
         (settled,) = engine.wait_settled(first[:1])  # failed: MISS (or promoted anew)
         assert settled in (MISS, HIT)
         if settled == HIT:  # never bytes the killed worker left half-written

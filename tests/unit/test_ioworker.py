@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from daemon_harness import eventually
+from daemon_harness import eventually, stopped
 from test_fs_tier import BLOCK, FILE_BYTES, Harness, block_path, region, run, temp_files
 
 from kvtierd.contract import LookupResult
@@ -136,6 +136,7 @@ def test_a_stopped_worker_is_killed_after_the_bound_and_replaced(
         assert workers.call(_write_request(region, tmp_path, b"a", 1)) == [None]
         (first,) = workers.pids()
         os.kill(first, signal.SIGSTOP)
+        eventually(lambda: stopped(first), 10, f"worker {first} stopped")
         started = time.monotonic()
         with pytest.raises(WorkerDied, match="did not answer within 0.5s") as failed:
             workers.call(_read_request(region, tmp_path, b"a", 2))
