@@ -265,7 +265,9 @@ OPTIONS: tuple[Option, ...] = (
         "shm_dir",
         _directory,
         lambda: "/dev/shm",
-        "directory where region files are created (a tmpfs)",
+        "directory of the region files and warm-restart journals (a tmpfs); created, the "
+        "daemon's own (0750, or 0700 with principals), when missing: give it a private "
+        "directory such as /dev/shm/kvtierd, not a shared one such as /dev/shm itself",
         flag="--shm-dir",
     ),
     Option(

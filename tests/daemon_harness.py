@@ -20,13 +20,15 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+import urllib.request
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvtierd_client.wire.proto import pb2, pb2_grpc
 
@@ -145,14 +147,20 @@ def start_daemon(
     timeout: float = 30.0,
     shm_dir: str | None = None,
     config: str | None = "",
+    command_prefix: Sequence[str] = (),
+    owner: tuple[int, int] | None = None,
 ) -> DaemonProcess:
     """Starts kvtierd on a fresh socket and (unless given) shm directory; waits for SERVING.
 
     ``config`` is the text of the TOML file it gets (``""``: primary tier only, no
     secondary tiers); ``None`` runs it without ``--config`` (the embedded default:
     an fs tier under ``$STATE_DIRECTORY``, which is the daemon's workdir here).
+    ``command_prefix`` runs the daemon through another command (``nonroot.py``: as
+    another user); ``owner`` (uid, gid) then owns its workdir (socket, config).
     """
     workdir = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")  # short: sun_path is 108 bytes
+    if owner is not None:
+        os.chown(workdir, *owner)
     if config is not None:
         extra_args = ("--config", write_config(workdir, config), *extra_args)
     shm_dir = shm_dir or tempfile.mkdtemp(prefix="kvtierd-test-", dir="/dev/shm")
@@ -169,7 +177,7 @@ def start_daemon(
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "STATE_DIRECTORY": workdir, **(env or {})}
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(
-            daemon_command(*args), stdout=log_file, stderr=subprocess.STDOUT,
+            [*command_prefix, *daemon_command(*args)], stdout=log_file, stderr=subprocess.STDOUT,
             env=full_env, cwd=workdir,
         )  # fmt: skip
     daemon = DaemonProcess(proc, socket_path, shm_dir, log_path, workdir, full_env)
@@ -328,3 +336,46 @@ def ctl(daemon_address: str, *args: str, timeout: float = 30) -> subprocess.Comp
         text=True,
         timeout=timeout,
     )
+
+
+def stopped(pid: int) -> bool:
+    """Whether every thread of process ``pid`` is stopped. SIGSTOP takes effect
+    asynchronously: in a multi-threaded process the thread the kernel picks has to
+    run to start the group stop, and meanwhile the others go on (on a busy machine
+    long enough to answer a request)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return False
+    for task in tasks:
+        try:
+            stat = Path(f"/proc/{pid}/task/{task}/stat").read_text()
+        except FileNotFoundError:
+            continue
+        if stat.rsplit(")", 1)[1].split()[0] not in ("T", "t"):
+            return False
+    return bool(tasks)
+
+
+def gone(pid: int) -> bool:
+    """The process is dead (reaped, or a zombie)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """{(sample name, sorted labels): value} of one scrape."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        assert response.headers["Content-Type"].startswith("text/plain")
+        text = response.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def value(samples, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)

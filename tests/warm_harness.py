@@ -66,3 +66,6 @@ def journal_of(region_path: str) -> Path:
 def restart(daemon: DaemonProcess, sig: int = signal.SIGTERM) -> DaemonProcess:
     daemon.stop(sig)
     return daemon.restart()
+
+
+BLOCKS = 64

@@ -117,6 +117,9 @@ class Pool:
         self.journal: JournalWriter | None = None  # memory.warm_restart
         self.adopted_blocks = 0  # blocks taken over from the previous daemon
         self.dropped_blocks = 0  # ... and the ones dropped there (checksum mismatch)
+        # memory.warm_restart is on but this pool's journal could not be started
+        # (its path taken, a failed write): it serves, and its next start is cold
+        self.warm_restart_off = False
 
     def attach_journal(self, journal: JournalWriter) -> None:
         """From now on every row handed to a writer and every completed block is
@@ -331,6 +334,9 @@ class Pool:
             warm_adopted_blocks=self.adopted_blocks,
             warm_dropped_blocks=self.dropped_blocks,
             journal_bytes=self.journal.file_bytes if self.journal is not None else 0,
+            warm_restart_off=int(
+                self.warm_restart_off or (self.journal is not None and self.journal.failed)
+            ),
         )
 
     def check_invariants(self) -> None:
@@ -364,6 +370,8 @@ class Pool:
         :meth:`close_tiers`."""
         if self.journal is not None:
             self.journal.close(drain_seconds=_JOURNAL_DRAIN_SECONDS)
+            if self.journal.failed:  # removed: nothing would vouch for a kept region
+                self.region.keep_file = False
         self.region.close()
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ OpenSession of it waits for that one creation.
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import hashlib
 import logging
@@ -29,7 +30,8 @@ from kvtierd.core.pool import Pool
 from kvtierd.errors import FailedPrecondition, PoolNotFound, ResourceExhausted
 from kvtierd.primary.region import InsufficientSpaceError, Region, RegionError, region_file_name
 from kvtierd.primary.warm.adoption import Adoption, ColdStart, adopt_region
-from kvtierd.primary.warm.journal import JournalHeader, JournalWriter, journal_path, remove_journal
+from kvtierd.primary.warm.journal import JournalHeader, JournalWriter, journal_path
+from kvtierd.primary.warm.journalfiles import planted, remove_journal, remove_temporaries
 from kvtierd.security.principals import Principal
 from kvtierd.tiers.configured import ConfiguredTier, PoolBinding, TierStartError
 from kvtierd.util.units import format_bytes
@@ -272,9 +274,7 @@ class PoolTable:
             spec.name, spec.block_bytes, spec.num_blocks, spec.layout, st_dev, st_ino,
             self._memory.warm_restart_checksum_bytes, fence, self._region_access,
         )  # fmt: skip
-        journal = JournalWriter(
-            journal_path(region.path), header, region.buffer(), region_fd=region.fileno()
-        )
+        path = journal_path(region.path)
         ready: list[tuple[int, bytes, int]] = []
         quarantined: list[int] = []
         if adoption is not None:
@@ -285,28 +285,18 @@ class PoolTable:
             )
             ready = [(row, key, checksum) for key, row, checksum in adoption.blocks]
             quarantined = adoption.quarantined
-        try:
-            await off_loop(journal.start, ready, quarantined)
-        except OSError as exc:
-            raise ResourceExhausted(
-                f"pool {spec.name!r}: cannot write its warm-restart journal "
-                f"{journal.path}: {exc.strerror or exc}. Free space in memory.shm_dir "
-                "or set memory.warm_restart = false"
-            ) from None
-        pool.attach_journal(journal)
         if adoption is not None:
             pool.adopted_blocks = len(adoption.blocks)
             pool.dropped_blocks = adoption.dropped
-            log.log(
-                logging.WARNING if adoption.dropped else logging.INFO,
-                "pool %s: warm restart adopted %d ready blocks of region %s in %.3fs "
-                "(%d dropped: checksum mismatch; %d rows quarantined and the adopted "
-                "blocks pinned, not evictable, for %gs: the old sessions' copiers; %d torn "
-                "journal bytes ignored)",
-                spec.name, len(adoption.blocks), region.path, adoption.seconds,
-                adoption.dropped, len(adoption.quarantined), fence,
-                adoption.torn_bytes,
-            )  # fmt: skip
+            _log_adoption(pool, adoption, fence)
+        journal = await off_loop(_start_journal_file, path, header, region, ready, quarantined)
+        if isinstance(journal, str):
+            pool.warm_restart_off = True
+            region.keep_file = False  # no journal vouches for it: the next start is cold
+            log.error("pool %r: warm restart is off for this pool (its next start is cold): %s",
+                      spec.name, journal)  # fmt: skip
+            return
+        pool.attach_journal(journal)
 
     async def _attach_tiers(self, pool: Pool) -> None:
         """Gives the new pool one tier per configured tier (each one's file work,
@@ -360,6 +350,49 @@ class PoolTable:
                 log.exception("pool %s: closing its region failed", pool.spec.name)
         self._pools.clear()
         self._region_bytes = 0
+
+
+def _start_journal_file(
+    path: str,
+    header: JournalHeader,
+    region: Region,
+    ready: Sequence[tuple[int, bytes, int]],
+    quarantined: Sequence[int],
+) -> JournalWriter | str:
+    """The pool's journal, started (a fresh file holding ``ready`` and
+    ``quarantined``), or why it cannot be: something else at its path (another
+    user's file, planted in a shared shm_dir), or a write that failed. Blocking."""
+    taken = planted(path)
+    if taken is not None:
+        return taken
+    remove_temporaries(path)  # a daemon killed while it rewrote the journal leaves one
+    journal = JournalWriter(path, header, region.buffer(), region_fd=region.fileno())
+    try:
+        journal.start(ready, quarantined)
+    except OSError as exc:
+        if exc.errno in (errno.EPERM, errno.EACCES):
+            fix = planted(path) or "give memory.shm_dir a directory kvtierd's user may write"
+        else:
+            fix = "free space in memory.shm_dir, or set memory.warm_restart = false"
+        return f"cannot write its journal {path}: {exc.strerror or exc}; {fix}"
+    return journal
+
+
+def _log_adoption(pool: Pool, adoption: Adoption, fence: float) -> None:
+    """The adoption's one line: a WARNING when blocks failed their checksum or the
+    journal is damaged in the middle (not just a last write cut short)."""
+    damaged = adoption.damaged_at is not None
+    log.log(
+        logging.WARNING if adoption.dropped or damaged else logging.INFO,
+        "pool %s: warm restart adopted %d ready blocks of region %s in %.3fs "
+        "(%d dropped: checksum mismatch; %d rows quarantined and the adopted "
+        "blocks pinned, not evictable, for %gs: the old sessions' copiers; %d %s)",
+        pool.spec.name, len(adoption.blocks), pool.region.path, adoption.seconds,
+        adoption.dropped, len(adoption.quarantined), fence, adoption.torn_bytes,
+        f"journal bytes ignored from byte {adoption.damaged_at}, where the journal is "
+        "damaged in the middle (not a last write cut short by a crash: modified or "
+        "corrupted while the daemon was down)" if damaged else "torn journal bytes ignored",
+    )  # fmt: skip
 
 
 async def off_loop(function: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:

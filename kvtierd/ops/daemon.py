@@ -20,8 +20,6 @@ import grp
 import logging
 import os
 import signal
-import stat
-import tempfile
 import time
 from typing import Any
 
@@ -44,13 +42,12 @@ from kvtierd.core.sessions import SessionTable
 from kvtierd.ops.metrics import Metrics, pool_labels_for
 from kvtierd.ops.metrics_http import MetricsEndpoint
 from kvtierd.ops.sdnotify import notify, watchdog_interval
-from kvtierd.primary.region import is_region_file_name
+from kvtierd.ops.shmdir import prepare_shm_dir
 from kvtierd.security import region_access
 from kvtierd.security.reload import credential_reloader
 from kvtierd.security.state import SecurityState
 from kvtierd.security.tls import ServerTls, TlsFiles
 from kvtierd.security.tokens import TokensFileError
-from kvtierd.security.trusted_dirs import UntrustedPath, require_own_entries, require_trusted_dir
 from kvtierd.tiers import registry
 from kvtierd.tiers.configured import ConfiguredTier, TierCheckError
 from kvtierd_client.wire.peer_ticket import ticket_socket_path
@@ -139,7 +136,7 @@ class Daemon:
         self._region_fds: region_access.RegionFdServer | None = None
 
     async def start(self) -> None:
-        _check_shm_dir(self.config.memory.shm_dir)
+        prepare_shm_dir(self.config.memory.shm_dir, self.gid, private=self.security.restricted)
         self._check_tiers()
         await self._start_metrics()
         server, self._health = build_server(self.service, self.config.limits, self.security)
@@ -351,27 +348,6 @@ def build_security(config: Config) -> SecurityState:
         )
     except TokensFileError as exc:
         raise ConfigError("security.tokens_file", str(exc)) from None
-
-
-def _check_shm_dir(path: str) -> None:
-    """The daemon's own (``security.trusted_dirs``), no symlink at a region file's
-    name; then creates and removes a probe file: permission bits alone lie for root."""
-    if not os.path.isdir(path):
-        raise ConfigError("memory.shm_dir", f"{path} is not a directory")
-    try:
-        require_trusted_dir(path)
-        shared = bool(os.stat(path).st_mode & stat.S_ISVTX)  # others may write there
-        for planted in require_own_entries(path, is_region_file_name, shared=shared):
-            log.warning("memory.shm_dir: %s (ignored: never followed)", planted)
-    except UntrustedPath as exc:
-        raise ConfigError("memory.shm_dir", str(exc)) from None
-    try:
-        probe = tempfile.NamedTemporaryFile(dir=path, prefix=".kvtierd-probe-")  # noqa: SIM115
-        probe.close()
-    except OSError as exc:
-        raise ConfigError(
-            "memory.shm_dir", f"cannot create files in {path}: {exc.strerror}"
-        ) from None
 
 
 async def serve(config: Config) -> None:

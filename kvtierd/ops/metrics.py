@@ -219,6 +219,7 @@ POOL_NUMBERS: dict[str, Callable[[PoolStatistics], int]] = {
     "warm_adopted_blocks": lambda stats: stats.warm_adopted_blocks,
     "warm_dropped_blocks": lambda stats: stats.warm_dropped_blocks,
     "journal_bytes": lambda stats: stats.journal_bytes,
+    "warm_restart_off": lambda stats: stats.warm_restart_off,
 }
 
 # Every per-pool family, in exposition order. The README's metrics table lists them.
@@ -236,6 +237,10 @@ POOL_FAMILIES: tuple[Family, ...] = (
     Family("kvtierd_journal_bytes", GAUGE,
            "Bytes of the pool's warm-restart journal in shm_dir", "journal_bytes",
            scope="pool"),
+    Family("kvtierd_warm_restart_off", GAUGE,
+           "1 when memory.warm_restart is on but the pool has no working journal (its "
+           "path was taken, or a write failed; one ERROR line says why): its next start "
+           "is cold", "warm_restart_off", scope="pool"),
     Family("kvtierd_lookups", COUNTER, "Keys looked up, by answer", LOOKUP_ANSWERS,
            scope="primary", by="result"),
     Family("kvtierd_hit_blocks", COUNTER,

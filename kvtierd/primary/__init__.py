@@ -13,6 +13,7 @@ Invariants: the manager owns every row and the state of the block in it; a ref c
 changes only through the manager's methods (docs/design/invariants.md). A row whose
 bytes are not verified is never adopted.
 
-May import: the root vocabulary, ``kvtierd.util`` and ``kvtierd.records``. Never the
-secondary tiers, the pools or the API.
+May import: the root vocabulary, ``kvtierd.util``, ``kvtierd.records`` and
+``kvtierd.security`` (whose trusted-directory checks guard the files it keeps beside the
+regions). Never the secondary tiers, the pools or the API.
 """

@@ -8,6 +8,7 @@ The helpers they build on live beside ``tests/conftest.py``: ``daemon_harness``
 
 from __future__ import annotations
 
+import signal
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -73,3 +74,12 @@ def accounts() -> Iterator[ThrowawayAccounts]:
         yield made
     finally:
         made.remove_all()
+
+
+@pytest.fixture
+def warm_daemon():
+    daemons: list[DaemonProcess] = [start_daemon("--lease", "2s", "--write-quarantine", "1s")]
+    yield daemons
+    for daemon in daemons:
+        daemon.stop(signal.SIGKILL)
+    daemons[-1].cleanup()

@@ -4,7 +4,9 @@
 - ``rowsums``: what a row checksum covers, and where it is computed;
 - ``hashworker``: the niced helper process that hashes rows from its own read-only
   mapping (its SIGBUS never reaches the daemon);
-- ``adoption``: reading a journal back and adopting the rows it vouches for.
+- ``adoption``: reading a journal back and adopting the rows it vouches for;
+- ``journalfiles``: the journal's own files in a shared directory, opened so that a
+  file another user planted is reported, never followed or removed.
 
 Invariant: a row is adopted only if the journal names it ready with a checksum that the
 row's bytes still match; anything else starts cold or is dropped, with one log line.

@@ -14,8 +14,10 @@ start cold; it never guesses:
 * the region file must be this uid's regular file, of the right size, and not
   flocked by a live daemon;
 * a block is adopted only if its row's xxh3_64 (over the bytes the journal's
-  ``checksum_bytes`` covers) equals the checksum of its ``ready`` record (a
-  row modified there while the daemon was down is dropped);
+  ``checksum_bytes`` covers), bound to its key, its row and the pool
+  (:func:`kvtierd.primary.warm.journal.bind_checksum`), equals the checksum of its ``ready``
+  record (a row modified there while the daemon was down is dropped, and so is
+  a record whose key or row was changed);
 * rows whose last record is ``freed`` (a write in flight, or a reservation of
   the old daemon's sessions), rows that failed their checksum and rows of
   superseded copies of a key are quarantined: not handed out before
@@ -40,7 +42,13 @@ from dataclasses import dataclass
 
 from kvtierd.contract import BlockKey
 from kvtierd.primary.region import MADV_POPULATE_WRITE, Region, madvise_populate_write
-from kvtierd.primary.warm.journal import JournalError, JournalHeader, Replay, read_journal
+from kvtierd.primary.warm.journal import (
+    JournalError,
+    JournalHeader,
+    Replay,
+    bind_checksum,
+    read_journal,
+)
 from kvtierd.primary.warm.rowsums import checksum_spans, read_row_checksum
 
 log = logging.getLogger("kvtierd.warm")
@@ -63,7 +71,8 @@ class Adoption:
     blocks: list[tuple[BlockKey, int, int]]  # (key, row, checksum), oldest ready first
     quarantined: list[int]  # rows nobody may get before the fence
     dropped: int  # ready blocks whose checksum failed
-    torn_bytes: int  # bytes of a torn last record that were ignored
+    torn_bytes: int  # bytes after the last valid record, ignored
+    damaged_at: int | None  # where the journal is damaged in the middle (Replay.damaged_at)
     fence_seconds: float  # the old daemon's lease + write_quarantine (journal header)
     seconds: float  # replay + verification
 
@@ -129,6 +138,7 @@ def adopt_region(
         quarantined=quarantined,
         dropped=dropped,
         torn_bytes=replay.torn_bytes,
+        damaged_at=replay.damaged_at,
         fence_seconds=replay.header.fence_seconds,
         seconds=time.perf_counter() - start,
     )
@@ -156,6 +166,7 @@ def _verify(
     row); returns the blocks to adopt, the rows to quarantine and how many
     blocks failed."""
     scratch = bytearray(sum(end - start for start, end in spans))
+    seed = replay.header.binding_seed()
     newest: dict[BlockKey, int] = {}  # key -> its last ready row
     for row, (key, _checksum) in replay.ready.items():
         newest[key] = row
@@ -166,7 +177,8 @@ def _verify(
         if newest[key] != row:
             quarantined.add(row)  # an older copy of a key stored again later
             continue
-        if read_row_checksum(fd, row, block_bytes, spans, scratch) != checksum:
+        content = read_row_checksum(fd, row, block_bytes, spans, scratch)
+        if content is None or bind_checksum(content, key, row, seed) != checksum:
             dropped += 1
             quarantined.add(row)
             continue

@@ -21,6 +21,12 @@ Invariants:
   ``fstat``-s it when the request arrives; a truncation racing the hashing
   kills it (SIGBUS) and the daemon then vouches for none of that request's
   rows. A reply therefore never carries a checksum of bytes it could not read.
+* A worker never holds the region's liveness ``flock``: it gets a descriptor
+  of the region file opened anew (``/proc/self/fd``: a new open file
+  description, read-only), never a copy of the daemon's, which holds the lock.
+  Else a worker outliving a SIGKILLed daemon by a moment (it is niced: on a busy
+  machine its death waits for the CPU) kept the next daemon from adopting or
+  replacing the region ("held by another live kvtierd").
 * The journal thread that spawned a worker is its only user (one request at a
   time, request then reply, no ids); the worker exits at EOF and is killed by
   the kernel when that thread ends (``PR_SET_PDEATHSIG``), which includes the
@@ -92,16 +98,18 @@ class HashWorker:
     ) -> None:
         """Starts the worker (blocking: fork + exec; its imports run in parallel
         and the first request waits for them). ``region_fd`` is the daemon's
-        descriptor of the region file (not owned; the worker gets its own copy).
-        Raises OSError if the process cannot be started."""
+        descriptor of the region file (not owned; the worker gets the file opened
+        anew, read-only: see the module docstring). Raises OSError if the process
+        cannot be started."""
+        worker_fd = _reopen_read_only(region_fd)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         spans_arg = ",".join(f"{start}:{end}" for start, end in spans)
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "kvtierd.primary.warm.hashworker", str(os.getpid()),
-                 str(theirs.fileno()), str(region_fd), str(block_bytes), str(num_blocks),
+                 str(theirs.fileno()), str(worker_fd), str(block_bytes), str(num_blocks),
                  spans_arg],
-                pass_fds=[theirs.fileno(), region_fd],
+                pass_fds=[theirs.fileno(), worker_fd],
                 stdin=subprocess.DEVNULL,
             )  # fmt: skip
         except BaseException:
@@ -109,6 +117,7 @@ class HashWorker:
             raise
         finally:
             theirs.close()
+            os.close(worker_fd)
         try:  # here, not in the worker: set before its first instruction of Python
             os.setpriority(os.PRIO_PROCESS, self.process.pid, nice)
         except OSError as exc:  # it still hashes, at the daemon's priority
@@ -200,6 +209,12 @@ class HashWorker:
         except subprocess.TimeoutExpired:
             log.warning("hash worker %s (pid %d) does not exit even when killed; leaving it",
                         self.name, self.pid)  # fmt: skip
+
+
+def _reopen_read_only(region_fd: int) -> int:
+    """The region file ``region_fd`` names, opened anew read-only: a new open file
+    description, so not one that holds the daemon's ``flock``. Raises OSError."""
+    return os.open(f"/proc/self/fd/{region_fd}", os.O_RDONLY | os.O_CLOEXEC)
 
 
 def _receive_exactly(sock: socket.socket, n: int) -> bytes:

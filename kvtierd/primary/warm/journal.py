@@ -15,15 +15,29 @@ On-shm format, version :data:`FORMAT_VERSION` (all integers little-endian)::
              older files: "", which matches no daemon's: such a pool starts cold).
     records: u8 kind | u32 row | u16 key_len | u64 xxh3 | key | u32 crc32
              (crc32 of the record's bytes before it). kind 1 = ready(key, row,
-             xxh3_64 of the row's covered bytes), kind 2 = freed(row) (key_len 0,
-             xxh3 0).
+             :func:`bind_checksum` of the row's covered bytes' xxh3_64, its key
+             and row, and the pool's fingerprint), kind 2 = freed(row)
+             (key_len 0, xxh3 0).
+
+Version 2 binds each ready record's checksum to its key, its row and the pool
+(version 1 hashed the row's bytes alone: two records whose keys were swapped,
+with their CRCs recomputed, verified, and each key served the other's bytes).
+A journal of another version starts its pool cold.
 
 Replay rule: the last valid record of a row says what it holds. ``freed`` is
 appended *before* the answer that hands a row to a writer (PrepareStore, a
 promotion), so a row whose last record is ``ready`` was not given to any writer
 since that record; ``ready`` is appended once the row's checksum is computed,
 after CompleteStore, by :class:`JournalWriter`'s thread. A record that fails its
-CRC ends the replay (a torn last write); nothing after it is trusted.
+CRC ends the replay; nothing after it is trusted. A kill during an append leaves
+at most the start of one record there (a torn last write, expected after a
+crash); anything else (a complete record whose CRC fails, bytes that are no
+record) is damage in the middle of the file, which the replay reports
+(:attr:`Replay.damaged_at`).
+
+Files: the journal's temporary files get unpredictable names and nothing at a
+fixed name is ever unlinked or trusted unless it is this uid's
+(:mod:`kvtierd.primary.warm.journalfiles`: ``memory.shm_dir`` may be shared with other users).
 
 Threads: the event loop calls :meth:`JournalWriter.rows_reserved` /
 :meth:`JournalWriter.rows_ready`; the journal's thread has each batch hashed
@@ -35,6 +49,7 @@ write, the per-row generations and the hashing backlog are under
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -49,18 +64,22 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import xxhash
+
 from kvtierd.contract import BlockKey
+from kvtierd.primary.warm.journalfiles import open_temporary, remove_journal, unlink_own
 from kvtierd.primary.warm.rowsums import RowChecksums, checksum_spans
 
 log = logging.getLogger("kvtierd.journal")
 
 MAGIC = b"KVTJRNL\0"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: ready checksums bound to key, row and pool (bind_checksum)
 KIND_READY = 1
 KIND_FREED = 2
 _RECORD_HEAD = struct.Struct("<BIHQ")  # kind, row, key_len, xxh3
 _CRC = struct.Struct("<I")
 _HEADER_HEAD = struct.Struct("<8sII")  # magic, version, json length
+_BOUND = struct.Struct("<QI")  # the row's content checksum, its row (bind_checksum)
 MAX_HEADER_JSON = 64 * 1024
 MAX_KEY_BYTES = 256
 MAX_RECORD_BYTES = _RECORD_HEAD.size + MAX_KEY_BYTES + _CRC.size
@@ -119,6 +138,25 @@ class JournalHeader:
         head = _HEADER_HEAD.pack(MAGIC, FORMAT_VERSION, len(body)) + body
         return head + _CRC.pack(zlib.crc32(head))
 
+    def binding_seed(self) -> int:
+        """The seed of :func:`bind_checksum` for this pool: a digest of its fingerprint
+        (name, geometry, layout, checksum coverage) and of its region file's
+        identity, so a record is valid only in the journal of this pool's file."""
+        fingerprint = repr(
+            (self.name, self.block_bytes, self.num_blocks, self.layout, self.checksum_bytes,
+             self.st_dev, self.st_ino)
+        ).encode()  # fmt: skip
+        return int.from_bytes(hashlib.sha256(fingerprint).digest()[:8], "little")
+
+
+def bind_checksum(content: int, key: BlockKey, row: int, seed: int) -> int:
+    """The checksum a ready record holds: xxh3_64 (seeded with the pool's
+    :meth:`JournalHeader.binding_seed`) of the row's content checksum, the row and
+    the key. A record moved to another row, given another key or read in another
+    pool's journal does not verify. A checksum, not a signature: whoever can
+    write the journal (the daemon's uid) can compute it."""
+    return xxhash.xxh3_64_intdigest(_BOUND.pack(content, row) + key, seed=seed)
+
 
 def encode_ready(key: BlockKey, row: int, checksum: int) -> bytes:
     body = _RECORD_HEAD.pack(KIND_READY, row, len(key), checksum) + key
@@ -141,6 +179,9 @@ class Replay:
     freed: set[int]  # rows whose last record is freed
     records: int
     torn_bytes: int  # bytes after the last valid record (0: clean end)
+    # offset of the first invalid record when it is not the start of one record cut
+    # short (a torn last write) but damage in the middle of the file; None otherwise
+    damaged_at: int | None = None
 
 
 def read_journal(path: str, max_bytes: int) -> Replay:
@@ -174,7 +215,8 @@ def read_journal(path: str, max_bytes: int) -> Replay:
             freed.add(row)
         records += 1
         offset = end
-    return Replay(header, ready, freed, records, len(data) - offset)
+    damaged_at = None if _torn_last_write(data, offset) else offset
+    return Replay(header, ready, freed, records, len(data) - offset, damaged_at)
 
 
 def _decode_header(path: str, data: bytes) -> tuple[JournalHeader, int]:
@@ -232,6 +274,25 @@ def _records(data: bytes, offset: int) -> Iterator[tuple[int, int, BlockKey, int
         offset = end + _CRC.size
 
 
+def _torn_last_write(data: bytes, offset: int) -> bool:
+    """Whether the bytes from ``offset`` (where the replay stopped) are at most the
+    start of one record, as an append cut short by a kill leaves them: a record
+    head that is itself cut, or a plausible head of a record longer than what
+    follows. A complete record there (its CRC failed) or bytes that are no record
+    head are damage."""
+    rest = len(data) - offset
+    if rest < _RECORD_HEAD.size:
+        return rest == 0 or data[offset] in (KIND_READY, KIND_FREED)
+    kind: int
+    key_len: int
+    kind, _row, key_len, _checksum = _RECORD_HEAD.unpack_from(data, offset)
+    if kind not in (KIND_READY, KIND_FREED) or key_len > MAX_KEY_BYTES:
+        return False
+    if (kind == KIND_READY) != (key_len > 0):
+        return False
+    return rest < _RECORD_HEAD.size + key_len + _CRC.size
+
+
 class JournalWriter:
     """Appends one pool's records; owns the journal file and its worker thread.
 
@@ -242,8 +303,14 @@ class JournalWriter:
     after the hashing (the row may be handed out while it is hashed). The backlog
     ``_waiting`` holds at most one job per row. ``_live_key`` /
     ``_live_sum`` / ``_freed`` are the replay state of the file (what compaction
-    writes). Once a write fails the journal is removed and stays off
-    (``failed``): the next start is cold for this pool, never wrong.
+    writes). Once a write fails (or anything unforeseen happens on its thread)
+    the journal is removed and stays off (``failed``, one ERROR line): the next
+    start is cold for this pool, never wrong, and nothing waits for the thread
+    any more (the backlog is dropped: close is prompt).
+
+    ``_live_sum`` holds what the records hold: :func:`bind_checksum` values. The
+    hash worker computes the rows' content checksums; the journal's thread binds
+    them (:attr:`_seed`).
 
     The event loop only appends (one ``os.write`` per call) and queues; the
     journal's thread takes the backlog, has it hashed (without ``_lock``: in the
@@ -268,6 +335,7 @@ class JournalWriter:
         ``hash_worker`` False: never start a worker (measurements, tests)."""
         self.path = path
         self.header = header
+        self._seed = header.binding_seed()
         # the journal thread's only (it starts and stops the hash worker)
         self._checksums = RowChecksums(
             header.name,
@@ -313,9 +381,10 @@ class JournalWriter:
     # -------------------------------------------------------------- lifecycle
 
     def start(self, ready: Sequence[tuple[int, BlockKey, int]], freed: Sequence[int]) -> None:
-        """Writes a fresh journal holding ``ready`` (row, key, checksum) and ``freed``
-        rows (atomically: a temp file renamed over the path), then starts the
-        worker. Blocking; raises OSError if the file cannot be written."""
+        """Writes a fresh journal holding ``ready`` (row, key, bound checksum: as an
+        adopted journal held it) and ``freed`` rows (atomically: a temporary file
+        renamed over the path), then starts the worker. Blocking; raises OSError
+        if the file cannot be written (nothing is left behind then)."""
         with self._lock:
             for row, key, checksum in ready:
                 self._live_key[row] = key
@@ -342,8 +411,13 @@ class JournalWriter:
         """Waits up to ``drain_seconds`` for the queued hash jobs (their ready records
         land), stops the thread (and its hash worker) and closes the file (which
         stays). Blocking."""
-        with self._idle:
-            drained = self._idle.wait_for(lambda: self._pending_jobs <= 0, timeout=drain_seconds)
+        thread = self._thread
+        drained = True
+        if thread is not None and thread.is_alive():
+            with self._idle:
+                drained = self._idle.wait_for(
+                    lambda: self._pending_jobs <= 0, timeout=drain_seconds
+                )
         if not drained:
             self._checksums.interrupt()  # a stalled worker must not hold the stop
         self._jobs.put(None)
@@ -394,9 +468,9 @@ class JournalWriter:
     def rows_ready(self, keys: Sequence[BlockKey], rows: Sequence[int]) -> None:
         """Blocks just completed: queues their checksums; their ``ready`` records
         follow from the worker. (Event loop; does not block.)"""
-        if self.failed:
-            return
         with self._lock:
+            if self.failed:
+                return
             waiting, generation = self._waiting, self._generation
             for key, row in zip(keys, rows, strict=True):
                 if waiting.pop(row, None) is not None:
@@ -426,31 +500,28 @@ class JournalWriter:
             job = self._jobs.get()
             if job is None:
                 return
-            if job is _COMPACT:
-                self._compact()
-                continue
-            # let the completions of the next few calls gather: one wake-up, one
-            # lock and one write per batch instead of per call (the GIL and the
-            # cores are shared with the event loop)
-            time.sleep(BATCH_DELAY_SECONDS)
             try:
+                if job is _COMPACT:
+                    self._compact()
+                else:
+                    self._hash_backlog()
+            except Exception as exc:  # a bug or the unforeseen: stop vouching, never die
                 with self._lock:
-                    waiting, self._waiting, self._hash_asked = self._waiting, {}, False
-                batch = [(gen, row, key) for row, (gen, key) in waiting.items()]
-                self._record_ready(batch, self._hash_newest_first(batch))
-            except Exception as exc:  # a bug: stop vouching rather than guess
-                with self._idle:
-                    if self._fd < 0:  # closed under a late batch (the region's fd too)
-                        self._waiting.clear()
-                        self._pending_jobs = 0
-                        self._idle.notify_all()
+                    if self._fd < 0 and not self.failed:  # closed under a late batch
+                        self._drop_backlog_locked()
                         continue
-                log.exception("journal %s: hashing failed", self.path)
-                with self._idle:
-                    self._fail_locked(OSError(f"hashing failed: {exc!r}"))
-                    self._waiting.clear()
-                    self._pending_jobs = 0
-                    self._idle.notify_all()
+                    log.debug("journal %s: the thread's job failed", self.path, exc_info=True)
+                    self._fail_locked(OSError(f"its thread failed: {exc!r}"))
+
+    def _hash_backlog(self) -> None:
+        # let the completions of the next few calls gather: one wake-up, one lock
+        # and one write per batch instead of per call (the GIL and the cores are
+        # shared with the event loop)
+        time.sleep(BATCH_DELAY_SECONDS)
+        with self._lock:
+            waiting, self._waiting, self._hash_asked = self._waiting, {}, False
+        batch = [(gen, row, key) for row, (gen, key) in waiting.items()]
+        self._record_ready(batch, self._hash_newest_first(batch))
 
     def _hash_newest_first(self, batch: list[tuple[int, int, BlockKey]]) -> list[int | None]:
         """The checksums of a batch (completion order), hashed in chunks from the
@@ -479,12 +550,16 @@ class JournalWriter:
         loop's calls wait on it); the generation check and the append happen
         together under it, :data:`_RECORD_SLICE` rows at a time, so a ``freed``
         record the loop writes can never be followed by a stale ``ready``."""
-        generation = self._generation  # read unlocked here only to skip work
-        encoded = [
-            encode_ready(key, row, checksum)
+        generation, seed = self._generation, self._seed  # read unlocked: only to skip work
+        bound = [
+            bind_checksum(checksum, key, row, seed)
             if checksum is not None and generation[row] == gen
             else None
             for (gen, row, key), checksum in zip(batch, sums, strict=True)
+        ]
+        encoded = [
+            encode_ready(key, row, checksum) if checksum is not None else None
+            for (_, row, key), checksum in zip(batch, bound, strict=True)
         ]
         live_key, live_sum, freed = self._live_key, self._live_sum, self._freed
         for first in range(0, len(batch), _RECORD_SLICE):
@@ -506,30 +581,30 @@ class JournalWriter:
                     elif freed[row]:
                         self._live_bytes -= _FREED_BYTES
                     live_key[row] = key
-                    live_sum[row] = sums[i]  # type: ignore[assignment]  # not None: encoded
+                    live_sum[row] = bound[i]  # type: ignore[assignment]  # not None: encoded
                     freed[row] = 0
                     self._live_bytes += len(record)
                     records.append(record)
                 if records:
                     self._append_locked(b"".join(records), len(records))
                     self.rows_journaled += len(records)
-                self._pending_jobs -= last - first
+                # 0 already if the journal failed meanwhile (its backlog was dropped)
+                self._pending_jobs = max(0, self._pending_jobs - (last - first))
                 self._idle.notify_all()
 
     def _compact(self) -> None:
         """Rewrites the journal as its live state: the state is copied under the
-        lock (C-speed copies), encoded and written to a temp file without it, then,
-        under the lock again, the records appended meanwhile are copied after it
-        and the temp file is renamed over the journal."""
+        lock (C-speed copies), encoded and written to a temporary file without it,
+        then, under the lock again, the records appended meanwhile are copied after
+        it and the temporary file is renamed over the journal."""
         with self._lock:
             if self._fd < 0:
                 return
             keys, sums, freed = list(self._live_key), self._live_sum[:], bytes(self._freed)
             offset = self._file_bytes
-        temporary = self.path + ".tmp"
-        fd = -1
+        fd, temporary = -1, ""
         try:
-            fd = _open_new(temporary)
+            fd, temporary = open_temporary(self.path)
             _write_all(fd, b"".join(_encode_state(self.header, keys, sums, freed)))
             with self._lock:
                 if self._fd < 0:
@@ -550,7 +625,7 @@ class JournalWriter:
         finally:
             if fd >= 0:
                 os.close(fd)
-                _unlink_quietly(temporary)
+                unlink_own(temporary)
 
     # -------------------------------------------------------------- file
 
@@ -558,17 +633,16 @@ class JournalWriter:
         return _encode_state(self.header, self._live_key, self._live_sum, self._freed)
 
     def _write_new_file(self, parts: Sequence[bytes], tail: bytes) -> tuple[int, int]:
-        """Writes ``parts`` + ``tail`` to a temp file renamed over the journal;
+        """Writes ``parts`` + ``tail`` to a temporary file renamed over the journal;
         returns its descriptor (appending) and size."""
-        temporary = self.path + ".tmp"
-        fd = _open_new(temporary)
+        fd, temporary = open_temporary(self.path)
         try:
             data = b"".join(parts) + tail
             _write_all(fd, data)
             os.rename(temporary, self.path)
         except BaseException:
             os.close(fd)
-            _unlink_quietly(temporary)
+            unlink_own(temporary)
             raise
         return fd, len(data)
 
@@ -591,17 +665,27 @@ class JournalWriter:
 
     def _fail_locked(self, exc: OSError) -> None:
         """A write failed: the journal can no longer vouch for the rows, so it is
-        removed (the next start of this pool is cold) and no more is written."""
+        removed (the next start of this pool is cold), no more is written and the
+        backlog is dropped (nothing waits for it: close is prompt). One ERROR line."""
+        if self.failed:
+            return
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
         self.failed = True
-        remove_journal(self.path)
+        self._drop_backlog_locked()
+        left = remove_journal(self.path, temporaries=False)  # a compaction removes its own
         log.error(
-            "journal %s: %s; it was removed and warm restart is off for pool %s until "
-            "the daemon restarts (that start is cold)",
-            self.path, exc, self.header.name,
+            "journal %s: %s; %s and warm restart is off for pool %s until the daemon "
+            "restarts (that start is cold)",
+            self.path, exc, f"it could not be removed ({left})" if left else "it was removed",
+            self.header.name,
         )  # fmt: skip
+
+    def _drop_backlog_locked(self) -> None:
+        self._waiting.clear()
+        self._pending_jobs = 0
+        self._idle.notify_all()
 
 
 _RECORD_SLICE = 64  # rows recorded per hold of the journal's lock (the loop waits on it)
@@ -630,14 +714,6 @@ def _encode_state(
     return parts
 
 
-def _open_new(path: str) -> int:
-    """A new, empty file at ``path`` (a stale one removed first), appending, 0600;
-    readable (a compaction copies the records appended while it ran)."""
-    _unlink_quietly(path)
-    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW
-    return os.open(path, flags, 0o600)
-
-
 _FREED_BYTES = _RECORD_HEAD.size + _CRC.size
 
 
@@ -650,16 +726,3 @@ def _write_all(fd: int, data: bytes) -> None:
     while view:
         written = os.write(fd, view)
         view = view[written:]
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def remove_journal(path: str) -> None:
-    """Removes a journal (a cold start, or warm restart turned off)."""
-    _unlink_quietly(path)
-    _unlink_quietly(path + ".tmp")

@@ -124,6 +124,7 @@ class ConfiguredFsTier(ConfiguredTier):
                     s.io_processes,
                     channels=s.read_threads + s.write_threads,
                     name=f"kvtierd-{self.name}-io",
+                    reply_timeout=s.io_worker_timeout,
                 )
             workers = self._workers
         if self._io is None:

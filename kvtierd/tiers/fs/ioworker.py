@@ -25,6 +25,12 @@ Invariants:
   A worker that dies alone fails the requests in flight on it (the daemon
   removes the temp files it named) and is replaced on the next request; a
   failed read never makes a row visible, so no wrong bytes are served.
+* A worker that does not answer a request within ``reply_timeout``
+  (``io_worker_timeout``; stopped with SIGSTOP, or stuck) is treated as dead:
+  it is killed, and the request fails only once the process has exited, so a
+  row its blocks named is never handed to anyone else while it could still
+  write into it. (One stuck in the kernel, which even SIGKILL cannot end before
+  its I/O returns, holds its I/O thread and its rows until it exits.)
 * Rows: a worker process hashes, writes and reads rows in its own mapping
   (zero-copy), each row checked against the region file's size first; the
   daemon's own I/O threads (:class:`InlineIo`, ``io_processes = 0``) never
@@ -56,7 +62,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from kvtierd.primary.rows import RegionCutShort, RegionRows, scratch
 from kvtierd.tiers.fs import blockfile
@@ -68,6 +74,8 @@ log = logging.getLogger("kvtierd.tiers.fs.ioworker")
 
 _LENGTH = struct.Struct("<I")
 STOP_WAIT_S = 5.0  # seconds a worker gets to exit after EOF before it is killed
+# a worker silent this long on one request is killed (fs option io_worker_timeout)
+DEFAULT_REPLY_TIMEOUT_S = 60.0
 _KILL_WAIT = 1.0  # seconds to wait for a killed worker to be reaped
 
 # A region as a worker sees it: (path, st_dev, st_ino, block_bytes).
@@ -91,17 +99,26 @@ def send_message(sock: socket.socket, obj: tuple[Any, ...] | list[Any]) -> None:
     sock.sendall(_LENGTH.pack(len(data)) + data)
 
 
-def receive_message(sock: socket.socket) -> Any:
-    """The next message; EOFError when the peer closed the socket between messages."""
-    (length,) = _LENGTH.unpack(_receive_exactly(sock, _LENGTH.size, at_boundary=True))
-    return marshal.loads(_receive_exactly(sock, length, at_boundary=False))
+def receive_message(sock: socket.socket, deadline: float | None = None) -> Any:
+    """The next message; EOFError when the peer closed the socket between messages.
+    ``deadline`` (monotonic): TimeoutError once it passes without the whole message
+    (the socket's timeout is set before each read)."""
+    (length,) = _LENGTH.unpack(_receive_exactly(sock, _LENGTH.size, True, deadline))
+    return marshal.loads(_receive_exactly(sock, length, False, deadline))
 
 
-def _receive_exactly(sock: socket.socket, n: int, *, at_boundary: bool) -> bytes:
+def _receive_exactly(
+    sock: socket.socket, n: int, at_boundary: bool, deadline: float | None
+) -> bytes:
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("no answer in time")
+            sock.settimeout(left)
         k = sock.recv_into(view[got:])
         if k == 0:
             if at_boundary and got == 0:
@@ -388,7 +405,9 @@ class WorkerProcess:
     last of them, so no socket is closed while a thread still uses it.
     """
 
-    def __init__(self, name: str, channels: int) -> None:
+    def __init__(
+        self, name: str, channels: int, reply_timeout: float = DEFAULT_REPLY_TIMEOUT_S
+    ) -> None:
         pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(channels)]
         theirs = [pair[1] for pair in pairs]
         try:
@@ -408,30 +427,61 @@ class WorkerProcess:
         self.name = name
         self.socks = [pair[0] for pair in pairs]
         self.locks = [threading.Lock() for _ in pairs]
+        self.reply_timeout = reply_timeout
         self.broken = False
+        self.why = ""  # set when broken: what happened, for the one WARNING line
         self.users = 0
 
     def call(self, channel: int, request: tuple[Any, ...]) -> list[Reply]:
-        """Sends one request on ``channel`` and waits for its replies.
+        """Sends one request on ``channel`` and waits for its replies, at most
+        ``reply_timeout`` seconds.
 
-        Raises WorkerDied (and marks the process broken) if the process is gone.
+        Raises WorkerDied (and marks the process broken) if the process is gone;
+        if it stalled, only once it has been killed and has exited.
         """
+        sock = self.socks[channel]
         try:
             with self.locks[channel]:
-                send_message(self.socks[channel], request)
-                replies: list[Reply] = receive_message(self.socks[channel])
+                deadline = time.monotonic() + self.reply_timeout
+                sock.settimeout(self.reply_timeout)
+                send_message(sock, request)
+                replies: list[Reply] = receive_message(sock, deadline)
+        except TimeoutError:
+            self._stalled()
         except (OSError, EOFError, ValueError, TypeError) as exc:  # gone, or garbled
             self.broken = True
             code = self.process.poll()
+            why = f"died{'' if code is None else f' with exit status {code}'}: {exc}"
+            self.why = self.why or why  # the first cause (a stall kills it: EOF for the others)
             raise WorkerDied(
-                errno.EIO,
-                f"I/O worker {self.name} (pid {self.process.pid}) died"
-                f"{'' if code is None else f' with exit status {code}'}: {exc}",
+                errno.EIO, f"I/O worker {self.name} (pid {self.process.pid}) {why}"
             ) from None
         if len(replies) != len(request[3]):
             self.broken = True
             raise WorkerDied(errno.EIO, f"I/O worker {self.name} answered out of step")
         return replies
+
+    def _stalled(self) -> NoReturn:
+        """No answer within ``reply_timeout``: kills the process and waits until it
+        has exited (it maps the region: until then it could still write a row the
+        failed request named), then raises WorkerDied."""
+        self.broken = True
+        why = (
+            f"did not answer within {self.reply_timeout:g}s (io_worker_timeout: stopped or "
+            "stuck) and was killed"
+        )
+        self.why = self.why or why
+        self.process.kill()
+        try:
+            self.process.wait(timeout=_KILL_WAIT)
+        except subprocess.TimeoutExpired:
+            log.warning(
+                "I/O worker %s (pid %d) %s but has not exited yet (stuck in the kernel?); "
+                "the rows of its request stay held until it does",
+                self.name, self.process.pid, why,
+            )  # fmt: skip
+            self.process.wait()
+        raise WorkerDied(errno.ETIMEDOUT, f"I/O worker {self.name} (pid {self.process.pid}) {why}")
 
     def stop(self, deadline: float | None = None) -> None:
         """Closes the sockets (the worker exits at EOF) and reaps the process; kills
@@ -457,9 +507,10 @@ class WorkerProcess:
 class _SpawnRequest:
     """One worker for the spawner thread to start; ``done`` is set when it tried."""
 
-    def __init__(self, name: str, channels: int) -> None:
+    def __init__(self, name: str, channels: int, reply_timeout: float) -> None:
         self.name = name
         self.channels = channels
+        self.reply_timeout = reply_timeout
         self.done = threading.Event()
         self.worker: WorkerProcess | None = None
         self.error: BaseException | None = None
@@ -475,11 +526,20 @@ class IoWorkers:
     replaced after it died; :meth:`stop` ends them all. Thread-safe.
     """
 
-    def __init__(self, processes: int, channels: int, name: str = "kvtierd-io") -> None:
+    def __init__(
+        self,
+        processes: int,
+        channels: int,
+        name: str = "kvtierd-io",
+        reply_timeout: float = DEFAULT_REPLY_TIMEOUT_S,
+    ) -> None:
+        """``reply_timeout``: how long a worker may take to answer one request
+        before it is killed and replaced (its request fails)."""
         if processes < 1 or channels < 1:
             raise ValueError(f"need at least one process and channel, got {processes}, {channels}")
         self.processes = min(processes, channels)
         self.name = name
+        self.reply_timeout = reply_timeout
         self._per_process = -(-channels // self.processes)
         self._channels = self._per_process * self.processes
         self._numbering = itertools.count()
@@ -538,7 +598,7 @@ class IoWorkers:
                     target=self._serve_spawns, name=f"{self.name}-spawner", daemon=True
                 )
                 self._spawner.start()
-        request = _SpawnRequest(name, self._per_process)
+        request = _SpawnRequest(name, self._per_process, self.reply_timeout)
         self._spawn_requests.put(request)
         request.done.wait()
         if request.error is not None:
@@ -550,7 +610,9 @@ class IoWorkers:
     def _serve_spawns(self) -> None:
         while (request := self._spawn_requests.get()) is not None:
             try:
-                request.worker = WorkerProcess(request.name, request.channels)
+                request.worker = WorkerProcess(
+                    request.name, request.channels, request.reply_timeout
+                )
                 log.debug("started I/O worker %s (pid %d, %d channels)", request.name,
                           request.worker.process.pid, request.channels)  # fmt: skip
             except BaseException as exc:  # handed to the waiting I/O thread
@@ -579,9 +641,10 @@ class IoWorkers:
             worker.process.kill()  # it may be alive but out of step
             worker.stop()
             log.warning(
-                "I/O worker %s (pid %d) is gone (exit status %s); its requests failed, "
-                "the next one starts a new worker",
-                worker.name, worker.process.pid, worker.process.returncode,
+                "I/O worker %s (pid %d) %s; its requests failed (their blocks too), the "
+                "next one starts a new worker",
+                worker.name, worker.process.pid,
+                worker.why or f"is gone (exit status {worker.process.returncode})",
             )  # fmt: skip
 
 

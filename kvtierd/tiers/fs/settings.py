@@ -38,8 +38,10 @@ MIN_CAPACITY_BYTES = 1 << 20
 MIN_QUEUE_BYTES = 4096
 MAX_QUEUE_JOBS = 1 << 20
 _SIZE_OPTIONS = frozenset({"capacity", "max_queue_bytes"})  # written with a unit ("10GiB")
-_DURATION_OPTIONS = frozenset({"shared_negative_ttl", "shared_rescan_interval"})  # "1.5s"
-MAX_SHARED_SECONDS = 3600.0  # upper bound of the shared_* durations
+_DURATION_OPTIONS = frozenset(  # written with a unit ("1.5s")
+    {"shared_negative_ttl", "shared_rescan_interval", "io_worker_timeout"}
+)
+MAX_SHARED_SECONDS = 3600.0  # upper bound of the durations
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +73,12 @@ class FsTierSettings:
         2,
         "worker processes that do the block file I/O (checksum, write, read) off the "
         "daemon's interpreter lock, 0 for the daemon's own I/O threads",
+    )
+    io_worker_timeout: float = option(
+        60.0,
+        "an I/O worker process that has not answered a request (one group of blocks) "
+        "within this long is killed and replaced: the request's blocks fail (a promotion "
+        "answers MISS, a cascade is dropped) and their rows are released",
     )
     shared: bool = option(
         False,

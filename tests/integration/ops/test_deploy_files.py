@@ -285,6 +285,7 @@ def test_prometheus_scrape_config_and_alerts():
 def test_docker_config_loads():
     config = load_config(str(DOCKER_CONFIG), env={})
     assert config.server.listen == (SOCKET,)
+    assert config.memory.shm_dir == "/dev/shm/kvtierd"  # private, made by the daemon
     assert config.server.metrics_address == "0.0.0.0:9464"
     assert [t.settings.root for t in config.tiers] == ["/var/lib/kvtierd/fs"]
     assert config.tiers[0].settings.create_root
@@ -366,6 +367,8 @@ def test_sidecar_shares_shm_and_socket():
         assert f'"{key}"' in plugin, key
     for resources in ("requests:", "limits:"):
         assert text.count(resources) >= 2
+    config = load_config_text(_block_scalar(text, r"kvtierd\.toml:"))
+    assert config.memory.shm_dir == "/dev/shm/kvtierd"  # private, made by the daemon
 
 
 def test_daemonset_uses_host_paths():

@@ -10,8 +10,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from daemon_harness import DaemonProcess, free_port, fs_tiers_config, start_daemon, wait_tier_jobs
-from prometheus_client.parser import text_string_to_metric_families
+from daemon_harness import (
+    DaemonProcess,
+    free_port,
+    fs_tiers_config,
+    scrape,
+    start_daemon,
+    value,
+    wait_tier_jobs,
+)
 
 from kvtierd_client.client import Client, LookupResult
 from kvtierd_client.errors import InvalidArgument
@@ -29,22 +36,6 @@ def metered(tmp_path_factory) -> Iterator[tuple[DaemonProcess, str]]:
         assert daemon.stop() == 0, daemon.log()
     finally:
         daemon.cleanup()
-
-
-def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """{(sample name, sorted labels): value} of one scrape."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
-        assert response.headers["Content-Type"].startswith("text/plain")
-        text = response.read().decode()
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
-def value(samples, name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
 def test_counters_follow_operations(metered, pool_name):

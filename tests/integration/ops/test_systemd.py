@@ -89,6 +89,9 @@ def test_example_config_is_valid():
     config = load_config(str(REPO / "deploy/systemd/kvtierd.toml"), env={})
     assert config.server.listen == ("unix:///run/kvtierd/kvtierd.sock",)
     assert config.memory.budget == 64 << 30
+    # a private directory the daemon makes on the shared tmpfs (issue #29: files planted
+    # at the daemon's names in /dev/shm itself)
+    assert config.memory.shm_dir == "/dev/shm/kvtierd"
     (tier,) = config.tiers  # inside the unit's StateDirectory, created on first start
     assert tier.settings.root == "/var/lib/kvtierd/fs" and tier.settings.create_root
     unit = (REPO / "deploy/systemd/kvtierd.service").read_text()

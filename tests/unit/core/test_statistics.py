@@ -55,6 +55,7 @@ METRICS_ONLY = {  # GetStats has no field for them, and the wire contract stays 
     "counters.promotion_jobs_finished": "no TierStats field",
     "counters.promotion_jobs_failed": "no TierStats field",
     "tier.queued_jobs": "no TierStats field",
+    "warm_restart_off": "no PoolStats field (the ERROR line that turned it on says why)",
 }
 TOLD_BY_NEITHER = {
     "tier.hits": "the tier's raw index answers: counters.hits is what this pool got",

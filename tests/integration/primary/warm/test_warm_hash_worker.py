@@ -12,8 +12,7 @@ import signal
 import time
 from pathlib import Path
 
-import pytest
-from daemon_harness import DaemonProcess, eventually, start_daemon
+from daemon_harness import DaemonProcess, eventually, gone
 from warm_harness import BLOCK, HIT, MISS, assert_bit_exact, restart, store
 
 from kvtierd.primary.warm.hashworker import WORKER_NICE
@@ -42,23 +41,6 @@ def hash_workers(daemon: DaemonProcess) -> list[int]:
             except FileNotFoundError:
                 continue
     return pids
-
-
-def gone(pid: int) -> bool:
-    """The process is dead (reaped, or a zombie)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
-@pytest.fixture
-def warm_daemon():
-    daemons: list[DaemonProcess] = [start_daemon("--lease", "2s", "--write-quarantine", "1s")]
-    yield daemons
-    for daemon in daemons:
-        daemon.stop(signal.SIGKILL)
-    daemons[-1].cleanup()
 
 
 def _stall_and_store(daemon: DaemonProcess, session) -> tuple[int, list[bytes]]:

@@ -11,6 +11,7 @@ import signal
 import tempfile
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -128,3 +129,30 @@ def test_the_worker_maps_the_region_afresh_so_its_page_tables_stay_bounded(regio
     assert hasher._mapping is not mapping and mapping.closed
     expected = [row_checksum(view[r * BLOCK : (r + 1) * BLOCK], spans) for r in range(4)]
     assert array("Q", first[:32]).tolist() == expected and first[32:] == b"\x01" * 4
+
+
+def test_the_worker_never_holds_the_regions_liveness_lock(region):
+    """The daemon's flock on its region file says "a live kvtierd owns this". The
+    worker used to get a copy of the daemon's descriptor (the same open file
+    description, so the same lock): a worker outliving a SIGKILLed daemon by a
+    moment (niced: on a busy machine its death waits for the CPU) made the next
+    daemon refuse the pool ("held by another live kvtierd"). It gets the file
+    opened anew now: its descriptor holds no lock (the kernel's fdinfo)."""
+    import fcntl
+
+    fd, _ = region
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as the daemon's region holds it
+    worker = HashWorker("t", fd, BLOCK, ROWS, checksum_spans(BLOCK, 0))
+    try:
+        assert worker.checksums([0]) != [None]  # running, mapped
+        argv = Path(f"/proc/{worker.pid}/cmdline").read_bytes().split(b"\0")
+        worker_fd = argv[
+            5
+        ].decode()  # python -m kvtierd.primary.warm.hashworker PID SOCK REGION_FD ...
+        with open(f"/proc/{worker.pid}/fdinfo/{worker_fd}") as info:
+            held = [line for line in info if line.startswith("lock:")]
+        with open(f"/proc/self/fdinfo/{fd}") as info:
+            assert any(line.startswith("lock:") for line in info)  # the check can see one
+        assert held == []
+    finally:
+        worker.stop()

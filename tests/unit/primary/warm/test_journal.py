@@ -1,11 +1,15 @@
 """The warm-restart journal (kvtierd.primary.warm.journal) on real files: what it records,
 that a replay gives back exactly the live state (after compactions too), that
-a row handed out again is never recorded ready with an old checksum, and that
-a failing file turns the journal off instead of lying; and PrimaryManager.adopt."""
+a row handed out again is never recorded ready with an old checksum, that a
+record's checksum is bound to its key, row and pool, that damage in the middle
+of a journal is told from a last write cut short, and that a failing file or
+thread turns the journal off instead of lying or hanging; and
+PrimaryManager.adopt."""
 
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -15,7 +19,9 @@ from kvtierd.primary.warm.journal import (
     JournalError,
     JournalHeader,
     JournalWriter,
+    bind_checksum,
     encode_freed,
+    encode_ready,
     read_journal,
 )
 from kvtierd.primary.warm.rowsums import checksum_spans, row_checksum
@@ -35,6 +41,12 @@ def fill(region: bytearray, row: int, value: int) -> None:
     region[row * BLOCK : (row + 1) * BLOCK] = bytes([value]) * BLOCK
 
 
+def bound(writer: JournalWriter, key: bytes, row: int, value: int) -> int:
+    """The checksum a ready record of ``key`` in ``row`` filled with ``value`` holds."""
+    content = row_checksum(bytes([value]) * BLOCK)
+    return bind_checksum(content, key, row, writer.header.binding_seed())
+
+
 def test_replay_gives_the_ready_rows_with_their_checksums(tmp_path):
     writer, region = make_writer(tmp_path)
     writer.start([], [])
@@ -46,8 +58,8 @@ def test_replay_gives_the_ready_rows_with_their_checksums(tmp_path):
     replay = read_journal(writer.path, 1 << 20)
     assert replay.header == writer.header
     assert replay.ready == {
-        0: (b"a", row_checksum(bytes([1]) * BLOCK)),
-        1: (b"b", row_checksum(bytes([2]) * BLOCK)),
+        0: (b"a", bound(writer, b"a", 0, 1)),
+        1: (b"b", bound(writer, b"b", 1, 2)),
     }
     assert replay.freed == {2}
     assert replay.torn_bytes == 0
@@ -92,7 +104,7 @@ def test_a_backlog_is_hashed_newest_first_and_rows_handed_out_meanwhile_are_skip
     assert asked == [[8, 9, 10, 11], [4, 5, 6, 7], [0, 2, 3]]
     replay = read_journal(writer.path, 1 << 20)
     assert list(replay.ready) == [0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]  # completion order
-    assert replay.ready[2] == (b"k2", row_checksum(bytes([3]) * BLOCK))
+    assert replay.ready[2] == (b"k2", bound(writer, b"k2", 2, 3))
     assert replay.freed == {1}
     assert (writer.rows_journaled, writer.hash_jobs_stale) == (11, 1)
 
@@ -117,7 +129,7 @@ def test_compaction_keeps_the_live_state_and_bounds_the_file(tmp_path, monkeypat
     replay = read_journal(writer.path, 1 << 20)
     assert {row: key for row, (key, _) in replay.ready.items()} == expected
     assert os.path.getsize(writer.path) <= 2 * 60 * ROWS + 2048 + 4096
-    assert not os.path.exists(writer.path + ".tmp")
+    assert [name for name in os.listdir(tmp_path) if ".tmp" in name] == []
 
 
 def test_a_torn_record_ends_the_replay(tmp_path):
@@ -130,6 +142,33 @@ def test_a_torn_record_ends_the_replay(tmp_path):
         file.write(encode_freed(1)[:-3])  # a write cut short by a crash
     replay = read_journal(writer.path, 1 << 20)
     assert set(replay.ready) == {0} and replay.torn_bytes == len(encode_freed(1)) - 3
+    assert replay.damaged_at is None  # what a crash leaves: not damage
+
+
+@pytest.mark.parametrize(
+    "damage", ["bad CRC, then more records", "bad CRC at the end", "no record head"]
+)
+def test_damage_in_the_middle_is_told_from_a_last_write_cut_short(tmp_path, damage):
+    """Issue #29, finding 7: a record that is complete but fails its CRC, or bytes
+    that are no record, are not what a kill during an append leaves: the replay
+    reports where (the adoption then logs a WARNING), and still stops there."""
+    writer, region = make_writer(tmp_path)
+    writer.start([], [])
+    writer.close(drain_seconds=10)
+    good = encode_ready(b"key", 0, 7)
+    bad = bytearray(encode_ready(b"other", 1, 8))
+    bad[-1] ^= 0xFF
+    after = {
+        "bad CRC, then more records": good + bytes(bad) + good,
+        "bad CRC at the end": good + bytes(bad),
+        "no record head": good + b"\x09garbage that is no record",
+    }[damage]
+    start = os.path.getsize(writer.path)
+    with open(writer.path, "ab") as file:
+        file.write(after)
+    replay = read_journal(writer.path, 1 << 20)
+    assert replay.ready == {0: (b"key", 7)} and replay.records == 1
+    assert replay.damaged_at == start + len(good)
 
 
 def test_a_failing_file_turns_the_journal_off_and_removes_it(tmp_path, caplog):
@@ -146,15 +185,69 @@ def test_a_failing_file_turns_the_journal_off_and_removes_it(tmp_path, caplog):
         read_journal(writer.path, 1 << 20)
 
 
+def test_a_thread_failure_turns_the_journal_off_with_one_line_and_close_stays_prompt(
+    tmp_path, caplog
+):
+    """Anything unforeseen on the journal's thread (here: the hashing raises, a
+    fault injected for want of a real one) used to be able to end the thread:
+    warm restart was then silently off and the stop waited its 10 s drain. Now
+    the journal turns off with one ERROR line, drops its backlog and the thread
+    goes on serving the stop."""
+    writer, region = make_writer(tmp_path)
+
+    def broken(rows):
+        raise RuntimeError("injected")
+
+    writer._checksums.compute = broken
+    writer.start([], [])
+    writer.rows_reserved([0])
+    writer.rows_ready([b"a"], [0])
+    deadline = time.monotonic() + 10
+    while not writer.failed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert writer.failed and not os.path.exists(writer.path)
+    writer.rows_ready([b"b"], [1])  # nothing queued any more
+    started = time.monotonic()
+    writer.close(drain_seconds=10)
+    assert time.monotonic() - started < 2.0
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "injected" in errors[0].getMessage(), caplog.text
+    assert "warm restart is off for pool pool" in errors[0].getMessage()
+
+
+def test_a_record_verifies_only_with_its_own_key_row_and_pool(tmp_path):
+    """Issue #29, finding 5: the checksum of a ready record covers the key, the
+    row and the pool's fingerprint (it covered the row's bytes alone: swapping two
+    records' keys and recomputing their CRCs made each key serve the other's
+    bytes)."""
+    writer, _ = make_writer(tmp_path)
+    header, seed = writer.header, writer.header.binding_seed()
+    content = row_checksum(bytes([1]) * BLOCK)
+    value = bind_checksum(content, b"a", 0, seed)
+    assert value != bind_checksum(content, b"b", 0, seed)
+    assert value != bind_checksum(content, b"a", 1, seed)
+    for other in (
+        JournalHeader("other", BLOCK, ROWS, "layout", 1, 2),
+        JournalHeader("pool", BLOCK, ROWS, "layout2", 1, 2),
+        JournalHeader("pool", BLOCK, ROWS, "layout", 1, 3),  # another region file
+    ):
+        assert bind_checksum(content, b"a", 0, other.binding_seed()) != value
+    # what is not part of the fingerprint leaves it alone
+    same = JournalHeader("pool", BLOCK, ROWS, "layout", 1, 2, fence_seconds=9.0)
+    assert same.binding_seed() == header.binding_seed()
+
+
 def test_another_format_version_is_refused(tmp_path):
+    """Version 1 (checksums of the rows' bytes alone) is read as another version:
+    the pool starts cold once, with one line."""
     writer, _ = make_writer(tmp_path)
     writer.start([], [])
     writer.close(drain_seconds=10)
     path = tmp_path / "pool.journal"
     data = bytearray(path.read_bytes())
-    data[8] = 2
+    data[8] = 1
     path.write_bytes(data)
-    with pytest.raises(JournalError, match="format version 2"):
+    with pytest.raises(JournalError, match="format version 1; this kvtierd reads version 2"):
         read_journal(writer.path, 1 << 20)
 
 
@@ -215,8 +308,8 @@ def test_the_daemon_path_hashes_the_region_file_the_same_way(tmp_path, monkeypat
             raise OSError(errno.EPERM, "process_vm_readv: Operation not permitted")
 
         monkeypatch.setattr(safecopy, "gather", refuse)
-    path = tmp_path / "pool.region"
-    with open(path, "w+b") as file:
+    region_path = tmp_path / "pool.region"
+    with open(region_path, "w+b") as file:
         file.truncate(ROWS * BLOCK)
         mapping = mmap.mmap(file.fileno(), ROWS * BLOCK)
         region = memoryview(mapping)
@@ -234,8 +327,8 @@ def test_the_daemon_path_hashes_the_region_file_the_same_way(tmp_path, monkeypat
         writer.close(drain_seconds=10)
         replay = read_journal(writer.path, 1 << 20)
         assert replay.ready == {
-            0: (b"a", row_checksum(bytes([1]) * BLOCK)),
-            1: (b"b", row_checksum(bytes([2]) * BLOCK)),
+            0: (b"a", bound(writer, b"a", 0, 1)),
+            1: (b"b", bound(writer, b"b", 1, 2)),
         }
         assert writer.hash_workers_started == (1 if path == "hash-worker" else 0)
         region.release()

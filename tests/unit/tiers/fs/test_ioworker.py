@@ -7,10 +7,11 @@ import errno
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
-from daemon_harness import eventually
+from daemon_harness import eventually, stopped
 from test_fs_tier import BLOCK, FILE_BYTES, Harness, block_path, region, run, temp_files
 
 from kvtierd.contract import LookupResult
@@ -117,6 +118,34 @@ def test_a_dead_worker_fails_its_request_and_is_replaced(region: Region, tmp_pat
         (second,) = workers.pids()
         assert second != first
         assert bytes(region.row(2)) == bytes(region.row(1))
+    finally:
+        workers.stop()
+
+
+def test_a_stopped_worker_is_killed_after_the_bound_and_replaced(
+    region: Region, tmp_path: Path
+) -> None:
+    """Issue #29, finding 6: a worker stopped with SIGSTOP never answered and was
+    never timed out. Past ``reply_timeout`` the request fails (ETIMEDOUT) only once
+    the worker has been killed and has exited (it maps the region: it must not
+    write a row after its blocks were reported failed), and the next request gets
+    a new worker."""
+    region.row(1)[:] = os.urandom(BLOCK)
+    workers = IoWorkers(1, channels=1, reply_timeout=0.5)
+    try:
+        assert workers.call(_write_request(region, tmp_path, b"a", 1)) == [None]
+        (first,) = workers.pids()
+        os.kill(first, signal.SIGSTOP)
+        eventually(lambda: stopped(first), 10, f"worker {first} stopped")
+        started = time.monotonic()
+        with pytest.raises(WorkerDied, match="did not answer within 0.5s") as failed:
+            workers.call(_read_request(region, tmp_path, b"a", 2))
+        assert failed.value.errno == errno.ETIMEDOUT
+        assert 0.45 <= time.monotonic() - started < 10
+        assert _gone(first)  # already dead when the failure was reported
+        assert workers.call(_read_request(region, tmp_path, b"a", 2)) == [None]
+        (second,) = workers.pids()
+        assert second != first and bytes(region.row(2)) == bytes(region.row(1))
     finally:
         workers.stop()
 

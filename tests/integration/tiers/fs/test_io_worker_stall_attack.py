@@ -1,0 +1,93 @@
+"""Issue #29, finding 6: an fs tier I/O worker process stopped with SIGSTOP (what
+anyone with the daemon's uid, a debugger, or a hung file system does to it).
+
+Before: nothing timed it out. Its promotions answered HIT_PENDING for as long as
+it stayed stopped (36 s in the report), the cascades waiting on it pinned their
+rows, and PrepareStores were refused for want of a free row. Now a worker that
+has not answered a request within ``io_worker_timeout`` (here 2 s) is killed and
+replaced: the request's blocks fail once it has exited (the promotion answers
+MISS, the cascades are dropped, every row is released), nothing is served from
+a row it was writing, and the next request gets a new worker.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+from daemon_harness import DaemonProcess, eventually, fs_tiers_config, gone, start_daemon, stopped
+from engine_harness import HIT, MISS, PENDING, Engine, block_keys, payload
+
+TIMEOUT_S = 2.0
+
+
+def io_workers(daemon: DaemonProcess) -> list[int]:
+    """Process ids of the daemon's fs I/O workers (its children running the module)."""
+    pids: list[int] = []
+    for task in os.listdir(f"/proc/{daemon.proc.pid}/task"):
+        try:
+            children = Path(f"/proc/{daemon.proc.pid}/task/{task}/children").read_text()
+        except FileNotFoundError:
+            continue
+        for child in map(int, children.split()):
+            try:
+                if b"kvtierd.tiers.fs.ioworker" in Path(f"/proc/{child}/cmdline").read_bytes():
+                    pids.append(child)
+            except FileNotFoundError:
+                continue
+    return pids
+
+
+def test_a_stopped_io_worker_is_replaced_and_its_jobs_fail_cleanly(tmp_path, pool_name):
+    root = tmp_path / "fs"
+    root.mkdir()
+    config = fs_tiers_config(root, io_processes=1, io_worker_timeout=f"{TIMEOUT_S}s")
+    daemon = start_daemon("--memory-budget", "64MiB", config=config)
+    engine: Engine | None = None
+    try:
+        engine = Engine(daemon, pool_name, num_blocks=4)
+        first, second = block_keys("a", 4), block_keys("b", 4)
+        engine.store(first)
+        engine.settle_cascades()
+        engine.store(second)  # `first` now only in the fs tier
+        engine.settle_cascades()
+        (worker,) = io_workers(daemon)
+
+        os.kill(worker, signal.SIGSTOP)
+        eventually(lambda: stopped(worker), 10, f"worker {worker} stopped")
+        stopped_at = time.monotonic()
+        assert engine.session.lookup(first[:1]) == [PENDING]  # a promotion: one row reserved
+        engine.store(block_keys("c", 3))  # three cascades: three rows pinned
+        assert engine.session.prepare_store([b"refused"]) is None  # no row free
+
+        eventually(lambda: gone(worker), 30, lambda: f"the stopped worker killed:\n{daemon.log()}")
+        assert time.monotonic() - stopped_at >= TIMEOUT_S * 0.9  # not before the bound
+        (settled,) = engine.wait_settled(first[:1])  # failed: MISS (or promoted anew)
+        assert settled in (MISS, HIT)
+        if settled == HIT:  # never bytes the killed worker left half-written
+            assert engine.load(first[:1]) == [payload(first[0])]
+        primary = engine.client.get_stats(pool_name).pools[0].tiers[0]
+        assert (primary.pinned_blocks, primary.pending_blocks) == (0, 0), primary
+        assert engine.tier_stats().promotion_failures >= 1
+        later = block_keys("d", 4)
+        engine.store(later, retry_for=10.0)  # every row is free again
+        engine.settle_cascades()
+
+        # a new worker serves the next requests: a promotion lands bit-exact
+        (replacement,) = eventually(lambda: io_workers(daemon), 30, "a new I/O worker")
+        assert replacement != worker
+        assert engine.session.lookup(first[1:2]) == [PENDING]
+        assert engine.wait_settled(first[1:2]) == [HIT]
+        assert engine.load(first[1:2]) == [payload(first[1])]
+        stall = "did not answer within 2s"
+        stalls = [line for line in daemon.log().splitlines()
+                  if "ioworker: I/O worker" in line and stall in line]  # fmt: skip
+        assert len(stalls) == 1 and " WARNING " in stalls[0], daemon.log()
+        assert "Traceback" not in daemon.log()
+    finally:
+        if engine is not None:
+            engine.close()
+        daemon.stop()
+        daemon.cleanup()
