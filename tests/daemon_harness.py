@@ -20,6 +20,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -366,10 +367,20 @@ def gone(pid: int) -> bool:
 
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """{(sample name, sorted labels): value} of one scrape."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
-        assert response.headers["Content-Type"].startswith("text/plain")
-        text = response.read().decode()
+    """{(sample name, sorted labels): value} of one scrape. A scrape the endpoint's
+    rate limit refuses (429, a test polling it) is made again after its Retry-After,
+    for at most 30 s."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+                assert response.headers["Content-Type"].startswith("text/plain")
+                text = response.read().decode()
+            break
+        except urllib.error.HTTPError as err:
+            if err.code != 429 or time.monotonic() > deadline:
+                raise
+            time.sleep(float(err.headers.get("Retry-After", "1")))
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
         for family in text_string_to_metric_families(text)
