@@ -369,7 +369,7 @@ OPTIONS: tuple[Option, ...] = (
         lambda: 10.0,
         "a WatchEvents stream whose client has not taken an event for this long ends "
         "with OUT_OF_RANGE; a fast lane whose client leaves its answers unread this long "
-        "is cut (and its session closed)",
+        "is cut (its session is left to its lease)",
         flag="--watch-write-timeout",
     ),
     *(
