@@ -8,7 +8,7 @@ GENDIR := client/kvtierd_client/_proto
 GEN    := $(GENDIR)/kvtier/v1/kvtier_pb2.py
 
 .PHONY: install gen run test test-tools test-deploy bench lint typecheck clean install-vllm test-vllm bench-vllm \
-	gpu-check gpu-pack gpu-dry-run
+	gpu-check gpu-pack gpu-dry-run docs
 
 install: $(STAMP) $(GEN)
 
@@ -55,11 +55,11 @@ test-tools:
 	    apt-get install -y -q --no-install-recommends redis-server >/dev/null 2>&1; } || \
 	  echo "redis-server not available: the redis tier tests will be skipped"
 
-# The container path for real (tests/deploy, README "Deploying"): Debian's docker.io and
+# The container path for real (tests/deploy, docs/guides/deployment.md): Debian's docker.io and
 # debootstrap installed when missing (root + apt); the tests start dockerd in the background
 # when none answers (and stop it after), make the base image once (debootstrap, cached in
 # ~/.cache/kvtierd-deploy), build deploy/docker/Dockerfile and run the daemon and an engine
-# container as the README and deploy/k8s/ declare. They skip, saying why, only where no
+# container as the docs and deploy/k8s/ declare. They skip, saying why, only where no
 # container runtime can start.
 test-deploy: install
 	@{ command -v dockerd && command -v debootstrap; } >/dev/null 2>&1 || \
@@ -73,7 +73,7 @@ test-deploy: install
 bench: install
 	$(BIN)/python -m benchmarks
 
-# The GPU path checked and measured (issue #22; README "Checking the GPU path"): on a machine
+# The GPU path checked and measured (issue #22; docs/guides/gpu-check.md): on a machine
 # with CUDA whose pip reaches a registry, `make gpu-check [GPU_CHECK_ARGS=...]`; without CUDA
 # it runs the CPU parts and says so. A lent GPU machine without a registry: `make gpu-pack`
 # downloads the wheels it lacks into .whl/ and prints the call that carries them;
@@ -133,9 +133,29 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
+# The docs site (docs/, mkdocs.yml): MkDocs + Material in a small venv of their own
+# (docs/requirements.txt, ~60 MB), built into site/ with warnings as errors; mkdocs.yml's
+# validation settings make every broken internal link or anchor a warning, so an error.
+# The configuration reference's tables are generated at build time from the code's
+# option declarations (docs/hooks/generated.py -> tools/docs_reference.py).
+DOCS_VENV  ?= .venv-docs
+DOCS_STAMP := $(DOCS_VENV)/.installed
+
+# Never --quiet: it drops the warnings before --strict can count them (the build passes
+# with broken links). NO_MKDOCS_2_WARNING silences Material's notice that it reaches its end
+# of life on 2027-05-05 (critical fixes until then); its successor, Zensical, reads this
+# mkdocs.yml and these pages as they are.
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict
+
+$(DOCS_STAMP): docs/requirements.txt
+	$(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_VENV)/bin/python -m pip install -q -r docs/requirements.txt
+	touch $@
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(GEN_VENV) $(GENDIR) .pytest_cache .ruff_cache .mypy_cache \
-		.venv-gpu-dry .whl .whl-dry
+	rm -rf $(VENV) $(VLLM_VENV) $(GEN_VENV) $(DOCS_VENV) $(GENDIR) .pytest_cache .ruff_cache \
+		.mypy_cache .venv-gpu-dry .whl .whl-dry site
 
 # Trace replay (opt-in, the whole trace): make replay [TRACE=path/to/trace.jsonl] [REPLAY_ARGS=...]
 # Without TRACE: the env var KVTIERD_REPLAY_TRACE, else benchmarks/traces/synthetic_trace_2000.jsonl (shipped:

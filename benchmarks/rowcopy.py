@@ -13,7 +13,7 @@ BATCH copies, one thread, next to the floors of the same run:
   and ``/proc/self/mem`` (the fallback where seccomp refuses process_vm_writev)
   beside it.
 
-Not part of ``make bench``'s suite list (BENCHMARKS.md, "Truncated regions").
+Not part of ``make bench``'s suite list (docs/benchmarks/history.md, "Truncated regions").
 """
 
 from __future__ import annotations

@@ -239,8 +239,8 @@ def replay_kvtierd(
 
 def set_vllm_env() -> None:
     """vLLM's CPU build, with the core binding every vLLM benchmark here uses: one reserved
-    core whether or not a kv_transfer_config is given (README, "vLLM on CPU"). Set before
-    vLLM is imported; values the caller exported win."""
+    core whether or not a kv_transfer_config is given (docs/guides/vllm.md, "Tests and
+    benchmarks"). Set before vLLM is imported; values the caller exported win."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
 

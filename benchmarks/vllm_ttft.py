@@ -24,8 +24,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-# The CPU build reserves one more core when a kv_transfer_config is given (README, "vLLM on
-# CPU"): pin the reservation so runs with and without the connector bind cores alike.
+# The CPU build reserves one more core when a kv_transfer_config is given (docs/guides/vllm.md,
+# "Tests and benchmarks"): pin the reservation so runs with and without the connector bind
+# cores alike.
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
 
 

@@ -1,4 +1,5 @@
-"""Vocabulary shared by every layer of the daemon (DESIGN.md §1, §4).
+"""Vocabulary shared by every layer of the daemon (docs/design/architecture.md,
+docs/design/semantics.md).
 
 Values of the enums equal the wire enums of ``kvtier.v1`` so the service layer
 converts with ``int()`` and nothing else.

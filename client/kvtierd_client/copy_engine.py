@@ -205,7 +205,7 @@ class CopyEngine:
         nothing is copied. Region block ids must be distinct. Returns the job id.
 
         ``lease_deadline`` (monotonic seconds; ``Session.lease_deadline`` of the
-        session that reserved the rows) is the fence (README, "Lost leases"):
+        session that reserved the rows) is the fence (docs/design/leases.md):
         past it, :class:`LeaseLostError` is raised and nothing is copied; a job
         that *finishes* past it is reported by :meth:`late_jobs`, and its store
         must be completed with ``success=False``.

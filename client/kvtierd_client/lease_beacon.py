@@ -1,5 +1,5 @@
 """A session's lease proof, published in shared memory for the processes that copy
-its rows (README, "Lost leases").
+its rows (docs/design/leases.md).
 
 The process that owns a session (vLLM's scheduler) is not the one that copies
 bytes into the rows the session reserved (vLLM's workers). A worker must not

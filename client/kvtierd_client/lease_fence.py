@@ -1,5 +1,5 @@
 """The copier's fence: copy a job's rows only while the session that holds them
-is proven alive (README, "Lost leases"). Used by the vLLM plug-in's workers,
+is proven alive (docs/design/leases.md). Used by the vLLM plug-in's workers,
 whose jobs' rows belong to the scheduler's session.
 
 The rows of a job belong to the scheduler's session (its reservation or its

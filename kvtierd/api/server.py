@@ -157,7 +157,7 @@ class _GenericHandlersOnly:
     ``asyncio.wait`` over one pending request per registered method plus one for
     generic methods, and re-arms that wait after every call: with the ~25
     methods of these three services that cost about 6 % of the daemon's CPU per
-    empty call (measured: BENCHMARKS.md, engine steps). Served through the
+    empty call (measured: docs/benchmarks/history.md, engine steps). Served through the
     generic handler, each call is found by one dict lookup in its service's
     handler instead.
 

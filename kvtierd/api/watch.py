@@ -1,6 +1,6 @@
 """Bounds on WatchEvents streams: how many are open, and how long a write may wait.
 
-What a stream costs while its client does not read (measured, BENCHMARKS.md):
+What a stream costs while its client does not read (measured: docs/benchmarks/history.md):
 gRPC completes a write once the message fits the client's HTTP/2 flow-control
 window (which the client's BDP probing grows to megabytes, in the client's
 memory). When the window is full the handler waits in ``context.write`` while

@@ -1,7 +1,7 @@
 """A pool: one namespace of blocks with its region, its primary manager, its
 event log, and the claims of its sessions (:mod:`kvtierd.core.claims`).
 
-Ownership (DESIGN.md §4):
+Ownership (docs/design/semantics.md, "The primary tier"):
 
 * a *pin* (ref count +1) taken by ``prepare_load`` belongs to the session that
   asked; only that session's ``complete_load`` releases it, or the pool when the
@@ -144,7 +144,7 @@ class Pool:
         The rows of the aborted reservations stay quarantined (neither mapped nor
         free) until :meth:`release_quarantine` is called at or after
         ``quarantine_until``: the session's writer may still be copying into them
-        (README, "Lost leases"). Returns (pins released, reservations aborted).
+        (docs/design/leases.md). Returns (pins released, reservations aborted).
         Called once per session, when it closes or its lease expires.
         """
         claims = self._claims.detach(session_id)

@@ -7,7 +7,7 @@ session whose lease ran out is closed by the reaper, which releases its pins
 and aborts its reservations through the pool (``Pool.release_session``). The rows of those
 aborted reservations stay quarantined for ``write_quarantine`` seconds, so a
 writer that lost its lease cannot overwrite a block another session stored in
-the same row (README, "Lost leases"). Session ids are random 128-bit hex
+the same row (docs/design/leases.md). Session ids are random 128-bit hex
 strings, so a restarted daemon never mistakes an old client for a live one.
 
 Leases measure the clients, not the daemon: when the daemon's own event loop
@@ -16,7 +16,7 @@ lease forward by that time, so no session expires because the daemon was busy.
 
 Each session's ``TakeEvents`` cursor is owned here and moved only by
 :meth:`SessionTable.take_events`. A session belongs to the principal that opened
-it (``Session.principal``; README, "Principals and per-pool authorization"):
+it (``Session.principal``; docs/security.md, "Principals and per-pool authorization"):
 ``get`` and ``close`` given another principal refuse with ``AccessDenied``.
 
 Event-loop only. ``clock`` is injectable for tests.

@@ -139,7 +139,7 @@ def _hit_percent(t: Any) -> str:
 
 
 # One column per GetStats field shown, nothing summed: the table, --json and the
-# metrics endpoint tell the same numbers (README, "Operating it").
+# metrics endpoint tell the same numbers (docs/operations/kvtierctl.md).
 STATS_COLUMNS: tuple[tuple[str, Callable[[Any, Any], str]], ...] = (
     ("pool", lambda p, t: p.name),
     ("tier", lambda p, t: t.tier),

@@ -1,5 +1,5 @@
-"""Prometheus metrics (DESIGN.md §9): names prefixed ``kvtierd_``, labels ``pool``
-and ``tier`` where they apply. The README's metrics table documents each one.
+"""Prometheus metrics (docs/operations/metrics.md): names prefixed ``kvtierd_``, labels ``pool``
+and ``tier`` where they apply. The metrics table of docs/operations/metrics.md documents each one.
 
 Two kinds of source:
 
@@ -222,7 +222,7 @@ POOL_NUMBERS: dict[str, Callable[[PoolStatistics], int]] = {
     "warm_restart_off": lambda stats: stats.warm_restart_off,
 }
 
-# Every per-pool family, in exposition order. The README's metrics table lists them.
+# Every per-pool family, in exposition order. docs/operations/metrics.md lists them.
 POOL_FAMILIES: tuple[Family, ...] = (
     Family("kvtierd_region_bytes", GAUGE, "Bytes of the pool's shared-memory region",
            "region_bytes", scope="pool"),

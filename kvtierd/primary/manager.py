@@ -1,5 +1,5 @@
 """The primary tier's block table: slots, ref counts, eviction and events
-(DESIGN.md §4; vLLM's ``CPUOffloadingManager``, reference §3).
+(docs/design/semantics.md, "The primary tier"; vLLM's ``CPUOffloadingManager``).
 
 Ownership: the manager owns every row of the pool's region and the state of
 the block in it; the eviction policy only orders keys (``kvtierd.primary.policies``).
@@ -15,7 +15,7 @@ Who may change a ref count, and when:
   or by ``evict_all_evictable``);
 * ``abort_and_quarantine`` drops writes like a failed ``complete_store`` but keeps
   their rows out of use (neither mapped nor free) until ``release_quarantine``:
-  the fence against a writer that lost its lease (README, "Lost leases").
+  the fence against a writer that lost its lease (docs/design/leases.md).
 
 Slots are handed out as vLLM does: never-used rows first in ascending order (a
 high-water mark), then freed rows last-freed-first (freed rows are appended in

@@ -1,6 +1,6 @@
 """The daemon's only way to read or write the bytes of a region's rows.
 
-Invariant (README, Security, "A truncated region"): **the daemon process never
+Invariant (docs/security.md, "A client that truncates its region"): **the daemon process never
 dereferences a region mapping.** Every client of a pool holds the region file
 writable, so one of them can ``ftruncate`` it; a page of a mapping past the new
 end raises SIGBUS when touched from user space, and no Python handler can

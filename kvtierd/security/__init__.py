@@ -1,4 +1,4 @@
-"""Who may call the daemon, over what, and what they may reach (README, "Security").
+"""Who may call the daemon, over what, and what they may reach (docs/security.md).
 
 - ``principals``: the configured principals and their pool patterns;
 - ``tokens``: the bearer tokens file ("TOKEN" or "TOKEN PRINCIPAL" lines);

@@ -1,6 +1,7 @@
 """Principals: who calls, which pools they may reach, and how much memory those take.
 
-A principal is configured in ``[[security.principals]]`` (README, "Security")::
+A principal is configured in ``[[security.principals]]`` (docs/security.md,
+"Principals and per-pool authorization"; the keys' table there is ``PRINCIPAL_HELP``)::
 
     name = "team-a"
     uids = [1001]          # Unix-socket peers with these uids ...
@@ -28,7 +29,18 @@ from typing import Any
 
 from kvtierd.util.units import parse_size
 
-PRINCIPAL_KEYS = ("name", "uids", "gids", "pools", "memory_quota")
+# The keys of one [[security.principals]] table, with the help the docs' table shows.
+PRINCIPAL_HELP: dict[str, str] = {
+    "name": "the principal's name ([A-Za-z0-9._@:-], at most 128): what a tokens-file line "
+    "'TOKEN PRINCIPAL' and a client certificate's CN or DNS SAN name; required",
+    "uids": "Unix-socket peers with one of these uids are this principal (default: none)",
+    "gids": "... or peers with one of these groups, primary or supplementary (default: none)",
+    "pools": "glob patterns of the pool names it may open, flush, watch, explain and stat "
+    "('*' also matches '/'); required",
+    "memory_quota": "bytes the regions of the pools its patterns match may take together, "
+    "0 for the memory budget only (default 0)",
+}
+PRINCIPAL_KEYS = tuple(PRINCIPAL_HELP)
 # A principal's name appears in token files, certificates (CN, DNS SAN), log lines
 # and error messages: printable, no spaces, no glob characters.
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@:-]{0,127}$")

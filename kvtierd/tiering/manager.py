@@ -1,5 +1,5 @@
 """Cascades and promotions between one pool's primary tier and its secondary
-tiers (DESIGN.md §5; vLLM's ``TieringOffloadingManager``, reference §5).
+tiers (docs/design/semantics.md, "Secondary tiers"; vLLM's ``TieringOffloadingManager``).
 
 * Cascade: blocks a session completed are written to every secondary tier.
   Each tier job holds one *pool-owned pin* per block (ref +1 through

@@ -1,1 +1,1 @@
-"""Secondary tiers (DESIGN.md §5-6): where blocks live besides the primary region."""
+"""Secondary tiers (docs/design/tiers.md): where blocks live besides the primary region."""

@@ -1,4 +1,4 @@
-"""The secondary-tier contract (DESIGN.md §5; vLLM's ``tiering/base.py``, reference §5).
+"""The secondary-tier contract (docs/design/tiers.md; vLLM's ``tiering/base.py``).
 
 A tier keeps copies of primary blocks somewhere else (files, process memory,
 Redis). The pool's :class:`~kvtierd.tiering.manager.Tiering` drives it; the tier never

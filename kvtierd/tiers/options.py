@@ -1,10 +1,10 @@
 """What every tier type's settings share: fields that carry their help, the
-generated help and README tables, and the checked readers of ``[[tiers]]`` values.
+generated help and docs tables, and the checked readers of ``[[tiers]]`` values.
 
 A tier type declares its options once, as a frozen dataclass whose fields are
 made with :func:`option` (default + one line of help); ``kvtierd --help`` and the
-README's table of that type are generated from it (:func:`help_lines`,
-:func:`markdown_table`). The readers raise ``TierOptionError`` naming the key.
+docs' table of that type (docs/reference/configuration.md) are generated from it
+(:func:`help_lines`, :func:`markdown_table`). The readers raise ``TierOptionError`` naming the key.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def help_lines(settings: type, format_default: FormatDefault) -> dict[str, str]:
 
 
 def markdown_table(settings: type, format_default: FormatDefault) -> str:
-    """The README's table of a tier type's options (``| option | default | meaning |``)."""
+    """The docs' table of a tier type's options (``| option | default | meaning |``)."""
     lines = ["| option | default | meaning |", "|---|---|---|"]
     for f in dataclasses.fields(settings):
         shown = format_default(f.name)

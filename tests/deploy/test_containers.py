@@ -1,11 +1,11 @@
 """The container path run for real (``make test-deploy``): the image built from
-deploy/docker/Dockerfile, started as the README's "Deploying" shows and as the Kubernetes
+deploy/docker/Dockerfile, started as docs/guides/deployment.md shows and as the Kubernetes
 manifests declare (their settings rendered into ``docker run`` by tests/k8s_render.py), with
 an engine-like container as another user that shares the daemon's /dev/shm and socket and
 stores and loads blocks bit-exact through the region.
 
-Each test prints (``-s``) the numbers BENCHMARKS.md reports: image size, container start to
-healthy.
+Each test prints (``-s``) the numbers docs/benchmarks/current.md reports ("Containers"):
+image size, container start to healthy.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ def metric_samples(text: str) -> dict[str, float]:
 
 
 # What a clean stop leaves in shm_dir with memory.warm_restart on (the default): each pool's
-# region file and its journal, for the next daemon to adopt (README "Warm restart"). Modes as
-# README "Security" documents them: the region 0660 (group: server.socket_group, the
+# region file and its journal, for the next daemon to adopt (docs/operations/warm-restart.md).
+# Modes as docs/security.md documents them: the region 0660 (group: server.socket_group, the
 # daemon's own group 10001 here; no principals are configured), the journal 0600, daemon
 # only; both owned by the daemon's user.
 KVTIERD_UID = 10001
@@ -130,9 +130,9 @@ def check_warm_hits(containers, daemon: str, engine: str, pool: str, stored: dic
 
 
 def test_readme_layout(containers, docker):
-    """The README's two `docker run` lines: the image's own config and HEALTHCHECK, a
-    shareable IPC namespace, the socket and state volumes; the engine as uid 1000 in
-    group 10001 joined to the daemon's IPC."""
+    """The deployment guide's two `docker run` lines (docs/guides/deployment.md): the
+    image's own config and HEALTHCHECK, a shareable IPC namespace, the socket and state
+    volumes; the engine as uid 1000 in group 10001 joined to the daemon's IPC."""
     daemon, engine = f"{containers.prefix}-kvtierd", f"{containers.prefix}-engine"
     run_volume, state_volume = f"{containers.prefix}-run", f"{containers.prefix}-state"
     containers.volumes += [run_volume, state_volume]
@@ -176,8 +176,8 @@ def test_readme_layout(containers, docker):
 
 
 def test_readme_host_shm_layout(containers, docker, host_tmpfs):
-    """The README's docker layout that keeps the CPU tier across ``docker restart``: the
-    regions in a directory of the host's /dev/shm (2750, 10001:10001) bind-mounted at
+    """The deployment guide's docker layout that keeps the CPU tier across ``docker
+    restart``: the regions in a directory of the host's /dev/shm (2750, 10001:10001) bind-mounted at
     /dev/shm/kvtierd into the daemon (``memory.shm_dir`` set through the environment) and
     the engine, no IPC namespace shared. The daemon restarted with ``docker restart``
     (SIGTERM, clean stop, start): the engine, which kept running, finds its blocks adopted

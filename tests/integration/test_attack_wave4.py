@@ -136,7 +136,7 @@ WARM_LEASE_S = 10.0
 
 
 def test_a_load_under_the_old_daemons_lease_never_reads_a_row_reused_after_a_restart():
-    """README "Lost leases": *a load that ended before the deadline read rows the
+    """docs/design/leases.md: *a load that ended before the deadline read rows the
     session still pinned* -- the deadline being the client's proof of its lease
     (``Session.lease_deadline``; vLLM's workers read it from the lease beacon). A
     restart breaks that: the old daemon's pins are not journaled, so the new
@@ -480,7 +480,7 @@ def test_a_redis_node_that_trickles_its_answers_does_not_shut_the_primary_to_sto
     "shared fs root) can compute a valid header for any key over bytes of their choosing, and "
     "every daemon of the fleet serves them (KV poisoning across tenants and nodes). Closing it "
     "takes a keyed MAC (e.g. BLAKE2b keyed with a secret the daemons of a fleet share, a new "
-    "header version); until then the README says the remote tier and a shared root must be "
+    "header version); until then the docs say the remote tier and a shared root must be "
     "writable by kvtierd alone",
 )
 def test_a_forged_value_with_a_valid_header_is_never_served(

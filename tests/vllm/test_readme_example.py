@@ -1,10 +1,10 @@
-"""The README's vLLM example starts as written (issue #16, item 2).
+"""The vLLM guide's example starts as written (issue #16, item 2).
 
 Scenario: the daemon config and the ``--kv-transfer-config`` JSON are read out of
-README.md (the fenced blocks right after ``<!-- readme-example: NAME -->``); only
+docs/guides/vllm.md (the fenced blocks right after ``<!-- example: NAME -->``); only
 the socket path, the fs tier's root and the sizes are replaced (a private socket
 and directory, a budget and pool this machine can hold), every other byte is the
-README's. ``kvtierd --config`` and one OpenAI server (multiprocess) start with
+guide's. ``kvtierd --config`` and one OpenAI server (multiprocess) start with
 them and a completion answers 200 with kvtierd's pool in use.
 """
 
@@ -27,28 +27,28 @@ from benchmarks.vllm_model import random_prompt
 from kvtierd.util.units import parse_size
 from kvtierd_client.client import Client
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-MARKER = re.compile(r"<!-- readme-example: ([\w-]+) -->\n```\w*\n(.*?)\n```", re.DOTALL)
+GUIDE = Path(__file__).resolve().parents[2] / "docs" / "guides" / "vllm.md"
+MARKER = re.compile(r"<!-- example: ([\w-]+) -->\n```\w*\n(.*?)\n```", re.DOTALL)
 POOL_BYTES = 8 << 20  # 128 rows of 64 KiB
 
 
 def readme_examples() -> dict[str, str]:
-    """The marked fenced blocks of README.md by name."""
-    return {name: body for name, body in MARKER.findall(README.read_text())}
+    """The marked fenced blocks of the vLLM guide by name."""
+    return {name: body for name, body in MARKER.findall(GUIDE.read_text())}
 
 
 def substitute(text: str, replacements: dict[str, str]) -> str:
     """``text`` with each old value replaced; each must occur exactly once, so a
-    README edit that renames or duplicates a value fails here instead of being
-    silently tested with the README's own (root-only or 16 GiB) value."""
+    guide edit that renames or duplicates a value fails here instead of being
+    silently tested with the guide's own (root-only or 16 GiB) value."""
     for old, new in replacements.items():
-        assert text.count(old) == 1, f"README example: {old!r} found {text.count(old)} times"
+        assert text.count(old) == 1, f"vLLM guide example: {old!r} found {text.count(old)} times"
         text = text.replace(old, new)
     return text
 
 
 def example_pair(socket_path: str, fs_root: str) -> tuple[str, dict[str, object]]:
-    """(daemon TOML, kv-transfer-config) of the README with this test's paths and sizes."""
+    """(daemon TOML, kv-transfer-config) of the guide with this test's paths and sizes."""
     examples = readme_examples()
     assert {"daemon-config", "kv-transfer-config"} <= examples.keys(), examples.keys()
     kv_text = examples["kv-transfer-config"]
@@ -60,7 +60,7 @@ def example_pair(socket_path: str, fs_root: str) -> tuple[str, dict[str, object]
     readme_root = re.search(r'root = "([^"]+)"', daemon_text)
     readme_capacity = re.search(r'capacity = "([^"]+)"', daemon_text)
     assert readme_budget and readme_root and readme_capacity, daemon_text
-    # the budget rule the README states, held by the README's own numbers
+    # the budget rule the guide states, held by the guide's own numbers
     assert parse_size(readme_budget.group(1)) >= readme_pool_bytes, "budget < cpu_bytes_to_use"
     daemon = substitute(
         daemon_text,
@@ -88,7 +88,7 @@ def workdir() -> Iterator[str]:
 
 
 def start_readme_daemon(workdir: str, config_text: str) -> DaemonProcess:
-    """``kvtierd --config FILE`` as the README runs it, plus a private shm directory
+    """``kvtierd --config FILE`` as the guide runs it, plus a private shm directory
     and no metrics endpoint (other tests on this machine use the default port)."""
     config = os.path.join(workdir, "kvtierd-vllm.toml")
     Path(config).write_text(config_text)

@@ -1,4 +1,4 @@
-"""The client end of a session's fast lane (README "The fast lane").
+"""The client end of a session's fast lane (docs/design/protocol.md, "The fast lane").
 
 ``OpenSession`` over a Unix socket may offer the session a lane: a Unix stream
 socket and a token (``OpenSessionResponse.fast_lane_*``). The session then

@@ -2,7 +2,7 @@
 
 :class:`SessionState` is the base of the sync ``Session`` and the asyncio
 ``AsyncSession``; everything here is the same for both (no I/O). The write fence
-(README, "Lost leases") lives here: the lease deadline a copy must start before,
+(docs/design/leases.md) lives here: the lease deadline a copy must start before,
 and the :class:`~kvtierd_client.lease_beacon.LeaseBeacon` that publishes it to
 the processes that copy the session's rows.
 """

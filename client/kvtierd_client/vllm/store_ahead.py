@@ -26,7 +26,7 @@ Reserved keys nobody claimed by the end of the step are given back (queued
 (they died with it). A grant the daemon refused (no room) is not kept: vLLM's
 ``prepare_store`` then asks the daemon itself.
 
-What may differ from asking at ``prepare_store`` time (README "Round trips"):
+What may differ from asking at ``prepare_store`` time (docs/guides/vllm.md, "Round trips"):
 rows are reserved, and victims evicted, when the lookup is answered rather than
 a moment later in the same step, so another request's lookup in that step no
 longer finds a victim; and a lookup of a key this step's grants reserved and

@@ -1,4 +1,4 @@
-"""Eviction policies of the primary tier, by name (DESIGN.md §4, reference §4).
+"""Eviction policies of the primary tier, by name (docs/design/semantics.md, "Eviction policies").
 
 ``make_policy`` is the only constructor the rest of the daemon uses; the names
 are the values of ``PoolSpec.eviction_policy``.

@@ -1,4 +1,4 @@
-"""Adaptive replacement cache (reference §4.2, vLLM's ``ARCCachePolicy``).
+"""Adaptive replacement cache (docs/design/semantics.md, "ARC"; vLLM's ``ARCCachePolicy``).
 
 * ``T1``: resident keys seen once; ``T2``: resident keys seen at least twice
   (a touch of a ready T1 key promotes it). Both are ordered LRU first and hold

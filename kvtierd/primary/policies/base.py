@@ -1,4 +1,5 @@
-"""The eviction-policy interface of the primary tier (DESIGN.md §4, reference §4).
+"""The eviction-policy interface of the primary tier (docs/design/semantics.md,
+"Eviction policies").
 
 Division of labour: the :class:`~kvtierd.primary.manager.PrimaryManager` owns every
 block (its row, its ref count, its presence); a policy only *orders* the keys

@@ -1,4 +1,4 @@
-"""Least-recently-used eviction (reference §4.1, vLLM's ``LRUCachePolicy``).
+"""Least-recently-used eviction (docs/design/semantics.md, "LRU"; vLLM's ``LRUCachePolicy``).
 
 Only ready blocks (ref count ``0``) are ordered; pinned and in-flight blocks
 are outside the order and re-enter it at the MRU end when they become ready

@@ -1,5 +1,5 @@
 """Warm restart: adopting a pool's region and journal left by the previous daemon
-(``memory.warm_restart``; README, "Warm restart").
+(``memory.warm_restart``; docs/design/journal.md).
 
 :func:`adopt_region` runs on a worker thread when the first session of a pool
 opens it. It either returns an :class:`Adoption` (the old region file, mapped

@@ -1,6 +1,6 @@
 """The warm-restart journal of one pool: an append-only file in ``memory.shm_dir``
 that lets the next daemon adopt the ready blocks of the pool's region
-(``memory.warm_restart``; README, "Warm restart").
+(``memory.warm_restart``; docs/design/journal.md).
 
 On-shm format, version :data:`FORMAT_VERSION` (all integers little-endian)::
 

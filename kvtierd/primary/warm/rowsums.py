@@ -1,5 +1,5 @@
 """Row checksums of the warm-restart journal: what a checksum covers, and where
-the journal computes it (README, "Warm restart").
+the journal computes it (docs/design/journal.md).
 
 A row's checksum is ``xxh3_64`` of the bytes of its covered spans
 (:func:`checksum_spans`), concatenated. Three ways compute that same value, in

@@ -1,4 +1,4 @@
-"""Reading and writing one block file (DESIGN.md §6), with no index and no locks.
+"""Reading and writing one block file (docs/design/formats.md), with no index and no locks.
 
 These functions are the FS tier's data path. They run on an I/O thread of the
 daemon or in an I/O worker process (:mod:`kvtierd.tiers.fs.ioworker`), so they

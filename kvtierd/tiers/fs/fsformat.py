@@ -1,4 +1,4 @@
-"""On-disk format of the FS tier (DESIGN.md §6): block files and ``pool.json``.
+"""On-disk format of the FS tier (docs/design/formats.md): block files and ``pool.json``.
 
 Layout::
 

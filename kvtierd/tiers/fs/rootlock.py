@@ -16,7 +16,7 @@ sticky root another user could create it first and, as its owner, unlink it and
 create a fresh one that a second daemon locks too. On NFS, Linux maps
 ``flock`` to byte-range locks the server arbitrates (NFSv4, or NFSv3 with lockd):
 the guard then holds across hosts; a mount with ``nolock``/``local_lock`` makes it
-per host only (README, Shared fs root).
+per host only (docs/guides/fleet.md, "Shared fs root").
 """
 
 from __future__ import annotations

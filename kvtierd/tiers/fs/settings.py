@@ -3,7 +3,8 @@ declared once in :class:`FsTierSettings`.
 
 Everything else is derived from the dataclass: the option names the parser
 accepts, the help text (:func:`option_help`, shown by ``kvtierd --help``), the
-README's table of fs options (:func:`options_markdown`; a test compares them),
+configuration reference's table of fs options (:func:`options_markdown`,
+docs/reference/configuration.md),
 and the defaults the tier, its I/O pool and the benchmarks use (they take a
 settings object, or :func:`default`, never a literal of their own).
 
@@ -84,7 +85,7 @@ class FsTierSettings:
         False,
         "several daemons (on this host or on hosts sharing the file system) use this root: "
         "lookups find files other daemons wrote, the capacity counts every file under the "
-        "pool directories, a shared lock instead of an exclusive one (README, Shared fs root)",
+        "pool directories, a shared lock instead of an exclusive one (docs/guides/fleet.md)",
     )
     shared_negative_ttl: float = option(
         1.5,
@@ -148,7 +149,7 @@ def option_help() -> dict[str, str]:
 
 
 def options_markdown() -> str:
-    """The README's table of fs tier options."""
+    """The docs' table of fs tier options (docs/reference/configuration.md)."""
     return markdown_table(FsTierSettings, format_default)
 
 
@@ -215,5 +216,5 @@ def _size(options: Mapping[str, Any], key: str, *, minimum: int) -> int:
     return value
 
 
-if __name__ == "__main__":  # prints the README table: python -m kvtierd.tiers.fs.settings
+if __name__ == "__main__":  # prints the docs table: python -m kvtierd.tiers.fs.settings
     print(options_markdown(), end="")

@@ -1,9 +1,9 @@
-"""The FS tier (DESIGN.md §6): one file per block under a root directory.
+"""The FS tier (docs/design/tiers.md): one file per block under a root directory.
 
-Differences from vLLM's FS tier (reference §6): a byte capacity with LRU
-eviction, a verified header (key, pool fingerprint, length, xxh3-64 of the
-payload) on every file, an in-memory index rebuilt at start, and partial
-success of loads reported per key.
+Differences from vLLM's FS tier (docs/design/semantics.md, "The fs tier, against
+vLLM's"): a byte capacity with LRU eviction, a verified header (key, pool
+fingerprint, length, xxh3-64 of the payload) on every file, an in-memory index
+rebuilt at start, and partial success of loads reported per key.
 
 This module is the tier's lifecycle and job flow; the state lives elsewhere:
 

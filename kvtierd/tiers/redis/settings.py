@@ -2,8 +2,9 @@
 
 As for the fs tier (:mod:`kvtierd.tiers.fs.settings`), everything else derives
 from the dataclass: the options the parser accepts, ``kvtierd --help``, and the
-README's table (:func:`options_markdown`; a test compares them). Parsing is pure:
-no connection is made until a pool's tier runs its first job.
+configuration reference's table (:func:`options_markdown`,
+docs/reference/configuration.md). Parsing is pure: no connection is made until a
+pool's tier runs its first job.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def option_help() -> dict[str, str]:
 
 
 def options_markdown() -> str:
-    """The README's table of redis tier options."""
+    """The docs' table of redis tier options (docs/reference/configuration.md)."""
     return markdown_table(RedisTierSettings, format_default)
 
 
@@ -202,5 +203,5 @@ def _check_url(url: object) -> None:
         raise TierOptionError("urls", f"bad port in {_redact(url)!r}") from None
 
 
-if __name__ == "__main__":  # prints the README table: python -m kvtierd.tiers.redis.settings
+if __name__ == "__main__":  # prints the docs table: python -m kvtierd.tiers.redis.settings
     print(options_markdown(), end="")

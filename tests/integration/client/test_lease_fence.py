@@ -1,6 +1,6 @@
 """The copier's fence against a real daemon: a session's lease proof, published in
 shared memory (LeaseBeacon), read by another client's LeaseFence, which proves the
-lease itself with a KeepAlive when the proof lapses (README, "Lost leases")."""
+lease itself with a KeepAlive when the proof lapses (docs/design/leases.md)."""
 
 from __future__ import annotations
 

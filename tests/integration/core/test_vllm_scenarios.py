@@ -1,5 +1,6 @@
-"""vLLM's CPU-manager scenarios (reference §12.1) replayed through the real
-daemon over its Unix socket: same block ids, evicted keys, lookup results, events."""
+"""vLLM's CPU-manager scenarios (its tests/v1/kv_offload/cpu/test_manager.py;
+docs/design/semantics.md) replayed through the real daemon over its Unix socket: same
+block ids, evicted keys, lookup results, events."""
 
 from __future__ import annotations
 

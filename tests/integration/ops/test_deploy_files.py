@@ -410,7 +410,7 @@ def _folded_item(after: str) -> str:
 
 def test_manifests_render_to_the_settings_tests_deploy_runs(tmp_path: Path):
     """tests/deploy runs the containers tests/k8s_render.py renders from these manifests;
-    here, without docker, what the rendering gives: the settings the README promises."""
+    here, without docker, what the rendering gives: the settings the docs promise."""
     from k8s_render import prepare_pod
 
     sidecar = prepare_pod(SIDECAR, "p", tmp_path / "sidecar")
@@ -458,13 +458,19 @@ def test_rendering_refuses_what_no_manifest_may_ask(tmp_path: Path):
             pod.run_args("kvtierd", "IMAGE")
 
 
-def test_readme_docker_run_lines_are_the_ones_tests_deploy_runs():
-    """tests/deploy/test_containers.py::test_readme_layout runs the README's two `docker run`
-    lines (with a smaller shm and budget, and names of its own): the options it relies on
-    are the README's."""
-    readme = (REPO / "README.md").read_text()
-    deploying = readme.split("## Deploying", 1)[1].split("\n## ", 1)[0]
-    block = deploying.split("```sh", 1)[1].split("```", 1)[0].replace("\\\n", " ")
+DEPLOYMENT = REPO / "docs" / "guides" / "deployment.md"
+
+
+def _section(title: str) -> str:
+    """One ``## title`` section of the deployment guide."""
+    return DEPLOYMENT.read_text().split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_docs_docker_run_lines_are_the_ones_tests_deploy_runs():
+    """tests/deploy/test_containers.py::test_readme_layout runs the deployment guide's two
+    `docker run` lines (with a smaller shm and budget, and names of its own): the options it
+    relies on are the guide's."""
+    block = _section("Containers").split("```sh", 1)[1].split("```", 1)[0].replace("\\\n", " ")
     daemon_line, engine_line = [line for line in block.splitlines() if "docker run" in line]
     for option in ("--init", "--ipc=shareable", "--shm-size=", "KVTIERD_MEMORY_BUDGET=",
                    "-v kvtierd-run:/run/kvtierd", "-v kvtierd-state:/var/lib/kvtierd"):  # fmt: skip
@@ -477,13 +483,12 @@ def test_readme_docker_run_lines_are_the_ones_tests_deploy_runs():
         assert option in test, option
 
 
-def test_readme_host_shm_lines_are_the_ones_tests_deploy_runs():
-    """tests/deploy/test_containers.py::test_readme_host_shm_layout runs the README's second
-    `docker run` pair (the regions on the host's /dev/shm, kept across `docker restart`):
-    the options it relies on are the README's."""
-    readme = (REPO / "README.md").read_text()
-    deploying = readme.split("## Deploying", 1)[1].split("\n## ", 1)[0]
-    block = deploying.split("```sh", 2)[2].split("```", 1)[0].replace("\\\n", " ")
+def test_docs_host_shm_lines_are_the_ones_tests_deploy_runs():
+    """tests/deploy/test_containers.py::test_readme_host_shm_layout runs the deployment
+    guide's second `docker run` pair (the regions on the host's /dev/shm, kept across
+    `docker restart`): the options it relies on are the guide's."""
+    restarts = _section("Restarts and the CPU tier")
+    block = restarts.split("```sh", 1)[1].split("```", 1)[0].replace("\\\n", " ")
     assert "install -d -m 2750 -o 10001 -g 10001 /dev/shm/kvtierd" in block
     daemon_line, engine_line = [line for line in block.splitlines() if "docker run" in line]
     for option in ("--init", "-e KVTIERD_MEMORY_SHM_DIR=/dev/shm/kvtierd",

@@ -376,7 +376,7 @@ def test_cuda_load_lands_after_queued_compute(writer):
     assert (target[0] == 7).all()
 
 
-# -- the write fence (README, "Lost leases") -------------------------------------------
+# -- the write fence (docs/design/leases.md) ------------------------------------------
 
 
 def test_a_store_past_its_lease_deadline_is_refused_and_copies_nothing(writer):

@@ -1,5 +1,5 @@
-"""PrimaryManager against vLLM's CPUOffloadingManager behaviour (reference §3, §4,
-scenarios of §12.1 ``tests/v1/kv_offload/cpu/test_manager.py``)."""
+"""PrimaryManager against vLLM's CPUOffloadingManager behaviour
+(docs/design/semantics.md; the scenarios of vLLM's ``tests/v1/kv_offload/cpu/test_manager.py``)."""
 
 from __future__ import annotations
 

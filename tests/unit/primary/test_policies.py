@@ -1,5 +1,5 @@
 """Eviction policies on their own, driven the way PrimaryManager drives them
-(reference §4: vLLM's LRUCachePolicy and ARCCachePolicy)."""
+(docs/design/semantics.md, "Eviction policies": vLLM's LRUCachePolicy and ARCCachePolicy)."""
 
 from __future__ import annotations
 

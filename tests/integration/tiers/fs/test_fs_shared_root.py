@@ -1,4 +1,4 @@
-"""Two daemons on one fs root with ``shared = true`` (README, "Shared fs root").
+"""Two daemons on one fs root with ``shared = true`` (docs/guides/fleet.md, "Shared fs root").
 
 Two "nodes" here are two real kvtierd processes with their own shm dirs, sockets
 and pools, pointed at one root directory; the test talks to each over its own

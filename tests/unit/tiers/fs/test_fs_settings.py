@@ -1,6 +1,6 @@
 """fs tier settings (kvtierd.tiers.fs.settings): every default is written once, in
-``FsTierSettings``; the help text, the README's table, the tier and its I/O pool
-agree with it."""
+``FsTierSettings``; the help text, the docs' configuration reference (its table generated
+from this class at every docs build), the tier and its I/O pool agree with it."""
 
 from __future__ import annotations
 
@@ -25,18 +25,19 @@ from kvtierd.tiers.fs.settings import (
     options_markdown,
     parse_fs_settings,
 )
+from tools.docs_reference import render
 
-README = Path(__file__).resolve().parents[4] / "README.md"
-
-
-def test_the_readme_table_of_fs_options_is_the_generated_one() -> None:
-    """Regenerate with ``python -m kvtierd.tiers.fs.settings`` when this fails."""
-    assert options_markdown() in README.read_text()
+REPO = Path(__file__).resolve().parents[4]
+CONFIGURATION = REPO / "docs" / "reference" / "configuration.md"
 
 
-def test_the_readme_example_sets_every_fs_option_and_parses() -> None:
-    text = README.read_text()
-    section = text[text.index("## Configuration") :]
+def test_the_docs_table_of_fs_options_is_the_generated_one() -> None:
+    """The configuration reference asks for the table (``<!-- generated: tier fs -->``)."""
+    assert options_markdown() in render(CONFIGURATION.read_text())
+
+
+def test_the_docs_example_sets_every_fs_option_and_parses() -> None:
+    section = CONFIGURATION.read_text()
     found = re.search(r"```toml\n(.*?)```", section, re.S)  # the full example
     assert found is not None
     example = found.group(1)
@@ -47,8 +48,9 @@ def test_the_readme_example_sets_every_fs_option_and_parses() -> None:
         parse_fs_settings({k: v for k, v in table.items() if k not in ("type", "name")})
 
 
-def test_the_readme_quick_start_names_the_default_capacity() -> None:
-    assert f"a {DEFAULTS.capacity >> 30} GiB fs tier" in README.read_text()
+def test_the_quick_start_names_the_default_capacity() -> None:
+    for page in (REPO / "README.md", REPO / "docs" / "getting-started.md"):
+        assert f"a {DEFAULTS.capacity >> 30} GiB fs tier" in page.read_text(), page
 
 
 def test_help_names_every_option_with_its_default() -> None:

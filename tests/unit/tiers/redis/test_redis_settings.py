@@ -1,5 +1,5 @@
 """redis tier settings (kvtierd.tiers.redis.settings): the issue's normative keys with
-their defaults, written once; the README's table is the generated one."""
+their defaults, written once; the docs' table is the generated one."""
 
 from __future__ import annotations
 
@@ -17,13 +17,14 @@ from kvtierd.tiers.redis.settings import (
     options_markdown,
     parse_redis_settings,
 )
+from tools.docs_reference import render
 
-README = Path(__file__).resolve().parents[4] / "README.md"
+CONFIGURATION = Path(__file__).resolve().parents[4] / "docs" / "reference" / "configuration.md"
 
 
-def test_the_readme_table_of_redis_options_is_the_generated_one() -> None:
-    """Regenerate with ``python -m kvtierd.tiers.redis.settings`` when this fails."""
-    assert options_markdown() in README.read_text()
+def test_the_docs_table_of_redis_options_is_the_generated_one() -> None:
+    """The configuration reference asks for the table (``<!-- generated: tier redis -->``)."""
+    assert options_markdown() in render(CONFIGURATION.read_text())
 
 
 def test_the_normative_options_and_their_defaults() -> None:
