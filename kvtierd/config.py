@@ -520,6 +520,8 @@ def _read_toml(path: str) -> dict[str, Any]:
             return tomllib.load(handle)
     except FileNotFoundError:
         raise ConfigError("--config", f"no such file: {path}") from None
+    except OSError as exc:  # a directory, no permission...
+        raise ConfigError("--config", f"cannot read {path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError("--config", f"{path} is not valid TOML: {exc}") from None
 

@@ -3,7 +3,9 @@
 
 Flags are generated from ``config.OPTIONS`` so each option is declared once.
 This is the only module that exits the process; exit code 2 means the
-configuration is invalid (the message names the key).
+configuration is invalid or the daemon cannot start for a reason its operator
+can fix (a socket or port in use, a directory it may not create): one line on
+stderr naming the key, never a traceback. Exit code 1 is a failure of the daemon.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Sequence
 
 from kvtierd import __version__
 from kvtierd.config import OPTIONS, Config, ConfigError, load_config
+from kvtierd.errors import StartupError
 from kvtierd.tiers import registry
 
 EXIT_CONFIG = 2
@@ -82,6 +85,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         _run(serve(config))
     except ConfigError as exc:
         print(f"kvtierd: invalid configuration: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except StartupError as exc:  # the operator's to fix (a busy socket or port...)
+        print(f"kvtierd: cannot start: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     except Exception as exc:
         logging.getLogger("kvtierd").error("kvtierd failed: %s", exc, exc_info=True)

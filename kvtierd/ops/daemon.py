@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import grp
 import logging
 import os
@@ -39,6 +40,7 @@ from kvtierd.api.service import KVTierService
 from kvtierd.config import Config, ConfigError
 from kvtierd.core.pools import PoolTable, region_access_text
 from kvtierd.core.sessions import SessionTable
+from kvtierd.errors import StartupError
 from kvtierd.ops.metrics import Metrics, serve_metrics
 from kvtierd.ops.sdnotify import notify, watchdog_interval
 from kvtierd.primary.region import is_region_file_name
@@ -240,9 +242,7 @@ class Daemon:
         try:
             self._metrics_server = await serve_metrics(address, self.metrics.render)
         except OSError as exc:
-            raise ConfigError(
-                "server.metrics_address", f"cannot listen on {address}: {exc.strerror or exc}"
-            ) from None
+            raise StartupError("server.metrics_address", metrics_refusal(address, exc)) from None
         log.info("metrics on http://%s/metrics", address)
 
     def _check_tiers(self) -> None:
@@ -309,6 +309,20 @@ class Daemon:
 # lease under 1 s the bound is a quarter of the lease).
 _SUPERVISOR_TICK = 0.1
 _STALL_CREDITED_AFTER = 0.25
+
+
+def metrics_refusal(address: str, exc: OSError) -> str:
+    """What to say when the metrics endpoint cannot listen on ``address``: in use
+    is most often a second daemon started with the default port."""
+    if exc.errno == errno.EADDRINUSE:
+        return (
+            f"cannot listen on {address}: address already in use; another kvtierd may be "
+            "running: stop it, or give this daemon another port (--metrics-address "
+            "HOST:PORT) or none (--metrics-address '', server.metrics_address = \"\")"
+        )
+    # asyncio's message repeats the address; a resolver error (negative errno) has its own
+    reason = os.strerror(exc.errno) if exc.errno and exc.errno > 0 else exc.strerror or str(exc)
+    return f"cannot listen on {address}: {reason}"
 
 
 def build_security(config: Config) -> SecurityState:
