@@ -23,7 +23,13 @@ from kvtierd.security import config as security_config
 from kvtierd.security.config import SecurityConfig, SecurityOptionError
 from kvtierd.tiers import registry
 from kvtierd.tiers.configured import TierOptionError, TierSettings
-from kvtierd.util.units import format_bytes, parse_duration, parse_size
+from kvtierd.util.units import (
+    format_bytes,
+    format_duration,
+    format_size,
+    parse_duration,
+    parse_size,
+)
 from kvtierd_client.wire.address import default_socket_path
 
 if sys.version_info >= (3, 11):
@@ -54,26 +60,41 @@ def _int_in(lo: int, hi: int) -> Callable[[Any], int]:
     return parse
 
 
-def _size_in(lo: int, hi: int) -> Callable[[Any], int]:
-    def parse(value: Any) -> int:
+class _SizeIn:
+    """A size option's parser: bytes in [lo, hi] (``units.parse_size``)."""
+
+    def __init__(self, lo: int, hi: int) -> None:
+        self.lo, self.hi = lo, hi
+
+    def __call__(self, value: Any) -> int:
         number = parse_size(value)
-        if not lo <= number <= hi:
+        if not self.lo <= number <= self.hi:
             raise ValueError(
-                f"must be between {format_bytes(lo)} and {format_bytes(hi)}, got {value!r}"
+                f"must be between {format_bytes(self.lo)} and {format_bytes(self.hi)}, "
+                f"got {value!r}"
             )
         return number
 
-    return parse
+    @staticmethod
+    def show(value: int) -> str:
+        return format_size(value)
 
 
-def _duration_in(lo: float, hi: float) -> Callable[[Any], float]:
-    def parse(value: Any) -> float:
+class _DurationIn:
+    """A duration option's parser: seconds in [lo, hi] (``units.parse_duration``)."""
+
+    def __init__(self, lo: float, hi: float) -> None:
+        self.lo, self.hi = lo, hi
+
+    def __call__(self, value: Any) -> float:
         seconds = parse_duration(value)
-        if not lo <= seconds <= hi:
-            raise ValueError(f"must be between {lo:g}s and {hi:g}s, got {value!r}")
+        if not self.lo <= seconds <= self.hi:
+            raise ValueError(f"must be between {self.lo:g}s and {self.hi:g}s, got {value!r}")
         return seconds
 
-    return parse
+    @staticmethod
+    def show(value: float) -> str:
+        return format_duration(value)
 
 
 def _choice(*choices: str) -> Callable[[Any], str]:
@@ -184,6 +205,20 @@ class Option:
     def env(self) -> str:
         return f"KVTIERD_{self.section}_{self.key}".upper()
 
+    def default_text(self) -> str:
+        """The default as the configuration would write it (``--help``): '1GiB',
+        '10s', 'true', '' for an empty string. Computed now: the default socket
+        depends on the user and ``$XDG_RUNTIME_DIR``."""
+        value = self.default()
+        show = getattr(self.parse, "show", None)
+        if show is not None:
+            return str(show(value))
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        if isinstance(value, tuple):
+            return ", ".join(value)
+        return repr(value) if value == "" else str(value)
+
 
 OPTIONS: tuple[Option, ...] = (
     Option(
@@ -214,7 +249,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "server",
         "shutdown_grace",
-        _duration_in(0.0, 300.0),
+        _DurationIn(0.0, 300.0),
         lambda: 5.0,
         "how long in-flight calls may finish after SIGTERM",
         flag="--shutdown-grace",
@@ -240,7 +275,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "memory",
         "budget",
-        _size_in(4096, 1 << 50),
+        _SizeIn(4096, 1 << 50),
         lambda: 1 << 30,
         "bytes of shared memory for all pools' regions together",
         flag="--memory-budget",
@@ -273,7 +308,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "memory",
         "warm_restart_checksum_bytes",
-        _size_in(0, 1 << 30),
+        _SizeIn(0, 1 << 30),
         lambda: 64 << 10,
         "bytes of each completed row the warm-restart checksum covers: the whole row if "
         "it is not larger (0: always the whole row), else evenly spaced 4 KiB pages "
@@ -283,7 +318,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "sessions",
         "lease",
-        _duration_in(0.1, 3600.0),
+        _DurationIn(0.1, 3600.0),
         lambda: 10.0,
         "a session not kept alive this long is closed and its pins released",
         flag="--lease",
@@ -291,7 +326,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "sessions",
         "write_quarantine",
-        _duration_in(0.0, 3600.0),
+        _DurationIn(0.0, 3600.0),
         lambda: 10.0,
         "how long the rows of a store left unfinished by an expired or closed session "
         "stay unused (its writer may still be copying into them)",
@@ -327,7 +362,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "limits",
         "promotion_hold",
-        _duration_in(0.0, 600.0),
+        _DurationIn(0.0, 600.0),
         lambda: 2.0,
         "how long a block promoted from a secondary tier for a Lookup (and the ready "
         "blocks that Lookup waits with) stays pinned for the engine that asked, unless a "
@@ -339,7 +374,7 @@ OPTIONS: tuple[Option, ...] = (
         "events_retained_bytes",
         # at most 1 GiB: one TakeEvents answer may carry them all, and gRPC and
         # protobuf messages stay below 2 GiB
-        _size_in(MAX_EVENT_BYTES, 1 << 30),
+        _SizeIn(MAX_EVENT_BYTES, 1 << 30),
         lambda: 64 << 20,
         "bytes of events each pool keeps for TakeEvents / WatchEvents (keys plus "
         f"{KEY_OVERHEAD_BYTES} bytes per key); the oldest go first, as for events_retained",
@@ -348,7 +383,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "limits",
         "removals_retained_bytes",
-        _size_in(64 << 10, 1 << 40),
+        _SizeIn(64 << 10, 1 << 40),
         lambda: 16 << 20,
         "bytes of recent removals each pool remembers for Explain (keys plus "
         f"{REMOVAL_OVERHEAD_BYTES} bytes per key)",
@@ -365,7 +400,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "limits",
         "watch_write_timeout",
-        _duration_in(0.05, 3600.0),
+        _DurationIn(0.05, 3600.0),
         lambda: 10.0,
         "a WatchEvents stream whose client has not taken an event for this long ends "
         "with OUT_OF_RANGE; a fast lane whose client leaves its answers unread this long "
