@@ -9,6 +9,7 @@ flag); the CLI and the environment names are derived from that table.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import sys
@@ -532,6 +533,46 @@ def load_config(
     config = Config(**sections, tiers=tiers)
     _check_cross_field(config)
     return config
+
+
+# KVTIERD_* variables other programs of this project read, not the daemon: not
+# reported as unknown at start (a test keeps this list complete)
+OTHER_PROGRAMS_ENVIRONMENT: dict[str, str] = {
+    "KVTIERD_ADDRESS": "kvtierctl, kvtierd-health and the client: the daemon's address",
+    "KVTIERD_REPLAY_TRACE": "make replay, make bench-vllm: the trace replayed",
+    "KVTIERD_BENCH_FS_ROOT": "the fs benchmarks: parent of their fs tier roots",
+    "KVTIERD_BENCH_VLLM_PYTHON": "the fs benchmark: the interpreter with vLLM",
+    "KVTIERD_BENCH_WARM_GIB": "the warm-restart benchmark: pool sizes",
+    "KVTIERD_BENCH_WARM_ROUNDS": "the warm-restart benchmark: rounds",
+    "KVTIERD_BENCH_WARM_STORE": "the warm-restart benchmark: cases",
+    "KVTIERD_DEPLOY_CACHE": "make test-deploy: the base image cache",
+    "KVTIERD_DEPLOY_BASE_IMAGE": "make test-deploy: the base image",
+}
+ENV_PREFIX = "KVTIERD_"
+
+
+def unknown_environment(env: Mapping[str, str] | None = None) -> list[str]:
+    """A WARNING line for each ``KVTIERD_*`` variable of ``env`` (default: the
+    process's) that neither the daemon (``Option.env``) nor another program of
+    this project (``OTHER_PROGRAMS_ENVIRONMENT``) reads, naming the closest
+    known name. Such a variable is ignored: a misspelt one would change nothing."""
+    env = os.environ if env is None else env
+    known = [option.env for option in OPTIONS] + list(OTHER_PROGRAMS_ENVIRONMENT)
+    warnings = []
+    for name in sorted(env):
+        if not name.startswith(ENV_PREFIX) or name in known:
+            continue
+        key = name[len(ENV_PREFIX) :].lower()  # a key without its section (LEASE)
+        close = [o.env for o in OPTIONS if o.key == key] or difflib.get_close_matches(
+            name, known, n=1, cutoff=0.75
+        )
+        hint = (
+            f"did you mean {close[0]}?"
+            if close
+            else "the daemon reads KVTIERD_<SECTION>_<KEY> for the keys kvtierd --help lists"
+        )
+        warnings.append(f"unknown environment variable {name} is ignored; {hint}")
+    return warnings
 
 
 def _check_cross_field(config: Config) -> None:

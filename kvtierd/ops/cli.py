@@ -18,7 +18,7 @@ import textwrap
 from collections.abc import Sequence
 
 from kvtierd import __version__
-from kvtierd.config import OPTIONS, Config, ConfigError, Option, load_config
+from kvtierd.config import OPTIONS, Config, ConfigError, Option, load_config, unknown_environment
 from kvtierd.errors import StartupError
 from kvtierd.tiers import registry
 
@@ -108,6 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvtierd: invalid configuration: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     configure_logging(config.log.level)
+    for warning in unknown_environment():
+        logging.getLogger("kvtierd").warning("%s", warning)
     from kvtierd.ops.daemon import serve  # heavy imports after argument checks
 
     try:

@@ -52,6 +52,7 @@ from kvtierd.security.tokens import TokensFileError
 from kvtierd.security.trusted_dirs import UntrustedPath, require_own_entries, require_trusted_dir
 from kvtierd.tiers import registry
 from kvtierd.tiers.configured import ConfiguredTier, TierCheckError
+from kvtierd.util.units import format_bytes
 from kvtierd_client.wire.peer_ticket import ticket_socket_path
 
 log = logging.getLogger("kvtierd.daemon")
@@ -127,6 +128,9 @@ class Daemon:
 
     async def start(self) -> None:
         _check_shm_dir(self.config.memory.shm_dir)
+        warning = budget_warning(self.config.memory.budget, self.config.memory.shm_dir)
+        if warning is not None:
+            log.warning("%s", warning)
         self._check_tiers()
         await self._start_metrics()
         server, self._health = build_server(self.service, self.config.limits, self.security)
@@ -148,8 +152,9 @@ class Daemon:
             self._watchdog = asyncio.create_task(self._ping_watchdog(interval))
         notify(f"READY=1\nSTATUS=serving on {', '.join(self.config.server.listen)}")
         log.info(
-            "kvtierd ready: pid %d, budget %d bytes in %s, lease %gs",
-            os.getpid(), self.config.memory.budget, self.config.memory.shm_dir,
+            "kvtierd ready: pid %d, serving on %s, budget %s in %s, lease %gs",
+            os.getpid(), ", ".join(self.config.server.listen),
+            format_bytes(self.config.memory.budget), self.config.memory.shm_dir,
             self.config.sessions.lease,
         )  # fmt: skip
 
@@ -362,6 +367,28 @@ def _check_shm_dir(path: str) -> None:
         raise ConfigError(
             "memory.shm_dir", f"cannot create files in {path}: {exc.strerror}"
         ) from None
+
+
+def budget_warning(budget: int, shm_dir: str) -> str | None:
+    """What to say when ``memory.budget`` is more than this machine's memory or the
+    size of the file system of ``shm_dir`` (the region files live there): the
+    daemon starts anyway (a pool is refused when its region cannot be made). None
+    when it fits both."""
+    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    mount = os.statvfs(shm_dir)
+    shm_size = mount.f_blocks * mount.f_frsize
+    over = []
+    if budget > machine:
+        over.append(f"this machine's memory ({format_bytes(machine)})")
+    if budget > shm_size:
+        over.append(f"the size of the file system of {shm_dir} ({format_bytes(shm_size)})")
+    if not over:
+        return None
+    return (
+        f"memory.budget ({format_bytes(budget)}) is more than {' and '.join(over)}: pools "
+        "are refused (or the machine runs short of memory) before the budget is reached; "
+        "lower memory.budget (--memory-budget)"
+    )
 
 
 async def serve(config: Config) -> None:
