@@ -275,8 +275,14 @@ def tcp_bind_refusal(address: str) -> str | None:
 def _add_unix(server: TransportServers, path: str, gid: int | None) -> None:
     _make_socket_directory(os.path.dirname(path), gid)
     _remove_stale_socket(path)
+    refusal = _unix_bind_refusal(path)
+    if refusal is not None:
+        raise ListenError(f"cannot listen on unix socket {path}: {refusal}")
     with _umask(0o117):
-        bound = server.add_insecure_port("unix:" + path)
+        try:
+            bound = server.add_insecure_port("unix:" + path)
+        except RuntimeError:  # taken since the probe
+            bound = 0
     if bound == 0:
         raise ListenError(f"cannot listen on unix socket {path}")
     try:
@@ -288,6 +294,28 @@ def _add_unix(server: TransportServers, path: str, gid: int | None) -> None:
             f"cannot give unix socket {path} mode 0660 and group {gid}: {exc.strerror}"
         ) from None
     log.info("listening on unix socket %s (mode 0660)", path)
+
+
+def _unix_bind_refusal(path: str) -> str | None:
+    """Why a socket cannot be bound at ``path`` (a directory the daemon may not
+    write in...), with what to do; None when a plain socket binds there. gRPC's
+    refusal says only "Failed to bind" after a line of its own on stderr. The
+    probe is bound with the listeners' umask and never listens (a connect is
+    refused), then removed."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        with _umask(0o117):
+            probe.bind(path)
+    except OSError as exc:
+        return (
+            f"{exc.strerror}; choose another listen path, or one in a directory the "
+            "daemon's user may write"
+        )
+    finally:
+        probe.close()
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    return None
 
 
 def _make_socket_directory(directory: str, gid: int | None) -> None:

@@ -202,6 +202,23 @@ def test_unwritable_fs_root_refuses_to_start_naming_it(tmp_path):
     assert f"tiers[0].root: fs tier fs0: root directory {root} is not writable" in result.stderr
 
 
+def test_an_fs_root_that_cannot_be_checked_refuses_to_start_naming_it(tmp_path):
+    """Its entries cannot be listed or tightened (a traceback and exit 1 before). As
+    root: /proc, whose directories root may not chmod; otherwise a 0300 directory."""
+    if os.geteuid() == 0:
+        root, reason = "/proc", "Operation not permitted"
+    else:
+        root, reason = str(tmp_path / "unlistable"), "Permission denied"
+        os.mkdir(root, mode=0o300)
+    result = run_daemon(config=f"[[tiers]]\ntype = 'fs'\nroot = '{root}'\n", tmp_path=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert (
+        f"tiers[0].root: fs tier fs0: root directory {root} cannot be checked by this process "
+        f"(uid {os.geteuid()}): {reason}"
+    ) in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 # ----------------------------------------------------------------- start-up refusals
 # Problems the operator fixes that are not a bad value (a socket or port in use, a
 # directory that cannot be made) exit 2 with one line, like a bad value: no traceback
@@ -247,6 +264,22 @@ def test_a_socket_directory_that_cannot_be_made_is_one_line(tmp_path):
         f"kvtierd: cannot start: server.listen: cannot create socket directory "
         f"{parent}/kvtierd-nope: {reason}; create it for the daemon's user or choose another "
         "listen path"
+    )
+
+
+def test_a_socket_directory_the_daemon_may_not_write_is_one_line(tmp_path):
+    """The directory exists but no socket can be made in it (gRPC said only "Failed
+    to bind", a traceback). As root: sysfs; otherwise a 0555 directory."""
+    if os.geteuid() == 0:
+        parent, reason = "/sys", "Operation not permitted"
+    else:
+        parent, reason = str(tmp_path / "read-only"), "Permission denied"
+        os.mkdir(parent, mode=0o555)
+    line = refusal("--listen", f"unix://{parent}/kvtierd.sock", tmp_path=tmp_path)
+    assert line == (
+        f"kvtierd: cannot start: server.listen: cannot listen on unix socket "
+        f"{parent}/kvtierd.sock: {reason}; choose another listen path, or one in a directory "
+        "the daemon's user may write"
     )
 
 
