@@ -37,21 +37,28 @@ $(GEN_STAMP): pyproject.toml
 	$(GEN_VENV)/bin/python -m pip install -q '$(GRPC_TOOLS)'
 	touch $@
 
+# Prints where the daemon serves, how to reach it with kvtierctl (in the venv, not on
+# PATH) and what it writes outside the checkout (as root: /run/kvtierd for the socket,
+# /var/lib/kvtierd for the fs tier; region files in /dev/shm), then runs it.
 run: install
+	@$(BIN)/python tools/run_banner.py $(BIN)
 	$(BIN)/kvtierd
 
 test: install test-tools
 	$(BIN)/python -m pytest -q --ignore=tests/vllm --ignore=tests/deploy
 
-# Tools some tests drive for real; installed when missing and possible (root + apt),
-# otherwise the tests that need them say so and skip.
+# Tools some tests drive for real; installed when missing and possible (root + apt:
+# a system-wide change, said as it happens), otherwise the tests that need them say so
+# and skip.
 test-tools:
 	@command -v systemd-analyze >/dev/null 2>&1 || \
 	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	    echo "as root: apt-get install systemd (systemd-analyze, for the unit-file check)" && \
 	    apt-get install -y -q --no-install-recommends systemd >/dev/null 2>&1; } || \
 	  echo "systemd-analyze not available: the unit-file check will be skipped"
 	@command -v redis-server >/dev/null 2>&1 || \
 	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	    echo "as root: apt-get install redis-server (for the redis tier tests)" && \
 	    apt-get install -y -q --no-install-recommends redis-server >/dev/null 2>&1; } || \
 	  echo "redis-server not available: the redis tier tests will be skipped"
 
@@ -64,6 +71,7 @@ test-tools:
 test-deploy: install
 	@{ command -v dockerd && command -v debootstrap; } >/dev/null 2>&1 || \
 	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	    echo "as root: apt-get install docker.io debootstrap (for the container tests)" && \
 	    { apt-get install -y -q --no-install-recommends docker.io debootstrap >/dev/null 2>&1 || \
 	      { apt-get update -q >/dev/null 2>&1 && \
 	        apt-get install -y -q --no-install-recommends docker.io debootstrap >/dev/null 2>&1; }; }; } || \

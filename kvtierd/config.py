@@ -9,6 +9,7 @@ flag); the CLI and the environment names are derived from that table.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import sys
@@ -23,7 +24,13 @@ from kvtierd.security import config as security_config
 from kvtierd.security.config import SecurityConfig, SecurityOptionError
 from kvtierd.tiers import registry
 from kvtierd.tiers.configured import TierOptionError, TierSettings
-from kvtierd.util.units import format_bytes, parse_duration, parse_size
+from kvtierd.util.units import (
+    format_bytes,
+    format_duration,
+    format_size,
+    parse_duration,
+    parse_size,
+)
 from kvtierd_client.wire.address import default_socket_path
 
 if sys.version_info >= (3, 11):
@@ -54,26 +61,41 @@ def _int_in(lo: int, hi: int) -> Callable[[Any], int]:
     return parse
 
 
-def _size_in(lo: int, hi: int) -> Callable[[Any], int]:
-    def parse(value: Any) -> int:
+class _SizeIn:
+    """A size option's parser: bytes in [lo, hi] (``units.parse_size``)."""
+
+    def __init__(self, lo: int, hi: int) -> None:
+        self.lo, self.hi = lo, hi
+
+    def __call__(self, value: Any) -> int:
         number = parse_size(value)
-        if not lo <= number <= hi:
+        if not self.lo <= number <= self.hi:
             raise ValueError(
-                f"must be between {format_bytes(lo)} and {format_bytes(hi)}, got {value!r}"
+                f"must be between {format_bytes(self.lo)} and {format_bytes(self.hi)}, "
+                f"got {value!r}"
             )
         return number
 
-    return parse
+    @staticmethod
+    def show(value: int) -> str:
+        return format_size(value)
 
 
-def _duration_in(lo: float, hi: float) -> Callable[[Any], float]:
-    def parse(value: Any) -> float:
+class _DurationIn:
+    """A duration option's parser: seconds in [lo, hi] (``units.parse_duration``)."""
+
+    def __init__(self, lo: float, hi: float) -> None:
+        self.lo, self.hi = lo, hi
+
+    def __call__(self, value: Any) -> float:
         seconds = parse_duration(value)
-        if not lo <= seconds <= hi:
-            raise ValueError(f"must be between {lo:g}s and {hi:g}s, got {value!r}")
+        if not self.lo <= seconds <= self.hi:
+            raise ValueError(f"must be between {self.lo:g}s and {self.hi:g}s, got {value!r}")
         return seconds
 
-    return parse
+    @staticmethod
+    def show(value: float) -> str:
+        return format_duration(value)
 
 
 def _choice(*choices: str) -> Callable[[Any], str]:
@@ -205,6 +227,20 @@ class Option:
     def env(self) -> str:
         return f"KVTIERD_{self.section}_{self.key}".upper()
 
+    def default_text(self) -> str:
+        """The default as the configuration would write it (``--help``): '1GiB',
+        '10s', 'true', '' for an empty string. Computed now: the default socket
+        depends on the user and ``$XDG_RUNTIME_DIR``."""
+        value = self.default()
+        show = getattr(self.parse, "show", None)
+        if show is not None:
+            return str(show(value))
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        if isinstance(value, tuple):
+            return ", ".join(value)
+        return repr(value) if value == "" else str(value)
+
 
 OPTIONS: tuple[Option, ...] = (
     Option(
@@ -245,7 +281,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "server",
         "shutdown_grace",
-        _duration_in(0.0, 300.0),
+        _DurationIn(0.0, 300.0),
         lambda: 5.0,
         "how long in-flight calls may finish after SIGTERM",
         flag="--shutdown-grace",
@@ -273,7 +309,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "memory",
         "budget",
-        _size_in(4096, 1 << 50),
+        _SizeIn(4096, 1 << 50),
         lambda: 1 << 30,
         "bytes of shared memory for all pools' regions together",
         flag="--memory-budget",
@@ -306,7 +342,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "memory",
         "warm_restart_checksum_bytes",
-        _size_in(0, 1 << 30),
+        _SizeIn(0, 1 << 30),
         lambda: 64 << 10,
         "bytes of each completed row the warm-restart checksum covers: the whole row if "
         "it is not larger (0: always the whole row), else evenly spaced 4 KiB pages "
@@ -316,7 +352,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "sessions",
         "lease",
-        _duration_in(0.1, 3600.0),
+        _DurationIn(0.1, 3600.0),
         lambda: 10.0,
         "a session not kept alive this long is closed and its pins released",
         flag="--lease",
@@ -324,7 +360,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "sessions",
         "write_quarantine",
-        _duration_in(0.0, 3600.0),
+        _DurationIn(0.0, 3600.0),
         lambda: 10.0,
         "how long the rows of a store left unfinished by an expired or closed session "
         "stay unused (its writer may still be copying into them)",
@@ -360,7 +396,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "limits",
         "promotion_hold",
-        _duration_in(0.0, 600.0),
+        _DurationIn(0.0, 600.0),
         lambda: 2.0,
         "how long a block promoted from a secondary tier for a Lookup (and the ready "
         "blocks that Lookup waits with) stays pinned for the engine that asked, unless a "
@@ -372,7 +408,7 @@ OPTIONS: tuple[Option, ...] = (
         "events_retained_bytes",
         # at most 1 GiB: one TakeEvents answer may carry them all, and gRPC and
         # protobuf messages stay below 2 GiB
-        _size_in(MAX_EVENT_BYTES, 1 << 30),
+        _SizeIn(MAX_EVENT_BYTES, 1 << 30),
         lambda: 64 << 20,
         "bytes of events each pool keeps for TakeEvents / WatchEvents (keys plus "
         f"{KEY_OVERHEAD_BYTES} bytes per key); the oldest go first, as for events_retained",
@@ -381,7 +417,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "limits",
         "removals_retained_bytes",
-        _size_in(64 << 10, 1 << 40),
+        _SizeIn(64 << 10, 1 << 40),
         lambda: 16 << 20,
         "bytes of recent removals each pool remembers for Explain (keys plus "
         f"{REMOVAL_OVERHEAD_BYTES} bytes per key)",
@@ -398,7 +434,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "limits",
         "watch_write_timeout",
-        _duration_in(0.05, 3600.0),
+        _DurationIn(0.05, 3600.0),
         lambda: 10.0,
         "a WatchEvents stream whose client has not taken an event for this long ends "
         "with OUT_OF_RANGE; a fast lane whose client leaves its answers unread this long, "
@@ -535,6 +571,46 @@ def load_config(
     return config
 
 
+# KVTIERD_* variables other programs of this project read, not the daemon: not
+# reported as unknown at start (a test keeps this list complete)
+OTHER_PROGRAMS_ENVIRONMENT: dict[str, str] = {
+    "KVTIERD_ADDRESS": "kvtierctl, kvtierd-health and the client: the daemon's address",
+    "KVTIERD_REPLAY_TRACE": "make replay, make bench-vllm: the trace replayed",
+    "KVTIERD_BENCH_FS_ROOT": "the fs benchmarks: parent of their fs tier roots",
+    "KVTIERD_BENCH_VLLM_PYTHON": "the fs benchmark: the interpreter with vLLM",
+    "KVTIERD_BENCH_WARM_GIB": "the warm-restart benchmark: pool sizes",
+    "KVTIERD_BENCH_WARM_ROUNDS": "the warm-restart benchmark: rounds",
+    "KVTIERD_BENCH_WARM_STORE": "the warm-restart benchmark: cases",
+    "KVTIERD_DEPLOY_CACHE": "make test-deploy: the base image cache",
+    "KVTIERD_DEPLOY_BASE_IMAGE": "make test-deploy: the base image",
+}
+ENV_PREFIX = "KVTIERD_"
+
+
+def unknown_environment(env: Mapping[str, str] | None = None) -> list[str]:
+    """A WARNING line for each ``KVTIERD_*`` variable of ``env`` (default: the
+    process's) that neither the daemon (``Option.env``) nor another program of
+    this project (``OTHER_PROGRAMS_ENVIRONMENT``) reads, naming the closest
+    known name. Such a variable is ignored: a misspelt one would change nothing."""
+    env = os.environ if env is None else env
+    known = [option.env for option in OPTIONS] + list(OTHER_PROGRAMS_ENVIRONMENT)
+    warnings = []
+    for name in sorted(env):
+        if not name.startswith(ENV_PREFIX) or name in known:
+            continue
+        key = name[len(ENV_PREFIX) :].lower()  # a key without its section (LEASE)
+        close = [o.env for o in OPTIONS if o.key == key] or difflib.get_close_matches(
+            name, known, n=1, cutoff=0.75
+        )
+        hint = (
+            f"did you mean {close[0]}?"
+            if close
+            else "the daemon reads KVTIERD_<SECTION>_<KEY> for the keys kvtierd --help lists"
+        )
+        warnings.append(f"unknown environment variable {name} is ignored; {hint}")
+    return warnings
+
+
 def _check_cross_field(config: Config) -> None:
     try:
         security_config.check_security(config.security, config.server.listen)
@@ -556,6 +632,8 @@ def _read_toml(path: str) -> dict[str, Any]:
             return tomllib.load(handle)
     except FileNotFoundError:
         raise ConfigError("--config", f"no such file: {path}") from None
+    except OSError as exc:  # a directory, no permission...
+        raise ConfigError("--config", f"cannot read {path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError("--config", f"{path} is not valid TOML: {exc}") from None
 

@@ -11,6 +11,17 @@ from __future__ import annotations
 import grpc
 
 
+class StartupError(Exception):
+    """The daemon cannot start for a reason its operator can fix that is not a bad
+    value (a socket or port another process holds, a directory it may not create);
+    ``key`` names the option involved (``server.listen``). Exit code 2 and one line
+    on stderr, like ``ConfigError``: never a traceback."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
 class ConfigError(ValueError):
     """An invalid configuration value; ``key`` is its dotted name (``memory.budget``).
     Not a client's error: the daemon refuses to start (exit code 2) or, on SIGHUP,

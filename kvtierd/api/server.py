@@ -28,6 +28,7 @@ from kvtierd.api import grpclog, guards
 from kvtierd.api.grpc_service import GrpcService
 from kvtierd.api.validation import MAX_KEY_BYTES
 from kvtierd.config import ConfigError, LimitsConfig
+from kvtierd.errors import StartupError
 from kvtierd.security.state import SecurityState
 from kvtierd.util import filekind
 from kvtierd_client.wire.proto import pb2, pb2_grpc
@@ -41,8 +42,12 @@ _GRPC_MAX_MESSAGE_BYTES = (1 << 31) - 1  # gRPC's message length options are C i
 STALE_PROBE_TIMEOUT = 1.0  # seconds a connect to a leftover socket file may take
 
 
-class ListenError(RuntimeError):
-    """A listen address cannot be served (in use, no permission, bad directory)."""
+class ListenError(StartupError):
+    """A listen address cannot be served (in use, no permission, bad directory):
+    the operator's to fix, so one line and exit code 2, naming ``server.listen``."""
+
+    def __init__(self, message: str, key: str = "server.listen") -> None:
+        super().__init__(key, message)
 
 
 def max_receive_bytes(limits: LimitsConfig) -> int:
@@ -214,26 +219,103 @@ def add_listeners(
             _add_unix(server, path, gid)
             bound.append(path)
         else:
-            if tls is None:
-                port = server.add_insecure_port(address)
-            else:
-                port = server.add_secure_port(address, tls())
-            if port == 0:
-                raise ListenError(f"cannot listen on {address} (in use or not a local address)")
-            log.info("listening on tcp %s (%s)", address, "TLS" if tls else "plain text")
+            _add_tcp(server, address, tls)
+
+
+def _add_tcp(
+    server: TransportServers,
+    address: str,
+    tls: Callable[[], grpc.ServerCredentials] | None,
+) -> None:
+    """Binds a TCP listener. The address is first bound with a plain socket (closed
+    at once): gRPC's refusal says only "Failed to bind" (a RuntimeError, after a
+    line of its own on stderr), the probe's errno says why."""
+    refusal = tcp_bind_refusal(address)
+    if refusal is not None:
+        raise ListenError(f"cannot listen on {address}: {refusal}")
+    try:
+        if tls is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, tls())
+    except RuntimeError:
+        port = 0
+    if port == 0:  # taken between the probe and now
+        refusal = tcp_bind_refusal(address) or "gRPC could not bind it (GRPC_VERBOSITY=debug)"
+        raise ListenError(f"cannot listen on {address}: {refusal}")
+    log.info("listening on tcp %s (%s)", address, "TLS" if tls else "plain text")
+
+
+def tcp_bind_refusal(address: str) -> str | None:
+    """Why ``address`` (HOST:PORT) cannot be bound, with what to do; None when a
+    plain socket binds it (and is closed at once)."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(
+            host, int(port), type=socket.SOCK_STREAM
+        )[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does
+            probe.bind(sockaddr)
+    except socket.gaierror as exc:
+        return f"{host} does not resolve ({exc.strerror})"
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            return (
+                "address already in use: another process (another kvtierd?) listens there; "
+                "stop it or choose another port"
+            )
+        if exc.errno == errno.EADDRNOTAVAIL:
+            return f"{host} is not an address of this host"
+        return exc.strerror or str(exc)
+    return None
 
 
 def _add_unix(server: TransportServers, path: str, gid: int | None) -> None:
     _make_socket_directory(os.path.dirname(path), gid)
     _remove_stale_socket(path)
+    refusal = _unix_bind_refusal(path)
+    if refusal is not None:
+        raise ListenError(f"cannot listen on unix socket {path}: {refusal}")
     with _umask(0o117):
-        bound = server.add_insecure_port("unix:" + path)
+        try:
+            bound = server.add_insecure_port("unix:" + path)
+        except RuntimeError:  # taken since the probe
+            bound = 0
     if bound == 0:
         raise ListenError(f"cannot listen on unix socket {path}")
-    os.chmod(path, 0o660)
-    if gid is not None:
-        os.chown(path, -1, gid)
+    try:
+        os.chmod(path, 0o660)
+        if gid is not None:
+            os.chown(path, -1, gid)
+    except OSError as exc:
+        raise ListenError(
+            f"cannot give unix socket {path} mode 0660 and group {gid}: {exc.strerror}"
+        ) from None
     log.info("listening on unix socket %s (mode 0660)", path)
+
+
+def _unix_bind_refusal(path: str) -> str | None:
+    """Why a socket cannot be bound at ``path`` (a directory the daemon may not
+    write in...), with what to do; None when a plain socket binds there. gRPC's
+    refusal says only "Failed to bind" after a line of its own on stderr. The
+    probe is bound with the listeners' umask and never listens (a connect is
+    refused), then removed."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        with _umask(0o117):
+            probe.bind(path)
+    except OSError as exc:
+        return (
+            f"{exc.strerror}; choose another listen path, or one in a directory the "
+            "daemon's user may write"
+        )
+    finally:
+        probe.close()
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    return None
 
 
 def _make_socket_directory(directory: str, gid: int | None) -> None:
@@ -249,14 +331,22 @@ def _make_socket_directory(directory: str, gid: int | None) -> None:
         if parent == current:
             break
         current = parent
-    try:
-        for created in reversed(missing):
+    for created in reversed(missing):
+        try:
             os.makedirs(created, mode=0o750, exist_ok=True)
             if gid is not None:
                 os.chown(created, -1, gid)
                 os.chmod(created, 0o750)
-    except OSError as exc:
-        raise ListenError(f"cannot create socket directory {directory}: {exc.strerror}") from None
+        except (FileExistsError, NotADirectoryError):
+            raise ListenError(
+                f"cannot create socket directory {directory}: {created} exists and is not a "
+                "directory; choose another listen path"
+            ) from None
+        except OSError as exc:
+            raise ListenError(
+                f"cannot create socket directory {directory}: {exc.strerror}; create it for "
+                "the daemon's user or choose another listen path"
+            ) from None
 
 
 def bind_unix_socket(path: str, gid: int | None, what: str = "peer tickets") -> socket.socket:
@@ -284,7 +374,7 @@ def _remove_stale_socket(path: str) -> None:
     """Clears ``path`` for binding: a socket file nobody answers on (left by a
     crashed daemon) is removed with a WARNING. Anything else refuses the start:
     a socket another process serves (``ListenError``), and any other kind of
-    file, a symlink included, never followed (``ConfigError``, exit code 2);
+    file, a symlink included, never followed (``ConfigError``); both exit code 2;
     those are left untouched."""
     try:
         info = os.lstat(path)
@@ -311,7 +401,10 @@ def _remove_stale_socket(path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
     else:
-        raise ListenError(f"another process is already serving {path}; stop it first")
+        raise ListenError(
+            f"another process is already serving {path}; stop it first, or give this "
+            "daemon another listen path"
+        )
     finally:
         probe.close()
 

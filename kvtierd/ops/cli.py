@@ -3,7 +3,9 @@
 
 Flags are generated from ``config.OPTIONS`` so each option is declared once.
 This is the only module that exits the process; exit code 2 means the
-configuration is invalid (the message names the key).
+configuration is invalid or the daemon cannot start for a reason its operator
+can fix (a socket or port in use, a directory it may not create): one line on
+stderr naming the key, never a traceback. Exit code 1 is a failure of the daemon.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ import argparse
 import asyncio
 import logging
 import sys
+import textwrap
 from collections.abc import Sequence
 
 from kvtierd import __version__
-from kvtierd.config import OPTIONS, Config, ConfigError, load_config
+from kvtierd.config import OPTIONS, Config, ConfigError, Option, load_config, unknown_environment
+from kvtierd.errors import StartupError
 from kvtierd.tiers import registry
 
 EXIT_CONFIG = 2
@@ -23,16 +27,22 @@ EXIT_RUNTIME = 1
 CTL_COMMANDS = ("fsck",)  # operator commands also reachable as `kvtierd <command>`
 
 
+HELP_WIDTH = 79
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """Flags from ``OPTIONS``, each help line with its default as it would be
+    written (computed now: the default socket depends on the user), its key and
+    its environment variable; the epilog lists the tier types' options."""
     parser = argparse.ArgumentParser(
         prog="kvtierd",
-        description="KV-cache tiering daemon: a shared-memory primary tier plus secondary tiers, "
-        "served over gRPC.",
-        epilog="Every key can also be set with KVTIERD_<SECTION>_<KEY> in the environment "
-        "(e.g. KVTIERD_MEMORY_BUDGET=8GiB). Precedence: flag > environment > file > default. "
-        "Operator commands: kvtierd fsck ROOT (see kvtierctl --help). Secondary tiers are "
-        "[[tiers]] tables of the --config file (type, name, then the type's options): "
-        + registry.help_text(),
+        description=textwrap.fill(
+            "KV-cache tiering daemon: a shared-memory primary tier plus secondary tiers, "
+            "served over gRPC.",
+            HELP_WIDTH,
+        ),
+        epilog=_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # the epilog's lists stay lists
     )
     parser.add_argument("--version", action="version", version=f"kvtierd {__version__}")
     parser.add_argument("--config", metavar="FILE", help="TOML configuration file")
@@ -45,9 +55,31 @@ def build_parser() -> argparse.ArgumentParser:
             metavar=option.key.upper(),
             action="append" if option.repeatable else "store",
             default=None,
-            help=f"{option.help} [{option.dotted}, env {option.env}]",
+            help=_flag_help(option),
         )
     return parser
+
+
+def _flag_help(option: Option) -> str:
+    repeat = "; repeat the flag for several" if option.repeatable else ""
+    env = f"env {option.env}" + (" as A,B" if option.repeatable else "")
+    default = option.default_text().replace("%", "%%")  # argparse %-formats help
+    return f"{option.help}{repeat} (default: {default}) [{option.dotted}, {env}]"
+
+
+def _epilog() -> str:
+    paragraphs = (
+        "Every key can also be set with KVTIERD_<SECTION>_<KEY> in the environment "
+        "(e.g. KVTIERD_MEMORY_BUDGET=8GiB). Precedence: flag > environment > file > "
+        "default. Sizes are binary: a number of bytes or a number with KiB, MiB, GiB, TiB "
+        "or PiB (GB, G and Gi are refused); durations take ms, s, m or h ('10s'); a "
+        "duration without a unit is refused, except 0.",
+        "Operator commands: kvtierd fsck ROOT (see kvtierctl --help).",
+        "Secondary tiers are [[tiers]] tables of the --config file (type, name, then the "
+        "type's options):",
+    )
+    text = "\n\n".join(textwrap.fill(p, HELP_WIDTH) for p in paragraphs)
+    return f"{text}\n{registry.help_text(HELP_WIDTH)}"
 
 
 def parse_config(argv: Sequence[str] | None = None) -> Config:
@@ -76,12 +108,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvtierd: invalid configuration: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     configure_logging(config.log.level)
+    for warning in unknown_environment():
+        logging.getLogger("kvtierd").warning("%s", warning)
     from kvtierd.ops.daemon import serve  # heavy imports after argument checks
 
     try:
         _run(serve(config))
     except ConfigError as exc:
         print(f"kvtierd: invalid configuration: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except StartupError as exc:  # the operator's to fix (a busy socket or port...)
+        print(f"kvtierd: cannot start: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     except Exception as exc:
         logging.getLogger("kvtierd").error("kvtierd failed: %s", exc, exc_info=True)

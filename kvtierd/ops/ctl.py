@@ -1,7 +1,8 @@
 """``kvtierctl``: the operator's command line (also reachable as ``kvtierd <command>``).
 
 Exit codes: 0 success (fsck: every block verified), 1 a problem was found or
-the daemon answered with an error (one readable line on stderr), 2 bad usage.
+the daemon answered with an error (one readable line on stderr), 2 bad usage,
+141 stdout's reader closed the pipe (``| head``; nothing on stderr).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 EXIT_OK = 0
 EXIT_PROBLEM = 1
 EXIT_USAGE = 2
+EXIT_PIPE = 128 + 13  # stdout's reader went away (SIGPIPE's status in the shell)
 
 
 class Progress:
@@ -77,6 +79,18 @@ def cmd_fsck(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------- daemon commands
 
 
+def daemon_address(args: argparse.Namespace) -> tuple[str, str]:
+    """The address kvtierctl talks to and where it came from: ``--address``, else
+    ``$KVTIERD_ADDRESS``, else the default socket (``kvtierd_client.wire.address``)."""
+    from kvtierd_client.wire.address import ADDRESS_ENV, default_socket_path
+
+    if args.address:
+        return args.address, "--address"
+    if os.environ.get(ADDRESS_ENV):
+        return os.environ[ADDRESS_ENV], f"${ADDRESS_ENV}"
+    return "unix://" + default_socket_path(), "the default socket"
+
+
 def _client(args: argparse.Namespace) -> Client:
     """A client for the global flags; a bad address or TLS file is a usage error."""
     from kvtierd_client.client import Client
@@ -89,7 +103,8 @@ def _client(args: argparse.Namespace) -> Client:
                 ca_file=args.tls_ca, cert_file=args.tls_cert, key_file=args.tls_key,
                 server_name=args.tls_server_name,
             )  # fmt: skip
-        return Client(args.address, timeout=args.timeout, token=args.token, tls=tls)
+        address, _ = daemon_address(args)
+        return Client(address, timeout=args.timeout, token=args.token, tls=tls)
     except (OSError, ValueError) as exc:
         print(f"kvtierctl: {exc}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE) from None
@@ -113,8 +128,10 @@ def _duration(seconds: float) -> str:
 def cmd_status(args: argparse.Namespace) -> int:
     with _client(args) as client:
         stats = client.get_stats()
+    address, source = daemon_address(args)
+    origin = "" if source == "--address" else f" ({source})"
     print(
-        f"kvtierd {stats.version} at {args.address or 'the default socket'}: up "
+        f"kvtierd {stats.version} at {address}{origin}: up "
         f"{_duration(stats.uptime_seconds)}, {stats.sessions} sessions, {len(stats.pools)} pools, "
         f"memory {_human_bytes(stats.memory_used_bytes)} of "
         f"{_human_bytes(stats.memory_budget_bytes)}"
@@ -244,12 +261,41 @@ def cmd_stats(args: argparse.Namespace) -> int:
     with _client(args) as client:
         stats = client.get_stats(args.pool or "")
     if args.json:
-        from google.protobuf.json_format import MessageToDict
-
-        print(json.dumps(MessageToDict(stats, preserving_proto_field_name=True), indent=2))
+        print(json.dumps(message_json(stats), indent=2))
         return EXIT_OK
     print("\n".join(stats_table(stats)))
     return EXIT_OK
+
+
+def message_json(message: Any) -> dict[str, Any]:
+    """``message`` as JSON values for ``--json``: every field, zeros included (``jq
+    .hits`` is 0, not null), under its proto name, and 64-bit integers as JSON
+    numbers (protobuf's JSON mapping writes them as strings; Python's json reads
+    big numbers exactly)."""
+    from google.protobuf.json_format import MessageToDict
+
+    data = MessageToDict(
+        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    return _numbers_64(message.DESCRIPTOR, data)
+
+
+def _numbers_64(descriptor: Any, data: dict[str, Any]) -> dict[str, Any]:
+    from google.protobuf.descriptor import FieldDescriptor
+
+    wide = (FieldDescriptor.CPPTYPE_INT64, FieldDescriptor.CPPTYPE_UINT64)
+    for field in descriptor.fields:
+        if field.name not in data:
+            continue
+        value = data[field.name]
+        repeated = isinstance(value, list)
+        items = value if repeated else [value]
+        if field.cpp_type in wide:
+            items = [int(item) for item in items]
+        elif field.message_type is not None and not field.message_type.GetOptions().map_entry:
+            items = [_numbers_64(field.message_type, item) for item in items]
+        data[field.name] = items if repeated else items[0]
+    return data
 
 
 def watch_stats(args: argparse.Namespace) -> int:
@@ -356,7 +402,7 @@ def build_parser(prog: str = "kvtierctl") -> argparse.ArgumentParser:
         "--address",
         default=None,
         help="daemon address, unix:///path, HOST:PORT or tls://HOST:PORT (default: "
-        "$KVTIERD_ADDRESS or the default socket)",
+        f"{_default_address_text()})",
     )
     parser.add_argument(
         "--timeout", type=float, default=10.0, help="seconds to wait for each answer (default 10)"
@@ -410,6 +456,17 @@ def build_parser(prog: str = "kvtierctl") -> argparse.ArgumentParser:
     return parser
 
 
+def _default_address_text() -> str:
+    from kvtierd_client.wire.address import ADDRESS_ENV, default_socket_path
+
+    socket_address = f"unix://{default_socket_path()}"
+    if os.environ.get(ADDRESS_ENV):
+        text = f"${ADDRESS_ENV}, now {os.environ[ADDRESS_ENV]}; unset: {socket_address}"
+    else:
+        text = f"${ADDRESS_ENV} when set, else {socket_address}"
+    return text.replace("%", "%%")  # argparse %-formats help
+
+
 def _add_tls_flags(parser: argparse.ArgumentParser) -> None:
     """TLS for a TCP address; any of these turns it on (as a tls://HOST:PORT address)."""
     tls = parser.add_argument_group("TLS (TCP addresses)")
@@ -439,6 +496,21 @@ def main(argv: Sequence[str] | None = None, prog: str = "kvtierctl") -> int:
     except KvtierError as exc:  # one readable line; the status code name says what kind
         print(f"{prog} {args.command}: {exc}", file=sys.stderr)
         return EXIT_PROBLEM
+    except BrokenPipeError:
+        return reader_went_away()
+
+
+def reader_went_away() -> int:
+    """stdout's reader closed the pipe (``kvtierctl stats --json | head``): stop
+    without a word, as a program SIGPIPE ends does; what is still buffered goes to
+    /dev/null (the interpreter's last flush would raise again). Exit status 141,
+    the shell's for a program SIGPIPE killed."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
+    return EXIT_PIPE
 
 
 def entry_point() -> None:

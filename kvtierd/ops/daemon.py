@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import grp
 import logging
 import os
@@ -39,6 +40,7 @@ from kvtierd.api.watch import WatchStreams
 from kvtierd.config import Config, ConfigError
 from kvtierd.core.pools import PoolTable, region_access_text
 from kvtierd.core.sessions import SessionTable
+from kvtierd.errors import StartupError
 from kvtierd.ops.metrics import Metrics, pool_labels_for
 from kvtierd.ops.metrics_http import MetricsEndpoint
 from kvtierd.ops.sdnotify import notify, watchdog_interval
@@ -50,6 +52,7 @@ from kvtierd.security.tls import ServerTls, TlsFiles
 from kvtierd.security.tokens import TokensFileError
 from kvtierd.tiers import registry
 from kvtierd.tiers.configured import ConfiguredTier, TierCheckError
+from kvtierd.util.units import format_bytes
 from kvtierd_client.wire.peer_ticket import ticket_socket_path
 
 log = logging.getLogger("kvtierd.daemon")
@@ -137,6 +140,9 @@ class Daemon:
 
     async def start(self) -> None:
         prepare_shm_dir(self.config.memory.shm_dir, self.gid, private=self.security.restricted)
+        warning = budget_warning(self.config.memory.budget, self.config.memory.shm_dir)
+        if warning is not None:
+            log.warning("%s", warning)
         self._check_tiers()
         await self._start_metrics()
         server, self._health = build_server(self.service, self.config.limits, self.security)
@@ -157,8 +163,9 @@ class Daemon:
             self._watchdog = asyncio.create_task(self._ping_watchdog(interval))
         notify(f"READY=1\nSTATUS=serving on {', '.join(self.config.server.listen)}")
         log.info(
-            "kvtierd ready: pid %d, budget %d bytes in %s, lease %gs",
-            os.getpid(), self.config.memory.budget, self.config.memory.shm_dir,
+            "kvtierd ready: pid %d, serving on %s, budget %s in %s, lease %gs",
+            os.getpid(), ", ".join(self.config.server.listen),
+            format_bytes(self.config.memory.budget), self.config.memory.shm_dir,
             self.config.sessions.lease,
         )  # fmt: skip
 
@@ -256,9 +263,7 @@ class Daemon:
         try:
             endpoint.start()
         except OSError as exc:
-            raise ConfigError(
-                "server.metrics_address", f"cannot listen on {address}: {exc.strerror or exc}"
-            ) from None
+            raise StartupError("server.metrics_address", metrics_refusal(address, exc)) from None
         self._metrics_endpoint = endpoint
         shown = self.metrics.pool_labels.patterns
         log.info(
@@ -332,6 +337,20 @@ _SUPERVISOR_TICK = 0.1
 _STALL_CREDITED_AFTER = 0.25
 
 
+def metrics_refusal(address: str, exc: OSError) -> str:
+    """What to say when the metrics endpoint cannot listen on ``address``: in use
+    is most often a second daemon started with the default port."""
+    if exc.errno == errno.EADDRINUSE:
+        return (
+            f"cannot listen on {address}: address already in use; another kvtierd may be "
+            "running: stop it, or give this daemon another port (--metrics-address "
+            "HOST:PORT) or none (--metrics-address '', server.metrics_address = \"\")"
+        )
+    # asyncio's message repeats the address; a resolver error (negative errno) has its own
+    reason = os.strerror(exc.errno) if exc.errno and exc.errno > 0 else exc.strerror or str(exc)
+    return f"cannot listen on {address}: {reason}"
+
+
 def build_security(config: Config) -> SecurityState:
     """The security state of ``config``: its principals and its tokens file (read
     now; an unusable one is a ConfigError, exit code 2)."""
@@ -348,6 +367,28 @@ def build_security(config: Config) -> SecurityState:
         )
     except TokensFileError as exc:
         raise ConfigError("security.tokens_file", str(exc)) from None
+
+
+def budget_warning(budget: int, shm_dir: str) -> str | None:
+    """What to say when ``memory.budget`` is more than this machine's memory or the
+    size of the file system of ``shm_dir`` (the region files live there): the
+    daemon starts anyway (a pool is refused when its region cannot be made). None
+    when it fits both."""
+    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    mount = os.statvfs(shm_dir)
+    shm_size = mount.f_blocks * mount.f_frsize
+    over = []
+    if budget > machine:
+        over.append(f"this machine's memory ({format_bytes(machine)})")
+    if budget > shm_size:
+        over.append(f"the size of the file system of {shm_dir} ({format_bytes(shm_size)})")
+    if not over:
+        return None
+    return (
+        f"memory.budget ({format_bytes(budget)}) is more than {' and '.join(over)}: pools "
+        "are refused (or the machine runs short of memory) before the budget is reached; "
+        "lower memory.budget (--memory-budget)"
+    )
 
 
 async def serve(config: Config) -> None:

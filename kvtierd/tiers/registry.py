@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import textwrap
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -92,13 +93,17 @@ def embedded_default(data_directory: str) -> tuple[str, str, TierSettings]:
     return "fs", "fs", fs_settings.FsTierSettings(root=root, create_root=True)
 
 
-def help_text() -> str:
-    """Every type's options with their help, for ``kvtierd --help``."""
-    parts = []
+def help_text(width: int = 79) -> str:
+    """Every type's options with their help, for ``kvtierd --help``: a list per
+    type, one item per option, wrapped to ``width`` columns."""
+    lines = []
     for tier_type in _TYPES.values():
-        options = "; ".join(f"{k}: {v}" for k, v in tier_type.option_help().items())
-        parts.append(f'type = "{tier_type.name}": {options}.')
-    return " ".join(parts)
+        lines.append(f'  type = "{tier_type.name}":')
+        for key, text in tier_type.option_help().items():
+            lines += textwrap.wrap(
+                f"{key}: {text}", width, initial_indent="    - ", subsequent_indent="      "
+            )
+    return "\n".join(lines)
 
 
 register(

@@ -88,6 +88,11 @@ class ConfiguredFsTier(ConfiguredTier):
             permissions.check_root(root)  # ours, no symlinked or foreign pool directory
         except UntrustedPath as exc:
             raise TierRootError(f"fs tier {self.name}: {exc}") from None
+        except OSError as exc:  # not listable, a mode that cannot be tightened...
+            raise TierRootError(
+                f"fs tier {self.name}: root directory {root} cannot be checked by this "
+                f"process (uid {os.geteuid()}): {exc.strerror or exc}"
+            ) from None
         try:
             probe = tempfile.NamedTemporaryFile(dir=root, prefix=".kvtierd-probe-")  # noqa: SIM115
             probe.close()

@@ -1,22 +1,32 @@
-"""kvtierctl against a live daemon (output and exit codes) and against a dead socket."""
+"""kvtierctl against a live daemon (output and exit codes) and against a dead socket;
+``make run`` saying how to reach the daemon with it."""
 
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import shutil
+import signal
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from daemon_harness import (
     KVTIERCTL,
+    REPO,
     DaemonProcess,
     ctl,
+    eventually,
     fs_tiers_config,
     start_daemon,
     wait_tier_jobs,
 )
 
+from kvtierd import __version__
 from kvtierd_client.client import Client
 
 BLOCK = 4096
@@ -68,7 +78,59 @@ def test_stats_table_and_json(tiered, stored):
     data = json.loads(as_json.stdout)
     (pool_stats,) = data["pools"]
     assert pool_stats["name"] == pool
-    assert pool_stats["tiers"][1]["cascade_blocks"] == "3"  # uint64 as a JSON string
+    # numbers are JSON numbers (protobuf's JSON mapping writes 64-bit ones as strings)
+    assert pool_stats["tiers"][1]["cascade_blocks"] == 3
+    assert (pool_stats["block_bytes"], data["memory_budget_bytes"]) == (BLOCK, 1 << 30)
+    primary = pool_stats["tiers"][0]
+    assert (primary["used_blocks"], primary["hits"], primary["misses"]) == (2, 0, 0)  # 0s too
+    assert numbers_as_text(data) == []
+
+
+def numbers_as_text(value: object, where: str = "") -> list[str]:
+    """Where in a JSON value a number was written as a string."""
+    if isinstance(value, dict):
+        return [bad for k, v in value.items() for bad in numbers_as_text(v, f"{where}.{k}")]
+    if isinstance(value, list):
+        return [bad for i, v in enumerate(value) for bad in numbers_as_text(v, f"{where}[{i}]")]
+    return [where] if isinstance(value, str) and value.lstrip("-").isdigit() else []
+
+
+def test_status_names_the_address_from_the_environment(tiered):
+    """With $KVTIERD_ADDRESS set, status names that address, not "the default socket"."""
+    result = subprocess.run(
+        [KVTIERCTL, "status"], capture_output=True, text=True, timeout=30,
+        env={**os.environ, "KVTIERD_ADDRESS": tiered.address},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    first = result.stdout.splitlines()[0]
+    assert first.startswith(f"kvtierd {__version__} at {tiered.address} ($KVTIERD_ADDRESS): up")
+    given = ctl(tiered.address, "status").stdout.splitlines()[0]
+    assert given.startswith(f"kvtierd {__version__} at {tiered.address}: up")
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["stats", "--json"], ["stats"], ["status"], ["stats", "--watch", "0.1"], ["watch", "p"]],
+)
+def test_a_closed_pipe_ends_quietly(tiered, stored, command):
+    """``kvtierctl stats --json | head``: once stdout's reader is gone, kvtierctl ends
+    with the status a SIGPIPE gives (141) and nothing on stderr (it was a
+    BrokenPipeError traceback). Here the reader is closed before kvtierctl starts, so
+    its first write finds it gone."""
+    _, pool = stored
+    args = [*command[:-1], pool] if command[0] == "watch" else command
+    if command[0] == "watch":  # replays the pool's events: something to write at once
+        args += ["--after-seq", "0"]
+    reader, writer = os.pipe()
+    os.close(reader)
+    try:
+        result = subprocess.run(
+            [KVTIERCTL, "--address", tiered.address, *args],
+            stdout=writer, stderr=subprocess.PIPE, text=True, timeout=30,
+        )  # fmt: skip
+    finally:
+        os.close(writer)
+    assert (result.returncode, result.stderr) == (141, "")
 
 
 def test_explain_flush_and_watch(tiered, stored):
@@ -80,15 +142,14 @@ def test_explain_flush_and_watch(tiered, stored):
     never = ctl(tiered.address, "explain", pool, "6e6f7065", "--hex")  # b"nope"
     assert "MISS: never stored" in never.stdout
 
+    # the stream replays from the pool's last event, so the flush's is seen however
+    # late the stream opens (it waited a second for the stream to open)
+    after = client.get_stats(pool).pools[0].last_event_seq
     watcher = subprocess.Popen(
-        [KVTIERCTL, "--address", tiered.address, "watch", pool, "--count", "1"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    started = threading.Event()
-    threading.Timer(1.0, started.set).start()
-    started.wait()  # the stream is open before the flush
+        [KVTIERCTL, "--address", tiered.address, "watch", pool, "--count", "1",
+         "--after-seq", str(after)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
     flushed = ctl(tiered.address, "flush", pool)
     assert flushed.returncode == 0, flushed.stderr
     assert f"pool {pool}: 2 blocks evicted" in flushed.stdout
@@ -110,3 +171,54 @@ def test_dead_socket_is_a_clear_error(tmp_path, command):
     result = ctl(f"unix://{tmp_path}/gone.sock", *command)
     assert result.returncode == 1
     assert "UNAVAILABLE" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_make_run_says_how_to_reach_it_and_the_command_works(tmp_path):
+    """``make run`` prints where the daemon serves, the kvtierctl command that reaches
+    it (the venv's, kvtierctl is not on PATH) and what it writes outside the checkout;
+    the printed command works while the daemon runs. ``-o install``: the venv this
+    test runs in is used as it is (``BIN``), never rebuilt."""
+    make = shutil.which("make")
+    if make is None:
+        pytest.skip("needs make")
+    sock, shm, state = f"{tmp_path}/k.sock", tmp_path / "shm", tmp_path / "state"
+    shm.mkdir()
+    state.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    env.pop("KVTIERD_ADDRESS", None)
+    env.update(
+        KVTIERD_SERVER_LISTEN=f"unix://{sock}", KVTIERD_SERVER_METRICS_ADDRESS="",
+        KVTIERD_MEMORY_SHM_DIR=str(shm), STATE_DIRECTORY=str(state), PYTHONUNBUFFERED="1",
+    )  # fmt: skip
+    bin_dir = str(Path(sys.executable).parent)
+    make_run = subprocess.Popen(
+        [make, "--no-print-directory", "-o", "install", "run", f"BIN={bin_dir}"], cwd=REPO,
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,  # its own process group: Ctrl-C reaches make and the daemon
+    )  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(make_run.stdout), daemon=True)
+    reader.start()
+    try:
+        eventually(
+            lambda: any("kvtierd ready" in line for line in lines) or make_run.poll() is not None,
+            60, lambda: "".join(lines),
+        )  # fmt: skip
+        assert make_run.poll() is None, "".join(lines)
+        assert lines[0] == f"kvtierd will serve on unix://{sock} (Ctrl-C stops it)\n"
+        command = lines[1].removeprefix("reach it with: ").split("   (")[0]
+        assert command == f"{bin_dir}/kvtierctl --address unix://{sock} status", lines[1]
+        assert "kvtierctl is in the venv, not on PATH" in lines[1]
+        writes = f"{tmp_path} (socket), {state}/fs (fs tier fs), {shm} (region files, kept"
+        assert lines[2].startswith(("as root, " if os.geteuid() == 0 else "") + "it writes: ")
+        assert writes in lines[2]
+        status = subprocess.run(
+            shlex.split(command), cwd=REPO, env=env, capture_output=True, text=True, timeout=30
+        )
+        assert status.returncode == 0, status.stderr
+        assert status.stdout.startswith(f"kvtierd {__version__} at unix://{sock}: up")
+    finally:
+        os.killpg(make_run.pid, signal.SIGINT)
+        make_run.wait(60)
+        reader.join(10)
+    assert any("shutdown complete" in line for line in lines), "".join(lines)

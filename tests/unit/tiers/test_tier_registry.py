@@ -127,7 +127,7 @@ def test_a_registered_type_is_parsed_checked_for_sharing_and_configured(
         load_config(write(tmp_path, twice), env={})
     with pytest.raises(ConfigError, match=r"tiers\[0\]\.label: exactly one option"):
         load_config(write(tmp_path, "[[tiers]]\ntype = 'memory-test'\n"), env={})
-    assert 'type = "memory-test": label: a label (required).' in registry.help_text()
+    assert '  type = "memory-test":\n    - label: a label (required)' in registry.help_text()
 
 
 def test_a_registered_class_must_be_a_configured_tier() -> None:
