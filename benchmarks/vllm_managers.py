@@ -156,11 +156,12 @@ def tiering_manager(capacity: int) -> tuple[Any, Callable[[], None]]:
 
 
 def plugin_manager(
-    address: str, pool: str, capacity: int, store_ahead: bool
+    address: str, pool: str, capacity: int, store_ahead: bool, calls: Any = None
 ) -> tuple[Any, Callable[[], int]]:
     """kvtierd's vLLM plug-in manager (``KvtierdOffloadingManager``, as vLLM's
     scheduler gets it) on its own pool; the second value closes it and returns its
-    round trips."""
+    round trips. ``calls``: the ``VllmCalls`` it expects (default: the installed
+    vLLM's)."""
     from kvtierd_client.vllm.common import open_pool_session
     from kvtierd_client.vllm.manager import KvtierdOffloadingManager
     from kvtierd_client.vllm.settings import PluginSettings, PoolPlan
@@ -175,7 +176,7 @@ def plugin_manager(
     )  # fmt: skip
     client, session = open_pool_session(settings, plan, "bench", queue_completions=True)
     manager = KvtierdOffloadingManager(
-        client, session, settings, plan, events_enabled=False, client_name="bench"
+        client, session, settings, plan, events_enabled=False, client_name="bench", calls=calls
     )
 
     def close() -> int:
