@@ -27,8 +27,12 @@ def test_an_unknown_release_gets_one_warning_per_process(monkeypatch, caplog):
     assert not warn_if_unknown("dev")
     (record,) = caplog.records
     assert record.getMessage().startswith(
-        "kvtierd: vLLM 0.34.1 is not a release this plug-in supports (0.32, 0.33)"
+        "kvtierd: vLLM 0.34.1 is not a release this plug-in supports (0.32, 0.33); it "
+        "assumes 0.33's behaviour"
     )
+    monkeypatch.setattr(compat, "_warned", False)
+    assert not warn_if_unknown("0.31.2")
+    assert "it assumes 0.32's behaviour" in caplog.records[-1].getMessage()
 
 
 def test_the_installed_release_is_supported_and_says_nothing(monkeypatch, caplog):

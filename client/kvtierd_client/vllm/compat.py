@@ -23,9 +23,10 @@ for an ``OffloadingSpec`` plug-in:
   names of ``OffloadingSpec.config_info_keys`` and the values of
   ``OffloadingManager.config_info``; 0.32 never calls either.
 
-Releases after 0.33 are assumed to keep 0.33's behaviour (its documented
-contract); a release outside the supported range is named in one warning per
-process (:func:`warn_if_unknown`). Everything else the plug-in subclasses or
+Releases after 0.33 (and versions without a release number) are assumed to
+keep 0.33's behaviour (its documented contract), older ones 0.32's; a release
+outside the supported range is named in one warning per process
+(:func:`warn_if_unknown`). Everything else the plug-in subclasses or
 imports has the same signatures in both.
 """
 
@@ -69,15 +70,17 @@ def warn_if_unknown(version: str | None = None) -> bool:
     vLLM's) is outside :data:`SUPPORTED`; True when it is supported."""
     global _warned
     version = installed_version() if version is None else version
-    if release_of(version) in SUPPORTED:
+    release = release_of(version)
+    if release in SUPPORTED:
         return True
     if not _warned:
         _warned = True
+        nearest = "0.33" if VllmCalls.of_release(release).schedule_end_last else "0.32"
         log.warning(
             "kvtierd: vLLM %s is not a release this plug-in supports (%s); it assumes "
-            "0.33's behaviour and may fail or cost more round trips: use a supported "
+            "%s's behaviour and may fail or cost more round trips: use a supported "
             "vLLM or a kvtierd release that supports %s",
-            version, supported_text(), version,
+            version, supported_text(), nearest, version,
         )  # fmt: skip
     return False
 
