@@ -53,12 +53,12 @@ from dataclasses import dataclass, field
 __all__ = ["AheadGrant", "Claim", "StoreAhead"]
 
 
-@dataclass
+@dataclass(eq=False)
 class AheadGrant:
     """One ``PrepareStore`` asked ahead: the keys offered, the rows of the keys it
     reserved and nobody claimed yet, the victims not reported yet, the keys it
     skipped as present that are absent since (``stale``), and the step ends it
-    has seen."""
+    has seen. Compared by identity (two grants may hold equal values)."""
 
     offered: frozenset[bytes]
     rows: dict[bytes, int] = field(default_factory=dict)
