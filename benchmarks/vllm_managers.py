@@ -167,19 +167,24 @@ def tiering_manager(capacity: int) -> tuple[Any, Callable[[], None]]:
 
 
 def plugin_manager(
-    address: str, pool: str, capacity: int, store_ahead: bool, calls: Any = None
+    address: str,
+    pool: str,
+    capacity: int,
+    store_ahead: bool,
+    calls: Any = None,
+    flush_after: float | None = None,
 ) -> tuple[Any, Callable[[], int]]:
     """kvtierd's vLLM plug-in manager (``KvtierdOffloadingManager``, as vLLM's
     scheduler gets it) on its own pool; the second value closes it and returns its
     round trips. ``calls``: the ``VllmCalls`` it expects (default: the installed
-    vLLM's)."""
+    vLLM's); ``flush_after``: ``kvtierd_flush_after`` (default: the plug-in's)."""
     from kvtierd_client.vllm.common import open_pool_session
     from kvtierd_client.vllm.manager import KvtierdOffloadingManager
     from kvtierd_client.vllm.settings import PluginSettings, PoolPlan
 
     settings = PluginSettings.from_extra_config(
         {"kvtierd_address": address, "eviction_policy": "lru", "kvtierd_stats_interval": 0,
-         "kvtierd_store_ahead": store_ahead}
+         "kvtierd_store_ahead": store_ahead, "kvtierd_flush_after": flush_after}
     )  # fmt: skip
     plan = PoolPlan(
         name=pool, block_bytes=BLOCK_BYTES, num_blocks=capacity, layout="bench",

@@ -14,6 +14,7 @@ from engine_free import TOKENS_PER_BLOCK, SchedulerLoop, base_config, with_conne
 from vllm_e2e import pool_stats, tier
 
 from benchmarks.vllm_model import random_prompt
+from kvtierd_client.vllm.accounting import QUEUE_STEPS
 from kvtierd_client.vllm.compat import VllmCalls, installed_version, release_of
 from kvtierd_client.vllm.manager import CONFIG_INFO_KEYS
 
@@ -75,14 +76,19 @@ def _recorder(calls: list[str], name: str, real: Callable[..., Any]) -> Callable
 def test_a_new_request_costs_one_round_trip_in_this_releases_call_order(make_loop, kvtierd):
     """Five new requests, one per step: each lookup's round trip also reserves the
     request's blocks and vLLM's prepare_store is answered from that grant, in
-    whichever order this release calls the manager (0.32: after on_schedule_end)."""
-    loop = make_loop()
+    whichever order this release calls the manager (0.32: after on_schedule_end).
+    Queued completions go out with the next lookup or after two step ends, never by
+    the session's timer (``kvtierd_flush_after`` an hour): the count does not
+    depend on how fast the steps are."""
+    loop = make_loop(kvtierd_flush_after=3600)
     manager = loop.manager
     before = manager.step_stats()
     for i in range(5):
         loop.add(f"r{i}", random_prompt(PROMPT_TOKENS, seed=100 + i))
         loop.step()
     steps = loop.run()
+    for _ in range(QUEUE_STEPS):  # an idle engine: the last completions go out alone
+        manager.on_schedule_end(_end())
     spent = manager.step_stats() - before
     assert manager.counters.ops["PrepareStore"] == 0  # every store claimed a grant
     # 5 lookups (each carrying the queued completions before it) and the last

@@ -85,7 +85,11 @@ def manager_on(kvtierd) -> Iterator:
     made = []
 
     def make(store_ahead: bool, pool: str, capacity: int = 64, calls: VllmCalls = V033):
-        manager, close = plugin_manager(kvtierd.address, pool, capacity, store_ahead, calls)
+        # queued completions go out with the next call or after two step ends, never by
+        # the session's timer: round trips counted here do not depend on the speed
+        manager, close = plugin_manager(
+            kvtierd.address, pool, capacity, store_ahead, calls, flush_after=3600
+        )
         made.append(close)
         return manager
 
