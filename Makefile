@@ -8,6 +8,7 @@ GENDIR := client/kvtierd_client/_proto
 GEN    := $(GENDIR)/kvtier/v1/kvtier_pb2.py
 
 .PHONY: install gen run test test-tools test-deploy bench lint typecheck clean install-vllm test-vllm bench-vllm \
+	install-vllm033 test-vllm033 \
 	gpu-check gpu-pack gpu-dry-run docs
 
 install: $(STAMP) $(GEN)
@@ -120,8 +121,43 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_BIN)/python -c "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $@
 
-test-vllm: install-vllm
+# vLLM 0.33 has no CPU build: its wheel is installed without its dependencies (CUDA
+# wheels, torch 2.14) next to the CPU torch 2.13.0, with the light packages its
+# kv_offload, connector, scheduler and config modules import (found by importing
+# them; vLLM 0.33's own version bounds). xgrammar without its triton, which nothing
+# imported here needs. The engine-free tests (-m "not engine") run against its real
+# classes (its scheduler and connector worker drive the plug-in: tests/vllm/engine_free.py).
+VLLM033_VENV  ?= .venv-vllm033
+VLLM033_BIN   := $(VLLM033_VENV)/bin
+VLLM033_STAMP := $(VLLM033_VENV)/.installed
+VLLM033_PIN   ?= vllm==0.33.0
+VLLM033_NODEPS := '$(VLLM033_PIN)' 'xgrammar==0.2.8'
+VLLM033_LIGHT := 'torch==2.13.0' 'pytest>=8' numpy packaging msgspec psutil 'pyzmq>=25.0.0' \
+	regex 'requests>=2.33.0' 'transformers>=5.16.1,<5.21.0' cbor2 'aiohttp>=3.14.4' \
+	'openai>=2.25.0' 'oss-harmony>=0.0.11' 'pillow>=13.0.0' pybase64 cachetools cloudpickle \
+	uvloop py-cpuinfo 'prometheus_client>=0.18.0' 'fastapi>=0.133.0,<0.137.0' \
+	partial-json-parser 'llguidance>=1.7.0,<1.8.0' apache-tvm-ffi einops
+
+install-vllm033: $(VLLM033_STAMP) $(GEN)
+
+$(VLLM033_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM033_VENV)
+	$(VLLM033_BIN)/python -m pip install -q --upgrade pip
+	$(VLLM033_BIN)/python -m pip install -q $(VLLM033_LIGHT)
+	$(VLLM033_BIN)/python -m pip install -q --no-deps $(VLLM033_NODEPS)
+	$(VLLM033_BIN)/python -m pip install -q -e .
+	@if $(VLLM033_BIN)/python -m pip list 2>/dev/null | grep -iE '^(nvidia-|triton )'; then \
+		echo "a CUDA package is in $(VLLM033_VENV): it must stay CPU only" >&2; exit 1; fi
+	$(VLLM033_BIN)/python -c "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $@
+
+# Every supported vLLM: 0.32 (every test: engines too), then 0.33 (the engine-free ones)
+test-vllm: install-vllm install-vllm033
 	$(VLLM_ENV) $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/vllm
+	$(VLLM_ENV) $(VLLM033_BIN)/python -m pytest -q -p no:cacheprovider -m "not engine" tests/vllm
+
+test-vllm033: install-vllm033
+	$(VLLM_ENV) $(VLLM033_BIN)/python -m pytest -q -p no:cacheprovider -m "not engine" tests/vllm
 
 # TRACE=path.jsonl replays another Mooncake-format trace in vllm_managers; empty, the one
 # shipped in benchmarks/traces/. The benchmarks set VLLM_CPU_NUM_OF_RESERVED_CPU=1 themselves
@@ -162,8 +198,8 @@ $(DOCS_STAMP): docs/requirements.txt
 	touch $@
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(GEN_VENV) $(DOCS_VENV) $(GENDIR) .pytest_cache .ruff_cache \
-		.mypy_cache .venv-gpu-dry .whl .whl-dry site
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM033_VENV) $(GEN_VENV) $(DOCS_VENV) $(GENDIR) .pytest_cache \
+		.ruff_cache .mypy_cache .venv-gpu-dry .whl .whl-dry site
 
 # Trace replay (opt-in, the whole trace): make replay [TRACE=path/to/trace.jsonl] [REPLAY_ARGS=...]
 # Without TRACE: the env var KVTIERD_REPLAY_TRACE, else benchmarks/traces/synthetic_trace_2000.jsonl (shipped:

@@ -9,6 +9,10 @@ of vLLM's offloading scheduler, one request after the other, against:
 * vLLM's ``CPUOffloadingManager`` (in-process, LRU);
 * vLLM's ``TieringOffloadingManager`` over a ``CPUPrimaryTierOffloadingManager``
   (an mmap region in /dev/shm, no secondary tier; no GPU needed);
+* kvtierd's vLLM plug-in (``KvtierdOffloadingManager``): stores asked at
+  ``prepare_store`` time, and asked ahead by the lookup's round trip, in vLLM
+  0.33's call order (``on_schedule_end`` after the step's ``prepare_store``) and
+  in 0.32's (before it);
 * kvtierd through the client: single RPCs, and with ``queue_completions``
   (completions ride on the next call that needs an answer).
 
@@ -87,7 +91,11 @@ class Run:
 # ----------------------------------------------------------------------- vLLM
 
 
-def replay_vllm(name: str, manager: Any, chains: Sequence[list[bytes]]) -> Run:
+def replay_vllm(
+    name: str, manager: Any, chains: Sequence[list[bytes]], schedule_end_first: bool = False
+) -> Run:
+    """One request per scheduler step. ``schedule_end_first``: vLLM 0.32's call
+    order (``on_schedule_end`` before the step's ``prepare_store``); else 0.33's."""
     from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext
 
     run = Run(name)
@@ -110,6 +118,8 @@ def replay_vllm(name: str, manager: Any, chains: Sequence[list[bytes]]) -> Run:
             manager.prepare_load(loaded, ctx)
             manager.complete_load(loaded, ctx)
             manager.touch(loaded, ctx)
+        if schedule_end_first:
+            manager.on_schedule_end(end)
         rest = chain[n:]
         if rest:
             out = manager.prepare_store(rest, ctx)
@@ -118,7 +128,8 @@ def replay_vllm(name: str, manager: Any, chains: Sequence[list[bytes]]) -> Run:
             elif out.keys_to_store:
                 manager.complete_store(out.keys_to_store, ctx)
                 run.stored += len(out.keys_to_store)
-        manager.on_schedule_end(end)
+        if not schedule_end_first:
+            manager.on_schedule_end(end)
         run.hits.append(n)
         run.looked_up += len(chain)
     run.seconds = time.perf_counter() - start
@@ -156,18 +167,24 @@ def tiering_manager(capacity: int) -> tuple[Any, Callable[[], None]]:
 
 
 def plugin_manager(
-    address: str, pool: str, capacity: int, store_ahead: bool
+    address: str,
+    pool: str,
+    capacity: int,
+    store_ahead: bool,
+    calls: Any = None,
+    flush_after: float | None = None,
 ) -> tuple[Any, Callable[[], int]]:
     """kvtierd's vLLM plug-in manager (``KvtierdOffloadingManager``, as vLLM's
     scheduler gets it) on its own pool; the second value closes it and returns its
-    round trips."""
+    round trips. ``calls``: the ``VllmCalls`` it expects (default: the installed
+    vLLM's); ``flush_after``: ``kvtierd_flush_after`` (default: the plug-in's)."""
     from kvtierd_client.vllm.common import open_pool_session
     from kvtierd_client.vllm.manager import KvtierdOffloadingManager
     from kvtierd_client.vllm.settings import PluginSettings, PoolPlan
 
     settings = PluginSettings.from_extra_config(
         {"kvtierd_address": address, "eviction_policy": "lru", "kvtierd_stats_interval": 0,
-         "kvtierd_store_ahead": store_ahead}
+         "kvtierd_store_ahead": store_ahead, "kvtierd_flush_after": flush_after}
     )  # fmt: skip
     plan = PoolPlan(
         name=pool, block_bytes=BLOCK_BYTES, num_blocks=capacity, layout="bench",
@@ -175,7 +192,7 @@ def plugin_manager(
     )  # fmt: skip
     client, session = open_pool_session(settings, plan, "bench", queue_completions=True)
     manager = KvtierdOffloadingManager(
-        client, session, settings, plan, events_enabled=False, client_name="bench"
+        client, session, settings, plan, events_enabled=False, client_name="bench", calls=calls
     )
 
     def close() -> int:
@@ -184,6 +201,25 @@ def plugin_manager(
         return round_trips
 
     return manager, close
+
+
+def replay_plugin(address: str, capacity: int, chains: Sequence[list[bytes]]) -> list[Run]:
+    """The plug-in's manager with stores asked at ``prepare_store`` time and asked
+    ahead, in vLLM 0.33's call order and in 0.32's (each on its own pool)."""
+    from kvtierd_client.vllm.compat import VllmCalls
+
+    runs = []
+    for store_ahead, release in ((False, (0, 33)), (True, (0, 33)), (True, (0, 32))):
+        calls = VllmCalls.of_release(release)
+        label = "stores asked ahead" if store_ahead else "prepare_store asks"
+        order = f"{release[0]}.{release[1]} order"
+        pool = f"bench/vllm-managers/plugin-{'ahead' if store_ahead else 'asks'}-{order[:4]}"
+        manager, close = plugin_manager(address, pool, capacity, store_ahead, calls)
+        name = f"kvtierd vLLM plug-in, {label}, {order}"
+        run = replay_vllm(name, manager, chains, schedule_end_first=not calls.schedule_end_last)
+        run.rpcs = close()
+        runs.append(run)
+    return runs
 
 
 def replay_kvtierd(
@@ -290,13 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             close()
     with BenchDaemon("--memory-budget", "256MiB") as daemon:
-        for store_ahead in (False, True):
-            label = "stores asked ahead" if store_ahead else "prepare_store asks"
-            pool = f"bench/vllm-managers/plugin-{'ahead' if store_ahead else 'asks'}"
-            manager, close = plugin_manager(daemon.address, pool, args.capacity, store_ahead)
-            run = replay_vllm(f"kvtierd vLLM plug-in, {label}", manager, chains)
-            run.rpcs = close()
-            runs.append(run)
+        runs.extend(replay_plugin(daemon.address, args.capacity, chains))
         for queue, label in ((False, "single RPCs"), (True, "queue_completions")):
             pool = f"bench/vllm-managers/{'queued' if queue else 'single'}"
             runs.append(
@@ -311,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"machine: {machine()}")
     header = (
-        f"{'manager':<44} {'block ops/s':>12} {'us/request':>11} {'hit rate':>9} "
+        f"{'manager':<56} {'block ops/s':>12} {'us/request':>11} {'hit rate':>9} "
         f"{'stored':>7} {'refused':>8} {'RPCs/request':>13}"
     )
     print(header)
@@ -319,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     for run in runs:
         rpcs = "" if run.rpcs is None else f"{run.rpcs / len(chains):.2f}"
         print(
-            f"{run.name:<44} {run.block_ops() / run.seconds:>12,.0f} "
+            f"{run.name:<56} {run.block_ops() / run.seconds:>12,.0f} "
             f"{run.seconds / len(chains) * 1e6:>11.1f} {run.hit_rate():>9.4f} "
             f"{run.stored:>7} {run.store_refused:>8} {rpcs:>13}"
             + (f"  ({run.note})" if run.note else "")

@@ -63,8 +63,10 @@ class NoopOffloadingWorker(OffloadingWorker):
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: LoadStoreSpec) -> bool:
         return False
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: Any) -> bool:
-        return False
+    def submit_load(
+        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: Any, expedited: bool = False
+    ) -> bool:
+        return False  # ``expedited``: vLLM 0.33's sync loads (never asked: nothing is a HIT)
 
     def get_finished(self) -> list[TransferResult]:
         return []

@@ -1,8 +1,11 @@
-"""Fixtures of the vLLM end-to-end tests: a tiny local Llama, a real kvtierd, real engines.
+"""Fixtures of the vLLM plug-in tests: a tiny local Llama, a real kvtierd, real engines.
 
-Run with ``make test-vllm`` (its own venv with vLLM's CPU build; in-process engines,
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``; the OpenAI servers of ``openai_server.py`` run
-without it, in vLLM's default multiprocess mode). ``make test`` does not collect this folder.
+Run with ``make test-vllm``: every test in ``.venv-vllm`` (vLLM 0.32's CPU build; in-process
+engines, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; the OpenAI servers of ``openai_server.py`` run
+without it, in vLLM's default multiprocess mode), then the tests without the ``engine`` marker
+in ``.venv-vllm033`` (vLLM 0.33, which has no CPU build that runs models: ``engine_free.py``
+drives the plug-in with its scheduler and connector worker). ``make test`` does not collect
+this folder.
 """
 
 from __future__ import annotations

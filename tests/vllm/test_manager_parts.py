@@ -103,6 +103,19 @@ def test_reset_buries_what_is_held_until_its_step():
     assert not holdings.has_graves
 
 
+def test_graves_without_a_release_step_wait_for_the_flush_report():
+    """vLLM 0.33 says when the workers flushed (``on_reset_flushed``): no step count."""
+    holdings = Holdings()
+    holdings.pinned([k(1)])
+    holdings.bury(release_step=None, generation=2)
+    holdings.reserve([k(2)])
+    holdings.bury(release_step=None, generation=2)  # a second reset before the report
+    assert holdings.due(10**9) == [] and holdings.has_graves
+    graves = holdings.flushed()
+    assert [(g.pins(), g.reserved) for g in graves] == [([k(1)], []), ([], [k(2)])]
+    assert not holdings.has_graves and holdings.flushed() == []
+
+
 def test_complete_ends_only_this_generations_reservations():
     holdings = Holdings()
     holdings.reserve([k(1), k(2)])

@@ -17,6 +17,8 @@ from vllm_e2e import (
 from benchmarks.vllm_model import random_prompt
 from kvtierd_client.region import AttachedRegion
 
+pytestmark = pytest.mark.engine  # runs vLLM engines: vLLM's CPU build (make test-vllm)
+
 PROMPT_TOKENS = 1100  # 8 full blocks of 128 tokens (2 chunks of 4 blocks) and a tail
 
 
@@ -32,6 +34,9 @@ def test_warm_run_loads_the_prefix_from_kvtierd(kvtierd, make_llm, blocks_per_ch
 
     cold, cold_cached = generate(llm, prompt)
     assert cold_cached == 0
+    # vLLM's prepare_store of the new request's blocks was answered by the grant its
+    # lookup's round trip asked ahead (0.32 calls it after on_schedule_end: issue #28)
+    assert manager.counters.ops["PrepareStore"] == 0
     stats = pool_stats(kvtierd.address, manager.pool_name)
     assert stats.block_bytes == blocks_per_chunk * BLOCK_KV_BYTES
     assert tier(stats, "primary").used_blocks == chunks  # the prompt's full chunks

@@ -26,6 +26,8 @@ from vllm_e2e import SPEC, TOKENS_PER_BLOCK
 from benchmarks.vllm_model import random_prompt
 from kvtierd_client.client import Client
 
+pytestmark = pytest.mark.engine  # runs vLLM engines: vLLM's CPU build (make test-vllm)
+
 PROMPT_TOKENS = 1100
 FULL_BLOCKS = PROMPT_TOKENS // TOKENS_PER_BLOCK  # 8
 PROMPT_TOKENS_TOTAL = "vllm:prompt_tokens_total"

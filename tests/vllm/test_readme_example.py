@@ -27,6 +27,8 @@ from benchmarks.vllm_model import random_prompt
 from kvtierd.util.units import parse_size
 from kvtierd_client.client import Client
 
+pytestmark = pytest.mark.engine  # runs vLLM engines: vLLM's CPU build (make test-vllm)
+
 GUIDE = Path(__file__).resolve().parents[2] / "docs" / "guides" / "vllm.md"
 MARKER = re.compile(r"<!-- example: ([\w-]+) -->\n```\w*\n(.*?)\n```", re.DOTALL)
 POOL_BYTES = 8 << 20  # 128 rows of 64 KiB

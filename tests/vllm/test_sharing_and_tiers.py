@@ -10,12 +10,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from daemon_harness import eventually, start_daemon
 from vllm_e2e import TOKENS_PER_BLOCK, generate, manager_of, pool_stats, shutdown_llm, tier
 
 from benchmarks.vllm_model import random_prompt
 from kvtierd_client.client import Client
 from kvtierd_client.errors import Unavailable
+
+pytestmark = pytest.mark.engine  # runs vLLM engines: vLLM's CPU build (make test-vllm)
 
 PROMPT_TOKENS = 1100
 FULL_BLOCKS = PROMPT_TOKENS // TOKENS_PER_BLOCK  # 8

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from daemon_harness import start_daemon
 from test_sharing_and_tiers import FULL_BLOCKS, PROMPT_TOKENS, wait_until_reachable
 from vllm_e2e import TOKENS_PER_BLOCK, generate, manager_of, pool_stats, tier
 
 from benchmarks.vllm_model import random_prompt
+
+pytestmark = pytest.mark.engine  # runs vLLM engines: vLLM's CPU build (make test-vllm)
 
 
 def test_engine_loads_from_the_adopted_primary_after_a_daemon_restart(make_llm, tmp_path):

@@ -1,9 +1,10 @@
 """vLLM plug-in: KV-cache offloading to kvtierd (``KvtierdOffloadingSpec``).
 
-Requires vLLM (0.32); nothing else in ``kvtierd_client`` imports this package,
-so the client works without vLLM installed. See ``kvtierd_client.vllm.spec``
-for the configuration and ``kvtierd_client.vllm.settings.EXTRA_KEYS`` for the
-extra config keys.
+Supports vLLM 0.32 and 0.33 (``kvtierd_client.vllm.compat`` says what differs;
+another release gets one warning at start). Nothing else in ``kvtierd_client``
+imports this package, so the client works without vLLM installed. See
+``kvtierd_client.vllm.spec`` for the configuration and
+``kvtierd_client.vllm.settings.EXTRA_KEYS`` for the extra config keys.
 """
 
 from __future__ import annotations

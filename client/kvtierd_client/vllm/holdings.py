@@ -6,10 +6,12 @@
 * **reservations**: rows reserved by ``prepare_store``, completed by
   ``complete_store`` (success makes them readable, failure frees them);
 * **graves**: ``reset_cache`` makes vLLM ignore completions of the jobs in
-  flight, so what they hold is *buried*: released :data:`GRAVE_STEPS` scheduler
-  steps later, once the workers have flushed those jobs (until then
-  ``has_pending_work`` is True), and only against the generation (session) that
-  took them: pins of a session the daemon forgot died with it.
+  flight, so what they hold is *buried*: released once the workers have flushed
+  those jobs (until then ``has_pending_work`` is True), and only against the
+  generation (session) that took them: pins of a session the daemon forgot died
+  with it. vLLM 0.33 says when (``on_reset_flushed``: :meth:`Holdings.flushed`);
+  with vLLM 0.32, which does not, they are released :data:`GRAVE_STEPS`
+  scheduler steps later (:meth:`Holdings.due`).
 
 Owned by one manager, scheduler thread only; no lock.
 """
@@ -23,14 +25,16 @@ from dataclasses import dataclass
 __all__ = ["GRAVE_STEPS", "Grave", "Holdings"]
 
 GRAVE_STEPS = 2
-"""Scheduler steps after ``reset_cache`` before abandoned pins/reservations are released."""
+"""Scheduler steps after ``reset_cache`` before abandoned pins/reservations are
+released, when vLLM does not call ``on_reset_flushed`` (0.32)."""
 
 
 @dataclass
 class Grave:
-    """Pins and reservations vLLM forgot at ``reset_cache``; released at ``release_step``."""
+    """Pins and reservations vLLM forgot at ``reset_cache``; released at
+    ``release_step``, or when vLLM says the workers flushed (``release_step`` None)."""
 
-    release_step: int
+    release_step: int | None
     generation: int
     load_pins: Counter[bytes]
     reserved: list[bytes]
@@ -76,8 +80,9 @@ class Holdings:
         self.reserved.difference_update(mine)
         return mine
 
-    def bury(self, release_step: int, generation: int) -> None:
-        """``reset_cache``: everything held now is released at ``release_step``."""
+    def bury(self, release_step: int | None, generation: int) -> None:
+        """``reset_cache``: everything held now is released at ``release_step``
+        (None: when :meth:`flushed` is called)."""
         if self.load_pins or self.reserved:
             self._graves.append(
                 Grave(release_step, generation, self.load_pins, sorted(self.reserved))
@@ -90,10 +95,20 @@ class Holdings:
         self.reserved = set()
 
     def due(self, step: int) -> list[Grave]:
-        """Removes and returns the graves to release at ``step``."""
-        due = [g for g in self._graves if g.release_step <= step]
-        self._graves = [g for g in self._graves if g.release_step > step]
+        """Removes and returns the graves with a release step, due at ``step``."""
+        due: list[Grave] = []
+        kept: list[Grave] = []
+        for grave in self._graves:
+            ready = grave.release_step is not None and grave.release_step <= step
+            (due if ready else kept).append(grave)
+        self._graves = kept
         return due
+
+    def flushed(self) -> list[Grave]:
+        """vLLM's workers flushed every job in flight at the resets so far: removes
+        and returns every grave."""
+        graves, self._graves = self._graves, []
+        return graves
 
     @property
     def has_graves(self) -> bool:

@@ -8,7 +8,11 @@ session and keeps only bookkeeping that makes the translation safe, in four part
   lookup pins behind the HITs (claimed by ``prepare_load`` in the same step, or
   released unused at ``on_schedule_end``);
 * :mod:`~kvtierd_client.vllm.holdings`: load pins, reservations, and the graves
-  ``reset_cache`` leaves (released two steps later);
+  ``reset_cache`` leaves (released at vLLM 0.33's ``on_reset_flushed``, or two
+  steps later with 0.32);
+* :mod:`~kvtierd_client.vllm.store_ahead`: the stores a lookup's round trip
+  asked ahead, claimed by ``prepare_store`` (in the step, or right after its
+  end with vLLM 0.32's call order: :mod:`~kvtierd_client.vllm.compat`);
 * :mod:`~kvtierd_client.vllm.connection`: session generations, reconnects and
   the failure model (a daemon that does not answer serves misses for
   ``retry_interval``; a forgotten session starts a new generation);
@@ -54,7 +58,8 @@ Ordering guarantees relied on (kvtierd's ``Batch`` and ``Lookup``, the client's 
 
 Counting: ``step_stats()`` (steps, steps with daemon work, round trips) and the
 ``vllm:kv_offload_kvtierd_round_trips`` / ``..._scheduler_steps`` counters of
-``get_stats``; a step is one ``on_schedule_end``.
+``get_stats``; a step is one ``on_schedule_end``. With vLLM 0.33, ``config_info``
+feeds ``vllm:kv_offload_config_info`` (pool, address, row size, capacity).
 
 Runs in vLLM's scheduler thread only; not thread-safe.
 """
@@ -89,6 +94,7 @@ from kvtierd_client.vllm.accounting import (
     StepStats,
 )
 from kvtierd_client.vllm.common import KvtierdLoadStoreSpec, RegionIdentity, log, open_session_on
+from kvtierd_client.vllm.compat import VllmCalls
 from kvtierd_client.vllm.connection import DaemonConnection, Generation
 from kvtierd_client.vllm.holdings import GRAVE_STEPS, Holdings
 from kvtierd_client.vllm.settings import PluginSettings, PoolPlan
@@ -98,7 +104,23 @@ from kvtierd_client.wire.proto import pb2
 from kvtierd_client.wire.results import LookupResult as DaemonLookup
 from kvtierd_client.wire.results import StoreResult
 
-__all__ = ["KvtierdOffloadingManager", "ManagerCounters", "METRIC_NAMES", "StepStats"]
+__all__ = [
+    "CONFIG_INFO_KEYS",
+    "KvtierdOffloadingManager",
+    "ManagerCounters",
+    "METRIC_NAMES",
+    "StepStats",
+]
+
+CONFIG_INFO_KEYS = (
+    "kvtierd_pool",
+    "kvtierd_address",
+    "kvtierd_block_bytes",
+    "kvtierd_capacity_blocks",
+    "kvtierd_capacity_bytes",
+    "kvtierd_store_ahead",
+)
+"""Labels of ``vllm:kv_offload_config_info`` (vLLM 0.33+) the manager fills."""
 
 _RESULTS = {
     DaemonLookup.MISS: LookupResult.MISS,
@@ -113,7 +135,8 @@ class KvtierdOffloadingManager(OffloadingManager):
     """vLLM's ``OffloadingManager`` over one kvtierd session (see the module docstring).
 
     ``client`` and ``session`` are owned from here on (closed by :meth:`shutdown`).
-    ``counters``: counts since start (``ManagerCounters``).
+    ``counters``: counts since start (``ManagerCounters``). ``calls``: how the
+    vLLM driving it calls it (default: the installed vLLM's).
     """
 
     def __init__(
@@ -125,15 +148,19 @@ class KvtierdOffloadingManager(OffloadingManager):
         *,
         events_enabled: bool,
         client_name: str,
+        calls: VllmCalls | None = None,
     ) -> None:
         self._settings = settings
+        self._calls = VllmCalls.installed() if calls is None else calls
         self._plan = plan
         self._events_enabled = events_enabled
         self.counters = ManagerCounters()
         self._report = CounterReport(self.counters)
         self._accounting = StepAccounting()
         self._cache = StepCache()  # cleared by on_schedule_end and by a lost session
-        self._ahead = StoreAhead()  # this step's stores asked ahead; same lifetime
+        # stores asked ahead: claimed by the prepare_store calls of the step, which
+        # vLLM 0.32 makes after on_schedule_end, 0.33 before it
+        self._ahead = StoreAhead(lifetime=1 if self._calls.schedule_end_last else 2)
         self._holdings = Holdings()
         self._daemon = DaemonConnection(
             client,
@@ -154,6 +181,17 @@ class KvtierdOffloadingManager(OffloadingManager):
             on_session_lost=self._session_lost,
         )
         self._next_stats = 0.0  # monotonic time of the next GetStats
+        first = self._daemon.generation
+        assert first is not None  # the connection starts with the session given
+        region = first.region
+        self._config_info: dict[str, str | int | float | bool] = {
+            "kvtierd_pool": plan.name,
+            "kvtierd_address": settings.address,
+            "kvtierd_block_bytes": region.block_bytes,
+            "kvtierd_capacity_blocks": region.num_blocks,
+            "kvtierd_capacity_bytes": region.block_bytes * region.num_blocks,
+            "kvtierd_store_ahead": settings.store_ahead,
+        }  # fixed for the manager's lifetime, as vLLM requires
 
     # -- vLLM's OffloadingManager API ------------------------------------------------
 
@@ -228,7 +266,7 @@ class KvtierdOffloadingManager(OffloadingManager):
                     complete = gen.session.complete_store
                     self._daemon.call(gen, "CompleteStore", complete, to_store, False, quiet=True)
                 return None
-            self._ahead.note_evicted(grant.evicted_keys)
+            self._ahead.note_absent(grant.evicted_keys)
             to_store = [*to_store, *grant.keys_to_store]
             rows = [*rows, *grant.block_ids]
             evicted = [*evicted, *grant.evicted_keys]
@@ -246,6 +284,8 @@ class KvtierdOffloadingManager(OffloadingManager):
         """Completes this generation's reservations among ``keys``; others are ignored."""
         mine = self._holdings.complete(keys)
         self._cache.forget(mine)
+        if not success:
+            self._ahead.note_absent(mine)  # a grant that saw them present is wrong now
         gen = self._daemon.generation
         if gen is not None and mine:
             self._daemon.call(
@@ -274,8 +314,9 @@ class KvtierdOffloadingManager(OffloadingManager):
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         """Releases the lookup pins no ``prepare_load`` claimed (queued); forgets the
-        step's answers; sends the completions that waited a whole step; ends the
-        step's round-trip count."""
+        step's answers; gives back the rows asked ahead whose grants end (queued);
+        sends the completions that waited a whole step; ends the step's round-trip
+        count."""
         self._accounting.step += 1
         unclaimed = self._cache.unclaimed()
         self._cache.clear()
@@ -283,30 +324,50 @@ class KvtierdOffloadingManager(OffloadingManager):
         if unclaimed and gen is not None:
             self.counters.lookup_pins_released += len(unclaimed)
             self._daemon.release_pins(gen, unclaimed, unused=True)
-        self._give_back_ahead(gen)
+        self._give_back(gen, self._ahead.end_step())
         self._bury_due()
         if self._accounting.queue_overdue():
             self._daemon.send_queued()
         self._accounting.end_step(self._daemon.live_session_rpcs())
 
     def has_pending_work(self) -> bool:
-        return self._holdings.has_graves
+        """True while graves wait for their release, or rows asked ahead for a step
+        end (vLLM 0.32's order): vLLM keeps stepping, so both are given back."""
+        return self._holdings.has_graves or bool(self._ahead.live)
 
     def reset_cache(self) -> None:
-        """Flushes the pool in the daemon (every engine's ready, unpinned blocks)."""
+        """Flushes the pool in the daemon (every engine's ready, unpinned blocks).
+        What the jobs in flight hold is buried until vLLM's ``on_reset_flushed``
+        (0.33), or for ``GRAVE_STEPS`` steps (0.32)."""
         gen = self._daemon.generation
         if gen is not None:
-            self._holdings.bury(self._accounting.step + GRAVE_STEPS, gen.number)
+            on_flushed = self._calls.reset_flushed  # else released after GRAVE_STEPS
+            self._holdings.bury(
+                None if on_flushed else self._accounting.step + GRAVE_STEPS, gen.number
+            )
             unclaimed = self._cache.unclaimed()
             if unclaimed:
                 self._daemon.release_pins(gen, unclaimed, unused=True)
-        self._give_back_ahead(gen)
+        self._give_back(gen, self._ahead.take_unclaimed())
         self._holdings.forget()
         self._cache.clear()
         gen = self._daemon.usable()
         if gen is not None:
             self._daemon.send_queued()  # the flush must see the pins released above
             self._daemon.call(gen, "FlushPool", self._daemon.client.flush_pool, self._plan.name)
+
+    def on_reset_flushed(self) -> None:
+        """vLLM 0.33+: the workers reported every job in flight at the resets so far,
+        so nothing writes or reads the rows those jobs held: releases the graves
+        (queued)."""
+        gen = self._daemon.generation
+        for grave in self._holdings.flushed():
+            self._daemon.release_grave(grave, gen)
+
+    def config_info(self) -> list[dict[str, str | int | float | bool]]:
+        """vLLM 0.33+: the labels of ``vllm:kv_offload_config_info`` (one series;
+        :data:`CONFIG_INFO_KEYS`), fixed at start."""
+        return [dict(self._config_info)]
 
     def get_stats(self) -> Any:
         """Counter deltas since the last call, plus the pool's gauges every
@@ -426,9 +487,8 @@ class KvtierdOffloadingManager(OffloadingManager):
                 return None
         return None
 
-    def _give_back_ahead(self, gen: Generation | None) -> None:
-        """Frees the rows stores asked ahead reserved and nobody claimed (queued)."""
-        unclaimed = self._ahead.take_unclaimed()
+    def _give_back(self, gen: Generation | None, unclaimed: list[bytes]) -> None:
+        """Frees rows stores asked ahead reserved and nobody claimed (queued)."""
         if unclaimed and gen is not None:
             complete = gen.session.complete_store
             self._daemon.call(gen, "CompleteStore", complete, unclaimed, False, quiet=True)

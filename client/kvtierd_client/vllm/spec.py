@@ -11,10 +11,12 @@ Loaded by vLLM's ``OffloadingConnector`` from::
 
 vLLM builds one spec per process: the engine core calls :meth:`get_manager`
 (scheduler side), every worker calls :meth:`get_worker`; the API server only
-calls the classmethod :meth:`build_metric_definitions`. Constructing a spec
-does no I/O; ``get_manager`` / ``get_worker`` open a daemon session and fail
-the engine start with :class:`DaemonStartError` when the daemon cannot be
-reached or refuses the pool.
+calls the classmethods :meth:`build_metric_definitions` and (vLLM 0.33)
+:meth:`config_info_keys`. Constructing a spec does no I/O (it logs one warning
+per process when the installed vLLM is not a supported release:
+:mod:`kvtierd_client.vllm.compat`); ``get_manager`` / ``get_worker`` open a
+daemon session and fail the engine start with :class:`DaemonStartError` when
+the daemon cannot be reached or refuses the pool.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvtierd_client.vllm.accounting import METRIC_NAMES
 from kvtierd_client.vllm.common import default_client_name, open_pool_session
-from kvtierd_client.vllm.manager import KvtierdOffloadingManager
+from kvtierd_client.vllm.compat import warn_if_unknown
+from kvtierd_client.vllm.manager import CONFIG_INFO_KEYS, KvtierdOffloadingManager
 from kvtierd_client.vllm.settings import PluginSettings, PoolPlan, plan_pool
 from kvtierd_client.vllm.worker import KvtierdOffloadingWorker
 
@@ -78,7 +81,14 @@ class KvtierdOffloadingSpec(OffloadingSpec):
             ),
         }
 
+    @classmethod
+    def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
+        """vLLM 0.33+: the labels of ``vllm:kv_offload_config_info`` the manager's
+        ``config_info`` fills."""
+        return CONFIG_INFO_KEYS
+
     def __init__(self, config: OffloadingConfig) -> None:
+        warn_if_unknown()
         super().__init__(config)
         self.settings = PluginSettings.from_extra_config(self.extra_config)
         self.plan: PoolPlan = plan_pool(config, self.settings)

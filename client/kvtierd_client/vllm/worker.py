@@ -163,8 +163,20 @@ class KvtierdOffloadingWorker(OffloadingWorker):
         self._submit(job_id, src_spec, dst_spec, is_load=False)
         return True
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
-        """Region rows -> GPU blocks; see :meth:`submit_store`."""
+    def submit_load(
+        self,
+        job_id: int,
+        src_spec: LoadStoreSpec,
+        dst_spec: GPULoadStoreSpec,
+        expedited: bool = False,
+    ) -> bool:
+        """Region rows -> GPU blocks; see :meth:`submit_store`.
+
+        ``expedited`` (vLLM 0.33's sync loads, ``sync_load_budget_bytes`` > 0): vLLM
+        calls :meth:`wait` for the job within the step. Copied like any load (the
+        lease check first; CPU tensors inside this call, CUDA tensors on the copy
+        engines' streams behind the copies queued before it); vLLM 0.32 never
+        passes it."""
         self._submit(job_id, dst_spec, src_spec, is_load=True)
         return True
 
