@@ -230,7 +230,10 @@ class KvtierdStorage(HiCacheStorage):
         if n == 0 or targets is None:
             return [None] * n
         page_bytes = self._page_bytes()
-        got = self._guard("get", 0, transfers.load_flat, encode_keys(keys), targets, page_bytes)
+        wait = self.settings.load_wait if self.settings else 0.0
+        got = self._guard(
+            "get", 0, transfers.load_flat, encode_keys(keys), targets, page_bytes, wait=wait
+        )
         self._counters.loaded(got, n - got, page_bytes, 0.0)
         return [targets[i] if i < got else None for i in range(n)]
 
@@ -249,7 +252,7 @@ class KvtierdStorage(HiCacheStorage):
             return True
         if plan is not None and not plan.writer:
             return True
-        if values is None or len(values) != len(keys):
+        if values is None or len(values) != len(keys) or not self._flat_pages(values):
             return False
         page_bytes = self._page_bytes()
         ok = bool(
@@ -362,7 +365,19 @@ class KvtierdStorage(HiCacheStorage):
             return None
         dtype = pages.tensors[0].dtype
         elements = pages.page_bytes // dtype.itemsize
-        return [t if t is not None else torch.empty(elements, dtype=dtype) for t in locations]
+        targets = [t if t is not None else torch.empty(elements, dtype=dtype) for t in locations]
+        return targets if self._flat_pages(targets) else None
+
+    def _flat_pages(self, tensors: Any) -> bool:
+        """Whether every one of ``tensors`` is a flat page of this pool (logged if not)."""
+        page_bytes = self._page_bytes()
+        try:
+            for tensor in tensors:
+                transfers.flat_bytes(tensor, page_bytes)
+        except (ValueError, RuntimeError, AttributeError, TypeError) as err:
+            self._quiet.log(logging.WARNING, "input:flat", "kvtierd: %s", err)
+            return False
+        return page_bytes > 0
 
     def _page_bytes(self) -> int:
         pages = self._pages

@@ -34,8 +34,10 @@ from kvtierd_client.types import LookupResult
 
 __all__ = [
     "count_leading",
+    "flat_bytes",
     "load_flat",
     "load_pages",
+    "pin_leading",
     "pages_of",
     "store_flat",
     "store_pages",
@@ -74,27 +76,26 @@ def count_leading(gen: Generation, keys: Sequence[bytes]) -> int:
     return next((i for i, r in enumerate(results) if r not in _SERVABLE), len(results))
 
 
-def load_pages(
+def pin_leading(
     gen: Generation,
     keys: Sequence[bytes],
-    pages: Sequence[int],
     *,
     wait: float,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], object] = time.sleep,
-) -> int:
-    """Copies the leading pages the pool holds into host ``pages``; returns how many.
+) -> list[int]:
+    """Pins the leading keys the pool holds for this session; returns their rows.
 
-    Keys still being promoted (HIT_PENDING) are looked at again, with growing
-    pauses, for at most ``wait`` seconds.
+    A key the pool is still bringing in (HIT_PENDING: a secondary tier's promotion,
+    or another session's store whose completion is on its way) is looked at again,
+    with growing pauses, for at most ``wait`` seconds. One pinning ``Lookup`` when
+    nothing is pending.
     """
-    keys = _unique_prefix(keys)
-    session = gen.session
     rows: list[int] = []
     deadline = clock() + wait
     delay = 0.002
     while len(rows) < len(keys):
-        results, ids = session.lookup_and_pin(keys[len(rows) :], prefix=True)
+        results, ids = gen.session.lookup_and_pin(keys[len(rows) :], prefix=True)
         got = next((i for i, row in enumerate(ids) if row < 0), len(ids))
         rows += ids[:got]
         if len(rows) == len(keys) or results[got] is not LookupResult.HIT_PENDING:
@@ -104,9 +105,17 @@ def load_pages(
             break
         sleep(min(delay, left))
         delay = min(delay * 2, MAX_POLL_DELAY)
+    return rows
+
+
+def load_pages(gen: Generation, keys: Sequence[bytes], pages: Sequence[int], *, wait: float) -> int:
+    """Copies the leading pages the pool holds into host ``pages``; returns how many
+    (see :func:`pin_leading` for ``wait``)."""
+    keys = _unique_prefix(keys)
+    session = gen.session
+    rows = pin_leading(gen, keys, wait=wait)
     if not rows:
         return 0
-    pinned = list(keys[: len(rows)])
     loaded = False
     try:
         with gen.engine() as engine:
@@ -118,7 +127,7 @@ def load_pages(
     except LeaseLostError:
         loaded = False
     finally:
-        session.complete_load(pinned, unused=not loaded)
+        session.complete_load(list(keys[: len(rows)]), unused=not loaded)
     return len(rows) if loaded else 0
 
 
@@ -152,22 +161,27 @@ def store_pages(gen: Generation, keys: Sequence[bytes], pages: Sequence[int]) ->
 
 
 def load_flat(
-    gen: Generation, keys: Sequence[bytes], targets: Sequence[torch.Tensor], page_bytes: int
+    gen: Generation,
+    keys: Sequence[bytes],
+    targets: Sequence[torch.Tensor],
+    page_bytes: int,
+    *,
+    wait: float,
 ) -> int:
     """Copies the leading rows the pool holds into the flat pages ``targets``
-    (each ``page_bytes`` long); returns how many. One pinning ``Lookup``."""
+    (each ``page_bytes`` long); returns how many (see :func:`pin_leading`)."""
     keys = _unique_prefix(keys)
     session = gen.session
-    _, ids = session.lookup_and_pin(keys, prefix=True)
-    got = next((i for i, row in enumerate(ids) if row < 0), len(ids))
+    rows = pin_leading(gen, keys, wait=wait)
+    got = len(rows)
     if got == 0:
         return 0
     loaded = False
     try:
         if session.lease_deadline > time.monotonic():
             region = gen.region.tensor
-            for row, target in zip(ids[:got], targets, strict=False):
-                _flat_bytes(target, page_bytes).copy_(region[row, :page_bytes])
+            for row, target in zip(rows, targets, strict=False):
+                flat_bytes(target, page_bytes).copy_(region[row, :page_bytes])
             loaded = time.monotonic() < session.lease_deadline
     finally:
         session.complete_load(list(keys[:got]), unused=not loaded)
@@ -188,7 +202,7 @@ def store_flat(
         if session.lease_deadline > time.monotonic():
             region = gen.region.tensor
             for key, row in zip(grant.keys_to_store, grant.block_ids, strict=True):
-                region[row, :page_bytes].copy_(_flat_bytes(unique[key], page_bytes))
+                region[row, :page_bytes].copy_(flat_bytes(unique[key], page_bytes))
             stored = time.monotonic() < session.lease_deadline
     finally:
         if grant.keys_to_store:
@@ -196,7 +210,7 @@ def store_flat(
     return stored
 
 
-def _flat_bytes(tensor: torch.Tensor, page_bytes: int) -> torch.Tensor:
+def flat_bytes(tensor: torch.Tensor, page_bytes: int) -> torch.Tensor:
     """``tensor`` (a contiguous CPU flat page) as ``page_bytes`` uint8, without a copy."""
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
         raise ValueError(f"a flat page must be a contiguous CPU tensor, got {tensor.device}")
