@@ -81,7 +81,10 @@ def _serve() -> None:
 
     def load(keys: list[str], pages: list[int]) -> dict[str, Any]:
         ok = state["backend"].batch_get_v1(keys, env.token_slots(state["pool"], pages))
-        return {"ok": list(ok), "digests": [digest(env.page_bytes(state["pool"], p)) for p in pages]}
+        return {
+            "ok": list(ok),
+            "digests": [digest(env.page_bytes(state["pool"], p)) for p in pages],
+        }
 
     def exists(keys: list[str]) -> int:
         return int(state["backend"].batch_exists(keys))

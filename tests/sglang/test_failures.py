@@ -137,7 +137,9 @@ class _Threads:
         return random.sample(known, min(n, len(known)))
 
     def start(self) -> list[threading.Thread]:
-        return [self.run(f, s) for s, f in enumerate((self.backup, self.prefetch, self.prefetch_io))]
+        return [
+            self.run(f, s) for s, f in enumerate((self.backup, self.prefetch, self.prefetch_io))
+        ]
 
     def finish(self, threads: list[threading.Thread]) -> None:
         self.stop.set()

@@ -15,7 +15,9 @@ LOGGER = "kvtierd_client.sglang"
 
 
 def _errors(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno >= logging.ERROR]
+    return [
+        r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno >= logging.ERROR
+    ]
 
 
 def _misses(backend: object, pool: object) -> None:
@@ -114,7 +116,9 @@ def test_unsupported_layout_names_the_layout(daemon, caplog):
 
 def test_page_size_that_does_not_match_the_pools_block_size(daemon, caplog):
     first_pool = env.mha_host_pool("page_first", head_dim=64, page_size=4)  # 4 KiB pages
-    first = env.create_backend(env.storage_config(daemon.address, kvtierd_pool="shared"), first_pool)
+    first = env.create_backend(
+        env.storage_config(daemon.address, kvtierd_pool="shared"), first_pool
+    )
     assert not _errors(caplog)
     other_pool = env.mha_host_pool("page_first", head_dim=64, page_size=8)  # 8 KiB pages
     other = env.create_backend(

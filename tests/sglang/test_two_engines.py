@@ -77,7 +77,9 @@ def test_batch_exists_counts_leading_hits_only(daemon, engine_b):
 @pytest.fixture
 def tiered(tmp_path: Path) -> Iterator[tuple[DaemonProcess, Path]]:
     root = tmp_path / "fs"
-    daemon = start_daemon("--memory-budget", "256MiB", config=fs_tiers_config(root, create_root=True))
+    daemon = start_daemon(
+        "--memory-budget", "256MiB", config=fs_tiers_config(root, create_root=True)
+    )
     try:
         yield daemon, root
         assert daemon.stop() == 0, daemon.log()

@@ -36,9 +36,12 @@ class QuietLog:
         # kind -> (monotonic time of its last line, lines left out since)
         self._last: dict[str, tuple[float, int]] = {}
 
-    def log(self, level: int, kind: str, message: str, *args: object) -> bool:
+    def log(
+        self, level: int, kind: str, message: str, *args: object, exc_info: bool = False
+    ) -> bool:
         """Logs ``message % args`` unless a line of ``kind`` went out less than
-        ``interval`` seconds ago; returns whether it did."""
+        ``interval`` seconds ago; returns whether it did. ``exc_info``: with the
+        exception being handled (its traceback)."""
         now = self._clock()
         with self._lock:
             last, skipped = self._last.get(kind, (None, 0))
@@ -49,7 +52,7 @@ class QuietLog:
         if skipped:
             message += " (%d more like this in the last %.0fs)"
             args = (*args, skipped, now - last if last is not None else 0.0)
-        self._logger.log(level, message, *args)
+        self._logger.log(level, message, *args, exc_info=exc_info)
         return True
 
     def forget(self, kind: str) -> None:

@@ -56,8 +56,7 @@ def pages_of(host_indices: torch.Tensor, count: int, page_size: int) -> list[int
     flat = host_indices.reshape(-1).to("cpu", torch.int64)
     if flat.numel() != count * page_size:
         raise ValueError(
-            f"host_indices has {flat.numel()} token slots for {count} keys of "
-            f"{page_size} tokens"
+            f"host_indices has {flat.numel()} token slots for {count} keys of {page_size} tokens"
         )
     if count == 0:
         return []
@@ -216,7 +215,9 @@ def flat_bytes(tensor: torch.Tensor, page_bytes: int) -> torch.Tensor:
         raise ValueError(f"a flat page must be a contiguous CPU tensor, got {tensor.device}")
     flat = tensor.view(-1).view(torch.uint8)
     if flat.numel() != page_bytes:
-        raise ValueError(f"a flat page of {flat.numel()} bytes; this pool's pages have {page_bytes}")
+        raise ValueError(
+            f"a flat page of {flat.numel()} bytes; this pool's pages have {page_bytes}"
+        )
     return flat
 
 
