@@ -19,8 +19,9 @@ for path in (REPO, REPO / "tests", HERE):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-import sglang_env  # noqa: E402,F401  (the import hook, before SGLang is imported)
 from daemon_harness import DaemonProcess, start_daemon  # noqa: E402
+
+from benchmarks import sglang_env  # noqa: E402,F401  (the import hook, before SGLang)
 
 
 @pytest.fixture

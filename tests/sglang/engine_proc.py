@@ -62,8 +62,8 @@ class EngineProcess:
 
 
 def _serve() -> None:
-    sys.path[:0] = [str(HERE), str(HERE.parent)]
-    import sglang_env as env
+    sys.path[:0] = [str(HERE.parents[1])]
+    from benchmarks import sglang_env as env
 
     state: dict[str, Any] = {}
 

@@ -20,10 +20,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import sglang_env as env
 import torch
 import torch.distributed as dist
 from daemon_harness import free_port
+
+from benchmarks import sglang_env as env
 
 
 class _DevicePool:

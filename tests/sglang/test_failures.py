@@ -13,8 +13,9 @@ import time
 from collections.abc import Callable
 
 import pytest
-import sglang_env as env
 from daemon_harness import eventually, start_daemon
+
+from benchmarks import sglang_env as env
 
 FAST_RETRY = {"kvtierd_retry_interval": 0.05, "kvtierd_timeout": 2}
 

@@ -5,8 +5,9 @@ page stored through either loads bit-exact through the other."""
 from __future__ import annotations
 
 import pytest
-import sglang_env as env
 import torch
+
+from benchmarks import sglang_env as env
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]  # SGLang has no
 # flat page for page_unified (its get_data_page refuses it), so its generic path cannot run

@@ -9,9 +9,9 @@ import re
 from pathlib import Path
 
 import pytest
-import sglang_env as env
 import torch
 
+from benchmarks import sglang_env as env
 from kvtierd_client.sglang.host_pages import describe_host_pool
 from kvtierd_client.sglang.metrics import MAX_SAMPLES, TransferCounters
 from kvtierd_client.sglang.pool_plan import encode_keys, plan_pool

@@ -5,8 +5,7 @@ heads); MLA ranks share one pool, only SGLang's storage writer stores, every ran
 
 from __future__ import annotations
 
-import sglang_env as env
-
+from benchmarks import sglang_env as env
 from kvtierd_client.client import Client
 
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 import logging
 
 import pytest
-import sglang_env as env
 import torch
 from daemon_harness import eventually, start_daemon
+
+from benchmarks import sglang_env as env
 
 LOGGER = "kvtierd_client.sglang"
 

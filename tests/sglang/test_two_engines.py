@@ -13,10 +13,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import sglang_env as env
 from daemon_harness import DaemonProcess, fs_tiers_config, start_daemon, wait_tier_jobs
 from engine_proc import EngineProcess, digest
 
+from benchmarks import sglang_env as env
 from kvtierd.tiers.fs import fsformat
 from kvtierd_client.client import Client
 

@@ -1,4 +1,5 @@
-"""SGLang 0.5.23's real classes on a CPU-only machine, for the backend's tests.
+"""SGLang 0.5.23's real classes on a CPU-only machine, for the backend's tests and
+benchmark (``tests/sglang``, ``benchmarks/sglang_backend.py``).
 
 ``make test-sglang`` installs SGLang without its CUDA dependencies next to CPU
 torch (``.venv-sglang``). Two things stand between that and SGLang's HiCache
@@ -118,9 +119,11 @@ def mha_host_pool(
     device_tokens: int = 64,
     ratio: float = 2.0,
     dtype: torch.dtype = torch.bfloat16,
+    host_tokens: int | None = None,
 ) -> Any:
     """A real ``MHATokenToKVPoolHost`` over CPU tensors (pages of
-    ``2 * layers * page_size * heads * head_dim * itemsize`` bytes)."""
+    ``2 * layers * page_size * heads * head_dim * itemsize`` bytes; ``host_tokens``
+    token slots, else ``device_tokens * ratio`` and a padding page)."""
     from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
@@ -135,6 +138,7 @@ def mha_host_pool(
     return MHATokenToKVPoolHost(
         info, ratio, 0, page_size, layout, pin_memory=False, device="cpu",
         device_capacity_tokens=device_tokens, start_layer=0, end_layer=layers,
+        host_token_capacity=host_tokens,
     )  # fmt: skip
 
 
