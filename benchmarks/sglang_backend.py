@@ -15,6 +15,10 @@ page size, in alternating rounds:
 * ``batch_get_v1`` of those keys into other host pages (pinning Lookup, the copy,
   CompleteLoad queued).
 
+With ``--ab`` every round also runs ``batch_set_v1`` / ``batch_get_v1`` with the copy
+engine's previous CPU copy (torch ``copy_`` / ``index_select``, before the numpy path),
+alternating which goes first: the before/after of BENCHMARKS.md.
+
 Reported: the median round's pages/s and GB/s, the ratio to the floor's median
 (target >= 0.8x at 2 MiB), and the daemon round trips per batch (the backend's
 sessions' calls): for a batch alone (its queued completion then goes alone after
@@ -33,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+import kvtierd_client.copy_engine as copy_engine
 from benchmarks import sglang_env as env
 from benchmarks.common import BenchDaemon, Row, machine, print_table
 
@@ -63,7 +68,15 @@ def _median_seconds(samples: list[float]) -> float:
     return statistics.median(samples)
 
 
-def measure(address: str, size: Size, rounds: int) -> list[Row]:
+_NUMPY_COPY = copy_engine._copy_cpu
+
+
+def _torch_copy(src, dst, plan, staging, src_np=None, dst_np=None):  # noqa: ANN001, ANN202
+    """The copy engine's CPU copy as it was before its numpy path (the A/B's "before")."""
+    return _NUMPY_COPY(src, dst, plan, staging)
+
+
+def measure(address: str, size: Size, rounds: int, ab: bool = False) -> list[Row]:
     """The rows of one page size (see the module doc)."""
     batch = size.batch
     pool = env.mha_host_pool(
@@ -80,24 +93,34 @@ def measure(address: str, size: Size, rounds: int) -> list[Row]:
     page_elems = size.page_bytes // 2 // 8  # one K (or V) page as int64
     floor_src = pool.kv_buffer.view(torch.int64).view(2, -1, page_elems)[:, :batch].numpy()
     floor_dst = np.zeros((2, batch, page_elems), dtype=np.int64)
-    times: dict[str, list[float]] = {"floor": [], "set": [], "get": []}
+    times: dict[str, list[float]] = {
+        "floor": [], "set": [], "get": [], "set before": [], "get before": []
+    }  # fmt: skip
     trips: dict[str, float] = {"set": 0, "get": 0}
     for r in range(rounds + 1):  # round 0 warms up (first faults, engines)
-        keys = env.page_keys(f"bench-{size.label}-{r}", batch)
         start = time.perf_counter()
         for page in range(batch):
             np.copyto(floor_dst[:, page], floor_src[:, page])
         floor = time.perf_counter() - start
-        set_s, set_trips, ok_set = _timed(backend, backend.batch_set_v1, keys, src)
-        get_s, get_trips, ok_get = _timed(backend, backend.batch_get_v1, keys, dst)
-        if not (all(ok_set) and all(ok_get)):
-            raise RuntimeError(f"{size.label}: a batch failed (set {ok_set}, get {ok_get})")
+        variants = [("", _NUMPY_COPY), (" before", _torch_copy)] if ab else [("", _NUMPY_COPY)]
+        if r % 2:
+            variants.reverse()
+        for suffix, copy in variants:
+            copy_engine._copy_cpu = copy  # type: ignore[assignment]
+            keys = env.page_keys(f"bench-{size.label}-{r}{suffix}", batch)
+            set_s, set_trips, ok_set = _timed(backend, backend.batch_set_v1, keys, src)
+            get_s, get_trips, ok_get = _timed(backend, backend.batch_get_v1, keys, dst)
+            copy_engine._copy_cpu = _NUMPY_COPY  # type: ignore[assignment]
+            if not (all(ok_set) and all(ok_get)):
+                raise RuntimeError(f"{size.label}: a batch failed (set {ok_set}, get {ok_get})")
+            if r:
+                times["set" + suffix].append(set_s)
+                times["get" + suffix].append(get_s)
+                if not suffix:
+                    trips["set"] += set_trips
+                    trips["get"] += get_trips
         if r:
             times["floor"].append(floor)
-            times["set"].append(set_s)
-            times["get"].append(get_s)
-            trips["set"] += set_trips
-            trips["get"] += get_trips
     if env.page_bytes(pool, dst_pages[3]) != env.page_bytes(pool, src_pages[3]):
         raise RuntimeError(f"{size.label}: a loaded page differs from the stored one")
     trips = {op: n / rounds for op, n in trips.items()}
@@ -144,6 +167,10 @@ def _rows(size: Size, times: dict[str, list[float]], trips: dict[str, float]) ->
         rows.append(Row(group, f"{name} GB/s", gbs, "GB/s", f"{floor_gbs:.2f} GB/s",
                         gbs / floor_gbs, target))  # fmt: skip
         rows.append(Row(group, f"{name} pages/s", size.batch / seconds, "pages/s"))
+        if times[f"{op} before"]:
+            before = nbytes / _median_seconds(times[f"{op} before"]) / 1e9
+            rows.append(Row(group, f"{name} GB/s, torch copy (before)", before, "GB/s",
+                            f"{floor_gbs:.2f} GB/s", before / floor_gbs))  # fmt: skip
         rows.append(Row(group, f"{name} round trips, alone", trips[op], "per batch"))
         rows.append(Row(group, f"{name} round trips, 8 back to back",
                         trips[f"{op} back to back"], "per batch"))  # fmt: skip
@@ -153,6 +180,7 @@ def _rows(size: Size, times: dict[str, list[float]], trips: dict[str, float]) ->
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=ROUNDS)
+    parser.add_argument("--ab", action="store_true", help="also the copy engine's torch copy")
     parser.add_argument("--sizes", default=",".join(s.label for s in SIZES),
                         help="page sizes, of: " + ", ".join(s.label for s in SIZES))  # fmt: skip
     args = parser.parse_args()
@@ -162,7 +190,7 @@ def main() -> int:
     with BenchDaemon("--memory-budget", "2GiB") as daemon:
         for size in SIZES:
             if size.label in wanted:
-                rows += measure(daemon.address, size, args.rounds)
+                rows += measure(daemon.address, size, args.rounds, args.ab)
     print_table(rows)
     return 0
 
