@@ -67,3 +67,26 @@ def test_mla_ranks_share_one_pool_and_one_writer(daemon):
     for b in (r0, r1, tp1):
         b.close()
     client.close()
+
+
+def test_clear_flushes_the_ranks_pool_and_get_stats_reports_batches(daemon):
+    from sglang.srt.mem_cache.hicache_storage import PoolTransfer, PoolTransferResult
+
+    pool = env.mha_host_pool("page_first")
+    config = env.storage_config(daemon.address, model="test-org/clear", metrics=True)
+    backend = env.create_backend(config, pool)
+    keys = env.page_keys("clear", 3)
+    env.fill_pages(pool, [1, 2, 3], seed=8)
+    assert backend.batch_set_v1(keys, env.token_slots(pool, [1, 2, 3])) == [True] * 3
+    assert backend.batch_get_v1(keys, env.token_slots(pool, [4, 5, 6])) == [True] * 3
+    metrics = backend.get_stats()
+    assert metrics.backup_pgs == [3] and metrics.prefetch_pgs == [3]
+    assert len(metrics.prefetch_bandwidth) == 1 and metrics.prefetch_bandwidth[0] > 0
+    assert backend.get_stats().backup_pgs == []  # drained
+    backend.clear()  # FlushPool of this rank's pool: its ready pages leave the daemon
+    assert backend.batch_exists(keys) == 0
+    # SGLang's v2 (hybrid) calls are answered as misses, never raised
+    assert backend.batch_exists_v2(keys) == PoolTransferResult.empty()
+    transfer = PoolTransfer(name="kv", keys=keys)
+    assert backend.batch_get_v2([transfer]) == {"kv": [False] * 3}
+    backend.close()

@@ -261,6 +261,23 @@ class KvtierdStorage(HiCacheStorage):
         self._counters.stored(len(keys) if ok else 0, 0 if ok else len(keys), page_bytes, 0.0)
         return ok
 
+    # -- SGLang's v2 interface (hybrid pools): not served, answered as misses ------------
+
+    def batch_exists_v2(
+        self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None
+    ) -> Any:
+        """Hybrid-model pools (Mamba, SWA, ...) are not stored here: no hit."""
+        from sglang.srt.mem_cache.hicache_storage import PoolTransferResult
+
+        self._quiet.log(logging.WARNING, "v2", "kvtierd: the v2 interface is not served: misses")
+        return PoolTransferResult.empty()
+
+    def batch_get_v2(self, transfers: Any, extra_info: Any = None) -> dict[str, list[bool]]:
+        return {str(t.name): [False] * len(t.keys or []) for t in transfers}
+
+    def batch_set_v2(self, transfers: Any, extra_info: Any = None) -> dict[str, list[bool]]:
+        return {str(t.name): [False] * len(t.keys or []) for t in transfers}
+
     # -- maintenance -----------------------------------------------------------------
 
     def clear(self) -> None:
