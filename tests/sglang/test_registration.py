@@ -75,7 +75,7 @@ def test_pool_over_the_daemons_budget(daemon, caplog):
     backend = env.create_backend(config, pool)
     (error,) = _errors(caplog)
     assert "RESOURCE_EXHAUSTED" in error
-    assert "lower kvtierd_pool_bytes or raise the daemon's memory.budget" in error
+    assert "set (or lower) kvtierd_pool_bytes or raise the daemon's memory.budget" in error
     _misses(backend, pool)
     backend.close()
 
@@ -133,3 +133,13 @@ def test_page_size_that_does_not_match_the_pools_block_size(daemon, caplog):
     assert first.batch_set_v1(keys, env.token_slots(first_pool, [1, 2])) == [True] * 2
     for b in (first, other):
         b.close()
+
+
+def test_pool_bytes_that_hold_no_row(caplog):
+    pool = env.mha_host_pool("page_first")  # 1 KiB pages: 4 KiB rows
+    backend = env.create_backend(
+        env.storage_config("unix:///nowhere.sock", kvtierd_pool_bytes=100), pool
+    )
+    (error,) = _errors(caplog)
+    assert error.startswith("kvtierd: kvtierd_pool_bytes 100 holds no row of 4096 bytes")
+    _misses(backend, pool)

@@ -146,8 +146,8 @@ def describe_refusal(err: KvtierError, settings: StorageSettings, plan: PoolPlan
         )
     if isinstance(err, ResourceExhausted):
         return (
-            f"kvtierd at {where} refused pool {plan.name!r}: {err}; lower kvtierd_pool_bytes "
-            "or raise the daemon's memory.budget"
+            f"kvtierd at {where} refused pool {plan.name!r}: {err}; set (or lower) "
+            "kvtierd_pool_bytes or raise the daemon's memory.budget"
         )
     if isinstance(err, FailedPrecondition):
         return (

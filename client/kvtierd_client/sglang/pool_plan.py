@@ -77,10 +77,17 @@ def plan_pool(settings: StorageSettings, config: Any, pages: HostPages) -> PoolP
     else:
         digest = hashlib.sha256(layout.encode()).hexdigest()[:12]
         name = _default_name(_model(config), scope, digest)
+    rows = settings.pool_bytes // ranks // block_bytes
+    if settings.pool_bytes and not rows:
+        raise ValueError(
+            f"kvtierd: kvtierd_pool_bytes {settings.pool_bytes} holds no row of {block_bytes} "
+            f"bytes for each of {ranks} rank(s); give at least {ranks * block_bytes * 128} "
+            "(128 pages a rank, one SGLang batch)"
+        )
     return PoolPlan(
         name=name,
         block_bytes=block_bytes,
-        num_blocks=settings.pool_bytes // ranks // block_bytes,
+        num_blocks=rows,
         layout=layout,
         page_bytes=pages.page_bytes,
         writer=not mla or bool(getattr(config, "is_storage_writer", True)),

@@ -50,6 +50,7 @@ __all__ = ["KvtierdStorage", "StorageStatistics"]
 
 log = logging.getLogger("kvtierd_client.sglang")
 T = TypeVar("T")
+STORAGE_BATCH_PAGES = 128  # SGLang's STORAGE_BATCH_SIZE: pages per batch_*_v1 call
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,12 @@ class KvtierdStorage(HiCacheStorage):
             self.settings.address, gen.region.num_blocks, plan.block_bytes, gen.region.path,
             "" if plan.writer else "; this MLA rank loads only, the storage writer stores",
         )  # fmt: skip
+        if gen.region.num_blocks < STORAGE_BATCH_PAGES:
+            log.warning(
+                "kvtierd: pool %s has %d rows, fewer than SGLang's batch of %d pages: a "
+                "longer backup fails; raise kvtierd_pool_bytes", plan.name,
+                gen.region.num_blocks, STORAGE_BATCH_PAGES,
+            )  # fmt: skip
 
     def _refuse(self, message: str) -> None:
         """Turns the backend off for good: ``message`` (what to change) is logged once."""
