@@ -95,6 +95,8 @@ def test_flipped_byte_in_a_cascaded_block_is_never_reported_loaded(tiered, engin
     assert a.batch_set_v1(keys, env.token_slots(pool_a, [1, 2, 3, 4])) == [True] * 4
     pool_name = env.unwrap(a).statistics().pool
     client = Client(daemon.address)
+    # A's next call carries its queued CompleteStore: the pages are ready, cascades start
+    assert a.batch_exists(keys) == 4
     wait_tier_jobs(daemon.stub(), pool_name)  # every page reached the fs tier
     assert client.flush_pool(pool_name) == 4  # now only the fs tier holds them
     (victim,) = root.rglob(Path(fsformat.block_rel_path(keys[1].encode())).name)

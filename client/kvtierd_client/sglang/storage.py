@@ -295,6 +295,9 @@ class KvtierdStorage(HiCacheStorage):
         if plan is None or link is None:
             return
         try:
+            with link.use() as gen:
+                if gen is not None:  # queued completions first: this rank's pins go
+                    gen.session.flush()
             evicted = link.client.flush_pool(plan.name)
         except KvtierError as err:
             self._quiet.log(logging.WARNING, "clear", "kvtierd: clear of %s failed: %s",
