@@ -8,7 +8,7 @@ GENDIR := client/kvtierd_client/_proto
 GEN    := $(GENDIR)/kvtier/v1/kvtier_pb2.py
 
 .PHONY: install gen run test test-tools test-deploy bench lint typecheck clean install-vllm test-vllm bench-vllm \
-	install-vllm033 test-vllm033 \
+	install-vllm033 test-vllm033 install-sglang test-sglang bench-sglang \
 	gpu-check gpu-pack gpu-dry-run docs
 
 install: $(STAMP) $(GEN)
@@ -46,7 +46,7 @@ run: install
 	$(BIN)/kvtierd
 
 test: install test-tools
-	$(BIN)/python -m pytest -q --ignore=tests/vllm --ignore=tests/deploy
+	$(BIN)/python -m pytest -q --ignore=tests/vllm --ignore=tests/deploy --ignore=tests/sglang
 
 # Tools some tests drive for real; installed when missing and possible (root + apt:
 # a system-wide change, said as it happens), otherwise the tests that need them say so
@@ -167,6 +167,37 @@ bench-vllm: install-vllm
 	$(VLLM_ENV) $(VLLM_BIN)/python -m benchmarks.vllm_managers $(TRACE)
 	$(VLLM_ENV) $(VLLM_BIN)/python -m benchmarks.vllm_overhead
 
+# SGLang plug-in (kvtierd_client.sglang, issue #34): a separate venv with SGLang 0.5.23
+# installed without its dependencies (it pins a CUDA torch and ~1.6 GB of GPU packages)
+# next to CPU torch and the light packages its HiCache modules import (triton only for
+# its decorators). torchvision has no wheel for CPU torch 2.13: tests/sglang keeps SGLang's
+# few model-config modules that import it away (tests/sglang/sglang_env.py).
+SGLANG_VENV  ?= .venv-sglang
+SGLANG_BIN   := $(SGLANG_VENV)/bin
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+SGLANG_PIN   ?= sglang==0.5.23
+SGLANG_LIGHT := torch==2.13.0 triton==3.9.0 transformers==5.19.0 compressed-tensors==0.18.0 \
+	sentencepiece==0.2.1 apache-tvm-ffi==0.1.11 gguf msgspec orjson psutil pybase64 requests \
+	starlette pydantic pyzmq tqdm IPython aiohttp dill pillow 'pytest>=8'
+
+install-sglang: $(SGLANG_STAMP) $(GEN)
+
+$(SGLANG_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_BIN)/python -m pip install -q --upgrade pip
+	$(SGLANG_BIN)/python -m pip install -q $(SGLANG_LIGHT)
+	$(SGLANG_BIN)/python -m pip install -q --no-deps '$(SGLANG_PIN)'
+	$(SGLANG_BIN)/python -m pip install -q -e .
+	$(SGLANG_BIN)/python -c "import torch, sglang.version as v; assert torch.__version__.startswith('2.13.0'), torch.__version__; print('sglang', v.__version__, 'torch', torch.__version__)"
+	touch $@
+
+test-sglang: install-sglang
+	$(SGLANG_BIN)/python -m pytest -q -p no:cacheprovider tests/sglang
+
+# batch_set_v1 / batch_get_v1 pages/s and GB/s against a plain host copy (BENCHMARKS.md)
+bench-sglang: install-sglang
+	$(SGLANG_BIN)/python -m benchmarks.sglang_backend
+
 lint: install
 	$(BIN)/ruff check kvtierd client tests benchmarks tools setup.py
 	$(BIN)/ruff format --check kvtierd client tests benchmarks tools setup.py
@@ -198,8 +229,8 @@ $(DOCS_STAMP): docs/requirements.txt
 	touch $@
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VLLM033_VENV) $(GEN_VENV) $(DOCS_VENV) $(GENDIR) .pytest_cache \
-		.ruff_cache .mypy_cache .venv-gpu-dry .whl .whl-dry site
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM033_VENV) $(SGLANG_VENV) $(GEN_VENV) $(DOCS_VENV) $(GENDIR) \
+		.pytest_cache .ruff_cache .mypy_cache .venv-gpu-dry .whl .whl-dry site
 
 # Trace replay (opt-in, the whole trace): make replay [TRACE=path/to/trace.jsonl] [REPLAY_ARGS=...]
 # Without TRACE: the env var KVTIERD_REPLAY_TRACE, else benchmarks/traces/synthetic_trace_2000.jsonl (shipped:

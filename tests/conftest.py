@@ -11,11 +11,14 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-# tests/vllm needs vLLM (`make test-vllm` builds .venv-vllm for it); elsewhere a bare
-# `pytest` leaves it out instead of failing on the import
-_vllm = importlib.util.find_spec("vllm")
-if _vllm is None or _vllm.origin is None:  # origin None: only tests/vllm, a namespace dir
-    collect_ignore = ["vllm"]
+# tests/vllm needs vLLM (`make test-vllm` builds .venv-vllm for it), tests/sglang SGLang
+# (`make test-sglang`, .venv-sglang); elsewhere a bare `pytest` leaves them out instead
+# of failing on the import
+collect_ignore: list[str] = []
+for _engine in ("vllm", "sglang"):
+    _spec = importlib.util.find_spec(_engine)
+    if _spec is None or _spec.origin is None:  # origin None: only tests/<engine>, a namespace
+        collect_ignore.append(_engine)
 
 from daemon_harness import DaemonProcess, start_daemon  # noqa: E402
 

@@ -174,6 +174,10 @@ class CopyEngine:
         # width: tensor i's page, viewed as uint8, int16, int32 or int64.
         self._engine_views = [e for e, _ in views]
         self._region_views = [r for _, r in views]
+        # CPU: the same views as numpy arrays (None where one cannot be made), for
+        # the large runs' copies (see _copy_cpu)
+        self._engine_arrays = [_numpy_of(e) for e in self._engine_views]
+        self._region_arrays = [_numpy_of(r) for r in self._region_views]
         self._bytes_per_block = used_bytes  # bytes one block moves (padding excluded)
         self._staging = _Staging(STAGING_BYTES)
         self._stream: Any = None  # torch.cuda.Stream on CUDA, None on CPU
@@ -281,6 +285,8 @@ class CopyEngine:
         self._closed = True
         self._engine_views = []
         self._region_views = []
+        self._engine_arrays = []
+        self._region_arrays = []
         self._staging = _Staging(STAGING_BYTES)  # frees the buffer
 
     def __enter__(self) -> CopyEngine:
@@ -304,9 +310,11 @@ class CopyEngine:
         if direction == "store":
             plan = _plan(direction, pairs, engine, region)
             sources, destinations = self._engine_views, self._region_views
+            arrays = zip(self._engine_arrays, self._region_arrays, strict=True)
         else:
             plan = _plan(direction, pairs, region, engine)
             sources, destinations = self._region_views, self._engine_views
+            arrays = zip(self._region_arrays, self._engine_arrays, strict=True)
         job = _Job(
             job_id=self._next_job_id,
             direction=direction,
@@ -318,8 +326,8 @@ class CopyEngine:
         # refuse in-place writes outside it; ordinary tensors accept them inside.
         with torch.inference_mode():
             if self._stream is None:
-                for src, dst in zip(sources, destinations, strict=True):
-                    _copy_cpu(src, dst, plan, self._staging)
+                for src, dst, (src_np, dst_np) in zip(sources, destinations, arrays, strict=True):
+                    _copy_cpu(src, dst, plan, self._staging, src_np, dst_np)
             else:
                 job.event = self._copy_cuda(sources, destinations, plan)
         self._next_job_id += 1
@@ -514,10 +522,41 @@ def _is_integer(value: object) -> bool:
 # -- CPU copies ----------------------------------------------------------------
 
 
-def _copy_cpu(src: torch.Tensor, dst: torch.Tensor, plan: _Plan, staging: _Staging) -> None:
-    """Large runs one slice copy each (memcpy speed, on torch's threads); the rows
-    of small runs in gather/scatter passes through ``staging``: a few calls per
-    job instead of one Python-level copy per row."""
+def _numpy_of(tensor: torch.Tensor) -> np.ndarray | None:
+    """A CPU tensor's numpy view (same memory), or None (CUDA, or not viewable)."""
+    if tensor.device.type != "cpu":
+        return None
+    try:
+        return tensor.detach().numpy()
+    except (RuntimeError, TypeError):
+        return None
+
+
+def _copy_cpu(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    plan: _Plan,
+    staging: _Staging,
+    src_np: np.ndarray | None = None,
+    dst_np: np.ndarray | None = None,
+) -> None:
+    """With numpy views of both sides (CPU tensors): one ``numpy.copyto`` per run
+    (a memcpy per row, in the calling thread, the interpreter lock released; ~1 us
+    of call per run, so no gather pass is needed for small rows). Otherwise large
+    runs one slice ``copy_`` each, and the rows of small runs in gather/scatter
+    passes through ``staging``: a few calls per job instead of one Python-level
+    copy per row.
+
+    Why numpy first: torch's ``copy_`` (and ``index_select``) spreads a copy over
+    its intra-op threads, which on a machine whose cores are busy (an engine's
+    scheduler, tokenizer, other processes) waits for descheduled workers: measured
+    0.1x of numpy's GB/s with the load average at 3x the cores (BENCHMARKS.md,
+    "SGLang backend").
+    """
+    if src_np is not None and dst_np is not None:
+        for s, d, count in plan.runs():
+            np.copyto(dst_np[d : d + count], src_np[s : s + count])
+        return
     row_bytes = src.shape[1] * src.element_size()
     large = plan.counts * row_bytes >= LARGE_COPY_BYTES
     for s, d, count in plan.runs(large):

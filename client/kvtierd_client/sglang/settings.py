@@ -1,0 +1,137 @@
+"""What the SGLang backend reads from ``--hicache-storage-backend-extra-config``.
+
+Pure functions over a mapping (this module imports nothing from SGLang), so the
+keys are checked and documented in one place. ``backend_name``, ``module_path``,
+``class_name`` and ``interface_v1`` are SGLang's own (its dynamic backend factory
+and its cache controller read them); the ``kvtierd_*`` keys and
+``eviction_policy`` are this backend's. :data:`EXTRA_KEYS` is the table the
+README shows; a test checks that both list the same keys.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvtierd_client.client import DEFAULT_TIMEOUT
+from kvtierd_client.wire.address import default_address, to_grpc_target
+
+__all__ = ["EXTRA_KEYS", "SettingsError", "StorageSettings"]
+
+EXTRA_KEYS: dict[str, str] = {
+    "backend_name": '"kvtierd" (SGLang: the name it logs for a dynamic backend)',
+    "module_path": '"kvtierd_client.sglang" (SGLang imports the class from it)',
+    "class_name": '"KvtierdStorage"',
+    "interface_v1": "1: SGLang's controller uses the zero-copy batch_exists / batch_get_v1 / "
+    "batch_set_v1 (0 or absent: the generic get / set through flat staging pages)",
+    "kvtierd_address": "daemon address (unix:///abs/path, /abs/path or host:port); default "
+    "$KVTIERD_ADDRESS, else the daemon's default socket",
+    "kvtierd_pool_bytes": "bytes of rows for this model on this daemon, all TP ranks together "
+    "(MHA: each rank's pool gets this / tp_size; MLA: the one shared pool); absent: the "
+    "daemon's default_pool_blocks per pool",
+    "kvtierd_pool": "pool name prefix (default derived from the model and parallel layout)",
+    "kvtierd_timeout": "seconds each RPC may take (default 5)",
+    "kvtierd_retry_interval": "seconds of misses after the daemon failed or refused, before "
+    "it is asked again (default 1)",
+    "kvtierd_load_wait": "seconds batch_get_v1 waits for pages the daemon is still promoting "
+    "from a secondary tier (HIT_PENDING) before it reports them not loaded (default 1)",
+    "kvtierd_log_interval": "seconds between two log lines of one kind of failure "
+    "(default 30); the next line says how many were left out",
+    "kvtierd_token": "bearer token (TCP daemons only)",
+    "eviction_policy": "'lru' (default) or 'arc'; fixed by the engine that creates the pool",
+}
+"""Every extra-config key this backend (and SGLang, for it) reads, with its meaning."""
+
+_PREFIX = "--hicache-storage-backend-extra-config"
+
+
+class SettingsError(ValueError):
+    """An extra-config value this backend cannot use; the message names the key."""
+
+
+@dataclass(frozen=True)
+class StorageSettings:
+    """The backend's extra-config keys, validated. Seconds are floats >= 0."""
+
+    address: str
+    pool_bytes: int  # 0: the daemon's default_pool_blocks per pool
+    pool_prefix: str | None
+    timeout: float
+    retry_interval: float
+    load_wait: float
+    log_interval: float
+    token: str | None
+    eviction_policy: str
+    interface_v1: bool
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> StorageSettings:
+        """Reads and checks the keys; :class:`SettingsError` naming the key otherwise."""
+        extra = dict(extra or {})
+        address = str(extra.get("kvtierd_address") or default_address())
+        try:
+            to_grpc_target(address)
+        except ValueError as err:
+            raise SettingsError(f"{_PREFIX} kvtierd_address: {err}") from None
+        policy = str(extra.get("eviction_policy") or "lru").lower()
+        if policy not in ("lru", "arc"):
+            raise SettingsError(
+                f"{_PREFIX} eviction_policy: kvtierd supports 'lru' and 'arc', got "
+                f"{extra.get('eviction_policy')!r}"
+            )
+        prefix = extra.get("kvtierd_pool")
+        token = extra.get("kvtierd_token")
+        return cls(
+            address=address,
+            pool_bytes=_non_negative_int(extra, "kvtierd_pool_bytes"),
+            pool_prefix=str(prefix) if prefix else None,
+            timeout=_seconds(extra, "kvtierd_timeout", DEFAULT_TIMEOUT, minimum=0.001),
+            retry_interval=_seconds(extra, "kvtierd_retry_interval", 1.0, minimum=0.0),
+            load_wait=_seconds(extra, "kvtierd_load_wait", 1.0, minimum=0.0),
+            log_interval=_seconds(extra, "kvtierd_log_interval", 30.0, minimum=0.0),
+            token=str(token) if token else None,
+            eviction_policy=policy,
+            interface_v1=_flag(extra, "interface_v1"),
+        )
+
+
+def _seconds(extra: Mapping[str, Any], key: str, default: float, minimum: float) -> float:
+    raw = extra.get(key)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if isinstance(raw, bool) or not value >= minimum or math.isinf(value):
+        raise SettingsError(f"{_PREFIX} {key}: expected seconds >= {minimum}, got {raw!r}")
+    return value
+
+
+def _non_negative_int(extra: Mapping[str, Any], key: str) -> int:
+    raw = extra.get(key)
+    if raw is None:
+        return 0
+    try:
+        value = int(raw)
+    except (TypeError, ValueError):
+        value = -1
+    if value < 0 or isinstance(raw, bool) or (isinstance(raw, float) and raw != value):
+        raise SettingsError(f"{_PREFIX} {key}: expected a non-negative integer, got {raw!r}")
+    return value
+
+
+def _flag(extra: Mapping[str, Any], key: str) -> bool:
+    raw = extra.get(key)
+    if raw is None:
+        return False
+    if isinstance(raw, (bool, int)):
+        return bool(raw)
+    text = str(raw).strip().lower()
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off", ""):
+        return False
+    raise SettingsError(f"{_PREFIX} {key}: expected 1 or 0, got {raw!r}")

@@ -1,0 +1,141 @@
+"""SGLang's real ``HiCacheController`` on the CPU, with kvtierd as its storage backend.
+
+How far it goes: the controller is built as SGLang's scheduler builds it (its
+``attach_storage_backend`` creates the backend through ``StorageBackendFactory``,
+registers the host pool and picks the zero-copy functions for ``interface_v1``), and
+its own storage threads run: the backup thread stores with ``batch_set_v1``, the
+prefetch thread hashes the tokens and asks ``batch_exists`` (then MIN-reduces over
+its gloo groups), the prefetch-I/O thread loads with ``batch_get_v1`` and the sync
+thread acknowledges. The test plays the scheduler between them (it allocates the
+host pages of a hit, as the radix cache does); the GPU side (the device KV pool and
+the GPU<->host copies) is not exercised: a stand-in device pool carries the two
+attributes the controller reads from it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from daemon_harness import free_port
+
+from benchmarks import sglang_env as env
+
+
+class _DevicePool:
+    """The two things the controller reads from the (GPU) device pool at start."""
+
+    device = torch.device("cpu")
+    layer_num = 2
+
+    def register_layer_transfer_counter(self, counter: Any) -> None:
+        self.counter = counter
+
+
+class _Allocator:
+    def __init__(self) -> None:
+        self.pool = _DevicePool()
+
+    def get_kvcache(self) -> _DevicePool:
+        return self.pool
+
+
+@pytest.fixture(scope="module")
+def parallel() -> Iterator[None]:
+    """One rank (a gloo group of one), as SGLang's scheduler publishes it."""
+    from sglang.srt.runtime_context import get_parallel
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    get_parallel().override_permanently(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_tp_rank=0, attn_tp_size=1,
+        attn_dp_rank=0, attn_dp_size=1, attn_cp_rank=0, attn_cp_size=1, attn_dcp_rank=0,
+        attn_dcp_size=1, enable_dp_attention=False,
+    )  # fmt: skip
+    yield
+    get_parallel().clear_stamp()
+    dist.destroy_process_group()
+
+
+def _controller(address: str, **extra: Any) -> tuple[Any, Any]:
+    from sglang.srt.managers.cache_controller import HiCacheController
+
+    host = env.mha_host_pool("page_first", device_tokens=256)
+    config = {**env.EXTRA_CONFIG, "kvtierd_address": address, **extra}
+    ctrl = HiCacheController(
+        _Allocator(), host, host.page_size, dist.group.WORLD, threading.Event(),
+        io_backend="direct", storage_backend="dynamic", model_name="test-org/tiny",
+        storage_backend_extra_config=config,
+    )  # fmt: skip
+    return ctrl, host
+
+
+def _backup(ctrl: Any, host: Any, tokens: list[int]) -> int:
+    """Stores the host pages holding ``tokens`` through the controller's backup thread;
+    returns the tokens it reports stored."""
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    slots = host.alloc(len(tokens))
+    pages = (slots[:: host.page_size] // host.page_size).tolist()
+    env.fill_pages(host, pages, seed=len(tokens))
+    keys = get_storage_hash_str(tokens, None, page_size=host.page_size)
+    ctrl.write_storage(slots, tokens, hash_value=keys)
+    op = ctrl.ack_backup_queue.get(timeout=60)
+    ctrl.host_pages = pages  # for the test's comparison
+    return int(op.completed_tokens)
+
+
+def _prefetch(ctrl: Any, host: Any, tokens: list[int]) -> tuple[int, int, list[int]]:
+    """A prefetch of ``tokens``: the controller's prefetch thread finds the hit, the
+    test allocates host pages for it (the scheduler's part), the I/O and sync threads
+    load and acknowledge. Returns (tokens found, tokens loaded, host pages)."""
+    op = ctrl.prefetch("req-1", tokens)
+    found = ctrl.prefetch_hit_queue.get(timeout=60)
+    assert found is op
+    if op.storage_hit_count == 0:
+        return 0, 0, []
+    op.host_indices = host.alloc(op.storage_hit_count)
+    ctrl.prefetch_buffer.put(op)
+    loaded = 0
+    while True:
+        ack = ctrl.ack_prefetch_queue.get(timeout=60)
+        if ack.completed_tokens is not None:
+            loaded = ack.completed_tokens
+        if ack.completed_req:
+            break
+    pages = (op.host_indices[:: host.page_size] // host.page_size).tolist()
+    return op.storage_hit_count, loaded, pages
+
+
+def test_hicache_controller_threads_share_pages_through_kvtierd(daemon, parallel):
+    a, host_a = _controller(daemon.address)
+    b, host_b = _controller(daemon.address)
+    assert type(a.storage_backend).__name__ == "KvtierdStorage"
+    assert a.page_get_func.__name__ == "_page_get_zero_copy"  # interface_v1
+    tokens = list(range(40))  # 10 pages of 4 tokens
+    assert _backup(a, host_a, tokens) == 40
+    found, loaded, pages = _prefetch(b, host_b, tokens + [999, 998])  # one partial page more
+    assert (found, loaded) == (40, 40)
+    assert [env.page_bytes(host_b, p) for p in pages] == [
+        env.page_bytes(host_a, p) for p in a.host_pages
+    ]
+    for ctrl in (a, b):
+        ctrl.detach_storage_backend()
+
+
+def test_hicache_controller_runs_on_without_a_daemon(parallel, tmp_path, caplog):
+    """A wrong address: one ERROR line at attach; the controller's threads keep running,
+    every backup stores nothing and every prefetch finds nothing."""
+    address = f"unix://{tmp_path}/nobody.sock"
+    ctrl, host = _controller(address)
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert any(address in m and "kvtierd_address" in m for m in errors), errors
+    assert _backup(ctrl, host, list(range(16))) == 0
+    assert _prefetch(ctrl, host, list(range(16))) == (0, 0, [])
+    assert all(t.is_alive() for t in (ctrl.prefetch_thread, ctrl.backup_thread))
+    ctrl.detach_storage_backend()
