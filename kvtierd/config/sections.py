@@ -1,0 +1,77 @@
+"""The configuration's frozen tree: one dataclass per section, and :class:`Config`
+holding them. Built once by :func:`kvtierd.config.loader.load_config`, then passed
+down; nothing changes it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtierd.security.config import SecurityConfig
+from kvtierd.tiers.configured import TierSettings
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    listen: tuple[str, ...]  # normalized listen addresses
+    metrics_address: str  # "" = off
+    socket_group: str  # "" = the daemon's own group
+    shutdown_grace: float  # seconds
+    fast_lane: bool = True  # offer sessions the '<socket>.lane' fast lane (kvtierd.api.fastlane)
+    # pool globs whose series /metrics shows; None ("auto"): all, none with principals
+    metrics_pool_labels: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryConfig:
+    shm_dir: str
+    budget: int  # bytes, all regions together
+    default_pool_blocks: int
+    prefault: bool
+    warm_restart: bool  # keep regions + journal at stop; adopt them at the pool's next open
+    warm_restart_checksum_bytes: int  # bytes of a row its checksum covers (0: whole rows)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionsConfig:
+    lease: float  # seconds
+    write_quarantine: float  # seconds
+    max_sessions: int
+
+
+@dataclass(frozen=True, slots=True)
+class LimitsConfig:
+    max_keys_per_call: int
+    max_pools: int
+    events_retained: int  # per pool
+    events_retained_bytes: int  # per pool
+    removals_retained_bytes: int  # per pool, Explain's history
+    max_watch_streams: int  # all pools together
+    watch_write_timeout: float  # seconds
+    promotion_hold: float  # seconds; 0 = no promotion holds
+
+
+@dataclass(frozen=True, slots=True)
+class LogConfig:
+    level: str
+
+
+@dataclass(frozen=True, slots=True)
+class TierConfig:
+    """One secondary tier: its type, its name (a metrics label) and typed settings
+    (the settings dataclass of its type, see :mod:`kvtierd.tiers.registry`)."""
+
+    type: str
+    name: str
+    settings: TierSettings
+    key: str = ""  # where it was configured ("tiers[0]"), for error messages
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    server: ServerConfig
+    memory: MemoryConfig
+    sessions: SessionsConfig
+    limits: LimitsConfig
+    security: SecurityConfig
+    log: LogConfig
+    tiers: tuple[TierConfig, ...] = ()
