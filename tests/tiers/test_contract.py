@@ -27,9 +27,12 @@ from tier_contract import CHECKS, DAMAGE_CHECKS, ROWS, Check, TierKit, run_check
 from kvtierd.contract import BlockKey
 from kvtierd.primary.region import Region
 from kvtierd.tiers.base import JobCallback, SecondaryTier
+from kvtierd.tiers.configured import PoolBinding
 from kvtierd.tiers.fs import FsTier, fsformat
 from kvtierd.tiers.fs.iopool import IoPool
 from kvtierd.tiers.fs.ioworker import IoWorkers
+from kvtierd.tiers.fs.settings import FsTierSettings
+from kvtierd.tiers.fs.tier import SharedParts
 from kvtierd.tiers.memory import MemoryTier
 from kvtierd.tiers.redis.link import RedisLink
 from kvtierd.tiers.redis.settings import RedisTierSettings
@@ -80,23 +83,19 @@ class FsKit(TierKit):
             name=f"contract-{pool}",
         )
         owned = self.regions[pool]
-        tier = FsTier(
-            "fs",
-            self.root,
-            pool,
-            self.block_bytes,
-            {"layout": "contract"},
-            region,
-            capacity_blocks * (fsformat.HEADER_SIZE + self.block_bytes),
-            on_done,
-            loop,
-            io_pool=io,
-            workers=self.workers,
-            region_file=(owned.path, *owned.identity()) if self.workers else None,
+        settings = FsTierSettings(
+            root=str(self.root),
+            capacity=capacity_blocks * (fsformat.HEADER_SIZE + self.block_bytes),
             shared=self.shared,
             shared_negative_ttl=0.05,
             shared_rescan_interval=0.05,  # rescans race every check's jobs
         )
+        region_file = (owned.path, *owned.identity()) if self.workers else None
+        binding = PoolBinding(pool, self.block_bytes, {"layout": "contract"}, region, region_file)
+        tier = FsTier(
+            "fs", settings, binding, on_done, loop,
+            parts=SharedParts(io_pool=io, workers=self.workers),
+        )  # fmt: skip
         self.io_pools[id(tier)] = io
         return tier
 

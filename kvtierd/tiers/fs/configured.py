@@ -30,7 +30,7 @@ from kvtierd.tiers.fs.iopool import IoPool
 from kvtierd.tiers.fs.ioworker import IoWorkers
 from kvtierd.tiers.fs.rootlock import RootGuard, RootInUse
 from kvtierd.tiers.fs.settings import FsTierSettings
-from kvtierd.tiers.fs.tier import FsTier
+from kvtierd.tiers.fs.tier import FsTier, SharedParts
 from kvtierd.tiers.fs.unserved import UnservedPools
 from kvtierd.tiers.fs.writelog import WriteFailureLog
 
@@ -143,26 +143,17 @@ class ConfiguredFsTier(ConfiguredTier):
             )
         tier = FsTier(
             self.name,
-            s.root,
-            pool.pool_name,
-            pool.block_bytes,
-            pool.layout,
-            pool.region_buffer,
-            s.capacity,
+            s,
+            pool,
             on_done,
             loop,
-            fsync=s.fsync,
-            o_direct=s.o_direct,
-            io_pool=self._io,
-            budget=self.budget,
-            workers=workers,
-            region_file=pool.region_file if workers is not None else None,
-            region_rows=pool.region_rows,
-            write_log=self.write_log,
-            shared=s.shared,
-            shared_negative_ttl=s.shared_negative_ttl,
-            shared_rescan_interval=s.shared_rescan_interval,
-            unserved=self.unserved,
+            parts=SharedParts(
+                io_pool=self._io,
+                budget=self.budget,
+                workers=workers,
+                write_log=self.write_log,
+                unserved=self.unserved,
+            ),
         )
         if self.unserved is not None:
             self.unserved.serve(os.path.basename(tier.pool_dir))

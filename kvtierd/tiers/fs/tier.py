@@ -67,11 +67,12 @@ import mmap
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
 
 from kvtierd.contract import BlockKey, LookupResult, Medium
 from kvtierd.primary.rows import RegionRows
 from kvtierd.tiers.base import JobCallback, JobResult, SecondaryTier, TierJob, TierStats
+from kvtierd.tiers.configured import PoolBinding
 from kvtierd.tiers.fs import fsformat, ioworker, startup
 from kvtierd.tiers.fs.blockfile import CorruptFile
 from kvtierd.tiers.fs.files import PoolFiles, beside, name_of
@@ -81,7 +82,7 @@ from kvtierd.tiers.fs.iopool import IoPool, Outcome
 from kvtierd.tiers.fs.ioworker import BlockIo, InlineIo, IoWorkers, RegionRef
 from kvtierd.tiers.fs.safefs import REGULAR
 from kvtierd.tiers.fs.scan import SHARED_TEMP_MAX_AGE_S, IndexScan, ScanReport
-from kvtierd.tiers.fs.settings import DEFAULTS, O_DIRECT_MODES
+from kvtierd.tiers.fs.settings import FsTierSettings
 from kvtierd.tiers.fs.shared import SharedRoot
 from kvtierd.tiers.fs.startup import FsTierError, PoolMismatchError
 from kvtierd.tiers.fs.unserved import UnservedPools
@@ -96,6 +97,29 @@ GROUP_BYTES = 16 << 20  # blocks per I/O task: this many bytes (at least one blo
 REGION_FAULT_LOG_S = 10.0  # at most one "region cut short" WARNING per kind this often
 
 Pairs = list[tuple[BlockKey, int]]  # (key, row) of one group of a job
+
+
+@dataclass(frozen=True, slots=True)
+class SharedParts:
+    """What the pools of one configured fs tier share (``ConfiguredFsTier`` makes each
+    once): the I/O threads, the I/O worker processes, the byte capacity, the report of
+    failed writes and, on a shared root, the bytes no pool of this daemon serves."""
+
+    io_pool: IoPool | None = None
+    budget: DiskBudget | None = None
+    workers: IoWorkers | None = None
+    write_log: WriteFailureLog | None = None
+    unserved: UnservedPools | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FsTierProbes:
+    """Where a test holds an fs tier, injected as a clock is (never set in the daemon):
+    ``before_scan`` runs on the scan's thread before it reads the directory;
+    ``block_io`` replaces the tier's block I/O (e.g. one that waits at a gate)."""
+
+    before_scan: Callable[[], object] | None = None
+    block_io: BlockIo | None = None
 
 
 class FsTier(SecondaryTier):
@@ -120,98 +144,84 @@ class FsTier(SecondaryTier):
     def __init__(
         self,
         name: str,
-        root: str | os.PathLike[str],
-        pool_name: str,
-        block_bytes: int,
-        layout: Any,
-        region_buffer: memoryview,
-        capacity_bytes: int,
+        settings: FsTierSettings,
+        pool: PoolBinding,
         on_done: JobCallback,
         loop: asyncio.AbstractEventLoop,
         *,
-        read_threads: int = DEFAULTS.read_threads,
-        write_threads: int = DEFAULTS.write_threads,
-        fsync: bool = DEFAULTS.fsync,
-        o_direct: str = DEFAULTS.o_direct,
-        max_queue_bytes: int = DEFAULTS.max_queue_bytes,
-        max_queue_jobs: int = DEFAULTS.max_queue_jobs,
-        io_pool: IoPool | None = None,
-        budget: DiskBudget | None = None,
-        workers: IoWorkers | None = None,
-        region_file: tuple[str, int, int] | None = None,
-        region_rows: RegionRows | None = None,
-        write_log: WriteFailureLog | None = None,
-        block_io: BlockIo | None = None,
-        before_scan: Callable[[], object] | None = None,
-        shared: bool = DEFAULTS.shared,
-        shared_negative_ttl: float = DEFAULTS.shared_negative_ttl,
-        shared_rescan_interval: float = DEFAULTS.shared_rescan_interval,
-        unserved: UnservedPools | None = None,
+        parts: SharedParts = SharedParts(),
+        probes: FsTierProbes = FsTierProbes(),
     ) -> None:
-        if o_direct not in O_DIRECT_MODES:
-            raise ValueError(f"o_direct must be one of {O_DIRECT_MODES}, got {o_direct!r}")
+        """The tier ``name`` of one pool: its directory under ``settings.root``, its index
+        and its files. ``parts``: what the pools of a configured tier share (I/O threads,
+        worker processes, capacity, failure reports); a part not given is made for this
+        tier alone from ``settings``."""
+        block_bytes = pool.block_bytes
         if block_bytes < 1 or block_bytes % mmap.PAGESIZE:
             raise ValueError(f"block_bytes must be a positive multiple of {mmap.PAGESIZE}")
-        if len(region_buffer) % block_bytes:
+        if len(pool.region_buffer) % block_bytes:
             raise ValueError("region_buffer length is not a multiple of block_bytes")
-        if workers is not None and region_file is None:
-            raise ValueError("I/O workers need region_file: (path, st_dev, st_ino)")
-        if workers is not None and block_io is not None:
-            raise ValueError("give workers or block_io, not both")
+        if parts.workers is not None and pool.region_file is None:
+            raise ValueError("I/O workers need the pool's region_file: (path, st_dev, st_ino)")
         self.name = name
-        self.root = os.fspath(root)
-        self.identity = PoolIdentity(pool_name, block_bytes, layout)
+        self.root = settings.root
+        self.identity = PoolIdentity(pool.pool_name, block_bytes, pool.layout)
         self.pool_dir = os.path.join(self.root, self.identity.dir_name)
         self.block_bytes = block_bytes
         self.file_bytes = HEADER_SIZE + block_bytes
-        self.budget = budget if budget is not None else DiskBudget(capacity_bytes)
+        self.budget = parts.budget if parts.budget is not None else DiskBudget(settings.capacity)
         self.capacity_bytes = self.budget.capacity_bytes
-        self.fsync = fsync
-        self.o_direct = o_direct
+        self.fsync = settings.fsync
+        self.o_direct = settings.o_direct
         self.use_o_direct = False  # decided by prepare()'s probe
         self._fingerprint = self.identity.fingerprint
-        self._region = region_buffer.cast("B") if region_buffer.format != "B" else region_buffer
-        self._num_rows = len(region_buffer) // block_bytes
+        region = pool.region_buffer
+        self._region = region.cast("B") if region.format != "B" else region
+        self._num_rows = len(region) // block_bytes
         self._on_done = on_done
         self._loop = loop
         # the I/O pool this tier starts when it was given none
         self._make_io_pool: Callable[[], IoPool] = functools.partial(
             IoPool,
             loop,
-            read_threads=read_threads,
-            write_threads=write_threads,
-            max_queue_bytes=max_queue_bytes,
-            max_queue_jobs=max_queue_jobs,
+            read_threads=settings.read_threads,
+            write_threads=settings.write_threads,
+            max_queue_bytes=settings.max_queue_bytes,
+            max_queue_jobs=settings.max_queue_jobs,
         )
-        self._io: IoPool | None = io_pool
-        self._owns_io = io_pool is None
+        self._io: IoPool | None = parts.io_pool
+        self._owns_io = parts.io_pool is None
         self._files = PoolFiles(name, self.pool_dir)
         self.index = BlockIndex(name, self.file_bytes, self.budget, self._files.remove_evicted)
         self._scan = IndexScan(
             name, self.pool_dir, self._fingerprint, block_bytes, self.index,
-            self._index_ready, before_scan, SHARED_TEMP_MAX_AGE_S if shared else 0.0,
+            self._index_ready, probes.before_scan,
+            SHARED_TEMP_MAX_AGE_S if settings.shared else 0.0,
         )  # fmt: skip
         self.shared: SharedRoot | None = (
             SharedRoot(
                 name, self.pool_dir, self._fingerprint, block_bytes, self.index,
-                negative_ttl=shared_negative_ttl, rescan_interval=shared_rescan_interval,
-                unserved=unserved,
-            ) if shared else None
+                negative_ttl=settings.shared_negative_ttl,
+                rescan_interval=settings.shared_rescan_interval, unserved=parts.unserved,
+            ) if settings.shared else None
         )  # fmt: skip
         self._ready: asyncio.Future[None] | None = None
-        self._write_log = write_log if write_log is not None else WriteFailureLog(name, log)
+        self._write_log = parts.write_log or WriteFailureLog(name, log)
         self._region_faults = RateLimitedLog(log, REGION_FAULT_LOG_S)  # loop thread
-        # inline block I/O copies rows through region_rows (never the mapping); a
-        # RegionRows this tier made of region_buffer is its own, closed at shutdown
+        # inline block I/O copies rows through region rows (never the mapping); a
+        # RegionRows this tier made of the region buffer is its own, closed at shutdown
         self._own_rows: RegionRows | None = None
-        if workers is not None:
-            block_io = workers
-        elif block_io is None:
-            if region_rows is None:
-                region_rows = self._own_rows = RegionRows(self._region, block_bytes, path=name)
-            block_io = InlineIo(region_rows)
-        self._block_io: BlockIo = block_io
+        self._block_io: BlockIo = probes.block_io or parts.workers or self._inline_io(pool)
+        region_file = pool.region_file if parts.workers is not None else None
         self._region_ref: RegionRef = (*(region_file or ("", 0, 0)), block_bytes)
+
+    def _inline_io(self, pool: PoolBinding) -> BlockIo:
+        """Block I/O on the I/O threads themselves, through the pool's region rows (or
+        rows this tier makes of its region buffer, and closes at shutdown)."""
+        rows = pool.region_rows
+        if rows is None:
+            rows = self._own_rows = RegionRows(self._region, self.block_bytes, path=self.name)
+        return InlineIo(rows)
 
     # -- lifecycle (loop thread unless said otherwise) -----------------------------------
 

@@ -14,7 +14,7 @@ import shutil
 import tempfile
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +23,13 @@ import pytest
 from kvtierd.contract import LookupResult
 from kvtierd.primary.region import Region
 from kvtierd.tiers.base import JobResult, TierJob
+from kvtierd.tiers.configured import PoolBinding
 from kvtierd.tiers.fs import FsTier, FsTierError, PoolMismatchError, fsformat, ioworker, safefs
 from kvtierd.tiers.fs.fsck import fsck
 from kvtierd.tiers.fs.iopool import IoPool, PoolShutDown
 from kvtierd.tiers.fs.ioworker import BlockIo, InlineIo, IoWorkers, Reply
+from kvtierd.tiers.fs.settings import FsTierSettings
+from kvtierd.tiers.fs.tier import FsTierProbes, SharedParts
 
 BLOCK = 16384
 ROWS = 8
@@ -68,26 +71,27 @@ class Harness:
         self.calls[result.job_id] += 1
         self.waiters[result.job_id].set_result(result)
 
-    def tier(self, **kw: Any) -> FsTier:
-        args: dict[str, Any] = dict(
-            capacity_bytes=1 << 30, read_threads=2, write_threads=2, o_direct=self.o_direct
-        )
-        if self.workers is not None:
-            args.update(
-                workers=self.workers,
-                region_file=(self.region.path, *self.region.identity()),
-            )
-        args.update(kw)
+    def tier(
+        self,
+        *,
+        capacity_bytes: int = 1 << 30,
+        before_scan: Callable[[], object] | None = None,
+        block_io: BlockIo | None = None,
+        **settings: Any,
+    ) -> FsTier:
+        """An FsTier of this harness's pool under ``root``: ``settings`` are FsTierSettings
+        fields (read_threads, o_direct, ...), ``before_scan`` and ``block_io`` its probes."""
+        options: dict[str, Any] = dict(read_threads=2, write_threads=2, o_direct=self.o_direct)
+        options.update(settings)
+        region_file = (self.region.path, *self.region.identity()) if self.workers else None
         return FsTier(
             "fs",
-            self.root,
-            POOL,
-            BLOCK,
-            {"layout": "test"},
-            self.region.buffer(),
+            FsTierSettings(root=str(self.root), capacity=capacity_bytes, **options),
+            PoolBinding(POOL, BLOCK, {"layout": "test"}, self.region.buffer(), region_file),
             on_done=self.on_done,
             loop=self.loop,
-            **args,
+            parts=SharedParts(workers=self.workers),
+            probes=FsTierProbes(before_scan=before_scan, block_io=block_io),
         )
 
     async def ready_tier(self, **kw: Any) -> FsTier:
