@@ -37,9 +37,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-import kvtierd_client.copy_engine as copy_engine
 from benchmarks import sglang_env as env
 from benchmarks.common import BenchDaemon, Row, machine, print_table
+from kvtierd_client._shm import copies
 
 ROUNDS = 7
 
@@ -68,7 +68,7 @@ def _median_seconds(samples: list[float]) -> float:
     return statistics.median(samples)
 
 
-_NUMPY_COPY = copy_engine._copy_cpu
+_NUMPY_COPY = copies.copy_cpu
 
 
 def _torch_copy(src, dst, plan, staging, src_np=None, dst_np=None):  # noqa: ANN001, ANN202
@@ -106,11 +106,11 @@ def measure(address: str, size: Size, rounds: int, ab: bool = False) -> list[Row
         if r % 2:
             variants.reverse()
         for suffix, copy in variants:
-            copy_engine._copy_cpu = copy  # type: ignore[assignment]
+            copies.copy_cpu = copy  # type: ignore[assignment]
             keys = env.page_keys(f"bench-{size.label}-{r}{suffix}", batch)
             set_s, set_trips, ok_set = _timed(backend, backend.batch_set_v1, keys, src)
             get_s, get_trips, ok_get = _timed(backend, backend.batch_get_v1, keys, dst)
-            copy_engine._copy_cpu = _NUMPY_COPY  # type: ignore[assignment]
+            copies.copy_cpu = _NUMPY_COPY  # type: ignore[assignment]
             if not (all(ok_set) and all(ok_get)):
                 raise RuntimeError(f"{size.label}: a batch failed (set {ok_set}, get {ok_get})")
             if r:

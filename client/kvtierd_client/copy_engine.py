@@ -30,23 +30,30 @@ Not thread-safe: one worker thread drives an engine.
 from __future__ import annotations
 
 import collections
-import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
+
+from kvtierd_client._shm import copies
+from kvtierd_client._shm.copies import (
+    Direction,
+    Plan,
+    Staging,
+    block_view,
+    common_device,
+    copy_cuda_runs,
+    numpy_of,
+    plan_job,
+    split_page,
+    widest_pair,
+)
 
 if TYPE_CHECKING:
     from kvtierd_client.region import AttachedRegion
 
-Direction = Literal["store", "load"]
-
-# CPU: runs of at least this many bytes are one slice copy each; the rows of
-# smaller runs are gathered and scattered with index_select / index_copy_.
-LARGE_COPY_BYTES = 64 * 1024
 STAGING_BYTES = 8 << 20  # a CPU engine's gather/scatter buffer, allocated on first use
 
 
@@ -94,29 +101,6 @@ def _check_lease(lease_deadline: float | None, direction: Direction, now: float)
         )
 
 
-@dataclass(frozen=True)
-class _Plan:
-    """A validated job: ``src[k] -> dst[k]`` sorted by destination, cut into runs.
-
-    Run ``j`` is ``counts[j]`` consecutive rows from ``src[starts[j]]`` to
-    consecutive rows from ``dst[starts[j]]``. Destinations are distinct.
-    """
-
-    src: np.ndarray  # int64
-    dst: np.ndarray  # int64
-    starts: np.ndarray  # int64, index of each run's first pair
-    counts: np.ndarray  # int64, pairs in each run
-
-    def runs(self, mask: np.ndarray | None = None) -> Iterable[tuple[int, int, int]]:
-        """(src, dst, count) of every run (or of the runs selected by ``mask``)."""
-        starts, counts = self.starts, self.counts
-        if mask is not None:
-            starts, counts = starts[mask], counts[mask]
-        return zip(
-            self.src[starts].tolist(), self.dst[starts].tolist(), counts.tolist(), strict=True
-        )
-
-
 class CopyEngine:
     """Moves blocks of one rank between its KV tensors and its slice of region rows.
 
@@ -148,8 +132,8 @@ class CopyEngine:
     ) -> None:
         if not kv_tensors:
             raise ValueError("kv_tensors is empty: nothing to copy")
-        self._device = _common_device(kv_tensors)
-        engine_views = [_block_view(t, i) for i, t in enumerate(kv_tensors)]
+        self._device = common_device(kv_tensors)
+        engine_views = [block_view(t, i) for i, t in enumerate(kv_tensors)]
         num_engine_blocks = {v.shape[0] for v in engine_views}
         if len(num_engine_blocks) != 1:
             raise ValueError(
@@ -163,8 +147,8 @@ class CopyEngine:
                 f"of the {len(engine_views)} kv tensors"
             )
         rank_view = region.rank_view(rank, page_bytes)  # ValueError if it does not fit
-        region_views = _split_page(rank_view, [v.shape[1] for v in engine_views])
-        views = [_widest_pair(e, r) for e, r in zip(engine_views, region_views, strict=True)]
+        region_views = split_page(rank_view, [v.shape[1] for v in engine_views])
+        views = [widest_pair(e, r) for e, r in zip(engine_views, region_views, strict=True)]
         self.region = region
         self.rank = rank
         self._clock = clock
@@ -175,11 +159,11 @@ class CopyEngine:
         self._engine_views = [e for e, _ in views]
         self._region_views = [r for _, r in views]
         # CPU: the same views as numpy arrays (None where one cannot be made), for
-        # the large runs' copies (see _copy_cpu)
-        self._engine_arrays = [_numpy_of(e) for e in self._engine_views]
-        self._region_arrays = [_numpy_of(r) for r in self._region_views]
+        # the large runs' copies (see copy_cpu)
+        self._engine_arrays = [numpy_of(e) for e in self._engine_views]
+        self._region_arrays = [numpy_of(r) for r in self._region_views]
         self._bytes_per_block = used_bytes  # bytes one block moves (padding excluded)
-        self._staging = _Staging(STAGING_BYTES)
+        self._staging = Staging(STAGING_BYTES)
         self._stream: Any = None  # torch.cuda.Stream on CUDA, None on CPU
         if self._device.type == "cuda":
             with torch.cuda.device(self._device):
@@ -287,7 +271,7 @@ class CopyEngine:
         self._region_views = []
         self._engine_arrays = []
         self._region_arrays = []
-        self._staging = _Staging(STAGING_BYTES)  # frees the buffer
+        self._staging = Staging(STAGING_BYTES)  # frees the buffer
 
     def __enter__(self) -> CopyEngine:
         return self
@@ -308,11 +292,11 @@ class CopyEngine:
         engine = ("engine", self.num_engine_blocks)
         region = ("region", self.region.num_blocks)
         if direction == "store":
-            plan = _plan(direction, pairs, engine, region)
+            plan = plan_job(direction, pairs, engine, region)
             sources, destinations = self._engine_views, self._region_views
             arrays = zip(self._engine_arrays, self._region_arrays, strict=True)
         else:
-            plan = _plan(direction, pairs, region, engine)
+            plan = plan_job(direction, pairs, region, engine)
             sources, destinations = self._region_views, self._engine_views
             arrays = zip(self._region_arrays, self._engine_arrays, strict=True)
         job = _Job(
@@ -327,7 +311,7 @@ class CopyEngine:
         with torch.inference_mode():
             if self._stream is None:
                 for src, dst, (src_np, dst_np) in zip(sources, destinations, arrays, strict=True):
-                    _copy_cpu(src, dst, plan, self._staging, src_np, dst_np)
+                    copies.copy_cpu(src, dst, plan, self._staging, src_np, dst_np)
             else:
                 job.event = self._copy_cuda(sources, destinations, plan)
         self._next_job_id += 1
@@ -338,7 +322,7 @@ class CopyEngine:
         return job.job_id
 
     def _copy_cuda(
-        self, sources: list[torch.Tensor], destinations: list[torch.Tensor], plan: _Plan
+        self, sources: list[torch.Tensor], destinations: list[torch.Tensor], plan: Plan
     ) -> Any:
         """Queues the copies on the engine's stream behind the compute stream; returns
         the event that marks their end."""
@@ -349,7 +333,7 @@ class CopyEngine:
             stream.wait_stream(torch.cuda.current_stream(self._device))
             with torch.cuda.stream(stream):
                 for src, dst in zip(sources, destinations, strict=True):
-                    _copy_cuda_runs(src, dst, plan)
+                    copy_cuda_runs(src, dst, plan)
             event = torch.cuda.Event()
             event.record(stream)
         return event
@@ -375,242 +359,10 @@ class CopyEngine:
         self._bytes[job.direction] += job.num_bytes
 
 
-# -- construction helpers ------------------------------------------------------
-
-
-def _common_device(kv_tensors: Sequence[torch.Tensor]) -> torch.device:
-    devices = {t.device for t in kv_tensors}
-    if len(devices) != 1:
-        raise ValueError(f"kv_tensors must all be on one device, got {sorted(map(str, devices))}")
-    device = devices.pop()
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"kv_tensors must be CPU or CUDA tensors, got {device}")
-    return device
-
-
-def _block_view(tensor: torch.Tensor, index: int) -> torch.Tensor:
-    """``tensor`` as uint8 (num_engine_blocks, tensor_page_bytes), zero-copy.
-
-    Each block (``tensor[b]``) must be contiguous and blocks must not overlap;
-    the stride between blocks may be larger than a block (padding, a slice).
-    """
-    if tensor.dim() < 1 or tensor.shape[0] < 1:
-        raise ValueError(f"kv_tensors[{index}] has shape {tuple(tensor.shape)}: no blocks")
-    block_shape = tuple(tensor.shape[1:])
-    elements = math.prod(block_shape)
-    if elements == 0:
-        raise ValueError(f"kv_tensors[{index}] has empty blocks (shape {tuple(tensor.shape)})")
-    if not _is_contiguous(block_shape, tuple(tensor.stride()[1:])):
-        raise ValueError(
-            f"kv_tensors[{index}]: each block must be contiguous (shape {tuple(tensor.shape)}, "
-            f"strides {tensor.stride()}); pass the tensor with the engine block id as its "
-            "first dimension and a contiguous layout within a block"
-        )
-    if tensor.shape[0] > 1 and tensor.stride(0) < elements:
-        raise ValueError(
-            f"kv_tensors[{index}]: blocks overlap (stride {tensor.stride(0)} between blocks "
-            f"of {elements} elements)"
-        )
-    flat = tensor.as_strided((tensor.shape[0], elements), (tensor.stride(0), 1))
-    return flat.view(torch.uint8)
-
-
-def _is_contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
-    expected = 1
-    for size, stride in zip(reversed(shape), reversed(strides), strict=True):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _split_page(rank_view: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-    """Tensor i's part of the rank page: columns [offset_i, offset_i + sizes[i])."""
-    views, offset = [], 0
-    for size in sizes:
-        views.append(rank_view[:, offset : offset + size])
-        offset += size
-    return views
-
-
-def _widest_pair(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``a`` and ``b`` (uint8 row views of one width) reinterpreted as the widest
-    integer type both allow. Element-wise kernels (index_copy_) move one element per
-    step: int64 moves 8x the bytes of uint8 for the same work (measured 7x faster)."""
-    for dtype in (torch.int64, torch.int32, torch.int16):
-        try:
-            return a.view(dtype), b.view(dtype)
-        except RuntimeError:  # width, stride or offset not a multiple of the size
-            continue
-    return a, b
-
-
 # -- validation and planning ---------------------------------------------------
-
-
-def _plan(
-    direction: Direction,
-    pairs: Sequence[tuple[int, int]],
-    source: tuple[str, int],
-    destination: tuple[str, int],
-) -> _Plan:
-    """Validates ``pairs`` ((name, number of blocks) for each side) and groups
-    them into runs of consecutive rows, vectorized (a job may name thousands).
-
-    Raises ValueError naming the first id that is not an integer or is out of
-    range, or the first destination named twice (two sources for one
-    destination have no defined result).
-    """
-    ids = _as_id_array(direction, pairs)
-    for column, (name, limit) in enumerate((source, destination)):
-        bad = (ids[:, column] < 0) | (ids[:, column] >= limit)
-        if bad.any():
-            value = ids[int(np.argmax(bad)), column]
-            raise ValueError(
-                f"{direction}: {name} block id {value} is out of range (0..{limit - 1}); "
-                "nothing was copied"
-            )
-    order = np.argsort(ids[:, 1], kind="stable")
-    src, dst = ids[order, 0], ids[order, 1]
-    repeated = dst[1:] == dst[:-1]
-    if repeated.any():
-        raise ValueError(
-            f"{direction}: {destination[0]} block id {dst[int(np.argmax(repeated))]} is a "
-            "destination twice; nothing was copied"
-        )
-    breaks = (np.diff(src) != 1) | (np.diff(dst) != 1)
-    starts = np.flatnonzero(np.concatenate(([True], breaks))) if len(dst) else np.zeros(0, int)
-    counts = np.diff(np.append(starts, len(dst)))
-    return _Plan(src=src, dst=dst, starts=starts, counts=counts)
-
-
-def _as_id_array(direction: Direction, pairs: Sequence[tuple[int, int]]) -> np.ndarray:
-    """``pairs`` as an int64 array of shape (n, 2); ValueError unless integers."""
-    if len(pairs) == 0:
-        return np.zeros((0, 2), dtype=np.int64)
-    try:
-        ids = np.asarray(pairs)
-    except (ValueError, TypeError, OverflowError):  # ragged, or not numbers
-        ids = np.asarray([None])
-    if ids.ndim != 2 or ids.shape[1] != 2 or ids.dtype.kind not in "iu":
-        raise ValueError(_first_malformed(direction, pairs))
-    return ids.astype(np.int64, copy=False)
-
-
-def _first_malformed(direction: Direction, pairs: Sequence[tuple[int, int]]) -> str:
-    for pair in pairs:
-        try:
-            values = tuple(pair)
-        except TypeError:
-            values = ()
-        if len(values) != 2:
-            return f"{direction}: expected (source, destination) pairs, got {pair!r}"
-        for value in values:
-            if isinstance(value, (bool, np.bool_)) or not _is_integer(value):
-                return f"{direction}: block id {value!r} is not an integer"
-    return f"{direction}: block ids must be integers that fit in int64"
-
-
-def _is_integer(value: object) -> bool:
-    try:
-        value.__index__()  # type: ignore[attr-defined]
-    except (AttributeError, TypeError):
-        return False
-    return True
 
 
 # -- CPU copies ----------------------------------------------------------------
 
 
-def _numpy_of(tensor: torch.Tensor) -> np.ndarray | None:
-    """A CPU tensor's numpy view (same memory), or None (CUDA, or not viewable)."""
-    if tensor.device.type != "cpu":
-        return None
-    try:
-        return tensor.detach().numpy()
-    except (RuntimeError, TypeError):
-        return None
-
-
-def _copy_cpu(
-    src: torch.Tensor,
-    dst: torch.Tensor,
-    plan: _Plan,
-    staging: _Staging,
-    src_np: np.ndarray | None = None,
-    dst_np: np.ndarray | None = None,
-) -> None:
-    """With numpy views of both sides (CPU tensors): one ``numpy.copyto`` per run
-    (a memcpy per row, in the calling thread, the interpreter lock released; ~1 us
-    of call per run, so no gather pass is needed for small rows). Otherwise large
-    runs one slice ``copy_`` each, and the rows of small runs in gather/scatter
-    passes through ``staging``: a few calls per job instead of one Python-level
-    copy per row.
-
-    Why numpy first: torch's ``copy_`` (and ``index_select``) spreads a copy over
-    its intra-op threads, which on a machine whose cores are busy (an engine's
-    scheduler, tokenizer, other processes) waits for descheduled workers: measured
-    0.1x of numpy's GB/s with the load average at 3x the cores (BENCHMARKS.md,
-    "SGLang backend").
-    """
-    if src_np is not None and dst_np is not None:
-        for s, d, count in plan.runs():
-            np.copyto(dst_np[d : d + count], src_np[s : s + count])
-        return
-    row_bytes = src.shape[1] * src.element_size()
-    large = plan.counts * row_bytes >= LARGE_COPY_BYTES
-    for s, d, count in plan.runs(large):
-        dst[d : d + count].copy_(src[s : s + count])
-    if large.all():
-        return
-    small = np.repeat(~large, plan.counts)
-    src_ids = torch.from_numpy(plan.src[small])
-    dst_ids = torch.from_numpy(plan.dst[small])
-    if len(dst_ids) == 1:
-        dst[int(dst_ids[0])].copy_(src[int(src_ids[0])])
-        return
-    chunk = staging.rows_for(src)
-    for start in range(0, len(dst_ids), chunk.shape[0]):
-        end = min(start + chunk.shape[0], len(dst_ids))
-        rows = chunk[: end - start]
-        torch.index_select(src, 0, src_ids[start:end], out=rows)
-        dst.index_copy_(0, dst_ids[start:end], rows)
-
-
-class _Staging:
-    """A reusable, already-faulted CPU buffer for gathered rows.
-
-    Reused because a fresh allocation of this size page-faults on first touch
-    (~1 GB/s here), which costs more than the copy itself.
-    """
-
-    def __init__(self, size_bytes: int) -> None:
-        self._size_bytes = size_bytes
-        self._buffer: torch.Tensor | None = None
-
-    def rows_for(self, like: torch.Tensor) -> torch.Tensor:
-        """A contiguous (rows >= 1, like.shape[1]) tensor of ``like``'s dtype."""
-        row_bytes = like.shape[1] * like.element_size()
-        if self._buffer is None or self._buffer.numel() < row_bytes:
-            size = max(self._size_bytes, row_bytes)
-            self._buffer = torch.zeros(size, dtype=torch.uint8)  # zeros: faulted in now
-        rows = self._buffer.numel() // row_bytes
-        return self._buffer[: rows * row_bytes].view(like.dtype).view(rows, like.shape[1])
-
-
 # -- CUDA copies ---------------------------------------------------------------
-
-
-def _copy_cuda_runs(src: torch.Tensor, dst: torch.Tensor, plan: _Plan) -> None:
-    """Queues non-blocking copies on the current stream: a run as one copy when both
-    sides are contiguous over it (one DMA), else one copy per row (a row is always
-    contiguous on both sides). Never through a temporary: a strided host<->device
-    copy would stage through pageable memory and synchronize."""
-    for s, d, count in plan.runs():
-        src_rows = src[s : s + count]
-        dst_rows = dst[d : d + count]
-        if src_rows.is_contiguous() and dst_rows.is_contiguous():
-            dst_rows.copy_(src_rows, non_blocking=True)
-            continue
-        for i in range(count):
-            dst_rows[i].copy_(src_rows[i], non_blocking=True)
