@@ -8,7 +8,10 @@ The helpers they build on live beside ``tests/conftest.py``: ``daemon_harness``
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -83,3 +86,19 @@ def warm_daemon():
     for daemon in daemons:
         daemon.stop(signal.SIGKILL)
     daemons[-1].cleanup()
+
+
+@pytest.fixture
+def sticky_root() -> Iterator[str]:
+    """An fs root like /tmp: world-writable with the sticky bit (the start-up root
+    check accepts it: others cannot swap the daemon's own entries)."""
+    root = tempfile.mkdtemp(prefix="kvt-sticky-", dir="/tmp")
+    os.chmod(root, 0o1777)
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+# a throw-away local user (root only), for the attacks another user makes
+from local_users import other_user  # noqa: E402, F401

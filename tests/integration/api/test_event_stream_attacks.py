@@ -1,7 +1,6 @@
-"""Findings of attacking the issue #15 work. Fixed ones stay as regression tests;
-one still open is a strict xfail: it states the promise and fails today, and
-when a fix lands it turns into an unexpected pass and the marker must go. Real
-daemon, real socket."""
+"""Attacks on the event streams and the largest calls: WatchEvents streams whose
+client does not read, unread TakeEvents answers, one huge Batch. A finding still open
+is a strict xfail: it states the promise and fails today. Real daemon, real socket."""
 
 from __future__ import annotations
 

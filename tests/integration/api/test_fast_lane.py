@@ -23,7 +23,6 @@ import grpc
 import pytest
 from daemon_harness import DaemonProcess, eventually, start_daemon
 from lane_harness import bound_raw, call_frame, open_raw, read_frame
-from local_users import other_user
 
 from kvtierd_client._rpc.codec import LOOKUP
 from kvtierd_client.aio import AsyncClient
@@ -31,8 +30,6 @@ from kvtierd_client.client import Client, LookupResult
 from kvtierd_client.errors import DeadlineExceeded, KvtierError, NotFound
 from kvtierd_client.wire.lane_frames import BIND, METHODS, frame
 from kvtierd_client.wire.proto import pb2
-
-__all__ = ["other_user"]  # the fixture, imported for these tests
 
 LEASE = 2.0
 KEYS = [b"key-%d" % i for i in range(32)]

@@ -19,9 +19,13 @@ daemon over real sockets (principals: real users) and fails without the fix.
 from __future__ import annotations
 
 import fcntl
+import signal
 import socket
 import struct
+import subprocess
+import sys
 import termios
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -31,6 +35,7 @@ from lane_harness import call_frame, read_frame
 from users_harness import ThrowawayAccounts, principals_toml, run_as, start_shared
 
 from kvtierd.api.fastlane import FRAMES_PER_OWNER
+from kvtierd_client.client import Client, LookupResult
 from kvtierd_client.wire.lane_frames import BIND, HEADER, METHODS
 from kvtierd_client.wire.peer_ticket import obtain_ticket
 from kvtierd_client.wire.proto import pb2
@@ -305,3 +310,200 @@ def test_frames_split_anywhere_and_large_frames_get_their_answers(attacked, pool
     assert b"is not the session this fast lane is bound to" in answers[1][1], answers[1]
     assert answers[3] is not None and answers[3][0] == 0, answers[3]
     assert list(pb2.LookupResponse.FromString(answers[3][1]).results) == miss * len(keys)
+
+
+LANE_LEASE_S = 6.0
+
+
+_LANE_OWNER = """
+import sys, time
+from kvtierd_client.client import Client
+client = Client(sys.argv[1])
+session = client.open_session(sys.argv[2], block_bytes=4096, num_blocks=2, layout="l")
+assert session._lane is not None, "no fast lane"
+grant = session.prepare_store([b"a1", b"a2"])
+print(time.monotonic(), *grant.block_ids, flush=True)
+time.sleep(600)
+"""
+
+
+def test_rows_reserved_by_a_session_whose_lane_ended_stay_out_of_use_for_its_lease(pool_name):
+    """A lane's end closes its session at once, before the lease its client (and the
+    workers that copy for it, through its lease beacon) still holds as proof: vLLM's
+    workers are other processes and go on copying into the session's reserved rows
+    until ``send time + lease - margin``. The rows used to be quarantined only
+    ``write_quarantine`` from the close, so with a quarantine shorter than the lease
+    another session got them while those copies were still allowed: a late copy
+    then overwrites a block another engine stored -- served as HIT, wrong bytes.
+    They now stay quarantined until the session's lease would have run out, plus
+    ``write_quarantine``."""
+    daemon = start_daemon("--lease", f"{LANE_LEASE_S:g}s", "--write-quarantine", "0.5s", config="")
+    owner = None
+    try:
+        owner = subprocess.Popen(
+            [sys.executable, "-c", _LANE_OWNER, daemon.address, pool_name],
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert owner.stdout is not None
+        sent, *rows = owner.stdout.readline().split()
+        assert sorted(map(int, rows)) == [0, 1]
+        # the owner's proof: send time of its last answered call + lease (- a margin)
+        proof_until = float(sent) + LANE_LEASE_S - 0.6
+        owner.kill()  # its lane ends: EOF; the daemon closes the session at once
+        owner.wait()
+        with Client(daemon.address) as client:
+            other = client.open_session(pool_name, block_bytes=4096, num_blocks=2, layout="l")
+            while time.monotonic() < proof_until - 0.2:
+                grant = other.prepare_store([b"b1", b"b2"])
+                early = proof_until - time.monotonic()
+                assert grant is None, f"its rows handed out {early:.1f}s before its proof ran out"
+                time.sleep(0.1)
+            grant = eventually(
+                lambda: other.prepare_store([b"b1", b"b2"]), 20.0, "the rows back after the lease"
+            )
+            assert sorted(grant.block_ids) == [0, 1]
+            other.close()
+    finally:
+        if owner is not None and owner.poll() is None:
+            owner.kill()
+            owner.wait()
+        daemon.stop(signal.SIGKILL)
+        daemon.cleanup()
+
+
+_LANE_LOADER = """
+import sys, time
+from kvtierd_client.client import Client
+client = Client(sys.argv[1])
+session = client.open_session(sys.argv[2], block_bytes=4096, num_blocks=2, layout="l")
+assert session._lane is not None, "no fast lane"
+rows = session.prepare_load([b"kept"])
+print(time.monotonic(), *rows, flush=True)
+time.sleep(600)
+"""
+
+
+def test_rows_pinned_by_a_session_whose_lane_ended_are_not_rewritten_within_its_lease(
+    pool_name,
+):
+    daemon = start_daemon("--lease", f"{LANE_LEASE_S:g}s", config="")
+    loader = None
+    try:
+        with Client(daemon.address) as client:
+            keeper = client.open_session(pool_name, block_bytes=4096, num_blocks=2, layout="l")
+            keeper.prepare_store([b"kept"])
+            keeper.complete_store([b"kept"])
+            loader = subprocess.Popen(
+                [sys.executable, "-c", _LANE_LOADER, daemon.address, pool_name],
+                stdout=subprocess.PIPE, text=True,
+            )  # fmt: skip
+            assert loader.stdout is not None
+            sent, row = loader.stdout.readline().split()
+            proof_until = float(sent) + LANE_LEASE_S - 0.6
+            loader.kill()  # its lane ends; its workers may load from the row until proof_until
+            loader.wait()
+            time.sleep(0.5)
+            grant = keeper.prepare_store([b"new1", b"new2"])  # needs the pinned row too
+            rewritten = grant is not None and int(row) in grant.block_ids
+            assert not (rewritten and time.monotonic() < proof_until), (
+                "the row a live lease still vouches for was handed to another writer"
+            )
+            keeper.close()
+    finally:
+        if loader is not None and loader.poll() is None:
+            loader.kill()
+            loader.wait()
+        daemon.stop(signal.SIGKILL)
+        daemon.cleanup()
+
+
+UNBOUND_PEERS = 6
+
+
+CLAIMED_FRAME = 30 << 20  # under the default fast_lane_max_frame_bytes (~35 MiB)
+
+
+SENT_BODY = 24 << 20
+
+
+def test_an_unbound_lane_connection_cannot_make_the_daemon_hold_a_large_frame():
+    """Anyone who can connect to ``<socket>.lane`` (the socket group, no token needed
+    yet) could announce a frame of up to ``fast_lane_max_frame_bytes`` (~35 MiB)
+    before BIND, and the daemon held it, twice over while joining its chunks, for
+    up to ``bind_timeout`` -- on each of up to ``max_sessions + 64`` connections
+    (~4,160 by default: far more RAM than the host has). An unbound connection may
+    only send BIND now: a longer frame is refused at its header."""
+    daemon = start_daemon("--memory-budget", "64MiB")
+    lane_path = daemon.socket_path + ".lane"
+    peers: list[socket.socket] = []
+    try:
+        # one peer: refused at the header alone, long before the 5 s bind timeout
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as lane:
+            lane.settimeout(30)
+            lane.connect(lane_path)
+            started = time.monotonic()
+            lane.sendall(HEADER.pack(CLAIMED_FRAME, BIND))
+            answer = read_frame(lane)
+            assert answer is not None, "the daemon closed the lane without an error frame"
+            kind, body = answer
+            assert kind == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], (kind, body)
+            assert "before BIND" in body.decode(), body
+            assert time.monotonic() - started < 4.0, "refused by the bind timeout, not the bound"
+        # several peers pushing their frame's body: the daemon's memory stays flat
+        before = peak_rss_bytes(daemon.proc.pid)
+        chunk = b"\0" * (1 << 20)
+        for _ in range(UNBOUND_PEERS):
+            peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            peer.settimeout(5)
+            peer.connect(lane_path)
+            peers.append(peer)
+        for peer in peers:
+            try:
+                peer.sendall(HEADER.pack(CLAIMED_FRAME, BIND))
+                for _ in range(SENT_BODY // len(chunk)):
+                    peer.sendall(chunk)
+            except OSError:
+                pass  # cut: what the bound is for
+        grown = peak_rss_bytes(daemon.proc.pid) - before
+        assert grown < 48 << 20, f"the daemon's peak RSS grew by {grown >> 20} MiB"
+        # a real client still binds its lane and is served
+        with Client(daemon.address) as client:
+            session = client.open_session("after", block_bytes=4096, num_blocks=8)
+            assert session.fast_lane
+            assert session.lookup([b"k"]) == [LookupResult.MISS]
+        assert daemon.alive()
+    finally:
+        for peer in peers:
+            peer.close()
+        daemon.stop()
+        daemon.cleanup()
+
+
+def test_idle_lane_connections_cannot_keep_a_session_off_its_lane():
+    """Unbound connections counted against the lane's ``max_sessions + 64`` until
+    their 5 s bind timeout: a peer of the socket group holding that many (and
+    opening them again as they were cut) kept every new session off its lane -- its
+    client fell back to gRPC, ~5x the control-plane cost. A full lane now drops the
+    oldest connection that has not bound for a new one, as the region socket does."""
+    daemon = start_daemon("--memory-budget", "64MiB", "--max-sessions", "4")
+    lane_path = daemon.socket_path + ".lane"
+    idle: list[socket.socket] = []
+    try:
+        for _ in range(4 + 64):  # every slot taken by a connection that never binds
+            peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            peer.settimeout(5)
+            peer.connect(lane_path)
+            idle.append(peer)
+        time.sleep(0.3)  # accepted
+        with Client(daemon.address) as client:
+            session = client.open_session("idle", block_bytes=4096, num_blocks=8)
+            assert session.fast_lane, "the session fell back to gRPC: the lane was full"
+            assert session.lookup([b"k"]) == [LookupResult.MISS]
+        dropped = read_frame(idle[0])  # the oldest idle connection made room
+        assert dropped is not None and dropped[0] == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        assert daemon.alive()
+    finally:
+        for peer in idle:
+            peer.close()
+        daemon.stop()
+        daemon.cleanup()

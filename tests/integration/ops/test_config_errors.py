@@ -8,13 +8,23 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
 import subprocess
+import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from daemon_harness import REPO, daemon_command, free_port, health_status, start_daemon
+from daemon_harness import (
+    REPO,
+    daemon_command,
+    free_port,
+    health_status,
+    start_daemon,
+    write_config,
+)
 
 from kvtierd.util.units import format_bytes
 
@@ -459,3 +469,25 @@ def test_a_budget_above_the_shm_mount_only_names_the_mount(small_tmpfs):
     finally:
         assert within.stop() == 0
         within.cleanup()
+
+
+def test_a_listen_path_too_long_for_the_sockets_next_to_it_is_a_config_error(tmp_path):
+    """The daemon binds ``<listen>.regions``, ``.tickets`` and ``.lane`` next to its
+    Unix socket; a listen path that fits the kernel's 107 bytes but not with those
+    suffixes used to crash the start with a traceback (``AF_UNIX path too long``)
+    after the gRPC socket was already bound. It is now refused as a config error
+    (exit 2) naming the limit and the path."""
+    directory = tempfile.mkdtemp(prefix="kvt-" + "x" * 70, dir="/tmp")
+    try:
+        path = os.path.join(directory, "k.sock")
+        path = path + "s" * (104 - len(path))  # fits sun_path alone, not with ".regions"
+        done = subprocess.run(
+            [sys.executable, "-m", "kvtierd", "--config", write_config(tmp_path, ""),
+             "--listen", "unix://" + path, "--shm-dir", "/dev/shm", "--metrics-address", ""],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        assert "at most 99 bytes" in done.stderr and "Traceback" not in done.stderr
+        assert not os.path.exists(path)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)

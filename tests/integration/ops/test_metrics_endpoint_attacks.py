@@ -34,13 +34,11 @@ from daemon_harness import (
     fs_tiers_config,
     start_daemon,
 )
-from local_users import LocalUser, other_user
+from local_users import LocalUser
 from users_harness import principals_toml
 
 from kvtierd.ops.metrics_http import EndpointLimits
 from kvtierd_client.client import Client
-
-__all__ = ["other_user"]  # the fixture, imported for these tests
 
 LIMITS = EndpointLimits()
 IDLE = 300

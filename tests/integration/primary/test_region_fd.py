@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from daemon_harness import daemon_command, start_daemon, write_config
-from local_users import LocalUser, other_user
+from local_users import LocalUser
 
 from kvtierd.security.region_access import (
     MAX_CONNECTIONS,
@@ -31,8 +31,6 @@ from kvtierd.security.region_access import (
 from kvtierd_client._shm.region_fd import RegionAccessDenied, request_region_fd
 from kvtierd_client.client import Client
 from kvtierd_client.region import AttachedRegion, RegionIdentityError, attach_announced
-
-__all__ = ["other_user"]  # the fixture, imported for these tests
 
 BLOCK = 4096
 BLOCKS = 4

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -29,9 +30,9 @@ import pytest
 import redis
 from daemon_harness import DaemonProcess, eventually, fs_tiers_config, start_daemon
 from engine_harness import HIT, MISS, Engine, block_keys, payload
-from redis_harness import redis_config
+from redis_harness import RedisServer, redis_config
 
-from kvtierd_client.client import Client
+from kvtierd_client.client import Client, LookupResult
 
 TIERS = ["redis", "fs-inline", "fs-workers"]
 
@@ -203,3 +204,58 @@ def test_a_region_truncated_while_the_daemon_was_down_starts_its_pool_cold(pool_
         for each in daemons:
             each.stop(signal.SIGKILL)
         daemons[-1].cleanup()
+
+
+def test_a_client_that_truncates_the_region_cannot_kill_the_daemon():
+    """Every client of a pool holds its region file writable (the descriptor the
+    daemon passes; group members may also open it), so it can ``ftruncate`` it. The
+    warm-restart journal hashed completed rows through the daemon's mapping: a row
+    past the new end raised SIGBUS and killed the daemon -- every pool and session of
+    every user -- at the next CompleteStore. The journal now reads rows with
+    ``preadv`` (a short read: the row is not vouched for, MISS after a restart)."""
+    daemon = start_daemon("--lease", "2s", "--write-quarantine", "1s")
+    try:
+        client = Client(daemon.address)
+        attacker = client.open_session("cut", block_bytes=WARM_BLOCK, num_blocks=64, layout="l1")
+        bystander = client.open_session("other", block_bytes=WARM_BLOCK, num_blocks=64, layout="l1")
+        os.truncate(attacker.region.path, 0)
+        keys = [b"k%d" % i for i in range(8)]
+        grant = attacker.prepare_store(keys)
+        assert grant is not None and len(grant.block_ids) == 8
+        attacker.complete_store(keys)  # never written: the rows are past the end
+        journal = attacker.region.path[: -len(".region")] + ".journal"
+        time.sleep(1.0)  # the journal hashes a completion within ~5 ms (BATCH_DELAY_SECONDS)
+        assert daemon.alive(), f"the daemon died ({daemon.proc.returncode}):\n{daemon.log()}"
+        assert bystander.lookup([b"x"]) == [LookupResult.MISS]  # everyone else still served
+        assert os.path.exists(journal)
+        attacker.close()
+        bystander.close()
+        client.close()
+    finally:
+        daemon.stop(signal.SIGKILL)
+        daemon.cleanup()
+
+
+def test_a_truncated_region_cannot_kill_the_daemon_through_the_redis_tier(
+    redis_server: RedisServer, key_prefix: str, pool_name
+):
+    """The redis tier's store hashed the row and handed it to the socket through the
+    daemon's mapping on an I/O thread: a region its client truncated killed the
+    daemon with SIGBUS at the cascade. Rows are now copied out with a system call
+    (``kvtierd.primary.rows``): the store of a row past the cut fails, nothing else.
+    (``tests/integration/primary/test_truncated_region.py`` covers every other path.)"""
+    daemon = start_daemon(
+        "--memory-budget", "64MiB", config=redis_config(redis_server.url, key_prefix)
+    )
+    try:
+        engine = Engine(daemon, pool_name)
+        os.truncate(engine.session.region.path, 0)
+        keys = block_keys("cut", 4)
+        engine.session.prepare_store(keys)
+        engine.session.complete_store(keys)  # never written: past the end; cascaded to redis
+        time.sleep(2.0)  # the cascade runs within milliseconds
+        assert daemon.alive(), f"the daemon died ({daemon.proc.returncode})"
+        engine.close()
+    finally:
+        daemon.stop(signal.SIGKILL)
+        daemon.cleanup()

@@ -20,12 +20,10 @@ from pathlib import Path
 import pytest
 from daemon_harness import daemon_command, eventually, fs_tiers_config, start_daemon, write_config
 from engine_harness import Engine, block_keys, file_of
-from local_users import LocalUser, other_user
+from local_users import LocalUser
 
 from kvtierd.primary.region import region_file_name
 from kvtierd.tiers.fs import fsformat
-
-__all__ = ["other_user"]  # the fixture, imported for these tests
 
 EXIT_CONFIG = 2
 READ_FILE = "import sys; print(len(open(sys.argv[1], 'rb').read()))"

@@ -1,7 +1,6 @@
-"""Findings of attacking the issue #18 security work (principals, tickets,
-region descriptors, TLS, audit), as another local user and as a remote TCP
-client. Fixed ones stay as regression tests; open ones are strict xfails that
-state the promise and fail today. Real daemon, real sockets, real users."""
+"""Attacks on the daemon's security (principals, quotas, peer tickets, region
+descriptors, unauthenticated TCP), as another local user and as a remote TCP client.
+Real daemon, real sockets, real users."""
 
 from __future__ import annotations
 

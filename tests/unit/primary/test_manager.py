@@ -784,3 +784,18 @@ def test_a_ready_or_pinned_key_is_never_quarantined():
     assert manager.abort_and_quarantine([b"a", b"b"], until=1.0) == [b"b"]
     assert manager.lookup([b"a"]) == [LookupResult.HIT]
     manager.check_invariants()
+
+
+def test_a_later_quarantine_does_not_hold_back_an_earlier_one():
+    """A lane-ended session's rows are quarantined through its lease, so quarantines
+    no longer arrive in time order: one queued later but due sooner is released at
+    its own time, not behind the longer one (the queue is kept sorted)."""
+    manager = PrimaryManager(4)
+    manager.prepare_store([b"lane", b"expired"])
+    manager.abort_and_quarantine([b"lane"], until=20.0)  # through the lease
+    manager.abort_and_quarantine([b"expired"], until=5.0)
+    assert manager.next_quarantine_release == 5.0
+    assert manager.release_quarantine(6.0) == 1
+    assert manager.release_quarantine(19.0) == 0
+    assert manager.release_quarantine(20.0) == 1
+    manager.check_invariants()
