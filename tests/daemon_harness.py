@@ -10,8 +10,10 @@ says so beside it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
+import select
 import shutil
 import signal
 import socket
@@ -361,9 +363,39 @@ def stopped(pid: int) -> bool:
 def gone(pid: int) -> bool:
     """The process is dead (reaped, or a zombie)."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
     except FileNotFoundError:
         return True
+
+
+def running(pids: list[int]) -> list[int]:
+    """Those of ``pids`` that have not exited (a zombie has)."""
+    return [pid for pid in pids if not gone(pid)]
+
+
+class Exits:
+    """A ``wake`` for :func:`eventually` that returns when one of some processes exits
+    (its pidfd becomes readable, zombie or reaped) or when the time left runs out. A
+    process that exited is not waited for again, so the wake never spins."""
+
+    def __init__(self, *pids: int) -> None:
+        self._fds: list[int] = []
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):  # gone already: nothing to wait for
+                self._fds.append(os.pidfd_open(pid))
+
+    def __call__(self, left: float) -> None:
+        if not self._fds:
+            time.sleep(min(left, POLL_INTERVAL_S))  # nothing left to wait for: a poll
+            return
+        ready, _, _ = select.select(self._fds, [], [], left)
+        for fd in ready:
+            self._fds.remove(fd)
+            os.close(fd)
+
+    def __del__(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
 
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -3,11 +3,12 @@ pool, ``PoolEvents``: what every other test relies on when it waits."""
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
 
 import pytest
-from daemon_harness import PoolEvents, eventually
+from daemon_harness import Exits, PoolEvents, eventually
 
 from kvtierd_client.client import Client
 
@@ -76,3 +77,29 @@ def test_pool_events_wake_at_the_pools_next_event(daemon, pool_name):
             start = time.monotonic()
             assert events.wait(0.2) is None
             assert time.monotonic() - start >= 0.2
+
+
+def test_exits_wakes_a_wait_when_a_process_exits_not_when_the_poll_would():
+    """A wait for processes to exit blocks on their pidfds: it returns as one exits,
+    long before a poll interval of 10 s would have looked again, and a process that
+    exited is not waited on again (the wake does not spin)."""
+    quick = subprocess.Popen(["sleep", "0.2"])
+    slow = subprocess.Popen(["sleep", "0.6"])
+    wakes: list[float] = []
+    exits = Exits(quick.pid, slow.pid)
+
+    def wake(left: float) -> None:
+        wakes.append(time.monotonic())
+        exits(left)
+
+    start = time.monotonic()
+    try:
+        eventually(
+            lambda: quick.poll() is not None and slow.poll() is not None,
+            5, "both exited", wake=wake, interval=10,
+        )  # fmt: skip
+    finally:
+        quick.kill()
+        slow.kill()
+    assert time.monotonic() - start < 4  # woken by the exits, not by a 10 s poll
+    assert len(wakes) <= 3  # one wake per exit (and the first look's), no spinning

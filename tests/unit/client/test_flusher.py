@@ -43,6 +43,12 @@ def flusher_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "test-flush"]
 
 
+def join_flushers(left: float) -> None:
+    """Wakes ``eventually`` when the flusher threads exited (or the time left is up)."""
+    for thread in flusher_threads():
+        thread.join(left)
+
+
 def test_steady_state_arms_wake_nobody():
     """Each step queues (arm) and the next step's call carries the queue (disarm)
     before the deadline, for many deadlines in a row: the flusher must never be
@@ -114,7 +120,10 @@ def test_idle_flusher_exits_and_the_next_arm_starts_another(monkeypatch):
             deadline.arm()
             assert recorder.called.wait(5)
             recorder.called.clear()
-            eventually(lambda: not flusher_threads(), 5, f"round {round_}: the idle flusher exits")
+            eventually(
+                lambda: not flusher_threads(), 5, f"round {round_}: the idle flusher exits",
+                wake=join_flushers,
+            )  # fmt: skip
             assert not deadline.statistics().running
         assert len(recorder.times) == 2
     finally:
@@ -145,7 +154,10 @@ def test_a_long_deadline_does_not_keep_an_idle_flusher_alive(monkeypatch):
     try:
         deadline.arm()
         deadline.disarm()
-        eventually(lambda: not flusher_threads(), 5, "the idle flusher exits after IDLE_EXIT")
+        eventually(
+            lambda: not flusher_threads(), 5, "the idle flusher exits after IDLE_EXIT",
+            wake=join_flushers,
+        )  # fmt: skip
         assert recorder.times == []
     finally:
         deadline.stop()

@@ -12,7 +12,7 @@ import signal
 import time
 from pathlib import Path
 
-from daemon_harness import DaemonProcess, eventually, gone
+from daemon_harness import DaemonProcess, Exits, eventually, gone
 from warm_harness import BLOCK, HIT, MISS, assert_bit_exact, restart, store
 
 from kvtierd.primary.warm.hashworker import WORKER_NICE
@@ -96,7 +96,7 @@ def test_a_worker_stopped_for_good_neither_holds_the_stop_nor_loses_the_blocks(w
     daemon.stop(signal.SIGTERM, timeout=60)
     assert time.monotonic() - started < 40  # 10 s of drain, then the stop goes on
     assert daemon.proc.returncode == 0, daemon.log()
-    eventually(lambda: gone(worker), 10, "the stopped worker killed")
+    eventually(lambda: gone(worker), 10, "the stopped worker killed", wake=Exits(worker))
     daemon = daemon.restart()
     warm_daemon.append(daemon)
     with Client(daemon.address) as client:
@@ -117,7 +117,7 @@ def test_a_killed_worker_is_replaced_and_a_crash_adopts_what_was_journaled(warm_
         store(session, [b"a"])
         (first,) = eventually(lambda: hash_workers(daemon), 30, "the daemon's hash worker")
         os.kill(first, signal.SIGBUS)
-        eventually(lambda: gone(first), 10, "the worker dead")
+        eventually(lambda: gone(first), 10, "the worker dead", wake=Exits(first))
         keys = [f"after-{i}".encode() for i in range(8)]
         store(session, keys[:4])
         time.sleep(1.5)  # past the one-start-per-second backoff
@@ -126,7 +126,7 @@ def test_a_killed_worker_is_replaced_and_a_crash_adopts_what_was_journaled(warm_
         assert second != first and daemon.alive()
         time.sleep(1.0)  # the journal records a completion within ~5 ms + hashing
     daemon.stop(signal.SIGKILL)
-    eventually(lambda: gone(second), 10, "the worker killed with the daemon")
+    eventually(lambda: gone(second), 10, "the worker killed with the daemon", wake=Exits(second))
     daemon = daemon.restart()
     warm_daemon.append(daemon)
     with Client(daemon.address) as client:

@@ -18,9 +18,11 @@ from pathlib import Path
 import pytest
 from daemon_harness import (
     DaemonProcess,
+    Exits,
     daemon_command,
     eventually,
     fs_tiers_config,
+    running,
     start_daemon,
 )
 from engine_harness import (
@@ -249,19 +251,6 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _running(pids: list[int]) -> list[int]:
-    """Those of ``pids`` that have not exited (a zombie has)."""
-    alive = []
-    for pid in pids:
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except FileNotFoundError:
-            continue
-        if stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
-            alive.append(pid)
-    return alive
-
-
 def test_sigkill_during_cascade_storm_leaves_a_clean_root(fs_root, pool_name):
     config = fs_tiers_config(fs_root, write_threads=4)
     daemon = start_daemon("--memory-budget", "64MiB", config=config)
@@ -295,7 +284,10 @@ def test_sigkill_during_cascade_storm_leaves_a_clean_root(fs_root, pool_name):
     # the I/O worker processes die with the daemon: none finishes a write behind
     # the back of the restarted daemon's scan
     assert io_workers, "the storm ran no block I/O in worker processes"
-    eventually(lambda: not _running(io_workers), 5.0, "the I/O workers exit with the daemon")
+    eventually(
+        lambda: not running(io_workers), 5.0, "the I/O workers exit with the daemon",
+        wake=Exits(*io_workers),
+    )  # fmt: skip
 
     fsck = subprocess.run(
         daemon_command("fsck", "--quiet", str(fs_root)), capture_output=True, text=True

@@ -17,7 +17,15 @@ import signal
 import time
 from pathlib import Path
 
-from daemon_harness import DaemonProcess, eventually, fs_tiers_config, gone, start_daemon, stopped
+from daemon_harness import (
+    DaemonProcess,
+    Exits,
+    eventually,
+    fs_tiers_config,
+    gone,
+    start_daemon,
+    stopped,
+)
 from engine_harness import HIT, MISS, PENDING, Engine, block_keys, payload
 
 TIMEOUT_S = 2.0
@@ -62,7 +70,10 @@ def test_a_stopped_io_worker_is_replaced_and_its_jobs_fail_cleanly(tmp_path, poo
         engine.store(block_keys("c", 3))  # three cascades: three rows pinned
         assert engine.session.prepare_store([b"refused"]) is None  # no row free
 
-        eventually(lambda: gone(worker), 30, lambda: f"the stopped worker killed:\n{daemon.log()}")
+        eventually(
+            lambda: gone(worker), 30, lambda: f"the stopped worker killed:\n{daemon.log()}",
+            wake=Exits(worker),
+        )  # fmt: skip
         assert time.monotonic() - stopped_at >= TIMEOUT_S * 0.9  # not before the bound
         (settled,) = engine.wait_settled(first[:1])  # failed: MISS (or promoted anew)
         assert settled in (MISS, HIT)

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from daemon_harness import eventually, stopped
+from daemon_harness import Exits, eventually, gone, stopped
 from test_fs_tier import BLOCK, FILE_BYTES, Harness, block_path, region, run, temp_files
 
 from kvtierd.contract import LookupResult
@@ -25,19 +25,9 @@ __all__ = ["region"]  # the fixture, imported for these tests
 FINGERPRINT = b"\x07" * fsformat.FINGERPRINT_BYTES
 
 
-def _gone(pid: int) -> bool:
-    """Whether ``pid`` exited (a zombie not yet reaped counts)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return True
-    return state in ("Z", "X")
-
-
 def _wait_gone(pid: int, timeout: float = 10.0) -> bool:
     """True once ``pid`` exited; AssertionError naming it after ``timeout`` seconds."""
-    eventually(lambda: _gone(pid), timeout, f"process {pid} exited")
+    eventually(lambda: gone(pid), timeout, f"process {pid} exited", wake=Exits(pid))
     return True
 
 
@@ -142,7 +132,7 @@ def test_a_stopped_worker_is_killed_after_the_bound_and_replaced(
             workers.call(_read_request(region, tmp_path, b"a", 2))
         assert failed.value.errno == errno.ETIMEDOUT
         assert 0.45 <= time.monotonic() - started < 10
-        assert _gone(first)  # already dead when the failure was reported
+        assert gone(first)  # already dead when the failure was reported
         assert workers.call(_read_request(region, tmp_path, b"a", 2)) == [None]
         (second,) = workers.pids()
         assert second != first and bytes(region.row(2)) == bytes(region.row(1))
