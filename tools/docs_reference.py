@@ -56,8 +56,12 @@ MACHINE_DEFAULTS = {
 
 def toml_default(option: config.Option) -> str:
     """The default of a scalar option as it is written in a TOML file: ``"1GiB"``,
-    ``"10s"``, ``true``, ``64``, ``"/dev/shm"``, ``""``."""
+    ``"10s"``, ``true``, ``64``, ``"/dev/shm"``, ``""``, ``"auto"``."""
     value = option.default()
+    if value is None:  # decided at start: the option's "auto"
+        if option.parse("auto") is not None:
+            raise ValueError(f"{option.dotted}: a default of None must be what 'auto' parses to")
+        return '"auto"'
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, float):  # every float option is a duration in seconds
