@@ -194,7 +194,8 @@ $(SGLANG_STAMP): pyproject.toml Makefile
 test-sglang: install-sglang
 	$(SGLANG_BIN)/python -m pytest -q -p no:cacheprovider tests/sglang
 
-# batch_set_v1 / batch_get_v1 pages/s and GB/s against a plain host copy (BENCHMARKS.md)
+# batch_set_v1 / batch_get_v1 pages/s and GB/s against a plain host copy
+# (docs/benchmarks/current.md, "SGLang backend")
 bench-sglang: install-sglang
 	$(SGLANG_BIN)/python -m benchmarks.sglang_backend
 

@@ -12,7 +12,7 @@ A page asks for a table with a marker line of its own::
 
 ``render(markdown)`` replaces every marker with its table; an unknown marker raises
 ``ValueError`` (the docs build stops). The MkDocs hook ``docs/hooks/generated.py`` runs
-it on every page; the tests read the pages through it (``tests/unit/test_docs.py``).
+it on every page; the tests read the pages through it (``tests/unit/tools/test_docs.py``).
 
 The sources: ``kvtierd.config.OPTIONS`` (every scalar key: section, key, parser, default,
 help, flag; the ``[security]`` file keys come from ``kvtierd.security.config``), each
