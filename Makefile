@@ -171,7 +171,7 @@ bench-vllm: install-vllm
 # installed without its dependencies (it pins a CUDA torch and ~1.6 GB of GPU packages)
 # next to CPU torch and the light packages its HiCache modules import (triton only for
 # its decorators). torchvision has no wheel for CPU torch 2.13: tests/sglang keeps SGLang's
-# few model-config modules that import it away (tests/sglang/sglang_env.py).
+# few model-config modules that import it away (benchmarks/sglang_env.py).
 SGLANG_VENV  ?= .venv-sglang
 SGLANG_BIN   := $(SGLANG_VENV)/bin
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
