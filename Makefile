@@ -171,7 +171,7 @@ bench-vllm: install-vllm
 # installed without its dependencies (it pins a CUDA torch and ~1.6 GB of GPU packages)
 # next to CPU torch and the light packages its HiCache modules import (triton only for
 # its decorators). torchvision has no wheel for CPU torch 2.13: tests/sglang keeps SGLang's
-# few model-config modules that import it away (tests/sglang/sglang_env.py).
+# few model-config modules that import it away (benchmarks/sglang_env.py).
 SGLANG_VENV  ?= .venv-sglang
 SGLANG_BIN   := $(SGLANG_VENV)/bin
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
@@ -194,7 +194,8 @@ $(SGLANG_STAMP): pyproject.toml Makefile
 test-sglang: install-sglang
 	$(SGLANG_BIN)/python -m pytest -q -p no:cacheprovider tests/sglang
 
-# batch_set_v1 / batch_get_v1 pages/s and GB/s against a plain host copy (BENCHMARKS.md)
+# batch_set_v1 / batch_get_v1 pages/s and GB/s against a plain host copy
+# (docs/benchmarks/current.md, "SGLang backend")
 bench-sglang: install-sglang
 	$(SGLANG_BIN)/python -m benchmarks.sglang_backend
 

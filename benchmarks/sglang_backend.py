@@ -17,7 +17,8 @@ page size, in alternating rounds:
 
 With ``--ab`` every round also runs ``batch_set_v1`` / ``batch_get_v1`` with the copy
 engine's previous CPU copy (torch ``copy_`` / ``index_select``, before the numpy path),
-alternating which goes first: the before/after of BENCHMARKS.md.
+alternating which goes first: the before/after of docs/benchmarks/history.md
+("SGLang backend").
 
 Reported: the median round's pages/s and GB/s, the ratio to the floor's median
 (target >= 0.8x at 2 MiB), and the daemon round trips per batch (the backend's

@@ -19,7 +19,7 @@ imported:
 The helpers build real host pools (``MHATokenToKVPoolHost``,
 ``MLATokenToKVPoolHost``) over CPU tensors and storage configs as SGLang's cache
 controller does, and create the backend through SGLang's
-``StorageBackendFactory`` with the extra config the README documents.
+``StorageBackendFactory`` with the extra config docs/guides/sglang.md documents.
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def storage_config(
     **extra: Any,
 ) -> Any:
     """SGLang's ``HiCacheStorageConfig`` as its cache controller makes it, with the
-    README's extra config for ``address`` (plus ``extra``)."""
+    SGLang guide's extra config for ``address`` (plus ``extra``)."""
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
     return HiCacheStorageConfig(

@@ -3,7 +3,8 @@
 ``python -m benchmarks.sglang_gpu_e2e --model MODEL [--tp N] [--layout page_first]``
 on a machine with CUDA and SGLang installed (this repository installed into the same
 environment). It starts a kvtierd daemon (primary tier only, private socket and shm
-directory) and ``python -m sglang.launch_server`` with the README's launch flags, then:
+directory) and ``python -m sglang.launch_server`` with the SGLang guide's launch flags
+(docs/guides/sglang.md), then:
 
 1. a *cold* request: a long prompt (``--prompt-tokens`` words), greedy, ``--max-new-tokens``;
 2. waits until the prompt's pages reached kvtierd (the pool's used rows, ``GetStats``);

@@ -12,7 +12,7 @@ A page asks for a table with a marker line of its own::
 
 ``render(markdown)`` replaces every marker with its table; an unknown marker raises
 ``ValueError`` (the docs build stops). The MkDocs hook ``docs/hooks/generated.py`` runs
-it on every page; the tests read the pages through it (``tests/unit/test_docs.py``).
+it on every page; the tests read the pages through it (``tests/unit/tools/test_docs.py``).
 
 The sources: ``kvtierd.config.OPTIONS`` (every scalar key: section, key, parser, default,
 help, flag; the ``[security]`` file keys come from ``kvtierd.security.config``), each
@@ -56,8 +56,12 @@ MACHINE_DEFAULTS = {
 
 def toml_default(option: config.Option) -> str:
     """The default of a scalar option as it is written in a TOML file: ``"1GiB"``,
-    ``"10s"``, ``true``, ``64``, ``"/dev/shm"``, ``""``."""
+    ``"10s"``, ``true``, ``64``, ``"/dev/shm"``, ``""``, ``"auto"``."""
     value = option.default()
+    if value is None:  # decided at start: the option's "auto"
+        if option.parse("auto") is not None:
+            raise ValueError(f"{option.dotted}: a default of None must be what 'auto' parses to")
+        return '"auto"'
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, float):  # every float option is a duration in seconds

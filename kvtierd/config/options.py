@@ -57,6 +57,8 @@ class Option:
         '10s', 'true', '' for an empty string. Computed now: the default socket
         depends on the user and ``$XDG_RUNTIME_DIR``."""
         value = self.default()
+        if value is None:  # decided at start (server.metrics_pool_labels)
+            return "auto"
         show = getattr(self.parse, "show", None)
         if show is not None:
             return str(show(value))

@@ -2,7 +2,9 @@
 
 - ``daemon``: start, serve, ordered shutdown; ``cli``: ``kvtierd``;
 - ``ctl``: ``kvtierctl`` (a client of the daemon, through ``kvtierd_client``);
-- ``metrics``: the Prometheus collector and its HTTP endpoint;
+- ``metrics``: the Prometheus collector; ``metrics_http``: its HTTP endpoint, on a
+  thread of its own, with caps and per-peer rate limits;
+- ``shmdir``: ``memory.shm_dir`` made (private) when missing, and checked at start;
 - ``sdnotify``: systemd's notify protocol.
 
 May import every other package of the daemon; nothing imports it (``kvtierd.__main__``

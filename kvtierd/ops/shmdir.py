@@ -1,5 +1,5 @@
 """``memory.shm_dir``: where the daemon keeps its region files and warm-restart
-journals (README, Security).
+journals (docs/security.md, "A shared shm_dir and files other users plant there").
 
 :func:`prepare_shm_dir` runs once at start. A directory that does not exist yet
 is created (its parent must exist), owned by the daemon, mode 0750 with the

@@ -1,10 +1,10 @@
 """Parsing of sizes ("8GiB", "512MiB", plain bytes) and durations ("10s", "500ms").
 
-Only what the configuration reference documents is accepted (README,
-Configuration, "Sizes and durations"; ``SIZE_UNITS`` and ``DURATION_UNITS`` are
-that table). Sizes are binary (IEC): ``KiB`` is 1024 bytes. A decimal unit (``GB``,
-``M``...) is refused, because half of its writers mean 1000 and half 1024; the
-message says what to write for either. A duration needs its unit, except 0:
+Only what the configuration reference documents is accepted
+(docs/reference/configuration.md, "Sizes and durations"; ``SIZE_UNITS`` and
+``DURATION_UNITS`` are its tables). Sizes are binary (IEC): ``KiB`` is 1024 bytes.
+A decimal unit (``GB``, ``M``...) is refused, because half of its writers mean
+1000 and half 1024; the message says what to write for either. A duration needs its unit, except 0:
 ``lease = "10"`` could be seconds or milliseconds. Units are case-insensitive.
 """
 

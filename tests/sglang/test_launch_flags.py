@@ -1,4 +1,4 @@
-"""The launch flags the README and the GPU end-to-end script give SGLang are flags
+"""The launch flags the SGLang guide and the GPU end-to-end script give SGLang are flags
 SGLang 0.5.23's own parser accepts, with the extra config the backend reads; the
 script's verdict logic."""
 
@@ -14,7 +14,7 @@ from benchmarks import sglang_env  # noqa: F401  (the import hook, before SGLang
 from benchmarks.sglang_gpu_e2e import Run, check, server_command
 from kvtierd_client.sglang.settings import EXTRA_KEYS, StorageSettings
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+GUIDE = Path(__file__).resolve().parents[2] / "docs" / "guides" / "sglang.md"
 
 
 def _sglang_parser() -> argparse.ArgumentParser:
@@ -25,15 +25,16 @@ def _sglang_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _readme_launch() -> list[str]:
-    section = README.read_text().split("## Running SGLang with kvtierd", 1)[1]
+def _guide_launch() -> list[str]:
+    """The guide's quick-start command line, after ``python -m sglang.launch_server``."""
+    section = GUIDE.read_text().split("## Quick start", 1)[1]
     block = re.search(r"```sh\n(.*?)```", section, flags=re.S).group(1)
     command = block[block.index("python -m sglang.launch_server") :].replace("\\\n", " ")
     return shlex.split(command)[3:]
 
 
-def test_readme_launch_flags_parse_with_sglangs_parser():
-    args = _sglang_parser().parse_args(_readme_launch())
+def test_the_guides_launch_flags_parse_with_sglangs_parser():
+    args = _sglang_parser().parse_args(_guide_launch())
     assert args.enable_hierarchical_cache and args.hicache_storage_backend == "dynamic"
     extra = json.loads(args.hicache_storage_backend_extra_config)
     assert set(extra) <= set(EXTRA_KEYS)

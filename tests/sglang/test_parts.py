@@ -19,12 +19,12 @@ from kvtierd_client.sglang.quiet_log import QuietLog
 from kvtierd_client.sglang.settings import EXTRA_KEYS, SettingsError, StorageSettings
 from kvtierd_client.sglang.transfers import pages_of
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+GUIDE = Path(__file__).resolve().parents[2] / "docs" / "guides" / "sglang.md"
 
 
-def test_readme_lists_every_extra_config_key():
-    text = README.read_text()
-    section = text[text.index("## Running SGLang with kvtierd") :]
+def test_the_guide_lists_every_extra_config_key():
+    text = GUIDE.read_text()
+    section = text[text.index("## The extra-config keys") :]
     table = re.findall(r"^\| `([a-z_0-9]+)` \|", section, flags=re.M)
     assert table[: len(EXTRA_KEYS)] == list(EXTRA_KEYS)
 

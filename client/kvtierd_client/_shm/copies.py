@@ -211,8 +211,8 @@ def copy_cpu(
     Why numpy first: torch's ``copy_`` (and ``index_select``) spreads a copy over
     its intra-op threads, which on a machine whose cores are busy (an engine's
     scheduler, tokenizer, other processes) waits for descheduled workers: measured
-    0.1x of numpy's GB/s with the load average at 3x the cores (BENCHMARKS.md,
-    "SGLang backend").
+    0.1x of numpy's GB/s with the load average at 3x the cores
+    (docs/benchmarks/history.md, "SGLang backend").
     """
     if src_np is not None and dst_np is not None:
         for s, d, count in plan.runs():

@@ -3,8 +3,7 @@
 Requires SGLang (0.5.23); nothing else in ``kvtierd_client`` imports this package,
 so the client works without SGLang installed. SGLang loads the backend with
 ``--hicache-storage-backend dynamic`` and the extra-config keys of
-``kvtierd_client.sglang.settings.EXTRA_KEYS`` (README, "Running SGLang with
-kvtierd").
+``kvtierd_client.sglang.settings.EXTRA_KEYS`` (docs/guides/sglang.md).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Pure functions over a mapping (this module imports nothing from SGLang), so the
 keys are checked and documented in one place. ``backend_name``, ``module_path``,
 ``class_name`` and ``interface_v1`` are SGLang's own (its dynamic backend factory
 and its cache controller read them); the ``kvtierd_*`` keys and
-``eviction_policy`` are this backend's. :data:`EXTRA_KEYS` is the table the
-README shows; a test checks that both list the same keys.
+``eviction_policy`` are this backend's. :data:`EXTRA_KEYS` is the table
+docs/guides/sglang.md shows; a test checks that both list the same keys.
 """
 
 from __future__ import annotations

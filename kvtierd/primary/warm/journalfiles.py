@@ -1,6 +1,6 @@
 """The warm-restart journal's files in ``memory.shm_dir``, a directory other local
-users may be able to write (``/dev/shm`` is sticky and world-writable; README,
-Security).
+users may be able to write (``/dev/shm`` is sticky and world-writable;
+docs/security.md, "A shared shm_dir and files other users plant there").
 
 Anyone who can create files there can create one at a name the daemon uses
 before the daemon does. In a sticky directory the daemon can neither remove nor

@@ -383,8 +383,9 @@ def test_unknown_kvtierd_variables_are_a_warning_naming_the_closest(tmp_path):
 
 
 # names that look like variables but are not read from the environment (Docker build
-# arguments, test constants, a misspelling tested above)
-NOT_ENVIRONMENT = {"KVTIERD_UID", "KVTIERD_GID", "KVTIERD_GROUP"}
+# arguments, test constants, the misspelling tested above, which the docs quote in the
+# warning it gets)
+NOT_ENVIRONMENT = {"KVTIERD_UID", "KVTIERD_GID", "KVTIERD_GROUP", "KVTIERD_MEMORY_BUDGT"}
 
 
 def test_every_kvtierd_variable_of_the_project_is_known():

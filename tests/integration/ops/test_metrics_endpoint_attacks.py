@@ -7,7 +7,8 @@
    served from its own thread (``kvtierd.ops.metrics_http``): at most 64
    connections (the rest wait in the kernel's backlog), a request head within
    2 s, and a token bucket per peer (429 past it). The latency figures are
-   measured by ``benchmarks/local_attack.py`` (BENCHMARKS.md); here, the bounds.
+   measured by ``benchmarks/local_attack.py`` (docs/benchmarks/history.md,
+   "Local attackers"); here, the bounds.
 4. It told any local user every principal's pool names (and their sizes,
    sessions, counters) while GetStats lists only the caller's pools. With
    principals, pool series are now shown only for the pools the operator names

@@ -41,13 +41,22 @@ BUILD_TIMEOUT = 120.0  # seconds; a build takes a few here
 
 # Run by the fresh venv's python: the round trip, and where every module came from.
 CLIENT_SCRIPT = """
-import importlib.util, json, sys
+import importlib.util, json, sys, time
 import kvtierd, kvtierd.ops.cli, kvtierd.ops.daemon, kvtierd_client
 from kvtierd_client._proto.kvtier.v1 import kvtier_pb2
 from kvtierd_client.client import Client
 
+def fs_index_ready(client):
+    return all(tier.ready for tier in client.get_stats("wheel").pools[0].tiers[1:])
+
 with Client(sys.argv[1]) as client:
     session = client.open_session("wheel", block_bytes=4096, num_blocks=4, layout="wheel")
+    # the pool's fs index is rebuilt in the background: until then a missing key is RETRY
+    deadline = time.monotonic() + 20
+    while not fs_index_ready(client):
+        if time.monotonic() > deadline:
+            sys.exit("the fs tier's index was not rebuilt within 20 s")
+        time.sleep(0.01)
     stored = session.prepare_store([b"k1", b"k2"])
     session.complete_store([b"k1", b"k2"])
     lookup = session.lookup([b"k1", b"k2", b"k3"])

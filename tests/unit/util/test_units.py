@@ -19,7 +19,7 @@ from kvtierd.util.units import (
     parse_size,
 )
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+CONFIGURATION = Path(__file__).resolve().parents[3] / "docs" / "reference" / "configuration.md"
 
 
 @pytest.mark.parametrize(
@@ -115,11 +115,11 @@ def test_format_duration():
     ]  # fmt: skip
 
 
-def test_the_readme_table_of_units_is_what_is_accepted():
+def test_the_docs_tables_of_units_are_what_is_accepted():
     """The configuration reference lists exactly the units the parser accepts, with
     their values."""
-    text = README.read_text()
-    section = text[text.index("### Sizes and durations") :]
+    text = CONFIGURATION.read_text()
+    section = text[text.index("## Sizes and durations") :]
     section = section[: section.index("\n#", 1)]
     sizes = re.findall(r"^\| `(\w+)` \| ([0-9]+) bytes?", section, re.M)
     durations = re.findall(r"^\| `(\w+)` \| ([0-9.]+) s\b", section, re.M)

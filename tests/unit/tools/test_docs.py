@@ -16,13 +16,14 @@ import pytest
 import tomllib
 
 from kvtierd import config
+from kvtierd.config import load_config
 from kvtierd.tiers import registry
 from kvtierd.tiers.fs.settings import OPTIONS as FS_OPTIONS
 from kvtierd.tiers.fs.settings import parse_fs_settings
 from tools import docs_reference
 from tools.docs_reference import MACHINE_DEFAULTS, markers, render, toml_default
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DOCS = REPO / "docs"
 CONFIGURATION = DOCS / "reference" / "configuration.md"
 README = REPO / "README.md"
@@ -69,11 +70,16 @@ def test_an_unknown_marker_stops_the_build() -> None:
         render("<!-- generated: options nosuchsection -->")
 
 
-def test_the_example_configuration_names_every_key_and_parses() -> None:
+def example_configuration() -> str:
+    """The reference's "An example with every key" TOML block."""
     text = CONFIGURATION.read_text()
     example = re.search(r"## An example with every key\n\n```toml\n(.*?)```", text, re.S)
     assert example is not None
-    document = tomllib.loads(example.group(1))
+    return example.group(1)
+
+
+def test_the_example_configuration_names_every_key_and_parses() -> None:
+    document = tomllib.loads(example_configuration())
     named = {(section, key) for section, table in document.items() if section != "tiers"
              for key in table}  # fmt: skip
     assert named == {(o.section, o.key) for o in config.OPTIONS}
@@ -81,6 +87,15 @@ def test_the_example_configuration_names_every_key_and_parses() -> None:
     assert sorted(first) == sorted(FS_OPTIONS)
     for table in document["tiers"]:
         parse_fs_settings({k: v for k, v in table.items() if k not in ("type", "name")})
+
+
+def test_the_example_configuration_loads_as_written(tmp_path: Path) -> None:
+    """The daemon's own loader takes the example whole (its values, not only its keys)."""
+    path = tmp_path / "example.toml"
+    path.write_text(example_configuration())
+    loaded = load_config(str(path), env={})
+    assert loaded.server.metrics_pool_labels is None  # "auto", as the example says
+    assert [tier.name for tier in loaded.tiers] == ["nvme", "shared"]
 
 
 def test_the_alerts_table_lists_every_shipped_rule() -> None:
