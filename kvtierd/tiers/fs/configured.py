@@ -33,6 +33,7 @@ from kvtierd.tiers.fs.settings import FsTierSettings
 from kvtierd.tiers.fs.tier import FsTier
 from kvtierd.tiers.fs.unserved import UnservedPools
 from kvtierd.tiers.fs.writelog import WriteFailureLog
+from kvtierd.tiers.integrity import KeyRing, integrity_words, load_keyring
 
 
 class TierRootError(TierCheckError):
@@ -63,11 +64,16 @@ class ConfiguredFsTier(ConfiguredTier):
             if settings.shared
             else None
         )
+        self.keys: KeyRing | None = None  # read by check()
 
     def check(self) -> None:
-        """Raises TierRootError unless the root exists (or may be created), is the
-        daemon's own with nothing planted below it (``permissions.check_root``) and
-        this process can create files in it (a real probe: permission bits lie for root)."""
+        """Reads the integrity keys (TierCheckError naming their option), then raises
+        TierRootError unless the root exists (or may be created), is the daemon's own
+        with nothing planted below it (``permissions.check_root``) and this process
+        can create files in it (a real probe: permission bits lie for root)."""
+        self.keys = load_keyring(
+            self.settings.integrity_key_file, self.settings.integrity_verify_key_file
+        )
         root = self.settings.root
         if not os.path.isdir(root):
             if os.path.exists(root):
@@ -110,6 +116,9 @@ class ConfiguredFsTier(ConfiguredTier):
             raise TierRootError(
                 f"fs tier {self.name}: cannot lock root {root}: {exc.strerror or exc}"
             ) from None
+
+    def describe(self) -> str:
+        return self.settings.describe() + integrity_words(self.keys, self.settings.shared)
 
     def create(
         self, pool: PoolBinding, on_done: JobCallback, loop: asyncio.AbstractEventLoop
@@ -163,6 +172,7 @@ class ConfiguredFsTier(ConfiguredTier):
             shared_negative_ttl=s.shared_negative_ttl,
             shared_rescan_interval=s.shared_rescan_interval,
             unserved=self.unserved,
+            integrity=self.keys,
         )
         if self.unserved is not None:
             self.unserved.serve(os.path.basename(tier.pool_dir))

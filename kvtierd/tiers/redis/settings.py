@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtierd.tiers.configured import TierOptionError
+from kvtierd.tiers.integrity import parse_key_options
 from kvtierd.tiers.options import (
     help_lines,
     markdown_table,
@@ -72,6 +73,15 @@ class RedisTierSettings:
         1 << 30, "cascade bytes queued before new cascade writes are dropped"
     )
     max_queue_jobs: int = option(1024, "cascade jobs queued before new cascade writes are dropped")
+    integrity_key_file: str = option(
+        "",
+        "file of 32 random bytes (mode 0600) the daemons of a fleet share: every value is "
+        "sealed with a MAC under it and a value not sealed under this tier's keys is a MISS; "
+        "required unless the server is written by this fleet alone (docs/security.md)",
+    )
+    integrity_verify_key_file: str = option(
+        "", "a second key whose values verify too (never used to write): a key rotation"
+    )
 
     def exclusive(self) -> Mapping[str, object]:
         """Two configured tiers on one server with one prefix would evict each other's keys."""
@@ -188,6 +198,7 @@ def parse_redis_settings(options: Mapping[str, Any]) -> RedisTierSettings:
         values["threads"] = read_int(options, "threads", 1, MAX_THREADS)
     if "max_queue_jobs" in options:
         values["max_queue_jobs"] = read_int(options, "max_queue_jobs", 1, MAX_QUEUE_JOBS)
+    values.update(parse_key_options(options))
     return RedisTierSettings(**values)
 
 
