@@ -107,7 +107,9 @@ def key_id_of(secret: bytes) -> bytes:
     return blake3.blake3(_KEY_ID_CONTEXT, key=secret).digest(length=KEY_ID_BYTES)
 
 
-def mac(secret: bytes, header: bytes | memoryview, payload: bytes | memoryview) -> bytes:
+def mac(
+    secret: bytes, header: bytes | memoryview, payload: bytes | bytearray | memoryview
+) -> bytes:
     """Keyed BLAKE3 of ``header`` then ``payload`` under ``secret`` (one thread: the
     tier's I/O threads and worker processes are the parallelism)."""
     hasher = blake3.blake3(header, key=secret, max_threads=1)

@@ -5,6 +5,9 @@ Each test proves one finding against the real daemon over real sockets and
 files (earlier waves: ``test_attack_findings.py``, ``test_attack_security.py``,
 ``test_attack_wave3.py``; their findings are not repeated). A finding fixed here
 has its test passing; one left open is ``xfail(strict=True)`` with the reason.
+The forged redis value (a valid unkeyed header over a writer's own bytes) was closed
+by keyed integrity (issue #32): its test lives with its subject now,
+``tests/integration/tiers/redis/test_redis_integrity.py``, with a shared fs twin.
 """
 
 from __future__ import annotations
@@ -24,15 +27,13 @@ import grpc
 import pytest
 import redis
 from daemon_harness import DaemonProcess, eventually, fs_tiers_config, peak_rss_bytes, start_daemon
-from engine_harness import BLOCK as FS_BLOCK
-from engine_harness import HIT, MISS, Engine, block_keys, payload
+from engine_harness import HIT, MISS, Engine, block_keys
 from lane_harness import read_frame
 from local_users import SYSTEM_PYTHON, LocalUser, other_user
-from redis_harness import RedisServer, promoted, redis_config, redis_key
+from redis_harness import RedisServer, redis_config, redis_key
 from warm_harness import BLOCK, content, read_row, store, write_rows
 
 from kvtierd.api.fastlane import MAX_BIND_FRAME_BYTES
-from kvtierd.tiers.fs import fsformat
 from kvtierd_client.client import Client, LookupResult
 from kvtierd_client.wire.lane_frames import BIND, HEADER
 
@@ -470,42 +471,6 @@ def test_a_redis_node_that_trickles_its_answers_does_not_shut_the_primary_to_sto
         engine.close()
     finally:
         proxy.close()
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="open, by design: a value's integrity header (key, pool fingerprint, length, xxh3 "
-    "of the payload, xxh3 of the header) detects accidents -- a torn, truncated, mixed-up or "
-    "stale value -- but is no authentication: anyone who can write to the redis server (or to a "
-    "shared fs root) can compute a valid header for any key over bytes of their choosing, and "
-    "every daemon of the fleet serves them (KV poisoning across tenants and nodes). Closing it "
-    "takes a keyed MAC (e.g. BLAKE2b keyed with a secret the daemons of a fleet share, a new "
-    "header version); until then the docs say the remote tier and a shared root must be "
-    "writable by kvtierd alone",
-)
-def test_a_forged_value_with_a_valid_header_is_never_served(
-    redis_server: RedisServer, daemons: Callable[[str], DaemonProcess], key_prefix: str, pool_name
-):
-    daemon = daemons(redis_config(redis_server.url, key_prefix))
-    victim = b"victim-block"
-    chosen = payload(b"attacker's bytes")  # another key's bytes, or anything
-    header = fsformat.encode_header(
-        key=victim,
-        fingerprint=fsformat.PoolIdentity(pool_name, FS_BLOCK, "L").fingerprint,
-        payload_length=FS_BLOCK,
-        payload_checksum=fsformat.payload_checksum(chosen),
-    )
-    server = redis.Redis.from_url(redis_server.url)
-    server.set(redis_key(key_prefix, pool_name, victim), header + chosen)
-    server.close()
-    engine = Engine(daemon, pool_name)
-    try:
-        promoted(engine, [victim])
-        served = engine.load([victim])[0]
-    except AssertionError:
-        served = None  # refused: what a MAC would do
-    engine.close()
-    assert served != chosen, "the daemon served bytes forged by a writer of the redis server"
 
 
 # -- shared fs root --------------------------------------------------------------------

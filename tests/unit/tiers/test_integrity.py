@@ -148,9 +148,8 @@ def test_a_sealed_header_verifies_under_its_key_and_a_rotation_that_holds_it() -
     head = _sealed(_ring(first))
     header = fsformat.decode_header(head)
     assert header.version == fsformat.KEYED_VERSION and len(head) == fsformat.HEADER_SIZE
-    assert header.key_id == key_id_of(first) and header.payload_checksum == fsformat.payload_checksum(
-        PAYLOAD
-    )  # fmt: skip
+    assert header.key_id == key_id_of(first)
+    assert header.payload_checksum == fsformat.payload_checksum(PAYLOAD)  # fsck reads it keyless
     _check(head, PAYLOAD, _ring(first))
     _check(head, PAYLOAD, _ring(second, first))  # the new key seals, the old one verifies
     assert fsformat.decode_header(_sealed(_ring(second, first))).key_id == key_id_of(second)
@@ -158,7 +157,9 @@ def test_a_sealed_header_verifies_under_its_key_and_a_rotation_that_holds_it() -
 
 def test_what_is_not_sealed_under_the_tiers_keys_is_refused_as_integrity() -> None:
     first, second = os.urandom(KEY_BYTES), os.urandom(KEY_BYTES)
-    unkeyed = fsformat.block_header(key=b"block", fingerprint=FINGERPRINT, payload=PAYLOAD, keys=None)
+    unkeyed = fsformat.block_header(
+        key=b"block", fingerprint=FINGERPRINT, payload=PAYLOAD, keys=None
+    )
     _check(unkeyed, PAYLOAD, None)  # version 1 still reads without keys
     forged = bytearray(PAYLOAD)
     forged[-1] ^= 1
