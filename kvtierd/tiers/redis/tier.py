@@ -47,8 +47,11 @@ server's ``maxmemory`` policy evicts and a block the server dropped is found
 missing at its load or at the re-probe after an eviction (MISS, dropped from
 the held set): a write is never assumed to have stayed.
 
-Faults (server down, timeout, OOM): the job's keys fail, counted; a WARNING at
-most every 10 s per kind; the tier answers from what it knows and probes again.
+Faults (server down, timeout, OOM, refused credentials, ACL or TLS): the job's
+keys fail, counted; a WARNING at most every 10 s per kind saying what the server
+refused and which option fixes it (:func:`~kvtierd.tiers.redis.access.explain`);
+the tier answers from what it knows and probes again. The daemon never stops for
+it.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ from kvtierd.tiers.base import JobCallback, JobResult, SecondaryTier, TierJob, T
 from kvtierd.tiers.fs import fsformat
 from kvtierd.tiers.fs.iopool import IoPool, Outcome
 from kvtierd.tiers.integrity import KeyRing
+from kvtierd.tiers.redis.access import explain
 from kvtierd.tiers.redis.blockio import WRITTEN, BlockCorrupt, BlockMissing, RedisBlockIO
 from kvtierd.tiers.redis.health import ServerHealth
 from kvtierd.tiers.redis.link import RedisLink
@@ -556,11 +560,10 @@ class RedisTier(SecondaryTier):
                 self.name, self.pool_name, what,
                 "stored" if what == "store" else "promoted", error,
             )  # fmt: skip
-        elif isinstance(error, redis.RedisError):
+        elif isinstance(error, redis.RedisError):  # what the server refused, and the fix
             self._faults.warning(
-                (kind, self.name),
-                "redis tier %s: %s failed: %s: %s",
-                self.name, kind, type(error).__name__, error,
+                (kind, self.name), "redis tier %s: %s failed: %s",
+                self.name, kind, explain(error, self._link.settings),
             )  # fmt: skip
         else:
             log.debug("redis tier %s: %s failed: %s", self.name, kind, error)

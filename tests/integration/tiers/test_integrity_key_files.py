@@ -8,21 +8,18 @@ daemon of a fleet should show alike).
 from __future__ import annotations
 
 import os
-import re
 import shutil
-import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from daemon_harness import daemon_command, start_daemon
+from daemon_harness import refused_start, start_daemon
 from nonroot import as_user_prefix, require_nonroot_daemon
 from users_harness import ThrowawayAccounts
 
 from kvtierd.tiers.integrity import KEY_BYTES, key_id_of
 
-LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [A-Z]+ \S+: ")
 TIERS = {
     "fs": "[[tiers]]\ntype = 'fs'\nroot = '{root}'\n",
     "redis": "[[tiers]]\ntype = 'redis'\nurls = ['redis://127.0.0.1:1']\n",
@@ -38,28 +35,6 @@ def _config(tmp_path: Path, tier: str, **keys: Path) -> Path:
     path.write_text(text)
     path.chmod(0o644)
     return path
-
-
-def _refusal(config: Path, tmp_path: Path, prefix: list[str] | None = None) -> str:
-    """Runs a daemon that must refuse to start: exit code 2 and, besides its log
-    lines, exactly one line on stderr, which is returned."""
-    shm = Path(tempfile.mkdtemp(prefix="kvt-shm-", dir="/dev/shm"))
-    try:
-        shm.chmod(0o1777)  # sticky, as /dev/shm: any user's daemon may use it
-        result = subprocess.run(
-            [*(prefix or []), *daemon_command(
-                "--listen", f"unix://{tmp_path}/kvtierd.sock", "--shm-dir", str(shm),
-                "--metrics-address", "", "--config", str(config),
-            )],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
-    finally:
-        os.rmdir(shm)
-    assert result.returncode == 2, result.stderr
-    lines = [line for line in result.stderr.splitlines() if not LOG_LINE.match(line)]
-    assert len(lines) == 1, result.stderr
-    assert "Traceback" not in result.stderr
-    return lines[0]
 
 
 def _key(path: Path, data: bytes | None = None, mode: int = 0o600) -> Path:
@@ -92,7 +67,7 @@ def test_a_key_file_that_cannot_be_trusted_stops_the_start_naming_the_option(
     keys = tmp_path / "keys"
     keys.mkdir()
     path = make(keys)
-    line = _refusal(_config(tmp_path, tier, integrity_key_file=path), tmp_path)
+    line = refused_start(_config(tmp_path, tier, integrity_key_file=path), tmp_path)
     assert f"tiers[0].integrity_key_file: key file {path}" in line or (
         f"tiers[0].integrity_key_file: cannot read key file {path}" in line
     ), line
@@ -103,7 +78,7 @@ def test_a_key_file_that_cannot_be_trusted_stops_the_start_naming_the_option(
 def test_a_loose_verify_key_is_refused_as_its_own_option(tmp_path: Path, tier: str) -> None:
     sealing, old = _key(tmp_path / "new.key"), _key(tmp_path / "old.key", mode=0o604)
     config = _config(tmp_path, tier, integrity_key_file=sealing, integrity_verify_key_file=old)
-    line = _refusal(config, tmp_path)
+    line = refused_start(config, tmp_path)
     assert f"tiers[0].integrity_verify_key_file: key file {old} is open to others" in line, line
 
 
@@ -119,7 +94,7 @@ def test_a_key_file_the_daemons_user_cannot_read_stops_the_start(
         key = _key(work / "root-only.key")
         config = _config(work, "redis", integrity_key_file=key)
         os.chown(work, user.uid, user.gid)  # its socket goes there
-        line = _refusal(config, work, as_user_prefix(user))
+        line = refused_start(config, work, as_user_prefix(user))
     finally:
         shutil.rmtree(work)
     assert f"tiers[0].integrity_key_file: cannot read key file {key}: Permission denied" in line
