@@ -33,7 +33,8 @@ from kvtierd.tiers.fs.settings import FsTierSettings
 from kvtierd.tiers.fs.tier import FsTier
 from kvtierd.tiers.fs.unserved import UnservedPools
 from kvtierd.tiers.fs.writelog import WriteFailureLog
-from kvtierd.tiers.integrity import KeyRing, integrity_words, load_keyring
+from kvtierd.tiers.integrity import KeyRing
+from kvtierd.tiers.keyfiles import integrity_words, load_keyring
 
 
 class TierRootError(TierCheckError):

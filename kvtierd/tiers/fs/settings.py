@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtierd.tiers.configured import TierOptionError
-from kvtierd.tiers.integrity import parse_key_options
 from kvtierd.tiers.options import (
     help_lines,
     markdown_table,
     option,
+    parse_key_options,
     read_bool,
     read_int,
     size_text,

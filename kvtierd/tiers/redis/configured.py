@@ -30,7 +30,8 @@ import redis
 from kvtierd.tiers.base import JobCallback
 from kvtierd.tiers.configured import ConfiguredTier, PoolBinding, TierCheckError
 from kvtierd.tiers.fs.iopool import IoPool, Outcome
-from kvtierd.tiers.integrity import KeyRing, integrity_words, load_keyring
+from kvtierd.tiers.integrity import KeyRing
+from kvtierd.tiers.keyfiles import integrity_words, load_keyring
 from kvtierd.tiers.redis.access import check_tls, explain
 from kvtierd.tiers.redis.link import RedisLink
 from kvtierd.tiers.redis.settings import RedisTierSettings

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtierd.tiers.configured import TierOptionError
-from kvtierd.tiers.integrity import parse_key_options
 from kvtierd.tiers.options import (
     help_lines,
     markdown_table,
     option,
+    parse_key_options,
     read_int,
     read_str,
     size_text,

@@ -1,4 +1,4 @@
-"""Keyed integrity (kvtierd.tiers.integrity) and the sealed header version of
+"""Keyed integrity (kvtierd.tiers.integrity, .keyfiles) and the sealed header version of
 kvtierd.tiers.fs.fsformat: real key files with real modes and owners, real headers.
 
 What a forged value through a real daemon does is in the integration tests
@@ -16,14 +16,8 @@ from kvtierd.tiers.configured import TierCheckError, TierOptionError
 from kvtierd.tiers.fs import fsformat
 from kvtierd.tiers.fs.fsformat import CorruptBlock, IntegrityRefused
 from kvtierd.tiers.fs.settings import parse_fs_settings
-from kvtierd.tiers.integrity import (
-    KEY_BYTES,
-    IntegrityKey,
-    KeyRing,
-    key_id_of,
-    load_key,
-    load_keyring,
-)
+from kvtierd.tiers.integrity import KEY_BYTES, IntegrityKey, KeyRing, key_id_of
+from kvtierd.tiers.keyfiles import load_key, load_keyring
 from kvtierd.tiers.redis.settings import parse_redis_settings
 
 FINGERPRINT = b"\x05" * fsformat.FINGERPRINT_BYTES
