@@ -12,11 +12,12 @@ key is configured, its old files are refused at the start-up scan.
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from daemon_harness import DaemonProcess, eventually, fs_tiers_config, start_daemon
+from daemon_harness import DaemonProcess, daemon_command, eventually, fs_tiers_config, start_daemon
 from engine_harness import HIT, MISS, Engine, block_files, block_keys, file_of, payload
 from integrity_harness import forged, header_of, key_id, write_key
 
@@ -137,3 +138,27 @@ def test_unkeyed_files_are_read_without_a_key_and_refused_once_a_key_is_set(
     (sealed,) = block_files(fs_root)
     assert header_of(sealed.read_bytes()).key_id == key_id(key)
     engine.close()
+
+
+def test_fsck_checks_sealed_files_without_the_key(
+    fs_root: Path, started: list[DaemonProcess], pool_name, tmp_path: Path
+):
+    """Sealed files keep the payload's xxh3: ``kvtierctl fsck`` (which holds no key)
+    still finds a damaged one and passes the others."""
+    key = write_key(tmp_path / "fleet.key")
+    engine = _ready(Engine(_start(started, fs_tiers_config(fs_root, integrity_key_file=key)),
+                           pool_name))  # fmt: skip
+    keys = block_keys("fsck", 3)
+    engine.store(keys)
+    engine.settle_cascades()
+    engine.close()
+    damaged = file_of(fs_root, pool_name, keys[1])
+    data = bytearray(damaged.read_bytes())
+    data[fsformat.HEADER_SIZE + 7] ^= 1
+    damaged.write_bytes(bytes(data))
+    kvtierctl = str(Path(daemon_command()[0]).parent / "kvtierctl")
+    report = subprocess.run([kvtierctl, "fsck", str(fs_root)], capture_output=True, text=True,
+                            timeout=60)  # fmt: skip
+    assert report.returncode == 1, report.stderr
+    assert f"BAD {damaged}: payload checksum mismatch" in report.stdout
+    assert "3 block files in 1 pools checked: 1 bad" in report.stdout
