@@ -13,6 +13,7 @@ from benchmarks import (
     copy,
     fastlane,
     fs,
+    integrity,
     memory,
     redis,
     replay,
@@ -26,7 +27,7 @@ from benchmarks.common import machine, print_table
 SUITES = {"rpc": rpc.run, "copy": copy.run, "memory": memory.run, "replay": replay.run,
           "fs": fs.run, "stall": stall.run, "buffers": buffers.run,
           "tls": tls.run, "authz": authz.run, "redis": redis.run,
-          "warm": warm.run, "fastlane": fastlane.run}  # fmt: skip
+          "warm": warm.run, "fastlane": fastlane.run, "integrity": integrity.run}  # fmt: skip
 
 
 def main() -> int:

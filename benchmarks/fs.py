@@ -218,13 +218,13 @@ def floor_pass(
 # -- the tier through a daemon -------------------------------------------------------------
 
 
-def _config(path: str, root: str, o_direct: str, io_processes: int | None) -> str:
+def _config(path: str, root: str, o_direct: str, io_processes: int | None, extra: str = "") -> str:
     with open(path, "w") as f:
         f.write(
             f'[[tiers]]\ntype = "fs"\nname = "fs"\nroot = "{root}"\n'
             f"capacity = {(2 * REPEATS + 1) * BLOCKS * FILE_BYTES}\n"  # no pass evicts
             f"read_threads = {READ_THREADS}\nwrite_threads = {WRITE_THREADS}\n"
-            f'o_direct = "{o_direct}"\nfsync = false\n'
+            f'o_direct = "{o_direct}"\nfsync = false\n{extra}'
         )
         if io_processes is not None:  # else the daemon's default
             f.write(f"io_processes = {io_processes}\n")
@@ -288,11 +288,12 @@ class StoredEvents:
 
 
 def tier_run(
-    root: str, o_direct: str, can_drop: bool, io_processes: int | None = None
+    root: str, o_direct: str, can_drop: bool, io_processes: int | None = None, extra: str = ""
 ) -> dict[str, float]:
-    """Best seconds of REPEATS passes (store, warm and cold promotion) of one daemon."""
+    """Best seconds of REPEATS passes (store, warm and cold promotion) of one daemon
+    (``extra``: more lines of its ``[[tiers]]`` table)."""
     work = tempfile.mkdtemp(prefix="kvtb-fs-", dir="/tmp")
-    config = _config(os.path.join(work, "fs.toml"), root, o_direct, io_processes)
+    config = _config(os.path.join(work, "fs.toml"), root, o_direct, io_processes, extra)
     out: dict[str, float] = {}
 
     def keep(name: str, seconds: float) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import re
 import select
 import shutil
 import signal
@@ -141,6 +142,34 @@ def _toml(value: object) -> str:
 
 def daemon_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "kvtierd", *args]
+
+
+LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [A-Z]+ \S+: ")
+
+
+def refused_start(config: str | os.PathLike[str], workdir: str | os.PathLike[str],
+                  prefix: Sequence[str] = ()) -> str:  # fmt: skip
+    """Runs a daemon with the config file ``config`` (its socket in ``workdir``, a shm
+    directory of its own, no metrics; through ``prefix``: nonroot.py's, as another
+    user) that must refuse to start: exit code 2, no traceback and, besides its log
+    lines, exactly one line on stderr, which is returned."""
+    shm = tempfile.mkdtemp(prefix="kvt-shm-", dir="/dev/shm")
+    try:
+        os.chmod(shm, 0o1777)  # sticky, as /dev/shm: any user's daemon may use it
+        result = subprocess.run(
+            [*prefix, *daemon_command(
+                "--listen", f"unix://{workdir}/kvtierd.sock", "--shm-dir", shm,
+                "--metrics-address", "", "--config", str(config),
+            )],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    finally:
+        os.rmdir(shm)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [line for line in result.stderr.splitlines() if not LOG_LINE.match(line)]
+    assert len(lines) == 1, result.stderr
+    return lines[0]
 
 
 def start_daemon(

@@ -5,25 +5,39 @@ dir of its own (no persistence, no protected mode), and can be killed and starte
 again on the same port. The fixtures always stop what they started. Without a
 ``redis-server`` binary (``make test-tools`` installs it as root with apt), the
 tests that need one skip and say why.
+
+TLS: given a :class:`RedisTls` (certificates the test made with
+``tests/tls_ca.py``), a server or a whole Cluster listens on TLS only (``--port
+0 --tls-port``, Debian's redis-server is built with TLS; a Cluster's bus and
+replication over TLS too) and asks clients for a certificate; the harness's own
+connections (pings, ``redis-cli --cluster create``, admin clients) use TLS then.
+ACL: :func:`restrict_user` makes a user that may run only the tier's commands
+(``kvtierd.tiers.redis.access.ACL_COMMANDS``) on its key prefix, on every node.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 from daemon_harness import eventually
 from engine_harness import BLOCK, HIT, Engine
+from tls_ca import TestCA
 
 from kvtierd.tiers.fs import fsformat
+from kvtierd.tiers.redis.access import ACL_COMMANDS
 
 START_TIMEOUT_S = 10.0
 REDIS_SERVER = shutil.which("redis-server")
@@ -50,22 +64,89 @@ def _free_cluster_port() -> int:
     raise RuntimeError("no free port pair for a cluster node")
 
 
+@dataclass(frozen=True)
+class RedisTls:
+    """A CA, a server certificate (for 127.0.0.1 and localhost) and a client
+    certificate, as PEM files in one directory (private keys 0600)."""
+
+    ca_file: str
+    server_cert: str
+    server_key: str
+    client_cert: str
+    client_key: str
+
+    @classmethod
+    def make(cls, directory: str | os.PathLike[str], name: str = "redis") -> RedisTls:
+        ca = TestCA(f"{name}-ca")
+        ca_file = ca.write(os.path.join(directory, f"{name}-ca.pem"))
+        server = ca.issue("redis", dns_names=("localhost",), ip_addresses=("127.0.0.1",))
+        client = ca.issue("kvtierd")
+        return cls(ca_file, *server.write(directory, f"{name}-server"),
+                   *client.write(directory, f"{name}-client"))  # fmt: skip
+
+    def server_args(self, cluster: bool) -> list[str]:
+        args = ["--tls-cert-file", self.server_cert, "--tls-key-file", self.server_key,
+                "--tls-ca-cert-file", self.ca_file, "--tls-auth-clients", "yes"]  # fmt: skip
+        if cluster:
+            args += ["--tls-cluster", "yes", "--tls-replication", "yes"]
+        return args
+
+    def cli_args(self) -> list[str]:
+        return ["--tls", "--cacert", self.ca_file, "--cert", self.client_cert,
+                "--key", self.client_key]  # fmt: skip
+
+    def client_options(self) -> dict[str, Any]:
+        """redis-py's arguments of an admin client."""
+        return {"ssl": True, "ssl_ca_certs": self.ca_file, "ssl_certfile": self.client_cert,
+                "ssl_keyfile": self.client_key}  # fmt: skip
+
+    def tier_options(self, client_certificate: bool = True) -> dict[str, str]:
+        """The redis tier's TLS options (for :func:`redis_config`)."""
+        options = {"tls_ca_file": self.ca_file}
+        if client_certificate:
+            options |= {"tls_cert_file": self.client_cert, "tls_key_file": self.client_key}
+        return options
+
+    def wrap(self, sock: socket.socket) -> ssl.SSLSocket:
+        context = ssl.create_default_context(cafile=self.ca_file)
+        context.load_cert_chain(self.client_cert, self.client_key)
+        return context.wrap_socket(sock, server_hostname="127.0.0.1")
+
+
 class RedisServer:
     """One redis-server on 127.0.0.1:``port``, files under ``directory``
-    (a cluster node with ``cluster=True``: its port leaves room for the bus port)."""
+    (a cluster node with ``cluster=True``: its port leaves room for the bus port;
+    TLS only with ``tls``)."""
 
-    def __init__(self, *extra: str, cluster: bool = False) -> None:
+    def __init__(self, *extra: str, cluster: bool = False, tls: RedisTls | None = None) -> None:
         if REDIS_SERVER is None:
             pytest.skip(SKIP_REASON)
         self.directory = tempfile.mkdtemp(prefix="kvt-redis-")
         self.port = _free_cluster_port() if cluster else _free_port()
-        self.extra = extra
+        self.tls = tls
+        self.extra = (*tls.server_args(cluster), *extra) if tls else extra
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}"
+
+    def client(self, **options: Any) -> redis.Redis:
+        """An admin client of this server (TLS with the harness's certificate)."""
+        tls = self.tls.client_options() if self.tls else {}
+        return redis.Redis(host="127.0.0.1", port=self.port, **tls, **options)
+
+    def connect(self, timeout: float) -> socket.socket:
+        """A raw connection (TLS-wrapped for a TLS server)."""
+        conn = socket.create_connection(("127.0.0.1", self.port), timeout=timeout)
+        if self.tls is None:
+            return conn
+        try:
+            return self.tls.wrap(conn)
+        except BaseException:
+            conn.close()
+            raise
 
     @property
     def log_path(self) -> Path:
@@ -73,9 +154,12 @@ class RedisServer:
 
     def start(self) -> None:
         assert REDIS_SERVER is not None and self.proc is None
+        ports = ["--port", "0", "--tls-port", str(self.port)] if self.tls else [
+            "--port", str(self.port)
+        ]  # fmt: skip
         args = [
             REDIS_SERVER,
-            "--port", str(self.port),
+            *ports,
             "--bind", "127.0.0.1",
             "--dir", self.directory,
             "--save", "",
@@ -99,7 +183,7 @@ class RedisServer:
     def ping(self) -> bool:
         """Whether the server answers (PONG, or NOAUTH from one with a password)."""
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as conn:
+            with self.connect(0.5) as conn:
                 conn.sendall(b"PING\r\n")
                 return conn.recv(16).startswith((b"+PONG", b"-NOAUTH"))
         except OSError:
@@ -142,8 +226,8 @@ def redis_factory() -> Iterator[Callable[..., RedisServer]]:
     """Servers of the test's own (to kill, to configure): all stopped afterwards."""
     servers: list[RedisServer] = []
 
-    def make(*extra: str) -> RedisServer:
-        server = RedisServer(*extra)
+    def make(*extra: str, tls: RedisTls | None = None) -> RedisServer:
+        server = RedisServer(*extra, tls=tls)
         servers.append(server)
         return server
 
@@ -172,9 +256,12 @@ class RedisClusterNodes:
     :meth:`close` stops every node (the fixtures call it, also on failure).
     """
 
-    def __init__(self, masters: int = 3, *extra: str, replicas: int = 0) -> None:
+    def __init__(
+        self, masters: int = 3, *extra: str, replicas: int = 0, tls: RedisTls | None = None
+    ) -> None:
         if REDIS_SERVER is None or REDIS_CLI is None:
             pytest.skip(SKIP_REASON)
+        self.tls = tls
         self.nodes: list[RedisServer] = []
         try:
             for _ in range(masters * (1 + replicas)):
@@ -190,12 +277,13 @@ class RedisClusterNodes:
                         "no",
                         *extra,
                         cluster=True,
+                        tls=tls,
                     )  # fmt: skip
                 )
             addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
             assert REDIS_CLI is not None
             created = subprocess.run(
-                [REDIS_CLI, "--cluster", "create", *addresses,
+                [REDIS_CLI, *(tls.cli_args() if tls else ()), "--cluster", "create", *addresses,
                  "--cluster-replicas", str(replicas), "--cluster-yes"],
                 capture_output=True, timeout=60, check=False,
             )  # fmt: skip
@@ -215,7 +303,7 @@ class RedisClusterNodes:
     def info_cluster(self, node: RedisServer) -> str:
         """``CLUSTER INFO`` of ``node`` ('' when it does not answer)."""
         try:
-            with socket.create_connection(("127.0.0.1", node.port), timeout=1.0) as conn:
+            with node.connect(1.0) as conn:
                 conn.sendall(b"CLUSTER INFO\r\n")
                 conn.settimeout(1.0)
                 reply = b""
@@ -247,7 +335,7 @@ class RedisClusterNodes:
         replica that never synced is not elected when its master fails."""
         deadline = time.monotonic() + CLUSTER_OK_TIMEOUT_S
         for node in self.nodes:
-            with redis.Redis(port=node.port) as client:
+            with node.client() as client:
                 while True:
                     info = client.info("replication")
                     if info.get("role") != "slave" or info.get("master_link_status") == "up":
@@ -260,7 +348,7 @@ class RedisClusterNodes:
         """Reshards ``slot`` from ``source`` to ``target`` as ``redis-cli --cluster
         reshard`` does (IMPORTING / MIGRATING, MIGRATE its keys, SETSLOT NODE on every
         node): clients with the old slot map get MOVED from then on."""
-        src, dst = redis.Redis(port=source.port), redis.Redis(port=target.port)
+        src, dst = source.client(), target.client()
         try:
             src_id, dst_id = (
                 src.execute_command("CLUSTER MYID"),
@@ -271,7 +359,7 @@ class RedisClusterNodes:
             while keys := src.execute_command("CLUSTER GETKEYSINSLOT", slot, 100):
                 src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *keys)
             for node in self.nodes:
-                with redis.Redis(port=node.port) as each:
+                with node.client() as each:
                     each.execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
         finally:
             src.close()
@@ -297,8 +385,10 @@ def redis_cluster_factory() -> Iterator[Callable[..., RedisClusterNodes]]:
     """Clusters of the test's own (to kill nodes of, to configure): all stopped afterwards."""
     clusters: list[RedisClusterNodes] = []
 
-    def make(masters: int = 3, *extra: str, replicas: int = 0) -> RedisClusterNodes:
-        cluster = RedisClusterNodes(masters, *extra, replicas=replicas)
+    def make(
+        masters: int = 3, *extra: str, replicas: int = 0, tls: RedisTls | None = None
+    ) -> RedisClusterNodes:
+        cluster = RedisClusterNodes(masters, *extra, replicas=replicas, tls=tls)
         clusters.append(cluster)
         return cluster
 
@@ -312,10 +402,41 @@ def redis_cluster_factory() -> Iterator[Callable[..., RedisClusterNodes]]:
 VALUE_BYTES = fsformat.HEADER_SIZE + BLOCK
 
 
-def redis_config(url: str, key_prefix: str, **options: object) -> str:
+def restrict_user(
+    servers: Iterable[RedisServer],
+    name: str,
+    password: str,
+    key_prefix: str,
+    commands: Iterable[str] = ACL_COMMANDS,
+) -> None:
+    """Makes (or resets) ACL user ``name`` on every server: ``password``, only keys
+    ``<key_prefix>:*``, no channels, only ``commands``. The servers' ACL logs are
+    cleared, so :func:`acl_denials` afterwards shows what this test was refused."""
+    for server in servers:
+        with server.client() as admin:
+            admin.execute_command(
+                "ACL", "SETUSER", name, "reset", "on", f">{password}", f"~{key_prefix}:*",
+                "resetchannels", "-@all", *(f"+{command}" for command in commands),
+            )  # fmt: skip
+            admin.execute_command("ACL", "LOG", "RESET")
+
+
+def acl_denials(servers: Iterable[RedisServer]) -> list[str]:
+    """What the servers' ACLs refused since :func:`restrict_user` (reason, what, user)."""
+    denials = []
+    for server in servers:
+        with server.client() as admin:
+            for entry in admin.acl_log():
+                denials.append(f"{entry['reason']} {entry['object']} {entry['username']}")
+    return denials
+
+
+def redis_config(url: str | tuple[str, ...], key_prefix: str, **options: object) -> str:
+    """A redis tier's ``[[tiers]]`` table: ``url`` (or several: a Cluster's seeds)."""
+    urls = ", ".join(f'"{u}"' for u in ((url,) if isinstance(url, str) else url))
     extra = "".join(f'{key} = "{value}"\n' for key, value in options.items())
     return (
-        f'[[tiers]]\ntype = "redis"\nname = "redis"\nurls = ["{url}"]\n'
+        f'[[tiers]]\ntype = "redis"\nname = "redis"\nurls = [{urls}]\n'
         f'key_prefix = "{key_prefix}"\nthreads = 4\n{extra}'
     )
 

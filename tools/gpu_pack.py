@@ -42,7 +42,10 @@ DEVICE_SCRIPT = "tools/gpu_device_run.sh"
 # client's dependencies found there, and what the check itself uses from it.
 DEVICE_HAS = ("torch", "numpy", "xxhash", "uvloop", "prometheus-client", "pytest")
 # Carried as wheels, at this venv's versions.
-CARRIED = ("grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf", "redis", "hiredis")
+CARRIED = (
+    "grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf", "redis", "hiredis",
+    "blake3",
+)  # fmt: skip
 DEVICE_PYTHON = "3.12"
 PLATFORMS = (
     "manylinux_2_28_x86_64",

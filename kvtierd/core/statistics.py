@@ -140,6 +140,7 @@ TIER_NUMBERS: tuple[TierNumber, ...] = (
     ),
     TierNumber("stores_refused", lambda p: p.stores_refused, None, on_wire=False),
     TierNumber("checksum_failures", None, lambda s: s.tier.checksum_failures),
+    TierNumber("integrity_failures", None, lambda s: s.tier.integrity_failures),
     # jobs between the primary and the tier
     TierNumber("jobs_in_flight", None, lambda s: s.counters.jobs_in_flight),
     TierNumber(

@@ -172,6 +172,7 @@ STATS_COLUMNS: tuple[tuple[str, Callable[[Any, Any], str]], ...] = (
     ("evictions", lambda p, t: str(t.evictions)),
     ("failures", lambda p, t: str(t.failures)),
     ("checksum", lambda p, t: str(t.checksum_failures)),
+    ("integrity", lambda p, t: str(t.integrity_failures) if t.tier != "primary" else "-"),
     ("dropped", lambda p, t: str(t.dropped_blocks)),
     # a shared fs root: files other daemons wrote that this one found, keys looked for on disk
     ("foreign", lambda p, t: str(t.foreign_files_found) if t.tier != "primary" else "-"),

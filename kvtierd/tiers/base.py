@@ -130,6 +130,9 @@ class TierStats:
     shared_rechecks: int = 0  # keys looked for on disk after a local miss
     shared_rescans: int = 0  # periodic rescans finished
     shared_files_vanished: int = 0  # indexed files someone else removed
+    # values not sealed under the tier's integrity keys (kvtierd.tiers.integrity): written
+    # without a key, under another key, or forged; refused (MISS) and removed
+    integrity_failures: int = 0
 
 
 JobCallback = Callable[[JobResult], None]

@@ -10,11 +10,14 @@ docs' table of that type (docs/reference/configuration.md) are generated from it
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvtierd.tiers.configured import TierOptionError
 
+SEAL_OPTION = "integrity_key_file"  # the options of kvtierd.tiers.integrity's keys
+VERIFY_OPTION = "integrity_verify_key_file"
 FormatDefault = Callable[[str], str]  # option name -> its default as written in TOML ("" none)
 
 
@@ -70,3 +73,21 @@ def read_str(options: Mapping[str, Any], key: str) -> str:
     if not isinstance(value, str):
         raise TierOptionError(key, f"expected a string, got {value!r}")
     return value
+
+
+def parse_key_options(options: Mapping[str, Any]) -> dict[str, str]:
+    """The two key file options of a ``[[tiers]]`` table, checked as text (absolute
+    paths; a verify key needs a sealing key). Raises TierOptionError naming one."""
+    values: dict[str, str] = {}
+    for name in (SEAL_OPTION, VERIFY_OPTION):
+        if name not in options:
+            continue
+        path = options[name]
+        if not isinstance(path, str) or (path and not os.path.isabs(path)):
+            raise TierOptionError(name, f"expected an absolute path, got {path!r}")
+        values[name] = path
+    if values.get(VERIFY_OPTION) and not values.get(SEAL_OPTION):
+        raise TierOptionError(
+            VERIFY_OPTION, f"a key that only verifies needs {SEAL_OPTION} (the key that seals)"
+        )
+    return values

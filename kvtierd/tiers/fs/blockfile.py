@@ -14,7 +14,9 @@ Invariants:
   OSError whose ``filename`` is the block file's full path.
 * :func:`read_block_file` fills ``row`` and returns only if the file is a
   regular file and its size, header (magic, version, checksum, pool
-  fingerprint, key, payload length) and payload checksum all verify. Otherwise
+  fingerprint, key, payload length) and payload checksum -- or, for a tier with
+  integrity keys, its MAC (:func:`~kvtierd.tiers.fs.fsformat.check_payload`) --
+  all verify. Otherwise
   ``row`` may hold garbage and it raises :class:`CorruptFile` (naming the inode
   that failed, so the caller removes only that file; a FIFO, socket, device,
   directory or symlink in its place is one too), FileNotFoundError, or another
@@ -34,6 +36,7 @@ from kvtierd.tiers.fs import fsformat
 from kvtierd.tiers.fs.fsformat import HEADER_SIZE, CorruptBlock
 from kvtierd.tiers.fs.permissions import FILE_MODE
 from kvtierd.tiers.fs.safefs import REGULAR, Identity, PoolDir, UnexpectedEntry
+from kvtierd.tiers.integrity import KeyRing
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -45,12 +48,16 @@ class CorruptFile(CorruptBlock):
     unlink it (when the path still names it); None when it must be left alone
     (a directory, or a symlinked directory on the way). ``kind`` is what was
     found at the path ("regular file" for a file whose contents failed).
+    ``integrity``: it failed the keyed check (counted apart, ``integrity_failures``).
     """
 
-    def __init__(self, reason: str, identity: Identity | None, kind: str = REGULAR) -> None:
+    def __init__(
+        self, reason: str, identity: Identity | None, kind: str = REGULAR, integrity: bool = False
+    ) -> None:
         super().__init__(reason)
         self.identity = identity
         self.kind = kind
+        self.integrity = integrity
 
 
 def header_buffer() -> mmap.mmap:
@@ -69,20 +76,17 @@ def write_block_file(
     *,
     o_direct: bool,
     fsync: bool,
+    keys: KeyRing | None = None,
 ) -> None:
     """Writes ``row`` as the block file of ``key`` at ``rel`` below ``pool``
-    (missing directories on the way are created; symlinked ones are refused).
+    (missing directories on the way are created; symlinked ones are refused),
+    its header sealed with ``keys`` (version 1 without).
 
     ``temp_name`` must be a name no other writer uses; it is created in the
     block file's directory. ``head`` is a :func:`header_buffer` owned by the
     calling thread.
     """
-    head[:] = fsformat.encode_header(
-        key=key,
-        fingerprint=fingerprint,
-        payload_length=len(row),
-        payload_checksum=fsformat.payload_checksum(row),
-    )
+    head[:] = fsformat.block_header(key=key, fingerprint=fingerprint, payload=row, keys=keys)
     try:
         with pool.parent(rel, create=True) as (dir_fd, name):
             _write_and_rename(dir_fd, name, temp_name, [memoryview(head), row], o_direct, fsync)
@@ -130,9 +134,10 @@ def read_block_file(
     head: mmap.mmap,
     *,
     o_direct: bool,
+    keys: KeyRing | None = None,
 ) -> None:
     """Reads the block file of ``key`` at ``rel`` below ``pool`` into ``row`` and
-    verifies it completely."""
+    verifies it completely (sealed under one of ``keys``; unkeyed without)."""
     try:
         fd, st = pool.open_file(rel)
     except UnexpectedEntry as exc:
@@ -149,10 +154,10 @@ def read_block_file(
                 raise CorruptBlock(f"short read: {got} of {expected} bytes")
             header = fsformat.decode_header(head)
             fsformat.verify_header(header, key=key, fingerprint=fingerprint, block_bytes=len(row))
-            if fsformat.payload_checksum(row) != header.payload_checksum:
-                raise CorruptBlock("payload checksum mismatch")
+            fsformat.check_payload(head, header, row, keys)
         except CorruptBlock as exc:
-            raise CorruptFile(exc.reason, (st.st_dev, st.st_ino)) from None
+            identity = (st.st_dev, st.st_ino)
+            raise CorruptFile(exc.reason, identity, integrity=exc.integrity) from None
     finally:
         os.close(fd)
 

@@ -33,6 +33,8 @@ from kvtierd.tiers.fs.settings import FsTierSettings
 from kvtierd.tiers.fs.tier import FsTier, SharedParts
 from kvtierd.tiers.fs.unserved import UnservedPools
 from kvtierd.tiers.fs.writelog import WriteFailureLog
+from kvtierd.tiers.integrity import KeyRing
+from kvtierd.tiers.keyfiles import integrity_words, load_keyring
 
 
 class TierRootError(TierCheckError):
@@ -63,11 +65,16 @@ class ConfiguredFsTier(ConfiguredTier):
             if settings.shared
             else None
         )
+        self.keys: KeyRing | None = None  # read by check()
 
     def check(self) -> None:
-        """Raises TierRootError unless the root exists (or may be created), is the
-        daemon's own with nothing planted below it (``permissions.check_root``) and
-        this process can create files in it (a real probe: permission bits lie for root)."""
+        """Reads the integrity keys (TierCheckError naming their option), then raises
+        TierRootError unless the root exists (or may be created), is the daemon's own
+        with nothing planted below it (``permissions.check_root``) and this process
+        can create files in it (a real probe: permission bits lie for root)."""
+        self.keys = load_keyring(
+            self.settings.integrity_key_file, self.settings.integrity_verify_key_file
+        )
         root = self.settings.root
         if not os.path.isdir(root):
             if os.path.exists(root):
@@ -111,6 +118,9 @@ class ConfiguredFsTier(ConfiguredTier):
                 f"fs tier {self.name}: cannot lock root {root}: {exc.strerror or exc}"
             ) from None
 
+    def describe(self) -> str:
+        return self.settings.describe() + integrity_words(self.keys, self.settings.shared)
+
     def create(
         self, pool: PoolBinding, on_done: JobCallback, loop: asyncio.AbstractEventLoop
     ) -> FsTier:
@@ -153,6 +163,7 @@ class ConfiguredFsTier(ConfiguredTier):
                 workers=workers,
                 write_log=self.write_log,
                 unserved=self.unserved,
+                integrity=self.keys,
             ),
         )
         if self.unserved is not None:

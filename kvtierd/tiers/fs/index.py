@@ -37,6 +37,7 @@ COUNTERS = (
     "store_failures",
     "load_failures",
     "checksum_failures",
+    "integrity_failures",  # files not sealed under the tier's integrity keys (removed)
     "dropped_writes",
     # shared roots (kvtierd.tiers.fs.shared); the first three stay 0 unless shared = true
     "foreign_files_found",  # files other daemons wrote, checked and indexed
@@ -351,12 +352,15 @@ class BlockIndex:
             self._counters["shared_files_vanished"] += dropped
         return dropped
 
-    def drop_corrupt(self, key: BlockKey, reason: str, replaced: Callable[[], bool]) -> None:
-        """Counts a file of ``key`` that failed verification and drops the key from
-        the index, unless ``replaced()`` (called under the lock: it removes the bad
-        file and says whether a fresh file of the key took its path meanwhile)."""
+    def drop_corrupt(
+        self, key: BlockKey, reason: str, replaced: Callable[[], bool], integrity: bool = False
+    ) -> None:
+        """Counts a file of ``key`` that failed verification (``integrity``: the keyed
+        check) and drops the key from the index, unless ``replaced()`` (called under
+        the lock: it removes the bad file and says whether a fresh file of the key
+        took its path meanwhile)."""
         with self._lock:
-            self._counters["checksum_failures"] += 1
+            self._counters["integrity_failures" if integrity else "checksum_failures"] += 1
             if replaced():
                 return  # a fresh file of the key replaced the bad one: keep it
             self._remove_locked(key)

@@ -39,7 +39,10 @@ Invariants:
   blocks whose rows are gone (EFAULT, logged by the tier); at worst a
   truncation racing a copy kills a worker, never the daemon.
 * Requests and replies are ``marshal``-ed tuples of builtins, length-prefixed
-  on a Unix stream socket; nothing is unpickled.
+  on a Unix stream socket; nothing is unpickled. A tier with integrity keys
+  sends them in each request's parameters (:meth:`KeyRing.wire`: a socket pair
+  only the daemon and its worker hold); the worker seals and verifies with them
+  (:mod:`kvtierd.tiers.integrity`) and keeps no other copy.
 * A request names its pool directory and each block file relative to it; the
   worker resolves them with :class:`~kvtierd.tiers.fs.safefs.PoolDir`, so no
   symlink below the pool directory is followed and no open blocks (a FIFO in
@@ -68,6 +71,7 @@ from kvtierd.primary.rows import RegionCutShort, RegionRows, scratch
 from kvtierd.tiers.fs import blockfile
 from kvtierd.tiers.fs.blockfile import CorruptFile
 from kvtierd.tiers.fs.safefs import PoolDir, UnexpectedEntry
+from kvtierd.tiers.integrity import KeyRing
 from kvtierd.util.workerproc import die_with
 
 log = logging.getLogger("kvtierd.tiers.fs.ioworker")
@@ -264,20 +268,24 @@ class _Worker:
     def _write(
         self, pool: PoolDir, rows: RowAccess, params: tuple[Any, ...], item: tuple[Any, ...]
     ) -> None:
-        fingerprint, o_direct, fsync, _ = params
+        fingerprint, o_direct, fsync, keys, _ = params
         block_id, rel, temp_name, key = item
         row = rows.for_write(block_id)
         blockfile.write_block_file(
-            pool, rel, temp_name, key, fingerprint, row, self._head, o_direct=o_direct, fsync=fsync
-        )
+            pool, rel, temp_name, key, fingerprint, row, self._head, o_direct=o_direct,
+            fsync=fsync, keys=KeyRing.from_wire(keys),
+        )  # fmt: skip
 
     def _read(
         self, pool: PoolDir, rows: RowAccess, params: tuple[Any, ...], item: tuple[Any, ...]
     ) -> None:
-        fingerprint, o_direct, _ = params
+        fingerprint, o_direct, keys, _ = params
         block_id, rel, key = item
         row = rows.for_read(block_id)
-        blockfile.read_block_file(pool, rel, key, fingerprint, row, self._head, o_direct=o_direct)
+        blockfile.read_block_file(
+            pool, rel, key, fingerprint, row, self._head, o_direct=o_direct,
+            keys=KeyRing.from_wire(keys),
+        )  # fmt: skip
         rows.commit(block_id, row)
 
 
@@ -311,7 +319,7 @@ def _error(exc: BaseException) -> tuple[Any, ...]:
     """An exception as a reply tuple (rebuilt by :func:`error_of` in the daemon)."""
     if isinstance(exc, CorruptFile):
         dev, ino = exc.identity if exc.identity is not None else (-1, -1)
-        return ("corrupt", exc.reason, dev, ino, exc.kind)
+        return ("corrupt", exc.reason, dev, ino, exc.kind, exc.integrity)
     if isinstance(exc, OSError):
         return ("os", exc.errno or 0, exc.strerror or str(exc), exc.filename)
     return ("error", f"{type(exc).__name__}: {exc}")
@@ -323,8 +331,8 @@ def error_of(reply: Reply) -> BaseException | None:
         return None
     kind = reply[0]
     if kind == "corrupt":
-        _, reason, dev, ino, what = reply
-        return CorruptFile(reason, None if ino == -1 else (dev, ino), what)
+        _, reason, dev, ino, what, integrity = reply
+        return CorruptFile(reason, None if ino == -1 else (dev, ino), what, integrity)
     if kind == "os":
         _, code, message, filename = reply
         if code == errno.ENOENT:

@@ -8,8 +8,11 @@ RETRY until it ends). Invariants:
   and an error ends the scan with a partial index (logged).
 * A block file is indexed only if its header passes the one header check
   shared with ``fsck`` (:func:`~kvtierd.tiers.fs.blockfile.check_header`); the
-  payload is checked when the block is loaded. A file that fails is removed
-  (if the path still names it), counted in ``checksum_failures`` and logged;
+  payload is checked when the block is loaded. A tier with integrity keys
+  indexes only files sealed under one of them
+  (:func:`~kvtierd.tiers.fs.fsformat.check_sealing`; the MAC is checked at
+  load). A file that fails is removed (if the path still names it), counted in
+  ``checksum_failures`` (``integrity_failures`` for the keyed check) and logged;
   something other than a regular file is removed too, unless a directory.
 * Leftover temp files (a crash mid-write or mid-eviction) are removed; on a
   shared root (``temp_min_age_s`` > 0) only those older than that, since a
@@ -30,11 +33,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvtierd.contract import BlockKey
-from kvtierd.tiers.fs import blockfile, permissions, safefs
+from kvtierd.tiers.fs import blockfile, fsformat, permissions, safefs
 from kvtierd.tiers.fs.blockfile import CorruptFile
 from kvtierd.tiers.fs.fsformat import BLOCK_SUFFIX, TEMP_SUFFIX, CorruptBlock
 from kvtierd.tiers.fs.index import BlockIndex, TierFull
 from kvtierd.tiers.fs.safefs import DIRECTORY, REGULAR, Entry, PoolDir, UnexpectedEntry
+from kvtierd.tiers.integrity import KeyRing
 
 log = logging.getLogger("kvtierd.tiers.fs")
 
@@ -66,7 +70,8 @@ class IndexScan:
 
     ``on_ready`` is called on the scan thread once the index is ready (the tier
     hands it to its loop). ``before_scan``, if given, is called on the scan
-    thread first (tests hold the scan there, as a slow mount would).
+    thread first (tests hold the scan there, as a slow mount would). ``keys``:
+    the tier's integrity keys (None: it reads unkeyed files only).
     """
 
     def __init__(
@@ -79,8 +84,10 @@ class IndexScan:
         on_ready: Callable[[], None],
         before_scan: Callable[[], object] | None = None,
         temp_min_age_s: float = 0.0,
+        keys: KeyRing | None = None,
     ) -> None:
         self.tier_name = tier_name
+        self._keys = keys
         self._temp_min_age_s = temp_min_age_s
         self.pool_dir = pool_dir
         self.report = ScanReport()  # written by the scan thread only
@@ -182,6 +189,7 @@ class IndexScan:
                 header = blockfile.check_header(
                     fd, st, entry.rel, self._fingerprint, self._block_bytes
                 )
+                fsformat.check_sealing(header, self._keys)
             finally:
                 os.close(fd)
         except FileNotFoundError:
@@ -189,7 +197,10 @@ class IndexScan:
         except UnexpectedEntry as exc:
             self._drop(entry, blockfile.bad_entry(exc), path)
             return None
-        except (CorruptBlock, OSError) as exc:
+        except CorruptBlock as exc:
+            self._drop(entry, CorruptFile(exc.reason, identity, integrity=exc.integrity), path)
+            return None
+        except OSError as exc:
             self._drop(entry, CorruptFile(str(exc), identity), path)
             return None
         return st.st_mtime, header.key, st.st_size
@@ -208,7 +219,7 @@ class IndexScan:
             report.bad_entries += 1
         if error.identity is not None:
             safefs.unlink_if_same(entry.dir_fd, entry.name, error.identity)
-        self._index.count("checksum_failures")
+        self._index.count("integrity_failures" if error.integrity else "checksum_failures")
 
     def _finish(self, found: list[Found], seconds: float) -> None:
         """Merges what the scan found into the index, evicts down to the capacity,

@@ -27,6 +27,7 @@ from kvtierd.tiers.options import (
     help_lines,
     markdown_table,
     option,
+    parse_key_options,
     read_bool,
     read_int,
     size_text,
@@ -95,6 +96,15 @@ class FsTierSettings:
         10.0,
         "shared root: seconds between rescans of the pool directories (files other daemons "
         "wrote or removed, the bytes under the root)",
+    )
+    integrity_key_file: str = option(
+        "",
+        "file of 32 random bytes (mode 0600): every block file is sealed with a MAC under "
+        "this key and a file not sealed under this tier's keys is a MISS; required where "
+        "another host can write the root (docs/security.md), empty for xxh3 checksums only",
+    )
+    integrity_verify_key_file: str = option(
+        "", "a second key whose files verify too (never used to write): a key rotation"
     )
 
     def exclusive(self) -> Mapping[str, object]:
@@ -193,6 +203,7 @@ def parse_fs_settings(options: Mapping[str, Any]) -> FsTierSettings:
         values["max_queue_jobs"] = read_int(options, "max_queue_jobs", 1, MAX_QUEUE_JOBS)
     for key in sorted(_DURATION_OPTIONS & set(options)):
         values[key] = _duration(options, key)
+    values.update(parse_key_options(options))
     return FsTierSettings(**values)
 
 

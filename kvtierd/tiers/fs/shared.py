@@ -26,10 +26,16 @@ this module keeps it in step with the disk, on one thread per pool's tier
   publishes a complete file by ``rename`` from a ``*.tmp`` name, and temp
   names are skipped here (the start-up scan of a shared root removes only temp
   files older than :data:`~kvtierd.tiers.fs.scan.SHARED_TEMP_MAX_AGE_S`).
-  The payload is verified (xxh3) at every promotion, as for any fs tier.
+  The payload is verified (xxh3, or the MAC with integrity keys) at every
+  promotion, as for any fs tier.
+* **Keyed integrity.** Any host that can write the root can write a file with a
+  valid header. With ``integrity_key_file`` a file is adopted only if sealed
+  under one of the tier's key ids, and served only if its MAC verifies
+  (docs/security.md, "Keyed integrity of shared tiers").
 
 A file that fails its header check is removed if the path still names it
-(as the start-up scan does), counted in ``checksum_failures``, logged
+(as the start-up scan does), counted in ``checksum_failures`` (or
+``integrity_failures``: not sealed under the tier's keys), logged
 (rate-limited) and the key negative-cached.
 
 Locking: ``SharedRoot._lock`` guards ``_wanted``, ``_absent`` and ``_stopping``;
@@ -52,6 +58,7 @@ from kvtierd.tiers.fs.fsformat import BLOCK_SUFFIX, CorruptBlock
 from kvtierd.tiers.fs.index import BlockIndex, TierFull
 from kvtierd.tiers.fs.safefs import PoolDir, UnexpectedEntry
 from kvtierd.tiers.fs.unserved import UnservedPools
+from kvtierd.tiers.integrity import KeyRing
 from kvtierd.util.filekind import REGULAR
 from kvtierd.util.ratelimit import RateLimitedLog
 
@@ -82,8 +89,10 @@ class SharedRoot:
         negative_ttl: float,
         rescan_interval: float,
         unserved: UnservedPools | None = None,
+        keys: KeyRing | None = None,
     ) -> None:
         self.tier_name = tier_name
+        self._keys = keys
         self.pool_dir = pool_dir
         self.negative_ttl = negative_ttl
         self.rescan_interval = rescan_interval
@@ -225,6 +234,7 @@ class SharedRoot:
             identity = safefs.identity_of(st)
             try:
                 header = blockfile.check_header(fd, st, rel, self._fingerprint, self._block_bytes)
+                fsformat.check_sealing(header, self._keys)
             finally:
                 os.close(fd)
             return header.key, st.st_size
@@ -233,13 +243,16 @@ class SharedRoot:
         except UnexpectedEntry as exc:
             self._bad(pool, rel, str(exc), exc.identity if exc.removable else None)
         except CorruptBlock as exc:
-            self._bad(pool, rel, str(exc), identity)
+            self._bad(pool, rel, str(exc), identity, exc.integrity)
         except OSError as exc:  # transient (EIO, ESTALE...): looked for again later
             self._fault("read", "cannot check %s: %s", pool.full(rel), exc)
         return None
 
-    def _bad(self, pool: PoolDir, rel: str, reason: str, identity: safefs.Identity | None) -> None:
-        self._index.count("checksum_failures")
+    def _bad(
+        self, pool: PoolDir, rel: str, reason: str, identity: safefs.Identity | None,
+        integrity: bool = False,
+    ) -> None:  # fmt: skip
+        self._index.count("integrity_failures" if integrity else "checksum_failures")
         action = "removing it" if identity is not None else "leaving it there"
         self._fault("bad", "bad block file %s in a shared root: %s; %s", pool.full(rel), reason,
                     action)  # fmt: skip

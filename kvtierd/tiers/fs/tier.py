@@ -2,8 +2,9 @@
 
 Differences from vLLM's FS tier (docs/design/semantics.md, "The fs tier, against
 vLLM's"): a byte capacity with LRU eviction, a verified header (key, pool
-fingerprint, length, xxh3-64 of the payload) on every file, an in-memory index
-rebuilt at start, and partial success of loads reported per key.
+fingerprint, length, xxh3-64 of the payload; with ``integrity_key_file`` a MAC
+too, :mod:`kvtierd.tiers.integrity`) on every file, an in-memory index rebuilt
+at start, and partial success of loads reported per key.
 
 This module is the tier's lifecycle and job flow; the state lives elsewhere:
 
@@ -87,6 +88,7 @@ from kvtierd.tiers.fs.shared import SharedRoot
 from kvtierd.tiers.fs.startup import FsTierError, PoolMismatchError
 from kvtierd.tiers.fs.unserved import UnservedPools
 from kvtierd.tiers.fs.writelog import WriteFailureLog
+from kvtierd.tiers.integrity import KeyRing
 from kvtierd.util.ratelimit import RateLimitedLog
 
 __all__ = ["DiskBudget", "FsTier", "FsTierError", "PoolMismatchError", "ScanReport", "TierFull"]
@@ -110,6 +112,7 @@ class SharedParts:
     workers: IoWorkers | None = None
     write_log: WriteFailureLog | None = None
     unserved: UnservedPools | None = None
+    integrity: KeyRing | None = None  # the keys of keyed integrity (integrity_key_file)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,14 +132,13 @@ class FsTier(SecondaryTier):
     writes ``pool.json``, probes O_DIRECT; :meth:`launch` starts the I/O pool
     and the index scan) -> jobs -> :meth:`shutdown`.
 
-    The keyword options default to :class:`~kvtierd.tiers.fs.settings.FsTierSettings`'
-    defaults. Block file I/O runs in ``workers`` (I/O worker processes, which
-    need ``region_file``), in ``block_io`` (any :class:`BlockIo`: tests hold
-    I/O there), or else inline on the I/O threads. ``before_scan`` is called
-    on the scan thread before the index scan (tests hold the scan there).
-    ``shared``: other daemons use the root too (:mod:`~kvtierd.tiers.fs.shared`);
-    ``unserved`` (shared only) charges the root's pool directories no pool here
-    serves to the budget (:mod:`~kvtierd.tiers.fs.unserved`).
+    Block file I/O runs in the configured tier's I/O worker processes
+    (``parts.workers``, which need the pool's ``region_file``), in ``probes.block_io``
+    (tests hold I/O there), or else inline on the I/O threads. With
+    ``settings.shared`` other daemons use the root too (:mod:`~kvtierd.tiers.fs.shared`),
+    and ``parts.unserved`` charges the root's pool directories no pool here serves to
+    the budget (:mod:`~kvtierd.tiers.fs.unserved`). ``parts.integrity``: the keys its
+    files are sealed with and verified under (None: unkeyed files).
     """
 
     medium = Medium.STORAGE
@@ -193,16 +195,19 @@ class FsTier(SecondaryTier):
         self._owns_io = parts.io_pool is None
         self._files = PoolFiles(name, self.pool_dir)
         self.index = BlockIndex(name, self.file_bytes, self.budget, self._files.remove_evicted)
+        integrity = parts.integrity
+        self._keys = integrity.wire() if integrity is not None else None  # for the block I/O
         self._scan = IndexScan(
             name, self.pool_dir, self._fingerprint, block_bytes, self.index,
             self._index_ready, probes.before_scan,
-            SHARED_TEMP_MAX_AGE_S if settings.shared else 0.0,
+            SHARED_TEMP_MAX_AGE_S if settings.shared else 0.0, parts.integrity,
         )  # fmt: skip
         self.shared: SharedRoot | None = (
             SharedRoot(
                 name, self.pool_dir, self._fingerprint, block_bytes, self.index,
                 negative_ttl=settings.shared_negative_ttl,
                 rescan_interval=settings.shared_rescan_interval, unserved=parts.unserved,
+                keys=parts.integrity,
             ) if settings.shared else None
         )  # fmt: skip
         self._ready: asyncio.Future[None] | None = None
@@ -480,7 +485,7 @@ class FsTier(SecondaryTier):
             rel = fsformat.block_rel_path(key)
             temp_name = f"{name_of(rel)}.{self._files.temp_name()}{TEMP_SUFFIX}"
             todo.append((block_id, rel, temp_name, key))
-        params = (self._fingerprint, self.use_o_direct, self.fsync, self.pool_dir)
+        params = (self._fingerprint, self.use_o_direct, self.fsync, self._keys, self.pool_dir)
         try:
             replies = self._block_io.call((ioworker.WRITE, self._region_ref, params, todo))
         except OSError as exc:  # the worker died: whether it renamed a file is unknown
@@ -526,7 +531,7 @@ class FsTier(SecondaryTier):
     def _read_files(self, items: Pairs) -> list[BaseException | None]:
         """Reads ``key``'s file into row ``block_id`` for each ``(key, block_id)``, in one
         block I/O request; per item None (read and verified) or the error."""
-        params = (self._fingerprint, self.use_o_direct, self.pool_dir)
+        params = (self._fingerprint, self.use_o_direct, self._keys, self.pool_dir)
         request = [(block_id, fsformat.block_rel_path(key), key) for key, block_id in items]
         try:
             replies = self._block_io.call((ioworker.READ, self._region_ref, params, request))
@@ -557,7 +562,7 @@ class FsTier(SecondaryTier):
         def replaced() -> bool:
             return identity is not None and self._files.remove_bad(rel, identity)
 
-        self.index.drop_corrupt(key, error.reason, replaced)
+        self.index.drop_corrupt(key, error.reason, replaced, error.integrity)
 
     # -- small helpers ---------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 
 A value is exactly an fs block file (:mod:`kvtierd.tiers.fs.fsformat`): the
 4096-byte integrity header (key, pool fingerprint, payload length, payload
-checksum, its own checksum), then the row's bytes, under the Redis key
+checksum, its own checksum; with integrity keys the key id and a MAC over
+header and payload, :mod:`kvtierd.tiers.integrity`), then the row's bytes, under the Redis key
 ``<key_space><block key>``. :class:`RedisBlockIO` stores a row (``SET NX``, the
 row sent unjoined from this thread's bounce buffer), loads one (``GETRANGE``,
 bounded to one value's size plus a byte, verified before a byte reaches the
@@ -29,13 +30,13 @@ from __future__ import annotations
 import time
 
 import redis
-import xxhash
 from redis.exceptions import AskError
 
 from kvtierd.contract import BlockKey
 from kvtierd.primary.rows import RegionRows, scratch
 from kvtierd.tiers.fs import fsformat
 from kvtierd.tiers.fs.iopool import Outcome
+from kvtierd.tiers.integrity import KeyRing
 from kvtierd.tiers.redis.link import RedisLink
 from kvtierd.util.ratelimit import RateLimitedLog
 
@@ -48,7 +49,12 @@ class BlockMissing(Exception):
 
 
 class BlockCorrupt(Exception):
-    """The value under the block's key does not verify; it was deleted."""
+    """The value under the block's key does not verify; it was deleted. ``integrity``:
+    it is not sealed under the tier's integrity keys (no MAC, another key, forged)."""
+
+    def __init__(self, reason: str, integrity: bool = False) -> None:
+        super().__init__(reason)
+        self.integrity = integrity
 
 
 class RedisBlockIO:
@@ -64,8 +70,11 @@ class RedisBlockIO:
         ttl_ms: int | None,
         faults: RateLimitedLog,
         name: str,
+        keys: KeyRing | None = None,
     ) -> None:
+        """``keys``: the tier's integrity keys (None: unkeyed values only)."""
         self.link = link
+        self.keys = keys
         self.key_space = key_space
         self.fingerprint = identity.fingerprint
         self.block_bytes = identity.block_bytes
@@ -100,11 +109,8 @@ class RedisBlockIO:
         cannot be read (nothing is sent), or the server's error."""
         payload = scratch(self.block_bytes)
         self._rows.read(row, payload)
-        header = fsformat.encode_header(
-            key=key,
-            fingerprint=self.fingerprint,
-            payload_length=self.block_bytes,
-            payload_checksum=fsformat.payload_checksum(payload),
+        header = fsformat.block_header(
+            key=key, fingerprint=self.fingerprint, payload=payload, keys=self.keys
         )
         # header and row copy go out as separate buffers of one SET: never joined
         args: list[bytes] = [b"NX"]
@@ -144,21 +150,22 @@ class RedisBlockIO:
             self.verify(key, value)
         except fsformat.CorruptBlock as exc:
             self.delete_if_same(redis_key, value)
-            raise BlockCorrupt(exc.reason) from None
+            raise BlockCorrupt(exc.reason, exc.integrity) from None
         self._rows.write(row, value, fsformat.HEADER_SIZE)  # from the value: no copy
 
     def verify(self, key: BlockKey, value: bytes) -> None:
-        """Raises fsformat.CorruptBlock unless ``value`` is this pool's block of ``key``."""
+        """Raises fsformat.CorruptBlock unless ``value`` is this pool's block of ``key``
+        (IntegrityRefused: not sealed under the tier's keys)."""
         if len(value) != self.value_bytes:
             raise fsformat.CorruptBlock(f"value of {len(value)} bytes, expected {self.value_bytes}")
         header = fsformat.decode_header(value)
         fsformat.verify_header(
             header, key=key, fingerprint=self.fingerprint, block_bytes=self.block_bytes
         )
-        if header.payload_checksum != xxhash.xxh3_64_intdigest(
-            memoryview(value)[fsformat.HEADER_SIZE :]
-        ):
-            raise fsformat.CorruptBlock("payload checksum mismatch")
+        view = memoryview(value)
+        fsformat.check_payload(
+            view[: fsformat.HEADER_SIZE], header, view[fsformat.HEADER_SIZE :], self.keys
+        )
 
     # -- presence and deletes ------------------------------------------------------------
 

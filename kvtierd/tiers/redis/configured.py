@@ -30,6 +30,9 @@ import redis
 from kvtierd.tiers.base import JobCallback
 from kvtierd.tiers.configured import ConfiguredTier, PoolBinding, TierCheckError
 from kvtierd.tiers.fs.iopool import IoPool, Outcome
+from kvtierd.tiers.integrity import KeyRing
+from kvtierd.tiers.keyfiles import integrity_words, load_keyring
+from kvtierd.tiers.redis.access import check_tls, explain
 from kvtierd.tiers.redis.link import RedisLink
 from kvtierd.tiers.redis.settings import RedisTierSettings
 from kvtierd.tiers.redis.tier import FAULT_LOG_INTERVAL_S, RedisTier
@@ -64,6 +67,7 @@ class ConfiguredRedisTier(ConfiguredTier):
         self.settings: RedisTierSettings = settings
         self.faults = RateLimitedLog(log, FAULT_LOG_INTERVAL_S)
         self._password: str | None = None
+        self.keys: KeyRing | None = None  # read by check()
         self._link: RedisLink | None = None
         self._io: IoPool | None = None
         self._pools = 0
@@ -74,10 +78,18 @@ class ConfiguredRedisTier(ConfiguredTier):
         self._closed = False
 
     def check(self) -> None:
-        """Reads the password file (refused if others may read it). The server is
-        not asked: one that is down now is a fault the tier lives through."""
+        """Reads the password file (refused if others may read it), loads the TLS
+        files and reads the integrity keys. The server is not asked: one that is down
+        (or refuses the tier) now is a fault the tier lives through."""
         if self.settings.password_file:
             self._password = read_password(self.settings.password_file)
+        check_tls(self.settings)
+        self.keys = load_keyring(
+            self.settings.integrity_key_file, self.settings.integrity_verify_key_file
+        )
+
+    def describe(self) -> str:
+        return self.settings.describe() + integrity_words(self.keys, True)
 
     def create(
         self, pool: PoolBinding, on_done: JobCallback, loop: asyncio.AbstractEventLoop
@@ -111,6 +123,7 @@ class ConfiguredRedisTier(ConfiguredTier):
             ttl_s=s.ttl,
             presence_ttl_s=s.presence_ttl,
             faults=self.faults,
+            integrity=self.keys,
         )
         self._tiers.add(tier)
         if self._health_timer is None and not self._closed:
@@ -135,8 +148,8 @@ class ConfiguredRedisTier(ConfiguredTier):
         if not outcome.ok:
             if isinstance(outcome.error, redis.RedisError):
                 self.faults.warning(
-                    ("health", self.name),
-                    "redis tier %s: health check failed: %s", self.name, outcome.error,
+                    ("health", self.name), "redis tier %s: health check failed: %s",
+                    self.name, explain(outcome.error, self.settings),
                 )  # fmt: skip
             return
         for tier in list(self._tiers):

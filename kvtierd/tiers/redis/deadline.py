@@ -98,9 +98,14 @@ class CallDeadlines:
                 self._wake.wait(max(0.01, soonest - now))
 
 
-def deadline_connection_class(deadlines: CallDeadlines) -> type[redis.Connection]:
-    """A plain (TCP) connection class whose handshake runs under ``deadlines``: a
-    handshake the watchdog cut raises ``redis.TimeoutError``."""
+def deadline_connection_class(
+    deadlines: CallDeadlines, tls: bool = False
+) -> type[redis.Connection]:
+    """A connection class (TCP, or TLS with ``tls``: redis-py's SSLConnection) whose
+    Redis handshake (``AUTH``, ``CLIENT SETINFO``) runs under ``deadlines``: a
+    handshake the watchdog cut raises ``redis.TimeoutError``. (The TLS handshake
+    itself is bounded by the connect timeout.)"""
+    base: type[redis.Connection] = redis.SSLConnection if tls else redis.Connection
 
     def watched(handshake: Any, connection: redis.Connection, *args: Any, **kwargs: Any) -> None:
         call = Watched()
@@ -114,16 +119,16 @@ def deadline_connection_class(deadlines: CallDeadlines) -> type[redis.Connection
                 ) from exc
             raise
 
-    class DeadlineConnection(redis.Connection):
+    class DeadlineConnection(base):  # type: ignore[valid-type,misc]
         # redis-py >= 6 connects through on_connect_check_health, older ones on_connect
         if hasattr(redis.Connection, "on_connect_check_health"):
 
             def on_connect_check_health(self, *args: Any, **kwargs: Any) -> None:
-                watched(redis.Connection.on_connect_check_health, self, *args, **kwargs)
+                watched(base.on_connect_check_health, self, *args, **kwargs)
 
         else:  # pragma: no cover - redis-py 5
 
             def on_connect(self) -> None:
-                watched(redis.Connection.on_connect, self)
+                watched(base.on_connect, self)
 
     return DeadlineConnection

@@ -61,6 +61,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import AskError, RedisClusterException
 from redis.retry import Retry
 
+from kvtierd.tiers.redis.access import tls_options, uses_tls
 from kvtierd.tiers.redis.deadline import CallDeadlines, Watched, deadline_connection_class
 from kvtierd.tiers.redis.health import NodeInfo, ServerHealth, summarize
 from kvtierd.tiers.redis.settings import RedisTierSettings
@@ -117,7 +118,7 @@ class RedisLink:
         self._deadlines = CallDeadlines(
             CALL_DEADLINE_TIMEOUTS * settings.timeout, _netloc(settings.urls[0])
         )
-        self._connection_class = deadline_connection_class(self._deadlines)
+        self._connection_class = deadline_connection_class(self._deadlines, uses_tls(settings))
 
     # -- the client ----------------------------------------------------------------------
 
@@ -159,7 +160,9 @@ class RedisLink:
                 if self._resolve_error is not None and (
                     time.monotonic() - self._resolved_at < RESOLVE_RETRY_S
                 ):
-                    raise redis.ConnectionError(f"server not reached: {self._resolve_error}")
+                    raise redis.ConnectionError(
+                        f"server not reached: {self._resolve_error}"
+                    ) from self._resolve_error
             # the build talks to the servers: never under _lock, which the event loop
             # takes to read the health (a GetStats waited out a dead seed's timeout)
             try:
@@ -168,7 +171,8 @@ class RedisLink:
                 with self._lock:
                     self._resolved_at = time.monotonic()
                     self._resolve_error = exc
-                raise redis.ConnectionError(f"server not reached: {exc}") from None
+                # chained: the fault log says what the server refused (access.explain)
+                raise redis.ConnectionError(f"server not reached: {exc}") from exc
             mode = "cluster" if isinstance(client, RedisCluster) else "standalone"
             health = ServerHealth(mode=mode, nodes_known=len(self._masters(client)))
             with self._lock:
@@ -199,7 +203,7 @@ class RedisLink:
         # the cluster builds its node clients itself (no connection_class): their
         # handshakes are bounded by the socket timeout only; every call is watched
         options.pop("connection_class", None)
-        if urllib.parse.urlsplit(self.settings.urls[0]).scheme == "rediss":
+        if uses_tls(self.settings):
             options["ssl"] = True
         return RedisCluster(
             startup_nodes=nodes,
@@ -210,12 +214,11 @@ class RedisLink:
 
     def _options(self) -> dict[str, Any]:
         s = self.settings
-        tls = urllib.parse.urlsplit(s.urls[0]).scheme == "rediss"
-        # the handshake of a new connection under the call deadline too (TLS: redis-py's
-        # own SSL connection class, whose handshake is bounded by the socket timeout only)
-        watched = {} if tls else {"connection_class": self._connection_class}
         return {
-            **watched,
+            # the handshake of a new connection under the call deadline too (TLS: its
+            # TLS handshake is bounded by the connect timeout, the rest by the deadline)
+            "connection_class": self._connection_class,
+            **tls_options(s),
             "username": s.username or None,
             "password": self._password,
             "socket_timeout": s.timeout,
@@ -236,7 +239,7 @@ class RedisLink:
                 error = exc
             finally:
                 probe.close()
-        raise redis.ConnectionError(f"no seed URL answered INFO: {error}")
+        raise redis.ConnectionError(f"no seed URL answered INFO: {error}") from error
 
     @staticmethod
     def _masters(client: redis.Redis | RedisCluster) -> list[tuple[str, NodeClient]]:

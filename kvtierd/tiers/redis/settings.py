@@ -21,6 +21,7 @@ from kvtierd.tiers.options import (
     help_lines,
     markdown_table,
     option,
+    parse_key_options,
     read_int,
     read_str,
     size_text,
@@ -33,6 +34,7 @@ MAX_THREADS = 256
 MAX_QUEUE_JOBS = 1 << 20
 MIN_QUEUE_BYTES = 4096
 MAX_KEY_PREFIX = 64
+TLS_OPTIONS = ("tls_ca_file", "tls_cert_file", "tls_key_file")
 _SIZE_OPTIONS = frozenset({"capacity", "max_queue_bytes"})
 _DURATION_OPTIONS = frozenset({"ttl", "timeout", "presence_ttl", "info_interval"})
 
@@ -53,6 +55,18 @@ class RedisTierSettings:
     password_file: str = option(
         "", "file holding the AUTH / ACL password (not readable by others), empty for none"
     )
+    tls_ca_file: str = option(
+        "",
+        "rediss:// only: CA certificates (PEM) that sign the servers' certificates, empty for "
+        "the system's; a server's certificate must name the host of its URL (or the address "
+        "a Cluster announces)",
+    )
+    tls_cert_file: str = option(
+        "", "rediss:// only: client certificate (PEM) for a server that asks for one"
+    )
+    tls_key_file: str = option(
+        "", "rediss:// only: the client certificate's private key (not readable by others)"
+    )
     key_prefix: str = option("kvtierd", "prefix of every key this tier writes")
     ttl: float = option(0.0, "expiry of every value, 0s for none (the server's maxmemory evicts)")
     capacity: int = option(
@@ -72,6 +86,15 @@ class RedisTierSettings:
         1 << 30, "cascade bytes queued before new cascade writes are dropped"
     )
     max_queue_jobs: int = option(1024, "cascade jobs queued before new cascade writes are dropped")
+    integrity_key_file: str = option(
+        "",
+        "file of 32 random bytes (mode 0600) the daemons of a fleet share: every value is "
+        "sealed with a MAC under it and a value not sealed under this tier's keys is a MISS; "
+        "required unless the server is written by this fleet alone (docs/security.md)",
+    )
+    integrity_verify_key_file: str = option(
+        "", "a second key whose values verify too (never used to write): a key rotation"
+    )
 
     def exclusive(self) -> Mapping[str, object]:
         """Two configured tiers on one server with one prefix would evict each other's keys."""
@@ -151,11 +174,13 @@ def parse_redis_settings(options: Mapping[str, Any]) -> RedisTierSettings:
         values["cluster"] = mode
     if "username" in options:
         values["username"] = read_str(options, "username")
-    if "password_file" in options:
-        path = read_str(options, "password_file")
-        if path and not os.path.isabs(path):
-            raise TierOptionError("password_file", f"expected an absolute path, got {path!r}")
-        values["password_file"] = path
+    for name in ("password_file", *TLS_OPTIONS):
+        if name in options:
+            path = read_str(options, name)
+            if path and not os.path.isabs(path):
+                raise TierOptionError(name, f"expected an absolute path, got {path!r}")
+            values[name] = path
+    _check_tls(values)
     if "key_prefix" in options:
         prefix = read_str(options, "key_prefix")
         if not prefix or len(prefix) > MAX_KEY_PREFIX or not prefix.isprintable():
@@ -188,7 +213,23 @@ def parse_redis_settings(options: Mapping[str, Any]) -> RedisTierSettings:
         values["threads"] = read_int(options, "threads", 1, MAX_THREADS)
     if "max_queue_jobs" in options:
         values["max_queue_jobs"] = read_int(options, "max_queue_jobs", 1, MAX_QUEUE_JOBS)
+    values.update(parse_key_options(options))
     return RedisTierSettings(**values)
+
+
+def _check_tls(values: Mapping[str, Any]) -> None:
+    """One scheme for every URL; TLS files only for rediss://; a client certificate
+    with its key."""
+    schemes = {urllib.parse.urlsplit(url).scheme for url in values.get("urls", DEFAULTS.urls)}
+    if len(schemes) > 1:
+        raise TierOptionError("urls", "mixes redis:// and rediss://: one scheme for all nodes")
+    for name in TLS_OPTIONS:
+        if values.get(name) and schemes != {"rediss"}:
+            raise TierOptionError(name, "set, but the urls are redis:// (no TLS): use rediss://")
+    if bool(values.get("tls_cert_file")) != bool(values.get("tls_key_file")):
+        missing = "tls_key_file" if values.get("tls_cert_file") else "tls_cert_file"
+        raise TierOptionError(missing, "a client certificate needs both tls_cert_file and "
+                              "tls_key_file")  # fmt: skip
 
 
 def _check_url(url: object) -> None:

@@ -6,7 +6,9 @@ checksum, its own checksum), then the row's bytes. Its Redis key is
 ``<key_prefix>:<pool fingerprint hex>:<block key>`` (binary), so pools of
 another name, block size or layout never share keys; a value that does not
 verify for the key and pool it was read under is a MISS: deleted, counted in
-``checksum_failures``, never copied out as a success.
+``checksum_failures`` (``integrity_failures`` when it is not sealed under the
+tier's integrity keys, :mod:`kvtierd.tiers.integrity`), never copied out as a
+success.
 
 The event loop never waits on Redis. Every Redis call runs on the I/O threads
 of an :class:`~kvtierd.tiers.fs.iopool.IoPool` (shared by the pools of one
@@ -17,8 +19,8 @@ configured tier), in :mod:`.blockio`, and reports through
   copy of the row in the I/O thread's bounce buffer (redis-py writes a large
   memoryview to the socket without joining it into one buffer); NX: a key
   another daemon wrote already is left alone (keys name content);
-* loads: one ``GET`` per block, verified (header, then the payload's xxh3)
-  before its payload is copied into the row;
+* loads: one ``GET`` per block, verified (header, then the payload's xxh3 or,
+  with integrity keys, the MAC) before its payload is copied into the row;
 * rows are copied with :class:`~kvtierd.primary.rows.RegionRows` (system calls,
   never the daemon's mapping): a region a client truncated fails the block
   whose row is gone (store not cascaded, promotion not served), with one
@@ -45,8 +47,11 @@ server's ``maxmemory`` policy evicts and a block the server dropped is found
 missing at its load or at the re-probe after an eviction (MISS, dropped from
 the held set): a write is never assumed to have stayed.
 
-Faults (server down, timeout, OOM): the job's keys fail, counted; a WARNING at
-most every 10 s per kind; the tier answers from what it knows and probes again.
+Faults (server down, timeout, OOM, refused credentials, ACL or TLS): the job's
+keys fail, counted; a WARNING at most every 10 s per kind saying what the server
+refused and which option fixes it (:func:`~kvtierd.tiers.redis.access.explain`);
+the tier answers from what it knows and probes again. The daemon never stops for
+it.
 """
 
 from __future__ import annotations
@@ -66,6 +71,8 @@ from kvtierd.primary.rows import RegionCutShort, RegionRows, RowIoUnavailable
 from kvtierd.tiers.base import JobCallback, JobResult, SecondaryTier, TierJob, TierStats
 from kvtierd.tiers.fs import fsformat
 from kvtierd.tiers.fs.iopool import IoPool, Outcome
+from kvtierd.tiers.integrity import KeyRing
+from kvtierd.tiers.redis.access import explain
 from kvtierd.tiers.redis.blockio import WRITTEN, BlockCorrupt, BlockMissing, RedisBlockIO
 from kvtierd.tiers.redis.health import ServerHealth
 from kvtierd.tiers.redis.link import RedisLink
@@ -88,6 +95,7 @@ _COUNTERS = (
     "store_failures",
     "load_failures",
     "checksum_failures",
+    "integrity_failures",
     "dropped_writes",
     "probe_failures",
 )
@@ -117,9 +125,11 @@ class RedisTier(SecondaryTier):
         presence_ttl_s: float = 1.0,
         faults: RateLimitedLog | None = None,
         region_rows: RegionRows | None = None,
+        integrity: KeyRing | None = None,
     ) -> None:
         """``region_rows``: how the I/O threads copy rows (the pool's region's; None:
-        one made of ``region_buffer``, owned and closed by :meth:`shutdown`)."""
+        one made of ``region_buffer``, owned and closed by :meth:`shutdown`).
+        ``integrity``: the keys values are sealed with and verified under."""
         region = region_buffer.cast("B") if region_buffer.format != "B" else region_buffer
         if block_bytes < 1 or len(region) % block_bytes:
             raise ValueError("region_buffer length is not a multiple of block_bytes")
@@ -143,8 +153,9 @@ class RedisTier(SecondaryTier):
         self._faults = faults or RateLimitedLog(log, FAULT_LOG_INTERVAL_S)
         # the I/O threads' side: the rows of running jobs and the link, nothing else
         self._blocks = RedisBlockIO(
-            link, self.key_space, self.identity, region_rows, self._ttl_ms, self._faults, name
-        )
+            link, self.key_space, self.identity, region_rows, self._ttl_ms, self._faults, name,
+            integrity,
+        )  # fmt: skip
         # Invariant: _held holds the keys this instance stored (or loaded) and not
         # dropped since, least recently used first; len * value_bytes is used_bytes.
         # each with the monotonic time its value expires on the server (inf without ttl)
@@ -382,6 +393,7 @@ class RedisTier(SecondaryTier):
             server_capacity_bytes=health.max_memory_bytes,
             server_used_bytes=health.used_memory_bytes,
             probe_failures=c["probe_failures"],
+            integrity_failures=c["integrity_failures"],
         )
 
     @property
@@ -448,9 +460,7 @@ class RedisTier(SecondaryTier):
                 continue
             error = outcome.error
             if isinstance(error, BlockCorrupt):
-                self._counters["checksum_failures"] += 1
-                log.warning("redis tier %s: block %s dropped: %s", self.name, key.hex(), error)
-                self._drop(key, f"failed verification: {error}")
+                self._refused(key, error)
             elif isinstance(error, BlockMissing):
                 self._drop(key, "vanished: the server holds no value")
             else:
@@ -460,6 +470,22 @@ class RedisTier(SecondaryTier):
         failures = len(job.keys) - len(made_it)
         self._counters["load_failures"] += failures
         self._report(job, made_it, failures, start, moved)
+
+    def _refused(self, key: BlockKey, error: BlockCorrupt) -> None:
+        """A value that failed verification (deleted by the I/O thread): counted, logged
+        (a value not sealed under the tier's keys at most every 10 s: anyone who can
+        write the server can make many) and dropped."""
+        if error.integrity:
+            self._counters["integrity_failures"] += 1
+            self._faults.warning(
+                ("integrity", self.name),
+                "redis tier %s: value of block %s refused and deleted: %s (counted in "
+                "integrity_failures)", self.name, key.hex(), error,
+            )  # fmt: skip
+        else:
+            self._counters["checksum_failures"] += 1
+            log.warning("redis tier %s: block %s dropped: %s", self.name, key.hex(), error)
+        self._drop(key, f"failed verification: {error}")
 
     def _report(
         self, job: TierJob, made_it: list[BlockKey], failures: int, start: float, moved: int
@@ -534,11 +560,10 @@ class RedisTier(SecondaryTier):
                 self.name, self.pool_name, what,
                 "stored" if what == "store" else "promoted", error,
             )  # fmt: skip
-        elif isinstance(error, redis.RedisError):
+        elif isinstance(error, redis.RedisError):  # what the server refused, and the fix
             self._faults.warning(
-                (kind, self.name),
-                "redis tier %s: %s failed: %s: %s",
-                self.name, kind, type(error).__name__, error,
+                (kind, self.name), "redis tier %s: %s failed: %s",
+                self.name, kind, explain(error, self._link.settings),
             )  # fmt: skip
         else:
             log.debug("redis tier %s: %s failed: %s", self.name, kind, error)

@@ -59,6 +59,7 @@ SECONDARY = {
     "promotion_failures": ("kvtierd_promoted_blocks_total", {"outcome": "failed"}),
     "promotion_no_room": ("kvtierd_promotion_no_room_total", {}),
     "checksum_failures": ("kvtierd_checksum_failures_total", {}),
+    "integrity_failures": ("kvtierd_integrity_failures_total", {}),
     "queued_bytes": ("kvtierd_queue_bytes", {}),
     "nodes_known": ("kvtierd_remote_nodes", {"state": "known"}),
     "nodes_reachable": ("kvtierd_remote_nodes", {"state": "reachable"}),

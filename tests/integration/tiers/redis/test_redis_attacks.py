@@ -1,7 +1,7 @@
 """Attacks on the redis tier, each against real daemons and a real redis-server: a
 node that stops answering or trickles its answers, an unreachable server, a huge or
-forged value planted under a block's key. A finding left open is a strict xfail with
-its reason."""
+value planted under a block's key. A forged value is the subject of
+``test_redis_integrity.py`` (keyed integrity)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,9 @@ from collections.abc import Callable
 import pytest
 import redis
 from daemon_harness import DaemonProcess, eventually, peak_rss_bytes
-from engine_harness import BLOCK as FS_BLOCK
-from engine_harness import MISS, Engine, block_keys, payload
-from redis_harness import RedisServer, promoted, redis_config, redis_key
+from engine_harness import MISS, Engine, block_keys
+from redis_harness import RedisServer, redis_config, redis_key
 
-from kvtierd.tiers.fs import fsformat
 from kvtierd_client.client import Client, LookupResult
 from kvtierd_client.errors import FailedPrecondition
 
@@ -222,42 +220,6 @@ def test_a_redis_node_that_trickles_its_answers_does_not_shut_the_primary_to_sto
         engine.close()
     finally:
         proxy.close()
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="open, by design: a value's integrity header (key, pool fingerprint, length, xxh3 "
-    "of the payload, xxh3 of the header) detects accidents -- a torn, truncated, mixed-up or "
-    "stale value -- but is no authentication: anyone who can write to the redis server (or to a "
-    "shared fs root) can compute a valid header for any key over bytes of their choosing, and "
-    "every daemon of the fleet serves them (KV poisoning across tenants and nodes). Closing it "
-    "takes a keyed MAC (e.g. BLAKE2b keyed with a secret the daemons of a fleet share, a new "
-    "header version); until then the docs say the remote tier and a shared root must be "
-    "writable by kvtierd alone",
-)
-def test_a_forged_value_with_a_valid_header_is_never_served(
-    redis_server: RedisServer, daemons: Callable[[str], DaemonProcess], key_prefix: str, pool_name
-):
-    daemon = daemons(redis_config(redis_server.url, key_prefix))
-    victim = b"victim-block"
-    chosen = payload(b"attacker's bytes")  # another key's bytes, or anything
-    header = fsformat.encode_header(
-        key=victim,
-        fingerprint=fsformat.PoolIdentity(pool_name, FS_BLOCK, "L").fingerprint,
-        payload_length=FS_BLOCK,
-        payload_checksum=fsformat.payload_checksum(chosen),
-    )
-    server = redis.Redis.from_url(redis_server.url)
-    server.set(redis_key(key_prefix, pool_name, victim), header + chosen)
-    server.close()
-    engine = Engine(daemon, pool_name)
-    try:
-        promoted(engine, [victim])
-        served = engine.load([victim])[0]
-    except AssertionError:
-        served = None  # refused: what a MAC would do
-    engine.close()
-    assert served != chosen, "the daemon served bytes forged by a writer of the redis server"
 
 
 # -- shared fs root --------------------------------------------------------------------

@@ -19,6 +19,7 @@ from kvtierd.primary.region import Region
 from kvtierd.tiers.fs import fsformat, ioworker
 from kvtierd.tiers.fs.blockfile import CorruptFile
 from kvtierd.tiers.fs.ioworker import IoWorkers, WorkerDied, WorkerProcess
+from kvtierd.tiers.integrity import IntegrityKey, KeyRing
 
 __all__ = ["region"]  # the fixture, imported for these tests
 
@@ -31,21 +32,58 @@ def _wait_gone(pid: int, timeout: float = 10.0) -> bool:
     return True
 
 
-def _write_request(region: Region, tmp_path: Path, key: bytes, row: int) -> tuple:
+def _write_request(
+    region: Region, tmp_path: Path, key: bytes, row: int, keys: KeyRing | None = None
+) -> tuple:
     rel = f"{key.hex()}.kvb"  # relative to the pool directory (tmp_path here)
     ref = (region.path, *region.identity(), BLOCK)
-    params = (FINGERPRINT, False, False, str(tmp_path))
+    params = (FINGERPRINT, False, False, keys and keys.wire(), str(tmp_path))
     return (ioworker.WRITE, ref, params, [(row, rel, rel + ".1.tmp", key)])
 
 
-def _read_request(region: Region, tmp_path: Path, key: bytes, row: int) -> tuple:
+def _read_request(
+    region: Region, tmp_path: Path, key: bytes, row: int, keys: KeyRing | None = None
+) -> tuple:
     ref = (region.path, *region.identity(), BLOCK)
     return (
         ioworker.READ,
         ref,
-        (FINGERPRINT, False, str(tmp_path)),
+        (FINGERPRINT, False, keys and keys.wire(), str(tmp_path)),
         [(row, f"{key.hex()}.kvb", key)],
     )
+
+
+def _ring(*secrets: bytes) -> KeyRing:
+    keys = tuple(IntegrityKey.of(secret) for secret in secrets)
+    return KeyRing(keys[0], keys)
+
+
+def test_a_worker_seals_with_the_keys_of_the_request_and_refuses_other_keys(
+    region: Region, tmp_path: Path
+) -> None:
+    """The keys travel in each request (the worker process holds no configuration):
+    a file sealed under one ring reads back under it, or under a rotation's ring
+    that verifies it, and comes back refused (``integrity``) under any other."""
+    first, second = os.urandom(32), os.urandom(32)
+    data = os.urandom(BLOCK)
+    region.row(0)[:] = data
+    workers = IoWorkers(1, channels=1)
+    try:
+        assert workers.call(_write_request(region, tmp_path, b"key", 0, _ring(first))) == [None]
+        header = fsformat.decode_header((tmp_path / f"{b'key'.hex()}.kvb").read_bytes())
+        assert header.version == fsformat.KEYED_VERSION
+        assert header.key_id == IntegrityKey.of(first).key_id
+        for ring in (_ring(first), _ring(second, first)):  # the rotation verifies it too
+            region.row(2)[:] = bytes(BLOCK)
+            assert workers.call(_read_request(region, tmp_path, b"key", 2, ring)) == [None]
+            assert bytes(region.row(2)) == data
+        for ring, why in ((_ring(second), "not this tier's"), (None, "no integrity_key_file")):
+            (reply,) = workers.call(_read_request(region, tmp_path, b"key", 2, ring))
+            error = ioworker.error_of(reply)
+            assert isinstance(error, CorruptFile) and error.integrity, reply
+            assert why in error.reason
+    finally:
+        workers.stop()
 
 
 def test_a_worker_writes_and_reads_rows_of_the_daemons_region(

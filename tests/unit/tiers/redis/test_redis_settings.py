@@ -60,6 +60,12 @@ def test_the_normative_options_and_their_defaults() -> None:
         ({"presence_ttl": "0s"}, "presence_ttl"),
         ({"threads": 0}, "threads"),
         ({"capacity": "lots"}, "capacity"),
+        # TLS files: absolute, only for rediss://, a client certificate with its key
+        ({"urls": ["rediss://h:1"], "tls_ca_file": "ca.pem"}, "tls_ca_file"),
+        ({"tls_ca_file": "/etc/ca.pem"}, "tls_ca_file"),
+        ({"urls": ["redis://a:1", "rediss://b:1"]}, "urls"),
+        ({"urls": ["rediss://h:1"], "tls_cert_file": "/c.pem"}, "tls_key_file"),
+        ({"urls": ["rediss://h:1"], "tls_key_file": "/c.key"}, "tls_cert_file"),
     ],
 )
 def test_bad_options_name_the_option(options: dict[str, object], key: str) -> None:
