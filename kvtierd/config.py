@@ -350,6 +350,16 @@ OPTIONS: tuple[Option, ...] = (
         flag="--warm-restart-checksum-bytes",
     ),
     Option(
+        "memory",
+        "warm_restart_max_lag",
+        _DurationIn(0.01, 3600.0),
+        lambda: 1.0,
+        "how far the warm-restart journal may lag the completed stores: a block completed "
+        "longer ago survives a crash; a batch journaled later is logged as a WARNING "
+        "(kvtierd_journal_lag_seconds shows the lag)",
+        flag="--warm-restart-max-lag",
+    ),
+    Option(
         "sessions",
         "lease",
         _DurationIn(0.1, 3600.0),
@@ -481,6 +491,7 @@ class MemoryConfig:
     prefault: bool
     warm_restart: bool  # keep regions + journal at stop; adopt them at the pool's next open
     warm_restart_checksum_bytes: int  # bytes of a row its checksum covers (0: whole rows)
+    warm_restart_max_lag: float  # seconds a completion may wait for its journal record
 
 
 @dataclass(frozen=True, slots=True)

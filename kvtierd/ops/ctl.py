@@ -191,6 +191,17 @@ REMOTE_COLUMNS: tuple[tuple[str, Callable[[Any, Any], str]], ...] = (
 )
 
 
+# A pool's warm-restart journal, one row per pool that has one, under the table
+# (GetStats PoolStats 10-13, the metrics' kvtierd_warm_* and kvtierd_journal_*).
+JOURNAL_COLUMNS: tuple[tuple[str, Callable[[Any, Any], str]], ...] = (
+    ("pool", lambda p, t: p.name),
+    ("journal", lambda p, t: _human_bytes(p.journal_bytes)),
+    ("lag", lambda p, t: f"{p.journal_lag_seconds:.3f} s"),
+    ("adopted", lambda p, t: str(p.warm_adopted_blocks)),
+    ("dropped", lambda p, t: str(p.warm_dropped_blocks)),
+)
+
+
 def _server_capacity(t: Any) -> str:
     if t.server_capacity_bytes:
         return _human_bytes(t.server_capacity_bytes)
@@ -234,11 +245,15 @@ def watch_seconds(text: str) -> float:
 
 def stats_table(stats: Any) -> list[str]:
     """The lines of the ``kvtierctl stats`` table of a GetStats answer, then (when a
-    pool has a remote tier) the table of the remote servers."""
+    pool has a remote tier) the table of the remote servers, then (when a pool has
+    a warm-restart journal) the journals' table: its size and lag."""
     lines = _table(STATS_COLUMNS, [(p, t) for p in stats.pools for t in p.tiers])
     remote = [(p, t) for p in stats.pools for t in p.tiers if _is_remote(t)]
     if remote:
         lines += ["", *_table(REMOTE_COLUMNS, remote)]
+    journaled = [(p, None) for p in stats.pools if p.journal_bytes]
+    if journaled:
+        lines += ["", *_table(JOURNAL_COLUMNS, journaled)]
     return lines
 
 

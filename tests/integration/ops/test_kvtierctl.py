@@ -71,9 +71,13 @@ def test_stats_table_and_json(tiered, stored):
     _, pool = stored
     table = ctl(tiered.address, "stats", "--pool", pool)
     assert table.returncode == 0, table.stderr
-    header, *rows = table.stdout.splitlines()
+    tiers, journals = table.stdout.split("\n\n")  # the tiers' table, then the journals'
+    header, *rows = tiers.splitlines()
     assert header.split()[:4] == ["pool", "tier", "used", "capacity"]
     assert [row.split()[1] for row in rows] == ["primary", "fs0"]
+    header, row = journals.splitlines()  # warm restart is on: the pool has a journal
+    assert header.split() == ["pool", "journal", "lag", "adopted", "dropped"]
+    assert row.split()[0] == pool and row.split()[4:] == ["s", "0", "0"]
     as_json = ctl(tiered.address, "stats", "--pool", pool, "--json")
     data = json.loads(as_json.stdout)
     (pool_stats,) = data["pools"]
