@@ -173,10 +173,17 @@ STATS_COLUMNS: tuple[tuple[str, Callable[[Any, Any], str]], ...] = (
     ("failures", lambda p, t: str(t.failures)),
     ("checksum", lambda p, t: str(t.checksum_failures)),
     ("dropped", lambda p, t: str(t.dropped_blocks)),
+    # the primary's warm-restart journal: how long its oldest completion not yet in
+    # it has waited (a block completed longer ago survives a crash; PoolStats 13)
+    ("lag", lambda p, t: _journal_lag(p) if t.tier == "primary" else "-"),
     # a shared fs root: files other daemons wrote that this one found, keys looked for on disk
     ("foreign", lambda p, t: str(t.foreign_files_found) if t.tier != "primary" else "-"),
     ("rechecks", lambda p, t: str(t.shared_rechecks) if t.tier != "primary" else "-"),
 )
+
+
+def _journal_lag(p: Any) -> str:
+    return f"{p.journal_lag_seconds:.3f}s" if p.journal_bytes else "-"
 
 # A remote (redis) tier's server, one row per pool and remote tier, under the table
 # (GetStats TierStats 29-34, the metrics' kvtierd_remote_*).
@@ -188,17 +195,6 @@ REMOTE_COLUMNS: tuple[tuple[str, Callable[[Any, Any], str]], ...] = (
     ("server used", lambda p, t: _human_bytes(t.server_used_bytes)),
     ("server capacity", lambda p, t: _server_capacity(t)),
     ("probe failures", lambda p, t: str(t.probe_failures)),
-)
-
-
-# A pool's warm-restart journal, one row per pool that has one, under the table
-# (GetStats PoolStats 10-13, the metrics' kvtierd_warm_* and kvtierd_journal_*).
-JOURNAL_COLUMNS: tuple[tuple[str, Callable[[Any, Any], str]], ...] = (
-    ("pool", lambda p, t: p.name),
-    ("journal", lambda p, t: _human_bytes(p.journal_bytes)),
-    ("lag", lambda p, t: f"{p.journal_lag_seconds:.3f} s"),
-    ("adopted", lambda p, t: str(p.warm_adopted_blocks)),
-    ("dropped", lambda p, t: str(p.warm_dropped_blocks)),
 )
 
 
@@ -245,15 +241,11 @@ def watch_seconds(text: str) -> float:
 
 def stats_table(stats: Any) -> list[str]:
     """The lines of the ``kvtierctl stats`` table of a GetStats answer, then (when a
-    pool has a remote tier) the table of the remote servers, then (when a pool has
-    a warm-restart journal) the journals' table: its size and lag."""
+    pool has a remote tier) the table of the remote servers."""
     lines = _table(STATS_COLUMNS, [(p, t) for p in stats.pools for t in p.tiers])
     remote = [(p, t) for p in stats.pools for t in p.tiers if _is_remote(t)]
     if remote:
         lines += ["", *_table(REMOTE_COLUMNS, remote)]
-    journaled = [(p, None) for p in stats.pools if p.journal_bytes]
-    if journaled:
-        lines += ["", *_table(JOURNAL_COLUMNS, journaled)]
     return lines
 
 
