@@ -45,6 +45,7 @@ def pool_stats_message(stats: PoolStatistics) -> pb2.PoolStats:
         warm_adopted_blocks=stats.warm_adopted_blocks,
         warm_dropped_blocks=stats.warm_dropped_blocks,
         journal_bytes=stats.journal_bytes,
+        journal_lag_seconds=stats.journal_lag_seconds,
         tiers=[
             pb2.TierStats(
                 tier=view.name,

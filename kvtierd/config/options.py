@@ -177,6 +177,16 @@ OPTIONS: tuple[Option, ...] = (
         flag="--warm-restart-checksum-bytes",
     ),
     Option(
+        "memory",
+        "warm_restart_max_lag",
+        DurationIn(0.01, 3600.0),
+        lambda: 1.0,
+        "how far the warm-restart journal may lag the completed stores: a block completed "
+        "longer ago survives a crash; a batch journaled later is logged as a WARNING "
+        "(kvtierd_journal_lag_seconds shows the lag)",
+        flag="--warm-restart-max-lag",
+    ),
+    Option(
         "sessions",
         "lease",
         DurationIn(0.1, 3600.0),

@@ -29,6 +29,7 @@ class MemoryConfig:
     prefault: bool
     warm_restart: bool  # keep regions + journal at stop; adopt them at the pool's next open
     warm_restart_checksum_bytes: int  # bytes of a row its checksum covers (0: whole rows)
+    warm_restart_max_lag: float  # seconds a completion may wait for its journal record
 
 
 @dataclass(frozen=True, slots=True)

@@ -120,6 +120,9 @@ class Pool:
         # memory.warm_restart is on but this pool's journal could not be started
         # (its path taken, a failed write): it serves, and its next start is cold
         self.warm_restart_off = False
+        # a graceful stop: row -> until (monotonic) for the rows the sessions pinned
+        # or reserved as they were closed (hold_for_stop); journaled at close
+        self._stop_holds: dict[int, float] = {}
 
     def attach_journal(self, journal: JournalWriter) -> None:
         """From now on every row handed to a writer and every completed block is
@@ -159,6 +162,36 @@ class Pool:
     def release_quarantine(self, now: float) -> int:
         """Frees the quarantined rows whose time has come; returns how many."""
         return self.manager.release_quarantine(now)
+
+    def cover_leases(self, seconds: float) -> None:
+        """A lease is about to be granted that its client may use for up to
+        ``seconds`` from now (lease + write_quarantine): the journal's horizon must
+        reach that far first, should the daemon crash (docs/design/journal.md)."""
+        if self.journal is not None:
+            self.journal.cover_leases(seconds)
+
+    def hold_for_stop(self, session_id: str, until: float) -> None:
+        """A graceful stop is closing the session, whose client may touch the rows it
+        pins or reserves until ``until`` (its lease as the client proves it, plus
+        write_quarantine): recorded for the journal's stop records. Call it before
+        :meth:`release_session`."""
+        claims = self._claims.of(session_id)
+        holds = self._stop_holds
+        for key in (*claims.pins, *claims.reserved):
+            row = self.manager.block_id(key)
+            if row is not None:
+                holds[row] = max(until, holds.get(row, until))
+
+    def stop_holds(self, now: float) -> dict[int, float]:
+        """row -> seconds from ``now`` a client of this daemon may still touch it:
+        the rows of :meth:`hold_for_stop`, the quarantined rows and the adopted
+        blocks still held for the previous daemon's clients. The journal's
+        ``held`` records of a graceful stop; every other row is free for the
+        next daemon at once."""
+        holds = dict(self._stop_holds)
+        for row, until in self.manager.held_rows().items():
+            holds[row] = max(until, holds.get(row, until))
+        return {row: until - now for row, until in holds.items() if until > now}
 
     # ----------------------------------------------------------------- manager ops
 
@@ -334,6 +367,7 @@ class Pool:
             warm_adopted_blocks=self.adopted_blocks,
             warm_dropped_blocks=self.dropped_blocks,
             journal_bytes=self.journal.file_bytes if self.journal is not None else 0,
+            journal_lag_seconds=self.journal.lag_seconds() if self.journal is not None else 0.0,
             warm_restart_off=int(
                 self.warm_restart_off or (self.journal is not None and self.journal.failed)
             ),
@@ -364,12 +398,13 @@ class Pool:
         self.events.wake_all()
         self.tiering.close()
 
-    def close_region(self) -> None:
-        """Closes the journal (its queued ready records land first) and the region
+    def close_region(self, held: dict[int, float] | None = None) -> None:
+        """Closes the journal (its queued ready records land first; with ``held``, a
+        graceful stop's :meth:`stop_holds`, its stop records last) and the region
         (unlinked unless warm restart keeps it). Blocking: off the loop, after
         :meth:`close_tiers`."""
         if self.journal is not None:
-            self.journal.close(drain_seconds=_JOURNAL_DRAIN_SECONDS)
+            self.journal.close(drain_seconds=_JOURNAL_DRAIN_SECONDS, held=held)
             if self.journal.failed:  # removed: nothing would vouch for a kept region
                 self.region.keep_file = False
         self.region.close()

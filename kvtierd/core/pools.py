@@ -22,6 +22,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvtierd.config import LimitsConfig, MemoryConfig
@@ -30,8 +31,10 @@ from kvtierd.core.pool import Pool
 from kvtierd.errors import FailedPrecondition, PoolNotFound, ResourceExhausted
 from kvtierd.primary.region import InsufficientSpaceError, Region, RegionError, region_file_name
 from kvtierd.primary.warm.adoption import Adoption, ColdStart, adopt_region
-from kvtierd.primary.warm.journal import JournalHeader, JournalWriter, journal_path
+from kvtierd.primary.warm.clock import Instant, current_boot_id
+from kvtierd.primary.warm.journal import JournalWriter
 from kvtierd.primary.warm.journalfiles import planted, remove_journal, remove_temporaries
+from kvtierd.primary.warm.journalformat import JournalHeader, journal_path
 from kvtierd.security.principals import Principal
 from kvtierd.tiers.configured import ConfiguredTier, PoolBinding, TierStartError
 from kvtierd.util.units import format_bytes
@@ -55,11 +58,11 @@ class PoolTable:
         warm_fence_seconds: float = 20.0,
         region_access: str = "",
     ) -> None:
-        """``warm_fence_seconds``: how long the rows an adopted region's old sessions
-        may still be writing stay quarantined (the daemon passes lease +
-        write_quarantine). ``region_access``: who may map the regions (the daemon
-        passes :func:`region_access_text`), journaled: a pool whose access changed
-        starts cold."""
+        """``warm_fence_seconds``: how long a client may touch its rows after its last
+        lease was granted (the daemon passes lease + write_quarantine): journaled,
+        and how long a version-2 journal's rows are held. ``region_access``: who
+        may map the regions (the daemon passes :func:`region_access_text`),
+        journaled: a pool whose access changed starts cold."""
         self._memory = memory
         self._limits = limits
         self._gid = gid
@@ -243,7 +246,10 @@ class PoolTable:
             self._memory.warm_restart_checksum_bytes, access=self._region_access,
         )  # fmt: skip
         try:
-            adoption = adopt_region(region_path, journal, wanted, prefault=self._memory.prefault)
+            adoption = adopt_region(
+                region_path, journal, wanted, prefault=self._memory.prefault,
+                fence_seconds=self._warm_fence_seconds,
+            )  # fmt: skip
         except FileNotFoundError:
             return None, f"pool {spec.name!r} has no warm-restart journal"
         except (ColdStart, OSError) as exc:
@@ -273,23 +279,13 @@ class PoolTable:
         header = JournalHeader(
             spec.name, spec.block_bytes, spec.num_blocks, spec.layout, st_dev, st_ino,
             self._memory.warm_restart_checksum_bytes, fence, self._region_access,
+            current_boot_id(),
         )  # fmt: skip
-        path = journal_path(region.path)
-        ready: list[tuple[int, bytes, int]] = []
-        quarantined: list[int] = []
-        if adoption is not None:
-            pool.manager.adopt(
-                [(key, row) for key, row, _ in adoption.blocks],
-                adoption.quarantined,
-                time.monotonic() + fence,
-            )
-            ready = [(row, key, checksum) for key, row, checksum in adoption.blocks]
-            quarantined = adoption.quarantined
-        if adoption is not None:
-            pool.adopted_blocks = len(adoption.blocks)
-            pool.dropped_blocks = adoption.dropped
-            _log_adoption(pool, adoption, fence)
-        journal = await off_loop(_start_journal_file, path, header, region, ready, quarantined)
+        inherited = _adopt(pool, adoption) if adoption is not None else _Inherited([], [], None)
+        journal = await off_loop(
+            _start_journal_file, journal_path(region.path), header, region, inherited,
+            self._memory.warm_restart_max_lag,
+        )  # fmt: skip
         if isinstance(journal, str):
             pool.warm_restart_off = True
             region.keep_file = False  # no journal vouches for it: the next start is cold
@@ -345,30 +341,65 @@ class PoolTable:
         for pool in self._pools.values():
             try:
                 pool.close_tiers()
-                await off_loop(pool.close_region)
+                # a graceful stop: the rows a client may still touch, journaled
+                await off_loop(pool.close_region, pool.stop_holds(time.monotonic()))
             except Exception:  # keep closing the others; report each
                 log.exception("pool %s: closing its region failed", pool.spec.name)
         self._pools.clear()
         self._region_bytes = 0
 
 
+@dataclass(frozen=True, slots=True)
+class _Inherited:
+    """What a new journal starts with: the adopted blocks (row, key, checksum), the
+    held rows that hold no block, and the end of the longest hold (should this
+    daemon crash before it: the next one holds every row it names until then)."""
+
+    ready: list[tuple[int, bytes, int]]
+    freed: list[int]
+    horizon: Instant | None
+
+
+def _adopt(pool: Pool, adoption: Adoption) -> _Inherited:
+    """Takes the adopted blocks into the pool's manager, holding the rows the old
+    daemon's clients may still touch for as long as they may; logs the adoption."""
+    now = time.monotonic()
+    holds = adoption.holds.seconds
+    pool.manager.adopt(
+        [(key, row) for key, row, _ in adoption.blocks],
+        {row: now + seconds for row, seconds in holds.items()},
+    )
+    pool.adopted_blocks = len(adoption.blocks)
+    pool.dropped_blocks = adoption.dropped
+    _log_adoption(pool, adoption)
+    adopted = {row for _, row, _ in adoption.blocks}
+    longest = adoption.holds.longest
+    return _Inherited(
+        [(row, key, checksum) for key, row, checksum in adoption.blocks],
+        sorted(row for row in holds if row not in adopted),
+        Instant.in_seconds(longest) if longest > 0 else None,
+    )
+
+
 def _start_journal_file(
     path: str,
     header: JournalHeader,
     region: Region,
-    ready: Sequence[tuple[int, bytes, int]],
-    quarantined: Sequence[int],
+    inherited: _Inherited,
+    lag_bound: float,
 ) -> JournalWriter | str:
-    """The pool's journal, started (a fresh file holding ``ready`` and
-    ``quarantined``), or why it cannot be: something else at its path (another
-    user's file, planted in a shared shm_dir), or a write that failed. Blocking."""
+    """The pool's journal, started (a fresh file holding what it ``inherited``),
+    or why it cannot be: something else at its path (another user's file, planted
+    in a shared shm_dir), or a write that failed. Blocking."""
     taken = planted(path)
     if taken is not None:
         return taken
     remove_temporaries(path)  # a daemon killed while it rewrote the journal leaves one
-    journal = JournalWriter(path, header, region.buffer(), region_fd=region.fileno())
+    journal = JournalWriter(
+        path, header, region.buffer(), region_fd=region.fileno(), lag_bound=lag_bound
+    )
     try:
-        journal.start(ready, quarantined)
+        journal.start(inherited.ready, inherited.freed, inherited.horizon)
     except OSError as exc:
         if exc.errno in (errno.EPERM, errno.EACCES):
             fix = planted(path) or "give memory.shm_dir a directory kvtierd's user may write"
@@ -378,17 +409,19 @@ def _start_journal_file(
     return journal
 
 
-def _log_adoption(pool: Pool, adoption: Adoption, fence: float) -> None:
+def _log_adoption(pool: Pool, adoption: Adoption) -> None:
     """The adoption's one line: a WARNING when blocks failed their checksum or the
     journal is damaged in the middle (not just a last write cut short)."""
     damaged = adoption.damaged_at is not None
+    held = adoption.holds.seconds
+    pinned = sum(1 for _, row, _ in adoption.blocks if row in held)
     log.log(
         logging.WARNING if adoption.dropped or damaged else logging.INFO,
         "pool %s: warm restart adopted %d ready blocks of region %s in %.3fs "
-        "(%d dropped: checksum mismatch; %d rows quarantined and the adopted "
-        "blocks pinned, not evictable, for %gs: the old sessions' copiers; %d %s)",
+        "(%d dropped: checksum mismatch; the old daemon's clients: %s, so %d adopted "
+        "blocks stay pinned and %d other rows out of use until then; %d %s)",
         pool.spec.name, len(adoption.blocks), pool.region.path, adoption.seconds,
-        adoption.dropped, len(adoption.quarantined), fence, adoption.torn_bytes,
+        adoption.dropped, adoption.holds.why, pinned, len(held) - pinned, adoption.torn_bytes,
         f"journal bytes ignored from byte {adoption.damaged_at}, where the journal is "
         "damaged in the middle (not a last write cut short by a crash: modified or "
         "corrupted while the daemon was down)" if damaged else "torn journal bytes ignored",

@@ -79,6 +79,9 @@ class SessionTable:
         session's end stay unusable (default: one lease)."""
         self.lease_seconds = lease_seconds
         self.write_quarantine = lease_seconds if write_quarantine is None else write_quarantine
+        # how long after a grant its client may still touch the rows it holds: the
+        # lease it proves, then the write fence (Pool.cover_leases)
+        self.client_fence_seconds = self.lease_seconds + self.write_quarantine
         self.stalls_credited = 0.0  # seconds of daemon stalls added to every lease
         self._max_sessions = max_sessions
         self._clock = clock
@@ -113,6 +116,7 @@ class SessionTable:
             events_cursor=pool.events.last_seq,
             principal=principal,
         )
+        pool.cover_leases(self.client_fence_seconds)  # before the lease is granted
         self._sessions[session.id] = session
         pool.attach(session.id)
         log.info(
@@ -139,7 +143,10 @@ class SessionTable:
 
     def renew(self, session: Session) -> None:
         """Moves the session's lease to one lease from now: a call from its client
-        is proof of life. The servicer calls it for every validated call."""
+        is proof of life. The servicer calls it for every validated call. The
+        pool's journal learns first how far the lease may reach (its horizon:
+        what a crash holds, docs/design/journal.md)."""
+        session.pool.cover_leases(self.client_fence_seconds)
         session.expires_at = self._clock() + self.lease_seconds
 
     def take_events(self, session: Session, max_bytes: int) -> TakenEvents:
@@ -189,12 +196,24 @@ class SessionTable:
         return len(expired)
 
     def close_all(self, reason: str) -> None:
+        """Closes every session: the daemon stops. Their clients learn it only when
+        their leases run out, so each session's rows are held until then, plus
+        ``write_quarantine`` (``Pool.hold_for_stop``: the journal's stop records),
+        its aborted reservations' rows included."""
+        now = self._clock()
         while self._sessions:
             _, session = self._sessions.popitem()
-            self._release(session, reason, "closed")
+            # the client proves at most one lease from its last answered call
+            until = now + min(max(0.0, session.expires_at - now), self.lease_seconds)
+            until += self.write_quarantine
+            session.pool.hold_for_stop(session.id, until)
+            self._release(session, reason, "closed", quarantine_until=until)
 
-    def _release(self, session: Session, reason: str, event: str) -> None:
-        quarantine_until = self._clock() + self.write_quarantine
+    def _release(
+        self, session: Session, reason: str, event: str, quarantine_until: float | None = None
+    ) -> None:
+        if quarantine_until is None:
+            quarantine_until = self._clock() + self.write_quarantine
         pins, reservations = session.pool.release_session(session.id, quarantine_until)
         log.info(
             "session %s (%r, pool %s) %s: released %d pins, aborted %d reservations",

@@ -86,6 +86,8 @@ class PoolStatistics:
     warm_adopted_blocks: int = 0  # memory.warm_restart: adopted when the pool opened
     warm_dropped_blocks: int = 0  # ... and dropped there (checksum mismatch)
     journal_bytes: int = 0  # the journal's size now (0: warm restart off)
+    # age of the oldest completion not yet journaled (0: none, or warm restart off)
+    journal_lag_seconds: float = 0.0
     # 1: memory.warm_restart is on but this pool has no working journal (its path
     # was taken, or a write failed): its next start is cold
     warm_restart_off: int = 0

@@ -174,10 +174,18 @@ STATS_COLUMNS: tuple[tuple[str, Callable[[Any, Any], str]], ...] = (
     ("checksum", lambda p, t: str(t.checksum_failures)),
     ("integrity", lambda p, t: str(t.integrity_failures) if t.tier != "primary" else "-"),
     ("dropped", lambda p, t: str(t.dropped_blocks)),
+    # the primary's warm-restart journal: how long its oldest completion not yet in
+    # it has waited (a block completed longer ago survives a crash; PoolStats 13)
+    ("lag", lambda p, t: _journal_lag(p) if t.tier == "primary" else "-"),
     # a shared fs root: files other daemons wrote that this one found, keys looked for on disk
     ("foreign", lambda p, t: str(t.foreign_files_found) if t.tier != "primary" else "-"),
     ("rechecks", lambda p, t: str(t.shared_rechecks) if t.tier != "primary" else "-"),
 )
+
+
+def _journal_lag(p: Any) -> str:
+    return f"{p.journal_lag_seconds:.3f}s" if p.journal_bytes else "-"
+
 
 # A remote (redis) tier's server, one row per pool and remote tier, under the table
 # (GetStats TierStats 29-34, the metrics' kvtierd_remote_*).

@@ -213,12 +213,13 @@ LOOKUP_ANSWERS = {
 }
 
 # Numbers of a pool itself (not of one of its tiers), from its snapshot.
-POOL_NUMBERS: dict[str, Callable[[PoolStatistics], int]] = {
+POOL_NUMBERS: dict[str, Callable[[PoolStatistics], float]] = {
     "region_bytes": lambda stats: stats.region_bytes,
     "sessions": lambda stats: stats.sessions,
     "warm_adopted_blocks": lambda stats: stats.warm_adopted_blocks,
     "warm_dropped_blocks": lambda stats: stats.warm_dropped_blocks,
     "journal_bytes": lambda stats: stats.journal_bytes,
+    "journal_lag_seconds": lambda stats: stats.journal_lag_seconds,
     "warm_restart_off": lambda stats: stats.warm_restart_off,
 }
 
@@ -237,6 +238,10 @@ POOL_FAMILIES: tuple[Family, ...] = (
     Family("kvtierd_journal_bytes", GAUGE,
            "Bytes of the pool's warm-restart journal in shm_dir", "journal_bytes",
            scope="pool"),
+    Family("kvtierd_journal_lag_seconds", GAUGE,
+           "Seconds the oldest completed block not yet in the pool's warm-restart journal "
+           "has waited (0: none); a block completed longer ago survives a crash "
+           "(memory.warm_restart_max_lag)", "journal_lag_seconds", scope="pool"),
     Family("kvtierd_warm_restart_off", GAUGE,
            "1 when memory.warm_restart is on but the pool has no working journal (its "
            "path was taken, or a write failed; one ERROR line says why): its next start "

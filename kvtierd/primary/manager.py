@@ -40,13 +40,14 @@ the ``*_rows`` hooks (one call per manager call, not per key).
 from __future__ import annotations
 
 from array import array
-from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvtierd.contract import BlockEvent, BlockKey, LookupResult, Medium, StoreGrant
 from kvtierd.primary.errors import NotLoadableError, NotPinnedError
-from kvtierd.primary.policies import ARCPolicy, CachePolicy, LRUPolicy, make_policy
+from kvtierd.primary.fences import TimedRows
+from kvtierd.primary.policies import CachePolicy, make_policy
 
 _MISS = LookupResult.MISS
 _HIT = LookupResult.HIT
@@ -116,15 +117,12 @@ class PrimaryManager:
         # Rows of writes aborted because their writer's session ended (lease
         # expired, closed): a writer that lost its lease may still be copying into
         # them, so they are neither mapped nor free until ``release_quarantine``
-        # passes their time. (release time, rows) in release-time order.
-        self._quarantine: deque[tuple[float, list[int]]] = deque()
-        self._quarantined = 0  # rows in _quarantine
-        # Warm restart: the rows of adopted blocks hold one pin each, for the previous
-        # daemon's sessions (their pins were not journaled, and their copiers may go
-        # on loading under the lease that daemon granted), released by
-        # ``release_quarantine`` at ``_adoption_pins_until``; [] once released.
-        self._adoption_pins: list[int] = []
-        self._adoption_pins_until = 0.0
+        # passes their time.
+        self._quarantine = TimedRows()
+        # Warm restart: adopted blocks the previous daemon's clients may still be
+        # loading from hold one pin each, released by ``release_quarantine`` at
+        # their time (:meth:`adopt`).
+        self._adoption_pins = TimedRows()
         self._evictable = 0
         self._pinned = 0
         self._pending = 0
@@ -137,44 +135,43 @@ class PrimaryManager:
         self.on_rows_reserved: Callable[[list[int]], object] | None = None
         self.on_rows_ready: Callable[[list[BlockKey], list[int]], object] | None = None
 
-    def adopt(
-        self, blocks: Sequence[tuple[BlockKey, int]], quarantined: Sequence[int], until: float
-    ) -> None:
+    def adopt(self, blocks: Sequence[tuple[BlockKey, int]], held: Mapping[int, float]) -> None:
         """Takes over the blocks a previous daemon left ready (warm restart), on a
-        fresh manager: each (key, row) becomes ready (ref 0) in the given order
-        (the first is the least recent); ``quarantined`` rows are kept out of use
-        until ``release_quarantine(until)``; every other row is free, lowest first.
-        Each adopted block also holds one pin until then (HIT and loadable, never
-        evicted): the previous daemon's sessions may still be loading from rows they
-        had pinned, under the lease it granted, and their pins died with it; handing
-        such a row to a writer would let a load that ends within its lease read
-        another key's bytes. Emits no event. Raises ValueError (nothing changed) on
-        a duplicate key or row, a row out of range, or a manager already in use."""
+        fresh manager: each (key, row) becomes ready in the given order (the first
+        is the least recent). ``held`` (row -> until, on the caller's clock): rows
+        the previous daemon's clients may still touch (docs/design/journal.md). An
+        adopted block in it holds one pin until then (HIT and loadable, never
+        evicted: a copier of an old session may still be loading from it, and its
+        pin died with that daemon); any other row in it is kept out of use
+        (quarantined) until then. Every other adopted block is evictable at once,
+        every other row free, lowest first. Both are released by
+        ``release_quarantine``. Emits no event. Raises ValueError (nothing changed)
+        on a duplicate key or row, a row out of range, or a manager already in use."""
         if self._allocated or self._block_of:
             raise ValueError("adopt() needs a manager that has handed out no row")
         rows = [row for _, row in blocks]
-        taken = set(rows) | set(quarantined)
-        keys = {key for key, _ in blocks}
-        if len(taken) != len(rows) + len(set(quarantined)) or len(keys) != len(blocks):
+        taken = set(rows) | set(held)
+        if len(set(rows)) != len(rows) or len({key for key, _ in blocks}) != len(blocks):
             raise ValueError("adopt(): a row or key named twice")
         if any(not 0 <= row < self._num_blocks for row in taken):
             raise ValueError("adopt(): a row outside the region")
         for key, row in blocks:
             self._block_of[key] = row
             self._key_of[row] = key
+        pinned = [row for row in rows if row in held]
         if rows:
-            self._policy.insert_rows(rows)  # non-evictable: pinned until ``until``
-        refs = self._refs
-        for row in rows:
-            refs[row] = 1
-        self._pinned = len(rows)
-        self._adoption_pins = rows
-        self._adoption_pins_until = until
+            self._policy.insert_rows(rows)  # non-evictable until marked below
+        for row in pinned:
+            self._refs[row] = 1
+        self._pinned = len(pinned)
+        evictable = [row for row in rows if row not in held]
+        if evictable:
+            self._policy.mark_evictable_rows(evictable)  # in journal order: oldest first
+        self._evictable = len(evictable)
+        self._adoption_pins.add_each(pinned, held)
+        self._quarantine.add_each([row for row in held if self._key_of[row] is None], held)
         self._allocated = self._num_blocks  # every row is mapped, free or quarantined
         self._free = [row for row in range(self._num_blocks - 1, -1, -1) if row not in taken]
-        if quarantined:
-            self._quarantine.append((until, list(quarantined)))
-            self._quarantined = len(quarantined)
 
     # ----------------------------------------------------------------- read-only
 
@@ -231,8 +228,8 @@ class PrimaryManager:
             evictable_blocks=self._evictable,
             pinned_blocks=self._pinned,
             pending_blocks=self._pending,
-            free_blocks=self._num_blocks - used - self._quarantined,
-            quarantined_blocks=self._quarantined,
+            free_blocks=self._num_blocks - used - self._quarantine.count,
+            quarantined_blocks=self._quarantine.count,
             evictions=self._evictions,
             stored_blocks=self._stored,
             failed_stores=self._failed,
@@ -270,7 +267,11 @@ class PrimaryManager:
         or holds fewer pins than the call releases. A block whose last pin goes
         becomes evictable again (LRU: at the most recent end).
         """
-        rows = self._pinned_rows(keys)
+        self._unpin_rows(self._pinned_rows(keys))
+
+    def _unpin_rows(self, rows: list[int]) -> None:
+        """Releases one pin per row (each holds one more); a block whose last pin
+        goes becomes evictable (LRU: at the most recent end, in call order)."""
         refs = self._refs
         released: list[int] = []
         for row in rows:
@@ -360,55 +361,38 @@ class PrimaryManager:
         """
         done, rows = self._unmap_writes(keys)
         if rows:
-            quarantine = self._quarantine
-            index = len(quarantine)
-            while index and quarantine[index - 1][0] > until:
-                index -= 1  # usually none: values mostly arrive in order
-            quarantine.insert(index, (until, rows))
-            self._quarantined += len(rows)
+            self._quarantine.add(until, rows)
         return done
 
     def release_quarantine(self, now: float) -> int:
         """Frees the quarantined rows whose time has come (``until <= now``), in the
         order they were quarantined; returns how many. Also releases the adopted
-        blocks' pins (:meth:`adopt`) once their time has come."""
-        if self._adoption_pins and self._adoption_pins_until <= now:
-            self._release_adoption_pins()
-        released = 0
-        quarantine = self._quarantine
-        while quarantine and quarantine[0][0] <= now:
-            _, rows = quarantine.popleft()
-            self._free.extend(rows)
-            released += len(rows)
-        self._quarantined -= released
-        return released
+        blocks' pins (:meth:`adopt`) whose time has come."""
+        if self._adoption_pins:
+            self._unpin_rows(self._adoption_pins.pop_due(now))  # oldest first
+        released = self._quarantine.pop_due(now)
+        self._free.extend(released)
+        return len(released)
 
     @property
     def next_quarantine_release(self) -> float | None:
         """The earliest ``until`` still quarantined, None when nothing is."""
-        return self._quarantine[0][0] if self._quarantine else None
+        return self._quarantine.next_until
 
-    def _release_adoption_pins(self) -> None:
-        """Drops the pin each adopted block held for the previous daemon's sessions;
-        the blocks that had no other pin become evictable, oldest first."""
-        refs = self._refs
-        released: list[int] = []
-        for row in self._adoption_pins:
-            ref = refs[row] - 1
-            assert ref >= 0 and self._key_of[row] is not None, "an adoption pin went missing"
-            refs[row] = ref
-            if ref == 0:
-                released.append(row)
-        self._adoption_pins = []
-        if released:
-            self._pinned -= len(released)
-            self._evictable += len(released)
-            self._policy.mark_evictable_rows(released)
+    def held_rows(self) -> dict[int, float]:
+        """row -> until (the caller's clock) of every row kept from writers for a
+        client that may still touch it: the quarantined rows and the adopted
+        blocks still pinned for the previous daemon's clients (what a graceful
+        stop journals, docs/design/journal.md)."""
+        held = self._quarantine.until_of_rows()
+        for row, until in self._adoption_pins.until_of_rows().items():
+            held[row] = max(until, held.get(row, until))
+        return held
 
     @property
     def adoption_pins(self) -> int:
-        """Adopted blocks still pinned for the previous daemon's sessions."""
-        return len(self._adoption_pins)
+        """Adopted blocks still pinned for the previous daemon's clients."""
+        return self._adoption_pins.count
 
     def evict_all_evictable(self) -> list[BlockKey]:
         """Evicts every ready block (ref 0); pinned and in-flight blocks stay.
@@ -599,12 +583,12 @@ class PrimaryManager:
         free = set(self._free)
         assert len(free) == len(self._free), "a row is on the free list twice"
         assert all(row < self._allocated for row in free), "never-used row on the free list"
-        held = [row for _, rows in self._quarantine for row in rows]
-        assert len(held) == self._quarantined, "quarantine count out of sync"
+        held = self._quarantine.rows()
         assert not free.intersection(held), "a quarantined row is on the free list"
-        assert len(set(held)) == len(held), "a row is quarantined twice"
-        times = [until for until, _ in self._quarantine]
-        assert times == sorted(times), "quarantine out of release order"
+        self._quarantine.check_invariants()
+        self._adoption_pins.check_invariants()
+        pins = self._adoption_pins.rows()
+        assert all(self._key_of[row] is not None and refs[row] > 0 for row in pins)
         assert len(self._block_of) + len(free) + len(held) == self._allocated
         counts = {0: 0, 1: 0, -1: 0}
         for key, row in self._block_of.items():
@@ -620,16 +604,4 @@ class PrimaryManager:
         assert counts[0] == self._evictable
         assert counts[1] == self._pinned
         assert counts[-1] == self._pending
-        policy = self._policy
-        if isinstance(policy, LRUPolicy):
-            order = policy.evictable_rows()
-            assert len(order) == len(policy) == self._evictable
-            assert all(self._key_of[row] is not None and refs[row] == 0 for row in order)
-            in_list = set(order)
-            for row in range(self._num_blocks):
-                assert policy.is_evictable_row(row) == (row in in_list), "LRU link out of sync"
-        elif isinstance(policy, ARCPolicy):
-            stats = policy.statistics()
-            assert stats.t1 + stats.t2 == len(self._block_of)
-            assert all(key in self._block_of for key in policy.order("t1") + policy.order("t2"))
-            assert stats.b1 <= self._num_blocks and stats.b2 <= self._num_blocks
+        self._policy.check_invariants(self._block_of, self._evictable)

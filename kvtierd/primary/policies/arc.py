@@ -206,3 +206,10 @@ class ARCPolicy(CachePolicy):
         """The keys of one list, least recently used first (a copy; for tests)."""
         lists = {"t1": self._t1, "t2": self._t2, "b1": self._b1, "b2": self._b2}
         return list(lists[name])
+
+    def check_invariants(self, resident: Collection[BlockKey], evictable: int) -> None:
+        """T1 and T2 hold exactly the resident keys; each ghost list at most
+        ``capacity`` keys."""
+        assert len(self._t1) + len(self._t2) == len(resident)
+        assert all(key in resident for key in (*self._t1, *self._t2))
+        assert len(self._b1) <= self._capacity and len(self._b2) <= self._capacity

@@ -168,3 +168,9 @@ class CachePolicy(ABC):
     @abstractmethod
     def clear(self) -> None:
         """Forget every key, ghosts and adaptive state included."""
+
+    @abstractmethod
+    def check_invariants(self, resident: Collection[BlockKey], evictable: int) -> None:
+        """Asserts the policy's own structure against the manager's table:
+        ``resident`` its mapped keys, ``evictable`` how many of them have ref 0
+        (the manager's ``check_invariants``; tests, debugging)."""

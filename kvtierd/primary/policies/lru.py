@@ -315,3 +315,14 @@ class LRUPolicy(CachePolicy):
     def __len__(self) -> int:
         """Number of evictable keys."""
         return self._len
+
+    def check_invariants(self, resident: Collection[BlockKey], evictable: int) -> None:
+        """The list holds exactly the ``evictable`` resident rows whose ref is 0, and
+        every row's link says whether it is in the list."""
+        order = self.evictable_rows()
+        assert len(order) == len(self) == evictable
+        keys = [self._key_of(row) for row in order]
+        assert all(key is not None and self._ref_count(key) == 0 for key in keys)
+        in_list = set(order)
+        for row in range(self._capacity):
+            assert self.is_evictable_row(row) == (row in in_list), "LRU link out of sync"

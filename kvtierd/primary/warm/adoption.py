@@ -6,25 +6,25 @@ opens it. It either returns an :class:`Adoption` (the old region file, mapped
 and flocked, plus the blocks whose bytes verified) or a reason the pool must
 start cold; it never guesses:
 
-* the journal must exist, be of :data:`kvtierd.primary.warm.journal.FORMAT_VERSION`, have a
-  valid header, and name this pool's fingerprint (name, block_bytes,
-  num_blocks, layout), today's access (region mode, group, principals: every
+* the journal must exist, be of a version this daemon reads
+  (:data:`kvtierd.primary.warm.journalformat.READABLE_VERSIONS`), have a valid
+  header, and name this pool's fingerprint (name, block_bytes, num_blocks,
+  layout), today's access (region mode, group, principals: every
   process that mapped the region keeps it, so a pool whose access was narrowed
   must get a new file) and the region file's (st_dev, st_ino);
 * the region file must be this uid's regular file, of the right size, and not
   flocked by a live daemon;
 * a block is adopted only if its row's xxh3_64 (over the bytes the journal's
   ``checksum_bytes`` covers), bound to its key, its row and the pool
-  (:func:`kvtierd.primary.warm.journal.bind_checksum`), equals the checksum of its ``ready``
-  record (a row modified there while the daemon was down is dropped, and so is
-  a record whose key or row was changed);
-* rows whose last record is ``freed`` (a write in flight, or a reservation of
-  the old daemon's sessions), rows that failed their checksum and rows of
-  superseded copies of a key are quarantined: not handed out before
-  ``lease + write_quarantine`` seconds after the adoption -- the longer of this
-  daemon's and the old one's (the journal records it: a restart with a shorter
-  lease must not cut the old sessions' writers short) -- so no writer of the
-  old daemon's sessions can still be copying into them.
+  (:func:`kvtierd.primary.warm.journalformat.bind_checksum`), equals the checksum of its
+  ``ready`` record (a row modified there while the daemon was down is dropped, and
+  so is a record whose key or row was changed);
+* the rows the old daemon's clients may still touch are held, each as long as
+  they may (:mod:`kvtierd.primary.warm.holds`: after a graceful stop the rows
+  pinned or reserved at the stop; after a crash every row the journal names,
+  until the old daemon's last lease and write fence end). An adopted block held
+  stays pinned (HIT, never evicted), any other held row quarantined; every
+  other block is evictable and every other row free at once.
 
 The eviction policy and recency order are not part of the fingerprint: the
 adopted blocks enter the policy in journal order (oldest ``ready`` first).
@@ -42,7 +42,8 @@ from dataclasses import dataclass
 
 from kvtierd.contract import BlockKey
 from kvtierd.primary.region import MADV_POPULATE_WRITE, Region, madvise_populate_write
-from kvtierd.primary.warm.journal import (
+from kvtierd.primary.warm.holds import OldClientHolds, old_client_holds
+from kvtierd.primary.warm.journalformat import (
     JournalError,
     JournalHeader,
     Replay,
@@ -69,7 +70,7 @@ class Adoption:
 
     region: Region
     blocks: list[tuple[BlockKey, int, int]]  # (key, row, checksum), oldest ready first
-    quarantined: list[int]  # rows nobody may get before the fence
+    holds: OldClientHolds  # rows the old daemon's clients may still touch, and how long
     dropped: int  # ready blocks whose checksum failed
     torn_bytes: int  # bytes after the last valid record, ignored
     damaged_at: int | None  # where the journal is damaged in the middle (Replay.damaged_at)
@@ -78,10 +79,17 @@ class Adoption:
 
 
 def adopt_region(
-    region_path: str, journal: str, header: JournalHeader, *, prefault: bool
+    region_path: str,
+    journal: str,
+    header: JournalHeader,
+    *,
+    prefault: bool,
+    fence_seconds: float,
 ) -> Adoption:
     """Adopts the region at ``region_path`` described by ``journal`` for the pool
     ``header`` names (its st_dev/st_ino are ignored: the journal says those).
+    ``fence_seconds``: this daemon's lease + write_quarantine (a version-2
+    journal's rows are held for the longer of it and the old daemon's).
 
     Raises FileNotFoundError when there is no region or journal (a first start),
     ColdStart with the reason otherwise. Blocking (reads and hashes the rows)."""
@@ -117,7 +125,9 @@ def adopt_region(
             except OSError:
                 pass  # only speed: pages fault in at first use
         spans = checksum_spans(header.block_bytes, header.checksum_bytes)
-        blocks, quarantined, dropped = _verify(fd, replay, header.block_bytes, spans)
+        blocks, dropped = _verify(fd, replay, header.block_bytes, spans)
+        fallback = max(fence_seconds, replay.header.fence_seconds)
+        holds = old_client_holds(replay, fallback)
     except BaseException:
         if mapping is not None:
             mapping.close()
@@ -135,7 +145,7 @@ def adopt_region(
     return Adoption(
         region=region,
         blocks=blocks,
-        quarantined=quarantined,
+        holds=holds,
         dropped=dropped,
         torn_bytes=replay.torn_bytes,
         damaged_at=replay.damaged_at,
@@ -159,28 +169,26 @@ def _check_fingerprint(found: JournalHeader, wanted: JournalHeader) -> None:
 
 def _verify(
     fd: int, replay: Replay, block_bytes: int, spans: list[tuple[int, int]]
-) -> tuple[list[tuple[BlockKey, int, int]], list[int], int]:
+) -> tuple[list[tuple[BlockKey, int, int]], int]:
     """Checks every ready row's bytes, read from the region file ``fd`` (``preadv``,
     not the mapping: the old daemon's clients still hold the file and one that
     truncates it must not kill this daemon with SIGBUS; a short read fails the
-    row); returns the blocks to adopt, the rows to quarantine and how many
-    blocks failed."""
+    row); returns the blocks to adopt and how many blocks failed. An older copy
+    of a key stored again later is not adopted (its row is one the journal names:
+    :mod:`~kvtierd.primary.warm.holds` decides whether it is held)."""
     scratch = bytearray(sum(end - start for start, end in spans))
     seed = replay.header.binding_seed()
     newest: dict[BlockKey, int] = {}  # key -> its last ready row
     for row, (key, _checksum) in replay.ready.items():
         newest[key] = row
     blocks: list[tuple[BlockKey, int, int]] = []
-    quarantined = set(replay.freed)
     dropped = 0
     for row, (key, checksum) in replay.ready.items():
         if newest[key] != row:
-            quarantined.add(row)  # an older copy of a key stored again later
-            continue
+            continue  # an older copy of a key stored again later
         content = read_row_checksum(fd, row, block_bytes, spans, scratch)
         if content is None or bind_checksum(content, key, row, seed) != checksum:
             dropped += 1
-            quarantined.add(row)
             continue
         blocks.append((key, row, checksum))
-    return blocks, sorted(quarantined), dropped
+    return blocks, dropped

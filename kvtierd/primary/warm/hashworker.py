@@ -9,8 +9,11 @@ per-row Python work held the interpreter lock the event loop needs. A *hash
 worker* (``python -m kvtierd.primary.warm.hashworker ...``, one per journal) instead maps the
 region read-only itself and hashes the rows **in place**: no copy, its own
 interpreter lock, and a SIGBUS from a truncated file kills the worker, never
-the daemon. It runs at a lower scheduling priority (:data:`WORKER_NICE`), so on
-a busy node it takes the idle time and leaves the loop and the engines theirs.
+the daemon. It runs at the daemon's own scheduling priority: its work is bounded by
+the stores (one read of each completed row's covered bytes; about 1% of a core
+at 10,000 stores of 4 KiB a second here), and a completion survives a crash only
+once hashed. (Niced to 10 it got almost no CPU on a node whose cores were all
+busy: the journal fell 2-5 s behind a storm, past ``memory.warm_restart_max_lag``.)
 
 Invariants:
 
@@ -24,9 +27,9 @@ Invariants:
 * A worker never holds the region's liveness ``flock``: it gets a descriptor
   of the region file opened anew (``/proc/self/fd``: a new open file
   description, read-only), never a copy of the daemon's, which holds the lock.
-  Else a worker outliving a SIGKILLed daemon by a moment (it is niced: on a busy
-  machine its death waits for the CPU) kept the next daemon from adopting or
-  replacing the region ("held by another live kvtierd").
+  Else a worker outliving a SIGKILLed daemon by a moment (on a busy machine its
+  death waits for the CPU) kept the next daemon from adopting or replacing the
+  region ("held by another live kvtierd").
 * The journal thread that spawned a worker is its only user (one request at a
   time, request then reply, no ids); the worker exits at EOF and is killed by
   the kernel when that thread ends (``PR_SET_PDEATHSIG``), which includes the
@@ -60,10 +63,6 @@ from kvtierd.util.workerproc import die_with
 log = logging.getLogger("kvtierd.hashworker")
 
 MAX_ROWS_PER_REQUEST = 4096  # the journal's batch cap: requests stay under 16 KiB
-# nice value of the worker (0..19): the checksums of a batch can wait (a row enters
-# the journal, and so survives a crash, only once hashed; the backlog is bounded),
-# the event loop's answers and the engines cannot
-WORKER_NICE = 10
 REPLY_TIMEOUT_S = 60.0  # a worker silent this long on one request is killed
 # the worker maps the region afresh after hashing rows spanning this many bytes:
 # its page tables (~2 MiB per GiB of rows touched) stay bounded by ~16 MiB
@@ -94,7 +93,6 @@ class HashWorker:
         block_bytes: int,
         num_blocks: int,
         spans: Sequence[tuple[int, int]],
-        nice: int = WORKER_NICE,
     ) -> None:
         """Starts the worker (blocking: fork + exec; its imports run in parallel
         and the first request waits for them). ``region_fd`` is the daemon's
@@ -118,10 +116,6 @@ class HashWorker:
         finally:
             theirs.close()
             os.close(worker_fd)
-        try:  # here, not in the worker: set before its first instruction of Python
-            os.setpriority(os.PRIO_PROCESS, self.process.pid, nice)
-        except OSError as exc:  # it still hashes, at the daemon's priority
-            log.warning("hash worker %s: cannot lower its priority: %s", name, exc)
         ours.settimeout(REPLY_TIMEOUT_S)
         self.name = name
         self._sock = ours
@@ -136,7 +130,7 @@ class HashWorker:
     def ready(self) -> bool:
         """Whether the worker has started and mapped the region (it said so); does
         not block. Until then its user hashes elsewhere: a worker starting slowly
-        on a saturated node (its Python start-up, niced) must not hold the journal.
+        on a saturated node (its Python start-up) must not hold the journal.
         Raises WorkerDied if it exited or sent anything else."""
         return self._take_ready(socket.MSG_DONTWAIT)
 
@@ -301,7 +295,7 @@ def serve(sock: socket.socket, hasher: _RowHasher) -> None:
 
 def main(argv: Sequence[str]) -> int:
     """``DAEMON_PID SOCK_FD REGION_FD BLOCK_BYTES NUM_BLOCKS SPANS`` (started by
-    kvtierd, which sets its priority; SPANS is ``start:end,...``)."""
+    kvtierd; SPANS is ``start:end,...``)."""
     try:
         daemon_pid, sock_fd, region_fd, block_bytes, num_blocks = (int(a) for a in argv[:5])
         spans = [(int(a), int(b)) for a, b in (s.split(":") for s in argv[5].split(","))]

@@ -1,296 +1,75 @@
 """The warm-restart journal of one pool: an append-only file in ``memory.shm_dir``
 that lets the next daemon adopt the ready blocks of the pool's region
-(``memory.warm_restart``; docs/design/journal.md).
+(``memory.warm_restart``; docs/design/journal.md). Its format, and reading it back:
+:mod:`kvtierd.primary.warm.journalformat`.
 
-On-shm format, version :data:`FORMAT_VERSION` (all integers little-endian)::
+Order: ``freed`` is appended *before* the answer that hands a row to a writer
+(PrepareStore, a promotion), so a row whose last record is ``ready`` was not given
+to any writer since that record; ``ready`` is appended once the row's checksum is
+computed, after CompleteStore, by :class:`JournalWriter`'s thread. A ``horizon``
+is appended before a lease is granted that could end after the last one's
+(:meth:`JournalWriter.cover_leases`); at a graceful stop, after the last ``ready``
+record, the ``held`` rows and ``stopped`` (:meth:`JournalWriter.close`).
 
-    header:  b"KVTJRNL\\0" | u32 version | u32 n | n bytes of UTF-8 JSON | u32 crc32
-             (crc32 of everything before it). The JSON holds the pool's fingerprint
-             (name, block_bytes, num_blocks, layout) and the region file's identity
-             (st_dev, st_ino) the records describe.
-             It also names the checksum's coverage (checksum_bytes: 0 = whole
-             rows, else evenly spaced 4 KiB pages: :func:`checksum_spans`) and
-             fence_seconds, the writing daemon's lease + write_quarantine (absent
-             in older files: 0), and access, who could map the region (absent in
-             older files: "", which matches no daemon's: such a pool starts cold).
-    records: u8 kind | u32 row | u16 key_len | u64 xxh3 | key | u32 crc32
-             (crc32 of the record's bytes before it). kind 1 = ready(key, row,
-             :func:`bind_checksum` of the row's covered bytes' xxh3_64, its key
-             and row, and the pool's fingerprint), kind 2 = freed(row)
-             (key_len 0, xxh3 0).
-
-Version 2 binds each ready record's checksum to its key, its row and the pool
-(version 1 hashed the row's bytes alone: two records whose keys were swapped,
-with their CRCs recomputed, verified, and each key served the other's bytes).
-A journal of another version starts its pool cold.
-
-Replay rule: the last valid record of a row says what it holds. ``freed`` is
-appended *before* the answer that hands a row to a writer (PrepareStore, a
-promotion), so a row whose last record is ``ready`` was not given to any writer
-since that record; ``ready`` is appended once the row's checksum is computed,
-after CompleteStore, by :class:`JournalWriter`'s thread. A record that fails its
-CRC ends the replay; nothing after it is trusted. A kill during an append leaves
-at most the start of one record there (a torn last write, expected after a
-crash); anything else (a complete record whose CRC fails, bytes that are no
-record) is damage in the middle of the file, which the replay reports
-(:attr:`Replay.damaged_at`).
+Lag: a completion is crash-proof once its ``ready`` record is written; until then
+it is *behind*. :meth:`JournalWriter.lag_seconds` is the age of the oldest
+completion behind (the metric ``kvtierd_journal_lag_seconds``); a batch recorded
+later than ``memory.warm_restart_max_lag`` after its oldest completion is logged
+(WARNING, rate-limited).
 
 Files: the journal's temporary files get unpredictable names and nothing at a
 fixed name is ever unlinked or trusted unless it is this uid's
 (:mod:`kvtierd.primary.warm.journalfiles`: ``memory.shm_dir`` may be shared with other users).
 
 Threads: the event loop calls :meth:`JournalWriter.rows_reserved` /
-:meth:`JournalWriter.rows_ready`; the journal's thread has each batch hashed
-(:mod:`kvtierd.primary.warm.rowsums`: by a hash worker process,
-:mod:`kvtierd.primary.warm.hashworker`) and writes the ``ready`` records. Every
-write, the per-row generations and the hashing backlog are under
+:meth:`JournalWriter.rows_ready` / :meth:`JournalWriter.cover_leases`; the journal's
+thread has each batch hashed (:mod:`kvtierd.primary.warm.rowsums`: by a hash worker
+process, :mod:`kvtierd.primary.warm.hashworker`) and writes the ``ready`` records.
+Every write, the per-row generations and the hashing backlog are under
 ``JournalWriter._lock``.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import queue
-import stat
-import struct
 import threading
 import time
-import zlib
 from array import array
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import xxhash
-
 from kvtierd.contract import BlockKey
+from kvtierd.primary.warm.clock import Instant
+from kvtierd.primary.warm.holds import HORIZON_SLACK_SECONDS
 from kvtierd.primary.warm.journalfiles import open_temporary, remove_journal, unlink_own
+from kvtierd.primary.warm.journalformat import (
+    FREED_BYTES,
+    INSTANT_RECORD_BYTES,
+    KIND_HELD,
+    KIND_HORIZON,
+    KIND_STOPPED,
+    JournalHeader,
+    bind_checksum,
+    encode_freed,
+    encode_instant,
+    encode_ready,
+    ready_bytes,
+)
 from kvtierd.primary.warm.rowsums import RowChecksums, checksum_spans
+from kvtierd.util.ratelimit import RateLimitedLog
 
 log = logging.getLogger("kvtierd.journal")
+_rate_limited = RateLimitedLog(log)
 
-MAGIC = b"KVTJRNL\0"
-FORMAT_VERSION = 2  # 2: ready checksums bound to key, row and pool (bind_checksum)
-KIND_READY = 1
-KIND_FREED = 2
-_RECORD_HEAD = struct.Struct("<BIHQ")  # kind, row, key_len, xxh3
-_CRC = struct.Struct("<I")
-_HEADER_HEAD = struct.Struct("<8sII")  # magic, version, json length
-_BOUND = struct.Struct("<QI")  # the row's content checksum, its row (bind_checksum)
-MAX_HEADER_JSON = 64 * 1024
-MAX_KEY_BYTES = 256
-MAX_RECORD_BYTES = _RECORD_HEAD.size + MAX_KEY_BYTES + _CRC.size
 # the journal's thread waits this long after the first completion of a batch: a
 # crash loses about this much of the latest completions, plus their hashing
 # (MISS, never wrong)
 BATCH_DELAY_SECONDS = 0.005
 # compaction: when the file grows past twice its live size plus this slack
 COMPACT_SLACK_BYTES = 1 << 20
-_OPEN_READ = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
-
-
-def journal_path(region_path: str) -> str:
-    """The journal of a region file: the same name with ``.journal`` for ``.region``."""
-    base = region_path[: -len(".region")] if region_path.endswith(".region") else region_path
-    return base + ".journal"
-
-
-class JournalError(Exception):
-    """The journal cannot be used; the message says why (one log line)."""
-
-
-@dataclass(frozen=True, slots=True)
-class JournalHeader:
-    """What the records describe: a pool's fingerprint and its region file."""
-
-    name: str
-    block_bytes: int
-    num_blocks: int
-    layout: str
-    st_dev: int
-    st_ino: int
-    checksum_bytes: int = 0  # memory.warm_restart_checksum_bytes (0: whole rows)
-    # lease + write_quarantine of the daemon that wrote it: how long its sessions'
-    # writers may go on copying after it died (not part of the fingerprint)
-    fence_seconds: float = 0.0
-    # who could map the region (its mode, group and the principals): part of the
-    # fingerprint, as a process that mapped it keeps it across an adoption
-    access: str = ""
-
-    def encode(self) -> bytes:
-        body = json.dumps(
-            {
-                "name": self.name,
-                "block_bytes": self.block_bytes,
-                "num_blocks": self.num_blocks,
-                "layout": self.layout,
-                "st_dev": self.st_dev,
-                "st_ino": self.st_ino,
-                "checksum_bytes": self.checksum_bytes,
-                "fence_seconds": self.fence_seconds,
-                "access": self.access,
-            },
-            sort_keys=True,
-        ).encode()
-        head = _HEADER_HEAD.pack(MAGIC, FORMAT_VERSION, len(body)) + body
-        return head + _CRC.pack(zlib.crc32(head))
-
-    def binding_seed(self) -> int:
-        """The seed of :func:`bind_checksum` for this pool: a digest of its fingerprint
-        (name, geometry, layout, checksum coverage) and of its region file's
-        identity, so a record is valid only in the journal of this pool's file."""
-        fingerprint = repr(
-            (self.name, self.block_bytes, self.num_blocks, self.layout, self.checksum_bytes,
-             self.st_dev, self.st_ino)
-        ).encode()  # fmt: skip
-        return int.from_bytes(hashlib.sha256(fingerprint).digest()[:8], "little")
-
-
-def bind_checksum(content: int, key: BlockKey, row: int, seed: int) -> int:
-    """The checksum a ready record holds: xxh3_64 (seeded with the pool's
-    :meth:`JournalHeader.binding_seed`) of the row's content checksum, the row and
-    the key. A record moved to another row, given another key or read in another
-    pool's journal does not verify. A checksum, not a signature: whoever can
-    write the journal (the daemon's uid) can compute it."""
-    return xxhash.xxh3_64_intdigest(_BOUND.pack(content, row) + key, seed=seed)
-
-
-def encode_ready(key: BlockKey, row: int, checksum: int) -> bytes:
-    body = _RECORD_HEAD.pack(KIND_READY, row, len(key), checksum) + key
-    return body + _CRC.pack(zlib.crc32(body))
-
-
-def encode_freed(row: int) -> bytes:
-    body = _RECORD_HEAD.pack(KIND_FREED, row, 0, 0)
-    return body + _CRC.pack(zlib.crc32(body))
-
-
-@dataclass(slots=True)
-class Replay:
-    """A journal read back: its header, the last state of each row it names, and
-    whether it ended on an invalid (torn) record."""
-
-    header: JournalHeader
-    # row -> (key, checksum) for rows whose last record is ready, in record order
-    ready: dict[int, tuple[BlockKey, int]]
-    freed: set[int]  # rows whose last record is freed
-    records: int
-    torn_bytes: int  # bytes after the last valid record (0: clean end)
-    # offset of the first invalid record when it is not the start of one record cut
-    # short (a torn last write) but damage in the middle of the file; None otherwise
-    damaged_at: int | None = None
-
-
-def read_journal(path: str, max_bytes: int) -> Replay:
-    """Reads and replays the journal at ``path`` (opened without following links;
-    it must be a regular file of this uid). Raises FileNotFoundError, or
-    JournalError with the reason it cannot be used."""
-    fd = os.open(path, _OPEN_READ)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-            raise JournalError(f"journal {path} is not a regular file of uid {os.geteuid()}")
-        if st.st_size > max_bytes:
-            raise JournalError(f"journal {path} is {st.st_size} bytes, over its bound {max_bytes}")
-        with os.fdopen(fd, "rb", closefd=False) as file:
-            data = file.read(max_bytes + 1)
-    finally:
-        os.close(fd)
-    header, offset = _decode_header(path, data)
-    ready: dict[int, tuple[BlockKey, int]] = {}
-    freed: set[int] = set()
-    records = 0
-    for kind, row, key, checksum, end in _records(data, offset):
-        if row >= header.num_blocks:
-            raise JournalError(f"journal {path}: record for row {row} outside the region")
-        if kind == KIND_READY:
-            ready.pop(row, None)  # re-inserted: dict order is record order
-            ready[row] = (key, checksum)
-            freed.discard(row)
-        else:
-            ready.pop(row, None)
-            freed.add(row)
-        records += 1
-        offset = end
-    damaged_at = None if _torn_last_write(data, offset) else offset
-    return Replay(header, ready, freed, records, len(data) - offset, damaged_at)
-
-
-def _decode_header(path: str, data: bytes) -> tuple[JournalHeader, int]:
-    if len(data) < _HEADER_HEAD.size:
-        raise JournalError(f"journal {path} is too short for a header ({len(data)} bytes)")
-    magic, version, length = _HEADER_HEAD.unpack_from(data)
-    if magic != MAGIC:
-        raise JournalError(f"journal {path} does not start with the kvtierd journal magic")
-    if version != FORMAT_VERSION:
-        raise JournalError(
-            f"journal {path} has format version {version}; this kvtierd reads version "
-            f"{FORMAT_VERSION}"
-        )
-    end = _HEADER_HEAD.size + length
-    if length > MAX_HEADER_JSON or len(data) < end + _CRC.size:
-        raise JournalError(f"journal {path}: header torn or oversized")
-    (crc,) = _CRC.unpack_from(data, end)
-    if crc != zlib.crc32(data[:end]):
-        raise JournalError(f"journal {path}: header checksum mismatch")
-    try:
-        fields: Any = json.loads(data[_HEADER_HEAD.size : end])
-        header = JournalHeader(
-            name=str(fields["name"]),
-            block_bytes=int(fields["block_bytes"]),
-            num_blocks=int(fields["num_blocks"]),
-            layout=str(fields["layout"]),
-            st_dev=int(fields["st_dev"]),
-            st_ino=int(fields["st_ino"]),
-            checksum_bytes=int(fields["checksum_bytes"]),
-            fence_seconds=float(fields.get("fence_seconds", 0.0)),
-            access=str(fields.get("access", "")),
-        )
-    except (ValueError, KeyError, TypeError) as exc:
-        raise JournalError(f"journal {path}: unreadable header ({exc})") from None
-    return header, end + _CRC.size
-
-
-def _records(data: bytes, offset: int) -> Iterator[tuple[int, int, BlockKey, int, int]]:
-    """(kind, row, key, checksum, end offset) of each valid record from ``offset``;
-    stops at the first invalid one."""
-    head = _RECORD_HEAD.size
-    while offset + head + _CRC.size <= len(data):
-        kind, row, key_len, checksum = _RECORD_HEAD.unpack_from(data, offset)
-        if kind not in (KIND_READY, KIND_FREED) or key_len > MAX_KEY_BYTES:
-            return
-        if (kind == KIND_READY) != (key_len > 0):
-            return
-        end = offset + head + key_len
-        if end + _CRC.size > len(data):
-            return
-        (crc,) = _CRC.unpack_from(data, end)
-        if crc != zlib.crc32(data[offset:end]):
-            return
-        yield kind, row, bytes(data[offset + head : end]), checksum, end + _CRC.size
-        offset = end + _CRC.size
-
-
-def _torn_last_write(data: bytes, offset: int) -> bool:
-    """Whether the bytes from ``offset`` (where the replay stopped) are at most the
-    start of one record, as an append cut short by a kill leaves them: a record
-    head that is itself cut, or a plausible head of a record longer than what
-    follows. A complete record there (its CRC failed) or bytes that are no record
-    head are damage."""
-    rest = len(data) - offset
-    if rest < _RECORD_HEAD.size:
-        return rest == 0 or data[offset] in (KIND_READY, KIND_FREED)
-    kind: int
-    key_len: int
-    kind, _row, key_len, _checksum = _RECORD_HEAD.unpack_from(data, offset)
-    if kind not in (KIND_READY, KIND_FREED) or key_len > MAX_KEY_BYTES:
-        return False
-    if (kind == KIND_READY) != (key_len > 0):
-        return False
-    return rest < _RECORD_HEAD.size + key_len + _CRC.size
+DEFAULT_LAG_BOUND_SECONDS = 1.0  # memory.warm_restart_max_lag
 
 
 class JournalWriter:
@@ -326,13 +105,16 @@ class JournalWriter:
         region_fd: int | None = None,
         *,
         hash_worker: bool = True,
+        lag_bound: float = DEFAULT_LAG_BOUND_SECONDS,
     ) -> None:
         """``region_fd`` given (the daemon): a batch's rows are hashed by a hash worker
         process, in place from its own mapping, or by this journal's thread where
         none runs (:class:`kvtierd.primary.warm.rowsums.RowChecksums`: a client that truncates
         the region cannot kill the daemon with SIGBUS either way); without it,
         hashed in place from ``region_buffer`` on the journal thread (unit tests).
-        ``hash_worker`` False: never start a worker (measurements, tests)."""
+        ``hash_worker`` False: never start a worker (measurements, tests).
+        ``lag_bound``: a batch recorded later than this after its oldest
+        completion is logged (``memory.warm_restart_max_lag``)."""
         self.path = path
         self.header = header
         self._seed = header.binding_seed()
@@ -351,10 +133,21 @@ class JournalWriter:
         self._live_key: list[BlockKey | None] = [None] * num_blocks  # guarded by _lock
         self._live_sum = array("Q", [0]) * num_blocks  # guarded by _lock
         self._freed = bytearray(num_blocks)  # 1: last record is freed; guarded by _lock
-        self._live_bytes = 0  # bytes a compacted file would hold; guarded by _lock
+        # bytes a compacted file would hold (its horizon record included); guarded by _lock
+        self._live_bytes = INSTANT_RECORD_BYTES
         self._file_bytes = 0  # guarded by _lock
         self._fd = -1  # guarded by _lock; -1 before start, once closed or failed
         self._compaction_asked = False  # guarded by _lock
+        # the last horizon record (its bytes: compaction keeps it) and its monotonic
+        # time; the loop's (cover_leases), written under _lock
+        self._horizon_record = b""
+        self._horizon_until = 0.0
+        # lag: monotonic times of the oldest completion waiting, and of the oldest in
+        # the batch being hashed (0.0: none); written under _lock, read anywhere
+        self._waiting_since = 0.0
+        self._batch_since = 0.0
+        self._lag_bound = lag_bound
+        self.max_lag_seconds = 0.0  # the longest a batch waited for its records
         self.failed = False
         self.records_written = 0
         self.compactions = 0
@@ -380,19 +173,27 @@ class JournalWriter:
 
     # -------------------------------------------------------------- lifecycle
 
-    def start(self, ready: Sequence[tuple[int, BlockKey, int]], freed: Sequence[int]) -> None:
+    def start(
+        self,
+        ready: Sequence[tuple[int, BlockKey, int]],
+        freed: Sequence[int],
+        horizon: Instant | None = None,
+    ) -> None:
         """Writes a fresh journal holding ``ready`` (row, key, bound checksum: as an
-        adopted journal held it) and ``freed`` rows (atomically: a temporary file
-        renamed over the path), then starts the worker. Blocking; raises OSError
-        if the file cannot be written (nothing is left behind then)."""
+        adopted journal held it), ``freed`` rows and ``horizon`` (the adopted rows'
+        last hold, should this daemon crash before they are free) atomically (a
+        temporary file renamed over the path), then starts the worker. Blocking;
+        raises OSError if the file cannot be written (nothing is left behind then)."""
         with self._lock:
+            if horizon is not None:
+                self._horizon_record = encode_instant(KIND_HORIZON, horizon)
             for row, key, checksum in ready:
                 self._live_key[row] = key
                 self._live_sum[row] = checksum
-                self._live_bytes += _ready_bytes(key)
+                self._live_bytes += ready_bytes(key)
             for row in freed:
                 self._freed[row] = 1
-                self._live_bytes += _FREED_BYTES
+                self._live_bytes += FREED_BYTES
             snapshot = self._snapshot_locked()
         fd, size = self._write_new_file(snapshot, b"")
         with self._lock:
@@ -407,10 +208,16 @@ class JournalWriter:
         # the spawn, and so the journal, seconds behind)
         self._worker_spawned.wait(timeout=_SPAWN_WAIT_S)
 
-    def close(self, drain_seconds: float) -> None:
+    def close(self, drain_seconds: float, held: Mapping[int, float] | None = None) -> None:
         """Waits up to ``drain_seconds`` for the queued hash jobs (their ready records
         land), stops the thread (and its hash worker) and closes the file (which
-        stays). Blocking."""
+        stays). Blocking.
+
+        ``held`` (a graceful stop: row -> seconds from now an old client may still
+        touch it): once the thread has ended and nothing else can be appended,
+        writes a ``held`` record per row and then ``stopped``, the last record. A
+        thread that does not end (or ``held`` None) leaves no stop record: the next
+        daemon reads the journal as a crash's (every row it names held)."""
         thread = self._thread
         drained = True
         if thread is not None and thread.is_alive():
@@ -424,13 +231,19 @@ class JournalWriter:
         if self._thread is not None:
             self._thread.join(timeout=drain_seconds + 1.0)
         with self._lock:
+            ended = self._thread is None or not self._thread.is_alive()
+            if held is not None and ended and self._fd >= 0:
+                self._append_locked(_stop_records(held), len(held) + 1)
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
         log.info(
-            "journal %s closed: %d completed blocks journaled, %d handed out again before "
-            "they were hashed, %d unreadable (the region file cut short)",
-            self.path, self.rows_journaled, self.hash_jobs_stale, self.hash_jobs_unreadable,
+            "journal %s closed%s: %d completed blocks journaled, %d handed out again before "
+            "they were hashed, %d unreadable (the region file cut short); the longest a "
+            "batch waited for its records: %.3fs",
+            self.path, " with its stop record" if held is not None and ended else "",
+            self.rows_journaled, self.hash_jobs_stale, self.hash_jobs_unreadable,
+            self.max_lag_seconds,
         )  # fmt: skip
 
     @property
@@ -442,7 +255,28 @@ class JournalWriter:
     def file_bytes(self) -> int:
         return self._file_bytes
 
+    def lag_seconds(self) -> float:
+        """The age of the oldest completion not yet journaled (0: none). Any thread."""
+        oldest = min((t for t in (self._batch_since, self._waiting_since) if t), default=0.0)
+        return max(0.0, time.monotonic() - oldest) if oldest else 0.0
+
     # -------------------------------------------------------------- event loop
+
+    def cover_leases(self, seconds: float) -> None:
+        """Before a lease is granted that a client may use up to ``seconds`` from now
+        (lease + write_quarantine): appends a ``horizon`` record unless the last one
+        already reaches that far (:mod:`kvtierd.primary.warm.holds`). Usually one
+        clock read and a comparison; a record at most once per
+        :data:`HORIZON_SLACK_SECONDS` under steady renewals. (Event loop.)"""
+        now = time.monotonic()
+        if now + seconds <= self._horizon_until:
+            return
+        ahead = seconds + HORIZON_SLACK_SECONDS
+        record = encode_instant(KIND_HORIZON, Instant.in_seconds(ahead))
+        with self._lock:
+            self._horizon_record = record
+            self._horizon_until = now + ahead
+            self._append_locked(record, 1)
 
     def rows_reserved(self, rows: Sequence[int]) -> None:
         """Rows about to be handed to a writer: ``freed`` records, written before the
@@ -457,10 +291,10 @@ class JournalWriter:
                 if key is None and self._freed[row]:
                     continue  # the file already says freed
                 if key is not None:
-                    self._live_bytes -= _ready_bytes(key)
+                    self._live_bytes -= ready_bytes(key)
                     live_key[row] = None
                 self._freed[row] = 1
-                self._live_bytes += _FREED_BYTES
+                self._live_bytes += FREED_BYTES
                 records.append(encode_freed(row))
             if records:
                 self._append_locked(b"".join(records), len(records))
@@ -472,6 +306,8 @@ class JournalWriter:
             if self.failed:
                 return
             waiting, generation = self._waiting, self._generation
+            if not waiting:
+                self._waiting_since = time.monotonic()
             for key, row in zip(keys, rows, strict=True):
                 if waiting.pop(row, None) is not None:
                     self.hash_jobs_stale += 1  # re-inserted below: completion order
@@ -520,8 +356,27 @@ class JournalWriter:
         time.sleep(BATCH_DELAY_SECONDS)
         with self._lock:
             waiting, self._waiting, self._hash_asked = self._waiting, {}, False
+            self._batch_since, self._waiting_since = self._waiting_since, 0.0
         batch = [(gen, row, key) for row, (gen, key) in waiting.items()]
         self._record_ready(batch, self._hash_newest_first(batch))
+        self._batch_recorded()
+
+    def _batch_recorded(self) -> None:
+        """The batch's records are written: its wait ends (the lag's other half)."""
+        with self._lock:
+            since, self._batch_since = self._batch_since, 0.0
+        if not since:
+            return
+        waited = time.monotonic() - since
+        self.max_lag_seconds = max(self.max_lag_seconds, waited)
+        if waited > self._lag_bound:
+            _rate_limited.warning(
+                ("lag", self.path),
+                "journal %s: completions were journaled %.2fs after they completed, over "
+                "memory.warm_restart_max_lag (%gs): a crash meanwhile loses them (MISS after "
+                "the restart); the node's CPUs are saturated or the hash worker is starved",
+                self.path, waited, self._lag_bound,
+            )  # fmt: skip
 
     def _hash_newest_first(self, batch: list[tuple[int, int, BlockKey]]) -> list[int | None]:
         """The checksums of a batch (completion order), hashed in chunks from the
@@ -577,9 +432,9 @@ class JournalWriter:
                         continue  # the region file was cut short under it: not vouched for
                     old = live_key[row]
                     if old is not None:
-                        self._live_bytes -= _ready_bytes(old)
+                        self._live_bytes -= ready_bytes(old)
                     elif freed[row]:
-                        self._live_bytes -= _FREED_BYTES
+                        self._live_bytes -= FREED_BYTES
                     live_key[row] = key
                     live_sum[row] = bound[i]  # type: ignore[assignment]  # not None: encoded
                     freed[row] = 0
@@ -601,11 +456,11 @@ class JournalWriter:
             if self._fd < 0:
                 return
             keys, sums, freed = list(self._live_key), self._live_sum[:], bytes(self._freed)
-            offset = self._file_bytes
+            horizon, offset = self._horizon_record, self._file_bytes
         fd, temporary = -1, ""
         try:
             fd, temporary = open_temporary(self.path)
-            _write_all(fd, b"".join(_encode_state(self.header, keys, sums, freed)))
+            _write_all(fd, b"".join(_encode_state(self.header, horizon, keys, sums, freed)))
             with self._lock:
                 if self._fd < 0:
                     raise _Closed
@@ -630,7 +485,9 @@ class JournalWriter:
     # -------------------------------------------------------------- file
 
     def _snapshot_locked(self) -> list[bytes]:
-        return _encode_state(self.header, self._live_key, self._live_sum, self._freed)
+        return _encode_state(
+            self.header, self._horizon_record, self._live_key, self._live_sum, self._freed
+        )
 
     def _write_new_file(self, parts: Sequence[bytes], tail: bytes) -> tuple[int, int]:
         """Writes ``parts`` + ``tail`` to a temporary file renamed over the journal;
@@ -688,7 +545,10 @@ class JournalWriter:
         self._idle.notify_all()
 
 
-_RECORD_SLICE = 64  # rows recorded per hold of the journal's lock (the loop waits on it)
+# rows recorded per hold of the journal's lock (the loop waits on it: ~0.3 ms) and
+# per write: each write hands the interpreter lock back to a busy loop, whose
+# return costs up to its switch interval (5 ms; more when the cores are all busy)
+_RECORD_SLICE = 1024
 _SPAWN_WAIT_S = 10.0  # start() waits this long at most for the hash worker's spawn
 _COMPACT = object()  # a thread job: rewrite the journal as its live state
 _HASH = object()  # a thread job: hash the backlog (JournalWriter._waiting)
@@ -700,12 +560,14 @@ class _Closed(Exception):
 
 def _encode_state(
     header: JournalHeader,
+    horizon: bytes,
     keys: Sequence[BlockKey | None],
     sums: array[int],
     freed: bytes | bytearray,
 ) -> list[bytes]:
-    """The header and one record per row the state names (ready, else freed)."""
-    parts = [header.encode()]
+    """The header, the last horizon record and one record per row the state names
+    (ready, else freed)."""
+    parts = [header.encode(), horizon]
     for row, key in enumerate(keys):
         if key is not None:
             parts.append(encode_ready(key, row, sums[row]))
@@ -714,11 +576,14 @@ def _encode_state(
     return parts
 
 
-_FREED_BYTES = _RECORD_HEAD.size + _CRC.size
-
-
-def _ready_bytes(key: BlockKey) -> int:
-    return _RECORD_HEAD.size + len(key) + _CRC.size
+def _stop_records(held: Mapping[int, float]) -> bytes:
+    """A graceful stop's last records: ``held(row, until)`` per row, then ``stopped``."""
+    records = [
+        encode_instant(KIND_HELD, Instant.in_seconds(seconds), row)
+        for row, seconds in sorted(held.items())
+    ]
+    records.append(encode_instant(KIND_STOPPED, Instant.in_seconds(0.0)))
+    return b"".join(records)
 
 
 def _write_all(fd: int, data: bytes) -> None:

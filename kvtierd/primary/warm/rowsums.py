@@ -40,8 +40,10 @@ PAGE = 4096
 GATHER_BYTES = 1 << 20  # covered bytes copied out of the region per system call, at most
 WORKER_RESPAWN_S = 1.0  # a hash worker that died is replaced at most this often
 # covered bytes per request the journal sends at a time (it re-checks which rows
-# are still worth hashing between two): a few ms of hashing at most
-CHUNK_COVERED_BYTES = 2 << 20
+# are still worth hashing between two): a few ms of hashing at most, and few
+# requests per batch (each costs the journal's thread two waits for the
+# interpreter lock behind a busy event loop)
+CHUNK_COVERED_BYTES = 8 << 20
 
 
 def checksum_spans(block_bytes: int, checksum_bytes: int) -> list[tuple[int, int]]:

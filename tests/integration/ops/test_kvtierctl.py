@@ -74,6 +74,9 @@ def test_stats_table_and_json(tiered, stored):
     header, *rows = table.stdout.splitlines()
     assert header.split()[:4] == ["pool", "tier", "used", "capacity"]
     assert [row.split()[1] for row in rows] == ["primary", "fs0"]
+    # warm restart is on: the primary's journal lag, in seconds (nothing waits now)
+    lag = header.split().index("lag")  # cells like "0 B" hold spaces: from the end
+    assert [row.split()[lag - len(header.split())] for row in rows] == ["0.000s", "-"]
     as_json = ctl(tiered.address, "stats", "--pool", pool, "--json")
     data = json.loads(as_json.stdout)
     (pool_stats,) = data["pools"]

@@ -117,7 +117,7 @@ def _changed(value: Any) -> Any:
         return not value
     if isinstance(value, Medium):
         return Medium.REMOTE if value is not Medium.REMOTE else Medium.CPU
-    if isinstance(value, int):
+    if isinstance(value, (int, float)):
         return value * 2 + 1
     return value + "-changed"
 

@@ -32,7 +32,7 @@ from users_harness import ThrowawayAccounts, User, require_root
 from warm_harness import BLOCK, HIT, assert_bit_exact, store
 
 from kvtierd.primary.region import region_file_name
-from kvtierd.primary.warm.journal import journal_path
+from kvtierd.primary.warm.journalformat import journal_path
 from kvtierd_client.client import Client
 
 ROWS = 64

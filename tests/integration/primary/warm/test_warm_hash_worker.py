@@ -1,5 +1,5 @@
 """Warm restart's hashing off the daemon (kvtierd.primary.warm.hashworker): the journal's row
-checksums are computed by a niced helper process of a real daemon. A worker that
+checksums are computed by a helper process of a real daemon. A worker that
 stalls delays the journal but never makes it drop a completed block (the backlog
 holds one entry per row) nor holds the daemon's stop; a worker that dies is
 replaced; whatever was journaled comes back bit-exact after a restart."""
@@ -12,10 +12,9 @@ import signal
 import time
 from pathlib import Path
 
-from daemon_harness import DaemonProcess, Exits, eventually, gone
+from daemon_harness import DaemonProcess, Exits, ctl, eventually, gone
 from warm_harness import BLOCK, HIT, MISS, assert_bit_exact, restart, store
 
-from kvtierd.primary.warm.hashworker import WORKER_NICE
 from kvtierd_client.client import Client
 
 ROWS = 16
@@ -49,7 +48,10 @@ def _stall_and_store(daemon: DaemonProcess, session) -> tuple[int, list[bytes]]:
     nothing gets hashed). Returns the worker's pid and the keys that are ready."""
     store(session, [b"first"])
     (worker,) = eventually(lambda: hash_workers(daemon), 30, "the daemon's hash worker")
-    assert os.getpriority(os.PRIO_PROCESS, worker) == WORKER_NICE  # idle time first
+    # the daemon's own priority: a niced worker got no CPU on a saturated node
+    assert os.getpriority(os.PRIO_PROCESS, worker) == os.getpriority(
+        os.PRIO_PROCESS, daemon.proc.pid
+    )
     os.kill(worker, signal.SIGSTOP)
     keys = [f"lag-{i}".encode() for i in range(6 * ROWS)]
     for first in range(0, len(keys), ROWS // 2):
@@ -71,7 +73,14 @@ def test_a_stalled_hash_worker_delays_the_journal_but_drops_no_completed_block(w
     with Client(daemon.address) as client:
         session = client.open_session("lag", block_bytes=BLOCK, num_blocks=ROWS, layout="l1")
         worker, final = _stall_and_store(daemon, session)
+        # the lag shows: GetStats (the metric's source) and kvtierctl stats
+        lag = lambda: client.get_stats("lag").pools[0].journal_lag_seconds  # noqa: E731
+        eventually(lambda: lag() >= 0.5, 30, lambda: f"the journal's lag grown; {lag()}s")
+        header, primary, *_ = ctl(daemon.address, "stats", "--pool", "lag").stdout.splitlines()
+        column = header.split().index("lag") - len(header.split())  # from the end
+        assert float(primary.split()[column].removesuffix("s")) >= 0.5, primary
         os.kill(worker, signal.SIGCONT)
+        eventually(lambda: lag() == 0.0, 30, lambda: f"the journal caught up; lag {lag()}s")
     daemon = restart(daemon)
     warm_daemon.append(daemon)
     closed = _CLOSED.search(daemon.log())

@@ -15,10 +15,10 @@ import pytest
 
 from kvtierd.primary.manager import PrimaryManager
 from kvtierd.primary.warm import journal as journal_module
-from kvtierd.primary.warm.journal import (
+from kvtierd.primary.warm.journal import JournalWriter
+from kvtierd.primary.warm.journalformat import (
     JournalError,
     JournalHeader,
-    JournalWriter,
     bind_checksum,
     encode_freed,
     encode_ready,
@@ -247,33 +247,39 @@ def test_another_format_version_is_refused(tmp_path):
     data = bytearray(path.read_bytes())
     data[8] = 1
     path.write_bytes(data)
-    with pytest.raises(JournalError, match="format version 1; this kvtierd reads version 2"):
+    with pytest.raises(JournalError, match="format version 1; this kvtierd reads versions 2, 3"):
         read_journal(writer.path, 1 << 20)
 
 
-def test_adopt_makes_blocks_ready_pinned_until_the_fence_and_fences_quarantined_rows():
+def test_adopt_pins_held_blocks_until_their_time_and_fences_held_rows():
+    """Held adopted blocks are pinned (HIT, not evictable) until their own time, a
+    held row without a block is quarantined until its own, and everything else is
+    usable at once: an adopted block nobody holds is evicted before a held one."""
     manager = PrimaryManager(8)
-    manager.adopt([(b"a", 5), (b"b", 2)], quarantined=[3], until=10.0)
+    held = {2: 10.0, 3: 12.0}  # b's row until 10, row 3 (a reservation) until 12
+    manager.adopt([(b"a", 5), (b"b", 2), (b"z", 6)], held)
     manager.check_invariants()
     assert manager.block_id(b"a") == 5 and manager.ref_count(b"b") == 1  # its adoption pin
+    assert manager.ref_count(b"a") == 0 and manager.ref_count(b"z") == 0  # evictable at once
     stats = manager.statistics()
-    assert (stats.used_blocks, stats.free_blocks, stats.quarantined_blocks) == (2, 5, 1)
-    grant = manager.prepare_store([b"c", b"d", b"e", b"f", b"g"])
-    assert grant is not None and grant.block_ids == [0, 1, 4, 6, 7]  # lowest free first
-    # adopted blocks stay pinned for the old daemon's sessions until the fence, and
-    # row 3 is fenced: no room yet
-    assert manager.prepare_store([b"h"]) is None
-    assert manager.statistics().pinned_blocks == 2 and manager.adoption_pins == 2
+    assert (stats.used_blocks, stats.free_blocks, stats.quarantined_blocks) == (3, 4, 1)
+    assert (stats.pinned_blocks, manager.adoption_pins) == (1, 1)
+    assert manager.held_rows() == held
+    grant = manager.prepare_store([b"c", b"d", b"e", b"f", b"g", b"h"])
+    assert grant is not None and sorted(grant.block_ids) == [0, 1, 4, 5, 6, 7]
+    assert grant.evicted_keys == [b"a", b"z"]  # the unheld adopted blocks, oldest first
+    assert manager.prepare_store([b"i"]) is None  # b is pinned, row 3 fenced
     assert manager.release_quarantine(9.9) == 0
-    assert manager.release_quarantine(10.0) == 1
+    assert manager.release_quarantine(10.0) == 0  # b's pin goes; row 3 is held longer
     assert manager.adoption_pins == 0 and manager.ref_count(b"b") == 0
+    assert manager.held_rows() == {3: 12.0}
     manager.check_invariants()
-    grant = manager.prepare_store([b"h", b"i"])
-    assert grant is not None and sorted(grant.block_ids) == [3, 5]  # the fenced row, and
-    assert grant.evicted_keys == [b"a"]  # the oldest adopted block's
+    assert manager.release_quarantine(12.0) == 1
     manager.check_invariants()
-    with pytest.raises(ValueError):
-        PrimaryManager(4).adopt([(b"a", 1), (b"b", 1)], [], 0.0)
+    with pytest.raises(ValueError, match="named twice"):
+        PrimaryManager(4).adopt([(b"a", 1), (b"b", 1)], {})
+    with pytest.raises(ValueError, match="outside the region"):
+        PrimaryManager(4).adopt([(b"a", 1)], {4: 1.0})
 
 
 def test_checksum_spans_cover_whole_small_rows_and_sample_big_ones():
