@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtierd.errors import ConfigError as ConfigError
-from kvtierd.records.events import KEY_OVERHEAD_BYTES, MAX_EVENT_BYTES
+from kvtierd.records.events import EVENT_OVERHEAD_BYTES, MAX_EVENT_BYTES
 from kvtierd.records.history import KEY_OVERHEAD_BYTES as REMOVAL_OVERHEAD_BYTES
+from kvtierd.records.history import RECORD_BYTES as REMOVAL_RECORD_BYTES
 from kvtierd.security import config as security_config
 from kvtierd.security.config import SecurityConfig, SecurityOptionError
 from kvtierd.tiers import registry
@@ -410,8 +411,9 @@ OPTIONS: tuple[Option, ...] = (
         # protobuf messages stay below 2 GiB
         _SizeIn(MAX_EVENT_BYTES, 1 << 30),
         lambda: 64 << 20,
-        "bytes of events each pool keeps for TakeEvents / WatchEvents (keys plus "
-        f"{KEY_OVERHEAD_BYTES} bytes per key); the oldest go first, as for events_retained",
+        "bytes of events each pool keeps for TakeEvents / WatchEvents (each event: its "
+        f"keys as sent, 2-3 bytes each beyond the key, plus {EVENT_OVERHEAD_BYTES} bytes; "
+        "what they take in the daemon's memory); the oldest go first, as for events_retained",
         flag="--events-retained-bytes",
     ),
     Option(
@@ -420,7 +422,8 @@ OPTIONS: tuple[Option, ...] = (
         _SizeIn(64 << 10, 1 << 40),
         lambda: 16 << 20,
         "bytes of recent removals each pool remembers for Explain (keys plus "
-        f"{REMOVAL_OVERHEAD_BYTES} bytes per key)",
+        f"{REMOVAL_OVERHEAD_BYTES} bytes per key and {REMOVAL_RECORD_BYTES} per record "
+        "it holds: what they take in the daemon's memory)",
         flag="--removals-retained-bytes",
     ),
     Option(

@@ -7,12 +7,12 @@ import pytest
 from kvtierd.contract import BlockEvent, Medium
 from kvtierd.records.events import (
     EVENT_OVERHEAD_BYTES,
-    KEY_OVERHEAD_BYTES,
     MAX_EVENT_BYTES,
     EventLog,
     EventLogStats,
     event_bytes,
 )
+from kvtierd.records.packedkeys import packed_size
 
 
 def event(i: int) -> BlockEvent:
@@ -62,16 +62,20 @@ def keys_event(count: int, length: int, *, removed: bool = False) -> BlockEvent:
     return BlockEvent(keys, Medium.STORAGE, removed=removed, tier="fs0")
 
 
-def test_event_bytes_are_the_keys_plus_fixed_costs():
-    event = BlockEvent((b"ab", b"c"), Medium.CPU, removed=False)
-    assert event_bytes(event) == 3 + 2 * KEY_OVERHEAD_BYTES + EVENT_OVERHEAD_BYTES
+def test_event_bytes_are_the_packed_keys_plus_a_fixed_cost():
+    """Each key packed takes its bytes plus its tag and length (2 bytes below 128
+    bytes, 3 from 128); the event a fixed cost."""
+    log = EventLog(retained=16, retained_bytes=MAX_EVENT_BYTES)
+    log.append(BlockEvent((b"ab", b"c", b"x" * 200), Medium.CPU, removed=False))
+    assert event_bytes(log.get(1)) == (2 + 2) + (1 + 2) + (200 + 3) + EVENT_OVERHEAD_BYTES
+    assert log.get(1).keys == (b"ab", b"c", b"x" * 200)
 
 
 def test_byte_limit_drops_the_oldest_events_like_the_count_limit():
     """Scenario: events of ~14 KB each under a 64 KiB limit and a count limit that
     never binds: the oldest go, readers behind them learn how many they missed."""
     log = EventLog(retained=1000, retained_bytes=MAX_EVENT_BYTES)
-    size = event_bytes(keys_event(100, 100))
+    size = 100 * packed_size(100) + EVENT_OVERHEAD_BYTES
     fits = MAX_EVENT_BYTES // size
     for i in range(10):
         assert log.append(keys_event(100, 100)) == i + 1
@@ -98,7 +102,7 @@ def test_a_long_event_is_split_in_key_order_under_consecutive_seqs():
         assert (part.medium, part.removed, part.tier) == (Medium.STORAGE, True, "fs0")
     # each part but the last is full: one more key would not have fitted
     for (_, part), (_, following) in zip(parts, parts[1:], strict=False):
-        assert event_bytes(part) + len(following.keys[0]) + KEY_OVERHEAD_BYTES > MAX_EVENT_BYTES
+        assert event_bytes(part) + packed_size(len(following.keys[0])) > MAX_EVENT_BYTES
     assert log.retained_bytes == sum(event_bytes(part) for _, part in parts)
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtierd.records.history import KEY_OVERHEAD_BYTES, RemovalLog
+from kvtierd.records.history import KEY_OVERHEAD_BYTES, RECORD_BYTES, RemovalLog
 
 
 def test_keeps_the_last_records_per_key_oldest_first():
@@ -41,7 +41,7 @@ def test_forgets_the_least_recently_recorded_keys_first():
 def test_byte_limit_forgets_the_least_recent_keys_first():
     """Scenario: 100-byte keys under a limit of ten of them and a count limit that
     never binds: the five oldest are forgotten, the newest ten kept."""
-    per_key = 100 + KEY_OVERHEAD_BYTES
+    per_key = 100 + KEY_OVERHEAD_BYTES + RECORD_BYTES
     log = RemovalLog(max_keys=1000, max_bytes=10 * per_key)
     keys = [b"%0100d" % i for i in range(15)]
     for key in keys:
@@ -52,10 +52,20 @@ def test_byte_limit_forgets_the_least_recent_keys_first():
     assert all(log.get(key) for key in keys[5:])
 
 
-def test_another_record_of_a_remembered_key_costs_no_bytes():
-    log = RemovalLog(max_bytes=1 << 20)
+def test_each_record_a_key_holds_is_counted_until_per_key():
+    log = RemovalLog(max_bytes=1 << 20, per_key=2)
     log.record([b"k" * 50], "primary", "evicted")
-    before = log.nbytes
+    assert log.nbytes == 50 + KEY_OVERHEAD_BYTES + RECORD_BYTES
     log.record([b"k" * 50], "fs0", "evicted")
-    assert log.nbytes == before == 50 + KEY_OVERHEAD_BYTES
+    assert log.nbytes == 50 + KEY_OVERHEAD_BYTES + 2 * RECORD_BYTES
+    log.record([b"k" * 50], "fs0", "evicted again")  # the oldest record goes
+    assert log.nbytes == 50 + KEY_OVERHEAD_BYTES + 2 * RECORD_BYTES
     assert len(log.get(b"k" * 50)) == 2
+
+
+def test_forgetting_a_key_gives_back_what_its_records_counted():
+    log = RemovalLog(max_keys=1, max_bytes=1 << 20)
+    for what in ("a", "b", "c"):
+        log.record([b"old"], "primary", what)
+    log.record([b"new"], "primary", "evicted")  # max_keys: b"old" is forgotten
+    assert log.get(b"old") == [] and log.nbytes == 3 + KEY_OVERHEAD_BYTES + RECORD_BYTES
