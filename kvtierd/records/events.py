@@ -1,7 +1,7 @@
 """A pool's bounded, sequenced event log (TakeEvents cursors and WatchEvents streams).
 
 Bounded twice: at most ``retained`` events and at most ``retained_bytes`` bytes
-(:func:`event_bytes`: the event's keys as packed plus :data:`EVENT_OVERHEAD_BYTES`).
+(:func:`event_bytes`: the memory its packed keys hold plus :data:`EVENT_OVERHEAD_BYTES`).
 Whatever either limit drops is dropped the same way: the oldest events go first,
 and a reader whose cursor falls before the oldest retained event learns how many
 it missed.
@@ -40,13 +40,17 @@ from itertools import accumulate
 
 from kvtierd.contract import BlockEvent, BlockKey, Medium
 from kvtierd.records.packedkeys import pack, packed_sizes, unpack
+from kvtierd.util.heap import PAGE_BYTES, allocated_bytes
 
-# A retained event's cost beyond its packed keys (measured, 64-bit CPython 3.11:
-# the LoggedEvent object 72, the packed bytes object's header 33 and its
-# allocator's rounding, the ring's slot 8), with room to spare.
-EVENT_OVERHEAD_BYTES = 160
+# A retained event's cost beyond the bytes object of its packed keys (measured,
+# 64-bit CPython 3.11: the LoggedEvent object 72 and the ring's slot 8), with
+# room to spare; that object itself is counted as allocated (allocated_bytes).
+EVENT_OVERHEAD_BYTES = 112
+_BYTES_HEADER = 33  # a bytes object's header (sys.getsizeof(b"") on 64-bit CPython)
 MAX_EVENT_BYTES = 64 << 10  # a longer event is split (one WatchEvents message at most)
-_PACKED_BUDGET = MAX_EVENT_BYTES - EVENT_OVERHEAD_BYTES  # packed key bytes of one event
+# packed key bytes of one event: its bytes object fills whole pages when it is
+# mapped on its own (15 pages; 49 is the object's and the mapping's headers)
+_PACKED_BUDGET = (MAX_EVENT_BYTES - EVENT_OVERHEAD_BYTES) // PAGE_BYTES * PAGE_BYTES - 49
 _MAX_PREFIX = 3  # a key's tag and length, packed, for keys below 16 KiB
 
 
@@ -67,8 +71,9 @@ class LoggedEvent:
 
 
 def event_bytes(event: LoggedEvent) -> int:
-    """What ``event`` counts against the byte limit."""
-    return len(event.packed_keys) + EVENT_OVERHEAD_BYTES
+    """What ``event`` counts against the byte limit: what its packed keys' bytes
+    object holds of memory, plus :data:`EVENT_OVERHEAD_BYTES`."""
+    return allocated_bytes(_BYTES_HEADER + len(event.packed_keys)) + EVENT_OVERHEAD_BYTES
 
 
 @dataclass(frozen=True, slots=True)

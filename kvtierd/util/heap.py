@@ -38,6 +38,22 @@ TRIM_INTERVAL = 1.0  # seconds between two looks at the resident memory
 TRIM_AFTER_GROWTH = 4 << 20  # bytes the resident memory grew since the last trim
 
 
+PAGE_BYTES = 4096
+_SMALL = 512  # CPython's own allocator serves requests up to this many bytes
+
+
+def allocated_bytes(requested: int) -> int:
+    """What a request of ``requested`` bytes holds of memory once the threshold is
+    fixed (:func:`tune_malloc`): CPython's allocator rounds small ones to 16
+    bytes; glibc adds its 8-byte header and rounds to 16, and maps a block of
+    the threshold or more whole pages, with a 16-byte header."""
+    if requested <= _SMALL:
+        return (requested + 15) // 16 * 16
+    if requested < MMAP_THRESHOLD:
+        return (requested + 8 + 15) // 16 * 16
+    return (requested + 16 + PAGE_BYTES - 1) // PAGE_BYTES * PAGE_BYTES
+
+
 def _glibc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c")
     try:
