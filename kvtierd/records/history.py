@@ -24,11 +24,12 @@ DEFAULT_MAX_BYTES = 16 << 20
 # What a remembered key costs beyond its bytes, measured (64-bit CPython 3.11,
 # tests/unit/records/test_history.py holds it): the key's bytes object header
 # (33) and its allocator's rounding (up to 15), its OrderedDict entry, node and
-# hash slots (up to ~120 just after the table grew) and its tuple of records.
-KEY_OVERHEAD_BYTES = 200
+# hash slots (up to ~185 just after the table grew fourfold) and its tuple of
+# records.
+KEY_OVERHEAD_BYTES = 264
 # What each record a key holds costs: its (unix time, tier, what) tuple (64) and
 # float (32), counted as if no other key shared them (the keys of one call do: a
-# churn of large calls of 256-byte keys is then overcounted about 1.4x; keys
+# churn of large calls of 256-byte keys is then overcounted about 1.5x; keys
 # recorded one call each cost what is counted), and its slot in the key's tuple.
 RECORD_BYTES = 112
 
@@ -52,8 +53,8 @@ class RemovalLog:
     Compact on purpose (it sits on the eviction path and lives as long as the
     pool): one tuple of ``(unix time, tier, what)`` tuples per key; ``tier`` and
     ``what`` are the callers' shared strings. A remembered 36-byte key with one
-    record counts 348 bytes (the default 65,536 keys: 22 MiB, so the default
-    ``max_bytes``, 16 MiB, binds first at ~48,000); a 256-byte one 568 (~29,500).
+    record counts 412 bytes (the default 65,536 keys: 26 MiB, so the default
+    ``max_bytes``, 16 MiB, binds first at ~40,700); a 256-byte one 632 (~26,500).
 
     Invariant: ``_key_bytes == sum(len(k) for k in _records)``, ``_held ==
     sum(len(r) for r in _records.values())``, and after every ``record``
