@@ -431,8 +431,22 @@ OPTIONS: tuple[Option, ...] = (
         "max_watch_streams",
         _int_in(1, 1 << 16),
         lambda: 64,
-        "WatchEvents streams open at once (all pools); more are refused with RESOURCE_EXHAUSTED",
+        "WatchEvents streams open at once (all pools); more are refused with "
+        "RESOURCE_EXHAUSTED. A stream ended for not reading (watch_write_timeout) gives "
+        "its place back at once",
         flag="--max-watch-streams",
+    ),
+    Option(
+        "limits",
+        "max_unread_watch_streams",
+        _int_in(1, 1 << 16),
+        lambda: 64,
+        "WatchEvents streams of one principal (all local callers are one without "
+        "principals) that were ended for not reading and whose clients have not read "
+        "that end yet; each holds its last event (up to 64 KiB) until its client reads "
+        "or goes. At the limit that principal's new streams are refused with "
+        "RESOURCE_EXHAUSTED",
+        flag="--max-unread-watch-streams",
     ),
     Option(
         "limits",
@@ -501,6 +515,7 @@ class LimitsConfig:
     events_retained_bytes: int  # per pool
     removals_retained_bytes: int  # per pool, Explain's history
     max_watch_streams: int  # all pools together
+    max_unread_watch_streams: int  # per principal
     watch_write_timeout: float  # seconds
     promotion_hold: float  # seconds; 0 = no promotion holds
 

@@ -125,7 +125,11 @@ class Daemon:
         self.service = GrpcService(
             self.handlers,
             self.security,
-            WatchStreams(config.limits.max_watch_streams, config.limits.watch_write_timeout),
+            WatchStreams(
+                config.limits.max_watch_streams,
+                config.limits.watch_write_timeout,
+                max_unread=config.limits.max_unread_watch_streams,
+            ),
         )
         self.pools.observe_job = self.metrics.observe_job
         self.sessions.observe_session = self._session_event
