@@ -9,6 +9,7 @@ import time
 
 from benchmarks import (
     authz,
+    bounds,
     buffers,
     copy,
     fastlane,
@@ -27,7 +28,8 @@ from benchmarks.common import machine, print_table
 SUITES = {"rpc": rpc.run, "copy": copy.run, "memory": memory.run, "replay": replay.run,
           "fs": fs.run, "stall": stall.run, "buffers": buffers.run,
           "tls": tls.run, "authz": authz.run, "redis": redis.run,
-          "warm": warm.run, "fastlane": fastlane.run, "integrity": integrity.run}  # fmt: skip
+          "warm": warm.run, "fastlane": fastlane.run, "integrity": integrity.run,
+          "bounds": bounds.run}  # fmt: skip
 
 
 def main() -> int:

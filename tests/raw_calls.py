@@ -46,6 +46,16 @@ def first_seq_or_code(stream: grpc.Call) -> int | grpc.StatusCode:
 
 def vm_rss(daemon: DaemonProcess) -> int:
     """The daemon's resident set in bytes (its region's shared pages included)."""
+    return _status_bytes(daemon, "VmRSS:")
+
+
+def anon_rss(daemon: DaemonProcess) -> int:
+    """The daemon's resident anonymous memory in bytes: its heaps and stacks,
+    without its regions' shared pages or its mapped files."""
+    return _status_bytes(daemon, "RssAnon:")
+
+
+def _status_bytes(daemon: DaemonProcess, field: str) -> int:
     with open(f"/proc/{daemon.proc.pid}/status") as status:
-        line = next(line for line in status if line.startswith("VmRSS:"))
+        line = next(line for line in status if line.startswith(field))
     return int(line.split()[1]) * 1024

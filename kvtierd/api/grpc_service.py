@@ -5,7 +5,8 @@ on the call's context: Unix peers without principals are trusted, TCP peers pres
 bearer token or a client certificate); a ``KvtierdError`` becomes the call's status
 with its message. WatchEvents is the one streaming RPC: its start is the handlers'
 (validation, authorization, audit), its writes are gRPC's and bounded here
-(:class:`~kvtierd.api.watch.WatchStreams`). Event-loop only.
+(:class:`~kvtierd.api.watch.WatchStreams`: open streams, and per principal the
+streams ended whose end their clients have not read). Event-loop only.
 """
 
 from __future__ import annotations
@@ -91,17 +92,17 @@ class GrpcService(pb2_grpc.KVTierServicer):
         """Streams a pool's events. A coroutine writing with ``context.write`` (not a
         generator: a write must be able to time out); bounded by ``self.watches``."""
         try:
-            pool, cursor = self._handlers.open_watch(
+            pool, cursor, principal = self._handlers.open_watch(
                 request, context.peer(), self._identify(context)
             )
-            self.watches.reserve()
+            slot = self.watches.reserve(principal)
         except KvtierdError as exc:
             await context.abort(exc.code, str(exc))
-        with self.watches.held():  # until the status is out: gRPC holds the last write
+        with self.watches.held(slot):  # until the status is out: gRPC holds the last write
             try:
                 await self._stream_events(pool, cursor, context)
             except KvtierdError as exc:
-                await end_stream(context, exc)
+                await end_stream(context, exc, slot)  # open -> unread until it is read
 
     async def _stream_events(self, pool: Pool, cursor: int, context: Any) -> None:
         # Invariant: every event with seq <= cursor was sent, none after it. The

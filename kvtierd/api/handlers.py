@@ -313,14 +313,15 @@ class RequestHandlers:
             more=taken.more,
         )
 
-    def open_watch(self, request: Any, peer: str, identify: Identify) -> tuple[Pool, int]:
-        """Where a WatchEvents stream starts: its pool and the seq it has sent up to.
-        Raises ``KvtierdError`` (a refusal audited, as :meth:`run`'s); streams are
-        not counted in the per-call metrics."""
+    def open_watch(self, request: Any, peer: str, identify: Identify) -> tuple[Pool, int, str]:
+        """Where a WatchEvents stream starts: its pool, the seq it has sent up to, and
+        the principal it runs as (its streams are bounded per principal). Raises
+        ``KvtierdError`` (a refusal audited, as :meth:`run`'s); streams are not
+        counted in the per-call metrics."""
         caller = None
         try:
             caller = self._admit(identify)
-            return self._watch_start(caller, request)
+            return (*self._watch_start(caller, request), caller.name)
         except KvtierdError as exc:
             if exc.code in _AUDITED:
                 self._security.call_denied("WatchEvents", caller, peer, exc)

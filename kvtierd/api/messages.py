@@ -4,8 +4,9 @@ statistics. Pure functions: no state, no validation (the handlers validate)."""
 from __future__ import annotations
 
 from kvtierd.api import wire
-from kvtierd.contract import BlockEvent, PoolSpec
+from kvtierd.contract import PoolSpec
 from kvtierd.core.statistics import PoolStatistics, tier_views
+from kvtierd.records.events import LoggedEvent
 from kvtierd_client.wire.proto import pb2
 
 
@@ -19,14 +20,14 @@ def pool_spec_message(spec: PoolSpec) -> pb2.PoolSpec:
     )
 
 
-def event_message(seq: int, event: BlockEvent) -> pb2.Event:
-    return pb2.Event(
-        seq=seq,
-        keys=event.keys,
-        medium=wire.medium(event.medium),
-        removed=event.removed,
-        tier=event.tier,
+def event_message(seq: int, event: LoggedEvent) -> pb2.Event:
+    """The logged event as sent: its packed keys are ``Event.keys`` in wire form,
+    merged as they are (no Python object per key)."""
+    message = pb2.Event(
+        seq=seq, medium=wire.medium(event.medium), removed=event.removed, tier=event.tier
     )
+    message.MergeFromString(event.packed_keys)
+    return message
 
 
 def pool_stats_message(stats: PoolStatistics) -> pb2.PoolStats:

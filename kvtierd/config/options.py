@@ -22,8 +22,9 @@ from kvtierd.config.values import (
     plain_text,
     pool_label_patterns,
 )
-from kvtierd.records.events import KEY_OVERHEAD_BYTES, MAX_EVENT_BYTES
+from kvtierd.records.events import EVENT_OVERHEAD_BYTES, MAX_EVENT_BYTES
 from kvtierd.records.history import KEY_OVERHEAD_BYTES as REMOVAL_OVERHEAD_BYTES
+from kvtierd.records.history import RECORD_BYTES as REMOVAL_RECORD_BYTES
 from kvtierd.security import config as security_config
 from kvtierd_client.wire.address import default_socket_path
 
@@ -245,8 +246,9 @@ OPTIONS: tuple[Option, ...] = (
         # protobuf messages stay below 2 GiB
         SizeIn(MAX_EVENT_BYTES, 1 << 30),
         lambda: 64 << 20,
-        "bytes of events each pool keeps for TakeEvents / WatchEvents (keys plus "
-        f"{KEY_OVERHEAD_BYTES} bytes per key); the oldest go first, as for events_retained",
+        "bytes of events each pool keeps for TakeEvents / WatchEvents (each event: its "
+        f"keys as sent, 2-3 bytes each beyond the key, plus {EVENT_OVERHEAD_BYTES} bytes; "
+        "what they take in the daemon's memory); the oldest go first, as for events_retained",
         flag="--events-retained-bytes",
     ),
     Option(
@@ -255,7 +257,8 @@ OPTIONS: tuple[Option, ...] = (
         SizeIn(64 << 10, 1 << 40),
         lambda: 16 << 20,
         "bytes of recent removals each pool remembers for Explain (keys plus "
-        f"{REMOVAL_OVERHEAD_BYTES} bytes per key)",
+        f"{REMOVAL_OVERHEAD_BYTES} bytes per key and {REMOVAL_RECORD_BYTES} per record "
+        "it holds: what they take in the daemon's memory)",
         flag="--removals-retained-bytes",
     ),
     Option(
@@ -263,8 +266,22 @@ OPTIONS: tuple[Option, ...] = (
         "max_watch_streams",
         int_in(1, 1 << 16),
         lambda: 64,
-        "WatchEvents streams open at once (all pools); more are refused with RESOURCE_EXHAUSTED",
+        "WatchEvents streams open at once (all pools); more are refused with "
+        "RESOURCE_EXHAUSTED. A stream ended for not reading (watch_write_timeout) gives "
+        "its place back at once",
         flag="--max-watch-streams",
+    ),
+    Option(
+        "limits",
+        "max_unread_watch_streams",
+        int_in(1, 1 << 16),
+        lambda: 64,
+        "WatchEvents streams of one principal (all local callers are one without "
+        "principals) that were ended for not reading and whose clients have not read "
+        "that end yet; each holds its last event (up to 64 KiB) until its client reads "
+        "or goes. At the limit that principal's new streams are refused with "
+        "RESOURCE_EXHAUSTED",
+        flag="--max-unread-watch-streams",
     ),
     Option(
         "limits",

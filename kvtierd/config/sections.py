@@ -47,6 +47,7 @@ class LimitsConfig:
     events_retained_bytes: int  # per pool
     removals_retained_bytes: int  # per pool, Explain's history
     max_watch_streams: int  # all pools together
+    max_unread_watch_streams: int  # per principal
     watch_write_timeout: float  # seconds
     promotion_hold: float  # seconds; 0 = no promotion holds
 

@@ -29,6 +29,7 @@ from kvtierd.config import LimitsConfig, MemoryConfig
 from kvtierd.contract import PoolSpec
 from kvtierd.core.pool import Pool
 from kvtierd.errors import FailedPrecondition, PoolNotFound, ResourceExhausted
+from kvtierd.primary.footprint import pool_heap_bytes
 from kvtierd.primary.region import InsufficientSpaceError, Region, RegionError, region_file_name
 from kvtierd.primary.warm.adoption import Adoption, ColdStart, adopt_region
 from kvtierd.primary.warm.clock import Instant, current_boot_id
@@ -205,12 +206,25 @@ class PoolTable:
         self._creation_ended(spec)
         log.info(
             "pool %s created: %d blocks x %d bytes (%s), policy %s, layout %r, region %s "
-            "(allocated in %.2fs, prefaulted in %.2fs, off the event loop)",
+            "(allocated in %.2fs, prefaulted in %.2fs, off the event loop); its keys and "
+            "records take at most %s of the daemon's heap",
             spec.name, spec.num_blocks, spec.block_bytes, format_bytes(region.size),
             spec.eviction_policy, spec.layout, region.path, region.allocate_seconds,
-            region.prefault_seconds,
+            region.prefault_seconds, format_bytes(self.heap_bound(spec)),
         )  # fmt: skip
         return pool
+
+    def heap_bound(self, spec: PoolSpec) -> int:
+        """What a pool of ``spec`` may take of the daemon's heap: its event log and
+        removal history at their byte limits, its block table full of 256-byte
+        keys and its journal's rows (:mod:`kvtierd.primary.footprint`)."""
+        return pool_heap_bytes(
+            spec.num_blocks,
+            spec.eviction_policy,
+            events_bytes=self._limits.events_retained_bytes,
+            removals_bytes=self._limits.removals_retained_bytes,
+            warm_restart=self._memory.warm_restart,
+        )
 
     async def _create_region(self, spec: PoolSpec, stale_reason: str) -> Region:
         try:

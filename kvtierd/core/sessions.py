@@ -30,9 +30,9 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from kvtierd.contract import BlockEvent
 from kvtierd.core.pool import Pool
 from kvtierd.errors import ResourceExhausted, SessionNotFound
+from kvtierd.records.events import LoggedEvent
 from kvtierd.security.access import session_not_owned
 
 log = logging.getLogger("kvtierd.sessions")
@@ -62,7 +62,7 @@ class TakenEvents:
     those the bounded log dropped before they were taken, and whether more follow
     (the answer was cut at its byte limit)."""
 
-    events: list[tuple[int, BlockEvent]]  # (seq, event), oldest first
+    events: list[tuple[int, LoggedEvent]]  # (seq, event), oldest first
     dropped: int
     more: bool
 

@@ -1,7 +1,8 @@
 """The daemon's lifecycle: start, serve, and an ordered shutdown.
 
-Start: secondary tier roots checked -> pools and sessions tables -> gRPC
-server with health (NOT_SERVING) -> listeners -> supervisor (leases, loop lag) -> health SERVING.
+Start: the C heap's mmap threshold fixed -> secondary tier roots checked -> pools
+and sessions tables -> gRPC server with health (NOT_SERVING) -> listeners ->
+supervisor (leases, loop lag, heap trims) -> health SERVING.
 SIGHUP re-reads the tokens and TLS files (``security.reload``).
 Shutdown (SIGTERM / SIGINT; a second signal forces exit): health NOT_SERVING ->
 stop accepting calls and let in-flight ones finish (``server.shutdown_grace``) ->
@@ -52,6 +53,7 @@ from kvtierd.security.tls import ServerTls, TlsFiles
 from kvtierd.security.tokens import TokensFileError
 from kvtierd.tiers import registry
 from kvtierd.tiers.configured import ConfiguredTier, TierCheckError
+from kvtierd.util.heap import HeapTrimmer, tune_malloc
 from kvtierd.util.units import format_bytes
 from kvtierd_client.wire.peer_ticket import ticket_socket_path
 
@@ -123,7 +125,11 @@ class Daemon:
         self.service = GrpcService(
             self.handlers,
             self.security,
-            WatchStreams(config.limits.max_watch_streams, config.limits.watch_write_timeout),
+            WatchStreams(
+                config.limits.max_watch_streams,
+                config.limits.watch_write_timeout,
+                max_unread=config.limits.max_unread_watch_streams,
+            ),
         )
         self.pools.observe_job = self.metrics.observe_job
         self.sessions.observe_session = self._session_event
@@ -137,6 +143,8 @@ class Daemon:
         self._watchdog: asyncio.Task[None] | None = None
         self._sockets: list[str] = []  # unix socket files this daemon created
         self._region_fds: region_access.RegionFdServer | None = None
+        # freed C heap back to the kernel after bursts (docs/design/memory.md)
+        self._heap = HeapTrimmer()
 
     async def start(self) -> None:
         prepare_shm_dir(self.config.memory.shm_dir, self.gid, private=self.security.restricted)
@@ -296,7 +304,8 @@ class Daemon:
 
     async def _supervise_forever(self) -> None:
         """Every tick: measure how late the loop woke us (its lag), credit a stall
-        to every lease, free quarantined rows whose time came, and expire leases.
+        to every lease, free quarantined rows whose time came, expire leases, and
+        let the heap trimmer look at the resident memory (once a second).
 
         A tick that wakes ``lag`` seconds late means nothing ran on the loop for
         that long (region creation used to block it for seconds): no client
@@ -328,6 +337,7 @@ class Daemon:
         for pool in self.pools:
             pool.release_quarantine(now)
         self.sessions.expire()
+        self._heap.tick(now)
 
 
 # The supervisor's period, and the loop lag above which a stall is credited to
@@ -393,6 +403,7 @@ def budget_warning(budget: int, shm_dir: str) -> str | None:
 
 async def serve(config: Config) -> None:
     """Runs the daemon until SIGTERM / SIGINT."""
+    tune_malloc()  # before the daemon allocates what it keeps (kvtierd.util.heap)
     daemon = Daemon(config)
     loop = asyncio.get_running_loop()
     signals_seen = 0

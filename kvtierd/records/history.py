@@ -3,7 +3,8 @@
 Each pool keeps one :class:`RemovalLog`: the last few removals or refusals per
 key (evicted from the primary, flushed, cascade dropped by backpressure,
 promotion failed), for at most ``max_keys`` keys and ``max_bytes`` bytes (the
-keys' lengths plus :data:`KEY_OVERHEAD_BYTES` per key), oldest forgotten first.
+keys' lengths plus :data:`KEY_OVERHEAD_BYTES` per key and :data:`RECORD_BYTES`
+per record a key holds), oldest forgotten first.
 Tiers keep their own (an fs eviction or a failed verification happens on their
 I/O threads). Event-loop only.
 """
@@ -20,10 +21,17 @@ from kvtierd.contract import BlockKey
 DEFAULT_MAX_KEYS = 65536
 DEFAULT_PER_KEY = 4
 DEFAULT_MAX_BYTES = 16 << 20
-# A remembered key's cost beyond its bytes: the bytes object's header, its
-# OrderedDict node and hash slot, and its tuple of up to DEFAULT_PER_KEY records
-# (the records themselves are shared by the keys of one call).
-KEY_OVERHEAD_BYTES = 200
+# What a remembered key costs beyond its bytes, measured (64-bit CPython 3.11,
+# tests/unit/records/test_history.py holds it): the key's bytes object header
+# (33) and its allocator's rounding (up to 15), its OrderedDict entry, node and
+# hash slots (up to ~185 just after the table grew fourfold) and its tuple of
+# records.
+KEY_OVERHEAD_BYTES = 264
+# What each record a key holds costs: its (unix time, tier, what) tuple (64) and
+# float (32), counted as if no other key shared them (the keys of one call do: a
+# churn of large calls of 256-byte keys is then overcounted about 1.5x; keys
+# recorded one call each cost what is counted), and its slot in the key's tuple.
+RECORD_BYTES = 112
 
 # Why the primary dropped blocks, as Explain tells it: passed by the call that
 # decided the removal (the evicting store or promotion, the flush).
@@ -44,12 +52,13 @@ class RemovalLog:
 
     Compact on purpose (it sits on the eviction path and lives as long as the
     pool): one tuple of ``(unix time, tier, what)`` tuples per key; ``tier`` and
-    ``what`` are the callers' shared strings. About 230 bytes per remembered
-    36-byte key (the default 65,536 keys: ~15 MiB); 256-byte keys reach the
-    default ``max_bytes`` (16 MiB) first, at ~36,000 keys.
+    ``what`` are the callers' shared strings. A remembered 36-byte key with one
+    record counts 412 bytes (the default 65,536 keys: 26 MiB, so the default
+    ``max_bytes``, 16 MiB, binds first at ~40,700); a 256-byte one 632 (~26,500).
 
-    Invariant: ``_key_bytes == sum(len(k) for k in _records)``, and after every
-    ``record`` ``len(self) <= max_keys`` and ``nbytes <= max_bytes``.
+    Invariant: ``_key_bytes == sum(len(k) for k in _records)``, ``_held ==
+    sum(len(r) for r in _records.values())``, and after every ``record``
+    ``len(self) <= max_keys`` and ``nbytes <= max_bytes``.
     """
 
     def __init__(
@@ -63,6 +72,7 @@ class RemovalLog:
         self._max_bytes = max_bytes
         self._records: OrderedDict[BlockKey, tuple[tuple[float, str, str], ...]] = OrderedDict()
         self._key_bytes = 0
+        self._held = 0  # records held, all keys together
 
     def __len__(self) -> int:
         return len(self._records)
@@ -70,7 +80,7 @@ class RemovalLog:
     @property
     def nbytes(self) -> int:
         """What the remembered keys count against ``max_bytes``."""
-        return self._key_bytes + KEY_OVERHEAD_BYTES * len(self._records)
+        return self._key_bytes + KEY_OVERHEAD_BYTES * len(self._records) + RECORD_BYTES * self._held
 
     def record(self, keys: Sequence[BlockKey], tier: str, what: str) -> None:
         """Appends one record to each key (dropping its oldest beyond ``per_key``) and
@@ -84,15 +94,18 @@ class RemovalLog:
         records = self._records
         pop = records.pop
         keep = self._per_key - 1
-        added = 0
+        added = held = 0
         for key in keys:
             old = pop(key, None)
             if old is None:
                 records[key] = first
                 added += len(key)
+                held += 1
             else:
                 records[key] = (*old[max(0, len(old) - keep) :], entry)
+                held += len(old) <= keep  # else its oldest record went
         self._key_bytes += added
+        self._held += held
         self._forget_oldest()
 
     def _forget_oldest(self) -> None:
@@ -101,13 +114,15 @@ class RemovalLog:
         popitem = records.popitem
         over_keys = len(records) - self._max_keys
         over_bytes = self.nbytes - self._max_bytes
-        freed = 0
+        freed = released = 0
         while (over_keys > 0 or over_bytes > 0) and records:
-            size = len(popitem(last=False)[0])
-            freed += size
+            key, held = popitem(last=False)
+            freed += len(key)
+            released += len(held)
             over_keys -= 1
-            over_bytes -= size + KEY_OVERHEAD_BYTES
+            over_bytes -= len(key) + KEY_OVERHEAD_BYTES + RECORD_BYTES * len(held)
         self._key_bytes -= freed
+        self._held -= released
 
     def get(self, key: BlockKey) -> list[KeyRecord]:
         return [KeyRecord(*entry) for entry in self._records.get(key, ())]

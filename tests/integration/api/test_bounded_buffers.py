@@ -1,13 +1,14 @@
 """Every buffer of the daemon is bounded in bytes (issue #15): the event log, each
-WatchEvents stream, the number of streams, the size of a request, and the RSS
-under an endless churn of new long keys. Real daemon, real socket."""
+WatchEvents stream, the number of streams and the size of a request (the RSS under
+a churn of new long keys: tests/integration/core/test_memory_bounds.py). Real
+daemon, real socket."""
 
 from __future__ import annotations
 
 import grpc
 import pytest
 from daemon_harness import eventually
-from raw_calls import first_seq_or_code, long_keys, open_session, read_until_error, store, vm_rss
+from raw_calls import first_seq_or_code, long_keys, open_session, read_until_error, store
 
 from kvtierd_client.wire.proto import pb2, pb2_grpc
 
@@ -37,26 +38,6 @@ def test_event_log_byte_limit_drops_events_like_the_count_limit(make_daemon, poo
     )
     assert next(resumed).seq == oldest
     resumed.cancel()
-
-
-def test_rss_stays_flat_under_a_churn_of_new_long_keys(make_daemon, pool_name):
-    """Scenario: a 4,096-row pool refilled 60 times with brand-new 256-byte keys,
-    PrepareStore + CompleteStore of 1,024 keys at a time (each cycle evicts the
-    previous one's keys). With 1 MiB event and removal limits every bounded
-    structure is full after the first cycle; RSS after the last cycle stays within
-    4 MiB of RSS after cycle 10 (measured: 0-1.3 MiB). Keeping the keys costs
-    ~2.5 MiB per cycle (the event log did: 39 events of 65,536 keys, 938 MiB after
-    20 cycles of a 65,536-row pool)."""
-    daemon = make_daemon("--events-retained-bytes", "1MiB", "--removals-retained-bytes", "1MiB")
-    stub = daemon.stub()
-    session = open_session(stub, pool_name, 4096)
-    rss = []
-    for cycle in range(60):
-        for start in range(cycle * 4096, (cycle + 1) * 4096, 1024):
-            store(stub, session, long_keys(start, 1024))
-        rss.append(vm_rss(daemon))
-    mib = [round(value / (1 << 20), 1) for value in rss]
-    assert rss[-1] - rss[9] < 4 << 20, f"daemon RSS (MiB) after each cycle: {mib}"
 
 
 # ----------------------------------------------------------------- WatchEvents

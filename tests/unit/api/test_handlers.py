@@ -20,10 +20,10 @@ from kvtierd.api.grpc_service import GrpcService
 from kvtierd.api.handlers import MAX_BATCH_OPS, TAKE_EVENTS_MAX_BYTES, RequestHandlers
 from kvtierd.api.watch import WatchStreams
 from kvtierd.config import load_config
-from kvtierd.contract import BlockEvent, LookupResult, Medium
+from kvtierd.contract import LookupResult
 from kvtierd.core.pools import PoolTable
 from kvtierd.core.sessions import SessionTable
-from kvtierd.records.events import event_bytes
+from kvtierd.records.events import EVENT_OVERHEAD_BYTES
 from kvtierd.security.state import SecurityState
 from kvtierd_client.wire.proto import pb2
 
@@ -303,7 +303,7 @@ def test_take_events_pages_and_keeps_one_cursor_per_session(daemon):
 
 def counted_bytes(event: pb2.Event) -> int:
     """What an event counts against the answer's byte limit (kvtierd.records.events)."""
-    return event_bytes(BlockEvent(tuple(event.keys), Medium(event.medium), event.removed))
+    return pb2.Event(keys=event.keys).ByteSize() + EVENT_OVERHEAD_BYTES  # its keys packed
 
 
 def test_tcp_peers_need_the_token_and_unix_peers_do_not(daemon):
