@@ -41,6 +41,9 @@ else:  # Python 3.10: the same parser, from PyPI
 LOG_LEVELS = ("debug", "info", "warning", "error")
 EVICTION_POLICIES = ("lru", "arc")
 MAX_BLOCK_BYTES = 1 << 30
+# a Lookup waits at most this long for remote tiers (limits.remote_lookup_wait): longer
+# than a scheduler step, an engine would rather recompute
+MAX_REMOTE_LOOKUP_WAIT = 1.0
 
 
 # --------------------------------------------------------------------------- values
@@ -405,6 +408,17 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "limits",
+        "remote_lookup_wait",
+        _DurationIn(0.0, MAX_REMOTE_LOOKUP_WAIT),
+        lambda: 0.005,
+        "how long a Lookup whose keys miss the primary and every local tier may wait for "
+        "the remote tiers (redis, a shared fs root) to say whether they hold them: what "
+        "they hold answers HIT_PENDING in that Lookup; past the wait it answers MISS and "
+        "the probe goes on for the next Lookup ('0s': never wait, always that path)",
+        flag="--remote-lookup-wait",
+    ),
+    Option(
+        "limits",
         "events_retained_bytes",
         # at most 1 GiB: one TakeEvents answer may carry them all, and gRPC and
         # protobuf messages stay below 2 GiB
@@ -500,6 +514,7 @@ class LimitsConfig:
     max_watch_streams: int  # all pools together
     watch_write_timeout: float  # seconds
     promotion_hold: float  # seconds; 0 = no promotion holds
+    remote_lookup_wait: float = 0.005  # seconds a Lookup may wait for remote tiers; 0: never
 
 
 @dataclass(frozen=True, slots=True)

@@ -310,6 +310,9 @@ def redis_cluster_factory() -> Iterator[Callable[..., RedisClusterNodes]]:
 
 
 VALUE_BYTES = fsformat.HEADER_SIZE + BLOCK
+# a [limits] table letting a lookup wait for the server as long as a busy test machine
+# may take to answer (the wait ends with the answer: it costs what the probe takes)
+WAIT_FOR_REDIS = '[limits]\nremote_lookup_wait = "1s"\n'
 
 
 def redis_config(url: str, key_prefix: str, **options: object) -> str:

@@ -7,6 +7,10 @@ length-prefixed frames (``kvtierd_client.wire.lane_frames``) on a stream socket
 by an ``asyncio.BufferedProtocol`` on the daemon's loop that calls the request
 handlers the gRPC servicer calls (``RequestHandlers.run``): same validation, same
 service functions, same status codes and messages, same metrics and audit.
+Answers leave in the order of their requests: a call whose answer waits (a
+``Pending``: a Lookup waiting for its remote tiers, at most
+``limits.remote_lookup_wait``) stops the connection's reading and frame handling
+until that answer is written; other connections go on meanwhile.
 
 Binding. ``OpenSession`` over a Unix socket offers the session a lane
 (``offer``): the socket path and a fresh 256-bit token, which only the
@@ -68,7 +72,7 @@ from typing import Any
 import grpc
 
 from kvtierd.api import guards
-from kvtierd.api.handlers import RequestHandlers
+from kvtierd.api.handlers import Pending, RequestHandlers
 from kvtierd.api.lanebuffers import LaneBuffers, frame_buffer
 from kvtierd.core.sessions import Session, SessionTable
 from kvtierd.errors import InvalidArgument, KvtierdError, Unauthenticated
@@ -291,7 +295,9 @@ class LaneConnection(asyncio.BufferedProtocol):
     ``_owner`` while they exist and released as they are dropped (at the latest
     when the connection ends: ``_forget``). ``_paused``: the transport's write buffer is over its
     high water; no frame is handled and nothing is read until it drains, the
-    rest of the last read waiting in ``_backlog``."""
+    rest of the last read waiting in ``_backlog``. ``_waiting``: the answer of the
+    last call handled waits (``_answer_when_ready``); likewise nothing is handled
+    or read until it is written."""
 
     def __init__(self, lane: FastLane) -> None:
         self._lane = lane
@@ -308,6 +314,8 @@ class LaneConnection(asyncio.BufferedProtocol):
         self._kind = 0  # the kind of the frame in _body
         self._backlog = b""  # unhandled bytes of the last read, while paused
         self._paused = False
+        self._waiting = False
+        self._answer_task: asyncio.Task[None] | None = None  # while _waiting
         self._cut = False
         self._timer: asyncio.TimerHandle | None = None  # bind, write stall, or abort
         self._frame_timer: asyncio.TimerHandle | None = None  # the frame in _body
@@ -374,6 +382,12 @@ class LaneConnection(asyncio.BufferedProtocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if not self._waiting:  # else the waiting answer, once written, goes on
+            self._go_on()
+
+    def _go_on(self) -> None:
+        """Reads again and handles what waited in ``_backlog``."""
+        assert self._transport is not None
         self._transport.resume_reading()
         if self._backlog:
             backlog, self._backlog = self._backlog, b""
@@ -410,7 +424,7 @@ class LaneConnection(asyncio.BufferedProtocol):
         end = len(data)
         pos = 0
         header = HEADER.size
-        while end - pos >= header and not self._paused and not self._cut:
+        while end - pos >= header and not self._paused and not self._waiting and not self._cut:
             length, kind = HEADER.unpack_from(data, pos)
             if not self._length_ok(length):
                 return
@@ -421,7 +435,7 @@ class LaneConnection(asyncio.BufferedProtocol):
             pos = stop
         if self._cut or pos == end:
             return
-        if self._paused:
+        if self._paused or self._waiting:
             self._keep_backlog(data[pos:])
         elif end - pos < header:
             self._head[: end - pos] = data[pos:]
@@ -527,7 +541,33 @@ class LaneConnection(asyncio.BufferedProtocol):
         except KvtierdError as exc:
             self._transport.write(frame(exc.code.value[0], str(exc).encode()))
             return
+        if response.__class__ is Pending:
+            self._wait_for(response)
+            return
         self._transport.write(frame(OK, response.SerializeToString()))
+
+    def _wait_for(self, pending: Pending) -> None:
+        """The call's answer waits: nothing more is read or handled on this
+        connection until it is written (answers leave in order)."""
+        assert self._transport is not None
+        self._waiting = True
+        self._transport.pause_reading()
+        loop = asyncio.get_running_loop()
+        self._answer_task = loop.create_task(self._answer_when_ready(pending))
+
+    async def _answer_when_ready(self, pending: Pending) -> None:
+        try:
+            response = await pending
+            answer = frame(OK, response.SerializeToString())
+        except KvtierdError as exc:
+            answer = frame(exc.code.value[0], str(exc).encode())
+        self._waiting = False
+        self._answer_task = None
+        if self._cut or self._transport is None:
+            return  # the connection ended meanwhile: nobody reads the answer
+        self._transport.write(answer)
+        if not self._paused:  # else resume_writing goes on once the answers drained
+            self._go_on()
 
     def _identify(self) -> Caller:
         """The caller of every call on this lane: fixed at BIND."""

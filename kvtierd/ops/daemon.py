@@ -119,6 +119,7 @@ class Daemon:
             region_fd_socket=region_access.socket_path_for(listen_path) if listen_path else "",
             offer_lane=self.fast_lane.offer if self.fast_lane is not None else None,
             observe=self.metrics.observe_rpc,
+            remote_lookup_wait=config.limits.remote_lookup_wait,
         )
         self.service = GrpcService(
             self.handlers,

@@ -5,7 +5,9 @@ Its pools share one :class:`~kvtierd.tiers.redis.link.RedisLink` (the redis-py
 client, standalone or Cluster: thread-safe connection pools, at most
 ``threads`` connections busy at once per node, one per I/O thread), one
 :class:`~kvtierd.tiers.fs.iopool.IoPool` of ``threads`` I/O threads with the
-write-queue limits and one rate-limited fault log. ``capacity`` bounds each
+write-queue limits, one :class:`~kvtierd.tiers.redis.prober.Prober` (the
+presence probes of every pool: one in flight per node, on threads of its own, so
+a probe never waits behind block transfers) and one rate-limited fault log. ``capacity`` bounds each
 pool's tier (it evicts its own blocks).
 
 No connection is made at start: a server that is down when the daemon starts is
@@ -31,6 +33,7 @@ from kvtierd.tiers.base import JobCallback
 from kvtierd.tiers.configured import ConfiguredTier, PoolBinding, TierCheckError
 from kvtierd.tiers.fs.iopool import IoPool, Outcome
 from kvtierd.tiers.redis.link import RedisLink
+from kvtierd.tiers.redis.prober import Prober
 from kvtierd.tiers.redis.settings import RedisTierSettings
 from kvtierd.tiers.redis.tier import FAULT_LOG_INTERVAL_S, RedisTier
 from kvtierd.util.ratelimit import RateLimitedLog
@@ -66,6 +69,7 @@ class ConfiguredRedisTier(ConfiguredTier):
         self._password: str | None = None
         self._link: RedisLink | None = None
         self._io: IoPool | None = None
+        self._prober: Prober | None = None
         self._pools = 0
         # the pools' tiers, told each health refresh (a closed pool's tier goes away)
         self._tiers: weakref.WeakSet[RedisTier] = weakref.WeakSet()
@@ -94,6 +98,8 @@ class ConfiguredRedisTier(ConfiguredTier):
                 max_queue_bytes=s.max_queue_bytes,
                 name=f"kvtierd-{self.name}",
             )
+        if self._prober is None:
+            self._prober = Prober(self._link, loop, self.name)
         self._pools += 1
         tier = RedisTier(
             self.name,
@@ -111,6 +117,7 @@ class ConfiguredRedisTier(ConfiguredTier):
             ttl_s=s.ttl,
             presence_ttl_s=s.presence_ttl,
             faults=self.faults,
+            prober=self._prober,
         )
         self._tiers.add(tier)
         if self._health_timer is None and not self._closed:
@@ -153,6 +160,8 @@ class ConfiguredRedisTier(ConfiguredTier):
         if self._health_timer is not None:
             self._health_timer.cancel()
             self._health_timer = None
+        if self._prober is not None:
+            self._prober.close()
         if self._io is not None:
             self._io.shutdown()
         if self._link is not None:

@@ -1,9 +1,10 @@
 """The link of one configured redis tier to its server: a standalone server or a Cluster.
 
 One :class:`RedisLink` per configured redis tier, shared by its pools, used on
-I/O threads only (every method may block up to ``timeout``; none is ever called
-on the event loop). It decides the server's mode, routes each key to the node
-that owns it, and keeps the server's health (nodes, round trips, memory).
+I/O threads (every method but :meth:`RedisLink.route` may block up to
+``timeout``; none of them is ever called on the event loop). It decides the
+server's mode, routes each key to the node that owns it, and keeps the server's
+health (nodes, round trips, memory).
 
 Mode: ``cluster = false`` a :class:`redis.Redis` of the first URL; ``true`` a
 :class:`redis.cluster.RedisCluster` seeded with every URL; ``"auto"`` asks the
@@ -37,6 +38,8 @@ check. Why: every cascade pins its primary block until the tier reports, and a
 node that stopped answering without a reset (a hung host, a black-holed route)
 made each block wait ``timeout`` on a thread, which throttled the primary's
 stores to ``threads / timeout`` blocks a second (an attack test).
+
+:meth:`RedisLink.route` is the one method the event loop calls (the slot map only).
 
 Multi-key commands are avoided: every block is one value under one key, and
 the keys of one batch hash to different slots (different nodes), which a
@@ -244,6 +247,20 @@ class RedisLink:
         if isinstance(client, RedisCluster):
             return [(n.name, client.get_redis_connection(n)) for n in client.get_primaries()]
         return [("server", client)]
+
+    def route(self, redis_key: bytes) -> str | None:
+        """The name of the master owning ``redis_key`` from the slot map, or None before
+        the client is built or for a slot no master covers. Never blocks (the event
+        loop calls it: a CRC and a dictionary read)."""
+        client = self._client
+        if client is None:
+            return None
+        if isinstance(client, RedisCluster):
+            try:
+                return str(client.get_node_from_key(redis_key).name)
+            except RedisClusterException:  # SlotNotCoveredError: its master is gone
+                return None
+        return "server"
 
     def node_for(self, redis_key: bytes) -> tuple[str, NodeClient]:
         """The name and client of the master owning ``redis_key`` (slot map, no I/O)."""

@@ -16,8 +16,15 @@ from collections.abc import Callable
 import pytest
 import redis
 from daemon_harness import DaemonProcess, eventually
-from engine_harness import HIT, MISS, Engine, block_keys, payload
-from redis_harness import VALUE_BYTES, RedisServer, promoted, redis_config, redis_key
+from engine_harness import HIT, MISS, PENDING, Engine, block_keys, payload
+from redis_harness import (
+    VALUE_BYTES,
+    WAIT_FOR_REDIS,
+    RedisServer,
+    promoted,
+    redis_config,
+    redis_key,
+)
 
 from kvtierd.tiers.fs import fsformat
 from kvtierd_client.errors import FailedPrecondition
@@ -26,7 +33,8 @@ from kvtierd_client.errors import FailedPrecondition
 def test_a_block_stored_through_one_daemon_is_served_by_another(
     redis_server: RedisServer, daemons: Callable[[str], DaemonProcess], key_prefix: str, pool_name
 ):
-    config = redis_config(redis_server.url, key_prefix)
+    # the first lookup waits for the server's answer (a bound the machine's load never reaches)
+    config = redis_config(redis_server.url, key_prefix) + WAIT_FOR_REDIS
     node_a, node_b = daemons(config), daemons(config)
     assert node_a.shm_dir != node_b.shm_dir and node_a.socket_path != node_b.socket_path
     keys = block_keys("shared", 6)
@@ -40,7 +48,7 @@ def test_a_block_stored_through_one_daemon_is_served_by_another(
     assert server.exists(*(redis_key(key_prefix, pool_name, k) for k in keys)) == 6
 
     reader = Engine(node_b, pool_name)
-    assert reader.session.lookup(keys) == [MISS] * 6  # unknown: answered at once, probed
+    assert reader.session.lookup(keys) == [PENDING] * 6  # asked in the lookup: promoting
     promoted(reader, keys)
     assert reader.load(keys) == [payload(k) for k in keys]
     stats = reader.tier_stats()
@@ -117,8 +125,8 @@ def test_a_damaged_value_is_a_miss_never_wrong_bytes(
             assert engine.tier_stats().checksum_failures == 1  # the damaged value, once
             assert server.exists(victim) == 0, "the damaged value was not deleted"
             engine.close()
-        else:
-            assert engine.tier_stats().promotion_failures == 1  # gone: nothing to verify
+        else:  # gone before it could be read (a probe or the promotion found out)
+            assert engine.tier_stats().checksum_failures == 0  # nothing to verify
     writer.close()
     server.close()
 
