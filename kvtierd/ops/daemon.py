@@ -52,6 +52,7 @@ from kvtierd.security.tls import ServerTls, TlsFiles
 from kvtierd.security.tokens import TokensFileError
 from kvtierd.tiers import registry
 from kvtierd.tiers.configured import ConfiguredTier, TierCheckError
+from kvtierd.tiers.fs.iopool import JOIN_S as IO_JOIN_S
 from kvtierd.util.units import format_bytes
 from kvtierd_client.wire.peer_ticket import ticket_socket_path
 
@@ -203,6 +204,12 @@ class Daemon:
         await self._drain_tiers()
         for tier in self.tiers:
             tier.shutdown()  # joins the I/O threads: nothing touches a region after this
+        dropped = sum(tier.dropped_jobs for tier in self.tiers)
+        if dropped:
+            log.warning(
+                "stopping: %d queued tier jobs dropped (their cascades are not in the tier, "
+                "their promotions answer MISS)", dropped,
+            )  # fmt: skip
         await self.pools.close_all(wait_for_creations=self.config.server.shutdown_grace)
         if self._region_fds is not None:
             self._region_fds.close()
@@ -283,11 +290,19 @@ class Daemon:
             log.info("tier %s: %s", tier.name, configured.describe())
 
     async def _drain_tiers(self) -> None:
+        """Lets the tier jobs in flight finish, for at most ``server.shutdown_grace``;
+        says how many had not (the queued ones are then dropped by the tiers'
+        shutdown, the running ones get its bounded join)."""
         grace = self.config.server.shutdown_grace
         try:
             await asyncio.wait_for(self.pools.drain(), timeout=grace)
         except asyncio.TimeoutError:
-            log.warning("tier jobs still running after %gs; queued ones are dropped", grace)
+            left = sum(pool.tiering.jobs_in_flight for pool in self.pools)
+            log.warning(
+                "stopping: %d tier jobs not finished within server.shutdown_grace (%gs); "
+                "the queued ones are dropped, the running ones get %gs more",
+                left, grace, IO_JOIN_S,
+            )  # fmt: skip
 
     async def _ping_watchdog(self, interval: float) -> None:
         """Pings systemd's watchdog from the event loop: a stuck loop stops the pings."""

@@ -63,7 +63,7 @@ from kvtierd.prefix import prefix_end
 from kvtierd.primary.manager import PrimaryManager
 from kvtierd.records.history import EVICTED_FOR_ROOM, RemovalLog
 from kvtierd.tiering.holds import HoldStats, HoldTable
-from kvtierd.tiering.remote import RemoteWait, plan_asks
+from kvtierd.tiering.remote import RemoteWait, known_miss, plan_asks
 from kvtierd.tiers.base import JobResult, SecondaryTier, TierJob
 
 log = logging.getLogger("kvtierd.tiering")
@@ -227,6 +227,13 @@ class Tiering:
     ) -> None:
         """Starts the promotions of :meth:`lookup`; updates ``results`` in place."""
         waiting = [i for i, result in enumerate(results) if result is _MISS]
+        if prefix and self.remote:  # a remote tier asks about what it is asked: not
+            now = time.monotonic()  # past a key every tier knows it lacks
+            end = known_miss(
+                self.tiers, keys, waiting, lambda t, k: self._recently_failed(t, k, now)
+            )
+            if end is not None:
+                waiting = [i for i in waiting if i <= end]
         located = self._locate(keys, waiting)
         holders = located.holders
         last_asked = len(keys)  # positions after it were not asked (prefix: past its end)

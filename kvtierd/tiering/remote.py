@@ -63,6 +63,27 @@ class RemoteWait:
         return {t for t, f in zip(self.tiers, self.futures, strict=True) if not f.done()}
 
 
+def known_miss(
+    tiers: Sequence[SecondaryTier],
+    keys: Sequence[BlockKey],
+    positions: Sequence[int],
+    recently_failed: RecentlyFailed,
+) -> int | None:
+    """The first of ``positions`` (in order) whose key every tier knows it does not
+    hold (no medium to ask: a prefix chain ends there), or None. Changes nothing."""
+    open_ = list(positions)
+    for index, tier in enumerate(tiers):
+        answers = tier.presence([keys[i] for i in open_])
+        open_ = [
+            i
+            for i, present in zip(open_, answers, strict=True)
+            if present is False or (present and recently_failed(index, keys[i]))
+        ]
+        if not open_:
+            return None
+    return open_[0]
+
+
 def plan_asks(
     tiers: Sequence[SecondaryTier],
     keys: Sequence[BlockKey],

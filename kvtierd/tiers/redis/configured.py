@@ -153,6 +153,10 @@ class ConfiguredRedisTier(ConfiguredTier):
         if self._io is not None:
             await self._io.drain()
 
+    @property
+    def dropped_jobs(self) -> int:
+        return self._io.dropped_batches if self._io is not None else 0
+
     def shutdown(self) -> None:
         """Stops the health timer, fails queued jobs, joins the I/O threads, closes
         the connections. Idempotent."""
