@@ -328,6 +328,12 @@ def redis_key(key_prefix: str, pool: str, key: bytes, layout: str = "L") -> byte
     return f"{key_prefix}:{fingerprint.hex()}:".encode() + key
 
 
+def tier_warnings(log: str) -> list[str]:
+    """The redis tier's WARNING lines of a daemon log: a fault is one line (the node that
+    failed), however many calls it fails; the calls' own lines are DEBUG."""
+    return [line for line in log.splitlines() if " WARNING kvtierd.tiers.redis: " in line]
+
+
 def promoted(engine: Engine, keys: list[bytes], timeout: float = 20.0) -> list[object]:
     """Looks keys up until every one is HIT or a settled MISS: the first lookup of a
     key the tier never heard of answers MISS and starts a probe; a later one sees it."""

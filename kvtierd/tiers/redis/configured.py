@@ -88,7 +88,7 @@ class ConfiguredRedisTier(ConfiguredTier):
     ) -> RedisTier:
         s = self.settings
         if self._link is None:
-            self._link = RedisLink(s, self._password)
+            self._link = RedisLink(s, self._password, self.name)
         if self._io is None:
             self._io = IoPool(
                 loop,
@@ -140,10 +140,12 @@ class ConfiguredRedisTier(ConfiguredTier):
         self._health_in_flight = False
         outcome = outcomes[0]
         if not outcome.ok:
-            if isinstance(outcome.error, redis.RedisError):
+            error = outcome.error
+            logged = self._link is not None and self._link.node_down(error)  # once, there
+            if isinstance(error, redis.RedisError) and not logged:
                 self.faults.warning(
                     ("health", self.name),
-                    "redis tier %s: health check failed: %s", self.name, outcome.error,
+                    "redis tier %s: health check failed: %s", self.name, error,
                 )  # fmt: skip
             return
         for tier in list(self._tiers):

@@ -99,8 +99,12 @@ class RedisLink:
     time).
     """
 
-    def __init__(self, settings: RedisTierSettings, password: str | None) -> None:
+    def __init__(
+        self, settings: RedisTierSettings, password: str | None, name: str = "redis"
+    ) -> None:
+        """``name``: the configured tier's (its log lines say it)."""
         self.settings = settings
+        self.name = name
         self._password = password
         self._lock = threading.Lock()
         self._client: redis.Redis | RedisCluster | None = None
@@ -115,6 +119,9 @@ class RedisLink:
         # node name -> monotonic time until which its calls are skipped (guarded by
         # _lock); a node is in it from a connection error or timeout to a success
         self._skip_until: dict[str, float] = {}
+        # node name -> why it failed, from its first failure to its next answer (guarded
+        # by _lock): a fault is logged once, when the node enters it, and its end once
+        self._down: dict[str, str] = {}
         self._skip_for = max(settings.timeout, 1.0)
         # a whole call (send and answer) is cut past twice the socket timeout
         self._deadlines = CallDeadlines(
@@ -170,7 +177,15 @@ class RedisLink:
             except (redis.RedisError, RedisClusterException, OSError) as exc:
                 with self._lock:
                     self._resolved_at = time.monotonic()
+                    first = self._resolve_error is None
                     self._resolve_error = exc
+                if first:  # once per streak; the tier's own lines about it are DEBUG
+                    log.warning(
+                        "redis tier %s: no server reached at %s (%s: %s); every block of "
+                        "the tier fails (MISS, writes dropped) until one answers",
+                        self.name, ", ".join(_netloc(u) for u in self.settings.urls),
+                        type(exc).__name__, exc,
+                    )  # fmt: skip
                 raise redis.ConnectionError(f"server not reached: {exc}") from None
             mode = "cluster" if isinstance(client, RedisCluster) else "standalone"
             health = ServerHealth(mode=mode, nodes_known=len(self._masters(client)))
@@ -292,15 +307,38 @@ class RedisLink:
 
     def _node_failed(self, name: str, exc: BaseException) -> None:
         """Skips node ``name`` after a timeout (a refused connection fails fast by
-        itself: a node restarted on its address is used at the very next call)."""
-        if isinstance(exc, (redis.TimeoutError, TimeoutError)):
-            with self._lock:
+        itself: a node restarted on its address is used at the very next call).
+        The node's first failure since it last answered is logged, once."""
+        timed_out = isinstance(exc, (redis.TimeoutError, TimeoutError))
+        with self._lock:
+            if timed_out:
                 self._skip_until[name] = time.monotonic() + self._skip_for
+            first = name not in self._down
+            if first:
+                self._down[name] = f"{type(exc).__name__}: {exc}"
+        if first:
+            log.warning(
+                "redis tier %s: node %s failed (%s: %s); its keys answer MISS and its "
+                "writes fail until it answers again%s",
+                self.name, self._node_text(name), type(exc).__name__, exc,
+                f" (skipped; one call tries it every {self._skip_for:g}s)" if timed_out else "",
+            )  # fmt: skip
 
     def _node_answered(self, name: str) -> None:
-        if name in self._skip_until:
+        if name in self._skip_until or name in self._down:
             with self._lock:
                 self._skip_until.pop(name, None)
+                was = self._down.pop(name, None)
+            if was is not None:
+                log.info("redis tier %s: node %s answers again", self.name, self._node_text(name))
+
+    def node_down(self, error: BaseException | None) -> bool:
+        """Whether ``error`` is a node's (or the server's) fault the link has logged:
+        a connection failure or a timeout (the tier logs its own part at DEBUG)."""
+        return isinstance(error, (redis.ConnectionError, redis.TimeoutError, TimeoutError))
+
+    def _node_text(self, name: str) -> str:
+        return _netloc(self.settings.urls[0]) if name == "server" else name
 
     # -- commands (I/O threads) ----------------------------------------------------------
 

@@ -567,6 +567,9 @@ class RedisTier(SecondaryTier):
                 self.name, self.pool_name, what,
                 "stored" if what == "store" else "promoted", error,
             )  # fmt: skip
+        elif self._link.node_down(error):  # the link logged the node's fault, once
+            log.debug("redis tier %s: %s failed: %s: %s", self.name, kind,
+                      type(error).__name__, error)  # fmt: skip
         elif isinstance(error, redis.RedisError):
             self._faults.warning(
                 (kind, self.name),

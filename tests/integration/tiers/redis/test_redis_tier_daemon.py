@@ -24,6 +24,7 @@ from redis_harness import (
     promoted,
     redis_config,
     redis_key,
+    tier_warnings,
 )
 
 from kvtierd.tiers.fs import fsformat
@@ -154,7 +155,9 @@ def test_a_dead_server_costs_misses_and_counted_failures_then_recovers(
     stats = engine.tier_stats()
     assert stats.cascade_failures >= 1 and stats.promotion_failures == 2
     assert engine.load(during) == [payload(k) for k in during]  # the primary still serves
-    assert daemon.alive() and "redis tier redis: store failed" in daemon.log()
+    faults = tier_warnings(daemon.log())  # the fault logged once, the calls it failed not
+    assert len(faults) == 1 and f"node 127.0.0.1:{server.port} failed" in faults[0], faults
+    assert daemon.alive() and "redis tier redis: store failed" in daemon.log()  # DEBUG
 
     server.start()  # empty: no persistence
     after = block_keys("after", 2)
@@ -163,6 +166,7 @@ def test_a_dead_server_costs_misses_and_counted_failures_then_recovers(
     assert engine.client.flush_pool(pool_name) >= 2
     promoted(engine, after)
     assert engine.load(after) == [payload(k) for k in after]
+    assert f"redis tier redis: node 127.0.0.1:{server.port} answers again" in daemon.log()
     engine.close()
 
 
