@@ -31,6 +31,11 @@ A connection error or timeout on a node asks for a topology refresh
 a failover's new master is found without waiting for a MOVED; a node restarted
 on its address is used again at the next call (the pools reconnect).
 
+A node's fault is logged once: a WARNING at its first failure since it last
+answered (naming it and why), an INFO when it answers again; the calls it fails
+meanwhile are the tiers' DEBUG lines (:meth:`RedisLink.node_down`). No server
+reached at all (the client cannot be built) is one WARNING too.
+
 A node that timed out is **skipped** (:class:`NodeSkipped`, at once, no I/O)
 for ``max(timeout, 1 s)``; then one call at a time tries it (the others
 keep skipping it) and its success takes it back, as does an answered health

@@ -54,8 +54,10 @@ server's ``maxmemory`` policy evicts and a block the server dropped is found
 missing at its load or at the re-probe after an eviction (MISS, dropped from
 the held set): a write is never assumed to have stayed.
 
-Faults (server down, timeout, OOM): the job's keys fail, counted; a WARNING at
-most every 10 s per kind; the tier answers from what it knows and probes again.
+Faults (server down, timeout, OOM): the job's keys fail, counted; a node that
+fails or hangs is logged once by the link (the calls it fails are DEBUG lines
+here), any other error (OOM, a refused command) a WARNING at most every 10 s per
+kind; the tier answers from what it knows and probes again.
 """
 
 from __future__ import annotations
