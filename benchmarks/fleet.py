@@ -102,6 +102,7 @@ class Outcome:
     server_evicted: int = 0
     stop_s: float = 0.0
     log_lines: list[str] = field(default_factory=list)
+    load: tuple[float, float] = (0.0, 0.0)  # the machine's 1-minute load average, start / end
 
     @property
     def hit_rate(self) -> float:
@@ -215,12 +216,13 @@ def run_config(
     args: Any,
 ) -> Outcome:
     """One configuration, start to stop."""
+    load_before = os.getloadavg()[0]
     proxy = None
     urls = cluster.urls if cluster else []
     if cluster is not None:
         blocks = config.shape.remote_blocks
-        per_node = 0 if not blocks else cluster.baseline() + math.ceil(blocks / 3 * per_value)
-        cluster.reset(per_node, config.policy, config.samples)
+        data_per_node = math.ceil(blocks / len(cluster.nodes) * per_value) if blocks else 0
+        cluster.reset(data_per_node, config.policy, config.samples)
         if config.fault == "trickle":  # every client reaches node 0 through the proxy
             proxy = TrickleProxy(cluster.nodes[0].port)
             cluster.announce(cluster.nodes[0], proxy.port)
@@ -236,6 +238,7 @@ def run_config(
             proxy.close()
     outcome = Outcome(config, simulate(requests, config.shape), merged, tier, stop_s=stop_s)
     outcome.log_lines = lines
+    outcome.load = (load_before, os.getloadavg()[0])
     if cluster is not None and config.remote not in ("one", "none"):
         outcome.server_keys, outcome.server_evicted = cluster.keys(), cluster.evicted()
     return outcome
@@ -272,19 +275,24 @@ def _replay(
         )
         proc.start()
         procs.append(proc)
-    barrier.wait()  # every session open
-    start.value = time.monotonic() + 0.1
-    barrier.wait()
-    injector = (
-        _Fault(config.fault, cluster, proxy, progress, len(requests)) if config.fault else None
-    )
+    injector = None
     merged = EngineResult()
-    for _ in procs:
-        merged.merge(results.get(timeout=3600)[1])
-    for proc in procs:
-        proc.join(60)
-    if injector is not None:
-        injector.stop()
+    try:
+        barrier.wait(600)  # every session open
+        start.value = time.monotonic() + 0.1
+        barrier.wait(600)
+        if config.fault:
+            injector = _Fault(config.fault, cluster, proxy, progress, len(requests))
+        for _ in procs:
+            merged.merge(results.get(timeout=3600)[1])
+    finally:
+        for proc in procs:
+            proc.join(60)
+            if proc.is_alive():  # interrupted, or an engine failed: not left behind
+                proc.terminate()
+                proc.join(10)
+        if injector is not None:
+            injector.stop()
     return merged
 
 
@@ -370,7 +378,7 @@ def notes(outcomes: list[Outcome]) -> str:
         extra = []
         if o.config.remote not in ("one", "none"):
             extra.append(f"server keys at the end {o.server_keys:,}, evicted {o.server_evicted:,}")
-        extra.append(f"stop {o.stop_s:.1f} s")
+        extra.append(f"stop {o.stop_s:.1f} s; load average {o.load[0]:.1f} -> {o.load[1]:.1f}")
         if m.store_refused or m.gave_up or m.load_races:
             extra.append(
                 f"stores refused {m.store_refused}, gave up waiting {m.gave_up}, "

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -129,6 +130,7 @@ def measure(lookups: int, width: int) -> tuple[dict[str, list[float]], float]:
                 client.close()
     finally:
         cluster.close()
+        shutil.rmtree(work, ignore_errors=True)
     return samples, probes
 
 
@@ -145,8 +147,11 @@ def _wait_cascades(client: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.fleet_latency", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.fleet_latency",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--lookups", type=int, default=400)
     parser.add_argument("--keys", type=int, default=32)
     args = parser.parse_args(argv)
@@ -161,8 +166,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {kind} | {p50 * 1e6:.0f} us | {p99 * 1e6:.0f} us | "
               f"{(p50 - floor) * 1e6:+.0f} us |")  # fmt: skip
     ran_out = len(samples.get("ran out", []))
-    print(f"\npresence round trips per Lookup that went to Redis: {probes:.2f} (one per master "
-          f"owning some of its keys); its wait ran out {ran_out} times of {args.lookups}")  # fmt: skip
+    print(
+        f"\npresence round trips per Lookup that went to Redis: {probes:.2f} (one per master "
+        f"owning some of its keys); its wait ran out {ran_out} times of {args.lookups}"
+    )
     return 0
 
 

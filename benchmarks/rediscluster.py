@@ -179,9 +179,10 @@ class BenchCluster:
                 total += int(client.info("stats")["evicted_keys"])
         return total
 
-    def reset(self, maxmemory_per_node: int, policy: str, samples: int) -> None:
-        """Empties every node and sets its memory policy (``maxmemory`` 0: unbounded);
-        the eviction counters start again from 0."""
+    def reset(self, data_bytes_per_node: int, policy: str, samples: int) -> None:
+        """Empties every node and sets its memory policy: ``maxmemory`` is what the
+        emptied node uses (measured after the flush) plus ``data_bytes_per_node`` (0:
+        unbounded); the eviction counters start again from 0."""
         for node in self.nodes:
             with node.client() as client:
                 client.config_set("maxmemory", 0)
@@ -189,15 +190,9 @@ class BenchCluster:
                 client.config_set("maxmemory-policy", policy)
                 client.config_set("maxmemory-samples", samples)
                 client.config_resetstat()
-                client.config_set("maxmemory", maxmemory_per_node)
-
-    def baseline(self) -> int:
-        """``used_memory`` of the emptiest node right after a reset (no data)."""
-        used = []
-        for node in self.nodes:
-            with node.client() as client:
-                used.append(int(client.info("memory")["used_memory"]))
-        return max(used)
+                if data_bytes_per_node:
+                    empty = int(client.info("memory")["used_memory"])
+                    client.config_set("maxmemory", empty + data_bytes_per_node)
 
     def announce(self, node: BenchNode, port: int | None) -> None:
         """Makes ``node`` announce ``port`` (a proxy in front of it; None: its own) to
