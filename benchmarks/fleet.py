@@ -21,7 +21,10 @@ Requests go to nodes round-robin (``rr``) or by conversation (their first block)
 each node has one engine process (:mod:`benchmarks.fleet_engine`: vLLM's steps,
 every loaded row verified against its key). Next to each measured hit rate the
 table gives the exact model of the same configuration with synchronous remote
-lookups (:mod:`benchmarks.fleet_model`), the replay's wall time, the first
+lookups (:mod:`benchmarks.fleet_model`): with an exact LRU for Redis, and with the
+server's own eviction (its sampled LRU on a one-second clock at the replay's
+speed, its random eviction, or no eviction: the model of the policy the run
+used; ``-`` for ``allkeys-lfu``), the replay's wall time, the first
 lookup's latency, the lookups that waited for Redis and the presence round trips
 per request. ``--policies`` adds runs of Redis = C under other eviction policies
 (``maxmemory-samples`` 1 and 10, ``allkeys-lfu``, ``allkeys-random``,
@@ -95,7 +98,8 @@ class Config:
 @dataclass
 class Outcome:
     config: Config
-    model: ModelResult
+    model: ModelResult  # exact LRU for the shared tier
+    model_server: ModelResult | None  # the server's own eviction (None: no model of it)
     merged: EngineResult
     tier: dict[str, int] = field(default_factory=dict)  # the redis tier, all nodes summed
     server_keys: int = 0
@@ -236,7 +240,10 @@ def run_config(
         if proxy is not None and cluster is not None:
             cluster.announce(cluster.nodes[0], None)
             proxy.close()
-    outcome = Outcome(config, simulate(requests, config.shape), merged, tier, stop_s=stop_s)
+    server = None
+    if config.shape.remote_blocks and config.policy != "allkeys-lfu":
+        server = simulate(requests, config.shape, (config.policy, config.samples), args.speedup)
+    outcome = Outcome(config, simulate(requests, config.shape), server, merged, tier, stop_s=stop_s)
     outcome.log_lines = lines
     outcome.load = (load_before, os.getloadavg()[0])
     if cluster is not None and config.remote not in ("one", "none"):
@@ -348,19 +355,22 @@ class _Fault:
 
 def table(outcomes: list[Outcome]) -> str:
     header = (
-        "| C | configuration | routing | model (sync) | hit rate | / model | rows verified "
-        "(wrong) | first Lookup p50 / p99 / max | waited (ran out) | probes / request | "
-        "stale promotions | wall |"
+        "| C | configuration | routing | model: exact LRU | model: server's eviction | "
+        "hit rate | / exact | / server's | rows verified (wrong) | first Lookup p50 / p99 / "
+        "max | waited (ran out) | probes / request | stale promotions | wall |"
     )
-    lines = [header, "|---" * 12 + "|"]
+    lines = [header, "|---" * 14 + "|"]
     for o in outcomes:
         m, t = o.merged, o.tier
         lat = sorted(m.first_lookup_s) or [0.0]
         tree = " (before)" if o.config.before else ""
+        server = o.model_server if o.model_server is not None else o.model
+        shown = "-" if o.config.policy == "allkeys-lfu" else f"{server.hit_rate:.1%}"
         lines.append(
             f"| {o.config.fraction:.0%} | {o.config.label}{tree} | {o.config.shape.routing} | "
-            f"{o.model.hit_rate:.1%} | {o.hit_rate:.1%} | "
-            f"{o.hit_rate / o.model.hit_rate if o.model.hit_rate else 0:.2f}x | "
+            f"{o.model.hit_rate:.1%} | {shown} | {o.hit_rate:.1%} | "
+            f"{_ratio(o.hit_rate, o.model)} | "
+            f"{'-' if shown == '-' else _ratio(o.hit_rate, server)} | "
             f"{m.loaded:,} ({m.mismatches}) | "
             f"{percentile(lat, 0.5) * 1e3:.2f} / {percentile(lat, 0.99) * 1e3:.2f} / "
             f"{lat[-1] * 1e3:.1f} ms | {t.get('lookup_waits', 0):,} "
@@ -371,6 +381,10 @@ def table(outcomes: list[Outcome]) -> str:
     return "\n".join(lines)
 
 
+def _ratio(rate: float, model: ModelResult) -> str:
+    return f"{rate / model.hit_rate:.2f}x" if model.hit_rate else "-"
+
+
 def notes(outcomes: list[Outcome]) -> str:
     out = []
     for o in outcomes:
@@ -378,6 +392,7 @@ def notes(outcomes: list[Outcome]) -> str:
         extra = []
         if o.config.remote not in ("one", "none"):
             extra.append(f"server keys at the end {o.server_keys:,}, evicted {o.server_evicted:,}")
+        extra.append(f"client round trips per request {m.rpcs / max(1, m.requests):.2f}")
         extra.append(f"stop {o.stop_s:.1f} s; load average {o.load[0]:.1f} -> {o.load[1]:.1f}")
         if m.store_refused or m.gave_up or m.load_races:
             extra.append(
