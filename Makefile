@@ -7,7 +7,7 @@ PROTO  := proto/kvtier/v1/kvtier.proto
 GENDIR := client/kvtierd_client/_proto
 GEN    := $(GENDIR)/kvtier/v1/kvtier_pb2.py
 
-.PHONY: install gen run test test-tools test-deploy bench lint typecheck clean install-vllm test-vllm bench-vllm \
+.PHONY: install gen run test test-tools test-deploy bench bench-fleet lint typecheck clean install-vllm test-vllm bench-vllm \
 	install-vllm033 test-vllm033 install-sglang test-sglang bench-sglang \
 	gpu-check gpu-pack gpu-dry-run docs
 
@@ -81,6 +81,14 @@ test-deploy: install
 
 bench: install
 	$(BIN)/python -m benchmarks
+
+# The fleet benchmark (issue #32; docs/benchmarks/fleet.md): 3 daemons and a real 3-master
+# Redis Cluster, started and stopped here, replay the shipped trace; hit rates next to an
+# exact model. Not part of `make bench` (minutes). FLEET_ARGS=... passes options
+# (python -m benchmarks.fleet --help), e.g. FLEET_ARGS="--policies --fault stop".
+FLEET_ARGS ?=
+bench-fleet: install test-tools
+	$(BIN)/python -m benchmarks.fleet $(FLEET_ARGS)
 
 # The GPU path checked and measured (issue #22; docs/guides/gpu-check.md): on a machine
 # with CUDA whose pip reaches a registry, `make gpu-check [GPU_CHECK_ARGS=...]`; without CUDA

@@ -7,9 +7,11 @@ type = "fs"`` tier each, ``shared = true``, on one root under
 disk); then node B looks the keys up, one Lookup every :data:`STEP_S` (an
 engine's scheduler step is this order or longer), and the trial records
 
-* *found*: from B's first Lookup (all MISS: its index does not hold them; the
-  keys are queued for the off-loop check) until the first Lookup that no longer
-  answers MISS for any key (HIT_PENDING: the promotion started);
+* *found*: from B's first Lookup (its index does not hold the keys: they are
+  queued for the off-loop check, which that Lookup waits for, at most
+  ``limits.remote_lookup_wait``) until the first Lookup that no longer answers
+  MISS for any key (HIT_PENDING: the promotion started) -- the first one itself
+  when the check came back within the wait;
 * *served*: until every key answers HIT (promoted, verified).
 
 The floor, same run: one Lookup round trip of keys B already holds (HIT).

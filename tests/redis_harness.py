@@ -400,6 +400,9 @@ def redis_cluster_factory() -> Iterator[Callable[..., RedisClusterNodes]]:
 
 
 VALUE_BYTES = fsformat.HEADER_SIZE + BLOCK
+# a [limits] table letting a lookup wait for the server as long as a busy test machine
+# may take to answer (the wait ends with the answer: it costs what the probe takes)
+WAIT_FOR_REDIS = '[limits]\nremote_lookup_wait = "1s"\n'
 
 
 def restrict_user(
@@ -444,6 +447,12 @@ def redis_config(url: str | tuple[str, ...], key_prefix: str, **options: object)
 def redis_key(key_prefix: str, pool: str, key: bytes, layout: str = "L") -> bytes:
     fingerprint = fsformat.PoolIdentity(pool, BLOCK, layout).fingerprint
     return f"{key_prefix}:{fingerprint.hex()}:".encode() + key
+
+
+def tier_warnings(log: str) -> list[str]:
+    """The redis tier's WARNING lines of a daemon log: a fault is one line (the node that
+    failed), however many calls it fails; the calls' own lines are DEBUG."""
+    return [line for line in log.splitlines() if " WARNING kvtierd.tiers.redis: " in line]
 
 
 def promoted(engine: Engine, keys: list[bytes], timeout: float = 20.0) -> list[object]:

@@ -2,7 +2,8 @@
 
 - ``service``: the request handlers (validate, call the pool, answer);
 - ``server``: the gRPC servers and their Unix and TCP listeners;
-- ``fastlane``: a session's hot calls as framed protobuf on a Unix socket;
+- ``fastlane``: a session's hot calls as framed protobuf on a Unix socket (its socket,
+  tokens and bounds; ``laneconn``: one connection, its frames and in-order answers);
 - ``guards``, ``validation``: unparsable requests and field checks (INVALID_ARGUMENT,
   nothing changed);
 - ``wire``: the daemon's enums as the wire's; ``watch``: WatchEvents stream bounds;

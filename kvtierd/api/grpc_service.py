@@ -3,7 +3,9 @@
 Each RPC names its handler and how to identify its caller (``SecurityState.identify``
 on the call's context: Unix peers without principals are trusted, TCP peers present a
 bearer token or a client certificate); a ``KvtierdError`` becomes the call's status
-with its message. WatchEvents is the one streaming RPC: its start is the handlers'
+with its message; a :class:`~kvtierd.api.handlers.Pending` answer (a Lookup
+waiting for its remote tiers) is awaited here, the loop serving other calls
+meanwhile. WatchEvents is the one streaming RPC: its start is the handlers'
 (validation, authorization, audit), its writes are gRPC's and bounded here
 (:class:`~kvtierd.api.watch.WatchStreams`: open streams, and per principal the
 streams ended whose end their clients have not read). Event-loop only.
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtierd.api.handlers import Identify, RequestHandlers
+from kvtierd.api.handlers import Identify, Pending, RequestHandlers
 from kvtierd.api.messages import event_message
 from kvtierd.api.watch import WatchStreams, end_stream
 from kvtierd.core.pool import Pool
@@ -37,7 +39,10 @@ class GrpcService(pb2_grpc.KVTierServicer):
 
     async def _unary(self, name: str, request: Any, context: Any) -> Any:
         try:
-            return self._handlers.run(name, request, context.peer(), self._identify(context))
+            response = self._handlers.run(name, request, context.peer(), self._identify(context))
+            if response.__class__ is Pending:  # a Lookup waiting for its remote tiers
+                response = await response
+            return response
         except KvtierdError as exc:
             await context.abort(exc.code, str(exc))
 

@@ -24,6 +24,17 @@ caller's principal, and a call on a session must come from the principal that
 opened it. Without ``[[security.principals]]`` every caller reaches every pool.
 Refusals (PERMISSION_DENIED, UNAUTHENTICATED) are audited.
 
+Waiting for remote tiers (``limits.remote_lookup_wait``): a Lookup -- alone or
+in a Batch -- whose keys a remote tier may hold and no tier knows about is
+answered after the tiers asked their media (:mod:`kvtierd.tiering.remote`), for
+at most that long. :meth:`RequestHandlers.run` then returns a :class:`Pending`
+instead of the response: the transport awaits it (the loop serves other calls
+meanwhile) and answers with what it returns, exactly as it would have answered
+the response (errors, metrics, audit: the same). Everything is validated before
+the wait; after it the session is looked up again (it may have ended) and the
+call runs as always, from what the tiers learnt. A call that needs no remote
+tier never waits and costs what it did.
+
 The request path reads top to bottom: handlers -> session -> pool -> manager.
 Event-loop only.
 """
@@ -32,7 +43,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, Generator
 from typing import Any
 
 import grpc
@@ -55,6 +66,7 @@ from kvtierd.errors import InvalidArgument, KvtierdError, OutOfRange, ShuttingDo
 from kvtierd.security.access import check_pool
 from kvtierd.security.identity import Caller
 from kvtierd.security.state import SecurityState
+from kvtierd.tiering.remote import RemoteWait
 from kvtierd_client.wire.proto import pb2
 
 log = logging.getLogger("kvtierd.service")
@@ -85,6 +97,20 @@ def _ignore_call(method: str, code: str, seconds: float) -> None:
     """The default observer: no metrics."""
 
 
+class Pending:
+    """A call's answer that waits (a Lookup waiting for its remote tiers): the
+    transport awaits it and answers with its value, or its ``KvtierdError`` as the
+    call's status. Awaited once; nothing else of the call runs meanwhile."""
+
+    __slots__ = ("_answer",)
+
+    def __init__(self, answer: Coroutine[Any, Any, Any]) -> None:
+        self._answer = answer
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self._answer.__await__()
+
+
 class RequestHandlers:
     """The API's handlers over the daemon's pools and sessions.
 
@@ -92,7 +118,8 @@ class RequestHandlers:
     state), ``security`` (pool checks' principals and the audit log),
     ``max_keys_per_call``, ``region_fd_socket`` (where clients get a region's
     descriptor; "" when none is served), ``offer_lane`` (the fast lane's offer to
-    a new session; None without a lane) and ``observe`` (each call's outcome)."""
+    a new session; None without a lane), ``observe`` (each call's outcome) and
+    ``remote_lookup_wait`` (seconds a Lookup may wait for remote tiers; 0: never)."""
 
     def __init__(
         self,
@@ -104,6 +131,7 @@ class RequestHandlers:
         region_fd_socket: str = "",
         offer_lane: LaneOffer | None = None,
         observe: ObserveCall = _ignore_call,
+        remote_lookup_wait: float = 0.0,
     ) -> None:
         self._pools = pools
         self._sessions = sessions
@@ -112,6 +140,7 @@ class RequestHandlers:
         self._region_fd_socket = region_fd_socket
         self._offer_lane = offer_lane
         self._observe = observe
+        self._remote_wait = remote_lookup_wait
         self._started = time.monotonic()
         self._stopping = False
 
@@ -126,16 +155,33 @@ class RequestHandlers:
     # ----------------------------------------------------------------- dispatch
 
     def run(self, name: str, request: Any, peer: str, identify: Identify) -> Any:
-        """Runs the synchronous RPC ``name`` for the caller ``identify`` names and
-        returns its response. Raises ``KvtierdError`` with the status to answer (an
-        unexpected failure: INTERNAL, logged with its trace). Every call's outcome is
-        observed before the answer leaves, so a client that scrapes metrics after its
-        call returned always sees it counted."""
+        """Runs the unary RPC ``name`` for the caller ``identify`` names and returns
+        its response, or a :class:`Pending` the transport awaits for it (a Lookup
+        waiting for remote tiers: module doc). Raises ``KvtierdError`` with the
+        status to answer (an unexpected failure: INTERNAL, logged with its trace).
+        Every call's outcome is observed before the answer leaves, so a client that
+        scrapes metrics after its call returned always sees it counted."""
         start = time.perf_counter()
         caller = None
         try:
             caller = self._admit(identify)
             response = _UNARY[name](self, caller, peer, request)
+        except KvtierdError as exc:
+            self._refused(name, exc, caller, peer, start)
+            raise
+        except Exception as exc:
+            raise self._internal(name, exc, start) from exc
+        if response.__class__ is Pending:
+            return Pending(self._finish(name, response, caller, peer, start))
+        self._observe(name, "OK", time.perf_counter() - start)
+        return response
+
+    async def _finish(
+        self, name: str, pending: Pending, caller: Caller, peer: str, start: float
+    ) -> Any:
+        """:meth:`run`'s end for an answer that waited: errors, metrics, audit alike."""
+        try:
+            response = await pending
         except KvtierdError as exc:
             self._refused(name, exc, caller, peer, start)
             raise
@@ -241,7 +287,30 @@ class RequestHandlers:
     # ----------------------------------------------------------------- manager
 
     def lookup(self, caller: Caller, peer: str, request: Any) -> Any:
+        session, keys = self._session_and_keys(caller, request)
+        if self._remote_wait and session.pool.tiering.remote:
+            wait = session.pool.remote_wait(keys, prefix=request.prefix)
+            if wait is not None:
+                return Pending(self._after_wait(wait, caller, request, self._lookup_again))
+        return _lookup(session, keys, request)
+
+    def _lookup_again(self, caller: Caller, request: Any) -> Any:
+        """A Lookup that waited for remote tiers, run as always."""
         return _lookup(*self._session_and_keys(caller, request), request)
+
+    async def _after_wait(
+        self,
+        wait: RemoteWait,
+        caller: Caller,
+        request: Any,
+        answer: Callable[[Caller, Any], Any],
+    ) -> Any:
+        """Waits (at most ``remote_lookup_wait``) for the remote tiers a call asked,
+        then answers it with ``answer`` (its session looked up again)."""
+        await wait.wait(self._remote_wait)
+        session = self._sessions.get(request.session_id, caller.name)  # may have ended
+        session.pool.tiering.waited(wait)
+        return answer(caller, request)
 
     def touch(self, caller: Caller, peer: str, request: Any) -> Any:
         return _touch(*self._session_and_keys(caller, request), request)
@@ -265,6 +334,15 @@ class RequestHandlers:
                 f"ops: {len(request.ops)} operations; at most {MAX_BATCH_OPS} per Batch"
             )
         self._check_batch_keys(request.ops)
+        session = self._live_session(caller, request.session_id)
+        if self._remote_wait and session.pool.tiering.remote:
+            wait = _batch_remote_wait(session, request.ops, self._max_keys)
+            if wait is not None:
+                return Pending(self._after_wait(wait, caller, request, self._batch_again))
+        return pb2.BatchResponse(results=[self._batch_op(session, op) for op in request.ops])
+
+    def _batch_again(self, caller: Caller, request: Any) -> Any:
+        """A Batch whose lookups waited for remote tiers, run as always."""
         session = self._live_session(caller, request.session_id)
         return pb2.BatchResponse(results=[self._batch_op(session, op) for op in request.ops])
 
@@ -438,7 +516,37 @@ def _complete_store(session: Session, keys: list[bytes], request: Any) -> pb2.Co
     return pb2.CompleteStoreResponse()
 
 
-# The synchronous RPCs by their wire name: what RequestHandlers.run dispatches.
+def _batch_remote_wait(session: Session, ops: Any, max_keys: int) -> RemoteWait | None:
+    """What the lookups of a Batch wait for (one wait for all; an op that will be
+    refused is left out: its error is its result)."""
+    merged: RemoteWait | None = None
+    for op in ops:
+        if op.WhichOneof("op") != "lookup":
+            continue
+        call = op.lookup
+        keys = list(call.keys)
+        if (call.session_id and call.session_id != session.id) or not _valid_keys(keys, max_keys):
+            continue
+        wait = session.pool.remote_wait(keys, prefix=call.prefix)
+        if wait is None:
+            continue
+        if merged is None:
+            merged = wait
+        else:
+            merged.futures += wait.futures
+            merged.tiers += wait.tiers
+    return merged
+
+
+def _valid_keys(keys: list[bytes], max_keys: int) -> bool:
+    try:
+        check_keys(keys, max_keys)
+    except InvalidArgument:
+        return False
+    return True
+
+
+# The unary RPCs by their wire name: what RequestHandlers.run dispatches.
 Body = Callable[[RequestHandlers, Caller, str, Any], Any]
 _UNARY: dict[str, Body] = {
     "KeepAlive": RequestHandlers.keep_alive,
@@ -466,4 +574,4 @@ _BATCH_OPS: dict[str, Callable[[Session, list[bytes], Any], Any]] = {
     "complete_store": _complete_store,
 }
 
-__all__ = ["MAX_BATCH_OPS", "TAKE_EVENTS_MAX_BYTES", "RequestHandlers", "UNARY_METHODS"]
+__all__ = ["MAX_BATCH_OPS", "TAKE_EVENTS_MAX_BYTES", "Pending", "RequestHandlers", "UNARY_METHODS"]

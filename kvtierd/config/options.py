@@ -31,6 +31,9 @@ from kvtierd_client.wire.address import default_socket_path
 LOG_LEVELS = ("debug", "info", "warning", "error")
 EVICTION_POLICIES = ("lru", "arc")
 MAX_BLOCK_BYTES = 1 << 30
+# a Lookup waits at most this long for remote tiers (limits.remote_lookup_wait): longer
+# than a scheduler step, an engine would rather recompute
+MAX_REMOTE_LOOKUP_WAIT = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,6 +241,17 @@ OPTIONS: tuple[Option, ...] = (
         "blocks that Lookup waits with) stays pinned for the engine that asked, unless a "
         "session pins it first; held blocks are never evicted ('0s' turns holds off)",
         flag="--promotion-hold",
+    ),
+    Option(
+        "limits",
+        "remote_lookup_wait",
+        DurationIn(0.0, MAX_REMOTE_LOOKUP_WAIT),
+        lambda: 0.005,
+        "how long a Lookup whose keys miss the primary and every local tier may wait for "
+        "the remote tiers (redis, a shared fs root) to say whether they hold them: what "
+        "they hold answers HIT_PENDING in that Lookup; past the wait it answers MISS and "
+        "the probe goes on for the next Lookup ('0s': never wait, always that path)",
+        flag="--remote-lookup-wait",
     ),
     Option(
         "limits",

@@ -50,6 +50,7 @@ class LimitsConfig:
     max_unread_watch_streams: int  # per principal
     watch_write_timeout: float  # seconds
     promotion_hold: float  # seconds; 0 = no promotion holds
+    remote_lookup_wait: float = 0.005  # seconds a Lookup may wait for remote tiers; 0: never
 
 
 @dataclass(frozen=True, slots=True)

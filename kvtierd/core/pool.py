@@ -54,6 +54,7 @@ from kvtierd.primary.warm.journal import JournalWriter
 from kvtierd.records.events import EventLog
 from kvtierd.records.history import EVICTED_FOR_ROOM, FLUSHED, KeyRecord, RemovalLog
 from kvtierd.tiering.manager import Tiering
+from kvtierd.tiering.remote import RemoteWait
 
 log = logging.getLogger("kvtierd.pool")
 
@@ -208,6 +209,15 @@ class Pool:
             results[cut + 1 :] = [LookupResult.MISS] * (len(results) - cut - 1)
         self._lookups.update(results)
         return results
+
+    def remote_wait(self, keys: Sequence[BlockKey], *, prefix: bool = False) -> RemoteWait | None:
+        """What a Lookup of ``keys`` waits for before it is answered: the remote tiers'
+        answers about its primary misses no tier knows (:mod:`kvtierd.tiering.remote`);
+        None when there is nothing to ask. Changes no state a Lookup answers from
+        (the tiers only learn), counts nothing."""
+        if not self.tiering.remote:
+            return None
+        return self.tiering.remote_wait(keys, self.manager.lookup(keys), prefix=prefix)
 
     def lookup_and_pin(
         self, session_id: str, keys: Sequence[BlockKey], *, prefix: bool = False

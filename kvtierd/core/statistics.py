@@ -183,6 +183,10 @@ TIER_NUMBERS: tuple[TierNumber, ...] = (
     TierNumber("shared_rechecks", None, lambda s: s.tier.shared_rechecks),
     TierNumber("shared_rescans", None, lambda s: s.tier.shared_rescans),
     TierNumber("shared_files_vanished", None, lambda s: s.tier.shared_files_vanished),
+    # a remote tier's presence probes and the Lookups that waited for them
+    TierNumber("probes", None, lambda s: s.tier.probes),
+    TierNumber("lookup_waits", None, lambda s: s.counters.lookup_waits),
+    TierNumber("lookup_wait_timeouts", None, lambda s: s.counters.lookup_wait_timeouts),
 )
 
 WIRE_NUMBERS = frozenset(number.name for number in TIER_NUMBERS if number.on_wire)

@@ -53,6 +53,7 @@ from kvtierd.security.tls import ServerTls, TlsFiles
 from kvtierd.security.tokens import TokensFileError
 from kvtierd.tiers import registry
 from kvtierd.tiers.configured import ConfiguredTier, TierCheckError
+from kvtierd.tiers.fs.iopool import JOIN_S as IO_JOIN_S
 from kvtierd.util.heap import HeapTrimmer, tune_malloc
 from kvtierd.util.units import format_bytes
 from kvtierd_client.wire.peer_ticket import ticket_socket_path
@@ -121,6 +122,7 @@ class Daemon:
             region_fd_socket=region_access.socket_path_for(listen_path) if listen_path else "",
             offer_lane=self.fast_lane.offer if self.fast_lane is not None else None,
             observe=self.metrics.observe_rpc,
+            remote_lookup_wait=config.limits.remote_lookup_wait,
         )
         self.service = GrpcService(
             self.handlers,
@@ -210,6 +212,12 @@ class Daemon:
         await self._drain_tiers()
         for tier in self.tiers:
             tier.shutdown()  # joins the I/O threads: nothing touches a region after this
+        dropped = sum(tier.dropped_jobs for tier in self.tiers)
+        if dropped:
+            log.warning(
+                "stopping: %d queued tier jobs dropped (their cascades are not in the tier, "
+                "their promotions answer MISS)", dropped,
+            )  # fmt: skip
         await self.pools.close_all(wait_for_creations=self.config.server.shutdown_grace)
         if self._region_fds is not None:
             self._region_fds.close()
@@ -290,11 +298,19 @@ class Daemon:
             log.info("tier %s: %s", tier.name, configured.describe())
 
     async def _drain_tiers(self) -> None:
+        """Lets the tier jobs in flight finish, for at most ``server.shutdown_grace``;
+        says how many had not (the queued ones are then dropped by the tiers'
+        shutdown, the running ones get its bounded join)."""
         grace = self.config.server.shutdown_grace
         try:
             await asyncio.wait_for(self.pools.drain(), timeout=grace)
         except asyncio.TimeoutError:
-            log.warning("tier jobs still running after %gs; queued ones are dropped", grace)
+            left = sum(pool.tiering.jobs_in_flight for pool in self.pools)
+            log.warning(
+                "stopping: %d tier jobs not finished within server.shutdown_grace (%gs); "
+                "the queued ones are dropped, the running ones get %gs more",
+                left, grace, IO_JOIN_S,
+            )  # fmt: skip
 
     async def _ping_watchdog(self, interval: float) -> None:
         """Pings systemd's watchdog from the event loop: a stuck loop stops the pings."""

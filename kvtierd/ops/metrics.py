@@ -325,6 +325,15 @@ POOL_FAMILIES: tuple[Family, ...] = (
                                    "used": "server_used_bytes"}, by="kind"),
     Family("kvtierd_remote_probe_failures", COUNTER,
            "Remote tier: presence probes (per node) that failed", "probe_failures"),
+    Family("kvtierd_remote_probes", COUNTER,
+           "Remote tier: presence round trips (redis: pipelined EXISTS per node, all pools "
+           "of the tier; a shared fs root: batches of header checks)", "probes"),
+    Family("kvtierd_remote_lookup_waits", COUNTER,
+           "Lookups that waited for a remote tier's answers (limits.remote_lookup_wait)",
+           "lookup_waits"),
+    Family("kvtierd_remote_lookup_wait_timeouts", COUNTER,
+           "Lookups answered before all of a remote tier's answers were in (the wait ran "
+           "out: the keys still unknown answered MISS)", "lookup_wait_timeouts"),
     Family("kvtierd_shared_foreign_files", COUNTER,
            "Files other daemons wrote in a shared fs root, found and indexed",
            "foreign_files_found"),

@@ -13,7 +13,14 @@ tiers (docs/design/semantics.md, "Secondary tiers"; vLLM's ``TieringOffloadingMa
   (``complete_store(success=True)``, a stored event); the others are aborted
   (their rows freed: MISS). A key whose promotion failed is not promoted from
   that tier again for :data:`PROMOTION_RETRY_AFTER` seconds (no retry loop on a
-  file that keeps failing); a verification failure removes the file anyway.
+  file that keeps failing); a verification failure removes the file anyway. A
+  key the tier found simply gone (``JobResult.missing_keys``: the server evicted
+  it, another daemon removed the file) is a plain MISS instead, promoted again as
+  soon as the tier holds it again.
+* Remote tiers (:mod:`kvtierd.tiering.remote`): before a Lookup is answered,
+  :meth:`remote_wait` asks the remote tiers about the primary misses no tier
+  knows, and the request handler waits for their answers (a bound), so that what
+  another daemon stored answers HIT_PENDING in this very Lookup.
 * Promotion holds (:mod:`kvtierd.tiering.holds`): the blocks a promotion brought in
   stay pinned by the pool (one *hold* each) until a session pins them or
   ``hold_seconds`` pass; so do the ready blocks a prefix Lookup answers HIT in
@@ -56,6 +63,7 @@ from kvtierd.prefix import prefix_end
 from kvtierd.primary.manager import PrimaryManager
 from kvtierd.records.history import EVICTED_FOR_ROOM, RemovalLog
 from kvtierd.tiering.holds import HoldStats, HoldTable
+from kvtierd.tiering.remote import RemoteWait, known_miss, plan_asks
 from kvtierd.tiers.base import JobResult, SecondaryTier, TierJob
 
 log = logging.getLogger("kvtierd.tiering")
@@ -102,6 +110,8 @@ class TierCounters:
     promotion_blocks_loaded: int  # == hits
     promotion_blocks_failed: int  # also counted in misses
     promotion_no_room: int  # held by the tier, no primary row to promote into: MISS
+    lookup_waits: int  # Lookups that waited for this (remote) tier's answers
+    lookup_wait_timeouts: int  # ... of them, those answered before all its answers were in
     jobs_in_flight: int  # a gauge: this pool's jobs on the tier not yet reported
 
 
@@ -142,6 +152,7 @@ class Tiering:
         self._on_event = on_event
         self.history = history if history is not None else RemovalLog()
         self.tiers: list[SecondaryTier] = []
+        self.remote = False  # some tier is remote: Lookups may wait for it (remote_wait)
         self._manager = manager
         self._jobs: dict[int, _InFlight] = {}
         self._job_ids = itertools.count(1)
@@ -159,6 +170,7 @@ class Tiering:
     def attach(self, tier: SecondaryTier) -> None:
         """Appends a tier (consulted after the ones attached before it)."""
         self.tiers.append(tier)
+        self.remote = self.remote or tier.remote
         self._counters.append(Counter(dict.fromkeys(COUNTERS, 0)))
 
     @property
@@ -215,6 +227,13 @@ class Tiering:
     ) -> None:
         """Starts the promotions of :meth:`lookup`; updates ``results`` in place."""
         waiting = [i for i, result in enumerate(results) if result is _MISS]
+        if prefix and self.remote:  # a remote tier asks about what it is asked: not
+            now = time.monotonic()  # past a key every tier knows it lacks
+            end = known_miss(
+                self.tiers, keys, waiting, lambda t, k: self._recently_failed(t, k, now)
+            )
+            if end is not None:
+                waiting = [i for i in waiting if i <= end]
         located = self._locate(keys, waiting)
         holders = located.holders
         last_asked = len(keys)  # positions after it were not asked (prefix: past its end)
@@ -234,6 +253,36 @@ class Tiering:
         for i in located.retry:
             if results[i] is _MISS:
                 results[i] = _RETRY
+
+    def remote_wait(
+        self, keys: Sequence[BlockKey], results: Sequence[LookupResult], *, prefix: bool = False
+    ) -> RemoteWait | None:
+        """Asks the remote tiers about the keys of a Lookup they may hold and no tier
+        is known to (``results``: the primary's answers; module doc of
+        :mod:`kvtierd.tiering.remote`); what to wait for before answering it, or None
+        when nothing was asked. Changes no primary state and counts no lookup."""
+        if not self.remote or self.closed:
+            return None
+        now = time.monotonic()
+        asks = plan_asks(
+            self.tiers, keys, results, prefix, lambda i, key: self._recently_failed(i, key, now)
+        )
+        if not asks:
+            return None
+        wait = RemoteWait()
+        for index, asked in asks.items():
+            wait.add(index, self.tiers[index].ask(asked))
+        return wait if wait.futures else None
+
+    def waited(self, wait: RemoteWait) -> None:
+        """Counts a Lookup's wait (now over) for each tier it asked, and the tiers
+        whose answers were not all in when it was answered."""
+        late = wait.late_tiers()
+        for index in set(wait.tiers):
+            counters = self._counters[index]
+            counters["lookup_waits"] += 1
+            if index in late:
+                counters["lookup_wait_timeouts"] += 1
 
     def _hold_waited_for(self, keys: Sequence[BlockKey], results: list[LookupResult]) -> None:
         """A prefix lookup that answers HIT_PENDING waits for that key and will load
@@ -300,6 +349,29 @@ class Tiering:
         counters["promotion_blocks"] += len(job.keys)
         self.tiers[index].submit_load(job)
 
+    def _promotion_failed(
+        self, index: int, failed: list[BlockKey], missing: set[BlockKey], of: int
+    ) -> None:
+        """Records a promotion's failed keys (of ``of``): those the tier found gone are
+        a plain MISS (promoted again once it holds them again); the others are not
+        promoted from it for :data:`PROMOTION_RETRY_AFTER` seconds."""
+        tier = self.tiers[index].name
+        gone = [key for key in failed if key in missing]
+        bad = [key for key in failed if key not in missing]
+        if gone:  # a cache evicts: nothing to report but the count
+            self.history.record(gone, tier, "promotion found it gone (evicted or removed)")
+            log.debug(
+                "pool %s: %d of %d blocks were gone from tier %s at their promotion; MISS",
+                self.pool_name, len(gone), of, tier,
+            )  # fmt: skip
+        if bad:
+            self._remember_failed(index, bad)
+            self.history.record(bad, tier, "promotion failed (unreadable or corrupt)")
+            log.info(
+                "pool %s: promotion of %d of %d blocks from tier %s failed; they answer MISS",
+                self.pool_name, len(bad), of, tier,
+            )  # fmt: skip
+
     def _recently_failed(self, index: int, key: BlockKey, now: float) -> bool:
         until = self._failed.get((index, key))
         if until is None:
@@ -365,14 +437,7 @@ class Tiering:
         done = self._manager.complete_store(loaded, success=True) if loaded else []
         if failed:
             self._manager.complete_store(failed, success=False)  # rows freed: MISS
-            self._remember_failed(index, failed)
-            self.history.record(
-                failed, self.tiers[index].name, "promotion failed (missing, unreadable or corrupt)"
-            )
-            log.info(
-                "pool %s: promotion of %d of %d blocks from tier %s failed; they answer MISS",
-                self.pool_name, len(failed), len(job.keys), self.tiers[index].name,
-            )  # fmt: skip
+            self._promotion_failed(index, failed, set(result.missing_keys), len(job.keys))
         if done:
             self._holds.hold(done)  # until the engine that asked pins them
             self._arm_hold_timer()

@@ -57,6 +57,16 @@ Capacity and eviction
     Every key the tier drops (evicted, failed verification, vanished) comes out
     of :meth:`~SecondaryTier.take_removed` once.
 
+Remote presence
+    A tier whose medium other daemons write (:attr:`SecondaryTier.remote`: the redis
+    tier, a shared fs root) knows what it holds only by asking the medium. Its
+    :meth:`~SecondaryTier.presence` says, from memory, per key: held, known absent,
+    or unknown; :meth:`~SecondaryTier.ask` asks the medium about unknown keys at
+    once and hands back futures that complete, on the loop, once the answers are in
+    (or the asking failed): after that, :meth:`~SecondaryTier.lookup` answers from
+    them. A Lookup waits on those futures for at most ``limits.remote_lookup_wait``
+    (:mod:`kvtierd.tiering.remote`); the tier's own I/O never waits on the loop.
+
 Isolation
     One instance serves one pool (its namespace and block size). What one
     instance stores is never found, loaded or evicted through another, even
@@ -66,6 +76,7 @@ Isolation
 from __future__ import annotations
 
 import abc
+import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -93,6 +104,11 @@ class JobResult:
     successful_keys: tuple[BlockKey, ...] | None = None
     seconds: float = 0.0
     bytes_moved: int = 0
+    # of a promotion's failed keys, those the tier found simply absent (the server
+    # evicted the value, another daemon removed the file): a plain MISS, tried again
+    # as soon as the tier holds the key again; the others (unreadable, corrupt, a
+    # fault) are not promoted from this tier again for a while
+    missing_keys: tuple[BlockKey, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +141,9 @@ class TierStats:
     server_capacity_bytes: int = 0  # maxmemory summed over masters; 0: unbounded
     server_used_bytes: int = 0  # used_memory summed over the reachable masters
     probe_failures: int = 0  # presence probes (per node) that failed
+    # presence round trips made (a remote tier: one pipelined EXISTS per node; a
+    # shared fs root: one batch of header checks), whatever asked them
+    probes: int = 0
     # a shared fs root (kvtierd.tiers.fs.shared); 0 for other tiers
     foreign_files_found: int = 0  # files other daemons wrote, found and indexed
     shared_rechecks: int = 0  # keys looked for on disk after a local miss
@@ -146,6 +165,8 @@ class SecondaryTier(abc.ABC):
 
     name: str
     medium: Medium
+    remote: bool = False
+    """True when other daemons write the tier's medium (module doc, "Remote presence")."""
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -197,6 +218,22 @@ class SecondaryTier(abc.ABC):
         """Whether the tier holds ``key`` now, without touching it or counting a
         lookup; None while not :attr:`ready` (for ``Explain``)."""
         return None
+
+    def presence(self, keys: Sequence[BlockKey]) -> list[bool | None]:
+        """Per key, from memory, changing nothing (no recency, no counter, no probe):
+        True when a :meth:`lookup` would answer HIT, False when the tier knows it
+        does not hold it, None when only asking the medium can tell (or while not
+        :attr:`ready`). A local tier knows what it holds: :meth:`contains`."""
+        return [self.contains(key) for key in keys]
+
+    def ask(self, keys: Sequence[BlockKey]) -> list[asyncio.Future[None]]:
+        """Asks the medium now about ``keys`` (some :meth:`presence` answered None
+        for), joining what is already being asked; returns futures that complete on
+        the loop once every key's answer is in, or its asking failed (then the key
+        stays unknown: MISS). Never blocks, never raises for a fault of the medium;
+        a key the tier cannot ask now (its queue full, shut down) gets no future.
+        Only a :attr:`remote` tier asks anything."""
+        return []
 
     def touch(self, keys: Sequence[BlockKey]) -> None:  # noqa: B027 - optional hook
         """Makes the held ``keys`` most recently used, in order (the last one is the

@@ -131,3 +131,9 @@ class ConfiguredTier(abc.ABC):
     def shutdown(self) -> None:
         """Stops what the pools share (threads, processes) once every pool's tier
         has shut down; queued jobs are reported failed. Idempotent."""
+
+    @property
+    def dropped_jobs(self) -> int:
+        """Jobs :meth:`shutdown` failed because they had not started yet (what a stop
+        dropped: cascades not written, promotions not served)."""
+        return 0

@@ -174,6 +174,10 @@ class ConfiguredFsTier(ConfiguredTier):
         if self._io is not None:
             await self._io.drain()
 
+    @property
+    def dropped_jobs(self) -> int:
+        return self._io.dropped_batches if self._io is not None else 0
+
     def shutdown(self) -> None:
         """Fails queued jobs, joins the I/O threads (running ones finish), then stops
         the I/O worker processes (no thread can send them a request anymore). Idempotent."""

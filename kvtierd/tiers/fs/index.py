@@ -44,6 +44,7 @@ COUNTERS = (
     "shared_rechecks",  # keys looked for on disk after a local miss
     "shared_rescans",  # periodic rescans of the pool directory finished
     "shared_files_vanished",  # indexed files someone else removed (found at a rescan or load)
+    "probes",  # batches of keys checked on disk after local misses (TierStats.probes)
 )
 
 

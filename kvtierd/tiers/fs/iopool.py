@@ -98,6 +98,9 @@ class IoPool:
         self._pending_write_jobs = 0  # guarded by _cond
         self._pending_write_bytes = 0  # guarded by _cond
         self._stopping = False  # guarded by _cond
+        # batches failed because shutdown came before they ran (any thread reads it
+        # after shutdown returned): the jobs a stop dropped
+        self.dropped_batches = 0
         self._outstanding = 0  # loop thread only: accepted batches not yet delivered
         self._idle_waiters: list[asyncio.Future[None]] = []  # loop thread only
         self._threads = [
@@ -170,7 +173,8 @@ class IoPool:
         await waiter
 
     def shutdown(self, join_s: float | None = None) -> None:
-        """Fails every queued task (their batches still report once) and joins the threads.
+        """Fails every queued task (their batches still report once, counted in
+        :attr:`dropped_batches`) and joins the threads.
 
         Tasks already running finish normally. Bounded: threads still running a
         task after ``join_s`` seconds in all (stuck in the file system) are left
@@ -186,6 +190,7 @@ class IoPool:
             self._reads.clear()
             self._writes.clear()
             self._cond.notify_all()
+        self.dropped_batches += len({id(batch) for _, batch, _ in queued})
         for _, batch, index in queued:
             self._record(batch, index, Outcome(error=PoolShutDown("I/O pool shut down")))
         current = threading.current_thread()

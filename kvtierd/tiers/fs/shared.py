@@ -14,6 +14,9 @@ this module keeps it in step with the disk, on one thread per pool's tier
   header check the start-up scan makes; a file that passes joins the index
   (most recently used) and the next lookup answers HIT. A key found missing
   enters the negative cache (at most :data:`MAX_ABSENT` keys, oldest first out).
+  A Lookup may wait for the check of its keys (``limits.remote_lookup_wait``):
+  :meth:`SharedRoot.want` takes a callback, called (from the thread) once every
+  key it queued, or found queued or being checked, has been checked.
 * **Rescans.** Every ``rescan_interval`` seconds the thread walks the pool
   directory (directory entries only: ``d_type``, no ``stat`` of known files):
   indexed files that are gone leave the index (:meth:`BlockIndex.drop_absent`),
@@ -38,7 +41,8 @@ A file that fails its header check is removed if the path still names it
 ``integrity_failures``: not sealed under the tier's keys), logged
 (rate-limited) and the key negative-cached.
 
-Locking: ``SharedRoot._lock`` guards ``_wanted``, ``_absent`` and ``_stopping``;
+Locking: ``SharedRoot._lock`` guards ``_wanted``, ``_checking``, ``_absent``,
+``_waiters`` and ``_stopping``;
 it is held only for dictionary work, never across file system calls, and
 never together with the index's lock.
 """
@@ -50,7 +54,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from kvtierd.contract import BlockKey
 from kvtierd.tiers.fs import blockfile, fsformat, safefs
@@ -69,6 +73,16 @@ MAX_WANTED = 16384  # keys waiting for a check (~4 MiB at 256-byte keys); more: 
 MAX_ABSENT = 32768  # negative-cache entries (~10 MiB at 256-byte keys), oldest evicted first
 JOIN_S = 2.0  # shutdown waits this long for a thread stuck in the file system
 FAULT_LOG_INTERVAL_S = 10.0
+
+
+class _Waiter:
+    """Keys a Lookup waits for and how to tell it (``notify``: any thread)."""
+
+    __slots__ = ("keys", "notify")
+
+    def __init__(self, keys: set[BlockKey], notify: Callable[[], None]) -> None:
+        self.keys = keys
+        self.notify = notify
 
 
 class SharedRoot:
@@ -111,17 +125,23 @@ class SharedRoot:
         # key -> monotonic time until which it answers MISS unchecked; insertion
         # order is expiry order (one ttl for all), so the oldest is first.
         self._absent: OrderedDict[BlockKey, float] = OrderedDict()
+        # Guarded by _lock. Lookups waiting for the check of some queued keys: at most
+        # one per Lookup that waits (each holds keys of _wanted and _checking only)
+        self._waiters: list[_Waiter] = []
         self._stopping = False
         self._thread: threading.Thread | None = None
 
     # -- event loop ------------------------------------------------------------------
 
-    def want(self, keys: Iterable[BlockKey]) -> int:
+    def want(self, keys: Iterable[BlockKey], on_checked: Callable[[], None] | None = None) -> int:
         """Queues keys the index missed for a check of the disk, except those the
         negative cache still holds or already queued; returns how many it queued.
+        ``on_checked``: called from the thread once every key queued here, or found
+        queued or being checked, was checked (at once here when there is none).
         Never blocks on the file system (a dictionary update under a short lock)."""
         now = time.monotonic()
         queued = 0
+        waited: set[BlockKey] = set()
         with self._lock:
             if self._stopping:
                 return 0
@@ -132,14 +152,47 @@ class SharedRoot:
                         continue
                     del self._absent[key]
                 if key in self._wanted or key in self._checking:
+                    waited.add(key)
                     continue
                 if len(self._wanted) >= MAX_WANTED:
                     break
                 self._wanted[key] = None
+                waited.add(key)
                 queued += 1
             if queued:
                 self._wake.notify()
+            if on_checked is not None and waited:
+                self._waiters.append(_Waiter(waited, on_checked))
+                on_checked = None
+        if on_checked is not None:
+            on_checked()  # nothing to check: answered already
         return queued
+
+    def unknown(self, key: BlockKey) -> bool:
+        """Whether ``key`` (not in the index) may still be on disk: not found missing
+        within ``negative_ttl`` (loop; a short lock)."""
+        with self._lock:
+            until = self._absent.get(key)
+        return until is None or until <= time.monotonic()
+
+    def _checked_batch(self, batch: list[BlockKey]) -> None:
+        """The keys of ``batch`` are answered: the waiters they complete are told."""
+        done: list[_Waiter] = []
+        with self._lock:
+            self._checking.difference_update(batch)
+            if self._waiters:
+                for waiter in self._waiters:
+                    waiter.keys.difference_update(batch)
+                done = [waiter for waiter in self._waiters if not waiter.keys]
+                self._waiters = [waiter for waiter in self._waiters if waiter.keys]
+        for waiter in done:
+            waiter.notify()
+
+    def _release_waiters(self) -> None:
+        with self._lock:
+            waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            waiter.notify()
 
     # -- lifecycle (any thread) --------------------------------------------------------
 
@@ -156,6 +209,7 @@ class SharedRoot:
         with self._lock:
             self._stopping = True
             self._wake.notify()
+        self._release_waiters()  # they answer from what is known (MISS)
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(JOIN_S)
@@ -189,8 +243,7 @@ class SharedRoot:
                     try:
                         self._check_keys(batch)
                     finally:
-                        with self._lock:
-                            self._checking.difference_update(batch)
+                        self._checked_batch(batch)
                 if time.monotonic() >= next_rescan:
                     self.rescan()
                     next_rescan = time.monotonic() + self.rescan_interval
@@ -204,6 +257,7 @@ class SharedRoot:
         when missing or bad."""
         absent: list[BlockKey] = []
         adopted = 0
+        self._index.count("probes")
         try:
             pool = PoolDir(self.pool_dir)
         except (OSError, UnexpectedEntry) as exc:

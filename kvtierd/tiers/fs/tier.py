@@ -54,7 +54,7 @@ Ownership and invariants:
   thread, started once the index is ready, adopts files other daemons wrote
   (after a lookup missed them, or at a periodic rescan) and drops files they
   removed; a lookup still answers from the index alone (MISS at once for what
-  it does not hold yet).
+  it does not hold yet, unless the Lookup waits for the check: :meth:`FsTier.ask`).
 """
 
 from __future__ import annotations
@@ -89,6 +89,7 @@ from kvtierd.tiers.fs.startup import FsTierError, PoolMismatchError
 from kvtierd.tiers.fs.unserved import UnservedPools
 from kvtierd.tiers.fs.writelog import WriteFailureLog
 from kvtierd.tiers.integrity import KeyRing
+from kvtierd.util.loopfuture import completer
 from kvtierd.util.ratelimit import RateLimitedLog
 
 __all__ = ["DiskBudget", "FsTier", "FsTierError", "PoolMismatchError", "ScanReport", "TierFull"]
@@ -210,6 +211,7 @@ class FsTier(SecondaryTier):
                 keys=parts.integrity,
             ) if settings.shared else None
         )  # fmt: skip
+        self.remote = settings.shared  # other daemons write the root: a Lookup may wait for a check
         self._ready: asyncio.Future[None] | None = None
         self._write_log = parts.write_log or WriteFailureLog(name, log)
         self._region_faults = RateLimitedLog(log, REGION_FAULT_LOG_S)  # loop thread
@@ -315,6 +317,25 @@ class FsTier(SecondaryTier):
     def contains(self, key: BlockKey) -> bool | None:
         return self.index.contains(key)
 
+    def presence(self, keys: Sequence[BlockKey]) -> list[bool | None]:
+        """Indexed: True; not indexed: False, or on a shared root None unless found
+        missing within ``shared_negative_ttl`` (the disk may hold what others wrote)."""
+        if not self.index.ready:
+            return [None] * len(keys)
+        shared, contains = self.shared, self.index.contains
+        if shared is None:
+            return [contains(key) for key in keys]
+        return [True if contains(key) else (None if shared.unknown(key) else False)
+                for key in keys]  # fmt: skip
+
+    def ask(self, keys: Sequence[BlockKey]) -> list[asyncio.Future[None]]:
+        """A shared root: the keys' header checks, queued now (:mod:`.shared`)."""
+        if self.shared is None or not self.index.ready or not keys:
+            return []
+        future: asyncio.Future[None] = self._loop.create_future()
+        self.shared.want(keys, completer(self._loop, future))
+        return [future]
+
     def removals(self, key: BlockKey) -> list[tuple[float, str]]:
         return self.index.removals(key)
 
@@ -391,12 +412,15 @@ class FsTier(SecondaryTier):
     def _load_done(self, job: TierJob, outcomes: list[Outcome], start: float) -> None:
         loaded = tuple(key for key, o in zip(job.keys, outcomes, strict=True) if o.ok)
         failures = len(job.keys) - len(loaded)
+        gone: tuple[BlockKey, ...] = ()
         if failures:
             self.index.count("load_failures", failures)
             for outcome in outcomes:
                 if _row_cut_short(outcome.error):
                     self._region_fault("promotion", outcome.error)
-        self._report(job, loaded, failures, start, len(loaded) * self.file_bytes)
+            gone = tuple(key for key, o in zip(job.keys, outcomes, strict=True)
+                         if isinstance(o.error, FileNotFoundError))  # fmt: skip
+        self._report(job, loaded, failures, start, len(loaded) * self.file_bytes, gone)
 
     def _region_fault(self, kind: str, error: BaseException | None) -> None:
         """One rate-limited WARNING per kind per :data:`REGION_FAULT_LOG_S`: a row of
@@ -407,8 +431,10 @@ class FsTier(SecondaryTier):
         )  # fmt: skip
 
     def _report(
-        self, job: TierJob, done: tuple[BlockKey, ...], failures: int, start: float, moved: int
-    ) -> None:
+        self, job: TierJob, done: tuple[BlockKey, ...], failures: int, start: float, moved: int,
+        gone: tuple[BlockKey, ...] = (),
+    ) -> None:  # fmt: skip
+        """``gone``: a load's keys whose file was not there (removed: a plain MISS)."""
         self._on_done(
             JobResult(
                 job_id=job.job_id,
@@ -416,6 +442,7 @@ class FsTier(SecondaryTier):
                 successful_keys=done or None,
                 seconds=time.perf_counter() - start,
                 bytes_moved=moved,
+                missing_keys=gone,
             )
         )
 

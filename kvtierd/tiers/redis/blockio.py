@@ -7,7 +7,7 @@ header and payload, :mod:`kvtierd.tiers.integrity`), then the row's bytes, under
 ``<key_space><block key>``. :class:`RedisBlockIO` stores a row (``SET NX``, the
 row sent unjoined from this thread's bounce buffer), loads one (``GETRANGE``,
 bounded to one value's size plus a byte, verified before a byte reaches the
-row), probes presence and deletes, through the tier's
+row) and deletes, through the tier's
 :class:`~kvtierd.tiers.redis.link.RedisLink`.
 
 Rows are never touched through the region's mapping (a client may truncate the
@@ -167,23 +167,7 @@ class RedisBlockIO:
             view[: fsformat.HEADER_SIZE], header, view[fsformat.HEADER_SIZE :], self.keys
         )
 
-    # -- presence and deletes ------------------------------------------------------------
-
-    def exists(
-        self, redis_keys: list[bytes]
-    ) -> tuple[list[bool | None], int, BaseException | None]:
-        """One pipeline of EXISTS per node, one round trip. Each key's answer (None:
-        its node failed), the nodes that failed and one of their errors."""
-        replies, failed_nodes = self.link.per_node("EXISTS", redis_keys)
-        answers: list[bool | None] = []
-        error: BaseException | None = None
-        for reply in replies:
-            if isinstance(reply, BaseException):
-                answers.append(None)
-                error = reply
-            else:
-                answers.append(bool(reply))
-        return answers, failed_nodes or int(error is not None), error
+    # -- deletes --------------------------------------------------------------------------
 
     def delete_if_same(self, redis_key: bytes, value: bytes) -> None:
         """Deletes a bad value unless another writer replaced it meanwhile

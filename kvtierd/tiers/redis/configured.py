@@ -5,7 +5,9 @@ Its pools share one :class:`~kvtierd.tiers.redis.link.RedisLink` (the redis-py
 client, standalone or Cluster: thread-safe connection pools, at most
 ``threads`` connections busy at once per node, one per I/O thread), one
 :class:`~kvtierd.tiers.fs.iopool.IoPool` of ``threads`` I/O threads with the
-write-queue limits and one rate-limited fault log. ``capacity`` bounds each
+write-queue limits, one :class:`~kvtierd.tiers.redis.prober.Prober` (the
+presence probes of every pool: one in flight per node, on threads of its own, so
+a probe never waits behind block transfers) and one rate-limited fault log. ``capacity`` bounds each
 pool's tier (it evicts its own blocks).
 
 No connection is made at start: a server that is down when the daemon starts is
@@ -34,6 +36,7 @@ from kvtierd.tiers.integrity import KeyRing
 from kvtierd.tiers.keyfiles import integrity_words, load_keyring
 from kvtierd.tiers.redis.access import check_tls, explain
 from kvtierd.tiers.redis.link import RedisLink
+from kvtierd.tiers.redis.prober import Prober
 from kvtierd.tiers.redis.settings import RedisTierSettings
 from kvtierd.tiers.redis.tier import FAULT_LOG_INTERVAL_S, RedisTier
 from kvtierd.util.ratelimit import RateLimitedLog
@@ -70,6 +73,7 @@ class ConfiguredRedisTier(ConfiguredTier):
         self.keys: KeyRing | None = None  # read by check()
         self._link: RedisLink | None = None
         self._io: IoPool | None = None
+        self._prober: Prober | None = None
         self._pools = 0
         # the pools' tiers, told each health refresh (a closed pool's tier goes away)
         self._tiers: weakref.WeakSet[RedisTier] = weakref.WeakSet()
@@ -96,7 +100,7 @@ class ConfiguredRedisTier(ConfiguredTier):
     ) -> RedisTier:
         s = self.settings
         if self._link is None:
-            self._link = RedisLink(s, self._password)
+            self._link = RedisLink(s, self._password, self.name)
         if self._io is None:
             self._io = IoPool(
                 loop,
@@ -106,6 +110,8 @@ class ConfiguredRedisTier(ConfiguredTier):
                 max_queue_bytes=s.max_queue_bytes,
                 name=f"kvtierd-{self.name}",
             )
+        if self._prober is None:
+            self._prober = Prober(self._link, loop, self.name)
         self._pools += 1
         tier = RedisTier(
             self.name,
@@ -124,6 +130,7 @@ class ConfiguredRedisTier(ConfiguredTier):
             presence_ttl_s=s.presence_ttl,
             faults=self.faults,
             integrity=self.keys,
+            prober=self._prober,
         )
         self._tiers.add(tier)
         if self._health_timer is None and not self._closed:
@@ -146,10 +153,12 @@ class ConfiguredRedisTier(ConfiguredTier):
         self._health_in_flight = False
         outcome = outcomes[0]
         if not outcome.ok:
-            if isinstance(outcome.error, redis.RedisError):
+            error = outcome.error
+            logged = self._link is not None and self._link.node_down(error)  # once, there
+            if isinstance(error, redis.RedisError) and not logged:
                 self.faults.warning(
                     ("health", self.name), "redis tier %s: health check failed: %s",
-                    self.name, explain(outcome.error, self.settings),
+                    self.name, explain(error, self.settings),
                 )  # fmt: skip
             return
         for tier in list(self._tiers):
@@ -159,6 +168,10 @@ class ConfiguredRedisTier(ConfiguredTier):
         if self._io is not None:
             await self._io.drain()
 
+    @property
+    def dropped_jobs(self) -> int:
+        return self._io.dropped_batches if self._io is not None else 0
+
     def shutdown(self) -> None:
         """Stops the health timer, fails queued jobs, joins the I/O threads, closes
         the connections. Idempotent."""
@@ -166,6 +179,8 @@ class ConfiguredRedisTier(ConfiguredTier):
         if self._health_timer is not None:
             self._health_timer.cancel()
             self._health_timer = None
+        if self._prober is not None:
+            self._prober.close()
         if self._io is not None:
             self._io.shutdown()
         if self._link is not None:

@@ -1,9 +1,10 @@
 """The link of one configured redis tier to its server: a standalone server or a Cluster.
 
 One :class:`RedisLink` per configured redis tier, shared by its pools, used on
-I/O threads only (every method may block up to ``timeout``; none is ever called
-on the event loop). It decides the server's mode, routes each key to the node
-that owns it, and keeps the server's health (nodes, round trips, memory).
+I/O threads (every method but :meth:`RedisLink.route` may block up to
+``timeout``; none of them is ever called on the event loop). It decides the
+server's mode, routes each key to the node that owns it, and keeps the server's
+health (nodes, round trips, memory).
 
 Mode: ``cluster = false`` a :class:`redis.Redis` of the first URL; ``true`` a
 :class:`redis.cluster.RedisCluster` seeded with every URL; ``"auto"`` asks the
@@ -30,6 +31,11 @@ A connection error or timeout on a node asks for a topology refresh
 a failover's new master is found without waiting for a MOVED; a node restarted
 on its address is used again at the next call (the pools reconnect).
 
+A node's fault is logged once: a WARNING at its first failure since it last
+answered (naming it and why), an INFO when it answers again; the calls it fails
+meanwhile are the tiers' DEBUG lines (:meth:`RedisLink.node_down`). No server
+reached at all (the client cannot be built) is one WARNING too.
+
 A node that timed out is **skipped** (:class:`NodeSkipped`, at once, no I/O)
 for ``max(timeout, 1 s)``; then one call at a time tries it (the others
 keep skipping it) and its success takes it back, as does an answered health
@@ -37,6 +43,8 @@ check. Why: every cascade pins its primary block until the tier reports, and a
 node that stopped answering without a reset (a hung host, a black-holed route)
 made each block wait ``timeout`` on a thread, which throttled the primary's
 stores to ``threads / timeout`` blocks a second (an attack test).
+
+:meth:`RedisLink.route` is the one method the event loop calls (the slot map only).
 
 Multi-key commands are avoided: every block is one value under one key, and
 the keys of one batch hash to different slots (different nodes), which a
@@ -61,7 +69,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import AskError, RedisClusterException
 from redis.retry import Retry
 
-from kvtierd.tiers.redis.access import tls_options, uses_tls
+from kvtierd.tiers.redis.access import explain, tls_options, uses_tls
 from kvtierd.tiers.redis.deadline import CallDeadlines, Watched, deadline_connection_class
 from kvtierd.tiers.redis.health import NodeInfo, ServerHealth, summarize
 from kvtierd.tiers.redis.settings import RedisTierSettings
@@ -97,8 +105,12 @@ class RedisLink:
     time).
     """
 
-    def __init__(self, settings: RedisTierSettings, password: str | None) -> None:
+    def __init__(
+        self, settings: RedisTierSettings, password: str | None, name: str = "redis"
+    ) -> None:
+        """``name``: the configured tier's (its log lines say it)."""
         self.settings = settings
+        self.name = name
         self._password = password
         self._lock = threading.Lock()
         self._client: redis.Redis | RedisCluster | None = None
@@ -113,6 +125,9 @@ class RedisLink:
         # node name -> monotonic time until which its calls are skipped (guarded by
         # _lock); a node is in it from a connection error or timeout to a success
         self._skip_until: dict[str, float] = {}
+        # node name -> why it failed, from its first failure to its next answer (guarded
+        # by _lock): a fault is logged once, when the node enters it, and its end once
+        self._down: dict[str, str] = {}
         self._skip_for = max(settings.timeout, 1.0)
         # a whole call (send and answer) is cut past twice the socket timeout
         self._deadlines = CallDeadlines(
@@ -170,8 +185,15 @@ class RedisLink:
             except (redis.RedisError, RedisClusterException, OSError) as exc:
                 with self._lock:
                     self._resolved_at = time.monotonic()
+                    first = self._resolve_error is None
                     self._resolve_error = exc
-                # chained: the fault log says what the server refused (access.explain)
+                if first:  # once per streak; the tier's own lines about it are DEBUG
+                    log.warning(
+                        "redis tier %s: no server reached at %s (%s); every block of "
+                        "the tier fails (MISS, writes dropped) until one answers",
+                        self.name, ", ".join(_netloc(u) for u in self.settings.urls),
+                        explain(exc, self.settings),
+                    )  # fmt: skip
                 raise redis.ConnectionError(f"server not reached: {exc}") from exc
             mode = "cluster" if isinstance(client, RedisCluster) else "standalone"
             health = ServerHealth(mode=mode, nodes_known=len(self._masters(client)))
@@ -248,6 +270,20 @@ class RedisLink:
             return [(n.name, client.get_redis_connection(n)) for n in client.get_primaries()]
         return [("server", client)]
 
+    def route(self, redis_key: bytes) -> str | None:
+        """The name of the master owning ``redis_key`` from the slot map, or None before
+        the client is built or for a slot no master covers. Never blocks (the event
+        loop calls it: a CRC and a dictionary read)."""
+        client = self._client
+        if client is None:
+            return None
+        if isinstance(client, RedisCluster):
+            try:
+                return str(client.get_node_from_key(redis_key).name)
+            except RedisClusterException:  # SlotNotCoveredError: its master is gone
+                return None
+        return "server"
+
     def node_for(self, redis_key: bytes) -> tuple[str, NodeClient]:
         """The name and client of the master owning ``redis_key`` (slot map, no I/O)."""
         client = self.client()
@@ -278,15 +314,38 @@ class RedisLink:
 
     def _node_failed(self, name: str, exc: BaseException) -> None:
         """Skips node ``name`` after a timeout (a refused connection fails fast by
-        itself: a node restarted on its address is used at the very next call)."""
-        if isinstance(exc, (redis.TimeoutError, TimeoutError)):
-            with self._lock:
+        itself: a node restarted on its address is used at the very next call).
+        The node's first failure since it last answered is logged, once."""
+        timed_out = isinstance(exc, (redis.TimeoutError, TimeoutError))
+        with self._lock:
+            if timed_out:
                 self._skip_until[name] = time.monotonic() + self._skip_for
+            first = name not in self._down
+            if first:
+                self._down[name] = f"{type(exc).__name__}: {exc}"
+        if first:
+            log.warning(
+                "redis tier %s: node %s failed (%s: %s); its keys answer MISS and its "
+                "writes fail until it answers again%s",
+                self.name, self._node_text(name), type(exc).__name__, exc,
+                f" (skipped; one call tries it every {self._skip_for:g}s)" if timed_out else "",
+            )  # fmt: skip
 
     def _node_answered(self, name: str) -> None:
-        if name in self._skip_until:
+        if name in self._skip_until or name in self._down:
             with self._lock:
                 self._skip_until.pop(name, None)
+                was = self._down.pop(name, None)
+            if was is not None:
+                log.info("redis tier %s: node %s answers again", self.name, self._node_text(name))
+
+    def node_down(self, error: BaseException | None) -> bool:
+        """Whether ``error`` is a node's (or the server's) fault the link has logged:
+        a connection failure or a timeout (the tier logs its own part at DEBUG)."""
+        return isinstance(error, (redis.ConnectionError, redis.TimeoutError, TimeoutError))
+
+    def _node_text(self, name: str) -> str:
+        return _netloc(self.settings.urls[0]) if name == "server" else name
 
     # -- commands (I/O threads) ----------------------------------------------------------
 

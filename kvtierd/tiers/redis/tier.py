@@ -28,18 +28,27 @@ configured tier), in :mod:`.blockio`, and reports through
 * presence: a lookup answers from what the tier knows on the loop -- the keys
   it stored (held, in recency order) and a short-lived presence cache of
   batched ``EXISTS`` answers (``presence_ttl``) about keys other daemons may
-  have stored. A key it knows nothing about answers MISS at once and joins the
-  next probe: one pipeline of ``EXISTS`` per node owning some of the keys
-  waiting (a Cluster: up to one per master, all sent before any is read: one
-  round trip), one probe in flight at a time. An engine's next step (a lookup
-  after the probe returned, typically a millisecond later) sees HIT. A node
-  that fails the probe leaves its keys unknown (MISS, asked again at their next
-  lookup); the other nodes' answers stand.
+  have stored. A key it knows nothing about is asked of the server through the
+  configured tier's :class:`~kvtierd.tiers.redis.prober.Prober` (one pipeline of
+  ``EXISTS`` per node in flight, shared by every lookup of every pool). A Lookup
+  waits for that answer (:meth:`RedisTier.ask`, at most
+  ``limits.remote_lookup_wait``) and answers HIT_PENDING for what the server
+  holds; past the wait (or with ``0s``) the key answers MISS and the probe's
+  answer serves the next lookup. A node that fails the probe leaves its keys
+  unknown (MISS, asked again at their next lookup); the other nodes' answers
+  stand.
+* a held key (one this tier stored) is trusted for ``presence_ttl`` after it was
+  stored or last seen present; after that :meth:`RedisTier.presence` calls it
+  unknown, so a Lookup that would promote it asks the server first: a block the
+  server evicted answers MISS instead of a HIT_PENDING whose promotion fails. A
+  promotion that finds the value gone anyway is a plain MISS
+  (``JobResult.missing_keys``: no retry ban).
 
 Routing, redirects and the server's health are :mod:`.link`'s (one per
 configured tier). The health refresh (``info_interval``) tells
 :meth:`RedisTier.on_health` the server's evictions: when they grew, the held
-keys are probed again and those the server dropped are dropped here too.
+keys are probed again (the least recently used first, at most
+:data:`MAX_PROBE_WANTED`) and those the server dropped are dropped here too.
 
 Capacity: with ``capacity`` > 0 the tier keeps at most that many bytes of its
 own blocks and deletes the least recently used to admit a new one; with 0 the
@@ -48,16 +57,18 @@ missing at its load or at the re-probe after an eviction (MISS, dropped from
 the held set): a write is never assumed to have stayed.
 
 Faults (server down, timeout, OOM, refused credentials, ACL or TLS): the job's
-keys fail, counted; a WARNING at most every 10 s per kind saying what the server
-refused and which option fixes it (:func:`~kvtierd.tiers.redis.access.explain`);
-the tier answers from what it knows and probes again. The daemon never stops for
-it.
+keys fail, counted; a node that fails or hangs is logged once by the link (the
+calls it fails are DEBUG lines here), any other error a WARNING at most every
+10 s per kind saying what the server refused and which option fixes it
+(:func:`~kvtierd.tiers.redis.access.explain`); the tier answers from what it
+knows and probes again. The daemon never stops for it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 import time
 from collections import Counter, OrderedDict
@@ -76,14 +87,15 @@ from kvtierd.tiers.redis.access import explain
 from kvtierd.tiers.redis.blockio import WRITTEN, BlockCorrupt, BlockMissing, RedisBlockIO
 from kvtierd.tiers.redis.health import ServerHealth
 from kvtierd.tiers.redis.link import RedisLink
+from kvtierd.tiers.redis.prober import Prober
 from kvtierd.util.ratelimit import RateLimitedLog
 
 log = logging.getLogger("kvtierd.tiers.redis")
 
 HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 REMOVALS_KEPT = 1024
-PROBE_BATCH = 512  # keys per EXISTS pipeline
-MAX_PROBE_WANTED = 16 * PROBE_BATCH  # keys waiting for a probe; more answer MISS unprobed
+MAX_PROBE_WANTED = 8192  # held keys probed again after the server evicted some
+PRESENCE_KEPT = 2048  # presence answers kept before the stale ones are swept
 FAULT_LOG_INTERVAL_S = 10.0
 GROUP_BLOCKS_BYTES = 16 << 20  # blocks per I/O task: about 16 MiB
 _COUNTERS = (
@@ -106,6 +118,7 @@ class RedisTier(SecondaryTier):
     threads touch the region rows of running jobs and the client, nothing else."""
 
     medium = Medium.REMOTE
+    remote = True
 
     def __init__(
         self,
@@ -126,10 +139,13 @@ class RedisTier(SecondaryTier):
         faults: RateLimitedLog | None = None,
         region_rows: RegionRows | None = None,
         integrity: KeyRing | None = None,
+        prober: Prober | None = None,
     ) -> None:
         """``region_rows``: how the I/O threads copy rows (the pool's region's; None:
         one made of ``region_buffer``, owned and closed by :meth:`shutdown`).
-        ``integrity``: the keys values are sealed with and verified under."""
+        ``integrity``: the keys values are sealed with and verified under.
+        ``prober``: the configured tier's presence probes (None: one of its own,
+        closed by :meth:`shutdown`)."""
         region = region_buffer.cast("B") if region_buffer.format != "B" else region_buffer
         if block_bytes < 1 or len(region) % block_bytes:
             raise ValueError("region_buffer length is not a multiple of block_bytes")
@@ -145,6 +161,8 @@ class RedisTier(SecondaryTier):
         self.fingerprint = self.identity.fingerprint
         self.key_space = f"{key_prefix}:{self.fingerprint.hex()}:".encode()
         self._link = link
+        self._own_prober = prober is None
+        self._prober = prober if prober is not None else Prober(link, loop, name)
         self._on_done = on_done
         self._loop = loop
         self._io = io_pool
@@ -160,10 +178,10 @@ class RedisTier(SecondaryTier):
         # dropped since, least recently used first; len * value_bytes is used_bytes.
         # each with the monotonic time its value expires on the server (inf without ttl)
         self._held: OrderedDict[BlockKey, float] = OrderedDict()
+        # held key -> monotonic time it was last known present (stored, probed, loaded)
+        self._confirmed: dict[BlockKey, float] = {}
         self._writing: Counter[BlockKey] = Counter()  # keys of store jobs in flight
         self._presence: dict[BlockKey, tuple[bool, float]] = {}  # key -> (present, until)
-        self._probe_wanted: dict[BlockKey, None] = {}  # keys waiting for the next probe
-        self._probing = False  # one probe in flight at a time
         self._counters: Counter[str] = Counter(dict.fromkeys(_COUNTERS, 0))
         self._dropped: list[BlockKey] = []
         self._removals: OrderedDict[BlockKey, tuple[float, str]] = OrderedDict()
@@ -171,7 +189,6 @@ class RedisTier(SecondaryTier):
         self._closed = False
         # the server as last seen: set by prepare (before launch), then on the loop
         self._health = ServerHealth()
-        self._reprobe_held = False  # the server evicted keys: probe the held ones again
 
     def prepare(self) -> None:
         """Off the loop: learns the server's mode and health (memory limit for
@@ -184,14 +201,14 @@ class RedisTier(SecondaryTier):
 
     def on_health(self, health: ServerHealth) -> None:
         """Loop: the configured tier's periodic refresh saw ``health``. Evictions
-        grew since the last one: every held key is probed again (a key the server
-        dropped answers MISS from then on, without a failed promotion first)."""
-        if health.evicted_keys > self._health.evicted_keys and self._health.mode != "unknown":
-            self._reprobe_held = True
+        grew since the last one: the held keys are probed again, least recently used
+        first (a key the server dropped answers MISS from then on, without a failed
+        promotion first)."""
+        evicted = health.evicted_keys > self._health.evicted_keys
+        if evicted and self._health.mode != "unknown" and not self._closed:
+            held = itertools.islice(self._held, MAX_PROBE_WANTED)
+            self._prober.ask(self, [(self._blocks.redis_key(k), k) for k in held])
         self._health = health
-        if self._reprobe_held:
-            self._queue_held_for_probe()
-            self._start_probe()
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -217,7 +234,8 @@ class RedisTier(SecondaryTier):
     def shutdown(self) -> None:
         """No new probes; the shared I/O pool (its owner stops it) fails what is queued."""
         self._closed = True
-        self._probe_wanted.clear()
+        if self._own_prober:
+            self._prober.close()
         if self._own_rows is not None:
             self._own_rows.close()  # copies in flight finish first; later ones fail
 
@@ -228,22 +246,27 @@ class RedisTier(SecondaryTier):
             return [RETRY] * len(keys)
         now = time.monotonic()
         results = []
+        unknown: list[BlockKey] = []
         for key in keys:
-            if self._knows(key, now):
+            known = self._knows(key, now)
+            if known:
                 if key in self._held:
                     self._held.move_to_end(key)
                 results.append(HIT)
             else:
+                if known is None:
+                    unknown.append(key)
                 results.append(MISS)
         hits = results.count(HIT)
         self._counters["hits"] += hits
         self._counters["misses"] += len(keys) - hits
-        self._start_probe()
+        if unknown:  # asked now; their answers serve the next lookup
+            self.ask(unknown)
         return results
 
-    def _knows(self, key: BlockKey, now: float) -> bool:
-        """True when the key is held or a fresh probe saw it; an unknown or stale
-        key is queued for the next probe (a held key past its ttl is dropped)."""
+    def _knows(self, key: BlockKey, now: float) -> bool | None:
+        """True when the key is held or a fresh probe saw it, False when a fresh
+        probe found it absent, None when unknown (a held key past its ttl is dropped)."""
         expires = self._held.get(key)
         if expires is not None:
             if expires > now:
@@ -252,9 +275,33 @@ class RedisTier(SecondaryTier):
         seen = self._presence.get(key)
         if seen is not None and seen[1] > now:
             return seen[0]
-        if not self._closed and len(self._probe_wanted) < MAX_PROBE_WANTED:
-            self._probe_wanted[key] = None
-        return False
+        return None
+
+    def presence(self, keys: Sequence[BlockKey]) -> list[bool | None]:
+        """Held and seen within ``presence_ttl``, or seen present by a fresh probe:
+        True; found absent by a fresh probe (or past its ttl): False; else None
+        (a held key not seen lately too: the server may have evicted it)."""
+        if not self.ready:
+            return [None] * len(keys)
+        now = time.monotonic()
+        stale = now - self._presence_ttl_s
+        answers: list[bool | None] = []
+        for key in keys:
+            expires = self._held.get(key)
+            if expires is not None:
+                answers.append(
+                    False if expires <= now else (True if self._confirmed[key] > stale else None)
+                )
+                continue
+            seen = self._presence.get(key)
+            answers.append(seen[0] if seen is not None and seen[1] > now else None)
+        return answers
+
+    def ask(self, keys: Sequence[BlockKey]) -> list[asyncio.Future[None]]:
+        """The keys' presence asked of their nodes (:mod:`.prober`)."""
+        if self._closed or not keys:
+            return []
+        return self._prober.ask(self, [(self._blocks.redis_key(k), k) for k in keys])
 
     def contains(self, key: BlockKey) -> bool | None:
         if not self.ready:
@@ -278,59 +325,36 @@ class RedisTier(SecondaryTier):
         entry = self._removals.get(key)
         return [entry] if entry else []
 
-    # -- probes: batched EXISTS off the loop ---------------------------------------------
+    # -- probe answers (loop) --------------------------------------------------------------
 
-    def _start_probe(self) -> None:
-        if self._probing or not self._probe_wanted or self._closed:
-            return
-        keys = list(self._probe_wanted)[:PROBE_BATCH]
-        for key in keys:
-            del self._probe_wanted[key]
-        self._probing = True
-        # only a key held when the probe left may be dropped by its answer: one stored
-        # meanwhile was absent when asked and present now
-        held = {key for key in keys if key in self._held}
-        task = functools.partial(self._blocks.exists, [self._blocks.redis_key(k) for k in keys])
-        self._io.submit_read([task], lambda outcomes: self._probe_done(keys, held, outcomes[0]))
-
-    def _queue_held_for_probe(self) -> None:
-        """Queues held keys for a probe, least recently used first, within the cap;
-        the flag stays up until every held key was queued."""
-        room = MAX_PROBE_WANTED - len(self._probe_wanted)
-        for key in self._held:
-            if room <= 0:
-                return
-            if key not in self._probe_wanted:
-                self._probe_wanted[key] = None
-                room -= 1
-        self._reprobe_held = False
-
-    def _probe_done(self, keys: list[BlockKey], held: set[BlockKey], outcome: Outcome) -> None:
-        self._probing = False
-        if not outcome.ok:  # the probe could not run (no client, tier shut down)
-            self._counters["probe_failures"] += 1
-            self._fault("probe", outcome.error)
-            return
-        answers, failed_nodes, error = outcome.value
-        until = time.monotonic() + self._presence_ttl_s
-        for key, present in zip(keys, answers, strict=True):
+    def probe_answered(
+        self,
+        answers: Sequence[tuple[BlockKey, bool | None]],
+        sent_at: float,
+        error: BaseException | None,
+    ) -> None:
+        """The prober's answers about keys this tier asked (:class:`.prober.ProbeListener`).
+        A held key found absent is dropped only if it was stored before the probe
+        left (one stored meanwhile was absent when asked and present now)."""
+        now = time.monotonic()
+        until = now + self._presence_ttl_s
+        for key, present in answers:
             if present is None:
                 continue  # its node failed: unknown, asked again at its next lookup
-            if not present and key in held and key in self._held and not self._writing[key]:
-                self._drop(key, "evicted by the server (a probe found it gone)")
-            elif key not in self._held:
+            confirmed = self._confirmed.get(key)
+            if confirmed is None:  # not held
                 self._presence[key] = (present, until)
+            elif present:
+                self._confirmed[key] = now
+            elif confirmed < sent_at and not self._writing[key]:
+                self._drop(key, "evicted by the server (a probe found it gone)")
         self._expire_presence()
-        if failed_nodes:
-            self._counters["probe_failures"] += failed_nodes
+        if error is not None:
+            self._counters["probe_failures"] += 1
             self._fault("probe", error)
-            return  # the next lookup probes again
-        if self._reprobe_held:
-            self._queue_held_for_probe()
-        self._start_probe()  # keys that came in meanwhile
 
     def _expire_presence(self) -> None:
-        if len(self._presence) < 4 * PROBE_BATCH:
+        if len(self._presence) < PRESENCE_KEPT:
             return
         now = time.monotonic()
         self._presence = {k: v for k, v in self._presence.items() if v[1] > now}
@@ -376,6 +400,7 @@ class RedisTier(SecondaryTier):
             used_bytes=self._used_bytes,
             bytes_per_block=self.value_bytes,
             blocks=len(self._held),
+            probes=self._prober.probes,
             hits=c["hits"],
             misses=c["misses"],
             bytes_written=c["bytes_written"],
@@ -452,16 +477,19 @@ class RedisTier(SecondaryTier):
 
     def _load_done(self, job: TierJob, outcomes: list[Outcome], start: float) -> None:
         made_it: list[BlockKey] = []
+        gone: list[BlockKey] = []  # evicted or deleted: a plain MISS for the tiering
         for key, outcome in zip(job.keys, outcomes, strict=True):
             if outcome.ok:
                 made_it.append(key)
                 if key in self._held:
                     self._held.move_to_end(key)
+                    self._confirmed[key] = time.monotonic()
                 continue
             error = outcome.error
             if isinstance(error, BlockCorrupt):
                 self._refused(key, error)
             elif isinstance(error, BlockMissing):
+                gone.append(key)
                 self._drop(key, "vanished: the server holds no value")
             else:
                 self._fault("load", error)
@@ -469,7 +497,7 @@ class RedisTier(SecondaryTier):
         self._counters["bytes_read"] += moved
         failures = len(job.keys) - len(made_it)
         self._counters["load_failures"] += failures
-        self._report(job, made_it, failures, start, moved)
+        self._report(job, made_it, failures, start, moved, tuple(gone))
 
     def _refused(self, key: BlockKey, error: BlockCorrupt) -> None:
         """A value that failed verification (deleted by the I/O thread): counted, logged
@@ -488,8 +516,9 @@ class RedisTier(SecondaryTier):
         self._drop(key, f"failed verification: {error}")
 
     def _report(
-        self, job: TierJob, made_it: list[BlockKey], failures: int, start: float, moved: int
-    ) -> None:
+        self, job: TierJob, made_it: list[BlockKey], failures: int, start: float, moved: int,
+        gone: tuple[BlockKey, ...] = (),
+    ) -> None:  # fmt: skip
         try:
             self._on_done(
                 JobResult(
@@ -498,6 +527,7 @@ class RedisTier(SecondaryTier):
                     successful_keys=tuple(made_it) or None,
                     seconds=time.perf_counter() - start,
                     bytes_moved=moved,
+                    missing_keys=gone,
                 )
             )
         except Exception:
@@ -506,16 +536,19 @@ class RedisTier(SecondaryTier):
     def _hold(self, key: BlockKey) -> None:
         """Makes ``key`` held and most recent; a key held already keeps its expiry
         (SET NX did not renew it)."""
+        now = time.monotonic()
         if key not in self._held:
             ttl_s = self._ttl_ms / 1000 if self._ttl_ms else float("inf")
-            self._held[key] = time.monotonic() + ttl_s
+            self._held[key] = now + ttl_s
         self._held.move_to_end(key)
+        self._confirmed[key] = now
         self._presence.pop(key, None)
 
     def _drop(self, key: BlockKey, why: str) -> None:
         self._presence[key] = (False, time.monotonic() + self._presence_ttl_s)
         if key in self._held:
             del self._held[key]
+            del self._confirmed[key]
             self._dropped.append(key)
             self._remember(key, why)
 
@@ -536,6 +569,7 @@ class RedisTier(SecondaryTier):
             if victim in protect and len(self._held) < len(protect):
                 self._held[victim] = expires  # nothing else to evict: keep it
                 break
+            del self._confirmed[victim]
             victims.append(victim)
             self._counters["evictions"] += 1
             self._dropped.append(victim)
@@ -560,6 +594,9 @@ class RedisTier(SecondaryTier):
                 self.name, self.pool_name, what,
                 "stored" if what == "store" else "promoted", error,
             )  # fmt: skip
+        elif self._link.node_down(error):  # the link logged the node's fault, once
+            log.debug("redis tier %s: %s failed: %s: %s", self.name, kind,
+                      type(error).__name__, error)  # fmt: skip
         elif isinstance(error, redis.RedisError):  # what the server refused, and the fix
             self._faults.warning(
                 (kind, self.name), "redis tier %s: %s failed: %s",

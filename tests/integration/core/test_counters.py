@@ -71,6 +71,9 @@ SECONDARY = {
     "shared_rechecks": ("kvtierd_shared_rechecks_total", {}),
     "shared_rescans": ("kvtierd_shared_rescans_total", {}),
     "shared_files_vanished": ("kvtierd_shared_files_vanished_total", {}),
+    "probes": ("kvtierd_remote_probes_total", {}),
+    "lookup_waits": ("kvtierd_remote_lookup_waits_total", {}),
+    "lookup_wait_timeouts": ("kvtierd_remote_lookup_wait_timeouts_total", {}),
 }
 NUMERIC_FIELDS = [
     f.name for f in pb2.TierStats.DESCRIPTOR.fields if f.name not in ("tier", "medium", "ready")

@@ -62,6 +62,9 @@ def run_daemon(*args: str, env: dict[str, str] | None = None, config: str | None
         (["--watch-write-timeout", "10ms"], ["limits.watch_write_timeout", "between"]),
         (["--write-quarantine", "2h"], ["sessions.write_quarantine", "between 0s and 3600s"]),
         (["--promotion-hold", "soon"], ["limits.promotion_hold", "duration"]),
+        # longer than a scheduler step would hold the engine: refused, as a negative wait
+        (["--remote-lookup-wait", "2s"], ["limits.remote_lookup_wait", "between 0s and 1s"]),
+        (["--remote-lookup-wait=-5ms"], ["limits.remote_lookup_wait", "expected a duration"]),
         (["--removals-retained-bytes", "1"], ["limits.removals_retained_bytes", "between"]),
         (["--config", "/nonexistent/kvtierd.toml"], ["--config", "no such file"]),
         (["--config", "/"], ["--config: cannot read /: Is a directory"]),
@@ -112,6 +115,7 @@ def test_bad_environment_value_names_the_key():
             "tiers[0].capacity: '100 GB': sizes are binary, write '100GiB'",
         ),
         ("[sessions]\nlease = 10\n", "sessions.lease: a duration needs a unit, got 10"),
+        ("[limits]\nremote_lookup_wait = '1h'\n", "limits.remote_lookup_wait: must be between"),
         ("[memory]\nbudget = '8G'\n", "memory.budget: '8G': sizes are binary, write '8GiB'"),
         (
             "[[tiers]]\ntype = 'redis'\ntimeout = '2'\n",

@@ -25,6 +25,7 @@ from engine_harness import (
     FILE_BYTES,
     HIT,
     MISS,
+    PENDING,
     Engine,
     block_files,
     block_keys,
@@ -37,8 +38,10 @@ from kvtierd.tiers.fs import fsformat
 LONG = "60s"  # a rescan interval no test waits for: what it checks comes from lookups
 
 
-def shared_config(root: Path, **options: object) -> str:
-    return fs_tiers_config(root, shared=True, **options)
+def shared_config(root: Path, wait: str = "", **options: object) -> str:
+    """A shared root's tier; ``wait``: ``limits.remote_lookup_wait`` ("": its default)."""
+    limits = f'[limits]\nremote_lookup_wait = "{wait}"\n' if wait else ""
+    return fs_tiers_config(root, shared=True, **options) + limits
 
 
 @pytest.fixture
@@ -83,23 +86,9 @@ def wait_ready(*engines: Engine) -> None:
         eventually(lambda e=engine: e.tier_stats().ready, 30, "the fs tier's index ready")
 
 
-def lookups_until_found(engine: Engine, keys: list[bytes], timeout: float = 20.0) -> int:
-    """Looks ``keys`` up until no answer is MISS; returns how many lookups it took."""
-    count = 0
-    answers: list = []
-
-    def found() -> bool:
-        nonlocal count
-        count += 1
-        answers[:] = engine.session.lookup(keys)
-        return MISS not in answers
-
-    eventually(found, timeout, lambda: f"the keys found; last answers {answers}", interval=0.05)
-    return count
-
-
 def test_a_block_stored_through_a_is_served_by_b_bit_exact(fs_root, daemons, pool_name):
-    config = shared_config(fs_root, shared_negative_ttl="0.2s", shared_rescan_interval=LONG)
+    # a wait for the header checks the machine's load never reaches (it ends with them)
+    config = shared_config(fs_root, "1s", shared_negative_ttl="0.2s", shared_rescan_interval=LONG)
     node_a, node_b = daemons.start(config), daemons.start(config)
     writer, reader = Engine(node_a, pool_name), Engine(node_b, pool_name)
     wait_ready(writer, reader)
@@ -108,10 +97,9 @@ def test_a_block_stored_through_a_is_served_by_b_bit_exact(fs_root, daemons, poo
     writer.settle_cascades()
     assert len(block_files(fs_root)) == 6
 
-    assert reader.session.lookup(keys) == [MISS] * 6  # not in B's index: at once, no wait
-    lookups = lookups_until_found(reader, keys)
-    # the first lookup queued the keys; the check is one batch off the loop
-    assert lookups <= 200, f"{lookups} lookups before B found the files"  # typically 2
+    # not in B's index: the lookup waits for the header checks, one batch off the loop
+    assert reader.session.lookup(keys) == [PENDING] * 6
+    assert reader.tier_stats().lookup_waits == 1
     assert reader.wait_settled(keys) == [HIT] * 6
     assert reader.load(keys) == [payload(k) for k in keys]
     stats = reader.tier_stats()
@@ -161,7 +149,8 @@ def test_the_negative_cache_bounds_how_often_a_missing_key_is_looked_for(
 
 
 def test_a_file_removed_by_another_daemon_is_a_miss_never_an_error(fs_root, daemons, pool_name):
-    config = shared_config(fs_root, shared_negative_ttl="0.2s", shared_rescan_interval=LONG)
+    # no wait: B's first lookup indexes the files without promoting them
+    config = shared_config(fs_root, "0s", shared_negative_ttl="0.2s", shared_rescan_interval=LONG)
     node_a, node_b = daemons.start(config), daemons.start(config)
     writer, reader = Engine(node_a, pool_name), Engine(node_b, pool_name)
     wait_ready(writer, reader)
