@@ -28,7 +28,7 @@ Ownership and invariants:
   A row whose block failed verification may hold garbage; it is never
   reported as loaded.
 * Block I/O: the file work of a group of blocks (:mod:`~kvtierd.tiers.fs.blockfile`)
-  is one request to the tier's :class:`~kvtierd.tiers.fs.ioworker.BlockIo`, run
+  is one request to the tier's :class:`~kvtierd.tiers.fs.blockio.BlockIo`, run
   inline on the I/O thread or in an I/O worker process that maps the region
   itself. A group's keys are reserved (writes) or marked being read in the
   index before the request and settled after its replies.
@@ -74,13 +74,14 @@ from kvtierd.contract import BlockKey, LookupResult, Medium
 from kvtierd.primary.rows import RegionRows
 from kvtierd.tiers.base import JobCallback, JobResult, SecondaryTier, TierJob, TierStats
 from kvtierd.tiers.configured import PoolBinding
-from kvtierd.tiers.fs import fsformat, ioworker, startup
+from kvtierd.tiers.fs import fsformat, iowire, startup
 from kvtierd.tiers.fs.blockfile import CorruptFile
+from kvtierd.tiers.fs.blockio import BlockIo, InlineIo, IoWorkers
 from kvtierd.tiers.fs.files import PoolFiles, beside, name_of
 from kvtierd.tiers.fs.fsformat import HEADER_SIZE, TEMP_SUFFIX, PoolIdentity
 from kvtierd.tiers.fs.index import BlockIndex, DiskBudget, TierFull
 from kvtierd.tiers.fs.iopool import IoPool, Outcome
-from kvtierd.tiers.fs.ioworker import BlockIo, InlineIo, IoWorkers, RegionRef
+from kvtierd.tiers.fs.iowire import RegionRef
 from kvtierd.tiers.fs.safefs import REGULAR
 from kvtierd.tiers.fs.scan import SHARED_TEMP_MAX_AGE_S, IndexScan, ScanReport
 from kvtierd.tiers.fs.settings import FsTierSettings
@@ -514,13 +515,13 @@ class FsTier(SecondaryTier):
             todo.append((block_id, rel, temp_name, key))
         params = (self._fingerprint, self.use_o_direct, self.fsync, self._keys, self.pool_dir)
         try:
-            replies = self._block_io.call((ioworker.WRITE, self._region_ref, params, todo))
+            replies = self._block_io.call((iowire.WRITE, self._region_ref, params, todo))
         except OSError as exc:  # the worker died: whether it renamed a file is unknown
             for _, rel, temp_name, _ in todo:
                 self._files.unlink_quietly(rel)
                 self._files.unlink_quietly(beside(rel, temp_name))
             return [exc] * len(items)
-        return [ioworker.error_of(reply) for reply in replies]
+        return [iowire.error_of(reply) for reply in replies]
 
     # -- loads (I/O threads) -------------------------------------------------------------
 
@@ -561,10 +562,10 @@ class FsTier(SecondaryTier):
         params = (self._fingerprint, self.use_o_direct, self._keys, self.pool_dir)
         request = [(block_id, fsformat.block_rel_path(key), key) for key, block_id in items]
         try:
-            replies = self._block_io.call((ioworker.READ, self._region_ref, params, request))
+            replies = self._block_io.call((iowire.READ, self._region_ref, params, request))
         except OSError as exc:  # the worker died
             return [exc] * len(items)
-        return [ioworker.error_of(reply) for reply in replies]
+        return [iowire.error_of(reply) for reply in replies]
 
     def _read_failed(self, key: BlockKey, error: BaseException) -> None:
         if isinstance(error, FileNotFoundError):

@@ -94,7 +94,7 @@ def test_a_stopped_io_worker_is_replaced_and_its_jobs_fail_cleanly(tmp_path, poo
         assert engine.load(first[1:2]) == [payload(first[1])]
         stall = "did not answer within 2s"
         stalls = [line for line in daemon.log().splitlines()
-                  if "ioworker: I/O worker" in line and stall in line]  # fmt: skip
+                  if "blockio: I/O worker" in line and stall in line]  # fmt: skip
         assert len(stalls) == 1 and " WARNING " in stalls[0], daemon.log()
         assert "Traceback" not in daemon.log()
     finally:
