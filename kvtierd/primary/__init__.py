@@ -4,7 +4,10 @@
 - ``rows``: the daemon's only way to read or write a row's bytes (never a dereference of
   a client-writable mapping: ``preadv`` / ``process_vm_writev``);
 - ``safecopy``: copies out of and into this process's own mappings that survive SIGBUS;
-- ``manager``: slots, ref counts, eviction and events of one pool's blocks;
+- ``table``: the block table of one pool: which key is in which row, each row's state
+  (free, quarantined, ref count), the counters and the primitive row transitions;
+- ``manager``: the protocol over it: who may change a ref count and when, eviction to
+  make room, events, the quarantine and adoption fences;
 - ``policies``: eviction orders (LRU, ARC) the manager consults;
 - ``warm``: the warm-restart journal, its row checksums and the adoption of a region a
   previous daemon left.

@@ -29,8 +29,8 @@ from kvtierd.primary.region import Region
 from kvtierd.tiers.base import JobCallback, SecondaryTier
 from kvtierd.tiers.configured import PoolBinding
 from kvtierd.tiers.fs import FsTier, fsformat
+from kvtierd.tiers.fs.blockio import IoWorkers
 from kvtierd.tiers.fs.iopool import IoPool
-from kvtierd.tiers.fs.ioworker import IoWorkers
 from kvtierd.tiers.fs.settings import FsTierSettings
 from kvtierd.tiers.fs.tier import SharedParts
 from kvtierd.tiers.memory import MemoryTier

@@ -13,7 +13,10 @@ Modules, read in this order:
 * :mod:`.fsck` -- ``kvtierctl fsck``, sharing the scan's header check.
 * :mod:`.fsformat`, :mod:`.blockfile`, :mod:`.safefs` -- the on-disk format, one
   block file's read, write and header check, no-follow opens below a pool directory.
-* :mod:`.iopool`, :mod:`.ioworker` -- the I/O threads and the I/O worker processes.
+* :mod:`.iopool` -- the I/O threads.
+* :mod:`.blockio`, :mod:`.ioworker`, :mod:`.iowire` -- where block I/O runs (inline, or
+  in I/O worker processes the daemon supervises), the worker process's own side, and
+  the messages between them.
 * :mod:`.writelog` -- rate-limited reports of failed writes.
 
 The names below are imported on first use (PEP 562), so that an I/O worker

@@ -25,9 +25,9 @@ from kvtierd.security.trusted_dirs import UntrustedPath
 from kvtierd.tiers.base import JobCallback
 from kvtierd.tiers.configured import ConfiguredTier, PoolBinding, TierCheckError
 from kvtierd.tiers.fs import permissions
+from kvtierd.tiers.fs.blockio import IoWorkers
 from kvtierd.tiers.fs.index import DiskBudget
 from kvtierd.tiers.fs.iopool import IoPool
-from kvtierd.tiers.fs.ioworker import IoWorkers
 from kvtierd.tiers.fs.rootlock import RootGuard, RootInUse
 from kvtierd.tiers.fs.settings import FsTierSettings
 from kvtierd.tiers.fs.tier import FsTier, SharedParts

@@ -13,6 +13,8 @@ This module is the tier's lifecycle and job flow; the state lives elsewhere:
 * :mod:`~kvtierd.tiers.fs.startup` -- root, ``pool.json`` and O_DIRECT probes.
 * :mod:`~kvtierd.tiers.fs.scan` -- the index rebuild at start.
 * :mod:`~kvtierd.tiers.fs.files` -- removing evicted and corrupt files.
+* :mod:`~kvtierd.tiers.fs.groups` -- the write and read paths of a job's block
+  groups on the I/O threads.
 
 Ownership and invariants:
 
@@ -28,10 +30,11 @@ Ownership and invariants:
   A row whose block failed verification may hold garbage; it is never
   reported as loaded.
 * Block I/O: the file work of a group of blocks (:mod:`~kvtierd.tiers.fs.blockfile`)
-  is one request to the tier's :class:`~kvtierd.tiers.fs.ioworker.BlockIo`, run
+  is one request to the tier's :class:`~kvtierd.tiers.fs.blockio.BlockIo`, run
   inline on the I/O thread or in an I/O worker process that maps the region
   itself. A group's keys are reserved (writes) or marked being read in the
-  index before the request and settled after its replies.
+  index before the request and settled after its replies
+  (:mod:`~kvtierd.tiers.fs.groups`, the write and read paths).
 * Files are immutable once renamed into place (temp file + full write +
   optional fdatasync + rename). A file is removed only (a) by eviction, never
   while a read of it is in flight, (b) when it fails verification (load, scan
@@ -74,14 +77,13 @@ from kvtierd.contract import BlockKey, LookupResult, Medium
 from kvtierd.primary.rows import RegionRows
 from kvtierd.tiers.base import JobCallback, JobResult, SecondaryTier, TierJob, TierStats
 from kvtierd.tiers.configured import PoolBinding
-from kvtierd.tiers.fs import fsformat, ioworker, startup
-from kvtierd.tiers.fs.blockfile import CorruptFile
-from kvtierd.tiers.fs.files import PoolFiles, beside, name_of
-from kvtierd.tiers.fs.fsformat import HEADER_SIZE, TEMP_SUFFIX, PoolIdentity
+from kvtierd.tiers.fs import startup
+from kvtierd.tiers.fs.blockio import BlockIo, InlineIo, IoWorkers
+from kvtierd.tiers.fs.files import PoolFiles
+from kvtierd.tiers.fs.fsformat import HEADER_SIZE, PoolIdentity
+from kvtierd.tiers.fs.groups import BlockGroups, Pairs, flatten, group_tasks
 from kvtierd.tiers.fs.index import BlockIndex, DiskBudget, TierFull
 from kvtierd.tiers.fs.iopool import IoPool, Outcome
-from kvtierd.tiers.fs.ioworker import BlockIo, InlineIo, IoWorkers, RegionRef
-from kvtierd.tiers.fs.safefs import REGULAR
 from kvtierd.tiers.fs.scan import SHARED_TEMP_MAX_AGE_S, IndexScan, ScanReport
 from kvtierd.tiers.fs.settings import FsTierSettings
 from kvtierd.tiers.fs.shared import SharedRoot
@@ -96,10 +98,7 @@ __all__ = ["DiskBudget", "FsTier", "FsTierError", "PoolMismatchError", "ScanRepo
 
 log = logging.getLogger("kvtierd.tiers.fs")
 
-GROUP_BYTES = 16 << 20  # blocks per I/O task: this many bytes (at least one block)
 REGION_FAULT_LOG_S = 10.0  # at most one "region cut short" WARNING per kind this often
-
-Pairs = list[tuple[BlockKey, int]]  # (key, row) of one group of a job
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,11 +175,9 @@ class FsTier(SecondaryTier):
         self.capacity_bytes = self.budget.capacity_bytes
         self.fsync = settings.fsync
         self.o_direct = settings.o_direct
-        self.use_o_direct = False  # decided by prepare()'s probe
         self._fingerprint = self.identity.fingerprint
         region = pool.region_buffer
         self._region = region.cast("B") if region.format != "B" else region
-        self._num_rows = len(region) // block_bytes
         self._on_done = on_done
         self._loop = loop
         # the I/O pool this tier starts when it was given none
@@ -196,8 +193,6 @@ class FsTier(SecondaryTier):
         self._owns_io = parts.io_pool is None
         self._files = PoolFiles(name, self.pool_dir)
         self.index = BlockIndex(name, self.file_bytes, self.budget, self._files.remove_evicted)
-        integrity = parts.integrity
-        self._keys = integrity.wire() if integrity is not None else None  # for the block I/O
         self._scan = IndexScan(
             name, self.pool_dir, self._fingerprint, block_bytes, self.index,
             self._index_ready, probes.before_scan,
@@ -218,9 +213,15 @@ class FsTier(SecondaryTier):
         # inline block I/O copies rows through region rows (never the mapping); a
         # RegionRows this tier made of the region buffer is its own, closed at shutdown
         self._own_rows: RegionRows | None = None
-        self._block_io: BlockIo = probes.block_io or parts.workers or self._inline_io(pool)
         region_file = pool.region_file if parts.workers is not None else None
-        self._region_ref: RegionRef = (*(region_file or ("", 0, 0)), block_bytes)
+        integrity = parts.integrity
+        self._groups = BlockGroups(
+            name, self.index, self._files,
+            probes.block_io or parts.workers or self._inline_io(pool),
+            (*(region_file or ("", 0, 0)), block_bytes),
+            fingerprint=self._fingerprint, num_rows=len(region) // block_bytes,
+            fsync=settings.fsync, keys=integrity.wire() if integrity is not None else None,
+        )  # fmt: skip
 
     def _inline_io(self, pool: PoolBinding) -> BlockIo:
         """Block I/O on the I/O threads themselves, through the pool's region rows (or
@@ -247,9 +248,14 @@ class FsTier(SecondaryTier):
         """
         startup.prepare_root(self.name, self.root, self.pool_dir)
         startup.write_pool_file(self.name, self.pool_dir, self.identity)
-        self.use_o_direct = startup.probe_o_direct(
+        self._groups.o_direct = startup.probe_o_direct(
             self.name, self.pool_dir, self.o_direct, self.block_bytes
         )
+
+    @property
+    def use_o_direct(self) -> bool:
+        """Whether block files are read and written with O_DIRECT (:meth:`prepare`'s probe)."""
+        return self._groups.o_direct
 
     def launch(self) -> None:
         """Starts the I/O pool (if the tier owns one) and the index scan. On the loop."""
@@ -344,10 +350,10 @@ class FsTier(SecondaryTier):
 
     def submit_store(self, job: TierJob) -> bool:
         io = self._require_io()
-        tasks, sizes = self._tasks(job, self._store_group)
+        tasks, sizes = self._groups_of(job, self._groups.store)
         start = time.perf_counter()
         accepted = io.submit_write(
-            tasks, lambda outcomes: self._store_done(job, _flatten(outcomes, sizes), start),
+            tasks, lambda outcomes: self._store_done(job, flatten(outcomes, sizes), start),
             nbytes=len(job.keys) * self.block_bytes,
         )  # fmt: skip
         if not accepted:
@@ -356,10 +362,10 @@ class FsTier(SecondaryTier):
 
     def submit_load(self, job: TierJob) -> None:
         io = self._require_io()
-        tasks, sizes = self._tasks(job, self._load_group)
+        tasks, sizes = self._groups_of(job, self._groups.load)
         start = time.perf_counter()
         io.submit_read(
-            tasks, lambda outcomes: self._load_done(job, _flatten(outcomes, sizes), start)
+            tasks, lambda outcomes: self._load_done(job, flatten(outcomes, sizes), start)
         )
 
     def statistics(self) -> TierStats:
@@ -376,19 +382,6 @@ class FsTier(SecondaryTier):
             queued_bytes=io.queued_bytes if io else 0,
             **index.counters,
         )
-
-    def _tasks(
-        self, job: TierJob, per_group: Callable[[Pairs], list[Outcome]]
-    ) -> tuple[list[Callable[[], list[Outcome]]], list[int]]:
-        """The job's (key, row) pairs in groups of up to :data:`GROUP_BYTES`, and the
-        group sizes. A task runs its group in order and returns one
-        :class:`Outcome` per block: fewer, longer tasks than one per block mean
-        less queue and lock traffic and fewer threads contending for the CPU and
-        the GIL, while a large job still spreads over several threads."""
-        pairs = list(zip(job.keys, job.block_ids, strict=True))
-        size = max(1, GROUP_BYTES // self.block_bytes)
-        groups = [pairs[i : i + size] for i in range(0, len(pairs), size)]
-        return [functools.partial(per_group, group) for group in groups], [len(g) for g in groups]
 
     # -- job completion (loop thread) ----------------------------------------------------
 
@@ -446,151 +439,6 @@ class FsTier(SecondaryTier):
             )
         )
 
-    # -- stores (I/O threads) ------------------------------------------------------------
-
-    def _store_group(self, pairs: Pairs) -> list[Outcome]:
-        """Writes a group's block files; one Outcome per block, in order: True
-        (written), False (present already, not rewritten) or the error (TierFull
-        when no room can be made, OSError/ValueError otherwise).
-
-        Blocks are reserved one by one and written together (one request to the
-        block I/O per group). A block that does not fit while earlier blocks of
-        the group wait to be written is tried again once they are written, so
-        they can be evicted for it, as if the group were written block by block.
-        """
-        outcomes: list[Outcome | None] = [None] * len(pairs)
-        reserved: list[tuple[int, BlockKey, int]] = []
-        try:
-            for i, (key, block_id) in enumerate(pairs):
-                try:
-                    fsformat.check_key(key)
-                    self._check_block_id(block_id)
-                    try:
-                        fresh = self.index.reserve_write(key)
-                    except TierFull:
-                        if not reserved:
-                            raise
-                        batch, reserved = reserved, []
-                        self._write_reserved(batch, outcomes)
-                        fresh = self.index.reserve_write(key)
-                except Exception as exc:  # one block's failure is that block's outcome
-                    outcomes[i] = Outcome(error=exc)
-                    continue
-                if fresh:
-                    reserved.append((i, key, block_id))
-                else:
-                    outcomes[i] = Outcome(value=False)
-            batch, reserved = reserved, []
-            self._write_reserved(batch, outcomes)
-        except BaseException:
-            self.index.end_writes([key for _, key, _ in reserved], [False] * len(reserved))
-            raise
-        return [o if o is not None else Outcome(error=RuntimeError("not run")) for o in outcomes]
-
-    def _write_reserved(
-        self, reserved: list[tuple[int, BlockKey, int]], outcomes: list[Outcome | None]
-    ) -> None:
-        """Writes blocks whose keys this thread reserved; ends every reservation."""
-        if not reserved:
-            return
-        keys = [key for _, key, _ in reserved]
-        try:
-            errors = self._write_files([(key, block_id) for _, key, block_id in reserved])
-        except BaseException:
-            self.index.end_writes(keys, [False] * len(keys))
-            raise
-        self.index.end_writes(keys, [error is None for error in errors])
-        for (i, _, _), error in zip(reserved, errors, strict=True):
-            outcomes[i] = Outcome(value=True) if error is None else Outcome(error=error)
-
-    def _write_files(self, items: Pairs) -> list[BaseException | None]:
-        """Writes row ``block_id`` as ``key``'s file for each ``(key, block_id)``, in one
-        block I/O request; per item None (written) or the error. The caller holds
-        the keys' write reservations, so no one else reads or writes these paths."""
-        todo = []
-        for key, block_id in items:
-            rel = fsformat.block_rel_path(key)
-            temp_name = f"{name_of(rel)}.{self._files.temp_name()}{TEMP_SUFFIX}"
-            todo.append((block_id, rel, temp_name, key))
-        params = (self._fingerprint, self.use_o_direct, self.fsync, self._keys, self.pool_dir)
-        try:
-            replies = self._block_io.call((ioworker.WRITE, self._region_ref, params, todo))
-        except OSError as exc:  # the worker died: whether it renamed a file is unknown
-            for _, rel, temp_name, _ in todo:
-                self._files.unlink_quietly(rel)
-                self._files.unlink_quietly(beside(rel, temp_name))
-            return [exc] * len(items)
-        return [ioworker.error_of(reply) for reply in replies]
-
-    # -- loads (I/O threads) -------------------------------------------------------------
-
-    def _load_group(self, pairs: Pairs) -> list[Outcome]:
-        """Reads and verifies a group's blocks into their rows (one block I/O
-        request); one Outcome per block, None or the error.
-
-        The keys count as being read (so eviction spares their files) until
-        every block of the group is done. Corrupt files are removed (and
-        counted); transient errors keep the file; a vanished file (ENOENT) is
-        dropped from the index.
-        """
-        outcomes: list[Outcome] = [Outcome()] * len(pairs)
-        todo: list[tuple[int, BlockKey, int]] = []
-        for i, (key, block_id) in enumerate(pairs):
-            try:
-                self._check_block_id(block_id)
-            except ValueError as exc:
-                outcomes[i] = Outcome(error=exc)
-                continue
-            todo.append((i, key, block_id))
-        keys = [key for _, key, _ in todo]
-        self.index.begin_reads(keys)
-        try:
-            errors = self._read_files([(key, block_id) for _, key, block_id in todo])
-            for (i, key, _), error in zip(todo, errors, strict=True):
-                if error is not None:
-                    self._read_failed(key, error)
-                    outcomes[i] = Outcome(error=error)
-        finally:
-            self.index.end_reads(keys)
-        self.index.loaded([key for (i, key, _) in todo if outcomes[i].ok])
-        return outcomes
-
-    def _read_files(self, items: Pairs) -> list[BaseException | None]:
-        """Reads ``key``'s file into row ``block_id`` for each ``(key, block_id)``, in one
-        block I/O request; per item None (read and verified) or the error."""
-        params = (self._fingerprint, self.use_o_direct, self._keys, self.pool_dir)
-        request = [(block_id, fsformat.block_rel_path(key), key) for key, block_id in items]
-        try:
-            replies = self._block_io.call((ioworker.READ, self._region_ref, params, request))
-        except OSError as exc:  # the worker died
-            return [exc] * len(items)
-        return [ioworker.error_of(reply) for reply in replies]
-
-    def _read_failed(self, key: BlockKey, error: BaseException) -> None:
-        if isinstance(error, FileNotFoundError):
-            self.index.drop_vanished(key)
-        elif isinstance(error, CorruptFile):
-            self._discard_corrupt(key, error)
-
-    def _discard_corrupt(self, key: BlockKey, error: CorruptFile) -> None:
-        """Drops a key whose file failed verification from the index and removes the
-        file if the path still names the inode that failed (never a directory, never
-        through a symlink; something else at the path is left there)."""
-        path, rel = self._files.path(key), fsformat.block_rel_path(key)
-        if error.kind == REGULAR:
-            log.warning("FS tier %s: removing corrupt block file %s: %s", self.name, path,
-                        error.reason)  # fmt: skip
-        else:
-            action = "removing it" if error.identity is not None else "leaving it there"
-            log.warning("FS tier %s: bad block file %s: %s; %s", self.name, path, error.reason,
-                        action)  # fmt: skip
-        identity = error.identity
-
-        def replaced() -> bool:
-            return identity is not None and self._files.remove_bad(rel, identity)
-
-        self.index.drop_corrupt(key, error.reason, replaced, error.integrity)
-
     # -- small helpers ---------------------------------------------------------------------
 
     def _require_io(self) -> IoPool:
@@ -598,18 +446,12 @@ class FsTier(SecondaryTier):
             raise RuntimeError(f"FS tier {self.name} was not started")
         return self._io
 
-    def _check_block_id(self, block_id: int) -> None:
-        if not 0 <= block_id < self._num_rows:
-            raise ValueError(f"block id {block_id} outside the region (0..{self._num_rows - 1})")
-
-
-def _flatten(outcomes: list[Outcome], sizes: list[int]) -> list[Outcome]:
-    """Per-block outcomes from per-group ones (a group that failed as a whole, e.g.
-    when the pool shut down before running it, fails each of its blocks)."""
-    flat: list[Outcome] = []
-    for outcome, size in zip(outcomes, sizes, strict=True):
-        flat.extend(outcome.value if outcome.ok else [outcome] * size)
-    return flat
+    def _groups_of(
+        self, job: TierJob, per_group: Callable[[Pairs], list[Outcome]]
+    ) -> tuple[list[Callable[[], list[Outcome]]], list[int]]:
+        """The job's I/O tasks, one per group of blocks, and the group sizes."""
+        pairs = list(zip(job.keys, job.block_ids, strict=True))
+        return group_tasks(pairs, self.block_bytes, per_group)
 
 
 def _row_cut_short(error: BaseException | None) -> bool:

@@ -12,8 +12,9 @@ import pytest
 
 from kvtierd.contract import PRIMARY_TIER, BlockEvent, LookupResult, Medium, StoreGrant
 from kvtierd.primary.errors import NotLoadableError, NotPinnedError
-from kvtierd.primary.manager import PrimaryManager, PrimaryStats
+from kvtierd.primary.manager import PrimaryManager
 from kvtierd.primary.policies import POLICY_NAMES, ARCPolicy, LRUPolicy
+from kvtierd.primary.table import PrimaryStats
 
 MISS, HIT, PENDING = LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING
 

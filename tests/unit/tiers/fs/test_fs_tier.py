@@ -24,10 +24,11 @@ from kvtierd.contract import LookupResult
 from kvtierd.primary.region import Region
 from kvtierd.tiers.base import JobResult, TierJob
 from kvtierd.tiers.configured import PoolBinding
-from kvtierd.tiers.fs import FsTier, FsTierError, PoolMismatchError, fsformat, ioworker, safefs
+from kvtierd.tiers.fs import FsTier, FsTierError, PoolMismatchError, fsformat, iowire, safefs
+from kvtierd.tiers.fs.blockio import BlockIo, InlineIo, IoWorkers
 from kvtierd.tiers.fs.fsck import fsck
 from kvtierd.tiers.fs.iopool import IoPool, PoolShutDown
-from kvtierd.tiers.fs.ioworker import BlockIo, InlineIo, IoWorkers, Reply
+from kvtierd.tiers.fs.iowire import Reply
 from kvtierd.tiers.fs.settings import FsTierSettings
 from kvtierd.tiers.fs.tier import FsTierProbes, SharedParts
 
@@ -148,7 +149,7 @@ def run(
 
 
 class GatedIo:
-    """Block I/O that holds each request of one kind (``ioworker.READ`` or ``WRITE``)
+    """Block I/O that holds each request of one kind (``iowire.READ`` or ``WRITE``)
     until ``gate`` is set; ``started`` is set when the first one arrives."""
 
     def __init__(self, inner: BlockIo, op: str) -> None:
@@ -487,7 +488,7 @@ def test_a_slow_eviction_unlink_blocks_neither_lookups_nor_the_budget(
 
 def test_a_file_being_read_is_never_evicted(region: Region, tmp_path: Path) -> None:
     async def body(h: Harness) -> None:
-        reads = h.gated(ioworker.READ)
+        reads = h.gated(iowire.READ)
         tier = await h.ready_tier(capacity_bytes=FILE_BYTES, block_io=reads)
         try:
             data = h.fill(0, 7)
@@ -518,7 +519,7 @@ def test_a_job_queued_at_shutdown_fails_every_block(region: Region, tmp_path: Pa
     reports each of its blocks failed (the job reports once, nothing loaded)."""
 
     async def body(h: Harness) -> None:
-        reads = h.gated(ioworker.READ)
+        reads = h.gated(iowire.READ)
         tier = await h.ready_tier(read_threads=1, write_threads=0, block_io=reads)
         try:
             for i in range(4):
@@ -561,7 +562,7 @@ def test_write_fails_when_nothing_fits(region: Region, tmp_path: Path) -> None:
 
 def test_backpressure_drops_writes_over_the_limits(region: Region, tmp_path: Path) -> None:
     async def body(h: Harness) -> None:
-        writes = h.gated(ioworker.WRITE)
+        writes = h.gated(iowire.WRITE)
         tier = await h.ready_tier(max_queue_jobs=1, max_queue_bytes=2 * BLOCK, block_io=writes)
         try:
             too_big = h.job([b"a", b"b", b"c"], [0, 1, 2], False)

@@ -26,7 +26,7 @@ from test_fs_tier import BLOCK_IO, Harness, block_path, region, run
 
 from kvtierd.contract import LookupResult
 from kvtierd.primary.region import Region
-from kvtierd.tiers.fs import FsTier, FsTierError, fsformat, iopool, ioworker, scan
+from kvtierd.tiers.fs import FsTier, FsTierError, blockio, fsformat, iopool, scan
 from kvtierd.tiers.fs.iopool import IoPool
 
 __all__ = ["region"]  # the fixture, imported for these tests
@@ -294,7 +294,7 @@ def test_tier_shutdown_is_bounded_with_a_scan_and_a_worker_stuck(
     reports failed, once."""
     monkeypatch.setattr(scan, "SCAN_JOIN_S", 0.2)
     monkeypatch.setattr(iopool, "JOIN_S", 0.2)
-    monkeypatch.setattr(ioworker, "STOP_WAIT_S", 0.2)
+    monkeypatch.setattr(blockio, "STOP_WAIT_S", 0.2)
     gate = threading.Event()
 
     async def body(h: Harness) -> None:

@@ -1,4 +1,4 @@
-"""FS-tier block I/O in worker processes (kvtierd.tiers.fs.ioworker): real processes,
+"""FS-tier block I/O in worker processes (kvtierd.tiers.fs.blockio, .ioworker): real processes,
 a real Region in /dev/shm, real files under tmp_path."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from test_fs_tier import BLOCK, FILE_BYTES, Harness, block_path, region, run, te
 
 from kvtierd.contract import LookupResult
 from kvtierd.primary.region import Region
-from kvtierd.tiers.fs import fsformat, ioworker
+from kvtierd.tiers.fs import fsformat, iowire
 from kvtierd.tiers.fs.blockfile import CorruptFile
-from kvtierd.tiers.fs.ioworker import IoWorkers, WorkerDied, WorkerProcess
+from kvtierd.tiers.fs.blockio import IoWorkers, WorkerDied, WorkerProcess
 from kvtierd.tiers.integrity import IntegrityKey, KeyRing
 
 __all__ = ["region"]  # the fixture, imported for these tests
@@ -38,7 +38,7 @@ def _write_request(
     rel = f"{key.hex()}.kvb"  # relative to the pool directory (tmp_path here)
     ref = (region.path, *region.identity(), BLOCK)
     params = (FINGERPRINT, False, False, keys and keys.wire(), str(tmp_path))
-    return (ioworker.WRITE, ref, params, [(row, rel, rel + ".1.tmp", key)])
+    return (iowire.WRITE, ref, params, [(row, rel, rel + ".1.tmp", key)])
 
 
 def _read_request(
@@ -46,7 +46,7 @@ def _read_request(
 ) -> tuple:
     ref = (region.path, *region.identity(), BLOCK)
     return (
-        ioworker.READ,
+        iowire.READ,
         ref,
         (FINGERPRINT, False, keys and keys.wire(), str(tmp_path)),
         [(row, f"{key.hex()}.kvb", key)],
@@ -79,7 +79,7 @@ def test_a_worker_seals_with_the_keys_of_the_request_and_refuses_other_keys(
             assert bytes(region.row(2)) == data
         for ring, why in ((_ring(second), "not this tier's"), (None, "no integrity_key_file")):
             (reply,) = workers.call(_read_request(region, tmp_path, b"key", 2, ring))
-            error = ioworker.error_of(reply)
+            error = iowire.error_of(reply)
             assert isinstance(error, CorruptFile) and error.integrity, reply
             assert why in error.reason
     finally:
@@ -103,15 +103,15 @@ def test_a_worker_writes_and_reads_rows_of_the_daemons_region(
         (reply,) = workers.call(_read_request(region, tmp_path, b"key", 3)[:3] + (
             [(3, f"{b'key'.hex()}.kvb", b"another key")],
         ))  # fmt: skip
-        error = ioworker.error_of(reply)
+        error = iowire.error_of(reply)
         assert isinstance(error, CorruptFile) and "header names key" in error.reason
         st = (tmp_path / f"{b'key'.hex()}.kvb").stat()
         assert error.identity == (st.st_dev, st.st_ino)
         (reply,) = workers.call(_read_request(region, tmp_path, b"absent", 3))
-        assert isinstance(ioworker.error_of(reply), FileNotFoundError)
+        assert isinstance(iowire.error_of(reply), FileNotFoundError)
         # a row outside the region is refused, not written short
         (reply,) = workers.call(_write_request(region, tmp_path, b"far", region.num_blocks))
-        assert "outside the region" in str(ioworker.error_of(reply))
+        assert "outside the region" in str(iowire.error_of(reply))
         assert not (tmp_path / f"{b'far'.hex()}.kvb").exists()
     finally:
         workers.stop()
@@ -125,7 +125,7 @@ def test_a_worker_refuses_a_region_file_that_is_not_the_daemons(
     try:
         kind, (path, dev, ino, block), params, items = _write_request(region, tmp_path, b"k", 0)
         (reply,) = workers.call((kind, (path, dev, ino + 1, block), params, items))
-        error = ioworker.error_of(reply)
+        error = iowire.error_of(reply)
         assert isinstance(error, OSError) and error.errno == errno.ESTALE
         assert not list(tmp_path.iterdir())  # nothing written from a wrong mapping
     finally:
@@ -237,7 +237,7 @@ def test_a_worker_dies_with_the_thread_that_started_it() -> None:
         worker = WorkerProcess("short-lived", 1)
         started.append(worker)
         # an empty request: its answer proves the worker set its death signal
-        assert worker.call(0, (ioworker.READ, ("/nonexistent", 0, 0, BLOCK), (), [])) == []
+        assert worker.call(0, (iowire.READ, ("/nonexistent", 0, 0, BLOCK), (), [])) == []
 
     thread = threading.Thread(target=start_and_end)
     thread.start()
