@@ -441,7 +441,9 @@ def test_a_lane_ended_by_the_daemon_is_a_session_gone_not_a_daemon_down(pool_nam
             assert daemon.stop() == 0
             if restart:
                 daemon = daemon.restart()
-            with pytest.raises(NotFound, match="fast lane"):
+            # the lane's end says so; on a busy machine the session's keep-alive may
+            # reach the restarted daemon first and learn the session is gone: NotFound too
+            with pytest.raises(NotFound, match="fast lane|session expired or closed"):
                 session.lookup([b"k"])
             assert session.gone
     finally:
