@@ -221,8 +221,8 @@ def add_listeners(
     still lets the caller remove exactly its own sockets (never another daemon's).
     ``tls``: makes the credentials of one TCP listener (``ServerTls.server_credentials``);
     TCP listeners then serve TLS only. Unix sockets never use TLS. ``placement``
-    (default: at their paths) says where Unix sockets are bound: under a takeover,
-    at temporary names published later (``kvtierd.util.sockets``)."""
+    (default: at their paths) says where Unix sockets are bound: the daemon's, at
+    temporary names it publishes once it serves (``kvtierd.util.sockets``)."""
     placement = placement if placement is not None else SocketPlacement()
     for address in addresses:
         if address.startswith("unix://"):
@@ -305,7 +305,8 @@ def _add_unix(
 
 def _bind_name(path: str, placement: SocketPlacement) -> str:
     """Where the socket of ``path`` is bound: at the path (a stale socket file
-    cleared first), or at a temporary name under a takeover (the path is served)."""
+    cleared first unless a takeover replaces the daemon serving it), or at the
+    temporary name it is published from (``SocketPlacement``)."""
     if not placement.takeover:
         _remove_stale_socket(path)
     try:
@@ -326,7 +327,7 @@ def _give_socket_mode(at: str, gid: int | None, path: str) -> None:
 
 
 def _published_later(at: str, path: str) -> str:
-    return "" if at == path else f", bound at {at} until it replaces the running daemon's"
+    return "" if at == path else f", bound at {at} until published"
 
 
 def _unix_bind_refusal(path: str) -> str | None:
@@ -389,8 +390,8 @@ def bind_unix_socket(
     placement: SocketPlacement | None = None,
 ) -> socket.socket:
     """A listening stream socket at ``path``, mode 0660 and group ``gid`` like the
-    gRPC sockets (a stale socket file is cleared as for them; under a takeover
-    bound at a temporary name, as they are). For the ticket sockets next to each
+    gRPC sockets (a stale socket file is cleared as for them; bound where
+    ``placement`` says, as they are). For the ticket sockets next to each
     gRPC socket (``kvtierd.security.tickets``) and the fast lane's
     (``kvtierd.api.fastlane``); ``what`` names it in the log line."""
     placement = placement if placement is not None else SocketPlacement()

@@ -146,7 +146,7 @@ class Daemon:
         self._watchdog: asyncio.Task[None] | None = None
         self._sockets: list[str] = []  # unix socket paths this daemon serves
         # where they are bound, and which files are this daemon's (kvtierd.util.sockets)
-        self._placement = SocketPlacement()
+        self._placement = SocketPlacement(staged=True)
         self._region_fds: region_access.RegionFdServer | None = None
         self._takeover_task: asyncio.Task[None] | None = None  # waits for the old daemon
         # freed C heap back to the kernel after bursts (docs/design/memory.md)
@@ -173,7 +173,9 @@ class Daemon:
         await self._serve_fast_lane()
         await server.start()
         self._server = server
-        if takeover is not None:
+        if takeover is None:
+            self._placement.publish()  # at their paths from now on (kvtierd.util.sockets)
+        else:
             self._begin_takeover(takeover, server, tuple(a for a in listen if a not in unix))
         self._supervisor = asyncio.create_task(self._supervise_forever(), name="kvtierd-supervisor")
         await set_health(self._health, serving=True)
