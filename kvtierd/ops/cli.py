@@ -16,6 +16,7 @@ import logging
 import sys
 import textwrap
 from collections.abc import Sequence
+from typing import Any
 
 from kvtierd import __version__
 from kvtierd.config import OPTIONS, Config, ConfigError, Option, load_config, unknown_environment
@@ -51,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
         if option.flag is None:
             continue
         # a boolean flag alone means true (``--takeover``); ``--fast-lane false`` still works
-        alone = {"nargs": "?", "const": "true"} if option.parse is boolean else {}
+        alone: dict[str, Any] = {"nargs": "?", "const": "true"} if option.parse is boolean else {}
         parser.add_argument(
             option.flag,
             dest=option.dotted,
