@@ -227,9 +227,9 @@ def main() -> int:
     parser.add_argument("--vllm", action="store_true", help="the plug-in's manager as client")
     args = parser.parse_args()
     if args.vllm:
-        from benchmarks.upgrade_vllm import manager_step
+        from benchmarks.upgrade_vllm import ManagerStep
 
-        rows = run(args.rounds, manager_step, "vLLM manager")
+        rows = run(args.rounds, ManagerStep, "vLLM manager")
     else:
         rows = run(args.rounds)
     print(f"\nmachine: {machine()}; load {os.getloadavg()[0]:.2f}\n")

@@ -272,9 +272,16 @@ class Daemon:
             pool.events.wake_all()  # watch streams end
         if self._server is not None:
             await set_health(self._health, serving=False)
-            await self._server.stop(self.config.server.shutdown_grace)
+            # GOAWAY first: a client's next call opens a new connection (to the
+            # daemon that took over, if any: docs/operations/upgrades.md) ...
+            stopping = asyncio.ensure_future(self._server.stop(self.config.server.shutdown_grace))
+            await asyncio.sleep(0)
         if self.fast_lane is not None:
-            self.fast_lane.close()  # every lane cut; their sessions close below
+            # ... then every lane cut (their sessions close below): its clients learn
+            # at once that the session is gone (NOT_FOUND) and reopen one there
+            self.fast_lane.close()
+        if self._server is not None:
+            await stopping
         for task in (self._supervisor, self._watchdog, self._takeover_task):
             if task is not None:
                 task.cancel()
