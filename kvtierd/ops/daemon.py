@@ -236,11 +236,15 @@ class Daemon:
         tcp: tuple[str, ...],
         pools_ready: asyncio.Event,
     ) -> None:
-        await takeover.wait_gone()
         try:
+            await takeover.wait_gone()
             self._lock_tiers()
         except ConfigError as exc:  # a third daemon holds a root: no pool may open
             log.error("after the takeover: %s; stopping", exc)
+            self.request_stop()
+            return
+        except OSError:  # the pidfd failed: whether the old daemon is gone is unknown
+            log.exception("the takeover cannot wait for the previous daemon; stopping")
             self.request_stop()
             return
         pools_ready.set()
