@@ -7,7 +7,7 @@ PROTO  := proto/kvtier/v1/kvtier.proto
 GENDIR := client/kvtierd_client/_proto
 GEN    := $(GENDIR)/kvtier/v1/kvtier_pb2.py
 
-.PHONY: install gen run test test-tools test-deploy bench bench-fleet lint typecheck clean install-vllm test-vllm bench-vllm \
+.PHONY: install gen run test test-tools test-deploy bench bench-fleet bench-upgrade bench-upgrade-vllm lint typecheck clean install-vllm test-vllm bench-vllm \
 	install-vllm033 test-vllm033 install-sglang test-sglang bench-sglang \
 	gpu-check gpu-pack gpu-dry-run docs
 
@@ -81,6 +81,16 @@ test-deploy: install
 
 bench: install
 	$(BIN)/python -m benchmarks
+
+# The restart gap (issue #33 item 5; docs/operations/upgrades.md): a takeover against a
+# stop + start under a client's tight loop, alternating; bench-upgrade-vllm: the loop is
+# the vLLM plug-in's manager. UPGRADE_ARGS=... passes options (--rounds N).
+UPGRADE_ARGS ?=
+bench-upgrade: install
+	$(BIN)/python -m benchmarks.upgrade $(UPGRADE_ARGS)
+
+bench-upgrade-vllm: install-vllm
+	$(VLLM_ENV) $(VLLM_BIN)/python -m benchmarks.upgrade --vllm $(UPGRADE_ARGS)
 
 # The fleet benchmark (issue #32; docs/benchmarks/fleet.md): 3 daemons and a real 3-master
 # Redis Cluster, started and stopped here, replay the shipped trace; hit rates next to an

@@ -81,3 +81,10 @@ class PermissionDenied(KvtierdError):
 
 class ShuttingDown(KvtierdError):
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class Unavailable(KvtierdError):
+    """Not now, for a reason that passes (a takeover still waiting for the daemon
+    it replaces); the client retries."""
+
+    code = grpc.StatusCode.UNAVAILABLE

@@ -65,7 +65,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import secrets
 import socket
 from typing import Any
@@ -170,13 +169,13 @@ class FastLane:
         self._server = await loop.create_unix_server(lambda: LaneConnection(self), sock=listener)
 
     def close(self) -> None:
-        """Stops accepting and cuts every connection (their sessions close with them)."""
+        """Stops accepting and cuts every connection (their sessions close with them).
+        The socket file is the daemon's to remove (its ``SocketPlacement``: not if a
+        daemon that took over has put its own there)."""
         if self._server is not None:
             self._server.close()
         for connection in [*self._connections, *self._closing]:
             connection.cut()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
 
     def __len__(self) -> int:
         return len(self._connections)

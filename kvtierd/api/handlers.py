@@ -41,6 +41,7 @@ Event-loop only.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine, Generator
@@ -62,7 +63,13 @@ from kvtierd.contract import PoolSpec
 from kvtierd.core.pool import Pool
 from kvtierd.core.pools import PoolTable
 from kvtierd.core.sessions import Session, SessionTable
-from kvtierd.errors import InvalidArgument, KvtierdError, OutOfRange, ShuttingDown
+from kvtierd.errors import (
+    InvalidArgument,
+    KvtierdError,
+    OutOfRange,
+    ShuttingDown,
+    Unavailable,
+)
 from kvtierd.security.access import check_pool
 from kvtierd.security.identity import Caller
 from kvtierd.security.state import SecurityState
@@ -143,6 +150,29 @@ class RequestHandlers:
         self._remote_wait = remote_lookup_wait
         self._started = time.monotonic()
         self._stopping = False
+        self._pools_ready: asyncio.Event | None = None  # set: pools may be created
+        self._pools_wait = 0.0  # seconds an OpenSession waits for _pools_ready
+        self._pools_held_by = ""  # why pools are held, for the UNAVAILABLE message
+
+    def hold_pools_until(self, ready: asyncio.Event, wait: float, why: str) -> None:
+        """Until ``ready`` is set, OpenSession waits (at most ``wait`` seconds, then
+        UNAVAILABLE naming ``why``) before it creates or opens a pool: a takeover,
+        whose replaced daemon still holds the regions (docs/operations/upgrades.md)."""
+        self._pools_ready = ready
+        self._pools_wait = wait
+        self._pools_held_by = why
+
+    async def _pools_may_open(self) -> None:
+        ready = self._pools_ready
+        if ready is None or ready.is_set():
+            return
+        try:
+            await asyncio.wait_for(ready.wait(), self._pools_wait)
+        except asyncio.TimeoutError:
+            raise Unavailable(
+                f"no pool opens yet: {self._pools_held_by} (waited {self._pools_wait:g}s); "
+                "retry OpenSession"
+            ) from None
 
     def stop_accepting(self) -> None:
         """From now on every call is refused with UNAVAILABLE (the daemon is stopping)."""
@@ -236,6 +266,7 @@ class RequestHandlers:
         if spec.num_blocks > (1 << 40):
             raise InvalidArgument(f"pool.num_blocks: {spec.num_blocks} is absurdly large")
         check_pool(caller, spec.name, "open")
+        await self._pools_may_open()
         pool = await self._pools.open(
             PoolSpec(
                 name=spec.name,

@@ -31,6 +31,7 @@ from kvtierd.config import ConfigError, LimitsConfig
 from kvtierd.errors import StartupError
 from kvtierd.security.state import SecurityState
 from kvtierd.util import filekind
+from kvtierd.util.sockets import SocketPlacement
 from kvtierd_client.wire.proto import pb2, pb2_grpc
 
 log = logging.getLogger("kvtierd.server")
@@ -113,6 +114,7 @@ class TransportServers:
         self._security = security
         self._services: dict[str, dict[str, Any]] = {}  # service -> method name -> handler
         self._servers: dict[str, grpc.aio.Server] = {}  # transport -> its server
+        self._started: set[str] = set()  # transports whose server was started
 
     def register(self, service: str, handlers: dict[str, Any]) -> None:
         if self._servers:
@@ -126,14 +128,19 @@ class TransportServers:
         return self._server_for(address).add_secure_port(address, credentials)
 
     async def start(self) -> None:
-        for server in self._servers.values():
-            await server.start()
+        """Starts the servers not started yet (a takeover adds TCP ports later)."""
+        for transport, server in self._servers.items():
+            if transport not in self._started:
+                await server.start()
+                self._started.add(transport)
 
     async def stop(self, grace: float | None) -> None:
         await asyncio.gather(*(server.stop(grace) for server in self._servers.values()))
 
     def _server_for(self, address: str) -> grpc.aio.Server:
         transport = "unix" if address.startswith("unix:") else "tcp"
+        if transport in self._started:
+            raise RuntimeError(f"a {transport} address added after its server started")
         server = self._servers.get(transport)
         if server is None:
             server = self._servers[transport] = self._make_server()
@@ -207,16 +214,20 @@ def add_listeners(
     gid: int | None,
     bound: list[str],
     tls: Callable[[], grpc.ServerCredentials] | None = None,
+    placement: SocketPlacement | None = None,
 ) -> None:
     """Binds every address. Unix socket paths this call created are appended to
-    ``bound`` as they are made, so a failure halfway still lets the caller remove
-    exactly its own sockets (never another daemon's). ``tls``: makes the
-    credentials of one TCP listener (``ServerTls.server_credentials``); TCP
-    listeners then serve TLS only. Unix sockets never use TLS."""
+    ``bound`` as they are made, and recorded in ``placement``, so a failure halfway
+    still lets the caller remove exactly its own sockets (never another daemon's).
+    ``tls``: makes the credentials of one TCP listener (``ServerTls.server_credentials``);
+    TCP listeners then serve TLS only. Unix sockets never use TLS. ``placement``
+    (default: at their paths) says where Unix sockets are bound: the daemon's, at
+    temporary names it publishes once it serves (``kvtierd.util.sockets``)."""
+    placement = placement if placement is not None else SocketPlacement()
     for address in addresses:
         if address.startswith("unix://"):
             path = address[len("unix://") :]
-            _add_unix(server, path, gid)
+            _add_unix(server, path, gid, placement)
             bound.append(path)
         else:
             _add_tcp(server, address, tls)
@@ -272,28 +283,51 @@ def tcp_bind_refusal(address: str) -> str | None:
     return None
 
 
-def _add_unix(server: TransportServers, path: str, gid: int | None) -> None:
+def _add_unix(
+    server: TransportServers, path: str, gid: int | None, placement: SocketPlacement
+) -> None:
     _make_socket_directory(os.path.dirname(path), gid)
-    _remove_stale_socket(path)
-    refusal = _unix_bind_refusal(path)
+    at = _bind_name(path, placement)
+    refusal = _unix_bind_refusal(at)
     if refusal is not None:
         raise ListenError(f"cannot listen on unix socket {path}: {refusal}")
     with _umask(0o117):
         try:
-            bound = server.add_insecure_port("unix:" + path)
+            bound = server.add_insecure_port("unix:" + at)
         except RuntimeError:  # taken since the probe
             bound = 0
     if bound == 0:
         raise ListenError(f"cannot listen on unix socket {path}")
+    _give_socket_mode(at, gid, path)
+    placement.record(path, at)
+    log.info("listening on unix socket %s (mode 0660)%s", path, _published_later(at, path))
+
+
+def _bind_name(path: str, placement: SocketPlacement) -> str:
+    """Where the socket of ``path`` is bound: at the path (a stale socket file
+    cleared first unless a takeover replaces the daemon serving it), or at the
+    temporary name it is published from (``SocketPlacement``)."""
+    if not placement.takeover:
+        _remove_stale_socket(path)
     try:
-        os.chmod(path, 0o660)
+        return placement.bind_name(path)
+    except ValueError as exc:
+        raise ListenError(str(exc)) from None
+
+
+def _give_socket_mode(at: str, gid: int | None, path: str) -> None:
+    try:
+        os.chmod(at, 0o660)
         if gid is not None:
-            os.chown(path, -1, gid)
+            os.chown(at, -1, gid)
     except OSError as exc:
         raise ListenError(
             f"cannot give unix socket {path} mode 0660 and group {gid}: {exc.strerror}"
         ) from None
-    log.info("listening on unix socket %s (mode 0660)", path)
+
+
+def _published_later(at: str, path: str) -> str:
+    return "" if at == path else f", bound at {at} until published"
 
 
 def _unix_bind_refusal(path: str) -> str | None:
@@ -349,24 +383,32 @@ def _make_socket_directory(directory: str, gid: int | None) -> None:
             ) from None
 
 
-def bind_unix_socket(path: str, gid: int | None, what: str = "peer tickets") -> socket.socket:
+def bind_unix_socket(
+    path: str,
+    gid: int | None,
+    what: str = "peer tickets",
+    placement: SocketPlacement | None = None,
+) -> socket.socket:
     """A listening stream socket at ``path``, mode 0660 and group ``gid`` like the
-    gRPC sockets (a stale socket file is cleared as for them). For the ticket
-    sockets next to each gRPC socket (``kvtierd.security.tickets``) and the fast
-    lane's (``kvtierd.api.fastlane``); ``what`` names it in the log line."""
-    _remove_stale_socket(path)
+    gRPC sockets (a stale socket file is cleared as for them; bound where
+    ``placement`` says, as they are). For the ticket sockets next to each
+    gRPC socket (``kvtierd.security.tickets``) and the fast lane's
+    (``kvtierd.api.fastlane``); ``what`` names it in the log line."""
+    placement = placement if placement is not None else SocketPlacement()
+    at = _bind_name(path, placement)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         with _umask(0o117):
-            listener.bind(path)
-        os.chmod(path, 0o660)
+            listener.bind(at)
+        os.chmod(at, 0o660)
         if gid is not None:
-            os.chown(path, -1, gid)
+            os.chown(at, -1, gid)
         listener.listen(socket.SOMAXCONN)
     except OSError as exc:
         listener.close()
         raise ListenError(f"cannot listen on unix socket {path}: {exc.strerror}") from None
-    log.info("%s on unix socket %s (mode 0660)", what, path)
+    placement.record(path, at)
+    log.info("%s on unix socket %s (mode 0660)%s", what, path, _published_later(at, path))
     return listener
 
 
@@ -407,12 +449,6 @@ def _remove_stale_socket(path: str) -> None:
         )
     finally:
         probe.close()
-
-
-def remove_unix_sockets(paths: list[str]) -> None:
-    for path in paths:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
 
 
 @contextlib.contextmanager

@@ -128,6 +128,17 @@ OPTIONS: tuple[Option, ...] = (
         flag="--fast-lane",
     ),
     Option(
+        "server",
+        "takeover",
+        boolean,
+        lambda: False,
+        "replace the daemon (of this user) serving these Unix sockets without a refused "
+        "connection: serve them under temporary names, rename them over its paths, then "
+        "stop it and adopt its pools once it has exited; nothing to replace: an ordinary "
+        "start (docs: operations/upgrades)",
+        flag="--takeover",
+    ),
+    Option(
         "memory",
         "shm_dir",
         directory,

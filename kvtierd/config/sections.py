@@ -17,6 +17,7 @@ class ServerConfig:
     socket_group: str  # "" = the daemon's own group
     shutdown_grace: float  # seconds
     fast_lane: bool = True  # offer sessions the '<socket>.lane' fast lane (kvtierd.api.fastlane)
+    takeover: bool = False  # replace the daemon serving the Unix sockets (kvtierd.ops.takeover)
     # pool globs whose series /metrics shows; None ("auto"): all, none with principals
     metrics_pool_labels: tuple[str, ...] | None = None
 

@@ -16,9 +16,11 @@ import logging
 import sys
 import textwrap
 from collections.abc import Sequence
+from typing import Any
 
 from kvtierd import __version__
 from kvtierd.config import OPTIONS, Config, ConfigError, Option, load_config, unknown_environment
+from kvtierd.config.values import boolean
 from kvtierd.errors import StartupError
 from kvtierd.tiers import registry
 
@@ -49,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     for option in OPTIONS:
         if option.flag is None:
             continue
+        # a boolean flag alone means true (``--takeover``); ``--fast-lane false`` still works
+        alone: dict[str, Any] = {"nargs": "?", "const": "true"} if option.parse is boolean else {}
         parser.add_argument(
             option.flag,
             dest=option.dotted,
@@ -56,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
             action="append" if option.repeatable else "store",
             default=None,
             help=_flag_help(option),
+            **alone,
         )
     return parser
 

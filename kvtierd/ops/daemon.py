@@ -34,7 +34,6 @@ from kvtierd.api.server import (
     bind_unix_socket,
     build_server,
     max_receive_bytes,
-    remove_unix_sockets,
     set_health,
 )
 from kvtierd.api.watch import WatchStreams
@@ -46,6 +45,7 @@ from kvtierd.ops.metrics import Metrics, pool_labels_for
 from kvtierd.ops.metrics_http import MetricsEndpoint
 from kvtierd.ops.sdnotify import notify, watchdog_interval
 from kvtierd.ops.shmdir import prepare_shm_dir
+from kvtierd.ops.takeover import OPEN_WAIT, Takeover, find_running_daemon
 from kvtierd.security import region_access
 from kvtierd.security.reload import credential_reloader
 from kvtierd.security.state import SecurityState
@@ -55,6 +55,7 @@ from kvtierd.tiers import registry
 from kvtierd.tiers.configured import ConfiguredTier, TierCheckError
 from kvtierd.tiers.fs.iopool import JOIN_S as IO_JOIN_S
 from kvtierd.util.heap import HeapTrimmer, tune_malloc
+from kvtierd.util.sockets import SocketPlacement
 from kvtierd.util.units import format_bytes
 from kvtierd_client.wire.peer_ticket import ticket_socket_path
 
@@ -143,8 +144,11 @@ class Daemon:
         self._server: TransportServers | None = None
         self._supervisor: asyncio.Task[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None
-        self._sockets: list[str] = []  # unix socket files this daemon created
+        self._sockets: list[str] = []  # unix socket paths this daemon serves
+        # where they are bound, and which files are this daemon's (kvtierd.util.sockets)
+        self._placement = SocketPlacement(staged=True)
         self._region_fds: region_access.RegionFdServer | None = None
+        self._takeover_task: asyncio.Task[None] | None = None  # waits for the old daemon
         # freed C heap back to the kernel after bursts (docs/design/memory.md)
         self._heap = HeapTrimmer()
 
@@ -153,19 +157,26 @@ class Daemon:
         warning = budget_warning(self.config.memory.budget, self.config.memory.shm_dir)
         if warning is not None:
             log.warning("%s", warning)
-        self._check_tiers()
-        await self._start_metrics()
+        takeover = self._takeover()
+        self._check_tiers(lock=takeover is None)  # a takeover locks once the old one is gone
+        if takeover is None:
+            await self._start_metrics()
         server, self._health = build_server(self.service, self.config.limits, self.security)
         await set_health(self._health, serving=False)
-        tls = self.tls.server_credentials if self.tls is not None else None
-        add_listeners(server, self.config.server.listen, self.gid, self._sockets, tls)
+        listen = self.config.server.listen
+        unix = tuple(address for address in listen if address.startswith("unix://"))
+        self._add_listeners(server, listen if takeover is None else unix)
         self._serve_tickets()
         self._region_fds = region_access.serve_next_to(
-            self._sockets, self.sessions, self.gid, self.security
+            self._sockets, self.sessions, self.gid, self.security, self._placement
         )
         await self._serve_fast_lane()
         await server.start()
         self._server = server
+        if takeover is None:
+            self._placement.publish()  # at their paths from now on (kvtierd.util.sockets)
+        else:
+            self._begin_takeover(takeover, server, tuple(a for a in listen if a not in unix))
         self._supervisor = asyncio.create_task(self._supervise_forever(), name="kvtierd-supervisor")
         await set_health(self._health, serving=True)
         interval = watchdog_interval()
@@ -178,6 +189,72 @@ class Daemon:
             format_bytes(self.config.memory.budget), self.config.memory.shm_dir,
             self.config.sessions.lease,
         )  # fmt: skip
+
+    def _add_listeners(self, server: TransportServers, addresses: tuple[str, ...]) -> None:
+        tls = self.tls.server_credentials if self.tls is not None else None
+        add_listeners(server, addresses, self.gid, self._sockets, tls, self._placement)
+
+    def _takeover(self) -> Takeover | None:
+        """With ``server.takeover`` and a daemon of this user serving the first Unix
+        listen path: the takeover of it, this daemon's sockets then bound at
+        temporary names (``kvtierd.ops.takeover``). None: an ordinary start."""
+        if not self.config.server.takeover:
+            return None
+        path = first_unix_path(self.config.server.listen)
+        if path is None:
+            raise ConfigError("server.takeover", "a takeover needs a unix:// listen address")
+        old = find_running_daemon(path)
+        if old is None:
+            log.info("server.takeover: no daemon serves %s; starting as usual", path)
+            return None
+        self._placement = SocketPlacement(takeover=True)
+        grace = self.config.server.shutdown_grace
+        # the old daemon's stop: calls in flight, tier jobs, then its pools' journals
+        return Takeover(old, self._placement, stop_timeout=3 * grace + 30.0)
+
+    def _begin_takeover(
+        self, takeover: Takeover, server: TransportServers, tcp: tuple[str, ...]
+    ) -> None:
+        """Publishes the sockets and stops the old daemon; OpenSession waits (at most
+        ``OPEN_WAIT`` s a call) until it has exited and this daemon holds the tiers'
+        locks, then what could not be shared starts: TCP listeners, metrics."""
+        pools_ready = asyncio.Event()
+        self.handlers.hold_pools_until(
+            pools_ready,
+            OPEN_WAIT,
+            f"the daemon being replaced (pid {takeover.old.pid}) has not exited yet",
+        )
+        takeover.publish()
+        self._takeover_task = asyncio.create_task(
+            self._finish_takeover(takeover, server, tcp, pools_ready), name="kvtierd-takeover"
+        )
+
+    async def _finish_takeover(
+        self,
+        takeover: Takeover,
+        server: TransportServers,
+        tcp: tuple[str, ...],
+        pools_ready: asyncio.Event,
+    ) -> None:
+        try:
+            await takeover.wait_gone()
+            self._lock_tiers()
+        except ConfigError as exc:  # a third daemon holds a root: no pool may open
+            log.error("after the takeover: %s; stopping", exc)
+            self.request_stop()
+            return
+        except OSError:  # the pidfd failed: whether the old daemon is gone is unknown
+            log.exception("the takeover cannot wait for the previous daemon; stopping")
+            self.request_stop()
+            return
+        pools_ready.set()
+        try:
+            if tcp:
+                self._add_listeners(server, tcp)
+                await server.start()
+            await self._start_metrics()
+        except StartupError as exc:  # the old daemon's port not free yet, or taken
+            log.error("after the takeover: %s", exc)
 
     def reload_credentials(self) -> None:
         """SIGHUP: re-read the tokens and TLS files (``security.reload``); nothing
@@ -199,10 +276,17 @@ class Daemon:
             pool.events.wake_all()  # watch streams end
         if self._server is not None:
             await set_health(self._health, serving=False)
-            await self._server.stop(self.config.server.shutdown_grace)
+            # GOAWAY first: a client's next call opens a new connection (to the
+            # daemon that took over, if any: docs/operations/upgrades.md) ...
+            stopping = asyncio.ensure_future(self._server.stop(self.config.server.shutdown_grace))
+            await asyncio.sleep(0)
         if self.fast_lane is not None:
-            self.fast_lane.close()  # every lane cut; their sessions close below
-        for task in (self._supervisor, self._watchdog):
+            # ... then every lane cut (their sessions close below): its clients learn
+            # at once that the session is gone (NOT_FOUND) and reopen one there
+            self.fast_lane.close()
+        if self._server is not None:
+            await stopping
+        for task in (self._supervisor, self._watchdog, self._takeover_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -221,7 +305,7 @@ class Daemon:
         await self.pools.close_all(wait_for_creations=self.config.server.shutdown_grace)
         if self._region_fds is not None:
             self._region_fds.close()
-        remove_unix_sockets(self._sockets)
+        self._placement.remove_own()  # never a socket a daemon that took over put there
         if self._metrics_endpoint is not None:
             await self._metrics_endpoint.close()
         log.info("shutdown complete")
@@ -255,7 +339,7 @@ class Daemon:
         """The lane's socket bound and served, through the request handlers."""
         if self.fast_lane is None:
             return
-        listener = bind_unix_socket(self.fast_lane.path, self.gid, "fast lane")
+        listener = bind_unix_socket(self.fast_lane.path, self.gid, "fast lane", self._placement)
         self._sockets.append(self.fast_lane.path)
         await self.fast_lane.serve(listener, self.handlers)
 
@@ -266,7 +350,9 @@ class Daemon:
             return
         for path in list(self._sockets):
             tickets = ticket_socket_path(path)
-            self.security.tickets.serve(bind_unix_socket(tickets, self.gid))
+            self.security.tickets.serve(
+                bind_unix_socket(tickets, self.gid, placement=self._placement)
+            )
             self._sockets.append(tickets)
 
     async def _start_metrics(self) -> None:
@@ -287,15 +373,24 @@ class Daemon:
             address, ", ".join(shown) if shown else "none (server.metrics_pool_labels)",
         )  # fmt: skip
 
-    def _check_tiers(self) -> None:
-        """Each configured tier checks its resources; the first refusal stops the
-        start with exit code 2, naming the option at fault."""
+    def _check_tiers(self, lock: bool = True) -> None:
+        """Each configured tier checks its resources (and, with ``lock``, takes its
+        locks: ``_lock_tiers``); the first refusal stops the start with exit code 2,
+        naming the option at fault."""
         for configured, tier in zip(self.tiers, self.config.tiers, strict=True):
             try:
-                configured.check()
+                configured.check() if lock else configured.check_unlocked()
             except TierCheckError as exc:
                 raise ConfigError(f"{tier.key}.{exc.option}", str(exc)) from None
             log.info("tier %s: %s", tier.name, configured.describe())
+
+    def _lock_tiers(self) -> None:
+        """After a takeover: the locks ``_check_tiers(lock=False)`` left (fs roots)."""
+        for configured, tier in zip(self.tiers, self.config.tiers, strict=True):
+            try:
+                configured.lock()
+            except TierCheckError as exc:
+                raise ConfigError(f"{tier.key}.{exc.option}", str(exc)) from None
 
     async def _drain_tiers(self) -> None:
         """Lets the tier jobs in flight finish, for at most ``server.shutdown_grace``;

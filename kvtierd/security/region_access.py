@@ -56,6 +56,7 @@ from kvtierd.security.identity import PeerCredentials, peer_credentials, peer_ui
 from kvtierd.security.state import SecurityState
 from kvtierd.util import filekind
 from kvtierd.util.ratelimit import RateLimitedLog
+from kvtierd.util.sockets import BoundSocket, SocketPlacement, unlink_if_own
 
 log = logging.getLogger("kvtierd.security.region_access")
 
@@ -145,11 +146,16 @@ def map_policy(security: SecurityState, socket_gid: int | None) -> MapPolicy:
 
 
 def serve_next_to(
-    unix_sockets: list[str], sessions: Any, socket_gid: int | None, security: SecurityState
+    unix_sockets: list[str],
+    sessions: Any,
+    socket_gid: int | None,
+    security: SecurityState,
+    placement: SocketPlacement | None = None,
 ) -> RegionFdServer | None:
     """Starts a :class:`RegionFdServer` next to the first Unix listen socket (on
-    the running loop); None when the daemon listens on TCP only (no peer
-    credentials there: regions are then reached by path only)."""
+    the running loop; bound where ``placement`` says); None when the daemon
+    listens on TCP only (no peer credentials there: regions are then reached by
+    path only)."""
     if not unix_sockets:
         return None
     server = RegionFdServer(
@@ -159,7 +165,7 @@ def serve_next_to(
         socket_gid,
         map_policy(security, socket_gid),
     )
-    server.start()
+    server.start(placement)
     log.info("region descriptors served on %s", server.path)
     return server
 
@@ -203,6 +209,7 @@ class RegionFdServer:
         self._loop = loop
         self._gid = socket_gid
         self._sock: socket.socket | None = None
+        self._bound: BoundSocket | None = None  # the socket file start() made
         self._thread: threading.Thread | None = None
         self._own_loop: asyncio.AbstractEventLoop | None = None  # the thread's
         self._accepting: asyncio.Task[None] | None = None  # on _own_loop
@@ -217,15 +224,20 @@ class RegionFdServer:
         self._dropped: dict[asyncio.Task[None], socket.socket] = {}  # cancelled, not yet done
         self._limited = RateLimitedLog(log)
 
-    def start(self) -> None:
-        """Binds and starts answering. Raises ConfigError (exit 2) when something
-        other than a socket sits at the path (never followed, left untouched)."""
-        _clear_stale_socket(self.path)
+    def start(self, placement: SocketPlacement | None = None) -> None:
+        """Binds (where ``placement`` says: at the path by default) and starts
+        answering. Raises ConfigError (exit 2) when something other than a socket
+        sits at the path (never followed, left untouched)."""
+        placement = placement if placement is not None else SocketPlacement()
+        if not placement.takeover:
+            _clear_stale_socket(self.path)
+        at = placement.bind_name(self.path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        sock.bind(self.path)
-        os.chmod(self.path, 0o660)
+        sock.bind(at)
+        os.chmod(at, 0o660)
         if self._gid is not None:
-            os.chown(self.path, -1, self._gid)
+            os.chown(at, -1, self._gid)
+        self._bound = placement.record(self.path, at)
         sock.listen(64)
         sock.setblocking(False)
         self._sock = sock
@@ -250,8 +262,7 @@ class RegionFdServer:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+            unlink_if_own(self.path, self._bound)  # not a daemon's that took it over
 
     def _run(self, own_loop: asyncio.AbstractEventLoop) -> None:
         asyncio.set_event_loop(own_loop)

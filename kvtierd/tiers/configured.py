@@ -116,6 +116,17 @@ class ConfiguredTier(abc.ABC):
         """At daemon start: raises TierCheckError unless the tier's resources are
         usable (a real probe where permission bits could lie). May block briefly."""
 
+    def check_unlocked(self) -> None:
+        """:meth:`check` without taking what only one daemon may hold at a time (an
+        fs root's lock): a takeover takes that with :meth:`lock` once the daemon it
+        replaces has exited (docs/operations/upgrades.md). Default: :meth:`check`."""
+        self.check()
+
+    def lock(self) -> None:
+        """Takes what :meth:`check_unlocked` left out; TierCheckError when another
+        daemon holds it. Default: nothing to take."""
+        return None
+
     @abc.abstractmethod
     def create(
         self, pool: PoolBinding, on_done: JobCallback, loop: asyncio.AbstractEventLoop

@@ -68,6 +68,11 @@ class ConfiguredFsTier(ConfiguredTier):
         self.keys: KeyRing | None = None  # read by check()
 
     def check(self) -> None:
+        """:meth:`check_unlocked`, then :meth:`lock`."""
+        self.check_unlocked()
+        self.lock()
+
+    def check_unlocked(self) -> None:
         """Reads the integrity keys (TierCheckError naming their option), then raises
         TierRootError unless the root exists (or may be created), is the daemon's own
         with nothing planted below it (``permissions.check_root``) and this process
@@ -109,6 +114,10 @@ class ConfiguredFsTier(ConfiguredTier):
                 f"fs tier {self.name}: root directory {root} is {reason or 'unusable'} for this "
                 f"process (uid {os.geteuid()}): {exc.strerror or exc}"
             ) from None
+
+    def lock(self) -> None:
+        """Takes the root's lock (``rootlock``); TierRootError naming who holds it."""
+        root = self.settings.root
         try:
             self.root_guard.acquire()
         except RootInUse as exc:
