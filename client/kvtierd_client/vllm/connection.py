@@ -4,7 +4,8 @@ Failure model: a daemon that does not answer (``Unavailable``,
 ``DeadlineExceeded``) turns every lookup into MISS and every ``prepare_store``
 into None for ``retry_interval`` seconds, then the manager tries again. A session
 the daemon no longer knows (``NotFound``: daemon restarted, lease expired) starts
-a new *generation*: a new session, possibly a new region; pins and reservations
+a new *generation* (an OpenSession a handing-over daemon cancelled is sent once
+more at once): a new session, possibly a new region; pins and reservations
 of older generations died with their session and are never completed against the
 new one. Row ids always travel with the identity of their region
 (:class:`~kvtierd_client.vllm.common.RegionIdentity`), so a worker never applies
@@ -19,6 +20,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
+
+import grpc
 
 from kvtierd_client.client import Client, Session
 from kvtierd_client.errors import FailedPrecondition, KvtierError, NotFound
@@ -96,9 +99,8 @@ class DaemonConnection:
             return None
         if self.generation is not None:
             return self.generation
-        self._accounting.on_open_session()
         try:
-            session = self._reopen()
+            session = self._open()
             region = RegionIdentity.of_session(session)
         except (KvtierError, OSError) as err:
             self._down_until = time.monotonic() + self._retry_interval
@@ -113,6 +115,24 @@ class DaemonConnection:
             "are forgotten", session.session_id, self._pool_name, region.path,
         )  # fmt: skip
         return self.generation
+
+    def _open(self) -> Session:
+        """A new session (one round trip, counted). An OpenSession the daemon cut
+        with CANCELLED is sent once more at once: a daemon handing its sockets to its
+        successor (docs/operations/upgrades.md) cancels the calls in flight with its
+        GOAWAY, and the next call reaches the successor; waiting ``retry_interval``
+        for it served a second of misses after every upgrade."""
+        self._accounting.on_open_session()
+        try:
+            return self._reopen()
+        except KvtierError as err:
+            if err.code is not grpc.StatusCode.CANCELLED:
+                raise
+            log.info(
+                "kvtierd: reopening pool %s was cancelled (%s); once more", self._pool_name, err
+            )
+        self._accounting.on_open_session()
+        return self._reopen()
 
     def call(
         self,
