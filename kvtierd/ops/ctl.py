@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
@@ -309,13 +311,21 @@ def _numbers_64(descriptor: Any, data: dict[str, Any]) -> dict[str, Any]:
 
 def watch_stats(args: argparse.Namespace) -> int:
     """Redraws the stats table every ``args.watch`` seconds (the screen is cleared
-    first on a terminal) until Ctrl-C, which exits 0 without a word."""
+    first on a terminal) until Ctrl-C, which exits 0 without a word.
+
+    Ctrl-C (SIGINT) only sets a flag, read between two redraws: a KeyboardInterrupt
+    raised inside a gRPC call in flight could leave the channel's lock taken, and
+    closing the channel then hung (seen on a loaded machine)."""
     clear = CLEAR_SCREEN if sys.stdout.isatty() else ""
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda _signum, _frame: stop.set())
     try:
         with _client(args) as client:
             next_at = time.monotonic()
-            while True:
+            while not stop.is_set():
                 stats = client.get_stats(args.pool or "")
+                if stop.is_set():
+                    break
                 header = (
                     f"kvtierd stats every {args.watch:g}s, {time.strftime('%H:%M:%S')} "
                     "(Ctrl-C exits)"
@@ -323,9 +333,10 @@ def watch_stats(args: argparse.Namespace) -> int:
                 sys.stdout.write(clear + "\n".join([header, *stats_table(stats)]) + "\n")
                 sys.stdout.flush()
                 next_at = max(next_at + args.watch, time.monotonic())
-                time.sleep(max(0.0, next_at - time.monotonic()))
-    except KeyboardInterrupt:
-        return EXIT_OK
+                stop.wait(max(0.0, next_at - time.monotonic()))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return EXIT_OK
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
