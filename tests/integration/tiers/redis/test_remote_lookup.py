@@ -7,12 +7,9 @@ promoted again as soon as it is back. Real daemons, real redis-server processes.
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
@@ -27,6 +24,7 @@ from redis_harness import (
     promoted,
     redis_config,
     redis_key,
+    stopped,
     tier_warnings,
 )
 
@@ -37,17 +35,6 @@ from kvtierd_client.wire.proto import pb2
 
 def _limits(wait: str) -> str:
     return f'[limits]\nremote_lookup_wait = "{wait}"\n'
-
-
-@contextmanager
-def _stopped(server: RedisServer) -> Iterator[None]:
-    """The server hangs (SIGSTOP: connections stay open, nothing answers) within."""
-    assert server.proc is not None
-    os.kill(server.proc.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(server.proc.pid, signal.SIGCONT)
 
 
 def test_a_first_lookup_answers_hit_pending_for_what_another_node_stored(
@@ -190,7 +177,7 @@ def test_a_hung_node_costs_its_own_keys_and_the_wait_never_more(
     reader_node = daemons(config)
     reader = Engine(reader_node, pool_name, num_blocks=32)
     settled = [MISS if hung else HIT for hung in on_victim]
-    with _stopped(spread.victim):
+    with stopped(spread.victim):
         for attempt in range(3):  # the probe in flight, then the node skipped
             started = time.monotonic()
             results = reader.session.lookup(keys)
@@ -271,7 +258,7 @@ def test_a_waiting_lookup_keeps_its_lanes_answers_in_order_and_holds_no_one_else
             other.session.lookup(block_keys("mine", 2))
             took.append(time.monotonic() - started)
 
-    with _stopped(server):
+    with stopped(server):
         started = time.monotonic()
         lane.sendall(
             call_frame("Lookup", lookup)
@@ -365,7 +352,7 @@ def test_a_stop_with_queued_cascades_drops_them_within_its_bound_and_says_how_ma
     daemon = start_daemon("--shutdown-grace", "1s", config=config)
     try:
         engine = Engine(daemon, pool_name, num_blocks=64)
-        with _stopped(server):
+        with stopped(server):
             for key in block_keys("queued", 30):  # one cascade job each, behind a hung write
                 engine.store([key])
             engine.close()
