@@ -31,7 +31,9 @@ per request. ``--policies`` adds runs of Redis = C under other eviction policies
 ``noeviction``); ``--fault`` kills, stops (SIGSTOP) or slows (a proxy trickling
 its answers) one Redis node from a third to two thirds of a round-robin replay
 with Redis unbounded, and reports the lookups' latency and the daemons' fault
-lines. Results go to ``bench-results/fleet.md`` as well.
+lines (before, during and after the fault: each part's first-Lookup latency and hit
+rate; each node's WARNING lines). Results go to ``bench-results/fleet.md`` as well,
+the daemons' WARNING and ERROR lines to ``bench-results/fleet.warnings.txt``.
 """
 
 from __future__ import annotations
@@ -178,7 +180,7 @@ class Fleet:
         WARNING and ERROR lines."""
         lines: list[str] = []
         slowest = 0.0
-        for daemon in self.daemons:
+        for node, daemon in enumerate(self.daemons):
             started = time.monotonic()
             daemon.proc.terminate()
             try:
@@ -187,7 +189,8 @@ class Fleet:
                 daemon.proc.kill()
             slowest = max(slowest, time.monotonic() - started)
             log = Path(daemon.workdir, "daemon.log").read_text(errors="replace")
-            lines += [line for line in log.splitlines() if "WARNING" in line or "ERROR" in line]
+            lines += [f"node {node}: {line}" for line in log.splitlines()
+                      if "WARNING" in line or "ERROR" in line]  # fmt: skip
             daemon.close()
         shutil.rmtree(self.directory, ignore_errors=True)
         return slowest, lines
@@ -399,12 +402,44 @@ def notes(outcomes: list[Outcome]) -> str:
                 f"stores refused {m.store_refused}, gave up waiting {m.gave_up}, "
                 f"load races {m.load_races}"
             )
+        if o.config.fault:
+            extra += fault_phases(o)
         if o.log_lines:
             extra.append(f"{len(o.log_lines)} WARNING/ERROR lines: " + " / ".join(
                 line[-160:] for line in o.log_lines[:6]))  # fmt: skip
         out.append(f"- {o.config.fraction:.0%} {o.config.label} {o.config.shape.routing}"
                    f"{' (before)' if o.config.before else ''}: " + "; ".join(extra))  # fmt: skip
     return "\n".join(out)
+
+
+def fault_phases(outcome: Outcome) -> list[str]:
+    """A fault run's requests before, during and after the fault (by trace position:
+    the fault lasts from a third to two thirds of the replay, :class:`_Fault`): each
+    part's first-Lookup latency and hit rate, and each node's WARNING lines."""
+    m = outcome.merged
+    total = max(index for index, _, _ in m.per_request) + 1 if m.per_request else 0
+    parts: dict[str, list[tuple[float, int, int]]] = {"before": [], "during": [], "after": []}
+    for (index, hits, answers), seconds in zip(m.per_request, m.first_lookup_s, strict=False):
+        part = "before" if index < total / 3 else "during" if index < 2 * total / 3 else "after"
+        parts[part].append((seconds, hits, len(answers)))
+    out = []
+    for part, rows in parts.items():
+        if not rows:
+            continue
+        lat = sorted(seconds for seconds, _, _ in rows)
+        rate = sum(h for _, h, _ in rows) / max(1, sum(n for _, _, n in rows))
+        out.append(
+            f"{part} the fault: first Lookup p50 / p99 / max {percentile(lat, 0.5) * 1e3:.2f} / "
+            f"{percentile(lat, 0.99) * 1e3:.2f} / {lat[-1] * 1e3:.1f} ms, hit rate {rate:.1%}"
+        )
+    per_node: dict[str, int] = {}
+    for line in outcome.log_lines:
+        if " WARNING " in line:
+            node = line.split(":", 1)[0]
+            per_node[node] = per_node.get(node, 0) + 1
+    out.append("WARNING lines per node: " + (", ".join(
+        f"{node} {count}" for node, count in sorted(per_node.items())) or "none"))  # fmt: skip
+    return out
 
 
 def _dump(path: str, outcome: Outcome) -> None:
@@ -433,7 +468,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--capacities", default="0.1,0.3", type=lambda s: [float(x) for x in s.split(",")]
     )
     parser.add_argument("--routings", default="rr,conversation", type=lambda s: s.split(","))
-    parser.add_argument("--remotes", default=",".join(REMOTES), type=lambda s: s.split(","))
+    parser.add_argument(
+        "--remotes", default=",".join(REMOTES), type=lambda s: [x for x in s.split(",") if x]
+    )  # "": none of them (a --fault run alone)
     parser.add_argument("--policies", action="store_true", help="Redis = C under other policies")
     parser.add_argument("--before", default="", help="another checkout: its daemons' rows too")
     parser.add_argument("--wait", default="", help="limits.remote_lookup_wait (default: its)")
@@ -493,6 +530,9 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + text)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     Path(args.out).write_text(text)
+    lines = [f"{o.config.label} {o.config.shape.routing}: {line}"
+             for o in outcomes for line in o.log_lines]  # fmt: skip
+    Path(args.out).with_suffix(".warnings.txt").write_text("\n".join(lines) + "\n")
     return 0
 
 

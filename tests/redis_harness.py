@@ -20,12 +20,14 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -209,6 +211,17 @@ class RedisServer:
     def close(self) -> None:
         self.stop()
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+@contextmanager
+def stopped(server: RedisServer) -> Iterator[None]:
+    """The server hangs (SIGSTOP: connections stay open, nothing answers) within."""
+    assert server.proc is not None
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
 
 
 @pytest.fixture(scope="session")

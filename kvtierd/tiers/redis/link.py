@@ -33,7 +33,11 @@ on its address is used again at the next call (the pools reconnect).
 
 A node's fault is logged once: a WARNING at its first failure since it last
 answered (naming it and why), an INFO when it answers again; the calls it fails
-meanwhile are the tiers' DEBUG lines (:meth:`RedisLink.node_down`). No server
+meanwhile are the tiers' DEBUG lines (:meth:`RedisLink.node_down`). A node that
+flaps -- fails again within :data:`NODE_FAULT_LOG_S` of its last WARNING, as one
+that trickles its answers does (a small call gets through, the next times out) --
+is the same fault: DEBUG lines, its end not announced, and the number of such
+failures in its next WARNING. No server
 reached at all (the client cannot be built) is one WARNING too.
 
 A node that timed out is **skipped** (:class:`NodeSkipped`, at once, no I/O)
@@ -66,7 +70,7 @@ import redis
 from redis._parsers.helpers import parse_info
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
-from redis.exceptions import AskError, RedisClusterException
+from redis.exceptions import AskError, ClusterDownError, RedisClusterException
 from redis.retry import Retry
 
 from kvtierd.tiers.redis.access import explain, tls_options, uses_tls
@@ -80,6 +84,7 @@ RESOLVE_RETRY_S = 1.0  # a server that did not answer the mode question: asked a
 TOPOLOGY_REFRESH_S = 1.0  # at most one slot-map refresh per this, whatever fails
 RTT_EWMA_WEIGHT = 0.2  # weight of a new round trip in the running average
 CALL_DEADLINE_TIMEOUTS = 2  # a call's whole deadline, in socket timeouts (deadline.py)
+NODE_FAULT_LOG_S = 60.0  # a node's fault is logged at most once in this long (it flaps)
 NodeClient = redis.Redis
 
 # what a per-node pipeline answers for one key: the reply, or the error of that key
@@ -106,10 +111,16 @@ class RedisLink:
     """
 
     def __init__(
-        self, settings: RedisTierSettings, password: str | None, name: str = "redis"
+        self,
+        settings: RedisTierSettings,
+        password: str | None,
+        name: str = "redis",
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``name``: the configured tier's (its log lines say it)."""
+        """``name``: the configured tier's (its log lines say it); ``clock``: monotonic
+        seconds, for the times a node is skipped and its fault logged."""
         self.settings = settings
+        self._clock = clock
         self.name = name
         self._password = password
         self._lock = threading.Lock()
@@ -128,6 +139,11 @@ class RedisLink:
         # node name -> why it failed, from its first failure to its next answer (guarded
         # by _lock): a fault is logged once, when the node enters it, and its end once
         self._down: dict[str, str] = {}
+        # node name -> when its last fault was logged and the failures since that were
+        # not (it flapped); and the nodes whose current fault was logged (its end will
+        # be). Both guarded by _lock; at most one entry per node of the server.
+        self._fault_logged: dict[str, tuple[float, int]] = {}
+        self._announced: set[str] = set()
         self._skip_for = max(settings.timeout, 1.0)
         # a whole call (send and answer) is cut past twice the socket timeout
         self._deadlines = CallDeadlines(
@@ -300,7 +316,7 @@ class RedisLink:
         the trial's own timeout)."""
         if not self._skip_until:  # the usual case: no lock
             return
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             until = self._skip_until.get(name)
             if until is None:
@@ -317,32 +333,74 @@ class RedisLink:
         itself: a node restarted on its address is used at the very next call).
         The node's first failure since it last answered is logged, once."""
         timed_out = isinstance(exc, (redis.TimeoutError, TimeoutError))
+        quiet: int | None = None
         with self._lock:
             if timed_out:
-                self._skip_until[name] = time.monotonic() + self._skip_for
+                self._skip_until[name] = self._clock() + self._skip_for
             first = name not in self._down
             if first:
                 self._down[name] = f"{type(exc).__name__}: {exc}"
-        if first:
-            log.warning(
-                "redis tier %s: node %s failed (%s: %s); its keys answer MISS and its "
-                "writes fail until it answers again%s",
-                self.name, self._node_text(name), type(exc).__name__, exc,
-                f" (skipped; one call tries it every {self._skip_for:g}s)" if timed_out else "",
+                quiet = self._announce(name)
+        if not first:
+            return
+        if quiet is None:
+            log.debug(
+                "redis tier %s: node %s failed again (%s: %s); it flaps, logged at most "
+                "once in %gs", self.name, self._node_text(name), type(exc).__name__, exc,
+                NODE_FAULT_LOG_S,
             )  # fmt: skip
+            return
+        log.warning(
+            "redis tier %s: node %s failed (%s: %s); its keys answer MISS and its "
+            "writes fail until it answers again%s%s",
+            self.name, self._node_text(name), type(exc).__name__, exc,
+            f" (skipped; one call tries it every {self._skip_for:g}s)" if timed_out else "",
+            f"; it failed {quiet} more times since the last such line, answering in between"
+            if quiet else "",
+        )  # fmt: skip
+
+    def _announce(self, name: str) -> int | None:
+        """Under ``_lock``, at a node's new fault: None when its last fault was logged
+        within :data:`NODE_FAULT_LOG_S` (it flaps: counted, not logged), else the
+        failures not logged since its last line (and this one is logged)."""
+        now = self._clock()
+        logged_at, quiet = self._fault_logged.get(name, (None, 0))
+        if logged_at is not None and now - logged_at < NODE_FAULT_LOG_S:
+            self._fault_logged[name] = (logged_at, quiet + 1)
+            return None
+        self._fault_logged[name] = (now, 0)
+        self._announced.add(name)
+        return quiet
 
     def _node_answered(self, name: str) -> None:
         if name in self._skip_until or name in self._down:
             with self._lock:
                 self._skip_until.pop(name, None)
                 was = self._down.pop(name, None)
-            if was is not None:
+                announced = name in self._announced
+                self._announced.discard(name)
+            if was is not None and announced:
                 log.info("redis tier %s: node %s answers again", self.name, self._node_text(name))
+            elif was is not None:
+                log.debug("redis tier %s: node %s answers again", self.name, self._node_text(name))
+
+    def _node_replied(self, name: str, error: redis.ResponseError | None) -> None:
+        """Node ``name`` answered a call (``error``: the last error reply, if any). A
+        ``CLUSTERDOWN`` reply (a node that restarted and has not rejoined yet, a
+        cluster that lost its majority) is the node's fault, not an answer: logged
+        once with the node's other faults rather than once per kind of call."""
+        if isinstance(error, ClusterDownError):
+            self._node_failed(name, error)
+        else:
+            self._node_answered(name)
 
     def node_down(self, error: BaseException | None) -> bool:
         """Whether ``error`` is a node's (or the server's) fault the link has logged:
-        a connection failure or a timeout (the tier logs its own part at DEBUG)."""
-        return isinstance(error, (redis.ConnectionError, redis.TimeoutError, TimeoutError))
+        a connection failure, a timeout or ``CLUSTERDOWN`` (the tier logs its own part
+        at DEBUG)."""
+        return isinstance(
+            error, (redis.ConnectionError, redis.TimeoutError, TimeoutError, ClusterDownError)
+        )
 
     def _node_text(self, name: str) -> str:
         return _netloc(self.settings.urls[0]) if name == "server" else name
@@ -412,9 +470,9 @@ class RedisLink:
             self._node_failed(name, failure)
             self._suspect_topology()
             raise failure from exc
-        except redis.ResponseError:
+        except redis.ResponseError as exc:
             pool.release(conn)
-            self._node_answered(name)  # with an error of its own (OOM, WRONGTYPE, ...)
+            self._node_replied(name, exc)  # with an error of its own (OOM, WRONGTYPE, ...)
             raise
         except BaseException:
             conn.disconnect()  # a reply may be left unread: never reuse the connection
@@ -513,18 +571,19 @@ class RedisLink:
             sent.append((name, conn, call, indices, len(taken) - 1))
         for name, conn, call, indices, slot in sent:
             done = 0
+            refused: redis.ResponseError | None = None
             try:
                 for i in indices:
                     try:
                         replies[i] = conn.read_response()
                     except redis.ResponseError as exc:
-                        replies[i] = exc
+                        replies[i] = refused = exc
                     done += 1
             except (redis.RedisError, OSError) as exc:
                 failed_nodes += 1
                 self._connection_failed(name, call, exc, replies, indices[done:], taken, slot)
                 continue
-            self._node_answered(name)
+            self._node_replied(name, refused)
         return failed_nodes
 
     def _connection_failed(

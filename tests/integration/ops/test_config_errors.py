@@ -80,6 +80,7 @@ def run_daemon(*args: str, env: dict[str, str] | None = None, config: str | None
 def test_bad_flag_exits_2_naming_the_key(args, fragments):
     result = run_daemon(*args)
     assert result.returncode == 2, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr  # one line, no trace
     for fragment in fragments:
         assert fragment in result.stderr, result.stderr
 
@@ -136,6 +137,7 @@ def test_bad_environment_value_names_the_key():
 def test_bad_config_file_exits_2(tmp_path, toml, fragment):
     result = run_daemon(config=toml, tmp_path=tmp_path)
     assert result.returncode == 2, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr  # one line, no trace
     assert fragment in result.stderr, result.stderr
 
 

@@ -7,12 +7,10 @@ promoted again as soon as it is back. Real daemons, real redis-server processes.
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import redis
 from daemon_harness import DaemonProcess, ctl, eventually
@@ -26,6 +24,7 @@ from redis_harness import (
     promoted,
     redis_config,
     redis_key,
+    stopped,
     tier_warnings,
 )
 
@@ -36,17 +35,6 @@ from kvtierd_client.wire.proto import pb2
 
 def _limits(wait: str) -> str:
     return f'[limits]\nremote_lookup_wait = "{wait}"\n'
-
-
-@contextmanager
-def _stopped(server: RedisServer) -> Iterator[None]:
-    """The server hangs (SIGSTOP: connections stay open, nothing answers) within."""
-    assert server.proc is not None
-    os.kill(server.proc.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(server.proc.pid, signal.SIGCONT)
 
 
 def test_a_first_lookup_answers_hit_pending_for_what_another_node_stored(
@@ -125,6 +113,55 @@ def test_a_prefix_lookup_asks_only_past_its_local_hits_and_never_past_a_known_mi
     reader.close()
 
 
+@dataclass
+class _Spread:
+    """Keys a writer node stored on a 3-master Cluster, and the master of the first
+    of them (the victim of a fault): some keys are on it, some are not."""
+
+    cluster: RedisClusterNodes
+    keys: list[bytes]
+    victim: RedisServer
+    on_victim: list[bool]
+
+    @property
+    def elsewhere(self) -> list[bytes]:
+        return [k for k, on in zip(self.keys, self.on_victim, strict=True) if not on]
+
+
+def _spread_keys(
+    redis_cluster_factory: Callable[..., RedisClusterNodes],
+    daemons: Callable[[str], DaemonProcess],
+    key_prefix: str,
+    pool_name: str,
+    tag: str,
+) -> tuple[_Spread, str]:
+    """A Cluster holding 12 keys one node stored; the configuration every node of the
+    test uses (a 300 ms lookup wait, a 5 s call timeout: far apart)."""
+    cluster = redis_cluster_factory()
+    urls = ", ".join(f'"{url}"' for url in cluster.urls)
+    config = (
+        _limits("300ms") + f'[[tiers]]\ntype = "redis"\nname = "redis"\nurls = [{urls}]\n'
+        f'cluster = true\nkey_prefix = "{key_prefix}"\ntimeout = "5s"\npresence_ttl = "1h"\n'
+    )
+    keys = block_keys(tag, 12)
+    writer = Engine(daemons(config), pool_name, num_blocks=32)
+    writer.store(keys)
+    writer.settle_cascades()
+    writer.close()
+    slots = RedisCluster.from_url(cluster.urls[0])
+    ports = [slots.get_node_from_key(redis_key(key_prefix, pool_name, k)).port for k in keys]
+    slots.close()
+    victim = next(node for node in cluster.nodes if node.port == ports[0])
+    on_victim = [p == victim.port for p in ports]
+    assert any(on_victim) and not all(on_victim)
+    return _Spread(cluster, keys, victim, on_victim), config
+
+
+def _fault_logged_once(node: DaemonProcess, victim: RedisServer) -> None:
+    faults = tier_warnings(node.log())  # once: the node, not each probe it failed
+    assert len(faults) == 1 and f"node 127.0.0.1:{victim.port} failed" in faults[0], faults
+
+
 def test_a_hung_node_costs_its_own_keys_and_the_wait_never_more(
     redis_cluster_factory: Callable[..., RedisClusterNodes],
     daemons: Callable[[str], DaemonProcess],
@@ -135,27 +172,12 @@ def test_a_hung_node_costs_its_own_keys_and_the_wait_never_more(
     lookup answers within remote_lookup_wait (plus the machine's noise), the other
     masters' keys answer HIT_PENDING in that very lookup, nothing wrong is served,
     and the daemon logs the fault once."""
-    cluster = redis_cluster_factory()
-    urls = ", ".join(f'"{url}"' for url in cluster.urls)
-    config = (
-        _limits("300ms") + f'[[tiers]]\ntype = "redis"\nname = "redis"\nurls = [{urls}]\n'
-        f'cluster = true\nkey_prefix = "{key_prefix}"\ntimeout = "5s"\npresence_ttl = "1h"\n'
-    )
-    writer_node, reader_node = daemons(config), daemons(config)
-    keys = block_keys("hung", 12)
-    writer = Engine(writer_node, pool_name, num_blocks=32)
-    writer.store(keys)
-    writer.settle_cascades()
-    slots = RedisCluster.from_url(cluster.urls[0])
-    ports = [slots.get_node_from_key(redis_key(key_prefix, pool_name, k)).port for k in keys]
-    slots.close()
-    victim = next(node for node in cluster.nodes if node.port == ports[0])
-    on_victim = [p == victim.port for p in ports]
-    assert any(on_victim) and not all(on_victim)
-
+    spread, config = _spread_keys(redis_cluster_factory, daemons, key_prefix, pool_name, "hung")
+    keys, on_victim = spread.keys, spread.on_victim
+    reader_node = daemons(config)
     reader = Engine(reader_node, pool_name, num_blocks=32)
     settled = [MISS if hung else HIT for hung in on_victim]
-    with _stopped(victim):
+    with stopped(spread.victim):
         for attempt in range(3):  # the probe in flight, then the node skipped
             started = time.monotonic()
             results = reader.session.lookup(keys)
@@ -166,15 +188,51 @@ def test_a_hung_node_costs_its_own_keys_and_the_wait_never_more(
             else:
                 assert results == [MISS if hung else PENDING for hung in on_victim]
                 assert took >= 0.25, "it did not wait for the hung node at all"
-        good = [k for k, hung in zip(keys, on_victim, strict=True) if not hung]
+        good = spread.elsewhere
         assert reader.load(good) == [payload(k) for k in good]
         eventually(lambda: tier_warnings(reader_node.log()), 20.0, "the fault logged")
         reader.session.lookup(keys)
-    faults = tier_warnings(reader_node.log())  # once: the node, not each probe it failed
-    assert len(faults) == 1 and f"node 127.0.0.1:{victim.port} failed" in faults[0], faults
+    _fault_logged_once(reader_node, spread.victim)
     stats = reader.tier_stats()
     assert stats.lookup_wait_timeouts >= 1 and stats.checksum_failures == 0
-    writer.close()
+    reader.close()
+
+
+def test_a_killed_node_costs_its_own_keys_in_the_lookup_and_no_wait(
+    redis_cluster_factory: Callable[..., RedisClusterNodes],
+    daemons: Callable[[str], DaemonProcess],
+    key_prefix: str,
+    pool_name,
+):
+    """One master is killed (SIGKILL: its connections reset, its port refuses) under a
+    node that never saw the keys: its first lookup answers HIT_PENDING for the other
+    masters' keys and MISS for the dead one's in that very lookup, well within the
+    tier's timeout; the live keys are promoted bit-exact, the dead node's stay MISS
+    (never an error, never other bytes), and the daemon logs the fault once."""
+    spread, config = _spread_keys(redis_cluster_factory, daemons, key_prefix, pool_name, "dead")
+    keys, on_victim = spread.keys, spread.on_victim
+    reader_node = daemons(config)
+    reader = Engine(reader_node, pool_name, num_blocks=32)
+    assert reader.session.lookup([b"connected"]) == [MISS]  # its links open, then the kill
+    spread.victim.kill()
+    for attempt in range(3):
+        started = time.monotonic()
+        results = reader.session.lookup(keys)
+        took = time.monotonic() - started
+        assert took < 3.0, f"lookup {attempt} took {took:.2f}s (the node's timeout: 5s)"
+        if not attempt:
+            assert results == [MISS if dead else PENDING for dead in on_victim], results
+    settled = [MISS if dead else HIT for dead in on_victim]
+    eventually(lambda: reader.wait_settled(keys) == settled, 10.0, "the live keys promoted")
+    good = spread.elsewhere
+    assert reader.load(good) == [payload(k) for k in good]
+    eventually(lambda: tier_warnings(reader_node.log()), 20.0, "the fault logged")
+    for _ in range(3):  # more lookups of the dead node's keys: no more lines
+        assert reader.session.lookup(keys) == settled
+    _fault_logged_once(reader_node, spread.victim)
+    stats = reader.tier_stats()
+    assert stats.checksum_failures == 0 and stats.promoted_blocks == len(good)
+    assert reader_node.alive()
     reader.close()
 
 
@@ -200,7 +258,7 @@ def test_a_waiting_lookup_keeps_its_lanes_answers_in_order_and_holds_no_one_else
             other.session.lookup(block_keys("mine", 2))
             took.append(time.monotonic() - started)
 
-    with _stopped(server):
+    with stopped(server):
         started = time.monotonic()
         lane.sendall(
             call_frame("Lookup", lookup)
@@ -294,7 +352,7 @@ def test_a_stop_with_queued_cascades_drops_them_within_its_bound_and_says_how_ma
     daemon = start_daemon("--shutdown-grace", "1s", config=config)
     try:
         engine = Engine(daemon, pool_name, num_blocks=64)
-        with _stopped(server):
+        with stopped(server):
             for key in block_keys("queued", 30):  # one cascade job each, behind a hung write
                 engine.store([key])
             engine.close()
