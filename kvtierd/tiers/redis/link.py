@@ -31,22 +31,13 @@ A connection error or timeout on a node asks for a topology refresh
 a failover's new master is found without waiting for a MOVED; a node restarted
 on its address is used again at the next call (the pools reconnect).
 
-A node's fault is logged once: a WARNING at its first failure since it last
-answered (naming it and why), an INFO when it answers again; the calls it fails
-meanwhile are the tiers' DEBUG lines (:meth:`RedisLink.node_down`). A node that
-flaps -- fails again within :data:`NODE_FAULT_LOG_S` of its last WARNING, as one
-that trickles its answers does (a small call gets through, the next times out) --
-is the same fault: DEBUG lines, its end not announced, and the number of such
-failures in its next WARNING. No server
-reached at all (the client cannot be built) is one WARNING too.
-
-A node that timed out is **skipped** (:class:`NodeSkipped`, at once, no I/O)
-for ``max(timeout, 1 s)``; then one call at a time tries it (the others
-keep skipping it) and its success takes it back, as does an answered health
-check. Why: every cascade pins its primary block until the tier reports, and a
-node that stopped answering without a reset (a hung host, a black-holed route)
-made each block wait ``timeout`` on a thread, which throttled the primary's
-stores to ``threads / timeout`` blocks a second (an attack test).
+A node's fault is logged once (a node that flaps is one fault), and a node that
+timed out is skipped for ``max(timeout, 1 s)``, then tried by one call at a time:
+:mod:`kvtierd.tiers.redis.nodefaults`. Why skip: every cascade pins its primary
+block until the tier reports, and a node that stopped answering without a reset (a
+hung host, a black-holed route) made each block wait ``timeout`` on a thread, which
+throttled the primary's stores to ``threads / timeout`` blocks a second (an attack
+test). No server reached at all (the client cannot be built) is one WARNING too.
 
 :meth:`RedisLink.route` is the one method the event loop calls (the slot map only).
 
@@ -70,12 +61,13 @@ import redis
 from redis._parsers.helpers import parse_info
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
-from redis.exceptions import AskError, ClusterDownError, RedisClusterException
+from redis.exceptions import AskError, RedisClusterException
 from redis.retry import Retry
 
 from kvtierd.tiers.redis.access import explain, tls_options, uses_tls
 from kvtierd.tiers.redis.deadline import CallDeadlines, Watched, deadline_connection_class
 from kvtierd.tiers.redis.health import NodeInfo, ServerHealth, summarize
+from kvtierd.tiers.redis.nodefaults import NodeFaults
 from kvtierd.tiers.redis.settings import RedisTierSettings
 
 log = logging.getLogger("kvtierd.tiers.redis")
@@ -84,15 +76,10 @@ RESOLVE_RETRY_S = 1.0  # a server that did not answer the mode question: asked a
 TOPOLOGY_REFRESH_S = 1.0  # at most one slot-map refresh per this, whatever fails
 RTT_EWMA_WEIGHT = 0.2  # weight of a new round trip in the running average
 CALL_DEADLINE_TIMEOUTS = 2  # a call's whole deadline, in socket timeouts (deadline.py)
-NODE_FAULT_LOG_S = 60.0  # a node's fault is logged at most once in this long (it flaps)
 NodeClient = redis.Redis
 
 # what a per-node pipeline answers for one key: the reply, or the error of that key
 Reply = Any
-
-
-class NodeSkipped(redis.ConnectionError):
-    """The call was not sent: its node failed lately and is skipped (module doc)."""
 
 
 def _is_cluster_reply(info: Any) -> bool:
@@ -133,18 +120,7 @@ class RedisLink:
         self._health = ServerHealth()
         self._rtt_us = 0.0
         self._closed = False
-        # node name -> monotonic time until which its calls are skipped (guarded by
-        # _lock); a node is in it from a connection error or timeout to a success
-        self._skip_until: dict[str, float] = {}
-        # node name -> why it failed, from its first failure to its next answer (guarded
-        # by _lock): a fault is logged once, when the node enters it, and its end once
-        self._down: dict[str, str] = {}
-        # node name -> when its last fault was logged and the failures since that were
-        # not (it flapped); and the nodes whose current fault was logged (its end will
-        # be). Both guarded by _lock; at most one entry per node of the server.
-        self._fault_logged: dict[str, tuple[float, int]] = {}
-        self._announced: set[str] = set()
-        self._skip_for = max(settings.timeout, 1.0)
+        self._faults = NodeFaults(name, settings.timeout, self._node_text, clock)
         # a whole call (send and answer) is cut past twice the socket timeout
         self._deadlines = CallDeadlines(
             CALL_DEADLINE_TIMEOUTS * settings.timeout, _netloc(settings.urls[0])
@@ -310,97 +286,10 @@ class RedisLink:
 
     # -- nodes that do not answer (I/O threads) -----------------------------------------
 
-    def _check_node(self, name: str) -> None:
-        """Raises NodeSkipped when node ``name`` failed lately; past its skip time,
-        lets this call through as the one trial (the others keep skipping it for
-        the trial's own timeout)."""
-        if not self._skip_until:  # the usual case: no lock
-            return
-        now = self._clock()
-        with self._lock:
-            until = self._skip_until.get(name)
-            if until is None:
-                return
-            if now < until:
-                raise NodeSkipped(
-                    f"redis node {name} did not answer lately; skipped (one call tries it "
-                    f"every {self._skip_for:g}s)"
-                )
-            self._skip_until[name] = now + self.settings.timeout + self._skip_for
-
-    def _node_failed(self, name: str, exc: BaseException) -> None:
-        """Skips node ``name`` after a timeout (a refused connection fails fast by
-        itself: a node restarted on its address is used at the very next call).
-        The node's first failure since it last answered is logged, once."""
-        timed_out = isinstance(exc, (redis.TimeoutError, TimeoutError))
-        quiet: int | None = None
-        with self._lock:
-            if timed_out:
-                self._skip_until[name] = self._clock() + self._skip_for
-            first = name not in self._down
-            if first:
-                self._down[name] = f"{type(exc).__name__}: {exc}"
-                quiet = self._announce(name)
-        if not first:
-            return
-        if quiet is None:
-            log.debug(
-                "redis tier %s: node %s failed again (%s: %s); it flaps, logged at most "
-                "once in %gs", self.name, self._node_text(name), type(exc).__name__, exc,
-                NODE_FAULT_LOG_S,
-            )  # fmt: skip
-            return
-        log.warning(
-            "redis tier %s: node %s failed (%s: %s); its keys answer MISS and its "
-            "writes fail until it answers again%s%s",
-            self.name, self._node_text(name), type(exc).__name__, exc,
-            f" (skipped; one call tries it every {self._skip_for:g}s)" if timed_out else "",
-            f"; it failed {quiet} more times since the last such line, answering in between"
-            if quiet else "",
-        )  # fmt: skip
-
-    def _announce(self, name: str) -> int | None:
-        """Under ``_lock``, at a node's new fault: None when its last fault was logged
-        within :data:`NODE_FAULT_LOG_S` (it flaps: counted, not logged), else the
-        failures not logged since its last line (and this one is logged)."""
-        now = self._clock()
-        logged_at, quiet = self._fault_logged.get(name, (None, 0))
-        if logged_at is not None and now - logged_at < NODE_FAULT_LOG_S:
-            self._fault_logged[name] = (logged_at, quiet + 1)
-            return None
-        self._fault_logged[name] = (now, 0)
-        self._announced.add(name)
-        return quiet
-
-    def _node_answered(self, name: str) -> None:
-        if name in self._skip_until or name in self._down:
-            with self._lock:
-                self._skip_until.pop(name, None)
-                was = self._down.pop(name, None)
-                announced = name in self._announced
-                self._announced.discard(name)
-            if was is not None and announced:
-                log.info("redis tier %s: node %s answers again", self.name, self._node_text(name))
-            elif was is not None:
-                log.debug("redis tier %s: node %s answers again", self.name, self._node_text(name))
-
-    def _node_replied(self, name: str, error: redis.ResponseError | None) -> None:
-        """Node ``name`` answered a call (``error``: the last error reply, if any). A
-        ``CLUSTERDOWN`` reply (a node that restarted and has not rejoined yet, a
-        cluster that lost its majority) is the node's fault, not an answer: logged
-        once with the node's other faults rather than once per kind of call."""
-        if isinstance(error, ClusterDownError):
-            self._node_failed(name, error)
-        else:
-            self._node_answered(name)
-
     def node_down(self, error: BaseException | None) -> bool:
-        """Whether ``error`` is a node's (or the server's) fault the link has logged:
-        a connection failure, a timeout or ``CLUSTERDOWN`` (the tier logs its own part
-        at DEBUG)."""
-        return isinstance(
-            error, (redis.ConnectionError, redis.TimeoutError, TimeoutError, ClusterDownError)
-        )
+        """Whether ``error`` is a node's fault the link has logged
+        (:meth:`NodeFaults.node_down`)."""
+        return NodeFaults.node_down(error)
 
     def _node_text(self, name: str) -> str:
         return _netloc(self.settings.urls[0]) if name == "server" else name
@@ -448,12 +337,12 @@ class RedisLink:
         topology suspect), any answer, an error reply included, marks it answering.
         A connection that may hold an unread reply is never reused."""
         name, node = self.node_for(redis_key)
-        self._check_node(name)
+        self._faults.check(name)
         pool = node.connection_pool
         try:
             conn = pool.get_connection()
         except (redis.ConnectionError, redis.TimeoutError) as exc:
-            self._node_failed(name, exc)
+            self._faults.failed(name, exc)
             self._suspect_topology()
             raise
         call = Watched()
@@ -467,12 +356,12 @@ class RedisLink:
             conn.disconnect()
             pool.release(conn)
             failure = self._cut_if_expired(call, exc)
-            self._node_failed(name, failure)
+            self._faults.failed(name, failure)
             self._suspect_topology()
             raise failure from exc
         except redis.ResponseError as exc:
             pool.release(conn)
-            self._node_replied(name, exc)  # with an error of its own (OOM, WRONGTYPE, ...)
+            self._faults.replied(name, exc)  # with an error of its own (OOM, WRONGTYPE, ...)
             raise
         except BaseException:
             conn.disconnect()  # a reply may be left unread: never reuse the connection
@@ -481,7 +370,7 @@ class RedisLink:
         if call.expired:  # answered as the watchdog cut it: the socket is shut down
             conn.disconnect()
         pool.release(conn)
-        self._node_answered(name)
+        self._faults.answered(name)
         return answer
 
     def _cut_if_expired(
@@ -551,11 +440,11 @@ class RedisLink:
         sent: list[tuple[str, Any, Watched, list[int], int]] = []  # (node, conn, call, indices, #)
         for name, (node, indices) in groups.items():
             try:
-                self._check_node(name)
+                self._faults.check(name)
                 conn = node.connection_pool.get_connection()
             except (redis.RedisError, OSError) as exc:
                 failed_nodes += 1
-                self._node_failed(name, exc)
+                self._faults.failed(name, exc)
                 _fail(replies, indices, exc)
                 continue
             call = watches.enter_context(self._deadlines.watch(conn))
@@ -583,7 +472,7 @@ class RedisLink:
                 failed_nodes += 1
                 self._connection_failed(name, call, exc, replies, indices[done:], taken, slot)
                 continue
-            self._node_replied(name, refused)
+            self._faults.replied(name, refused)
         return failed_nodes
 
     def _connection_failed(
@@ -600,7 +489,7 @@ class RedisLink:
         deadline cut it), the node may be skipped, the connection is dropped."""
         if isinstance(exc, redis.ConnectionError):
             exc = self._cut_if_expired(call, exc)
-        self._node_failed(name, exc)
+        self._faults.failed(name, exc)
         _fail(replies, indices, exc)
         pool, conn, _, _ = taken[slot]
         taken[slot] = (pool, conn, call, True)
@@ -617,12 +506,12 @@ class RedisLink:
         answers: list[NodeInfo] = []
         for name, node in masters:
             try:
-                self._check_node(name)  # a skipped node: unreachable (or this is its trial)
+                self._faults.check(name)  # a skipped node: unreachable (or this is its trial)
                 answers.append(self._node_health(node))
             except (redis.RedisError, OSError) as exc:
-                self._node_failed(name, exc)
+                self._faults.failed(name, exc)
                 continue
-            self._node_answered(name)
+            self._faults.answered(name)
         if len(answers) < len(masters):
             self._suspect_topology()
         mode = "cluster" if isinstance(client, RedisCluster) else "standalone"

@@ -16,7 +16,8 @@ from fake_clock import FakeClock
 from redis.exceptions import ClusterDownError
 from redis_harness import RedisClusterNodes, RedisServer, stopped
 
-from kvtierd.tiers.redis.link import NODE_FAULT_LOG_S, RESOLVE_RETRY_S, RedisLink
+from kvtierd.tiers.redis.link import RESOLVE_RETRY_S, RedisLink
+from kvtierd.tiers.redis.nodefaults import NODE_FAULT_LOG_S
 from kvtierd.tiers.redis.settings import RedisTierSettings
 
 
