@@ -139,6 +139,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_BIN)/python -c "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $@
 
+# (cryptography: tests/conftest.py's redis harness makes test CAs; in every test venv.)
 # vLLM 0.33 has no CPU build: its wheel is installed without its dependencies (CUDA
 # wheels, torch 2.14) next to the CPU torch 2.13.0, with the light packages its
 # kv_offload, connector, scheduler and config modules import (found by importing
@@ -154,7 +155,8 @@ VLLM033_LIGHT := 'torch==2.13.0' 'pytest>=8' numpy packaging msgspec psutil 'pyz
 	regex 'requests>=2.33.0' 'transformers>=5.16.1,<5.21.0' cbor2 'aiohttp>=3.14.4' \
 	'openai>=2.25.0' 'oss-harmony>=0.0.11' 'pillow>=13.0.0' pybase64 cachetools cloudpickle \
 	uvloop py-cpuinfo 'prometheus_client>=0.18.0' 'fastapi>=0.133.0,<0.137.0' \
-	partial-json-parser 'llguidance>=1.7.0,<1.8.0' apache-tvm-ffi einops
+	partial-json-parser 'llguidance>=1.7.0,<1.8.0' apache-tvm-ffi einops \
+	'cryptography>=42'
 
 install-vllm033: $(VLLM033_STAMP) $(GEN)
 
@@ -196,7 +198,8 @@ SGLANG_STAMP := $(SGLANG_VENV)/.installed
 SGLANG_PIN   ?= sglang==0.5.23
 SGLANG_LIGHT := torch==2.13.0 triton==3.9.0 transformers==5.19.0 compressed-tensors==0.18.0 \
 	sentencepiece==0.2.1 apache-tvm-ffi==0.1.11 gguf msgspec orjson psutil pybase64 requests \
-	starlette pydantic pyzmq tqdm IPython aiohttp dill pillow 'pytest>=8'
+	starlette pydantic pyzmq tqdm IPython aiohttp dill pillow 'pytest>=8' \
+	'cryptography>=42'
 
 install-sglang: $(SGLANG_STAMP) $(GEN)
 
