@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from daemon_harness import eventually
 
 from kvtierd.security.region_access import MAX_CONNECTIONS, RegionFdServer, may_map
 
@@ -99,8 +100,14 @@ def test_with_every_connection_waiting_on_a_lookup_a_new_one_is_refused_busy(dae
     server = serve(path, stalled_lookup, daemon_loop)
     try:
         waiting = [ask(path, b"MAP 00\n") for _ in range(MAX_CONNECTIONS)]
-        time.sleep(0.2)  # every request read: none is silent, none can be dropped
-        refused = ask(path, b"MAP 00\n")
+        # every connection accepted and its request read (none is silent, so none can
+        # be dropped to make room for the next)
+        eventually(
+            lambda: len(server._open) == MAX_CONNECTIONS and not server._reading,
+            10, "every waiting connection accepted and read",
+        )  # fmt: skip
+        refused = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        refused.connect(path)  # answered at its accept: a request sent now could meet EPIPE
         assert answer_of(refused).startswith(b"ERR busy"), "past the cap: refused at once"
         release.set()
         for sock in waiting:
