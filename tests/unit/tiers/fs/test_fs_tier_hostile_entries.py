@@ -304,6 +304,11 @@ def test_tier_shutdown_is_bounded_with_a_scan_and_a_worker_stuck(
         assert (await h.store(tier, [b"k"], [0])).success
         (pid,) = h.workers.pids()
         os.kill(pid, signal.SIGSTOP)
+        # stopped before the read is sent (on a busy machine the signal waits for the
+        # worker to be scheduled: once, it answered the read first)
+        await h.loop.run_in_executor(
+            None, eventually, lambda: _state(pid) == "T", QUICK_S, "the worker stopped"
+        )  # fmt: skip
         job = h.job([b"k"], [3], True)
         tier.submit_load(job)
         await h.loop.run_in_executor(
@@ -325,3 +330,9 @@ def test_tier_shutdown_is_bounded_with_a_scan_and_a_worker_stuck(
             gate.set()
 
     run(region, tmp_path, body, io_processes=1)
+
+
+def _state(pid: int) -> str:
+    """The scheduler state letter of process ``pid`` (``T``: stopped)."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0]
