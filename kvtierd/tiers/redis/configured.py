@@ -131,6 +131,7 @@ class ConfiguredRedisTier(ConfiguredTier):
             faults=self.faults,
             integrity=self.keys,
             prober=self._prober,
+            fleet_capacity_bytes=s.fleet_capacity,
         )
         self._tiers.add(tier)
         if self._health_timer is None and not self._closed:

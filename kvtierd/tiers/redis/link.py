@@ -80,6 +80,8 @@ NodeClient = redis.Redis
 
 # what a per-node pipeline answers for one key: the reply, or the error of that key
 Reply = Any
+# one command of a pipeline: the key that routes it, and its arguments (the command first)
+Command = tuple[bytes, Sequence[Any]]
 
 
 def _is_cluster_reply(info: Any) -> bool:
@@ -389,14 +391,19 @@ class RedisLink:
         return self.node_for(redis_key)[1]
 
     def per_node(self, command: str, redis_keys: Sequence[bytes]) -> tuple[list[Reply], int]:
-        """``command key`` for each key, as one pipeline per owning node: every
-        pipeline written before any is read (one round trip in all). Returns each
-        key's reply, or the exception that key got (a node that fails fails its
-        own keys only; a redirected key is asked again through the cluster client),
-        and how many nodes failed."""
-        replies: list[Reply] = [None] * len(redis_keys)
+        """``command key`` for each key, as one pipeline per owning node
+        (:meth:`pipelined`)."""
+        return self.pipelined([(redis_key, (command, redis_key)) for redis_key in redis_keys])
+
+    def pipelined(self, commands: Sequence[Command]) -> tuple[list[Reply], int]:
+        """Each ``(route key, arguments)`` sent to the node owning its route key, as one
+        pipeline per node: every pipeline written before any is read (one round trip in
+        all). Returns each command's reply, or the exception it got (a node that fails
+        fails its own commands only; a redirected command is sent again through the
+        cluster client), and how many nodes failed."""
+        replies: list[Reply] = [None] * len(commands)
         groups: dict[str, tuple[NodeClient, list[int]]] = {}
-        for index, redis_key in enumerate(redis_keys):
+        for index, (redis_key, _) in enumerate(commands):
             name, node = self.node_for(redis_key)
             groups.setdefault(name, (node, []))[1].append(index)
         started = time.perf_counter()
@@ -405,9 +412,7 @@ class RedisLink:
         # and must never reach a connection another thread took from the pool since)
         taken: list[tuple[Any, Any, Watched, bool]] = []
         with contextlib.ExitStack() as watches:
-            failed_nodes = self._per_node_round_trip(
-                command, redis_keys, groups, replies, taken, watches
-            )
+            failed_nodes = self._per_node_round_trip(commands, groups, replies, taken, watches)
         for pool, conn, call, broken in taken:
             if broken or call.expired:
                 conn.disconnect()  # replies may be left unread
@@ -419,21 +424,20 @@ class RedisLink:
         for i, reply in enumerate(replies):
             if isinstance(reply, AskError):  # resharding / failover: the cluster client follows
                 try:
-                    replies[i] = self.client().execute_command(command, redis_keys[i])
+                    replies[i] = self.client().execute_command(*commands[i][1])
                 except redis.RedisError as exc:
                     replies[i] = exc
         return replies, failed_nodes
 
     def _per_node_round_trip(
         self,
-        command: str,
-        redis_keys: Sequence[bytes],
+        commands: Sequence[Command],
         groups: dict[str, tuple[NodeClient, list[int]]],
         replies: list[Reply],
         taken: list[tuple[Any, Any, Watched, bool]],
         watches: contextlib.ExitStack,
     ) -> int:
-        """:meth:`per_node`'s pipelines: all written, then all read, each connection
+        """:meth:`pipelined`'s pipelines: all written, then all read, each connection
         watched by the call deadline from its write to its last reply (``watches``)
         and listed in ``taken`` (True: drop it). Returns how many nodes failed."""
         failed_nodes = 0
@@ -450,9 +454,7 @@ class RedisLink:
             call = watches.enter_context(self._deadlines.watch(conn))
             taken.append((node.connection_pool, conn, call, False))
             try:
-                conn.send_packed_command(
-                    conn.pack_commands([(command, redis_keys[i]) for i in indices])
-                )
+                conn.send_packed_command(conn.pack_commands([commands[i][1] for i in indices]))
             except (redis.RedisError, OSError) as exc:
                 failed_nodes += 1
                 self._connection_failed(name, call, exc, replies, indices, taken)

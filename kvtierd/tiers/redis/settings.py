@@ -35,7 +35,8 @@ MAX_QUEUE_JOBS = 1 << 20
 MIN_QUEUE_BYTES = 4096
 MAX_KEY_PREFIX = 64
 TLS_OPTIONS = ("tls_ca_file", "tls_cert_file", "tls_key_file")
-_SIZE_OPTIONS = frozenset({"capacity", "max_queue_bytes"})
+MIN_FLEET_CAPACITY = 1 << 20
+_SIZE_OPTIONS = frozenset({"capacity", "fleet_capacity", "max_queue_bytes"})
 _DURATION_OPTIONS = frozenset({"ttl", "timeout", "presence_ttl", "info_interval"})
 
 
@@ -73,6 +74,13 @@ class RedisTierSettings:
         0,
         "bytes of blocks each pool keeps in the server, its least recently used deleted "
         "first; 0 for no limit of its own (the server's maxmemory policy evicts)",
+    )
+    fleet_capacity: int = option(
+        0,
+        "bytes of each pool's blocks in the server counted over every daemon that shares "
+        "it, the least recently used by any of them deleted first (an exact LRU kept in the "
+        "server, docs/guides/fleet.md); every daemon of a fleet sets the same value; 0 for "
+        "none (the server's maxmemory policy evicts)",
     )
     timeout: float = option(2.0, "connect and socket timeout of every Redis call")
     presence_ttl: float = option(
@@ -201,6 +209,8 @@ def parse_redis_settings(options: Mapping[str, Any]) -> RedisTierSettings:
             values["capacity"] = parse_size(options["capacity"])
         except ValueError as exc:
             raise TierOptionError("capacity", str(exc)) from None
+    if "fleet_capacity" in options:
+        values["fleet_capacity"] = _fleet_capacity(options["fleet_capacity"])
     if "max_queue_bytes" in options:
         try:
             queue_bytes = parse_size(options["max_queue_bytes"])
@@ -215,6 +225,16 @@ def parse_redis_settings(options: Mapping[str, Any]) -> RedisTierSettings:
         values["max_queue_jobs"] = read_int(options, "max_queue_jobs", 1, MAX_QUEUE_JOBS)
     values.update(parse_key_options(options))
     return RedisTierSettings(**values)
+
+
+def _fleet_capacity(value: Any) -> int:
+    try:
+        size = parse_size(value)
+    except ValueError as exc:
+        raise TierOptionError("fleet_capacity", str(exc)) from None
+    if 0 < size < MIN_FLEET_CAPACITY:
+        raise TierOptionError("fleet_capacity", f"must be 0 (none) or at least 1MiB, got {value!r}")
+    return size
 
 
 def _check_tls(values: Mapping[str, Any]) -> None:

@@ -51,10 +51,14 @@ keys are probed again (the least recently used first, at most
 :data:`MAX_PROBE_WANTED`) and those the server dropped are dropped here too.
 
 Capacity: with ``capacity`` > 0 the tier keeps at most that many bytes of its
-own blocks and deletes the least recently used to admit a new one; with 0 the
-server's ``maxmemory`` policy evicts and a block the server dropped is found
-missing at its load or at the re-probe after an eviction (MISS, dropped from
-the held set): a write is never assumed to have stayed.
+own blocks and deletes the least recently used to admit a new one; with
+``fleet_capacity`` > 0 every daemon sharing the pool keeps its blocks under one
+bound together, an exact LRU kept in the server (:mod:`.fleetlru`: stores admit
+their blocks, promotions touch them, the admitting daemon deletes what its
+admission pushed out); with neither, the server's ``maxmemory`` policy evicts.
+A block the server dropped (or another daemon evicted) is found missing at its
+load or at the re-probe after an eviction (MISS, dropped from the held set): a
+write is never assumed to have stayed.
 
 Faults (server down, timeout, OOM, refused credentials, ACL or TLS): the job's
 keys fail, counted; a node that fails or hangs is logged once by the link (the
@@ -85,6 +89,7 @@ from kvtierd.tiers.fs.iopool import IoPool, Outcome
 from kvtierd.tiers.integrity import KeyRing
 from kvtierd.tiers.redis.access import explain
 from kvtierd.tiers.redis.blockio import WRITTEN, BlockCorrupt, BlockMissing, RedisBlockIO
+from kvtierd.tiers.redis.fleetlru import Admitted, FleetLru
 from kvtierd.tiers.redis.health import ServerHealth
 from kvtierd.tiers.redis.link import RedisLink
 from kvtierd.tiers.redis.prober import Prober
@@ -140,12 +145,14 @@ class RedisTier(SecondaryTier):
         region_rows: RegionRows | None = None,
         integrity: KeyRing | None = None,
         prober: Prober | None = None,
+        fleet_capacity_bytes: int = 0,
     ) -> None:
         """``region_rows``: how the I/O threads copy rows (the pool's region's; None:
         one made of ``region_buffer``, owned and closed by :meth:`shutdown`).
         ``integrity``: the keys values are sealed with and verified under.
         ``prober``: the configured tier's presence probes (None: one of its own,
-        closed by :meth:`shutdown`)."""
+        closed by :meth:`shutdown`). ``fleet_capacity_bytes``: the fleet's bound
+        on the pool's values in the server (0: none; at least one value)."""
         region = region_buffer.cast("B") if region_buffer.format != "B" else region_buffer
         if block_bytes < 1 or len(region) % block_bytes:
             raise ValueError("region_buffer length is not a multiple of block_bytes")
@@ -189,6 +196,15 @@ class RedisTier(SecondaryTier):
         self._closed = False
         # the server as last seen: set by prepare (before launch), then on the loop
         self._health = ServerHealth()
+        self._fleet: FleetLru | None = None
+        if fleet_capacity_bytes:
+            self._fleet = FleetLru(
+                link,
+                key_prefix=key_prefix,
+                fingerprint_hex=self.fingerprint.hex(),
+                key_space=self.key_space,
+                capacity_blocks=max(1, fleet_capacity_bytes // self.value_bytes),
+            )
 
     def prepare(self) -> None:
         """Off the loop: learns the server's mode and health (memory limit for
@@ -396,7 +412,9 @@ class RedisTier(SecondaryTier):
             name=self.name,
             medium=self.medium,
             # 0: the server's limit (INFO), never below what this pool holds
-            capacity_bytes=self.capacity_bytes or max(self._server_bytes, self._used_bytes),
+            capacity_bytes=self.capacity_bytes
+            or self._fleet_bytes
+            or max(self._server_bytes, self._used_bytes),
             used_bytes=self._used_bytes,
             bytes_per_block=self.value_bytes,
             blocks=len(self._held),
@@ -425,6 +443,10 @@ class RedisTier(SecondaryTier):
     def _server_bytes(self) -> int:
         """The server's memory limit: maxmemory, or its hosts' RAM when unbounded."""
         return self._health.max_memory_bytes or self._health.system_memory_bytes
+
+    @property
+    def _fleet_bytes(self) -> int:
+        return self._fleet.capacity_blocks * self.value_bytes if self._fleet else 0
 
     @property
     def probe_failures(self) -> int:
@@ -473,6 +495,7 @@ class RedisTier(SecondaryTier):
         failures = len(job.keys) - len(made_it)
         self._counters["store_failures"] += failures
         self._evict_over_capacity(protect=set(made_it))
+        self._admit(made_it)
         self._report(job, made_it, failures, start, moved)
 
     def _load_done(self, job: TierJob, outcomes: list[Outcome], start: float) -> None:
@@ -497,6 +520,7 @@ class RedisTier(SecondaryTier):
         self._counters["bytes_read"] += moved
         failures = len(job.keys) - len(made_it)
         self._counters["load_failures"] += failures
+        self._touch_fleet(made_it)
         self._report(job, made_it, failures, start, moved, tuple(gone))
 
     def _refused(self, key: BlockKey, error: BlockCorrupt) -> None:
@@ -579,6 +603,38 @@ class RedisTier(SecondaryTier):
                 self._blocks.delete, [self._blocks.redis_key(k) for k in victims]
             )
             self._io.submit_read([task], self._delete_done)
+
+    def _admit(self, keys: list[BlockKey]) -> None:
+        """Stored (written, found present or held already): the fleet's most recent
+        blocks; what that pushes past ``fleet_capacity`` is deleted off the loop."""
+        if self._fleet is None or not keys or self._closed:
+            return
+        self._io.submit_read([functools.partial(self._fleet.admit, keys)], self._admitted)
+
+    def _admitted(self, outcomes: list[Outcome]) -> None:
+        """Loop: an admission's answer. Every popped block is gone from the server
+        (evicted here, or already absent): MISS from now on, held or not."""
+        outcome = outcomes[0]
+        if not outcome.ok:
+            self._fault("fleet LRU", outcome.error)
+            return
+        admitted: Admitted = outcome.value
+        for key in admitted.popped:
+            self._drop(key, "evicted: the fleet's least recently used at fleet_capacity")
+        self._counters["evictions"] += len(admitted.popped)
+        if admitted.error is not None:
+            self._fault("fleet LRU", admitted.error)
+
+    def _touch_fleet(self, keys: list[BlockKey]) -> None:
+        """Promoted: the fleet's most recent blocks (off the loop, after the fact)."""
+        if self._fleet is None or not keys or self._closed:
+            return
+        self._io.submit_read([functools.partial(self._fleet.touch, keys)], self._touched)
+
+    def _touched(self, outcomes: list[Outcome]) -> None:
+        error = outcomes[0].value if outcomes[0].ok else outcomes[0].error
+        if error is not None:
+            self._fault("fleet LRU", error)
 
     def _delete_done(self, outcomes: list[Outcome]) -> None:
         if not outcomes[0].ok:

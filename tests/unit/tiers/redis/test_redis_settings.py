@@ -60,6 +60,8 @@ def test_the_normative_options_and_their_defaults() -> None:
         ({"presence_ttl": "0s"}, "presence_ttl"),
         ({"threads": 0}, "threads"),
         ({"capacity": "lots"}, "capacity"),
+        ({"fleet_capacity": "lots"}, "fleet_capacity"),
+        ({"fleet_capacity": "512KiB"}, "fleet_capacity"),
         # TLS files: absolute, only for rediss://, a client certificate with its key
         ({"urls": ["rediss://h:1"], "tls_ca_file": "ca.pem"}, "tls_ca_file"),
         ({"tls_ca_file": "/etc/ca.pem"}, "tls_ca_file"),

@@ -1,0 +1,188 @@
+"""The fleet's LRU index (:mod:`kvtierd.tiers.redis.fleetlru`) against real servers:
+admissions past the bound delete exactly the least recently used values, whoever
+stored or promoted them; a promotion's touch keeps a block, and never brings back one
+that was evicted; daemons admitting at once never evict more than the excess; a large
+bound is spread over buckets on a Cluster's masters, each exact, adding up to the bound.
+Skipped without ``redis-server``."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+import redis
+from fake_clock import FakeClock
+from redis.cluster import RedisCluster
+from redis_harness import RedisClusterNodes, RedisServer
+
+from kvtierd.tiers.redis.fleetlru import (
+    BUCKET_BLOCKS,
+    MAX_BUCKETS,
+    FleetLru,
+    bucket_count,
+    bucket_limits,
+)
+from kvtierd.tiers.redis.link import RedisLink
+from kvtierd.tiers.redis.settings import RedisTierSettings
+
+SPACE = b"t:f00d:"
+
+
+def _link(urls: tuple[str, ...]) -> RedisLink:
+    return RedisLink(RedisTierSettings(urls=urls, timeout=5.0), None)
+
+
+def _lru(link: RedisLink, capacity: int, clock: FakeClock | None = None) -> FleetLru:
+    return FleetLru(
+        link, key_prefix="t", fingerprint_hex="f00d", key_space=SPACE, capacity_blocks=capacity,
+        clock=clock or FakeClock(1_700_000_000.0),
+    )  # fmt: skip
+
+
+@pytest.fixture
+def standalone(redis_server: RedisServer) -> Iterator[tuple[RedisLink, redis.Redis]]:
+    link = _link((redis_server.url,))
+    admin = redis.Redis.from_url(redis_server.url)
+    admin.flushall()
+    yield link, admin
+    admin.flushall()
+    admin.close()
+    link.close()
+
+
+def _store(admin: redis.Redis, keys: list[bytes]) -> None:
+    for key in keys:
+        admin.set(SPACE + key, b"value of " + key)
+
+
+def _held(admin: redis.Redis, keys: list[bytes]) -> list[bytes]:
+    return [k for k in keys if admin.exists(SPACE + k)]
+
+
+def test_bucket_limits_add_up_to_the_capacity() -> None:
+    assert bucket_count(1) == bucket_count(BUCKET_BLOCKS - 1) == 1
+    assert bucket_count(2 * BUCKET_BLOCKS) == 2
+    assert bucket_count(10**9) == MAX_BUCKETS
+    for capacity, buckets in ((7, 1), (8193, 2), (10**6 + 3, MAX_BUCKETS)):
+        limits = bucket_limits(capacity, buckets)
+        assert sum(limits) == capacity and max(limits) - min(limits) <= 1
+
+
+def test_past_the_bound_the_least_recently_used_values_are_deleted(
+    standalone: tuple[RedisLink, redis.Redis],
+) -> None:
+    link, admin = standalone
+    clock = FakeClock(1_700_000_000.0)
+    lru = _lru(link, 4, clock)
+    keys = [b"k%d" % i for i in range(6)]
+    _store(admin, keys[:4])
+    assert lru.admit(keys[:4]).popped == []  # at the bound: nothing evicted
+    clock.advance(1.0)
+    assert lru.touch([keys[0]]) is None  # a promotion of the oldest: now the most recent
+    clock.advance(1.0)
+    _store(admin, keys[4:])
+    admitted = lru.admit(keys[4:])
+    assert admitted.error is None
+    assert admitted.popped == [keys[1], keys[2]]  # the least recently used, oldest first
+    assert _held(admin, keys) == [keys[0], keys[3], keys[4], keys[5]]
+    assert admin.zcard(lru.index_names[0]) == 4
+
+
+def test_within_one_admission_the_last_block_is_the_most_recent(
+    standalone: tuple[RedisLink, redis.Redis],
+) -> None:
+    """A prefix chain stored in one job: its head goes first, as the exact model puts
+    them (each key scored by its place)."""
+    link, admin = standalone
+    lru = _lru(link, 3)
+    chain = [b"z-head", b"a-middle", b"m-tail"]  # names that sort against their places
+    _store(admin, chain)
+    lru.admit(chain)
+    _store(admin, [b"new"])
+    assert lru.admit([b"new"]).popped == [b"z-head"]
+
+
+def test_a_touch_never_brings_back_an_evicted_block(
+    standalone: tuple[RedisLink, redis.Redis],
+) -> None:
+    link, admin = standalone
+    lru = _lru(link, 2)
+    _store(admin, [b"a", b"b", b"c"])
+    lru.admit([b"a", b"b"])
+    assert lru.admit([b"c"]).popped == [b"a"]
+    assert lru.touch([b"a", b"b"]) is None  # a promotion that raced the eviction
+    members = admin.zrange(lru.index_names[0], 0, -1)
+    assert sorted(members) == [b"b", b"c"]
+
+
+def test_daemons_admitting_at_once_evict_only_the_excess(redis_server: RedisServer) -> None:
+    """Four links (four daemons), two threads each, admit 200 blocks two at a time
+    into a bound of 60: exactly 140 are popped and deleted, 60 stay. Five rounds: a
+    count-then-pop outside the script evicted the same excess twice in about one round
+    of two."""
+    admin = redis.Redis.from_url(redis_server.url)
+    links = [_link((redis_server.url,)) for _ in range(4)]
+    lrus = [_lru(link, 60, FakeClock(1_700_000_000.0 + i)) for i, link in enumerate(links)]
+    for round_ in range(5):
+        admin.flushall()
+        keys = [[b"r%d-%d-%d" % (round_, t, i) for i in range(25)] for t in range(8)]
+        _store(admin, [k for chunk in keys for k in chunk])
+        popped, errors = _admit_at_once(lrus, keys)
+        assert errors == []
+        assert len(popped) == len(set(popped)) == 140
+        assert admin.zcard(lrus[0].index_names[0]) == 60
+        assert len(_held(admin, [k for chunk in keys for k in chunk])) == 60
+    for link in links:
+        link.close()
+    admin.flushall()
+    admin.close()
+
+
+def _admit_at_once(
+    lrus: list[FleetLru], keys: list[list[bytes]]
+) -> tuple[list[bytes], list[BaseException]]:
+    """Each list of ``keys`` admitted two at a time by a thread of its own, through
+    ``lrus`` in turn, every thread starting at once: what they popped, what failed."""
+    popped: list[bytes] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+    start = threading.Barrier(len(keys))
+
+    def admit(t: int) -> None:
+        start.wait()
+        for i in range(0, len(keys[t]), 2):
+            result = lrus[t % len(lrus)].admit(keys[t][i : i + 2])
+            with lock:
+                popped.extend(result.popped)
+                errors.extend([result.error] if result.error else [])
+
+    threads = [threading.Thread(target=admit, args=(t,)) for t in range(len(keys))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return popped, errors
+
+
+def test_a_large_bound_is_spread_over_a_clusters_masters(
+    redis_cluster: RedisClusterNodes,
+) -> None:
+    """3 buckets' worth of capacity: three indexes, on at least two masters, each
+    bounded by its own limit; admitting 200 more than the bound pops exactly 200."""
+    link = RedisLink(RedisTierSettings(urls=tuple(redis_cluster.urls), timeout=5.0), None)
+    capacity = 3 * BUCKET_BLOCKS
+    lru = _lru(link, capacity)
+    assert lru.buckets == 3
+    keys = [b"c%06d" % i for i in range(capacity + 200)]
+    admitted = lru.admit(keys)
+    assert admitted.error is None and len(admitted.popped) == 200
+    client = link.client()
+    assert isinstance(client, RedisCluster)
+    owners = {client.get_node_from_key(name).name for name in lru.index_names}
+    assert len(owners) >= 2, owners
+    for name, limit in zip(lru.index_names, lru.limits, strict=True):
+        assert client.zcard(name) == limit
+    for name in lru.index_names:
+        client.delete(name)
+    link.close()
