@@ -36,6 +36,7 @@ from kvtierd.tiers.integrity import KeyRing
 from kvtierd.tiers.keyfiles import integrity_words, load_keyring
 from kvtierd.tiers.redis.access import check_tls, explain
 from kvtierd.tiers.redis.link import RedisLink
+from kvtierd.tiers.redis.nodefaults import NodeFaults
 from kvtierd.tiers.redis.prober import Prober
 from kvtierd.tiers.redis.settings import RedisTierSettings
 from kvtierd.tiers.redis.tier import FAULT_LOG_INTERVAL_S, RedisTier
@@ -155,7 +156,7 @@ class ConfiguredRedisTier(ConfiguredTier):
         outcome = outcomes[0]
         if not outcome.ok:
             error = outcome.error
-            logged = self._link is not None and self._link.node_down(error)  # once, there
+            logged = NodeFaults.node_down(error)  # the link logged it, once
             if isinstance(error, redis.RedisError) and not logged:
                 self.faults.warning(
                     ("health", self.name), "redis tier %s: health check failed: %s",

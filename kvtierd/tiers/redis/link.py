@@ -288,11 +288,6 @@ class RedisLink:
 
     # -- nodes that do not answer (I/O threads) -----------------------------------------
 
-    def node_down(self, error: BaseException | None) -> bool:
-        """Whether ``error`` is a node's fault the link has logged
-        (:meth:`NodeFaults.node_down`)."""
-        return NodeFaults.node_down(error)
-
     def _node_text(self, name: str) -> str:
         return _netloc(self.settings.urls[0]) if name == "server" else name
 

@@ -92,6 +92,7 @@ from kvtierd.tiers.redis.blockio import WRITTEN, BlockCorrupt, BlockMissing, Red
 from kvtierd.tiers.redis.fleetlru import Admitted, FleetLru
 from kvtierd.tiers.redis.health import ServerHealth
 from kvtierd.tiers.redis.link import RedisLink
+from kvtierd.tiers.redis.nodefaults import NodeFaults
 from kvtierd.tiers.redis.prober import Prober
 from kvtierd.util.ratelimit import RateLimitedLog
 
@@ -650,7 +651,7 @@ class RedisTier(SecondaryTier):
                 self.name, self.pool_name, what,
                 "stored" if what == "store" else "promoted", error,
             )  # fmt: skip
-        elif self._link.node_down(error):  # the link logged the node's fault, once
+        elif NodeFaults.node_down(error):  # the link logged the node's fault, once
             log.debug("redis tier %s: %s failed: %s: %s", self.name, kind,
                       type(error).__name__, error)  # fmt: skip
         elif isinstance(error, redis.RedisError):  # what the server refused, and the fix

@@ -17,7 +17,7 @@ from redis.exceptions import ClusterDownError
 from redis_harness import RedisClusterNodes, RedisServer, stopped
 
 from kvtierd.tiers.redis.link import RESOLVE_RETRY_S, RedisLink
-from kvtierd.tiers.redis.nodefaults import NODE_FAULT_LOG_S
+from kvtierd.tiers.redis.nodefaults import NODE_FAULT_LOG_S, NodeFaults
 from kvtierd.tiers.redis.settings import RedisTierSettings
 
 
@@ -155,7 +155,7 @@ def test_a_node_that_answers_clusterdown_is_one_fault_of_that_node(
             for _ in range(3):
                 replies, _ = link.per_node("EXISTS", [key])
                 assert isinstance(replies[0], ClusterDownError), replies
-                assert link.node_down(replies[0])
+                assert NodeFaults.node_down(replies[0])
                 with pytest.raises(ClusterDownError):
                     link.get(key, 16)
             warnings = lines(logging.WARNING)
