@@ -13,33 +13,19 @@ value, allocator rounding), so that a capacity in blocks becomes ``maxmemory``.
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 
 import redis
 
+from benchmarks.harnesses import free_cluster_port
+
 START_TIMEOUT_S = 10.0
 OK_TIMEOUT_S = 60.0
 NODE_TIMEOUT_MS = 1000
-
-
-def _free_cluster_port() -> int:
-    """A free port whose cluster bus port (+10000) is free too."""
-    for _ in range(1000):
-        port = random.randint(20000, 55535)
-        try:
-            with socket.socket() as first, socket.socket() as bus:
-                first.bind(("127.0.0.1", port))
-                bus.bind(("127.0.0.1", port + 10000))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError("no free port pair for a cluster node")
 
 
 class BenchNode:
@@ -48,7 +34,7 @@ class BenchNode:
     def __init__(self, binary: str) -> None:
         self.binary = binary
         self.directory = tempfile.mkdtemp(prefix="kvtb-redis-")
-        self.port = _free_cluster_port()
+        self.port = free_cluster_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
 

@@ -25,6 +25,7 @@ import socket
 import ssl
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -52,7 +53,7 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _free_cluster_port() -> int:
+def free_cluster_port() -> int:
     """A free port whose cluster bus port (+10000) is free too (Redis wants <= 55535)."""
     for _ in range(1000):
         port = random.randint(20000, 55535)
@@ -124,7 +125,7 @@ class RedisServer:
         if REDIS_SERVER is None:
             pytest.skip(SKIP_REASON)
         self.directory = tempfile.mkdtemp(prefix="kvt-redis-")
-        self.port = _free_cluster_port() if cluster else _free_port()
+        self.port = free_cluster_port() if cluster else _free_port()
         self.tls = tls
         self.extra = (*tls.server_args(cluster), *extra) if tls else extra
         self.proc: subprocess.Popen[bytes] | None = None
@@ -479,3 +480,62 @@ def promoted(engine: Engine, keys: list[bytes], timeout: float = 20.0) -> list[o
 
     eventually(all_hit, timeout, lambda: f"every key HIT; still {results}", interval=0.01)
     return results
+
+
+class TrickleProxy:
+    """A TCP proxy in front of a real redis-server on 127.0.0.1 (the attack tests'
+    and the fleet benchmark's "trickling node"): once ``slow`` is set, the server's
+    answers reach the client one byte every ``trickle_s`` seconds, so the connection
+    stays alive and no socket timeout ever fires; cleared, bytes flow as they come
+    (the rest of an answer being trickled included)."""
+
+    def __init__(self, upstream_port: int, trickle_s: float = 0.5) -> None:
+        self.upstream_port = upstream_port
+        self.trickle_s = trickle_s
+        self.slow = threading.Event()
+        self.closed = threading.Event()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self._listener.getsockname()[1])
+        self._sockets: list[socket.socket] = [self._listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while not self.closed.is_set():
+            try:
+                client, _ = self._listener.accept()
+                upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            except OSError:
+                return
+            self._sockets += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, answers: bool) -> None:
+        try:
+            while not self.closed.is_set():
+                data = source.recv(1 << 16)
+                if not data:
+                    return
+                if answers and self.slow.is_set():
+                    self._trickle(data, sink)
+                else:
+                    sink.sendall(data)
+        except OSError:
+            return
+
+    def _trickle(self, data: bytes, sink: socket.socket) -> None:
+        for i in range(len(data)):
+            sink.sendall(data[i : i + 1])
+            time.sleep(self.trickle_s)
+            if not self.slow.is_set():
+                sink.sendall(data[i + 1 :])
+                return
+
+    def close(self) -> None:
+        self.closed.set()
+        for each in self._sockets:
+            each.close()

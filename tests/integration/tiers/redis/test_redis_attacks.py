@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -16,7 +15,7 @@ import pytest
 import redis
 from daemon_harness import DaemonProcess, eventually, peak_rss_bytes
 from engine_harness import MISS, Engine, block_keys
-from redis_harness import RedisServer, redis_config, redis_key
+from redis_harness import RedisServer, TrickleProxy, redis_config, redis_key
 
 from kvtierd_client.client import Client, LookupResult
 from kvtierd_client.errors import FailedPrecondition
@@ -139,58 +138,6 @@ def test_an_unreachable_redis_server_never_stalls_the_event_loop_through_getstat
             assert worst < 2.0, f"a Lookup waited {worst:.2f}s: the event loop stalled"
     finally:
         os.kill(redis_server.proc.pid, signal.SIGCONT)
-
-
-class TrickleProxy:
-    """A TCP proxy in front of a real redis-server; once ``slow`` is set, the server's
-    answers reach the daemon one byte every ``TRICKLE_S`` (a node or a middlebox that
-    keeps the connection alive, so no socket timeout ever fires)."""
-
-    TRICKLE_S = 0.5
-
-    def __init__(self, upstream_port: int) -> None:
-        self.upstream_port = upstream_port
-        self.slow = threading.Event()
-        self.closed = threading.Event()
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        self._sockets: list[socket.socket] = [self._listener]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
-
-    def _accept(self) -> None:
-        while not self.closed.is_set():
-            try:
-                client, _ = self._listener.accept()
-                upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
-            except OSError:
-                return
-            self._sockets += [client, upstream]
-            threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
-
-    def _pump(self, source: socket.socket, sink: socket.socket, answers: bool) -> None:
-        try:
-            while not self.closed.is_set():
-                data = source.recv(1 << 16)
-                if not data:
-                    return
-                if answers and self.slow.is_set():
-                    for i in range(len(data)):
-                        sink.sendall(data[i : i + 1])
-                        time.sleep(self.TRICKLE_S)
-                else:
-                    sink.sendall(data)
-        except OSError:
-            return
-
-    def close(self) -> None:
-        self.closed.set()
-        for each in self._sockets:
-            each.close()
 
 
 def test_a_redis_node_that_trickles_its_answers_does_not_shut_the_primary_to_stores(
