@@ -4,7 +4,8 @@ Usage::
 
     python -m benchmarks.fleet [--trace PATH] [--nodes 3] [--capacities 0.1,0.3]
         [--routings rr,conversation] [--remotes one,none,C,3C,unbounded]
-        [--policies] [--before DIR] [--fault kill|stop|trickle] [--out FILE]
+        [--bounds server,fleet] [--policies] [--before DIR]
+        [--fault kill|stop|trickle] [--out FILE]
 
 One run per configuration, each on fresh daemons (this checkout's, or with
 ``--before DIR`` another checkout's too: its rows sit next to these) and an
@@ -14,8 +15,12 @@ every configuration has C blocks of primary in all:
 * ``one``: one daemon of C (no shared tier);
 * ``none``: N nodes of C/N each, isolated;
 * ``C``, ``3C``, ``unbounded``: N nodes of C/N each sharing a 3-master Redis
-  Cluster whose ``maxmemory`` holds that many blocks (``allkeys-lru``; the bytes
-  one value costs the server are measured first, :meth:`BenchCluster.calibrate`).
+  Cluster bounded to that many blocks, by the server (``--bounds server``: its
+  ``maxmemory`` holds that many blocks, ``allkeys-lru``; the bytes one value costs
+  the server are measured first, :meth:`BenchCluster.calibrate`) or by the fleet
+  (``--bounds fleet``: the tier's ``fleet_capacity``, an exact LRU the daemons keep
+  in the server, under a ``maxmemory`` of half as much again as a backstop that
+  should never evict).
 
 Requests go to nodes round-robin (``rr``) or by conversation (their first block);
 each node has one engine process (:mod:`benchmarks.fleet_engine`: vLLM's steps,
@@ -30,8 +35,9 @@ per request. ``--policies`` adds runs of Redis = C under other eviction policies
 (``maxmemory-samples`` 1 and 10, ``allkeys-lfu``, ``allkeys-random``,
 ``noeviction``); ``--fault`` kills, stops (SIGSTOP) or slows (a proxy trickling
 its answers) one Redis node from a third to two thirds of a round-robin replay
-with Redis unbounded, and reports the lookups' latency and the daemons' fault
-lines (before, during and after the fault: each part's first-Lookup latency and hit
+with Redis unbounded (``--fault-remote C`` or ``3C``: bounded as the last of
+``--bounds`` says), and reports the lookups' latency and the daemons' fault lines
+(before, during and after the fault: each part's first-Lookup latency and hit
 rate; each node's WARNING lines). Results go to ``bench-results/fleet.md`` as well,
 the daemons' WARNING and ERROR lines to ``bench-results/fleet.warnings.txt``.
 """
@@ -55,9 +61,9 @@ from typing import Any
 from benchmarks.common import BenchDaemon, machine, percentile
 from benchmarks.fleet_engine import EngineArgs, EngineResult, engine_main
 from benchmarks.fleet_model import FleetShape, ModelResult, chain, node_of, simulate
+from benchmarks.harnesses import TrickleProxy
 from benchmarks.rediscluster import BenchCluster
 from benchmarks.replay import DONE, SHIPPED_TRACE, Request, load_trace
-from benchmarks.trickle import TrickleProxy
 
 BLOCK = 4096
 HEADER = 4096  # kvtierd.tiers.fs.fsformat.HEADER_SIZE: a value is header + row
@@ -69,6 +75,8 @@ POLICIES = (  # (label, maxmemory-policy, maxmemory-samples): Redis = C, round-r
     ("allkeys-random", "allkeys-random", 5),
     ("noeviction", "noeviction", 5),
 )
+BOUNDS = ("server", "fleet")
+BACKSTOP = 1.5  # with a fleet bound, the server's maxmemory holds this many times it
 STEP_S = 0.005  # an engine asks again after a HIT_PENDING one scheduler step later
 MAX_STEPS = 400  # ... at most this many times (2 s)
 WINDOW = 3  # a request starts once every other engine reached the one 3 places before
@@ -87,12 +95,19 @@ class Config:
     samples: int = 5
     before: bool = False
     fault: str = ""
+    bound: str = "server"  # who bounds a bounded Redis: the server, or fleet_capacity
+
+    @property
+    def fleet_bound(self) -> bool:
+        return self.bound == "fleet" and self.shape.remote_blocks is not None
 
     @property
     def label(self) -> str:
         names = {"one": "one daemon of C", "none": "N isolated nodes"}
         text = names.get(self.remote, f"N nodes + Redis {self.remote}")
-        if (self.policy, self.samples) != ("allkeys-lru", 5):
+        if self.fleet_bound:
+            text += " (fleet LRU)"
+        elif (self.policy, self.samples) != ("allkeys-lru", 5):
             text += f" ({self.policy}, samples {self.samples})"
         return text + (f", node {self.fault} mid-run" if self.fault else "")
 
@@ -127,17 +142,24 @@ def plan(args: argparse.Namespace, unique: int) -> list[Config]:
             routings = ["rr"] if remote == "one" else args.routings
             for routing in routings:
                 shape = FleetShape(nodes, c // nodes, remote_blocks, routing)
-                configs.append(Config(fraction, remote, shape))
+                if "server" in args.bounds or remote in ("one", "none", "unbounded"):
+                    configs.append(Config(fraction, remote, shape))
                 if args.before and remote not in ("one", "none"):
                     configs.append(Config(fraction, remote, shape, before=True))
+                if "fleet" in args.bounds and remote in ("C", "3C"):
+                    configs.append(Config(fraction, remote, shape, bound="fleet"))
         if args.policies:
             shape = FleetShape(args.nodes, c // args.nodes, c, "rr")
             for _, policy, samples in POLICIES:
                 configs.append(Config(fraction, "C", shape, policy, samples))
     if args.fault:
         c = int(unique * args.capacities[0]) // args.nodes * args.nodes
-        shape = FleetShape(args.nodes, c // args.nodes, None, "rr")
-        configs.append(Config(args.capacities[0], "unbounded", shape, fault=args.fault))
+        remote_blocks = {"C": c, "3C": 3 * c, "unbounded": None}[args.fault_remote]
+        shape = FleetShape(args.nodes, c // args.nodes, remote_blocks, "rr")
+        bound = args.bounds[-1] if args.bounds else "server"
+        configs.append(
+            Config(args.capacities[0], args.fault_remote, shape, fault=args.fault, bound=bound)
+        )
     return configs
 
 
@@ -153,6 +175,9 @@ class Fleet:
         if config.before:
             env = {**os.environ, "PYTHONPATH": f"{args.before}:{args.before}/client"}
         text = _daemon_config(config, urls, args.wait, args.tier_option)
+        if config.fleet_bound:
+            blocks = config.shape.remote_blocks or 0
+            text += f"fleet_capacity = {blocks * (HEADER + BLOCK)}\n"
         path = os.path.join(self.directory, "kvtierd.toml")
         Path(path).write_text(text)
         self.daemons = [
@@ -229,9 +254,11 @@ def run_config(
     if cluster is not None:
         blocks = config.shape.remote_blocks
         data_per_node = math.ceil(blocks / len(cluster.nodes) * per_value) if blocks else 0
+        if config.fleet_bound:
+            data_per_node = math.ceil(data_per_node * BACKSTOP)
         cluster.reset(data_per_node, config.policy, config.samples)
         if config.fault == "trickle":  # every client reaches node 0 through the proxy
-            proxy = TrickleProxy(cluster.nodes[0].port)
+            proxy = TrickleProxy(cluster.nodes[0].port, trickle_s=0.2)
             cluster.announce(cluster.nodes[0], proxy.port)
     fleet = Fleet(config, cluster, urls, args)
     try:
@@ -244,7 +271,7 @@ def run_config(
             cluster.announce(cluster.nodes[0], None)
             proxy.close()
     server = None
-    if config.shape.remote_blocks and config.policy != "allkeys-lfu":
+    if config.shape.remote_blocks and config.policy != "allkeys-lfu" and not config.fleet_bound:
         server = simulate(requests, config.shape, (config.policy, config.samples), args.speedup)
     outcome = Outcome(config, simulate(requests, config.shape), server, merged, tier, stop_s=stop_s)
     outcome.log_lines = lines
@@ -448,7 +475,8 @@ def _dump(path: str, outcome: Outcome) -> None:
     record = {
         "config": {"fraction": outcome.config.fraction, "remote": outcome.config.remote,
                    "routing": outcome.config.shape.routing, "before": outcome.config.before,
-                   "policy": outcome.config.policy, "samples": outcome.config.samples},
+                   "policy": outcome.config.policy, "samples": outcome.config.samples,
+                   "bound": outcome.config.bound},
         "requests": sorted(outcome.merged.per_request),
     }  # fmt: skip
     with open(path, "a") as handle:
@@ -471,6 +499,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--remotes", default=",".join(REMOTES), type=lambda s: [x for x in s.split(",") if x]
     )  # "": none of them (a --fault run alone)
+    parser.add_argument(
+        "--bounds",
+        default=",".join(BOUNDS),
+        type=lambda s: [x for x in s.split(",") if x],
+        help="who bounds Redis C and 3C: the server (maxmemory), the fleet (fleet_capacity)",
+    )
     parser.add_argument("--policies", action="store_true", help="Redis = C under other policies")
     parser.add_argument("--before", default="", help="another checkout: its daemons' rows too")
     parser.add_argument("--wait", default="", help="limits.remote_lookup_wait (default: its)")
@@ -488,9 +522,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="a redis tier option for every node, e.g. presence_ttl=2s",
     )
     parser.add_argument("--fault", default="", choices=("", "kill", "stop", "trickle"))
+    parser.add_argument(
+        "--fault-remote",
+        default="unbounded",
+        choices=("C", "3C", "unbounded"),
+        help="the Redis of the --fault run (C, 3C: bounded as --bounds' last says)",
+    )
     parser.add_argument("--out", default="bench-results/fleet.md")
     parser.add_argument("--dump", default="", help="append each run's requests as JSON lines")
     args = parser.parse_args(argv)
+    if any(b not in BOUNDS for b in args.bounds):
+        parser.error(f"--bounds: choose from {', '.join(BOUNDS)}")
     unknown = [r for r in args.remotes if r not in REMOTES]
     if unknown:
         parser.error(f"--remotes: unknown {unknown[0]!r}; choose from {', '.join(REMOTES)}")

@@ -8,7 +8,8 @@ client, standalone or Cluster: thread-safe connection pools, at most
 write-queue limits, one :class:`~kvtierd.tiers.redis.prober.Prober` (the
 presence probes of every pool: one in flight per node, on threads of its own, so
 a probe never waits behind block transfers) and one rate-limited fault log. ``capacity`` bounds each
-pool's tier (it evicts its own blocks).
+pool's tier (it evicts its own blocks); ``fleet_capacity`` bounds each pool's blocks of every
+daemon together (:mod:`kvtierd.tiers.redis.fleetlru`).
 
 No connection is made at start: a server that is down when the daemon starts is
 a fault like any other (the tier's jobs fail, counted, until it answers). The

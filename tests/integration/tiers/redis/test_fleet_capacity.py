@@ -66,9 +66,7 @@ def test_the_fleet_evicts_its_least_recently_used_whoever_stored_it(
     pool_name: str,
 ) -> None:
     server = redis.Redis.from_url(redis_server.url)
-    writer, reader, stored = _fleet_of_two(
-        redis_server.url, daemons, key_prefix, pool_name, server
-    )
+    writer, reader, stored = _fleet_of_two(redis_server.url, daemons, key_prefix, pool_name, server)
     fresh = block_keys("r", 2)
     reader.store(fresh)  # the reader's blocks push the writer's least recent out
     reader.settle_cascades()
