@@ -46,11 +46,9 @@ load or at the re-probe after an eviction (MISS, dropped from the held set): a
 write is never assumed to have stayed.
 
 Faults (server down, timeout, OOM, refused credentials, ACL or TLS): the job's
-keys fail, counted; a node that fails or hangs is logged once by the link (the
-calls it fails are DEBUG lines here), any other error a WARNING at most every
-10 s per kind saying what the server refused and which option fixes it
-(:func:`~kvtierd.tiers.redis.access.explain`); the tier answers from what it
-knows and probes again. The daemon never stops for it.
+keys fail, counted, and :mod:`.faultlog` logs them (a node's fault once, any other
+at most every 10 s per kind, saying which option fixes it); the tier answers from
+what it knows and probes again. The daemon never stops for it.
 """
 
 from __future__ import annotations
@@ -66,18 +64,17 @@ from typing import Any
 import redis
 
 from kvtierd.contract import BlockKey, LookupResult, Medium
-from kvtierd.primary.rows import RegionCutShort, RegionRows, RowIoUnavailable
+from kvtierd.primary.rows import RegionRows
 from kvtierd.tiers.base import JobCallback, JobResult, SecondaryTier, TierJob, TierStats
 from kvtierd.tiers.fs import fsformat
 from kvtierd.tiers.fs.iopool import IoPool, Outcome
 from kvtierd.tiers.integrity import KeyRing
-from kvtierd.tiers.redis.access import explain
 from kvtierd.tiers.redis.blockio import WRITTEN, BlockCorrupt, BlockMissing, RedisBlockIO
+from kvtierd.tiers.redis.faultlog import TierFaultLog
 from kvtierd.tiers.redis.fleetlru import Admitted, FleetLru
 from kvtierd.tiers.redis.health import ServerHealth
 from kvtierd.tiers.redis.keybook import KeyBook
 from kvtierd.tiers.redis.link import RedisLink
-from kvtierd.tiers.redis.nodefaults import NodeFaults
 from kvtierd.tiers.redis.prober import Prober
 from kvtierd.util.ratelimit import RateLimitedLog
 
@@ -85,7 +82,6 @@ log = logging.getLogger("kvtierd.tiers.redis")
 
 HIT, RETRY = LookupResult.HIT, LookupResult.RETRY
 MAX_PROBE_WANTED = 8192  # held keys probed again after the server evicted some
-FAULT_LOG_INTERVAL_S = 10.0
 GROUP_BLOCKS_BYTES = 16 << 20  # blocks per I/O task: about 16 MiB
 _COUNTERS = (
     "hits",
@@ -158,10 +154,10 @@ class RedisTier(SecondaryTier):
         self._loop = loop
         self._io = io_pool
         ttl_ms = int(ttl_s * 1000) or None
-        self._faults = faults or RateLimitedLog(log, FAULT_LOG_INTERVAL_S)
+        self._log = TierFaultLog(name, pool_name, link, faults)
         # the I/O threads' side: the rows of running jobs and the link, nothing else
         self._blocks = RedisBlockIO(
-            link, self.key_space, self.identity, region_rows, ttl_ms, self._faults, name,
+            link, self.key_space, self.identity, region_rows, ttl_ms, self._log.limited, name,
             integrity,
         )  # fmt: skip
         # the loop's side: what it knows about keys (held, presence, removals)
@@ -188,7 +184,7 @@ class RedisTier(SecondaryTier):
         try:
             self._health = self._link.refresh_health()
         except redis.RedisError as exc:
-            self._fault("INFO", exc)
+            self._log.fault("INFO", exc)
 
     def on_health(self, health: ServerHealth) -> None:
         """Loop: the configured tier's periodic refresh saw ``health``. Evictions
@@ -282,7 +278,7 @@ class RedisTier(SecondaryTier):
         self._keys.answered(answers, sent_at)
         if error is not None:
             self._counters["probe_failures"] += 1
-            self._fault("probe", error)
+            self._log.fault("probe", error)
 
     # -- jobs (loop) ---------------------------------------------------------------------
 
@@ -389,7 +385,7 @@ class RedisTier(SecondaryTier):
         for key in job.keys:
             done = outcome_of.get(key)
             if done is not None and not done.ok:
-                self._fault("store", done.error)
+                self._log.fault("store", done.error)
                 continue
             if done is not None and done.value == WRITTEN:
                 moved += self.value_bytes
@@ -417,7 +413,7 @@ class RedisTier(SecondaryTier):
                 gone.append(key)
                 self._keys.drop(key, "vanished: the server holds no value")
             else:
-                self._fault("load", error)
+                self._log.fault("load", error)
         moved = len(made_it) * self.value_bytes
         self._counters["bytes_read"] += moved
         failures = len(job.keys) - len(made_it)
@@ -427,18 +423,9 @@ class RedisTier(SecondaryTier):
 
     def _refused(self, key: BlockKey, error: BlockCorrupt) -> None:
         """A value that failed verification (deleted by the I/O thread): counted, logged
-        (a value not sealed under the tier's keys at most every 10 s: anyone who can
-        write the server can make many) and dropped."""
-        if error.integrity:
-            self._counters["integrity_failures"] += 1
-            self._faults.warning(
-                ("integrity", self.name),
-                "redis tier %s: value of block %s refused and deleted: %s (counted in "
-                "integrity_failures)", self.name, key.hex(), error,
-            )  # fmt: skip
-        else:
-            self._counters["checksum_failures"] += 1
-            log.warning("redis tier %s: block %s dropped: %s", self.name, key.hex(), error)
+        and dropped."""
+        self._counters["integrity_failures" if error.integrity else "checksum_failures"] += 1
+        self._log.refused(key, error)
         self._keys.drop(key, f"failed verification: {error}")
 
     def _report(
@@ -484,14 +471,14 @@ class RedisTier(SecondaryTier):
         (evicted here, or already absent): MISS from now on, held or not."""
         outcome = outcomes[0]
         if not outcome.ok:
-            self._fault("fleet LRU", outcome.error)
+            self._log.fault("fleet LRU", outcome.error)
             return
         admitted: Admitted = outcome.value
         for key in admitted.popped:
             self._keys.drop(key, "evicted: the fleet's least recently used at fleet_capacity")
         self._counters["evictions"] += len(admitted.popped)
         if admitted.error is not None:
-            self._fault("fleet LRU", admitted.error)
+            self._log.fault("fleet LRU", admitted.error)
 
     def _touch_fleet(self, keys: list[BlockKey]) -> None:
         """Promoted: the fleet's most recent blocks (off the loop, after the fact)."""
@@ -502,32 +489,11 @@ class RedisTier(SecondaryTier):
     def _touched(self, outcomes: list[Outcome]) -> None:
         error = outcomes[0].value if outcomes[0].ok else outcomes[0].error
         if error is not None:
-            self._fault("fleet LRU", error)
+            self._log.fault("fleet LRU", error)
 
     def _delete_done(self, outcomes: list[Outcome]) -> None:
         if not outcomes[0].ok:
-            self._fault("delete", outcomes[0].error)
-
-    def _fault(self, kind: str, error: BaseException | None) -> None:
-        if isinstance(error, (RegionCutShort, RowIoUnavailable)):
-            # a client truncated the region: this block only; the message names row and region
-            what = "store" if kind == "store" else "promotion"
-            self._faults.warning(
-                ("region", what, self.name),
-                "redis tier %s: pool %s: %s failed, block not %s: %s",
-                self.name, self.pool_name, what,
-                "stored" if what == "store" else "promoted", error,
-            )  # fmt: skip
-        elif NodeFaults.node_down(error):  # the link logged the node's fault, once
-            log.debug("redis tier %s: %s failed: %s: %s", self.name, kind,
-                      type(error).__name__, error)  # fmt: skip
-        elif isinstance(error, redis.RedisError):  # what the server refused, and the fix
-            self._faults.warning(
-                (kind, self.name), "redis tier %s: %s failed: %s",
-                self.name, kind, explain(error, self._link.settings),
-            )  # fmt: skip
-        else:
-            log.debug("redis tier %s: %s failed: %s", self.name, kind, error)
+            self._log.fault("delete", outcomes[0].error)
 
     # -- small helpers -------------------------------------------------------------------
 
