@@ -15,8 +15,8 @@ configured tier), in :mod:`.blockio` (``SET NX`` per stored block, a bounded
 copied with :class:`~kvtierd.primary.rows.RegionRows`, so a region a client
 truncated fails only the blocks whose rows are gone), and reports through
 ``loop.call_soon_threadsafe``. This module is the loop's side: it submits a
-job's blocks in groups of about :data:`GROUP_BLOCKS_BYTES`, settles what their
-outcomes mean for the keys, counts, and reports the job.
+job's blocks in groups of about 16 MiB (:func:`~kvtierd.tiers.fs.iopool.group_tasks`),
+settles what their outcomes mean for the keys, counts, and reports the job.
 
 Presence: a lookup answers from what the tier knows on the loop, its
 :class:`~kvtierd.tiers.redis.keybook.KeyBook` (the keys it stored, probe answers
@@ -58,7 +58,7 @@ import functools
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import redis
@@ -67,7 +67,7 @@ from kvtierd.contract import BlockKey, LookupResult, Medium
 from kvtierd.primary.rows import RegionRows
 from kvtierd.tiers.base import JobCallback, JobResult, SecondaryTier, TierJob, TierStats
 from kvtierd.tiers.fs import fsformat
-from kvtierd.tiers.fs.iopool import IoPool, Outcome
+from kvtierd.tiers.fs.iopool import IoPool, Outcome, flatten, group_tasks
 from kvtierd.tiers.integrity import KeyRing
 from kvtierd.tiers.redis.blockio import WRITTEN, BlockCorrupt, BlockMissing, RedisBlockIO
 from kvtierd.tiers.redis.faultlog import TierFaultLog
@@ -82,7 +82,6 @@ log = logging.getLogger("kvtierd.tiers.redis")
 
 HIT, RETRY = LookupResult.HIT, LookupResult.RETRY
 MAX_PROBE_WANTED = 8192  # held keys probed again after the server evicted some
-GROUP_BLOCKS_BYTES = 16 << 20  # blocks per I/O task: about 16 MiB
 _COUNTERS = (
     "hits",
     "misses",
@@ -287,11 +286,11 @@ class RedisTier(SecondaryTier):
         pairs = list(zip(job.keys, job.block_ids, strict=True))
         # held or being written by another job: succeeds without a rewrite
         to_write = [(k, r) for k, r in pairs if self._keys.needs_write(k)]
-        tasks, sizes = self._tasks(to_write, self._blocks.store_group)
+        tasks, sizes = group_tasks(to_write, self.block_bytes, self._blocks.store_group)
         start = time.perf_counter()
         accepted = self._io.submit_write(
             tasks,
-            lambda outcomes: self._store_done(job, to_write, _flatten(outcomes, sizes), start),
+            lambda outcomes: self._store_done(job, to_write, flatten(outcomes, sizes), start),
             nbytes=len(to_write) * self.block_bytes,
         )
         if not accepted:
@@ -303,10 +302,10 @@ class RedisTier(SecondaryTier):
     def submit_load(self, job: TierJob) -> None:
         self._require_open()
         pairs = list(zip(job.keys, job.block_ids, strict=True))
-        tasks, sizes = self._tasks(pairs, self._blocks.load_group)
+        tasks, sizes = group_tasks(pairs, self.block_bytes, self._blocks.load_group)
         start = time.perf_counter()
         self._io.submit_read(
-            tasks, lambda outcomes: self._load_done(job, _flatten(outcomes, sizes), start)
+            tasks, lambda outcomes: self._load_done(job, flatten(outcomes, sizes), start)
         )
 
     def statistics(self) -> TierStats:
@@ -359,15 +358,6 @@ class RedisTier(SecondaryTier):
     @property
     def _used_bytes(self) -> int:
         return self._keys.used_bytes
-
-    def _tasks(
-        self,
-        pairs: list[tuple[BlockKey, int]],
-        per_group: Callable[[list[tuple[BlockKey, int]]], list[Outcome]],
-    ) -> tuple[list[Callable[[], list[Outcome]]], list[int]]:
-        size = max(1, GROUP_BLOCKS_BYTES // self.block_bytes)
-        groups = [pairs[i : i + size] for i in range(0, len(pairs), size)]
-        return [functools.partial(per_group, g) for g in groups], [len(g) for g in groups]
 
     # -- job completion (loop) -----------------------------------------------------------
 
@@ -500,14 +490,3 @@ class RedisTier(SecondaryTier):
     def _require_open(self) -> None:
         if self._ready is None:
             raise RuntimeError(f"redis tier {self.name} was not launched")
-
-
-def _flatten(outcomes: list[Outcome], sizes: list[int]) -> list[Outcome]:
-    """Per-block outcomes from per-task outcomes (a failed task fails its blocks)."""
-    flat: list[Outcome] = []
-    for outcome, size in zip(outcomes, sizes, strict=True):
-        if outcome.ok:
-            flat.extend(outcome.value)
-        else:
-            flat.extend([outcome] * size)
-    return flat
