@@ -1,12 +1,12 @@
 """An fs tier's write and read paths on the I/O threads (docs/design/tiers.md).
 
-A job's blocks are cut into groups of about :data:`GROUP_BYTES` (:func:`group_tasks`);
-an I/O thread runs one group at a time with :class:`BlockGroups`: checks its
-rows, reserves (store) or marks being read (load) its keys in the
-:class:`~kvtierd.tiers.fs.index.BlockIndex`, sends the group to the tier's
-:class:`~kvtierd.tiers.fs.blockio.BlockIo` as one request, and settles the keys
-from the replies. :func:`flatten` turns the groups' outcomes back into one per
-block. The tier (:mod:`.tier`) owns the lifecycle and reports jobs on the loop.
+A job's blocks are cut into groups of about 16 MiB
+(:func:`~kvtierd.tiers.fs.iopool.group_tasks`); an I/O thread runs one group at
+a time with :class:`BlockGroups`: checks its rows, reserves (store) or marks
+being read (load) its keys in the :class:`~kvtierd.tiers.fs.index.BlockIndex`,
+sends the group to the tier's :class:`~kvtierd.tiers.fs.blockio.BlockIo` as one
+request, and settles the keys from the replies. The tier (:mod:`.tier`) owns the
+lifecycle and reports jobs on the loop.
 
 Invariants:
 
@@ -31,9 +31,7 @@ Invariants:
 
 from __future__ import annotations
 
-import functools
 import logging
-from collections.abc import Callable
 
 from kvtierd.contract import BlockKey
 from kvtierd.tiers.fs import fsformat, iowire
@@ -42,15 +40,11 @@ from kvtierd.tiers.fs.blockio import BlockIo
 from kvtierd.tiers.fs.files import PoolFiles, beside, name_of
 from kvtierd.tiers.fs.fsformat import TEMP_SUFFIX
 from kvtierd.tiers.fs.index import BlockIndex, TierFull
-from kvtierd.tiers.fs.iopool import Outcome
+from kvtierd.tiers.fs.iopool import Outcome, Pairs
 from kvtierd.tiers.fs.iowire import RegionRef
 from kvtierd.tiers.fs.safefs import REGULAR
 
 log = logging.getLogger("kvtierd.tiers.fs")
-
-GROUP_BYTES = 16 << 20  # blocks per I/O task: this many bytes (at least one block)
-
-Pairs = list[tuple[BlockKey, int]]  # (key, row) of one group of a job
 
 
 class BlockGroups:
@@ -231,25 +225,3 @@ class BlockGroups:
     def _check_row(self, block_id: int) -> None:
         if not 0 <= block_id < self._num_rows:
             raise ValueError(f"block id {block_id} outside the region (0..{self._num_rows - 1})")
-
-
-def group_tasks(
-    pairs: list[tuple[BlockKey, int]], block_bytes: int, per_group: Callable[[Pairs], list[Outcome]]
-) -> tuple[list[Callable[[], list[Outcome]]], list[int]]:
-    """A job's (key, row) ``pairs`` in groups of up to :data:`GROUP_BYTES`, and the
-    group sizes. A task runs its group in order and returns one
-    :class:`Outcome` per block: fewer, longer tasks than one per block mean
-    less queue and lock traffic and fewer threads contending for the CPU and
-    the GIL, while a large job still spreads over several threads."""
-    size = max(1, GROUP_BYTES // block_bytes)
-    groups = [pairs[i : i + size] for i in range(0, len(pairs), size)]
-    return [functools.partial(per_group, group) for group in groups], [len(g) for g in groups]
-
-
-def flatten(outcomes: list[Outcome], sizes: list[int]) -> list[Outcome]:
-    """Per-block outcomes from per-group ones (a group that failed as a whole, e.g.
-    when the pool shut down before running it, fails each of its blocks)."""
-    flat: list[Outcome] = []
-    for outcome, size in zip(outcomes, sizes, strict=True):
-        flat.extend(outcome.value if outcome.ok else [outcome] * size)
-    return flat

@@ -1,7 +1,8 @@
 """A dual-queue I/O thread pool whose completions land on an asyncio loop.
 
-Work is submitted in *batches* (one tier job = one batch of tasks; the FS tier
-makes one task per group of blocks, about 16 MiB). Read-priority threads
+Work is submitted in *batches* (one tier job = one batch of tasks; the fs and
+redis tiers make one task per group of blocks, about 16 MiB: :func:`group_tasks`,
+whose per-group outcomes :func:`flatten` turns back into one per block). Read-priority threads
 (``kvtierd-fs-r<i>``) pop the read queue first, write-priority threads
 (``kvtierd-fs-w<i>``) the write queue first; both drain either queue, so no
 thread idles while work waits.
@@ -22,6 +23,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -30,6 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvtierd.contract import BlockKey
 from kvtierd.tiers.fs.settings import DEFAULTS
 
 log = logging.getLogger("kvtierd.tiers.fs.iopool")
@@ -259,3 +262,30 @@ def _run(task: Task) -> Outcome:
     except Exception as exc:  # a task failure is an outcome, never a dead thread
         return Outcome(error=exc, seconds=time.perf_counter() - start)
     return Outcome(value=value, seconds=time.perf_counter() - start)
+
+
+GROUP_BYTES = 16 << 20  # blocks per I/O task: this many bytes (at least one block)
+
+Pairs = list[tuple[BlockKey, int]]  # (key, row) of one group of a job
+
+
+def group_tasks(
+    pairs: Pairs, block_bytes: int, per_group: Callable[[Pairs], list[Outcome]]
+) -> tuple[list[Callable[[], list[Outcome]]], list[int]]:
+    """A job's (key, row) ``pairs`` in groups of up to :data:`GROUP_BYTES`, and the
+    group sizes. A task runs its group in order and returns one
+    :class:`Outcome` per block: fewer, longer tasks than one per block mean
+    less queue and lock traffic and fewer threads contending for the CPU and
+    the GIL, while a large job still spreads over several threads."""
+    size = max(1, GROUP_BYTES // block_bytes)
+    groups = [pairs[i : i + size] for i in range(0, len(pairs), size)]
+    return [functools.partial(per_group, group) for group in groups], [len(g) for g in groups]
+
+
+def flatten(outcomes: list[Outcome], sizes: list[int]) -> list[Outcome]:
+    """Per-block outcomes from per-group ones (a group that failed as a whole, e.g.
+    when the pool shut down before running it, fails each of its blocks)."""
+    flat: list[Outcome] = []
+    for outcome, size in zip(outcomes, sizes, strict=True):
+        flat.extend(outcome.value if outcome.ok else [outcome] * size)
+    return flat

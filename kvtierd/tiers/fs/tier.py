@@ -81,9 +81,9 @@ from kvtierd.tiers.fs import startup
 from kvtierd.tiers.fs.blockio import BlockIo, InlineIo, IoWorkers
 from kvtierd.tiers.fs.files import PoolFiles
 from kvtierd.tiers.fs.fsformat import HEADER_SIZE, PoolIdentity
-from kvtierd.tiers.fs.groups import BlockGroups, Pairs, flatten, group_tasks
+from kvtierd.tiers.fs.groups import BlockGroups
 from kvtierd.tiers.fs.index import BlockIndex, DiskBudget, TierFull
-from kvtierd.tiers.fs.iopool import IoPool, Outcome
+from kvtierd.tiers.fs.iopool import IoPool, Outcome, Pairs, flatten, group_tasks
 from kvtierd.tiers.fs.scan import SHARED_TEMP_MAX_AGE_S, IndexScan, ScanReport
 from kvtierd.tiers.fs.settings import FsTierSettings
 from kvtierd.tiers.fs.shared import SharedRoot

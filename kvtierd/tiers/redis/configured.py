@@ -36,11 +36,12 @@ from kvtierd.tiers.fs.iopool import IoPool, Outcome
 from kvtierd.tiers.integrity import KeyRing
 from kvtierd.tiers.keyfiles import integrity_words, load_keyring
 from kvtierd.tiers.redis.access import check_tls, explain
+from kvtierd.tiers.redis.faultlog import FAULT_LOG_INTERVAL_S
 from kvtierd.tiers.redis.link import RedisLink
 from kvtierd.tiers.redis.nodefaults import NodeFaults
 from kvtierd.tiers.redis.prober import Prober
 from kvtierd.tiers.redis.settings import RedisTierSettings
-from kvtierd.tiers.redis.tier import FAULT_LOG_INTERVAL_S, RedisTier
+from kvtierd.tiers.redis.tier import RedisTier
 from kvtierd.util.ratelimit import RateLimitedLog
 
 log = logging.getLogger("kvtierd.tiers.redis")

@@ -1,7 +1,8 @@
 """Presence probes of one configured redis tier: pipelined ``EXISTS``, one in flight per node.
 
-A pool's :class:`~kvtierd.tiers.redis.tier.RedisTier` knows the keys it stored;
-about any other key it asks the server. Every pool of a configured tier asks
+A pool's :class:`~kvtierd.tiers.redis.tier.RedisTier` knows the keys it stored
+(its :class:`~kvtierd.tiers.redis.keybook.KeyBook`); about any other key it asks
+the server. Every pool of a configured tier asks
 through one :class:`Prober`, which keeps, per master:
 
 * the keys waiting for that node's next probe (at most :data:`MAX_WANTED_PER_NODE`;

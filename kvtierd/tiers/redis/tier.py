@@ -1,10 +1,8 @@
 """The redis secondary tier for one pool: one value per block in Redis or Valkey.
 
-A value is exactly an fs block file (:mod:`kvtierd.tiers.fs.fsformat`): the
-4096-byte integrity header (key, pool fingerprint, payload length, payload
-checksum, its own checksum), then the row's bytes. Its Redis key is
-``<key_prefix>:<pool fingerprint hex>:<block key>`` (binary), so pools of
-another name, block size or layout never share keys; a value that does not
+A value is exactly an fs block file (:mod:`kvtierd.tiers.fs.fsformat`) under the
+Redis key ``<key_prefix>:<pool fingerprint hex>:<block key>`` (binary), so pools
+of another name, block size or layout never share keys; a value that does not
 verify for the key and pool it was read under is a MISS: deleted, counted in
 ``checksum_failures`` (``integrity_failures`` when it is not sealed under the
 tier's integrity keys, :mod:`kvtierd.tiers.integrity`), never copied out as a
@@ -12,37 +10,23 @@ success.
 
 The event loop never waits on Redis. Every Redis call runs on the I/O threads
 of an :class:`~kvtierd.tiers.fs.iopool.IoPool` (shared by the pools of one
-configured tier), in :mod:`.blockio`, and reports through
-``loop.call_soon_threadsafe``; this module is the loop's side:
+configured tier), in :mod:`.blockio` (``SET NX`` per stored block, a bounded
+``GETRANGE`` per loaded one, verified before its payload reaches the row; rows
+copied with :class:`~kvtierd.primary.rows.RegionRows`, so a region a client
+truncated fails only the blocks whose rows are gone), and reports through
+``loop.call_soon_threadsafe``. This module is the loop's side: it submits a
+job's blocks in groups of about 16 MiB (:func:`~kvtierd.tiers.fs.iopool.group_tasks`),
+settles what their outcomes mean for the keys, counts, and reports the job.
 
-* stores: one ``SET key value NX [PX ttl]`` per block, the value sent from a
-  copy of the row in the I/O thread's bounce buffer (redis-py writes a large
-  memoryview to the socket without joining it into one buffer); NX: a key
-  another daemon wrote already is left alone (keys name content);
-* loads: one ``GET`` per block, verified (header, then the payload's xxh3 or,
-  with integrity keys, the MAC) before its payload is copied into the row;
-* rows are copied with :class:`~kvtierd.primary.rows.RegionRows` (system calls,
-  never the daemon's mapping): a region a client truncated fails the block
-  whose row is gone (store not cascaded, promotion not served), with one
-  rate-limited WARNING naming the pool and the region, and nothing else;
-* presence: a lookup answers from what the tier knows on the loop -- the keys
-  it stored (held, in recency order) and a short-lived presence cache of
-  batched ``EXISTS`` answers (``presence_ttl``) about keys other daemons may
-  have stored. A key it knows nothing about is asked of the server through the
-  configured tier's :class:`~kvtierd.tiers.redis.prober.Prober` (one pipeline of
-  ``EXISTS`` per node in flight, shared by every lookup of every pool). A Lookup
-  waits for that answer (:meth:`RedisTier.ask`, at most
-  ``limits.remote_lookup_wait``) and answers HIT_PENDING for what the server
-  holds; past the wait (or with ``0s``) the key answers MISS and the probe's
-  answer serves the next lookup. A node that fails the probe leaves its keys
-  unknown (MISS, asked again at their next lookup); the other nodes' answers
-  stand.
-* a held key (one this tier stored) is trusted for ``presence_ttl`` after it was
-  stored or last seen present; after that :meth:`RedisTier.presence` calls it
-  unknown, so a Lookup that would promote it asks the server first: a block the
-  server evicted answers MISS instead of a HIT_PENDING whose promotion fails. A
-  promotion that finds the value gone anyway is a plain MISS
-  (``JobResult.missing_keys``: no retry ban).
+Presence: a lookup answers from what the tier knows on the loop, its
+:class:`~kvtierd.tiers.redis.keybook.KeyBook` (the keys it stored, probe answers
+about others). A key it knows nothing about is asked of the server through the
+configured tier's :class:`~kvtierd.tiers.redis.prober.Prober`; a Lookup waits
+for that answer (:meth:`RedisTier.ask`, at most ``limits.remote_lookup_wait``)
+and answers HIT_PENDING for what the server holds; past the wait (or with
+``0s``) the key answers MISS and the probe's answer serves the next lookup. A
+promotion that finds the value gone anyway is a plain MISS
+(``JobResult.missing_keys``: no retry ban).
 
 Routing, redirects and the server's health are :mod:`.link`'s (one per
 configured tier). The health refresh (``info_interval``) tells
@@ -51,7 +35,8 @@ keys are probed again (the least recently used first, at most
 :data:`MAX_PROBE_WANTED`) and those the server dropped are dropped here too.
 
 Capacity: with ``capacity`` > 0 the tier keeps at most that many bytes of its
-own blocks and deletes the least recently used to admit a new one; with
+own blocks and deletes the least recently used to admit a new one (the
+:class:`~kvtierd.tiers.redis.keybook.KeyBook` picks them); with
 ``fleet_capacity`` > 0 every daemon sharing the pool keeps its blocks under one
 bound together, an exact LRU kept in the server (:mod:`.fleetlru`: stores admit
 their blocks, promotions touch them, the admitting daemon deletes what its
@@ -61,49 +46,42 @@ load or at the re-probe after an eviction (MISS, dropped from the held set): a
 write is never assumed to have stayed.
 
 Faults (server down, timeout, OOM, refused credentials, ACL or TLS): the job's
-keys fail, counted; a node that fails or hangs is logged once by the link (the
-calls it fails are DEBUG lines here), any other error a WARNING at most every
-10 s per kind saying what the server refused and which option fixes it
-(:func:`~kvtierd.tiers.redis.access.explain`); the tier answers from what it
-knows and probes again. The daemon never stops for it.
+keys fail, counted, and :mod:`.faultlog` logs them (a node's fault once, any other
+at most every 10 s per kind, saying which option fixes it); the tier answers from
+what it knows and probes again. The daemon never stops for it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import itertools
 import logging
 import time
-from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 import redis
 
 from kvtierd.contract import BlockKey, LookupResult, Medium
-from kvtierd.primary.rows import RegionCutShort, RegionRows, RowIoUnavailable
+from kvtierd.primary.rows import RegionRows
 from kvtierd.tiers.base import JobCallback, JobResult, SecondaryTier, TierJob, TierStats
 from kvtierd.tiers.fs import fsformat
-from kvtierd.tiers.fs.iopool import IoPool, Outcome
+from kvtierd.tiers.fs.iopool import IoPool, Outcome, flatten, group_tasks
 from kvtierd.tiers.integrity import KeyRing
-from kvtierd.tiers.redis.access import explain
 from kvtierd.tiers.redis.blockio import WRITTEN, BlockCorrupt, BlockMissing, RedisBlockIO
+from kvtierd.tiers.redis.faultlog import TierFaultLog
 from kvtierd.tiers.redis.fleetlru import Admitted, FleetLru
 from kvtierd.tiers.redis.health import ServerHealth
+from kvtierd.tiers.redis.keybook import KeyBook
 from kvtierd.tiers.redis.link import RedisLink
-from kvtierd.tiers.redis.nodefaults import NodeFaults
 from kvtierd.tiers.redis.prober import Prober
 from kvtierd.util.ratelimit import RateLimitedLog
 
 log = logging.getLogger("kvtierd.tiers.redis")
 
-HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
-REMOVALS_KEPT = 1024
+HIT, RETRY = LookupResult.HIT, LookupResult.RETRY
 MAX_PROBE_WANTED = 8192  # held keys probed again after the server evicted some
-PRESENCE_KEPT = 2048  # presence answers kept before the stale ones are swept
-FAULT_LOG_INTERVAL_S = 10.0
-GROUP_BLOCKS_BYTES = 16 << 20  # blocks per I/O task: about 16 MiB
 _COUNTERS = (
     "hits",
     "misses",
@@ -174,25 +152,16 @@ class RedisTier(SecondaryTier):
         self._on_done = on_done
         self._loop = loop
         self._io = io_pool
-        self._ttl_ms = int(ttl_s * 1000) or None
-        self._presence_ttl_s = presence_ttl_s
-        self._faults = faults or RateLimitedLog(log, FAULT_LOG_INTERVAL_S)
+        ttl_ms = int(ttl_s * 1000) or None
+        self._log = TierFaultLog(name, pool_name, link, faults)
         # the I/O threads' side: the rows of running jobs and the link, nothing else
         self._blocks = RedisBlockIO(
-            link, self.key_space, self.identity, region_rows, self._ttl_ms, self._faults, name,
+            link, self.key_space, self.identity, region_rows, ttl_ms, self._log.limited, name,
             integrity,
         )  # fmt: skip
-        # Invariant: _held holds the keys this instance stored (or loaded) and not
-        # dropped since, least recently used first; len * value_bytes is used_bytes.
-        # each with the monotonic time its value expires on the server (inf without ttl)
-        self._held: OrderedDict[BlockKey, float] = OrderedDict()
-        # held key -> monotonic time it was last known present (stored, probed, loaded)
-        self._confirmed: dict[BlockKey, float] = {}
-        self._writing: Counter[BlockKey] = Counter()  # keys of store jobs in flight
-        self._presence: dict[BlockKey, tuple[bool, float]] = {}  # key -> (present, until)
+        # the loop's side: what it knows about keys (held, presence, removals)
+        self._keys = KeyBook(self.value_bytes, ttl_ms=ttl_ms, presence_ttl_s=presence_ttl_s)
         self._counters: Counter[str] = Counter(dict.fromkeys(_COUNTERS, 0))
-        self._dropped: list[BlockKey] = []
-        self._removals: OrderedDict[BlockKey, tuple[float, str]] = OrderedDict()
         self._ready: asyncio.Future[None] | None = None
         self._closed = False
         # the server as last seen: set by prepare (before launch), then on the loop
@@ -214,7 +183,7 @@ class RedisTier(SecondaryTier):
         try:
             self._health = self._link.refresh_health()
         except redis.RedisError as exc:
-            self._fault("INFO", exc)
+            self._log.fault("INFO", exc)
 
     def on_health(self, health: ServerHealth) -> None:
         """Loop: the configured tier's periodic refresh saw ``health``. Evictions
@@ -223,7 +192,7 @@ class RedisTier(SecondaryTier):
         promotion first)."""
         evicted = health.evicted_keys > self._health.evicted_keys
         if evicted and self._health.mode != "unknown" and not self._closed:
-            held = itertools.islice(self._held, MAX_PROBE_WANTED)
+            held = self._keys.least_recent(MAX_PROBE_WANTED)
             self._prober.ask(self, [(self._blocks.redis_key(k), k) for k in held])
         self._health = health
 
@@ -261,19 +230,7 @@ class RedisTier(SecondaryTier):
     def lookup(self, keys: Sequence[BlockKey]) -> list[LookupResult]:
         if not self.ready:
             return [RETRY] * len(keys)
-        now = time.monotonic()
-        results = []
-        unknown: list[BlockKey] = []
-        for key in keys:
-            known = self._knows(key, now)
-            if known:
-                if key in self._held:
-                    self._held.move_to_end(key)
-                results.append(HIT)
-            else:
-                if known is None:
-                    unknown.append(key)
-                results.append(MISS)
+        results, unknown = self._keys.lookup(keys)
         hits = results.count(HIT)
         self._counters["hits"] += hits
         self._counters["misses"] += len(keys) - hits
@@ -281,38 +238,11 @@ class RedisTier(SecondaryTier):
             self.ask(unknown)
         return results
 
-    def _knows(self, key: BlockKey, now: float) -> bool | None:
-        """True when the key is held or a fresh probe saw it, False when a fresh
-        probe found it absent, None when unknown (a held key past its ttl is dropped)."""
-        expires = self._held.get(key)
-        if expires is not None:
-            if expires > now:
-                return True
-            self._drop(key, "expired: its ttl ran out on the server")
-        seen = self._presence.get(key)
-        if seen is not None and seen[1] > now:
-            return seen[0]
-        return None
-
     def presence(self, keys: Sequence[BlockKey]) -> list[bool | None]:
-        """Held and seen within ``presence_ttl``, or seen present by a fresh probe:
-        True; found absent by a fresh probe (or past its ttl): False; else None
-        (a held key not seen lately too: the server may have evicted it)."""
+        """What the tier knows (:meth:`.keybook.KeyBook.presence`); None before launch."""
         if not self.ready:
             return [None] * len(keys)
-        now = time.monotonic()
-        stale = now - self._presence_ttl_s
-        answers: list[bool | None] = []
-        for key in keys:
-            expires = self._held.get(key)
-            if expires is not None:
-                answers.append(
-                    False if expires <= now else (True if self._confirmed[key] > stale else None)
-                )
-                continue
-            seen = self._presence.get(key)
-            answers.append(seen[0] if seen is not None and seen[1] > now else None)
-        return answers
+        return self._keys.presence(keys)
 
     def ask(self, keys: Sequence[BlockKey]) -> list[asyncio.Future[None]]:
         """The keys' presence asked of their nodes (:mod:`.prober`)."""
@@ -323,24 +253,16 @@ class RedisTier(SecondaryTier):
     def contains(self, key: BlockKey) -> bool | None:
         if not self.ready:
             return None
-        now = time.monotonic()
-        if self._held.get(key, 0.0) > now:
-            return True
-        seen = self._presence.get(key)
-        return seen is not None and seen[1] > now and seen[0]
+        return self._keys.contains(key)
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
-        for key in keys:
-            if key in self._held:
-                self._held.move_to_end(key)
+        self._keys.touch(keys)
 
     def take_removed(self) -> list[BlockKey]:
-        dropped, self._dropped = self._dropped, []
-        return dropped
+        return self._keys.take_removed()
 
     def removals(self, key: BlockKey) -> list[tuple[float, str]]:
-        entry = self._removals.get(key)
-        return [entry] if entry else []
+        return self._keys.removals(key)
 
     # -- probe answers (loop) --------------------------------------------------------------
 
@@ -350,31 +272,12 @@ class RedisTier(SecondaryTier):
         sent_at: float,
         error: BaseException | None,
     ) -> None:
-        """The prober's answers about keys this tier asked (:class:`.prober.ProbeListener`).
-        A held key found absent is dropped only if it was stored before the probe
-        left (one stored meanwhile was absent when asked and present now)."""
-        now = time.monotonic()
-        until = now + self._presence_ttl_s
-        for key, present in answers:
-            if present is None:
-                continue  # its node failed: unknown, asked again at its next lookup
-            confirmed = self._confirmed.get(key)
-            if confirmed is None:  # not held
-                self._presence[key] = (present, until)
-            elif present:
-                self._confirmed[key] = now
-            elif confirmed < sent_at and not self._writing[key]:
-                self._drop(key, "evicted by the server (a probe found it gone)")
-        self._expire_presence()
+        """The prober's answers about keys this tier asked (:class:`.prober.ProbeListener`),
+        kept by :meth:`.keybook.KeyBook.answered`; a failed probe is counted and logged."""
+        self._keys.answered(answers, sent_at)
         if error is not None:
             self._counters["probe_failures"] += 1
-            self._fault("probe", error)
-
-    def _expire_presence(self) -> None:
-        if len(self._presence) < PRESENCE_KEPT:
-            return
-        now = time.monotonic()
-        self._presence = {k: v for k, v in self._presence.items() if v[1] > now}
+            self._log.fault("probe", error)
 
     # -- jobs (loop) ---------------------------------------------------------------------
 
@@ -382,28 +285,27 @@ class RedisTier(SecondaryTier):
         self._require_open()
         pairs = list(zip(job.keys, job.block_ids, strict=True))
         # held or being written by another job: succeeds without a rewrite
-        to_write = [(k, r) for k, r in pairs if k not in self._held and not self._writing[k]]
-        tasks, sizes = self._tasks(to_write, self._blocks.store_group)
+        to_write = [(k, r) for k, r in pairs if self._keys.needs_write(k)]
+        tasks, sizes = group_tasks(to_write, self.block_bytes, self._blocks.store_group)
         start = time.perf_counter()
         accepted = self._io.submit_write(
             tasks,
-            lambda outcomes: self._store_done(job, to_write, _flatten(outcomes, sizes), start),
+            lambda outcomes: self._store_done(job, to_write, flatten(outcomes, sizes), start),
             nbytes=len(to_write) * self.block_bytes,
         )
         if not accepted:
             self._counters["dropped_writes"] += 1
             return False
-        for key, _ in to_write:
-            self._writing[key] += 1
+        self._keys.writing(k for k, _ in to_write)
         return True
 
     def submit_load(self, job: TierJob) -> None:
         self._require_open()
         pairs = list(zip(job.keys, job.block_ids, strict=True))
-        tasks, sizes = self._tasks(pairs, self._blocks.load_group)
+        tasks, sizes = group_tasks(pairs, self.block_bytes, self._blocks.load_group)
         start = time.perf_counter()
         self._io.submit_read(
-            tasks, lambda outcomes: self._load_done(job, _flatten(outcomes, sizes), start)
+            tasks, lambda outcomes: self._load_done(job, flatten(outcomes, sizes), start)
         )
 
     def statistics(self) -> TierStats:
@@ -418,7 +320,7 @@ class RedisTier(SecondaryTier):
             or max(self._server_bytes, self._used_bytes),
             used_bytes=self._used_bytes,
             bytes_per_block=self.value_bytes,
-            blocks=len(self._held),
+            blocks=self._keys.blocks,
             probes=self._prober.probes,
             hits=c["hits"],
             misses=c["misses"],
@@ -455,16 +357,7 @@ class RedisTier(SecondaryTier):
 
     @property
     def _used_bytes(self) -> int:
-        return len(self._held) * self.value_bytes
-
-    def _tasks(
-        self,
-        pairs: list[tuple[BlockKey, int]],
-        per_group: Callable[[list[tuple[BlockKey, int]]], list[Outcome]],
-    ) -> tuple[list[Callable[[], list[Outcome]]], list[int]]:
-        size = max(1, GROUP_BLOCKS_BYTES // self.block_bytes)
-        groups = [pairs[i : i + size] for i in range(0, len(pairs), size)]
-        return [functools.partial(per_group, g) for g in groups], [len(g) for g in groups]
+        return self._keys.used_bytes
 
     # -- job completion (loop) -----------------------------------------------------------
 
@@ -475,23 +368,19 @@ class RedisTier(SecondaryTier):
         outcomes: list[Outcome],
         start: float,
     ) -> None:
-        outcome_of: dict[BlockKey, Outcome] = {}
-        for (key, _), outcome in zip(written, outcomes, strict=True):
-            self._writing[key] -= 1
-            if self._writing[key] <= 0:
-                del self._writing[key]
-            outcome_of[key] = outcome
+        self._keys.written(k for k, _ in written)
+        outcome_of = {key: outcome for (key, _), outcome in zip(written, outcomes, strict=True)}
         made_it: list[BlockKey] = []
         moved = 0
         for key in job.keys:
             done = outcome_of.get(key)
             if done is not None and not done.ok:
-                self._fault("store", done.error)
+                self._log.fault("store", done.error)
                 continue
             if done is not None and done.value == WRITTEN:
                 moved += self.value_bytes
             made_it.append(key)
-            self._hold(key)
+            self._keys.hold(key)
         self._counters["bytes_written"] += moved
         failures = len(job.keys) - len(made_it)
         self._counters["store_failures"] += failures
@@ -505,18 +394,16 @@ class RedisTier(SecondaryTier):
         for key, outcome in zip(job.keys, outcomes, strict=True):
             if outcome.ok:
                 made_it.append(key)
-                if key in self._held:
-                    self._held.move_to_end(key)
-                    self._confirmed[key] = time.monotonic()
+                self._keys.loaded(key)
                 continue
             error = outcome.error
             if isinstance(error, BlockCorrupt):
                 self._refused(key, error)
             elif isinstance(error, BlockMissing):
                 gone.append(key)
-                self._drop(key, "vanished: the server holds no value")
+                self._keys.drop(key, "vanished: the server holds no value")
             else:
-                self._fault("load", error)
+                self._log.fault("load", error)
         moved = len(made_it) * self.value_bytes
         self._counters["bytes_read"] += moved
         failures = len(job.keys) - len(made_it)
@@ -526,19 +413,10 @@ class RedisTier(SecondaryTier):
 
     def _refused(self, key: BlockKey, error: BlockCorrupt) -> None:
         """A value that failed verification (deleted by the I/O thread): counted, logged
-        (a value not sealed under the tier's keys at most every 10 s: anyone who can
-        write the server can make many) and dropped."""
-        if error.integrity:
-            self._counters["integrity_failures"] += 1
-            self._faults.warning(
-                ("integrity", self.name),
-                "redis tier %s: value of block %s refused and deleted: %s (counted in "
-                "integrity_failures)", self.name, key.hex(), error,
-            )  # fmt: skip
-        else:
-            self._counters["checksum_failures"] += 1
-            log.warning("redis tier %s: block %s dropped: %s", self.name, key.hex(), error)
-        self._drop(key, f"failed verification: {error}")
+        and dropped."""
+        self._counters["integrity_failures" if error.integrity else "checksum_failures"] += 1
+        self._log.refused(key, error)
+        self._keys.drop(key, f"failed verification: {error}")
 
     def _report(
         self, job: TierJob, made_it: list[BlockKey], failures: int, start: float, moved: int,
@@ -558,47 +436,13 @@ class RedisTier(SecondaryTier):
         except Exception:
             log.exception("redis tier %s: on_done of job %d failed", self.name, job.job_id)
 
-    def _hold(self, key: BlockKey) -> None:
-        """Makes ``key`` held and most recent; a key held already keeps its expiry
-        (SET NX did not renew it)."""
-        now = time.monotonic()
-        if key not in self._held:
-            ttl_s = self._ttl_ms / 1000 if self._ttl_ms else float("inf")
-            self._held[key] = now + ttl_s
-        self._held.move_to_end(key)
-        self._confirmed[key] = now
-        self._presence.pop(key, None)
-
-    def _drop(self, key: BlockKey, why: str) -> None:
-        self._presence[key] = (False, time.monotonic() + self._presence_ttl_s)
-        if key in self._held:
-            del self._held[key]
-            del self._confirmed[key]
-            self._dropped.append(key)
-            self._remember(key, why)
-
-    def _remember(self, key: BlockKey, why: str) -> None:
-        self._removals[key] = (time.time(), why)
-        self._removals.move_to_end(key)
-        if len(self._removals) > REMOVALS_KEPT:
-            self._removals.popitem(last=False)
-
     def _evict_over_capacity(self, protect: set[BlockKey]) -> None:
         """Deletes the least recently used held blocks until within ``capacity``
-        (the blocks just stored go last: they are the most recent)."""
+        (:meth:`.keybook.KeyBook.evict_over_capacity` picks them)."""
         if not self.capacity_bytes:
             return
-        victims = []
-        while self._used_bytes > self.capacity_bytes and self._held:
-            victim, expires = self._held.popitem(last=False)
-            if victim in protect and len(self._held) < len(protect):
-                self._held[victim] = expires  # nothing else to evict: keep it
-                break
-            del self._confirmed[victim]
-            victims.append(victim)
-            self._counters["evictions"] += 1
-            self._dropped.append(victim)
-            self._remember(victim, "evicted: least recently used at capacity")
+        victims = self._keys.evict_over_capacity(self.capacity_bytes, protect)
+        self._counters["evictions"] += len(victims)
         if victims and not self._closed:
             task = functools.partial(
                 self._blocks.delete, [self._blocks.redis_key(k) for k in victims]
@@ -617,14 +461,14 @@ class RedisTier(SecondaryTier):
         (evicted here, or already absent): MISS from now on, held or not."""
         outcome = outcomes[0]
         if not outcome.ok:
-            self._fault("fleet LRU", outcome.error)
+            self._log.fault("fleet LRU", outcome.error)
             return
         admitted: Admitted = outcome.value
         for key in admitted.popped:
-            self._drop(key, "evicted: the fleet's least recently used at fleet_capacity")
+            self._keys.drop(key, "evicted: the fleet's least recently used at fleet_capacity")
         self._counters["evictions"] += len(admitted.popped)
         if admitted.error is not None:
-            self._fault("fleet LRU", admitted.error)
+            self._log.fault("fleet LRU", admitted.error)
 
     def _touch_fleet(self, keys: list[BlockKey]) -> None:
         """Promoted: the fleet's most recent blocks (off the loop, after the fact)."""
@@ -635,46 +479,14 @@ class RedisTier(SecondaryTier):
     def _touched(self, outcomes: list[Outcome]) -> None:
         error = outcomes[0].value if outcomes[0].ok else outcomes[0].error
         if error is not None:
-            self._fault("fleet LRU", error)
+            self._log.fault("fleet LRU", error)
 
     def _delete_done(self, outcomes: list[Outcome]) -> None:
         if not outcomes[0].ok:
-            self._fault("delete", outcomes[0].error)
-
-    def _fault(self, kind: str, error: BaseException | None) -> None:
-        if isinstance(error, (RegionCutShort, RowIoUnavailable)):
-            # a client truncated the region: this block only; the message names row and region
-            what = "store" if kind == "store" else "promotion"
-            self._faults.warning(
-                ("region", what, self.name),
-                "redis tier %s: pool %s: %s failed, block not %s: %s",
-                self.name, self.pool_name, what,
-                "stored" if what == "store" else "promoted", error,
-            )  # fmt: skip
-        elif NodeFaults.node_down(error):  # the link logged the node's fault, once
-            log.debug("redis tier %s: %s failed: %s: %s", self.name, kind,
-                      type(error).__name__, error)  # fmt: skip
-        elif isinstance(error, redis.RedisError):  # what the server refused, and the fix
-            self._faults.warning(
-                (kind, self.name), "redis tier %s: %s failed: %s",
-                self.name, kind, explain(error, self._link.settings),
-            )  # fmt: skip
-        else:
-            log.debug("redis tier %s: %s failed: %s", self.name, kind, error)
+            self._log.fault("delete", outcomes[0].error)
 
     # -- small helpers -------------------------------------------------------------------
 
     def _require_open(self) -> None:
         if self._ready is None:
             raise RuntimeError(f"redis tier {self.name} was not launched")
-
-
-def _flatten(outcomes: list[Outcome], sizes: list[int]) -> list[Outcome]:
-    """Per-block outcomes from per-task outcomes (a failed task fails its blocks)."""
-    flat: list[Outcome] = []
-    for outcome, size in zip(outcomes, sizes, strict=True):
-        if outcome.ok:
-            flat.extend(outcome.value)
-        else:
-            flat.extend([outcome] * size)
-    return flat
