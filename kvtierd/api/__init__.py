@@ -1,6 +1,8 @@
 """The daemon's API: the gRPC service and the fast lane, and what guards them.
 
-- ``service``: the request handlers (validate, call the pool, answer);
+- ``handlers``: the request handlers of both transports (validate, call the pool,
+  answer); ``keycalls``: the manager calls on a session's keys, shared by the single
+  RPCs and Batch;
 - ``server``: the gRPC servers and their Unix and TCP listeners;
 - ``fastlane``: a session's hot calls as framed protobuf on a Unix socket (its socket,
   tokens and bounds; ``laneconn``: one connection, its frames and in-order answers);

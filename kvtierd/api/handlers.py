@@ -35,7 +35,8 @@ the wait; after it the session is looked up again (it may have ended) and the
 call runs as always, from what the tiers learnt. A call that needs no remote
 tier never waits and costs what it did.
 
-The request path reads top to bottom: handlers -> session -> pool -> manager.
+The request path reads top to bottom: handlers -> keycalls (:mod:`kvtierd.api.keycalls`,
+one function per manager call) -> session's pool -> manager.
 Event-loop only.
 """
 
@@ -50,7 +51,7 @@ from typing import Any
 import grpc
 
 from kvtierd import __version__
-from kvtierd.api import wire
+from kvtierd.api import keycalls, wire
 from kvtierd.api.messages import event_message, pool_spec_message, pool_stats_message
 from kvtierd.api.validation import (
     check_block_bytes,
@@ -323,11 +324,11 @@ class RequestHandlers:
             wait = session.pool.remote_wait(keys, prefix=request.prefix)
             if wait is not None:
                 return Pending(self._after_wait(wait, caller, request, self._lookup_again))
-        return _lookup(session, keys, request)
+        return keycalls.lookup(session, keys, request)
 
     def _lookup_again(self, caller: Caller, request: Any) -> Any:
         """A Lookup that waited for remote tiers, run as always."""
-        return _lookup(*self._session_and_keys(caller, request), request)
+        return keycalls.lookup(*self._session_and_keys(caller, request), request)
 
     async def _after_wait(
         self,
@@ -344,19 +345,19 @@ class RequestHandlers:
         return answer(caller, request)
 
     def touch(self, caller: Caller, peer: str, request: Any) -> Any:
-        return _touch(*self._session_and_keys(caller, request), request)
+        return keycalls.touch(*self._session_and_keys(caller, request), request)
 
     def prepare_load(self, caller: Caller, peer: str, request: Any) -> Any:
-        return _prepare_load(*self._session_and_keys(caller, request), request)
+        return keycalls.prepare_load(*self._session_and_keys(caller, request), request)
 
     def complete_load(self, caller: Caller, peer: str, request: Any) -> Any:
-        return _complete_load(*self._session_and_keys(caller, request), request)
+        return keycalls.complete_load(*self._session_and_keys(caller, request), request)
 
     def prepare_store(self, caller: Caller, peer: str, request: Any) -> Any:
-        return _prepare_store(*self._session_and_keys(caller, request), request)
+        return keycalls.prepare_store(*self._session_and_keys(caller, request), request)
 
     def complete_store(self, caller: Caller, peer: str, request: Any) -> Any:
-        return _complete_store(*self._session_and_keys(caller, request), request)
+        return keycalls.complete_store(*self._session_and_keys(caller, request), request)
 
     def batch(self, caller: Caller, peer: str, request: Any) -> Any:
         """Runs the ops in order on one loop turn; each op's error is its own result."""
@@ -367,7 +368,7 @@ class RequestHandlers:
         self._check_batch_keys(request.ops)
         session = self._live_session(caller, request.session_id)
         if self._remote_wait and session.pool.tiering.remote:
-            wait = _batch_remote_wait(session, request.ops, self._max_keys)
+            wait = keycalls.batch_remote_wait(session, request.ops, self._max_keys)
             if wait is not None:
                 return Pending(self._after_wait(wait, caller, request, self._batch_again))
         return pb2.BatchResponse(results=[self._batch_op(session, op) for op in request.ops])
@@ -406,7 +407,7 @@ class RequestHandlers:
                 )
             keys = list(call.keys)
             check_keys(keys, self._max_keys)
-            response = _BATCH_OPS[which](session, keys, call)
+            response = keycalls.BATCH_OPS[which](session, keys, call)
         except KvtierdError as exc:
             return pb2.BatchResult(code=exc.code.value[0], error=str(exc))
         return pb2.BatchResult(**{which: response})
@@ -503,80 +504,6 @@ class RequestHandlers:
         )
 
 
-# ----------------------------------------------------------------- manager calls
-# One function per manager call, shared by the single RPCs and Batch: the
-# session is resolved and the keys validated by the caller.
-
-
-def _lookup(session: Session, keys: list[bytes], request: Any) -> pb2.LookupResponse:
-    if request.pin:
-        results, block_ids = session.pool.lookup_and_pin(session.id, keys, prefix=request.prefix)
-        return pb2.LookupResponse(results=wire.lookup_results(results), block_ids=block_ids)
-    results = session.pool.lookup(keys, prefix=request.prefix)
-    return pb2.LookupResponse(results=wire.lookup_results(results))
-
-
-def _touch(session: Session, keys: list[bytes], request: Any) -> pb2.TouchResponse:
-    session.pool.touch(keys)
-    return pb2.TouchResponse()
-
-
-def _prepare_load(session: Session, keys: list[bytes], request: Any) -> pb2.PrepareLoadResponse:
-    return pb2.PrepareLoadResponse(block_ids=session.pool.prepare_load(session.id, keys))
-
-
-def _complete_load(session: Session, keys: list[bytes], request: Any) -> pb2.CompleteLoadResponse:
-    session.pool.complete_load(session.id, keys, unused=request.unused)
-    return pb2.CompleteLoadResponse()
-
-
-def _prepare_store(session: Session, keys: list[bytes], request: Any) -> pb2.PrepareStoreResponse:
-    grant = session.pool.prepare_store(session.id, keys)
-    if grant is None:
-        return pb2.PrepareStoreResponse(accepted=False)
-    return pb2.PrepareStoreResponse(
-        accepted=True,
-        keys_to_store=grant.keys_to_store,
-        block_ids=grant.block_ids,
-        evicted_keys=grant.evicted_keys,
-    )
-
-
-def _complete_store(session: Session, keys: list[bytes], request: Any) -> pb2.CompleteStoreResponse:
-    session.pool.complete_store(session.id, keys, request.success)
-    return pb2.CompleteStoreResponse()
-
-
-def _batch_remote_wait(session: Session, ops: Any, max_keys: int) -> RemoteWait | None:
-    """What the lookups of a Batch wait for (one wait for all; an op that will be
-    refused is left out: its error is its result)."""
-    merged: RemoteWait | None = None
-    for op in ops:
-        if op.WhichOneof("op") != "lookup":
-            continue
-        call = op.lookup
-        keys = list(call.keys)
-        if (call.session_id and call.session_id != session.id) or not _valid_keys(keys, max_keys):
-            continue
-        wait = session.pool.remote_wait(keys, prefix=call.prefix)
-        if wait is None:
-            continue
-        if merged is None:
-            merged = wait
-        else:
-            merged.futures += wait.futures
-            merged.tiers += wait.tiers
-    return merged
-
-
-def _valid_keys(keys: list[bytes], max_keys: int) -> bool:
-    try:
-        check_keys(keys, max_keys)
-    except InvalidArgument:
-        return False
-    return True
-
-
 # The unary RPCs by their wire name: what RequestHandlers.run dispatches.
 Body = Callable[[RequestHandlers, Caller, str, Any], Any]
 _UNARY: dict[str, Body] = {
@@ -596,13 +523,5 @@ _UNARY: dict[str, Body] = {
 }
 UNARY_METHODS = frozenset(_UNARY)
 
-_BATCH_OPS: dict[str, Callable[[Session, list[bytes], Any], Any]] = {
-    "lookup": _lookup,
-    "touch": _touch,
-    "prepare_load": _prepare_load,
-    "complete_load": _complete_load,
-    "prepare_store": _prepare_store,
-    "complete_store": _complete_store,
-}
 
 __all__ = ["MAX_BATCH_OPS", "TAKE_EVENTS_MAX_BYTES", "Pending", "RequestHandlers", "UNARY_METHODS"]
