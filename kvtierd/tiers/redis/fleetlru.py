@@ -30,6 +30,10 @@ more recent one even within a clock tick):
   most recent of all, as the exact model puts them -- and pops the least recent
   past the bucket's limit; then the popped blocks' values are deleted. Two daemons
   admitting at once never both evict for the same excess.
+  A call pops at most its own blocks plus :data:`EXTRA_POPS` and returns only
+  members that can be block keys, so its answer is bounded in bytes whatever
+  someone who can write the server planted in the index (junk members make the
+  fleet evict early: lost hits, never a wrong byte).
 * :meth:`FleetLru.touch`, after a promotion: ``ZADD XX`` (a block popped
   meanwhile is not put back).
 
@@ -55,16 +59,28 @@ from kvtierd.tiers.redis.link import Command, RedisLink
 BUCKET_BLOCKS = 4096  # a bucket per this many blocks of capacity ...
 MAX_BUCKETS = 64  # ... and at most this many
 MEMBERS_PER_CALL = 512  # blocks per script call or ZADD (a Lua stack holds ~8,000 arguments)
+EXTRA_POPS = 512  # a call pops at most its own members plus this many (an index over its bound)
+MAX_MEMBER_BYTES = 256  # the longest block key (the API refuses longer ones)
 
-# KEYS[1]: a bucket's index; ARGV[1]: the bucket's limit; ARGV[2..]: score, member pairs.
-# Adds (or refreshes) the members, then pops what is past the limit, least recent first.
+# KEYS[1]: a bucket's index; ARGV[1]: the bucket's limit; ARGV[2]: the most this call
+# pops; ARGV[3]: the longest member it returns; ARGV[4..]: score, member pairs. Adds
+# (or refreshes) the members, then pops what is past the limit, least recent first, and
+# returns the popped members that can be block keys (a longer one, planted, is dropped
+# from the index and never sent back: the answer stays bounded in bytes).
 ADMIT_SCRIPT = """
-redis.call('ZADD', KEYS[1], unpack(ARGV, 2))
-local over = redis.call('ZCARD', KEYS[1]) - tonumber(ARGV[1])
-if over > 0 then
-  return redis.call('ZPOPMIN', KEYS[1], over)
+redis.call('ZADD', KEYS[1], unpack(ARGV, 4))
+local over = math.min(redis.call('ZCARD', KEYS[1]) - tonumber(ARGV[1]), tonumber(ARGV[2]))
+if over <= 0 then
+  return {}
 end
-return {}
+local popped = redis.call('ZPOPMIN', KEYS[1], over)
+local keys = {}
+for i = 1, #popped, 2 do
+  if string.len(popped[i]) <= tonumber(ARGV[3]) then
+    keys[#keys + 1] = popped[i]
+  end
+end
+return keys
 """
 
 
@@ -128,8 +144,10 @@ class FleetLru:
         for bucket, scored in self._by_bucket(keys):
             name, limit = self.index_names[bucket], self.limits[bucket]
             for start in range(0, len(scored), MEMBERS_PER_CALL):
-                pairs = _flat(scored[start : start + MEMBERS_PER_CALL])
-                commands.append((name, ("EVAL", ADMIT_SCRIPT, 1, name, limit, *pairs)))
+                chunk = scored[start : start + MEMBERS_PER_CALL]
+                most = len(chunk) + EXTRA_POPS
+                args = ("EVAL", ADMIT_SCRIPT, 1, name, limit, most, MAX_MEMBER_BYTES)
+                commands.append((name, (*args, *_flat(chunk))))
         replies, _ = self._link.pipelined(commands)
         popped: list[BlockKey] = []
         error: BaseException | None = None
@@ -137,7 +155,7 @@ class FleetLru:
             if isinstance(reply, BaseException):
                 error = error or reply
                 continue
-            popped += [BlockKey(member) for member in reply[0::2]]
+            popped += [BlockKey(member) for member in reply]
         if popped:
             deleted, _ = self._link.per_node("DEL", [self._key_space + k for k in popped])
             error = error or next((r for r in deleted if isinstance(r, BaseException)), None)

@@ -2,7 +2,8 @@
 admissions past the bound delete exactly the least recently used values, whoever
 stored or promoted them; a promotion's touch keeps a block, and never brings back one
 that was evicted; daemons admitting at once never evict more than the excess; a large
-bound is spread over buckets on a Cluster's masters, each exact, adding up to the bound.
+bound is spread over buckets on a Cluster's masters, each exact, adding up to the bound;
+an index someone planted costs hits, never an unbounded answer or a raised error.
 Skipped without ``redis-server``."""
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from redis_harness import RedisClusterNodes, RedisServer
 
 from kvtierd.tiers.redis.fleetlru import (
     BUCKET_BLOCKS,
+    EXTRA_POPS,
     MAX_BUCKETS,
+    MAX_MEMBER_BYTES,
     FleetLru,
     bucket_count,
     bucket_limits,
@@ -186,3 +189,44 @@ def test_a_large_bound_is_spread_over_a_clusters_masters(
     for name in lru.index_names:
         client.delete(name)
     link.close()
+
+
+def test_a_planted_index_costs_hits_never_an_unbounded_answer(
+    standalone: tuple[RedisLink, redis.Redis],
+) -> None:
+    """Someone who can write the server plants 5,000 junk members and one of 1 MiB,
+    all older than any block, in a bound of 10: an admission of 2 blocks pops at most
+    its own 2 plus EXTRA_POPS, never hands back the 1 MiB member (it is dropped from
+    the index all the same), and later admissions work the junk off before they
+    evict a block."""
+    link, admin = standalone
+    lru = _lru(link, 10)
+    name = lru.index_names[0]
+    admin.zadd(name, {b"huge" + bytes(1 << 20): 0.0})
+    admin.zadd(name, {b"junk-%05d" % i: 1.0 + i for i in range(5000)})
+    _store(admin, [b"a", b"b"])
+    admitted = lru.admit([b"a", b"b"])
+    assert admitted.error is None
+    assert len(admitted.popped) == 2 + EXTRA_POPS - 1  # the huge one popped, not returned
+    assert all(len(key) <= MAX_MEMBER_BYTES for key in admitted.popped)
+    assert admin.zscore(name, b"huge" + bytes(1 << 20)) is None
+    later = [b"c%d" % i for i in range(9)]
+    for key in later:  # each pops its own excess and 512 of the junk's, the junk first
+        _store(admin, [key])
+        assert lru.admit([key]).error is None
+        if key != later[-1]:
+            assert admin.zcard(name) > 10 and _held(admin, [b"a", b"b"]) == [b"a", b"b"]
+    assert admin.zcard(name) == 10  # the junk worked off: 11 blocks, the oldest evicted
+    assert _held(admin, [b"a", b"b", *later]) == [b"b", *later]
+
+
+def test_an_index_of_the_wrong_type_fails_the_admission_not_the_caller(
+    standalone: tuple[RedisLink, redis.Redis],
+) -> None:
+    link, admin = standalone
+    lru = _lru(link, 10)
+    admin.set(lru.index_names[0], b"not a sorted set")
+    admitted = lru.admit([b"a"])
+    assert admitted.popped == [] and isinstance(admitted.error, redis.ResponseError)
+    assert "WRONGTYPE" in str(admitted.error)
+    assert isinstance(lru.touch([b"a"]), redis.ResponseError)
