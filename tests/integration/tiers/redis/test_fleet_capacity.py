@@ -29,12 +29,10 @@ def _held(server: redis.Redis | redis.RedisCluster, prefix: str, pool: str, keys
     return [k for k in keys if server.exists(redis_key(prefix, pool, k))]
 
 
-def _most_recent(server: redis.Redis | redis.RedisCluster, prefix: str) -> bytes | None:
+def _index(server: redis.Redis | redis.RedisCluster, prefix: str) -> list[bytes]:
+    """The fleet's index (one bucket at this bound), least recently used first."""
     names = list(server.scan_iter(match=f"{prefix}:lru:*"))
-    if len(names) != 1:
-        return None
-    newest = server.zrange(names[0], -1, -1)
-    return newest[0] if newest else None
+    return list(server.zrange(names[0], 0, -1)) if len(names) == 1 else []
 
 
 def _fleet_of_two(
@@ -53,9 +51,11 @@ def _fleet_of_two(
     stored = block_keys("w", BOUND)
     writer.store(stored)
     writer.settle_cascades()
+    # the admission follows the store job off the loop: a touch before it finds nothing
+    eventually(lambda: len(_index(server, key_prefix)) == BOUND, 20, "the store's admission")
     assert _held(server, key_prefix, pool_name, stored) == stored  # at the bound: all kept
     promoted(reader, stored[:1])
-    eventually(lambda: _most_recent(server, key_prefix) == stored[0], 20, "the promotion's touch")
+    eventually(lambda: _index(server, key_prefix)[-1:] == stored[:1], 20, "the promotion's touch")
     return writer, reader, stored
 
 
