@@ -34,6 +34,12 @@ test-tools`` installs it as root with apt) the suite prints a skip row.
   in the lookup adds (one ``EXISTS`` round trip of redis-py from this process,
   timed alongside, is its floor).
 
+* fleet LRU: the store and promotion passes again on a daemon with ``fleet_capacity``
+  (far above the bytes stored: every store job's admission script and every
+  promotion's touch, nothing evicted) and on one without, alternating (with,
+  without, without, with; the server emptied before each): what keeping the
+  fleet's LRU index costs each path.
+
 ``python -m benchmarks redis`` runs it alone.
 """
 
@@ -74,6 +80,7 @@ POLL_S = 0.0005
 IDLE_S = 0.005  # pause before each timed first Lookup and its floor
 VALUE_BYTES = HEADER_SIZE + BLOCK
 TARGET = ">= 0.8x"
+FLEET_BOUND = 'fleet_capacity = "64GiB"\n'  # far above a pass's bytes: nothing evicted
 GROUP = "redis tier (2 MiB blocks)"
 
 
@@ -195,11 +202,11 @@ def glide_pass(
 # -- the tier through a daemon ------------------------------------------------------------
 
 
-def _config(directory: str, url: str, prefix: str) -> str:
-    path = os.path.join(directory, "redis.toml")
+def _config(directory: str, url: str, prefix: str, extra: str = "") -> str:
+    path = os.path.join(directory, f"redis-{prefix}.toml")
     with open(path, "w") as f:
         f.write(f'[[tiers]]\ntype = "redis"\nname = "redis"\nurls = ["{url}"]\n'
-                f'key_prefix = "{prefix}"\n')  # fmt: skip
+                f'key_prefix = "{prefix}"\n{extra}')  # fmt: skip
     return path
 
 
@@ -328,6 +335,24 @@ def remote_lookups(config: str, keys: list[bytes]) -> dict[str, list[float]]:
     return out
 
 
+def fleet_ab(server: _Server, work: str) -> tuple[dict[str, float], dict[str, float]]:
+    """The tier's passes with the fleet's LRU kept (a bound far above the bytes: every
+    admission and touch, no eviction) and without, in the order with, without,
+    without, with, the server emptied before each: the best of each."""
+    best: dict[str, dict[str, float]] = {"fleet": {}, "plain": {}}
+    configs = {
+        "fleet": _config(work, server.url, "kvtb-fleet", FLEET_BOUND),
+        "plain": _config(work, server.url, "kvtb-plain"),
+    }
+    for which in ("fleet", "plain", "plain", "fleet"):
+        with redis.Redis(port=server.port) as admin:
+            admin.flushall()
+        seconds, _ = tier_run(configs[which], lambda r: None)
+        for phase, value in seconds.items():
+            best[which][phase] = min(best[which].get(phase, value), value)
+    return best["fleet"], best["plain"]
+
+
 def _server_url(config: str) -> str:
     with open(config) as handle:
         text = handle.read()
@@ -373,6 +398,7 @@ def run() -> list[Row]:
         config = _config(work, server.url, "kvtb")
         tier, keys = tier_run(config, floors)
         remote = remote_lookups(config, keys)
+        fleet, plain = fleet_ab(server, work)
         first, until_hit, primary = remote["first"], remote["hit"], remote["primary"]
 
         payload = BLOCKS * BLOCK  # GB/s of rows; both move the same values (header + row)
@@ -384,6 +410,11 @@ def run() -> list[Row]:
             rows.append(Row(GROUP, f"{name}, {BLOCKS} blocks, {THREADS} threads", gbs, "GB/s",
                             f"{floor_name} {which} {floor_gbs:.2f} GB/s",
                             gbs / floor_gbs, TARGET))  # fmt: skip
+        for phase, (name, _) in names.items():
+            gbs, plain_gbs = _gbs(payload, fleet[phase]), _gbs(payload, plain[phase])
+            rows.append(Row(GROUP, f"{name} with fleet_capacity (its LRU index kept)", gbs,
+                            "GB/s", f"without, same server {plain_gbs:.2f} GB/s",
+                            gbs / plain_gbs, ">= 0.95x"))  # fmt: skip
         cgroup = "client library (2 MiB values, same server)"
         if glide is None:
             rows.append(Row(cgroup, "valkey-glide-sync not installed: skipped", 0.0, ""))
