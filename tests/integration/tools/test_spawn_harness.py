@@ -5,7 +5,7 @@ child's ``close_fds``). These tests make that certain instead: a fresh interpret
 registers a fork handler that aborts every fork()ed child, then runs the code
 under test there. A child started with ``preexec_fn`` or ``user=`` dies of it;
 one started through spawn_harness (``vfork``/``posix_spawn``: no fork handlers)
-runs. Real children, real ``kvtierctl``.
+runs. Real children, real ``kvtierctl``, real ``setpriv``.
 """
 
 from __future__ import annotations
@@ -67,3 +67,22 @@ def test_the_fsck_tests_run_kvtierctl_without_forking(tmp_path):
     """, str(tmp_path / "inner"))  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "2 passed" in done.stdout, done.stdout[-3000:]
+
+
+def test_code_runs_as_another_user_without_forking(other_user):
+    """``LocalUser.run_python`` and ``as_user`` change identity in the child
+    (setpriv), not through a fork()ed ``subprocess`` child."""
+    done = where_forked_children_die("""
+        import subprocess, sys
+        from local_users import LocalUser
+        from spawn_harness import as_user
+        uid, gid = int(sys.argv[2]), int(sys.argv[3])
+        ran = LocalUser("them", uid, gid).run_python(
+            "import os; print(os.getuid(), os.getgid(), os.getgroups())")
+        held = subprocess.run(as_user(["/usr/bin/id", "-u"], uid, gid),
+                              capture_output=True, text=True)
+        print(ran.returncode, ran.stdout.strip(), repr(ran.stderr), held.stdout.strip())
+    """, str(other_user.uid), str(other_user.gid))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    uid, gid = str(other_user.uid), str(other_user.gid)
+    assert done.stdout.split() == ["0", uid, gid, "[]", "''", uid], done.stdout
