@@ -2,8 +2,10 @@
 this host, created with ``useradd`` and removed with ``userdel`` in teardown.
 
 Only root can create users; elsewhere the fixture skips with the reason. Code
-runs as the user in a child process (``run_as``): ``subprocess`` switches
-uid/gid after fork, so the test process itself never changes identity.
+runs as the user in a child process (``run_python``) that ``setpriv`` switches to
+the user before it execs the code (never ``subprocess``'s ``user=``, which
+forks this gRPC-using process: spawn_harness), so the test process itself never
+changes identity.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+from spawn_harness import as_user
 
 SYSTEM_PYTHON = "/usr/bin/python3"  # any user may run it (unlike a venv under /root)
 
@@ -33,16 +36,16 @@ class LocalUser:
         library only: the test venv lives under root's home) as this user, with
         no supplementary groups."""
         return subprocess.run(
-            [SYSTEM_PYTHON, "-c", code, *args], capture_output=True, text=True,
-            timeout=timeout, user=self.uid, group=self.gid, extra_groups=[], cwd="/",
+            as_user([SYSTEM_PYTHON, "-c", code, *args], self.uid, self.gid),
+            capture_output=True, text=True, timeout=timeout, cwd="/",
         )  # fmt: skip
 
 
 def _skip_reason() -> str | None:
     if os.geteuid() != 0:
         return "needs root: creates a throw-away user with useradd"
-    if shutil.which("useradd") is None or shutil.which("userdel") is None:
-        return "needs useradd and userdel"
+    if any(shutil.which(tool) is None for tool in ("useradd", "userdel", "setpriv")):
+        return "needs useradd, userdel and setpriv"
     if not os.access(SYSTEM_PYTHON, os.X_OK):
         return f"needs {SYSTEM_PYTHON} to run code as the throw-away user"
     return None

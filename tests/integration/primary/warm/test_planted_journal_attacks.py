@@ -28,6 +28,7 @@ import pytest
 from daemon_harness import DaemonProcess, eventually, free_port, scrape, start_daemon, value
 from local_users import SYSTEM_PYTHON
 from nonroot import as_user_prefix, require_nonroot_daemon
+from spawn_harness import as_user
 from users_harness import ThrowawayAccounts, User, require_root
 from warm_harness import BLOCK, HIT, assert_bit_exact, store
 
@@ -95,11 +96,9 @@ class Host:
 
 
 def _run_as(user: User, code: str, *args: str) -> subprocess.CompletedProcess[str]:
-    """``code`` as ``user`` (through setpriv: ``subprocess``'s own ``user=`` forks,
-    and gRPC's fork handlers abort such a child once this process used gRPC)."""
+    """``code`` as ``user`` (through setpriv, never ``subprocess``'s ``user=``: spawn_harness)."""
     return subprocess.run(
-        ["setpriv", f"--reuid={user.uid}", f"--regid={user.gid}", "--clear-groups", "--",
-         SYSTEM_PYTHON, "-c", code, *args],
+        as_user([SYSTEM_PYTHON, "-c", code, *args], user.uid, user.gid),
         capture_output=True, text=True, timeout=60, cwd="/", check=False,
     )  # fmt: skip
 

@@ -18,6 +18,7 @@ from daemon_harness import (
     start_daemon,
 )
 from local_users import SYSTEM_PYTHON, LocalUser
+from spawn_harness import as_user
 from warm_harness import BLOCK, content, read_row, store, write_rows
 
 from kvtierd_client.client import Client, LookupResult
@@ -152,9 +153,8 @@ def test_a_restart_that_takes_a_groups_access_away_does_not_leave_it_the_adopted
             path = session.region.path
             store(session, [b"before"])
         holder = subprocess.Popen(
-            [SYSTEM_PYTHON, "-c", _HOLD_MAPPING, path],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            user=other_user.uid, group=other_user.gid, extra_groups=[], cwd="/",
+            as_user([SYSTEM_PYTHON, "-c", _HOLD_MAPPING, path], other_user.uid, other_user.gid),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/",
         )  # fmt: skip
         assert holder.stdout is not None and holder.stdin is not None
         assert holder.stdout.readline().strip() == "mapped"

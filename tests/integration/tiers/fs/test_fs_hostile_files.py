@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import shutil
 import stat
 import subprocess
@@ -19,6 +18,7 @@ import pytest
 import xxhash
 from daemon_harness import daemon_command, fs_tiers_config, start_daemon
 from engine_harness import BLOCK, HIT, MISS, Engine, block_keys, file_of, payload
+from spawn_harness import with_address_space
 
 from kvtierd.tiers.fs import fsformat
 
@@ -200,20 +200,13 @@ def write_block(
 
 
 def fsck(*args: str, address_space: int | None = None) -> tuple[subprocess.CompletedProcess, float]:
-    """Runs ``kvtierctl fsck`` (optionally with RLIMIT_AS); (result, seconds)."""
-
-    def limit() -> None:
-        if address_space is not None:
-            resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
-
+    """Runs ``kvtierctl fsck`` (optionally with RLIMIT_AS); (result, seconds). Never
+    through a ``preexec_fn``: that forks this gRPC-using process (spawn_harness)."""
+    command = [KVTIERCTL, "fsck", "--quiet", *args]
+    if address_space is not None:
+        command = with_address_space(command, address_space)
     begin = time.monotonic()
-    result = subprocess.run(
-        [KVTIERCTL, "fsck", "--quiet", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        preexec_fn=limit,
-    )
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
     return result, time.monotonic() - begin
 
 
