@@ -175,9 +175,6 @@ class Fleet:
         if config.before:
             env = {**os.environ, "PYTHONPATH": f"{args.before}:{args.before}/client"}
         text = _daemon_config(config, urls, args.wait, args.tier_option)
-        if config.fleet_bound:
-            blocks = config.shape.remote_blocks or 0
-            text += f"fleet_capacity = {blocks * (HEADER + BLOCK)}\n"
         path = os.path.join(self.directory, "kvtierd.toml")
         Path(path).write_text(text)
         self.daemons = [
@@ -234,6 +231,8 @@ def _daemon_config(config: Config, urls: list[str], wait: str, options: list[str
     quoted = ", ".join(f'"{url}"' for url in urls)
     extra = "".join(f"{key} = {value!r}\n".replace("'", '"') for key, value in
                     (option.split("=", 1) for option in options))  # fmt: skip
+    if config.fleet_bound:  # the tier keeps the bound: C or 3C values
+        extra += f"fleet_capacity = {(config.shape.remote_blocks or 0) * (HEADER + BLOCK)}\n"
     return (
         f'{limits}[[tiers]]\ntype = "redis"\nname = "fleet"\nurls = [{quoted}]\n'
         f'cluster = true\nkey_prefix = "kvtb-fleet"\n{extra}'

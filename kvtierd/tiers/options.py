@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvtierd.tiers.configured import TierOptionError
+from kvtierd.util.units import parse_size
 
 SEAL_OPTION = "integrity_key_file"  # the options of kvtierd.tiers.integrity's keys
 VERIFY_OPTION = "integrity_verify_key_file"
@@ -65,6 +66,22 @@ def read_int(options: Mapping[str, Any], key: str, lo: int, hi: int) -> int:
     value = options[key]
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise TierOptionError(key, f"expected an integer in [{lo}, {hi}], got {value!r}")
+    return value
+
+
+def read_size(
+    options: Mapping[str, Any], key: str, *, minimum: int = 0, zero_allowed: bool = False
+) -> int:
+    """``options[key]`` as bytes (:func:`~kvtierd.util.units.parse_size`): at least
+    ``minimum``, or 0 when ``zero_allowed`` (0 meaning "none")."""
+    try:
+        value = parse_size(options[key])
+    except ValueError as exc:
+        raise TierOptionError(key, str(exc)) from None
+    if value < minimum and not (zero_allowed and value == 0):
+        floor = f"at least {size_text(minimum)}"
+        floor = f"0 (none) or {floor}" if zero_allowed else floor
+        raise TierOptionError(key, f"must be {floor}, got {options[key]!r}")
     return value
 
 

@@ -30,9 +30,10 @@ from kvtierd.tiers.options import (
     parse_key_options,
     read_bool,
     read_int,
+    read_size,
     size_text,
 )
-from kvtierd.util.units import parse_duration, parse_size
+from kvtierd.util.units import parse_duration
 
 O_DIRECT_MODES = ("auto", "on", "off")
 MAX_IO_THREADS = 256  # per kind (read, write), and worker processes
@@ -177,7 +178,7 @@ def parse_fs_settings(options: Mapping[str, Any]) -> FsTierSettings:
         raise TierOptionError("root", f"expected an absolute directory path, got {root!r}")
     values: dict[str, Any] = {"root": os.path.normpath(root)}
     if "capacity" in options:
-        values["capacity"] = _size(options, "capacity", minimum=MIN_CAPACITY_BYTES)
+        values["capacity"] = read_size(options, "capacity", minimum=MIN_CAPACITY_BYTES)
     for key in ("create_root", "fsync", "shared"):
         if key in options:
             values[key] = read_bool(options, key)
@@ -196,7 +197,7 @@ def parse_fs_settings(options: Mapping[str, Any]) -> FsTierSettings:
     if values.get("read_threads", 1) + values.get("write_threads", 1) < 1:
         raise TierOptionError("read_threads", "read_threads + write_threads must be at least 1")
     if "max_queue_bytes" in options:
-        values["max_queue_bytes"] = _size(options, "max_queue_bytes", minimum=MIN_QUEUE_BYTES)
+        values["max_queue_bytes"] = read_size(options, "max_queue_bytes", minimum=MIN_QUEUE_BYTES)
     if "io_processes" in options:
         values["io_processes"] = read_int(options, "io_processes", 0, MAX_IO_THREADS)
     if "max_queue_jobs" in options:
@@ -215,16 +216,6 @@ def _duration(options: Mapping[str, Any], key: str) -> float:
     if not 0.01 <= seconds <= MAX_SHARED_SECONDS:
         raise TierOptionError(key, f"must be 10ms to {MAX_SHARED_SECONDS:g}s, got {options[key]!r}")
     return seconds
-
-
-def _size(options: Mapping[str, Any], key: str, *, minimum: int) -> int:
-    try:
-        value = parse_size(options[key])
-    except ValueError as exc:
-        raise TierOptionError(key, str(exc)) from None
-    if value < minimum:
-        raise TierOptionError(key, f"must be at least {minimum} bytes, got {options[key]!r}")
-    return value
 
 
 if __name__ == "__main__":  # prints the docs table: python -m kvtierd.tiers.fs.settings

@@ -23,10 +23,11 @@ from kvtierd.tiers.options import (
     option,
     parse_key_options,
     read_int,
+    read_size,
     read_str,
     size_text,
 )
-from kvtierd.util.units import parse_duration, parse_size
+from kvtierd.util.units import parse_duration
 
 CLUSTER_MODES = ("auto", "true", "false")
 URL_SCHEMES = ("redis", "rediss")
@@ -205,36 +206,19 @@ def parse_redis_settings(options: Mapping[str, Any]) -> RedisTierSettings:
             raise TierOptionError(key, f"out of range: {options[key]!r}")
         values[key] = seconds
     if "capacity" in options:
-        try:
-            values["capacity"] = parse_size(options["capacity"])
-        except ValueError as exc:
-            raise TierOptionError("capacity", str(exc)) from None
+        values["capacity"] = read_size(options, "capacity")
     if "fleet_capacity" in options:
-        values["fleet_capacity"] = _fleet_capacity(options["fleet_capacity"])
+        values["fleet_capacity"] = read_size(
+            options, "fleet_capacity", minimum=MIN_FLEET_CAPACITY, zero_allowed=True
+        )
     if "max_queue_bytes" in options:
-        try:
-            queue_bytes = parse_size(options["max_queue_bytes"])
-        except ValueError as exc:
-            raise TierOptionError("max_queue_bytes", str(exc)) from None
-        if queue_bytes < MIN_QUEUE_BYTES:
-            raise TierOptionError("max_queue_bytes", f"must be at least {MIN_QUEUE_BYTES} bytes")
-        values["max_queue_bytes"] = queue_bytes
+        values["max_queue_bytes"] = read_size(options, "max_queue_bytes", minimum=MIN_QUEUE_BYTES)
     if "threads" in options:
         values["threads"] = read_int(options, "threads", 1, MAX_THREADS)
     if "max_queue_jobs" in options:
         values["max_queue_jobs"] = read_int(options, "max_queue_jobs", 1, MAX_QUEUE_JOBS)
     values.update(parse_key_options(options))
     return RedisTierSettings(**values)
-
-
-def _fleet_capacity(value: Any) -> int:
-    try:
-        size = parse_size(value)
-    except ValueError as exc:
-        raise TierOptionError("fleet_capacity", str(exc)) from None
-    if 0 < size < MIN_FLEET_CAPACITY:
-        raise TierOptionError("fleet_capacity", f"must be 0 (none) or at least 1MiB, got {value!r}")
-    return size
 
 
 def _check_tls(values: Mapping[str, Any]) -> None:
