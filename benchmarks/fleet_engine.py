@@ -90,7 +90,9 @@ def engine_main(args: EngineArgs, barrier: Any, progress: Any, start: Any, resul
         args.pool, block_bytes=args.block_bytes, num_blocks=args.node_blocks,
         eviction_policy="lru", client_name=f"fleet-e{args.engine}",
     )  # fmt: skip
-    attached = attach_announced(session.region, session_id=session.session_id)
+    attached = attach_announced(
+        session.region, session_id=session.session_id, daemon_uid=session.daemon_uid
+    )
     try:
         barrier.wait()
         progress[args.engine] = args.requests[0][0] if args.requests else DONE

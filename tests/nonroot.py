@@ -6,7 +6,7 @@ The test interpreter may live where other users cannot reach it (pyenv under
 ``/root``, mode 0700). The prefix therefore runs the daemon in a private mount
 namespace (``unshare --mount``) in which a small tmpfs covers the unreachable
 ancestor and the interpreter's directory is bind-mounted back at its own path,
-then drops to the user with ``setpriv`` (no supplementary groups, no
+then drops to the user with ``setpriv`` (its supplementary groups only, no
 capabilities). Nothing else changes: ``/dev/shm``, ``/tmp`` and every other path
 are the host's, so other users' processes and the test see the daemon's files.
 The namespace ends with the daemon. Only root can do this: ``require_nonroot_daemon``
@@ -65,6 +65,13 @@ def as_user_prefix(user: User, small_tmpfs: tuple[str, int] | None = None) -> li
     return [
         "unshare", "--mount", "--propagation", "private", "--", "sh", "-c", _SCRIPT, "sh",
         hidden, base if hidden else "", *(map(str, small_tmpfs) if small_tmpfs else ("", "")),
-        "setpriv", f"--reuid={user.uid}", f"--regid={user.gid}", "--clear-groups",
+        "setpriv", f"--reuid={user.uid}", f"--regid={user.gid}", *_groups(user),
         "--inh-caps=-all", "--",
     ]  # fmt: skip
+
+
+def _groups(user: User) -> list[str]:
+    """setpriv's flag for ``user``'s supplementary groups (none: cleared)."""
+    if not user.groups:
+        return ["--clear-groups"]
+    return ["--groups=" + ",".join(map(str, user.groups))]

@@ -217,7 +217,9 @@ def _worker(
     started = time.perf_counter()
     with Client(address) as client:
         session = client.open_session(POOL, block_bytes=ROW_BYTES, num_blocks=ROWS, layout=LAYOUT)
-        region = attach_announced(session.region, session_id=session.session_id)
+        region = attach_announced(
+            session.region, session_id=session.session_id, daemon_uid=session.daemon_uid
+        )
         kv = [
             torch.zeros(ENGINE_BLOCKS, PAGE_BYTES, dtype=torch.int8, device=device)
             for _ in range(LAYERS)

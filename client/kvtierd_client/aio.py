@@ -20,6 +20,7 @@ Everything but the awaiting is shared with the sync client: requests and answers
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -34,7 +35,7 @@ from kvtierd_client._rpc.connection import Connection, WatchStream
 from kvtierd_client._rpc.fastlane import AsyncFastLane, offered
 from kvtierd_client._rpc.keepalive import KeepaliveTask
 from kvtierd_client._rpc.session_state import SessionState
-from kvtierd_client.errors import KvtierError
+from kvtierd_client.errors import KvtierError, UntrustedAddress
 from kvtierd_client.tls import aio_channel
 from kvtierd_client.wire.lane_frames import LANE_METHODS
 from kvtierd_client.wire.proto import pb2
@@ -92,20 +93,28 @@ class AsyncClient(Connection):
         (no completion queue). With ``keepalive`` an asyncio task renews the lease
         every ``lease_ms / 3`` until the session is closed. Raises ``InvalidArgument``,
         ``FailedPrecondition`` (pool mismatch), ``ResourceExhausted`` (memory budget),
-        ``Unavailable``, ``DeadlineExceeded``, ``Unauthenticated`` / ``PermissionDenied``.
+        ``Unavailable``, ``DeadlineExceeded``, ``Unauthenticated`` / ``PermissionDenied``,
+        ``UntrustedAddress``.
         """
+        daemon_uid = await asyncio.to_thread(self._daemon.daemon_uid)
         sent_at = time.monotonic()
         response = await self._call(
             codec.OPEN_SESSION, pool, block_bytes, num_blocks, layout, eviction_policy, client_name,
             timeout=self._open_session_timeout(timeout),
         )  # fmt: skip
+        await asyncio.to_thread(self._daemon.check_announced, response, daemon_uid)
         session = AsyncSession(self, response, sent_at, keepalive=keepalive)
+        session.daemon_uid = daemon_uid
         if self.fast_lane and offered(response):
-            lane = AsyncFastLane(response, self.address)
+            lane = AsyncFastLane(response, self.address, daemon_uid)
             try:
                 await lane.connect(self.timeout)
                 session._lane = lane
                 self._keep_lane(lane)
+            except UntrustedAddress:
+                with contextlib.suppress(KvtierError):
+                    await session.close()
+                raise
             except KvtierError as err:
                 log.warning(
                     "kvtierd session %s: no fast lane, using gRPC: %s", session.session_id, err

@@ -23,6 +23,7 @@ This module re-exports the names a user of the sync client needs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Iterator
@@ -39,7 +40,7 @@ from kvtierd_client._rpc.connection import (
     WatchStream,
 )
 from kvtierd_client._rpc.fastlane import FastLane, offered
-from kvtierd_client.errors import KvtierError
+from kvtierd_client.errors import KvtierError, UntrustedAddress
 from kvtierd_client.session import Session
 from kvtierd_client.tls import sync_channel
 from kvtierd_client.wire.proto import pb2
@@ -118,13 +119,16 @@ class Client(Connection):
         Raises ``InvalidArgument`` (bad name, block size, policy), ``FailedPrecondition``
         (the pool exists with another block size or layout), ``ResourceExhausted``
         (the memory budget cannot fit the pool), ``Unavailable``, ``DeadlineExceeded``,
-        ``Unauthenticated`` / ``PermissionDenied``.
+        ``Unauthenticated`` / ``PermissionDenied``, ``UntrustedAddress`` (the socket, or a
+        path the answer names, could be another user's: ``kvtierd_client.wire.trust``).
         """
+        daemon_uid = self._daemon.daemon_uid()
         sent_at = time.monotonic()
         response = self._call(
             OPEN_SESSION, pool, block_bytes, num_blocks, layout, eviction_policy, client_name,
             timeout=self._open_session_timeout(timeout),
         )  # fmt: skip
+        self._daemon.check_announced(response, daemon_uid)
         session = Session(
             self,
             response,
@@ -133,10 +137,15 @@ class Client(Connection):
             queue_completions=queue_completions,
             flush_after=flush_after,
         )
+        session.daemon_uid = daemon_uid
         if self.fast_lane and offered(response):
             try:
-                session._lane = FastLane(response, self.address, self.timeout)
+                session._lane = FastLane(response, self.address, self.timeout, daemon_uid)
                 self._keep_lane(session._lane)
+            except UntrustedAddress:
+                with contextlib.suppress(KvtierError):
+                    session.close()
+                raise
             except KvtierError as err:
                 log.warning(
                     "kvtierd session %s: no fast lane, using gRPC: %s", session.session_id, err

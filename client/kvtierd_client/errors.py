@@ -87,6 +87,12 @@ class PermissionDenied(KvtierError):
     default_code = grpc.StatusCode.PERMISSION_DENIED
 
 
+class UntrustedAddress(PermissionDenied):
+    """The daemon's address, or a path or socket it announced, could be another
+    user's: nothing was sent to it and nothing of it was mapped. The message names
+    the path and what to fix (``kvtierd_client.wire.trust``)."""
+
+
 class Internal(KvtierError):
     """A bug in the daemon or the client; the daemon logs a trace."""
 

@@ -28,6 +28,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from kvtierd_client._shm.cuda_runtime import clear_last_error, error_text
+from kvtierd_client.wire import trust
 
 if TYPE_CHECKING:
     import numpy as np
@@ -291,7 +292,11 @@ def announced_identity(region: Any) -> tuple[int, int] | None:
 
 
 def attach_announced(
-    region: Any, *, populate: bool = True, session_id: str | None = None
+    region: Any,
+    *,
+    populate: bool = True,
+    session_id: str | None = None,
+    daemon_uid: int | None = None,
 ) -> AttachedRegion:
     """:meth:`AttachedRegion.attach` of the ``pb2.Region`` OpenSession returned
     (``session.region``): its path and geometry, and the file must be the one the
@@ -301,6 +306,11 @@ def attach_announced(
     (``region.fd_socket``), the descriptor comes from the daemon over the Unix
     socket (:mod:`kvtierd_client._shm.region_fd`; RegionAccessDenied when this
     process may not map the pool), not from the path.
+
+    ``daemon_uid`` (``session.daemon_uid``): the uid of the daemon that announced the
+    region; the file mapped must be that uid's. Without it, the owner of the
+    descriptor socket (or of the region file) once its path is shown to be placed
+    by a trusted user (:mod:`kvtierd_client.wire.trust`).
     """
     return attach_region(
         region.path,
@@ -310,6 +320,7 @@ def attach_announced(
         fd_socket=getattr(region, "fd_socket", ""),
         session_id=session_id,
         populate=populate,
+        daemon_uid=daemon_uid,
     )
 
 
@@ -322,43 +333,56 @@ def attach_region(
     fd_socket: str = "",
     session_id: str | None = None,
     populate: bool = True,
+    daemon_uid: int | None = None,
 ) -> AttachedRegion:
     """Maps a region the daemon announced (``path``, geometry, ``identity``), the
     way the daemon offers: by descriptor when it serves them (``fd_socket``, the
     announced ``Region.fd_socket``) and ``session_id`` names a session of the
     region's pool, the path then playing no part; by ``path`` otherwise (an older
     daemon: ``fd_socket`` empty). ``identity`` is checked on the descriptor that
-    gets mapped either way.
+    gets mapped either way, and so is its owner: ``daemon_uid``, else the placed
+    owner of the socket or file (:func:`daemon_uid_of`). The descriptor socket must be
+    served by that uid (``SO_PEERCRED``) before it learns the session id.
 
-    Raises as :meth:`AttachedRegion.attach` does, and RegionAccessDenied when the
-    daemon refuses this process the pool's region (never retried by path).
+    Raises as :meth:`AttachedRegion.attach` does, RegionAccessDenied when the
+    daemon refuses this process the pool's region (never retried by path), and
+    ``kvtierd_client.wire.trust.UntrustedDaemon`` when the socket or the file is
+    another user's (nothing is mapped).
     """
-    if fd_socket and session_id:
+    by_descriptor = bool(fd_socket and session_id)
+    uid = daemon_uid if daemon_uid is not None else daemon_uid_of(fd_socket or path)
+    if by_descriptor:
         from kvtierd_client._shm.region_fd import request_region_fd
 
-        fd = request_region_fd(fd_socket, session_id, server_uid=_daemon_uid(path, identity))
-        return AttachedRegion.attach_fd(
-            fd, path, num_blocks, block_bytes, populate=populate, identity=identity
-        )
-    return AttachedRegion.attach(
-        path, num_blocks, block_bytes, populate=populate, identity=identity
+        fd = request_region_fd(fd_socket, session_id or "", server_uid=uid)
+    else:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        require_file_owner(fd, path, uid)
+    except BaseException:
+        os.close(fd)
+        raise
+    return AttachedRegion.attach_fd(
+        fd, path, num_blocks, block_bytes, populate=populate, identity=identity
     )
 
 
-def _daemon_uid(path: str, identity: tuple[int, int] | None) -> int | None:
-    """The uid of the daemon that announced ``identity`` for the region at
-    ``path``: the owner of that very file (``lstat`` needs no permission on the
-    file). None when it cannot be told (no identity announced, or the path names
-    another file now): the descriptor's identity check still guards the mapping."""
-    if identity is None:
-        return None
-    try:
-        info = os.lstat(path)
-    except OSError:
-        return None
-    if (info.st_dev, info.st_ino) != identity:
-        return None
-    return info.st_uid
+def daemon_uid_of(path: str) -> int:
+    """The owner of ``path`` (a region file or its descriptor socket), once its path
+    is shown to be placed by a user this process trusts (``wire.trust``). Raises
+    ``UntrustedDaemon``, and OSError when it cannot be looked at."""
+    return trust.placed_entry(path, trust.trusted_uids(), "the region").st_uid
+
+
+def require_file_owner(fd: int, path: str, uid: int) -> None:
+    """Raises ``UntrustedDaemon`` unless the open file ``fd`` (the region ``path``)
+    belongs to the daemon's ``uid``: a file of another user is never mapped."""
+    owner = os.fstat(fd).st_uid
+    if owner != uid:
+        raise trust.UntrustedDaemon(
+            f"region file {path} is owned by {trust.user_name(owner)}, not by the daemon's "
+            f"user {trust.user_name(uid)}: refusing to map it"
+        )
 
 
 def _populate(mapping: mmap.mmap) -> None:

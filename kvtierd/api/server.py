@@ -1,11 +1,13 @@
 """gRPC listeners: the KVTier service, the standard health service and reflection.
 
 Unix sockets are created with mode 0660 (umask tightened around the bind, so the
-socket is never reachable by others, not even for an instant), in a directory
-created 0750 if missing. A leftover socket file from a crashed daemon is
-removed; a socket another live daemon is serving is refused, and so is anything
-at the path that is not a socket (a regular file, FIFO, directory, symlink...),
-which is left as it is.
+socket is never reachable by others, not even for an instant), in a directory of
+the daemon's own: made 0750 if missing (its parent must exist), and refused when
+it or a directory above it is another user's or writable by others without the
+sticky bit. A leftover socket file from a crashed daemon is removed; a socket
+another live daemon is serving is refused, and so is a socket of another user
+and anything at the path that is not a socket (a regular file, FIFO, directory,
+symlink...), which is left as it is.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from kvtierd.api.grpc_service import GrpcService
 from kvtierd.api.validation import MAX_KEY_BYTES
 from kvtierd.config import ConfigError, LimitsConfig
 from kvtierd.errors import StartupError
+from kvtierd.security.own_dirs import SHARED_MODE, ParentMissing, create_own_dir
 from kvtierd.security.state import SecurityState
+from kvtierd.security.trusted_dirs import UntrustedPath, owner_name, require_trusted_dir
 from kvtierd.util import filekind
 from kvtierd.util.sockets import SocketPlacement
 from kvtierd_client.wire.proto import pb2, pb2_grpc
@@ -215,19 +219,22 @@ def add_listeners(
     bound: list[str],
     tls: Callable[[], grpc.ServerCredentials] | None = None,
     placement: SocketPlacement | None = None,
+    created_dirs: list[str] | None = None,
 ) -> None:
     """Binds every address. Unix socket paths this call created are appended to
     ``bound`` as they are made, and recorded in ``placement``, so a failure halfway
-    still lets the caller remove exactly its own sockets (never another daemon's).
+    still lets the caller remove exactly its own sockets (never another daemon's);
+    socket directories it made, to ``created_dirs`` (``remove_if_empty`` at stop).
     ``tls``: makes the credentials of one TCP listener (``ServerTls.server_credentials``);
     TCP listeners then serve TLS only. Unix sockets never use TLS. ``placement``
     (default: at their paths) says where Unix sockets are bound: the daemon's, at
     temporary names it publishes once it serves (``kvtierd.util.sockets``)."""
     placement = placement if placement is not None else SocketPlacement()
+    created = created_dirs if created_dirs is not None else []
     for address in addresses:
         if address.startswith("unix://"):
             path = address[len("unix://") :]
-            _add_unix(server, path, gid, placement)
+            _add_unix(server, path, gid, placement, created)
             bound.append(path)
         else:
             _add_tcp(server, address, tls)
@@ -284,9 +291,13 @@ def tcp_bind_refusal(address: str) -> str | None:
 
 
 def _add_unix(
-    server: TransportServers, path: str, gid: int | None, placement: SocketPlacement
+    server: TransportServers,
+    path: str,
+    gid: int | None,
+    placement: SocketPlacement,
+    created: list[str],
 ) -> None:
-    _make_socket_directory(os.path.dirname(path), gid)
+    _prepare_socket_directory(os.path.dirname(path), gid, created)
     at = _bind_name(path, placement)
     refusal = _unix_bind_refusal(at)
     if refusal is not None:
@@ -352,35 +363,69 @@ def _unix_bind_refusal(path: str) -> str | None:
     return None
 
 
-def _make_socket_directory(directory: str, gid: int | None) -> None:
-    """Creates ``directory`` and its missing parents, mode 0750; with ``gid``
-    (``server.socket_group``) each directory created here gets that group and
-    exactly 0750, so the group's members can reach the socket whatever the
-    daemon's umask. Directories that already exist are left as they are."""
-    missing: list[str] = []
-    current = directory
-    while current and not os.path.isdir(current):
-        missing.append(current)
-        parent = os.path.dirname(current)
-        if parent == current:
-            break
-        current = parent
-    for created in reversed(missing):
-        try:
-            os.makedirs(created, mode=0o750, exist_ok=True)
-            if gid is not None:
-                os.chown(created, -1, gid)
-                os.chmod(created, 0o750)
-        except (FileExistsError, NotADirectoryError):
-            raise ListenError(
-                f"cannot create socket directory {directory}: {created} exists and is not a "
-                "directory; choose another listen path"
-            ) from None
-        except OSError as exc:
-            raise ListenError(
-                f"cannot create socket directory {directory}: {exc.strerror}; create it for "
-                "the daemon's user or choose another listen path"
-            ) from None
+def _prepare_socket_directory(directory: str, gid: int | None, created: list[str]) -> None:
+    """Makes sure the daemon may serve in ``directory``, the directory of a Unix listen
+    socket: anyone who may write there could rename the daemon's socket aside and
+    serve a daemon of their own at its name (docs/security.md, "Who can be the
+    daemon").
+
+    Made when missing (its parent must exist; appended to ``created``, removed at stop
+    when empty), mode 0750 with the sockets' group ``gid``. Then, made or found, it
+    and every directory above it must be owned by the daemon's user or root and not
+    writable by others unless sticky (``security.trusted_dirs``); in a sticky one a
+    socket file another user left refuses the start (``_remove_stale_socket``).
+    Raises ListenError naming ``server.listen``."""
+    try:
+        os.lstat(directory)
+    except FileNotFoundError:
+        _create_socket_directory(directory, gid, created)
+    except OSError as exc:
+        raise ListenError(_unreachable(directory, exc)) from None
+    try:
+        require_trusted_dir(directory)
+    except UntrustedPath as exc:
+        raise ListenError(f"cannot listen in {directory}: {exc}") from None
+    except OSError as exc:
+        raise ListenError(_unreachable(directory, exc)) from None
+    if not os.path.isdir(directory):
+        raise ListenError(
+            f"cannot listen in {directory}: it exists and is not a directory; choose another "
+            "listen path"
+        )
+    if os.stat(directory).st_mode & stat.S_ISVTX:
+        log.warning(
+            "server.listen: %s is a directory anyone may create names in (sticky): clients "
+            "of other users trust a socket there only when told who runs the daemon "
+            "($KVTIERD_DAEMON_USER), and between a stop and the next start anyone may bind "
+            "its name. Prefer a directory of the daemon's own (the default one is)",
+            directory,
+        )
+
+
+def _create_socket_directory(directory: str, gid: int | None, created: list[str]) -> None:
+    try:
+        made = create_own_dir(directory, gid, SHARED_MODE)
+    except ParentMissing as exc:
+        raise ListenError(
+            f"cannot create socket directory {directory}: {exc}; create it for the daemon's "
+            "user, or choose another listen path"
+        ) from None
+    except OSError as exc:
+        raise ListenError(
+            f"cannot create socket directory {directory}: {exc.strerror}; create it for "
+            "the daemon's user or choose another listen path"
+        ) from None
+    if made:
+        created.append(directory)
+        log.info("socket directory %s created: mode 0750, the daemon's own", directory)
+
+
+def _unreachable(path: str, exc: OSError) -> str:
+    return (
+        f"cannot reach {path}: {exc.strerror or exc} (the daemon runs as "
+        f"{owner_name(os.geteuid())}); give that user access to it or choose another "
+        "listen path"
+    )
 
 
 def bind_unix_socket(
@@ -429,6 +474,13 @@ def _remove_stale_socket(path: str) -> None:
             "server.listen",
             f"{path} is {filekind.describe(path, info.st_mode)}, not a socket; "
             "remove it or choose another listen path",
+        )
+    if info.st_uid != os.geteuid():
+        raise ListenError(
+            f"{path} is a socket of {owner_name(info.st_uid)}, not of the daemon's user "
+            f"{owner_name(os.geteuid())}: another user put it there (never served over, "
+            "never removed); remove it as its owner or root, or choose a directory of the "
+            "daemon's own"
         )
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(STALE_PROBE_TIMEOUT)  # a full backlog must not hang the start

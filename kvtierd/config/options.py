@@ -5,6 +5,7 @@ docs are derived from this table."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,16 @@ MAX_BLOCK_BYTES = 1 << 30
 # a Lookup waits at most this long for remote tiers (limits.remote_lookup_wait): longer
 # than a scheduler step, an engine would rather recompute
 MAX_REMOTE_LOOKUP_WAIT = 1.0
+
+
+def default_shm_dir() -> str:
+    """``memory.shm_dir`` when none is configured: a directory of the daemon's user's
+    own under the shared tmpfs, made at start (0750; docs/security.md, "A shared
+    shm_dir and files other users plant there"), so that two users' daemons never
+    contend for the same region and journal names: ``/dev/shm/kvtierd`` for root,
+    ``/dev/shm/kvtierd-<uid>`` for any other user."""
+    uid = os.geteuid()
+    return "/dev/shm/kvtierd" if uid == 0 else f"/dev/shm/kvtierd-{uid}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,10 +153,11 @@ OPTIONS: tuple[Option, ...] = (
         "memory",
         "shm_dir",
         directory,
-        lambda: "/dev/shm",
+        default_shm_dir,
         "directory of the region files and warm-restart journals (a tmpfs); created, the "
-        "daemon's own (0750, or 0700 with principals), when missing: give it a private "
-        "directory such as /dev/shm/kvtierd, not a shared one such as /dev/shm itself",
+        "daemon's own (0750, or 0700 with principals), when missing. Default: a private "
+        "directory per user, /dev/shm/kvtierd for root, /dev/shm/kvtierd-<uid> otherwise; "
+        "not a shared one such as /dev/shm itself",
         flag="--shm-dir",
     ),
     Option(

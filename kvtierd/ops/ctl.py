@@ -106,10 +106,18 @@ def _client(args: argparse.Namespace) -> Client:
                 server_name=args.tls_server_name,
             )  # fmt: skip
         address, _ = daemon_address(args)
-        return Client(address, timeout=args.timeout, token=args.token, tls=tls)
+        client = Client(
+            address, timeout=args.timeout, token=args.token, tls=tls, daemon_user=args.daemon_user
+        )
     except (OSError, ValueError) as exc:
         print(f"kvtierctl: {exc}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE) from None
+    try:
+        client.verify_daemon()  # a socket another user could have put there: not a word to it
+    except BaseException:
+        client.close()
+        raise
+    return client
 
 
 def _human_bytes(n: float) -> str:
@@ -430,6 +438,11 @@ def build_parser(prog: str = "kvtierctl") -> argparse.ArgumentParser:
     parser.add_argument(
         "--token", default=None, help="bearer token for TCP addresses (default: none)"
     )
+    parser.add_argument(
+        "--daemon-user", metavar="USER", default=None,
+        help="user names or uids (comma-separated) trusted to run the daemon behind a Unix "
+        "socket, besides root and you; also $KVTIERD_DAEMON_USER (default: none)",
+    )  # fmt: skip
     _add_tls_flags(parser)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.add_parser("status", help="daemon, pools, tiers and usage in a few lines")

@@ -47,6 +47,7 @@ from kvtierd.ops.sdnotify import notify, watchdog_interval
 from kvtierd.ops.shmdir import prepare_shm_dir
 from kvtierd.ops.takeover import OPEN_WAIT, Takeover, find_running_daemon
 from kvtierd.security import region_access
+from kvtierd.security.own_dirs import remove_if_empty
 from kvtierd.security.reload import credential_reloader
 from kvtierd.security.state import SecurityState
 from kvtierd.security.tls import ServerTls, TlsFiles
@@ -145,6 +146,7 @@ class Daemon:
         self._supervisor: asyncio.Task[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self._sockets: list[str] = []  # unix socket paths this daemon serves
+        self._socket_dirs: list[str] = []  # socket directories it made (removed when empty)
         # where they are bound, and which files are this daemon's (kvtierd.util.sockets)
         self._placement = SocketPlacement(staged=True)
         self._region_fds: region_access.RegionFdServer | None = None
@@ -192,7 +194,9 @@ class Daemon:
 
     def _add_listeners(self, server: TransportServers, addresses: tuple[str, ...]) -> None:
         tls = self.tls.server_credentials if self.tls is not None else None
-        add_listeners(server, addresses, self.gid, self._sockets, tls, self._placement)
+        add_listeners(
+            server, addresses, self.gid, self._sockets, tls, self._placement, self._socket_dirs
+        )
 
     def _takeover(self) -> Takeover | None:
         """With ``server.takeover`` and a daemon of this user serving the first Unix
@@ -306,6 +310,8 @@ class Daemon:
         if self._region_fds is not None:
             self._region_fds.close()
         self._placement.remove_own()  # never a socket a daemon that took over put there
+        for directory in self._socket_dirs:
+            remove_if_empty(directory)  # kept while a daemon that took over serves there
         if self._metrics_endpoint is not None:
             await self._metrics_endpoint.close()
         log.info("shutdown complete")

@@ -26,12 +26,10 @@ import tempfile
 
 from kvtierd.errors import ConfigError
 from kvtierd.primary.region import is_region_file_name
+from kvtierd.security.own_dirs import PRIVATE_MODE, SHARED_MODE, ParentMissing, create_own_dir
 from kvtierd.security.trusted_dirs import UntrustedPath, require_own_entries, require_trusted_dir
 
 log = logging.getLogger("kvtierd.daemon")
-
-SHARED_MODE = 0o750  # the socket group maps the regions by path
-PRIVATE_MODE = 0o700  # with principals: descriptors only
 
 
 def prepare_shm_dir(path: str, gid: int | None, *, private: bool) -> None:
@@ -61,25 +59,14 @@ def prepare_shm_dir(path: str, gid: int | None, *, private: bool) -> None:
 
 
 def _create(path: str, gid: int | None, mode: int) -> None:
-    parent = os.path.dirname(os.path.normpath(path))
-    if not os.path.isdir(parent):
+    try:
+        created = create_own_dir(path, gid, mode)
+    except ParentMissing:
+        parent = os.path.dirname(os.path.normpath(path))
         raise ConfigError(
             "memory.shm_dir", f"{path} is not a directory (nor is {parent}, where it would be made)"
-        )
-    try:
-        os.mkdir(path, 0o700)  # never follows: a symlink planted there is EEXIST
-    except FileExistsError:
-        return  # made meanwhile: checked like any existing directory
+        ) from None
     except OSError as exc:
         raise ConfigError("memory.shm_dir", f"cannot create {path}: {exc.strerror}") from None
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            if gid is not None:
-                os.fchown(fd, -1, gid)
-            os.fchmod(fd, mode)  # exactly: the umask neither weakens nor widens it
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        raise ConfigError("memory.shm_dir", f"cannot set up {path}: {exc.strerror}") from None
-    log.info("memory.shm_dir %s created: mode %o, the daemon's own", path, mode)
+    if created:
+        log.info("memory.shm_dir %s created: mode %o, the daemon's own", path, mode)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, ClassVar, NoReturn
 
@@ -23,6 +23,7 @@ import grpc
 from kvtierd_client._rpc.codec import WATCH_EVENTS, Op, client_closed_error
 from kvtierd_client._rpc.credentials import CallCredentials
 from kvtierd_client._rpc.session_state import SessionState
+from kvtierd_client._rpc.trusted_daemon import DaemonCheck, socket_path_of
 from kvtierd_client.errors import KvtierError, from_rpc_error
 from kvtierd_client.tls import TlsOptions, resolve_tls
 from kvtierd_client.wire.address import default_address, to_grpc_target
@@ -70,9 +71,14 @@ class Connection:
     process's uid with a peer ticket (``kvtierd_client._rpc.credentials``; not with
     an injected ``stub``). ``fast_lane``: a session the daemon offers a fast lane
     sends its hot calls over it (``kvtierd_client._rpc.fastlane``); False: always gRPC.
+    ``daemon_user``: user names or uids trusted to run the daemon besides root,
+    this process's user and ``$KVTIERD_DAEMON_USER``: over a Unix socket, no session
+    is opened unless the socket's path shows it is the daemon of a trusted user's,
+    and nothing it announces is used unless that user's (``kvtierd_client.wire.trust``;
+    ``UntrustedAddress`` otherwise).
 
-    Raises ``ValueError`` for a malformed address, or TLS asked for on a Unix
-    socket. Connecting is lazy: an unreachable daemon (or a failed TLS
+    Raises ``ValueError`` for a malformed address, an unknown ``daemon_user``, or
+    TLS asked for on a Unix socket. Connecting is lazy: an unreachable daemon (or a failed TLS
     handshake) shows up as ``Unavailable`` on the first call.
 
     ``_sessions`` (weak: a session nobody references expires with its lease) is
@@ -95,12 +101,18 @@ class Connection:
         tls: TlsOptions | None = None,
         stub: Any = None,
         fast_lane: bool = True,
+        daemon_user: Iterable[int | str] | int | str | None = None,
     ) -> None:
         self.address: str = address or default_address()
         self.target: str = to_grpc_target(self.address)
         tls = resolve_tls(self.address, self.target, tls)
+        self._daemon = DaemonCheck(
+            self.address, socket_path_of(self.target, stub is not None), daemon_user
+        )
         self.timeout = timeout
-        self._credentials = CallCredentials(self.address, token, timeout, tickets=stub is None)
+        self._credentials = CallCredentials(
+            self.address, token, timeout, tickets=stub is None, server_uid=self._daemon.daemon_uid
+        )
         self._channel: Any = None
         if stub is None:
             self._channel = type(self)._open_channel(self.target, channel_options, tls)
@@ -114,6 +126,15 @@ class Connection:
         # gone: a session nobody references keeps its lane open (the daemon would
         # close the session with it) and expires with its lease, as over gRPC
         self._lanes: set[Any] = set()
+
+    def verify_daemon(self) -> int | None:
+        """The uid of the daemon behind this client's Unix socket, once the socket's
+        path shows it is the daemon of a trusted user (``kvtierd_client.wire.trust``;
+        ``open_session`` checks this itself); None over TCP. Blocking (a few ``lstat``).
+
+        Raises ``UntrustedAddress`` when the socket could be another user's,
+        ``Unavailable`` when there is no socket."""
+        return self._daemon.daemon_uid()
 
     # -- calls -----------------------------------------------------------------------
 

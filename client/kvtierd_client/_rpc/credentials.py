@@ -34,16 +34,24 @@ class CallCredentials:
     """The metadata of every call of one client (thread-safe).
 
     ``token``: sent as ``authorization: Bearer <token>``. ``tickets``: obtain peer
-    tickets when ``address`` is a Unix socket (False for injected stubs).
+    tickets when ``address`` is a Unix socket (False for injected stubs), from the
+    daemon of the uid ``server_uid`` returns (``trusted_daemon.DaemonCheck``).
     """
 
-    def __init__(self, address: str, token: str | None, timeout: float, tickets: bool) -> None:
+    def __init__(
+        self,
+        address: str,
+        token: str | None,
+        timeout: float,
+        tickets: bool,
+        server_uid: Callable[[], int | None] | None = None,
+    ) -> None:
         self._address = address
         self._token: Metadata = auth_metadata(token) or ()
         target = to_grpc_target(address)
         self._holder: TicketHolder | None = None
         if tickets and target.startswith("unix:"):
-            self._holder = TicketHolder(target[len("unix:") :], timeout)
+            self._holder = TicketHolder(target[len("unix:") :], timeout, server_uid)
         self.metadata: Metadata | None = None  # what calls send; None = nothing
         self._refresh()
 

@@ -38,7 +38,8 @@ from typing import Any
 
 import grpc
 
-from kvtierd_client.errors import KvtierError, NotFound, Unavailable, from_status
+from kvtierd_client.errors import KvtierError, NotFound, Unavailable, UntrustedAddress, from_status
+from kvtierd_client.wire import trust
 from kvtierd_client.wire.lane_frames import BIND, HEADER, METHODS, OK, VERSION, frame
 from kvtierd_client.wire.proto import pb2
 
@@ -76,6 +77,17 @@ def _lane_error(kind: int, body: bytes, address: str) -> KvtierError:
     return from_status(code, body.decode("utf-8", "replace"), address)
 
 
+def _check_server(sock: Any, path: str, address: str, daemon_uid: int | None) -> None:
+    """Raises ``UntrustedAddress`` unless the daemon's uid serves the lane (``SO_PEERCRED``):
+    the lane's token is the session's, never sent to another user's process."""
+    if daemon_uid is None:
+        return
+    try:
+        trust.require_peer(sock, daemon_uid, path, "the fast lane socket")
+    except trust.UntrustedDaemon as exc:
+        raise UntrustedAddress(str(exc), address=address) from None
+
+
 def _unreachable(path: str, address: str, why: str) -> Unavailable:
     """A lane that could not be connected and bound: the session lives on (gRPC)."""
     return Unavailable(
@@ -104,9 +116,16 @@ class FastLane:
     call's answer is read, so answers always match their calls. A failed send
     or an end of stream marks the lane ``broken`` for good. Under ``_lock``."""
 
-    def __init__(self, response: pb2.OpenSessionResponse, address: str, timeout: float) -> None:
+    def __init__(
+        self,
+        response: pb2.OpenSessionResponse,
+        address: str,
+        timeout: float,
+        daemon_uid: int | None = None,
+    ) -> None:
         """Connects and binds; raises ``KvtierError`` (``Unavailable`` when the socket
-        cannot be reached, the daemon's refusal otherwise)."""
+        cannot be reached, ``UntrustedAddress`` when another uid than ``daemon_uid``
+        serves it, the daemon's refusal otherwise)."""
         self.path: str = response.fast_lane_path
         self.address = address
         self._max_answer = _max_answer_bytes(response)
@@ -123,6 +142,7 @@ class FastLane:
         try:
             self._sock.settimeout(timeout)
             self._sock.connect(self.path)
+            _check_server(self._sock, self.path, address, daemon_uid)
             # blocking from here, with kernel timeouts: a read costs one system call
             # (Python's own timeouts poll() before each recv)
             self._sock.settimeout(None)
@@ -238,9 +258,12 @@ class AsyncFastLane:
     cancellation) leaves its future cancelled and its answer is dropped.
     Event-loop only."""
 
-    def __init__(self, response: pb2.OpenSessionResponse, address: str) -> None:
+    def __init__(
+        self, response: pb2.OpenSessionResponse, address: str, daemon_uid: int | None = None
+    ) -> None:
         self.path: str = response.fast_lane_path
         self.address = address
+        self._daemon_uid = daemon_uid
         self._token: bytes = response.fast_lane_token
         self._max_answer = _max_answer_bytes(response)
         self._pid = os.getpid()
@@ -259,11 +282,16 @@ class AsyncFastLane:
                 asyncio.open_unix_connection(self.path), timeout
             )
             self._writer = writer
+            served = writer.get_extra_info("socket")
+            _check_server(served, self.path, self.address, self._daemon_uid)
             writer.write(frame(BIND, self._token))
             kind, body = await asyncio.wait_for(self._read(), timeout)
         except (OSError, asyncio.IncompleteReadError, TimeoutError) as err:
             self.close()
             raise _unreachable(self.path, self.address, f"cannot be connected ({err!r})") from err
+        except KvtierError:
+            self.close()
+            raise
         if kind != OK:
             self.close()
             raise _lane_error(kind, body, self.address)

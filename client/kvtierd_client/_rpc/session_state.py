@@ -49,6 +49,9 @@ class SessionState:
         self.region: pb2.Region = response.region
         self.pool: pb2.PoolSpec = response.pool
         self.lease_ms: int = int(response.lease_ms)
+        # the uid of the daemon that answered over a Unix socket, shown by its socket's
+        # placement (kvtierd_client.wire.trust); None over TCP. Set by the client once.
+        self.daemon_uid: int | None = None
         self._closed = False  # close() was called
         self._gone = False  # the daemon answered NOT_FOUND for this session
         # The write fence. The daemon renews a lease when a call *arrives*, which is

@@ -209,7 +209,9 @@ class DaemonLink:
             timeout=None if first else self.settings.timeout,
         )
         try:
-            region = attach_announced(session.region, session_id=session.session_id)
+            region = attach_announced(
+                session.region, session_id=session.session_id, daemon_uid=session.daemon_uid
+            )
         except BaseException:
             _close_quietly(session)
             raise

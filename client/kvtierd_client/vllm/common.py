@@ -38,7 +38,8 @@ class RegionIdentity:
 
     ``fd_socket`` is how to reach it, not part of what it is (not compared): the
     daemon's region descriptor socket (``Region.fd_socket``), "" when the daemon
-    serves none (an older daemon: workers attach by path).
+    serves none (an older daemon: workers attach by path); ``daemon_uid`` neither:
+    who must own the file mapped.
     """
 
     path: str
@@ -47,6 +48,9 @@ class RegionIdentity:
     num_blocks: int
     block_bytes: int
     fd_socket: str = field(default="", compare=False)
+    # the uid of the daemon that announced it (``Session.daemon_uid``): the file mapped
+    # must be that uid's; None: the placed owner of the socket or file (wire.trust)
+    daemon_uid: int | None = field(default=None, compare=False)
 
     @classmethod
     def of_session(cls, session: Session) -> RegionIdentity:
@@ -64,6 +68,7 @@ class RegionIdentity:
             num_blocks=int(session.region.num_blocks),
             block_bytes=int(session.region.block_bytes),
             fd_socket=session.region.fd_socket,
+            daemon_uid=session.daemon_uid,
         )
 
     def still_current(self) -> bool:

@@ -415,14 +415,16 @@ def _attach_exactly(identity: RegionIdentity, session_id: str | None) -> Attache
             identity=(identity.device, identity.inode),
             fd_socket=identity.fd_socket,
             session_id=session_id,
+            daemon_uid=identity.daemon_uid,
         )
     if not identity.still_current():
         raise FileNotFoundError(f"region {identity.path} is gone or was replaced")
-    region = AttachedRegion.attach(
+    region = attach_region(
         identity.path,
         identity.num_blocks,
         identity.block_bytes,
         identity=(identity.device, identity.inode),  # checked on the fd it maps
+        daemon_uid=identity.daemon_uid,  # and its owner
     )
     if not identity.still_current():
         region.close()

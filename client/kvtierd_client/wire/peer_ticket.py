@@ -28,7 +28,10 @@ import select
 import socket
 import stat
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from kvtierd_client.wire.trust import peer_uid
 
 TICKET_SOCKET_SUFFIX = ".tickets"
 METADATA_KEY = "kvtier-peer-ticket"
@@ -113,7 +116,9 @@ class PeerTicket:
             self.connection.close()
 
 
-def obtain_ticket(socket_path: str, timeout: float) -> PeerTicket | None:
+def obtain_ticket(
+    socket_path: str, timeout: float, server_uid: int | None = None
+) -> PeerTicket | None:
     """A ticket from the daemon serving ``socket_path``, or None when it serves no
     ticket socket there (no principals configured: none is needed).
 
@@ -121,6 +126,10 @@ def obtain_ticket(socket_path: str, timeout: float) -> PeerTicket | None:
     (the daemon): one planted by another user is refused, because a ticket it
     handed out would make this process's calls someone else's. Raises
     ``TicketRefused`` (the daemon's reason) and ``TicketSocketError``.
+
+    ``server_uid``: the daemon's uid, verified by the caller
+    (``kvtierd_client.wire.trust``): the ticket socket must then be that uid's and be
+    served by it (``SO_PEERCRED``), or it is refused before its answer is read.
     """
     path = ticket_socket_path(socket_path)
     try:
@@ -130,20 +139,30 @@ def obtain_ticket(socket_path: str, timeout: float) -> PeerTicket | None:
         return None
     if not stat.S_ISSOCK(ticket_info.st_mode):
         raise TicketSocketError(f"{path} is not a socket")
-    if ticket_info.st_uid != daemon_info.st_uid:
+    owner = daemon_info.st_uid if server_uid is None else server_uid
+    if ticket_info.st_uid != owner or daemon_info.st_uid != owner:
         raise TicketSocketError(
             f"{path} is owned by uid {ticket_info.st_uid}, the daemon's socket {socket_path} "
-            f"by uid {daemon_info.st_uid}: not using it"
+            f"by uid {daemon_info.st_uid}, the daemon runs as uid {owner}: not using it"
         )
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         connection.settimeout(timeout)
         connection.connect(path)
+        served_by = peer_uid(connection)
+        if served_by != owner:
+            raise TicketSocketError(
+                f"{path} is served by uid {served_by}, not by the daemon's uid {owner}: "
+                "not using it"
+            )
         ticket, principal = parse_answer(_read_line(connection, path))
         connection.settimeout(None)
     except FileNotFoundError:
         connection.close()
         return None
+    except TicketSocketError:
+        connection.close()
+        raise
     except TimeoutError:
         connection.close()
         raise TicketSocketError(f"{path} did not answer within {timeout:g}s") from None
@@ -174,14 +193,22 @@ class TicketHolder:
     daemon forgot it (restart). ``metadata`` is what each call sends (empty
     without a ticket)."""
 
-    def __init__(self, socket_path: str, timeout: float) -> None:
+    def __init__(
+        self,
+        socket_path: str,
+        timeout: float,
+        server_uid: Callable[[], int | None] | None = None,
+    ) -> None:
+        """``server_uid``: returns the daemon's verified uid (or raises why the socket
+        cannot be trusted), called before each ticket is obtained."""
         self._socket_path = socket_path
         self._timeout = timeout
+        self._server_uid = server_uid if server_uid is not None else lambda: None
         self._lock = threading.Lock()
         self._ticket: PeerTicket | None = None
         try:
-            self._ticket = obtain_ticket(socket_path, timeout)
-        except (TicketRefused, TicketSocketError):
+            self._ticket = self._obtain()
+        except Exception:  # noqa: BLE001 - never at creation: the first call says why
             pass  # the first call is refused UNAUTHENTICATED; ``renew`` then raises why
 
     @property
@@ -197,11 +224,14 @@ class TicketHolder:
             current = self._ticket
             if current is not None and current.alive():
                 return False
-            fresh = obtain_ticket(self._socket_path, self._timeout)
+            fresh = self._obtain()
             self._ticket = fresh
             if current is not None:
                 current.close()
             return fresh is not None
+
+    def _obtain(self) -> PeerTicket | None:
+        return obtain_ticket(self._socket_path, self._timeout, self._server_uid())
 
     def close(self) -> None:
         with self._lock:
