@@ -55,7 +55,10 @@ def example_pair(socket_path: str, fs_root: str) -> tuple[str, dict[str, object]
     assert {"daemon-config", "kv-transfer-config"} <= examples.keys(), examples.keys()
     kv_text = examples["kv-transfer-config"]
     readme_kv = json.loads(kv_text)
-    readme_address = readme_kv["kv_connector_extra_config"]["kvtierd_address"]
+    # both sides use the default socket (a directory of the user's own): named here only
+    # to keep this test's daemon apart from any other on the machine
+    assert "kvtierd_address" not in readme_kv["kv_connector_extra_config"], readme_kv
+    assert "listen" not in examples["daemon-config"], examples["daemon-config"]
     readme_pool_bytes = readme_kv["kv_connector_extra_config"]["cpu_bytes_to_use"]
     daemon_text = examples["daemon-config"]
     readme_budget = re.search(r'budget = "([^"]+)"', daemon_text)
@@ -64,21 +67,16 @@ def example_pair(socket_path: str, fs_root: str) -> tuple[str, dict[str, object]
     assert readme_budget and readme_root and readme_capacity, daemon_text
     # the budget rule the guide states, held by the guide's own numbers
     assert parse_size(readme_budget.group(1)) >= readme_pool_bytes, "budget < cpu_bytes_to_use"
-    daemon = substitute(
+    daemon = f'[server]\nlisten = ["unix://{socket_path}"]\n' + substitute(
         daemon_text,
         {
-            readme_address: "unix://" + socket_path,
             f'"{readme_budget.group(1)}"': '"64MiB"',
             f'"{readme_root.group(1)}"': f'"{fs_root}"',
             f'"{readme_capacity.group(1)}"': '"256MiB"',
         },
     )
-    kv = json.loads(
-        substitute(
-            kv_text,
-            {readme_address: "unix://" + socket_path, str(readme_pool_bytes): str(POOL_BYTES)},
-        )
-    )
+    kv = json.loads(substitute(kv_text, {str(readme_pool_bytes): str(POOL_BYTES)}))
+    kv["kv_connector_extra_config"]["kvtierd_address"] = "unix://" + socket_path  # type: ignore[index]
     return daemon, kv
 
 

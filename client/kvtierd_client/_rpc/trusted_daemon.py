@@ -85,10 +85,15 @@ class DaemonCheck:
                 ) from None
 
     def _owned(self, path: str, uid: int, what: str) -> None:
+        """A socket the answer names must be the daemon's; one that is not there is
+        not used (a lane falls back to gRPC), and whoever binds it later is refused
+        at connect (``SO_PEERCRED``)."""
         try:
             trust.require_owned_by(path, uid, self.trusted, what)
         except trust.UntrustedDaemon:
             raise
+        except FileNotFoundError:
+            return
         except OSError as exc:
             raise trust.UntrustedDaemon(
                 f"{what} {path} cannot be checked: {exc.strerror or exc}"

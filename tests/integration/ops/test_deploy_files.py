@@ -351,7 +351,12 @@ def test_sidecar_shares_shm_and_socket():
     text = SIDECAR.read_text()
     assert re.search(r"(?m)^\s*medium: Memory\n\s*sizeLimit: \d+Gi", text)
     assert len(re.findall(r"(?m)^\s*mountPath: /dev/shm$", text)) == 2
-    assert len(re.findall(r"(?m)^\s*mountPath: /run/kvtierd$", text)) == 2
+    assert len(re.findall(r"(?m)^\s*mountPath: /run/kvtierd$", text)) == 3
+    # an emptyDir is 0777: the socket's directory is made kvtierd's before it starts
+    # (kvtierd serves only in a directory no other user may write)
+    initial = re.findall(r"(?m)^        - name: (\S+)$", text.split("initContainers:", 1)[1])
+    assert initial[:2] == ["prepare-dirs", "kvtierd"], initial
+    assert 'args: ["chown 10001:10001 /run/kvtierd && chmod 2750 /run/kvtierd"]' in text
     assert "runAsNonRoot: true" in text
     assert "fsGroup: 10001" in text
     assert "image: vllm/vllm-openai:latest" in text
@@ -454,8 +459,9 @@ def test_rendering_refuses_what_no_manifest_may_ask(tmp_path: Path):
         manifest = tmp_path / f"{complaint}.yaml"
         manifest.write_text(text.replace(*change, 1))
         pod = prepare_pod(manifest, "p", tmp_path / complaint)
-        with pytest.raises(ManifestError, match=complaint):
-            pod.run_args("kvtierd", "IMAGE")
+        with pytest.raises(ManifestError, match=complaint):  # whichever container it hit
+            for name in pod.containers:
+                pod.run_args(name, "IMAGE")
 
 
 DEPLOYMENT = REPO / "docs" / "guides" / "deployment.md"
