@@ -26,7 +26,7 @@ from daemon_harness import (
     start_daemon,
     stopped,
 )
-from engine_harness import HIT, MISS, PENDING, Engine, block_keys, payload
+from engine_harness import BLOCK, HIT, MISS, PENDING, Engine, block_keys, file_of, payload
 
 TIMEOUT_S = 2.0
 
@@ -101,6 +101,60 @@ def test_a_stopped_io_worker_is_replaced_and_its_jobs_fail_cleanly(tmp_path, poo
         stalls = [line for line in daemon.log().splitlines()
                   if "blockio: I/O worker" in line and stall in line]  # fmt: skip
         assert len(stalls) == 1 and " WARNING " in stalls[0], daemon.log()
+        assert "Traceback" not in daemon.log()
+    finally:
+        if engine is not None:
+            engine.close()
+        daemon.stop()
+        daemon.cleanup()
+
+
+def test_files_a_stopped_worker_renamed_before_its_kill_are_kept(tmp_path, pool_name):
+    """Issue #40, item 5. Scenario: the I/O worker is stopped in the middle of a
+    cascade's group of blocks, after it renamed some of its block files into place
+    and before it answered; after ``io_worker_timeout`` it is killed. Before: every
+    block file the request named was removed ("whether the worker renamed them is
+    unknown"), good ones included: they answered MISS for good. Now the whole files
+    it renamed are kept and indexed (a file is renamed only once complete; every
+    read verifies it), its temp file is removed, and they are promoted bit-exact."""
+    root = tmp_path / "fs"
+    root.mkdir()
+    # fsync: each block of the group takes a disk flush, so the stop lands inside it
+    config = fs_tiers_config(root, io_processes=1, io_worker_timeout=f"{TIMEOUT_S}s",
+                             fsync=True)  # fmt: skip
+    daemon = start_daemon("--memory-budget", "64MiB", config=config)
+    engine: Engine | None = None
+    try:
+        engine = Engine(daemon, pool_name, num_blocks=64)
+        engine.store(block_keys("warm", 1))  # the worker starts
+        engine.settle_cascades()
+        (worker,) = io_workers(daemon)
+        keys = block_keys("a", 48)  # 3 MiB: one group, one request
+
+        def on_disk() -> list[bytes]:
+            return [key for key in keys if file_of(root, pool_name, key).exists()]
+
+        engine.store(keys)
+        eventually(on_disk, 30, "the worker renamed a block file", interval=0.0005)
+        os.kill(worker, signal.SIGSTOP)
+        eventually(lambda: stopped(worker), 10, f"worker {worker} stopped")
+        renamed = on_disk()
+        assert 0 < len(renamed) < len(keys), "the stop did not land inside the group"
+        eventually(
+            lambda: gone(worker), 30, lambda: f"the stopped worker killed:\n{daemon.log()}",
+            wake=Exits(worker),
+        )  # fmt: skip
+        engine.settle_cascades()
+
+        assert on_disk() == renamed  # none of them removed
+        assert not list(root.rglob("*.tmp"))  # the temp file of the block in progress is
+        for key in renamed:
+            assert file_of(root, pool_name, key).read_bytes()[-BLOCK:] == payload(key)
+        assert engine.tier_stats().used_blocks == 1 + len(renamed)  # indexed
+        engine.store(block_keys("b", 64), retry_for=10.0)  # push `keys` out of the primary
+        engine.settle_cascades()
+        assert engine.wait_settled(renamed) == [HIT] * len(renamed)  # promoted: bit-exact
+        assert engine.load(renamed) == [payload(key) for key in renamed]
         assert "Traceback" not in daemon.log()
     finally:
         if engine is not None:
