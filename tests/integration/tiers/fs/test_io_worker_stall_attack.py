@@ -28,6 +28,8 @@ from daemon_harness import (
 )
 from engine_harness import BLOCK, HIT, MISS, PENDING, Engine, block_keys, file_of, payload
 
+from kvtierd.tiering.retries import PROMOTION_RETRY_AFTER
+
 TIMEOUT_S = 2.0
 
 
@@ -101,6 +103,68 @@ def test_a_stopped_io_worker_is_replaced_and_its_jobs_fail_cleanly(tmp_path, poo
         stalls = [line for line in daemon.log().splitlines()
                   if "blockio: I/O worker" in line and stall in line]  # fmt: skip
         assert len(stalls) == 1 and " WARNING " in stalls[0], daemon.log()
+        assert "Traceback" not in daemon.log()
+    finally:
+        if engine is not None:
+            engine.close()
+        daemon.stop()
+        daemon.cleanup()
+
+
+def test_a_stalled_promotion_is_a_transient_failure_that_keeps_the_files(tmp_path, pool_name):
+    """Issue #40, item 5. Scenario: two blocks held by the fs tier only are promoted while
+    the I/O worker is stopped; after ``io_worker_timeout`` it is killed and the
+    promotion fails. Before: the keys answered MISS for ``PROMOTION_RETRY_AFTER``
+    (30 s), and Explain said "promotion failed (unreadable or corrupt)" beside
+    ``present: true``. Now the failure is transient: the files stay untouched and
+    indexed, Explain says the worker timed out and the key is promoted again, and
+    a later Lookup promotes the blocks through the new worker, bit-exact."""
+    root = tmp_path / "fs"
+    root.mkdir()
+    config = fs_tiers_config(root, io_processes=1, io_worker_timeout=f"{TIMEOUT_S}s")
+    daemon = start_daemon("--memory-budget", "64MiB", config=config)
+    engine: Engine | None = None
+    try:
+        engine = Engine(daemon, pool_name, num_blocks=4)
+        first, second = block_keys("a", 4), block_keys("b", 4)
+        engine.store(first)
+        engine.settle_cascades()
+        engine.store(second)  # `first` now only in the fs tier
+        engine.settle_cascades()
+        stalled = first[:2]
+        files = {key: file_of(root, pool_name, key).read_bytes() for key in stalled}
+        (worker,) = io_workers(daemon)
+
+        os.kill(worker, signal.SIGSTOP)
+        eventually(lambda: stopped(worker), 10, f"worker {worker} stopped")
+        assert engine.session.lookup(stalled) == [PENDING, PENDING]
+        eventually(
+            lambda: gone(worker), 30, lambda: f"the stopped worker killed:\n{daemon.log()}",
+            wake=Exits(worker),
+        )  # fmt: skip
+        engine.wait_settled(stalled)  # failed: MISS (or promoted anew already)
+
+        # nothing removed: the files are whole and the tier still holds the keys
+        for key, data in files.items():
+            assert file_of(root, pool_name, key).read_bytes() == data
+        explained = engine.client.explain(pool_name, stalled[0])
+        assert [(t.tier, t.present) for t in explained.tiers] == [("fs0", True)]
+        whats = [record.what for record in explained.history]
+        assert not any("corrupt" in what for what in whats), whats
+        assert whats[-1] == (
+            "promotion failed for now (the I/O worker did not answer within io_worker_timeout "
+            "and was killed): nothing removed, promoted again later"
+        ), whats
+        assert "promotes it" in explained.summary, explained  # again: now, or after a second
+        assert engine.tier_stats().checksum_failures == 0
+
+        # promoted again through the new worker, long before a corrupt block's ban ends
+        def promoted() -> bool:
+            return engine.session.lookup(stalled) == [HIT, HIT]
+
+        eventually(promoted, PROMOTION_RETRY_AFTER / 3, lambda: f"promoted again:\n"
+                   f"{engine.client.explain(pool_name, stalled[0])}", interval=0.05)  # fmt: skip
+        assert engine.load(stalled) == [payload(key) for key in stalled]
         assert "Traceback" not in daemon.log()
     finally:
         if engine is not None:
