@@ -55,6 +55,7 @@ from kvtierd.records.events import EventLog
 from kvtierd.records.history import EVICTED_FOR_ROOM, FLUSHED, KeyRecord, RemovalLog
 from kvtierd.tiering.manager import Tiering
 from kvtierd.tiering.remote import RemoteWait
+from kvtierd.tiering.retries import FailedPromotion
 
 log = logging.getLogger("kvtierd.pool")
 
@@ -71,15 +72,20 @@ class Explanation:
 
 
 def _summary(
-    state: LookupResult, tiers: list[tuple[str, bool | None]], history: list[KeyRecord]
+    state: LookupResult,
+    tiers: list[tuple[str, bool | None]],
+    history: list[KeyRecord],
+    waits: dict[str, tuple[FailedPromotion, float]],
 ) -> str:
+    """``waits``: per tier name, why the key is not promoted from it yet and for how
+    many seconds more (:meth:`Tiering.promotion_wait`)."""
     if state is LookupResult.HIT:
         return "HIT: readable in the primary tier"
     if state is LookupResult.HIT_PENDING:
         return "HIT_PENDING: a write (store or promotion) into the primary is in flight"
     holders = [name for name, present in tiers if present]
     if holders:
-        return f"not in the primary; held by tier {holders[0]}: the next Lookup promotes it"
+        return _promotion_summary(holders, waits)
     unknown = [name for name, present in tiers if present is None]
     if unknown:
         return f"not in the primary; tier {unknown[0]} is still rebuilding its index (RETRY)"
@@ -87,6 +93,26 @@ def _summary(
         last = history[-1]
         return f"MISS: last seen leaving tier {last.tier}: {last.what}"
     return "MISS: never stored, or stored so long ago that its record was forgotten"
+
+
+def _promotion_summary(holders: list[str], waits: dict[str, tuple[FailedPromotion, float]]) -> str:
+    """A key not in the primary that ``holders`` (tier names, in order) hold: which
+    tier the next Lookup promotes it from, or why none does yet."""
+    free = [name for name in holders if name not in waits]
+    if free:
+        return f"not in the primary; held by tier {free[0]}: the next Lookup promotes it"
+    name = holders[0]
+    failure, left = waits[name]
+    if failure.transient:
+        return (
+            f"not in the primary; held by tier {name}, but its last promotion failed for now "
+            f"({failure.cause}; nothing was removed): Lookups answer MISS for {left:.1f}s "
+            "more, then the next one promotes it again"
+        )
+    return (
+        f"not in the primary; held by tier {name}, but its promotion failed (unreadable or "
+        f"corrupt): Lookups answer MISS for {left:.0f}s more, then the next one tries again"
+    )
 
 
 class Pool:
@@ -319,6 +345,11 @@ class Pool:
         """Where ``key`` is and what recently removed it; changes nothing."""
         state = self.manager.lookup((key,))[0]
         presence = [(tier.name, tier.contains(key)) for tier in self.tiering.tiers]
+        waits = {
+            tier.name: wait
+            for index, tier in enumerate(self.tiering.tiers)
+            if (wait := self.tiering.promotion_wait(index, key)) is not None
+        }
         history = self.history.get(key) + [
             KeyRecord(when, tier.name, what)
             for tier in self.tiering.tiers
@@ -330,7 +361,7 @@ class Pool:
             ref_count=self.manager.ref_count(key),
             tiers=presence,
             history=history,
-            summary=_summary(state, presence, history),
+            summary=_summary(state, presence, history, waits),
         )
 
     # ----------------------------------------------------------------- read-only

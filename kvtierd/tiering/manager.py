@@ -12,11 +12,15 @@ tiers (docs/design/semantics.md, "Secondary tiers"; vLLM's ``TieringOffloadingMa
   When the tier reports, the keys that arrived verified become ready
   (``complete_store(success=True)``, a stored event); the others are aborted
   (their rows freed: MISS). A key whose promotion failed is not promoted from
-  that tier again for :data:`PROMOTION_RETRY_AFTER` seconds (no retry loop on a
-  file that keeps failing); a verification failure removes the file anyway. A
-  key the tier found simply gone (``JobResult.missing_keys``: the server evicted
-  it, another daemon removed the file) is a plain MISS instead, promoted again as
-  soon as the tier holds it again.
+  that tier again until its retry time (:mod:`kvtierd.tiering.retries`: no retry
+  loop on a file that keeps failing): ``PROMOTION_RETRY_AFTER`` (30 s) when
+  it was unreadable or corrupt (a verification failure removes the file anyway);
+  a short, doubling window when it failed transiently (``JobResult.transient_keys``:
+  an I/O worker timed out or died, a server did not answer; nothing was removed,
+  and the next Lookup after the window promotes it again). A key the tier found
+  simply gone (``JobResult.missing_keys``: the server evicted it, another daemon
+  removed the file) is a plain MISS instead, promoted again as soon as the tier
+  holds it again.
 * Remote tiers (:mod:`kvtierd.tiering.remote`): before a Lookup is answered,
   :meth:`remote_wait` asks the remote tiers about the primary misses no tier
   knows, and the request handler waits for their answers (a bound), so that what
@@ -51,10 +55,11 @@ tiers schedule on the loop.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 
@@ -64,19 +69,22 @@ from kvtierd.primary.manager import PrimaryManager
 from kvtierd.records.history import EVICTED_FOR_ROOM, RemovalLog
 from kvtierd.tiering.holds import HoldStats, HoldTable
 from kvtierd.tiering.remote import RemoteWait, known_miss, plan_asks
+from kvtierd.tiering.retries import FailedPromotion, FailedPromotions
 from kvtierd.tiers.base import JobResult, SecondaryTier, TierJob
 
 log = logging.getLogger("kvtierd.tiering")
-
-PROMOTION_RETRY_AFTER = 30.0  # seconds a (tier, key) whose promotion failed is not retried
-# Bound of that memory: an entry takes at most ~450 bytes (a 256-byte key, its
-# (tier, key) tuple, the deadline, the OrderedDict node), so at most ~7 MiB per pool.
-FAILED_PROMOTIONS_KEPT = 16384
 
 _MISS = LookupResult.MISS
 _HIT = LookupResult.HIT
 _HIT_PENDING = LookupResult.HIT_PENDING
 _RETRY = LookupResult.RETRY
+
+
+@functools.lru_cache(maxsize=64)
+def transient_record(cause: str) -> str:
+    """What Explain's history says of a promotion that failed transiently for
+    ``cause`` (one shared string per cause: the history holds many keys' records)."""
+    return f"promotion failed for now ({cause}): nothing removed, promoted again later"
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +98,7 @@ class TierCounters:
     this tier ends as exactly one of: ``hits`` (promoted from this tier: counted
     once, when the verified block arrived in the primary; polling Lookups that
     answer HIT_PENDING meanwhile ask no tier), ``misses`` (not held, or its
-    promotion from this tier failed, now or within :data:`PROMOTION_RETRY_AFTER`),
+    promotion from this tier failed, now or before its retry time: :mod:`.retries`),
     ``retries`` (the tier could not answer yet), ``promotion_no_room``, or a
     promotion still in flight.
     """
@@ -156,10 +164,10 @@ class Tiering:
         self._manager = manager
         self._jobs: dict[int, _InFlight] = {}
         self._job_ids = itertools.count(1)
-        self._failed: OrderedDict[tuple[int, BlockKey], float] = OrderedDict()
         self._counters: list[Counter[str]] = []
         self._holds = HoldTable(manager, hold_seconds, clock)
         self._clock = clock
+        self._failures = FailedPromotions(clock)  # when failed promotions are retried
         # the loop timer of the earliest hold deadline (None: not armed); each firing
         # releases the expired holds and arms the next one
         self._hold_timer: asyncio.TimerHandle | None = None
@@ -228,9 +236,9 @@ class Tiering:
         """Starts the promotions of :meth:`lookup`; updates ``results`` in place."""
         waiting = [i for i, result in enumerate(results) if result is _MISS]
         if prefix and self.remote:  # a remote tier asks about what it is asked: not
-            now = time.monotonic()  # past a key every tier knows it lacks
+            now = self._clock()  # past a key every tier knows it lacks
             end = known_miss(
-                self.tiers, keys, waiting, lambda t, k: self._recently_failed(t, k, now)
+                self.tiers, keys, waiting, lambda t, k: self._failures.waiting(t, k, now)
             )
             if end is not None:
                 waiting = [i for i in waiting if i <= end]
@@ -263,9 +271,9 @@ class Tiering:
         when nothing was asked. Changes no primary state and counts no lookup."""
         if not self.remote or self.closed:
             return None
-        now = time.monotonic()
+        now = self._clock()
         asks = plan_asks(
-            self.tiers, keys, results, prefix, lambda i, key: self._recently_failed(i, key, now)
+            self.tiers, keys, results, prefix, lambda i, key: self._failures.waiting(i, key, now)
         )
         if not asks:
             return None
@@ -305,12 +313,12 @@ class Tiering:
         promotion of it failed recently), and per tier what it could not serve.
         One lookup per tier, in tier order."""
         located = _Located(unserved=[[] for _ in self.tiers])
-        now = time.monotonic()
+        now = self._clock()
         for index, tier in enumerate(self.tiers):
             answers = tier.lookup([keys[i] for i in waiting])
             still: list[int] = []
             for i, answer in zip(waiting, answers, strict=True):
-                if answer is _HIT and not self._recently_failed(index, keys[i], now):
+                if answer is _HIT and not self._failures.waiting(index, keys[i], now):
                     located.holders[i] = index
                     continue
                 if answer is _RETRY:
@@ -350,44 +358,46 @@ class Tiering:
         self.tiers[index].submit_load(job)
 
     def _promotion_failed(
-        self, index: int, failed: list[BlockKey], missing: set[BlockKey], of: int
+        self, index: int, failed: list[BlockKey], result: JobResult, of: int
     ) -> None:
-        """Records a promotion's failed keys (of ``of``): those the tier found gone are
-        a plain MISS (promoted again once it holds them again); the others are not
-        promoted from it for :data:`PROMOTION_RETRY_AFTER` seconds."""
+        """Records a promotion's failed keys (of ``of``) as ``result`` sorts them: those
+        the tier found gone are a plain MISS (promoted again once it holds them again);
+        those that failed transiently are promoted again after a short window; the
+        others not for ``PROMOTION_RETRY_AFTER`` seconds (:mod:`.retries`)."""
         tier = self.tiers[index].name
+        missing, transient = set(result.missing_keys), set(result.transient_keys)
         gone = [key for key in failed if key in missing]
-        bad = [key for key in failed if key not in missing]
+        for_now = [key for key in failed if key in transient and key not in missing]
+        bad = [key for key in failed if key not in missing and key not in transient]
         if gone:  # a cache evicts: nothing to report but the count
             self.history.record(gone, tier, "promotion found it gone (evicted or removed)")
             log.debug(
                 "pool %s: %d of %d blocks were gone from tier %s at their promotion; MISS",
                 self.pool_name, len(gone), of, tier,
             )  # fmt: skip
+        if for_now:  # the I/O could not be done (its cause was logged where it happened)
+            cause = result.transient_cause or "the tier's I/O could not be done now"
+            window = self._failures.failed_for_now(index, for_now, cause)
+            self.history.record(for_now, tier, transient_record(cause))
+            log.info(
+                "pool %s: promotion of %d of %d blocks from tier %s failed for now (%s); "
+                "they answer MISS and are promoted again after %gs",
+                self.pool_name, len(for_now), of, tier, cause, window,
+            )  # fmt: skip
         if bad:
-            self._remember_failed(index, bad)
+            self._failures.failed(index, bad)
             self.history.record(bad, tier, "promotion failed (unreadable or corrupt)")
             log.info(
                 "pool %s: promotion of %d of %d blocks from tier %s failed; they answer MISS",
                 self.pool_name, len(bad), of, tier,
             )  # fmt: skip
 
-    def _recently_failed(self, index: int, key: BlockKey, now: float) -> bool:
-        until = self._failed.get((index, key))
-        if until is None:
-            return False
-        if until > now:
-            return True
-        del self._failed[(index, key)]
-        return False
-
-    def _remember_failed(self, index: int, keys: Sequence[BlockKey]) -> None:
-        until = time.monotonic() + PROMOTION_RETRY_AFTER
-        for key in keys:
-            self._failed[(index, key)] = until
-            self._failed.move_to_end((index, key))
-        while len(self._failed) > FAILED_PROMOTIONS_KEPT:
-            self._failed.popitem(last=False)
+    def promotion_wait(
+        self, tier_index: int, key: BlockKey
+    ) -> tuple[FailedPromotion, float] | None:
+        """Why ``key`` is not promoted from tier ``tier_index`` now, and for how many
+        seconds more; None when the next Lookup may promote it from there (Explain)."""
+        return self._failures.pending(tier_index, key)
 
     # ----------------------------------------------------------------- completions
 
@@ -419,8 +429,7 @@ class Tiering:
         counters = self._counters[in_flight.tier_index]
         counters["cascade_jobs_finished" if result.success else "cascade_jobs_failed"] += 1
         stored = job.keys if result.success else (result.successful_keys or ())
-        for key in stored:  # a fresh copy: promotions from this tier may retry
-            self._failed.pop((in_flight.tier_index, key), None)
+        self._failures.forget(in_flight.tier_index, stored)  # a fresh copy: may retry
         if stored and self._on_event is not None:
             tier = self.tiers[in_flight.tier_index]
             self._on_event(BlockEvent(tuple(stored), tier.medium, removed=False, tier=tier.name))
@@ -435,9 +444,10 @@ class Tiering:
         loaded_set = set(loaded)
         failed = [key for key in job.keys if key not in loaded_set]
         done = self._manager.complete_store(loaded, success=True) if loaded else []
+        self._failures.forget(index, loaded)  # promoted: earlier failures no longer count
         if failed:
             self._manager.complete_store(failed, success=False)  # rows freed: MISS
-            self._promotion_failed(index, failed, set(result.missing_keys), len(job.keys))
+            self._promotion_failed(index, failed, result, len(job.keys))
         if done:
             self._holds.hold(done)  # until the engine that asked pins them
             self._arm_hold_timer()

@@ -27,9 +27,12 @@ What a report may say (:class:`JobResult`)
     row were verified to be the bytes stored under that key by this tier
     instance (this pool); an absent, evicted, damaged or unreadable block is a
     failed key, never a success with other bytes. A failed key's row may hold
-    anything. A store key made it when the tier holds the block (storing a key
-    the tier holds or is writing already succeeds without rewriting it: keys
-    name content).
+    anything. A failed load key is classified by :mod:`kvtierd.tiers.failures`
+    (missing, corrupt, transient, fault): only a corrupt block is removed from
+    the tier for it, and the report names the missing and the transient ones.
+    A store key made it when the tier holds the block (storing a key the tier
+    holds or is writing already succeeds without rewriting it: keys name
+    content). A store that failed transiently never removes a block file either.
 
 Preconditions (guaranteed by the caller)
     A job's keys are distinct and non-empty; ``block_ids`` are rows of the
@@ -104,11 +107,17 @@ class JobResult:
     successful_keys: tuple[BlockKey, ...] | None = None
     seconds: float = 0.0
     bytes_moved: int = 0
-    # of a promotion's failed keys, those the tier found simply absent (the server
-    # evicted the value, another daemon removed the file): a plain MISS, tried again
-    # as soon as the tier holds the key again; the others (unreadable, corrupt, a
-    # fault) are not promoted from this tier again for a while
+    # Of a promotion's failed keys (kvtierd.tiers.failures: one classification for
+    # every tier), those the tier found simply absent (the server evicted the value,
+    # another daemon removed the file): a plain MISS, tried again as soon as the tier
+    # holds the key again;
     missing_keys: tuple[BlockKey, ...] = ()
+    # those whose I/O could not be done now (an I/O worker timed out or died, a server
+    # timeout): nothing removed, promoted again after a short retry window, and why
+    # (a few words, the first such key's); the others (unreadable, corrupt, a fault)
+    # are not promoted from this tier again for a while
+    transient_keys: tuple[BlockKey, ...] = ()
+    transient_cause: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,6 +41,7 @@ import time
 from typing import Any, NoReturn, Protocol
 
 from kvtierd.primary.rows import RegionRows, scratch
+from kvtierd.tiers.failures import IoUnavailable
 from kvtierd.tiers.fs.iowire import Reply, receive_message, send_message
 from kvtierd.tiers.fs.ioworker import Worker
 
@@ -52,8 +53,18 @@ DEFAULT_REPLY_TIMEOUT_S = 60.0
 _KILL_WAIT = 1.0  # seconds to wait for a killed worker to be reaped
 
 
-class WorkerDied(OSError):
-    """The I/O worker process exited (or its socket broke) during a request."""
+class WorkerDied(OSError, IoUnavailable):
+    """The I/O worker process exited (or its socket broke) during a request. Transient
+    (:mod:`kvtierd.tiers.failures`): the request failed as a whole, the blocks it named
+    are not in question, and the next request gets a new worker."""
+
+    cause = "the I/O worker process died during the request"
+
+
+class WorkerStalled(WorkerDied):
+    """The I/O worker did not answer within ``io_worker_timeout`` and was killed."""
+
+    cause = "the I/O worker did not answer within io_worker_timeout and was killed"
 
 
 class _CopiedRows:
@@ -172,7 +183,7 @@ class WorkerProcess:
     def _stalled(self) -> NoReturn:
         """No answer within ``reply_timeout``: kills the process and waits until it
         has exited (it maps the region: until then it could still write a row the
-        failed request named), then raises WorkerDied."""
+        failed request named), then raises WorkerStalled."""
         self.broken = True
         why = (
             f"did not answer within {self.reply_timeout:g}s (io_worker_timeout: stopped or "
@@ -189,7 +200,9 @@ class WorkerProcess:
                 self.name, self.process.pid, why,
             )  # fmt: skip
             self.process.wait()
-        raise WorkerDied(errno.ETIMEDOUT, f"I/O worker {self.name} (pid {self.process.pid}) {why}")
+        raise WorkerStalled(
+            errno.ETIMEDOUT, f"I/O worker {self.name} (pid {self.process.pid}) {why}"
+        )
 
     def stop(self, deadline: float | None = None) -> None:
         """Closes the sockets (the worker exits at EOF) and reaps the process; kills
@@ -349,8 +362,8 @@ class IoWorkers:
             worker.process.kill()  # it may be alive but out of step
             worker.stop()
             log.warning(
-                "I/O worker %s (pid %d) %s; its requests failed (their blocks too), the "
-                "next one starts a new worker",
+                "I/O worker %s (pid %d) %s; its requests failed for now (no block file "
+                "removed; their blocks are tried again), the next one starts a new worker",
                 worker.name, worker.process.pid,
                 worker.why or f"is gone (exit status {worker.process.returncode})",
             )  # fmt: skip

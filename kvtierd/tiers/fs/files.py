@@ -12,6 +12,7 @@ import itertools
 import logging
 import os
 import secrets
+import stat
 
 from kvtierd.contract import BlockKey
 from kvtierd.tiers.fs import fsformat, safefs
@@ -74,6 +75,16 @@ class PoolFiles:
         except (OSError, UnexpectedEntry) as exc:
             log.warning("FS tier %s: cannot remove %s: %s", self.tier_name, self.full(rel), exc)
         return False
+
+    def holds_whole(self, rel: str, size: int) -> bool:
+        """Whether a regular file of exactly ``size`` bytes is at ``rel`` (no symlink
+        followed); False when the path or a directory on the way is missing or bad."""
+        try:
+            with PoolDir(self.pool_dir) as pool:
+                st = pool.lstat(rel)
+        except (OSError, UnexpectedEntry):
+            return False
+        return st is not None and stat.S_ISREG(st.st_mode) and st.st_size == size
 
     def unlink_quietly(self, rel: str) -> None:
         """Unlinks ``rel`` below the pool directory (not a directory, never through a

@@ -45,6 +45,7 @@ from typing import Any
 
 import xxhash
 
+from kvtierd.tiers.failures import BlockRefused
 from kvtierd.tiers.integrity import KEY_ID_BYTES, MAC_BYTES, KeyRing, mac
 
 MAGIC = b"KVTB"
@@ -73,7 +74,7 @@ HEADER_USED = _FIELDS.size + _CHECKSUM.size  # bytes of a version 1 header that 
 KEYED_HEADER_USED = _SIGNED + _MAC.size + _CHECKSUM.size  # the same, version 2
 
 
-class CorruptBlock(Exception):
+class CorruptBlock(BlockRefused):
     """A block file's header or payload does not verify; ``reason`` says why.
     ``integrity``: it failed the keyed check (:class:`IntegrityRefused`)."""
 

@@ -18,13 +18,18 @@ Invariants:
   that does not fit while earlier blocks of the group wait to be written is
   tried again once they are written (so they can be evicted for it), as if the
   group were written block by block.
-* A request that failed as a whole (a worker died) fails each of its blocks; a
-  write's temp and final files are removed, since whether the worker renamed
-  them is unknown. Only the thread holding a key's write reservation writes
-  that key's paths.
-* A file that failed verification is dropped from the index and removed only if
-  its path still names the inode that failed; a vanished file (ENOENT) is
-  dropped from the index; other errors keep the file.
+* A request that failed as a whole (a worker died or timed out) is a transient
+  failure (:mod:`kvtierd.tiers.failures`): it never removes a block file. A
+  write's temp file is removed; a whole block file the worker renamed into place
+  before it died is kept and indexed as written (a file is renamed only once
+  complete, and every read verifies it); any other block fails. A read request
+  fails each of its blocks and keeps their files. Only the thread holding a
+  key's write reservation writes that key's paths.
+* What a failed read means for its file is :func:`kvtierd.tiers.failures.classify`'s:
+  a file that failed verification (corrupt) is dropped from the index and
+  removed only if its path still names the inode that failed; a vanished file
+  (missing) is dropped from the index; any other error (transient, a fault)
+  keeps the file and its index entry.
 * Runs on I/O threads only: touches the index (under its own lock), the pool's
   files and, through the block I/O, the rows of its job; nothing of the loop.
 """
@@ -34,6 +39,7 @@ from __future__ import annotations
 import logging
 
 from kvtierd.contract import BlockKey
+from kvtierd.tiers.failures import LoadFailure, classify
 from kvtierd.tiers.fs import fsformat, iowire
 from kvtierd.tiers.fs.blockfile import CorruptFile
 from kvtierd.tiers.fs.blockio import BlockIo
@@ -80,6 +86,7 @@ class BlockGroups:
         self._fsync = fsync
         self._keys = keys
         self._pool_dir = files.pool_dir
+        self._file_bytes = fsformat.HEADER_SIZE + region_ref[3]  # a whole block file
 
     def store(self, pairs: Pairs) -> list[Outcome]:
         """Writes a group's block files; one Outcome per block, in order: True
@@ -148,12 +155,20 @@ class BlockGroups:
         params = (self._fingerprint, self.o_direct, self._fsync, self._keys, self._pool_dir)
         try:
             replies = self._block_io.call((iowire.WRITE, self._region_ref, params, todo))
-        except OSError as exc:  # the worker died: whether it renamed a file is unknown
-            for _, rel, temp_name, _ in todo:
-                self._files.unlink_quietly(rel)
-                self._files.unlink_quietly(beside(rel, temp_name))
-            return [exc] * len(items)
+        except OSError as exc:  # the worker died: which files it renamed is unknown
+            return [self._after_lost_write(rel, temp_name, exc) for _, rel, temp_name, _ in todo]
         return [iowire.error_of(reply) for reply in replies]
+
+    def _after_lost_write(self, rel: str, temp_name: str, error: OSError) -> OSError | None:
+        """One block of a write request that failed as a whole (its worker died or was
+        killed, after it exited): its temp file is removed; a whole block file at
+        ``rel`` is what the worker renamed into place before it died (renamed only
+        once complete; verified at every read): kept and reported written (None).
+        Otherwise ``error``; a file at ``rel`` is never removed for it."""
+        self._files.unlink_quietly(beside(rel, temp_name))
+        if self._files.holds_whole(rel, self._file_bytes):
+            return None
+        return error
 
     def load(self, pairs: Pairs) -> list[Outcome]:
         """Reads and verifies a group's blocks into their rows (one block I/O
@@ -198,9 +213,12 @@ class BlockGroups:
         return [iowire.error_of(reply) for reply in replies]
 
     def _read_failed(self, key: BlockKey, error: BaseException) -> None:
-        if isinstance(error, FileNotFoundError):
+        """Settles a key whose read failed, as its failure's kind says (a transient
+        failure or a fault keeps the file and the index entry)."""
+        kind = classify(error)
+        if kind is LoadFailure.MISSING:
             self._index.drop_vanished(key)
-        elif isinstance(error, CorruptFile):
+        elif kind is LoadFailure.CORRUPT and isinstance(error, CorruptFile):
             self._discard_corrupt(key, error)
 
     def _discard_corrupt(self, key: BlockKey, error: CorruptFile) -> None:

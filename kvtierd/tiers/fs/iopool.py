@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtierd.contract import BlockKey
+from kvtierd.tiers.failures import IoUnavailable
 from kvtierd.tiers.fs.settings import DEFAULTS
 
 log = logging.getLogger("kvtierd.tiers.fs.iopool")
@@ -41,8 +42,10 @@ Task = Callable[[], Any]
 JOIN_S = 2.0  # shutdown waits this long in all for the threads to finish their tasks
 
 
-class PoolShutDown(Exception):
-    """The pool shut down before the task ran."""
+class PoolShutDown(IoUnavailable):
+    """The pool shut down before the task ran (transient: the block is not in question)."""
+
+    cause = "the tier's I/O threads shut down before the block was read"
 
 
 @dataclass(frozen=True, slots=True)

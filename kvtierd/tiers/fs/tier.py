@@ -77,6 +77,7 @@ from kvtierd.contract import BlockKey, LookupResult, Medium
 from kvtierd.primary.rows import RegionRows
 from kvtierd.tiers.base import JobCallback, JobResult, SecondaryTier, TierJob, TierStats
 from kvtierd.tiers.configured import PoolBinding
+from kvtierd.tiers.failures import NONE_FAILED, FailedLoads, sort_failed, transient_cause
 from kvtierd.tiers.fs import startup
 from kvtierd.tiers.fs.blockio import BlockIo, InlineIo, IoWorkers
 from kvtierd.tiers.fs.files import PoolFiles
@@ -390,6 +391,10 @@ class FsTier(SecondaryTier):
         for key, outcome in zip(job.keys, outcomes, strict=True):
             if _row_cut_short(outcome.error):  # a client truncated the region, not the disk
                 self._region_fault("store", outcome.error)
+            elif outcome.error is not None and transient_cause(outcome.error) is not None:
+                # a worker died or timed out: its own WARNING said so; the disk is fine
+                log.debug("FS tier %s: store of %s failed for now: %s", self.name, key.hex(),
+                          outcome.error)  # fmt: skip
             elif isinstance(outcome.error, OSError):  # the disk refused: the operator hears
                 self._write_log.failed(outcome.error, self._files.path(key))
             elif not outcome.ok:  # capacity, shutdown: counted only
@@ -405,15 +410,14 @@ class FsTier(SecondaryTier):
     def _load_done(self, job: TierJob, outcomes: list[Outcome], start: float) -> None:
         loaded = tuple(key for key, o in zip(job.keys, outcomes, strict=True) if o.ok)
         failures = len(job.keys) - len(loaded)
-        gone: tuple[BlockKey, ...] = ()
+        failed = NONE_FAILED
         if failures:
             self.index.count("load_failures", failures)
             for outcome in outcomes:
                 if _row_cut_short(outcome.error):
                     self._region_fault("promotion", outcome.error)
-            gone = tuple(key for key, o in zip(job.keys, outcomes, strict=True)
-                         if isinstance(o.error, FileNotFoundError))  # fmt: skip
-        self._report(job, loaded, failures, start, len(loaded) * self.file_bytes, gone)
+            failed = sort_failed(job.keys, [o.error for o in outcomes])
+        self._report(job, loaded, failures, start, len(loaded) * self.file_bytes, failed)
 
     def _region_fault(self, kind: str, error: BaseException | None) -> None:
         """One rate-limited WARNING per kind per :data:`REGION_FAULT_LOG_S`: a row of
@@ -425,9 +429,10 @@ class FsTier(SecondaryTier):
 
     def _report(
         self, job: TierJob, done: tuple[BlockKey, ...], failures: int, start: float, moved: int,
-        gone: tuple[BlockKey, ...] = (),
+        failed: FailedLoads = NONE_FAILED,
     ) -> None:  # fmt: skip
-        """``gone``: a load's keys whose file was not there (removed: a plain MISS)."""
+        """``failed``: a load's keys whose file was not there (removed: a plain MISS)
+        and those whose I/O could not be done now (a worker timed out or died)."""
         self._on_done(
             JobResult(
                 job_id=job.job_id,
@@ -435,7 +440,9 @@ class FsTier(SecondaryTier):
                 successful_keys=done or None,
                 seconds=time.perf_counter() - start,
                 bytes_moved=moved,
-                missing_keys=gone,
+                missing_keys=failed.missing,
+                transient_keys=failed.transient,
+                transient_cause=failed.cause,
             )
         )
 

@@ -34,6 +34,7 @@ from redis.exceptions import AskError
 
 from kvtierd.contract import BlockKey
 from kvtierd.primary.rows import RegionRows, scratch
+from kvtierd.tiers.failures import BlockAbsent, BlockRefused
 from kvtierd.tiers.fs import fsformat
 from kvtierd.tiers.fs.iopool import Outcome
 from kvtierd.tiers.integrity import KeyRing
@@ -44,11 +45,11 @@ from kvtierd.util.ratelimit import RateLimitedLog
 WRITTEN, PRESENT, LOADED = "written", "present", "loaded"
 
 
-class BlockMissing(Exception):
+class BlockMissing(BlockAbsent):
     """The server holds no value under the block's key."""
 
 
-class BlockCorrupt(Exception):
+class BlockCorrupt(BlockRefused):
     """The value under the block's key does not verify; it was deleted. ``integrity``:
     it is not sealed under the tier's integrity keys (no MAC, another key, forged)."""
 

@@ -163,3 +163,22 @@ class NodeFaults:
         return isinstance(
             error, (redis.ConnectionError, redis.TimeoutError, TimeoutError, ClusterDownError)
         )
+
+    @staticmethod
+    def outage(error: BaseException) -> str | None:
+        """Why a call failed for now, when ``error`` says the server could not answer it
+        (a timeout, a lost connection, a skipped node, ``CLUSTERDOWN``): the value it
+        asked for is not in question (:mod:`kvtierd.tiers.failures`, transient). None
+        otherwise, refused credentials included (those fail until the configuration is
+        fixed)."""
+        if isinstance(error, (redis.TimeoutError, TimeoutError)):
+            return "the Redis server did not answer within the tier's timeout"
+        if isinstance(error, NodeSkipped):
+            return "the Redis node timed out lately and is skipped for a moment"
+        if isinstance(error, ClusterDownError):
+            return "the Redis cluster is down (CLUSTERDOWN)"
+        if isinstance(error, redis.ConnectionError) and not isinstance(
+            error, redis.AuthenticationError
+        ):
+            return "the connection to the Redis server failed"
+        return None

@@ -66,6 +66,7 @@ import redis
 from kvtierd.contract import BlockKey, LookupResult, Medium
 from kvtierd.primary.rows import RegionRows
 from kvtierd.tiers.base import JobCallback, JobResult, SecondaryTier, TierJob, TierStats
+from kvtierd.tiers.failures import NONE_FAILED, FailedLoads, sort_failed
 from kvtierd.tiers.fs import fsformat
 from kvtierd.tiers.fs.iopool import IoPool, Outcome, flatten, group_tasks
 from kvtierd.tiers.integrity import KeyRing
@@ -75,6 +76,7 @@ from kvtierd.tiers.redis.fleetlru import Admitted, FleetLru
 from kvtierd.tiers.redis.health import ServerHealth
 from kvtierd.tiers.redis.keybook import KeyBook
 from kvtierd.tiers.redis.link import RedisLink
+from kvtierd.tiers.redis.nodefaults import NodeFaults
 from kvtierd.tiers.redis.prober import Prober
 from kvtierd.util.ratelimit import RateLimitedLog
 
@@ -390,7 +392,6 @@ class RedisTier(SecondaryTier):
 
     def _load_done(self, job: TierJob, outcomes: list[Outcome], start: float) -> None:
         made_it: list[BlockKey] = []
-        gone: list[BlockKey] = []  # evicted or deleted: a plain MISS for the tiering
         for key, outcome in zip(job.keys, outcomes, strict=True):
             if outcome.ok:
                 made_it.append(key)
@@ -400,16 +401,18 @@ class RedisTier(SecondaryTier):
             if isinstance(error, BlockCorrupt):
                 self._refused(key, error)
             elif isinstance(error, BlockMissing):
-                gone.append(key)
                 self._keys.drop(key, "vanished: the server holds no value")
-            else:
+            else:  # a timeout or a fault: the value (if any) stays
                 self._log.fault("load", error)
         moved = len(made_it) * self.value_bytes
         self._counters["bytes_read"] += moved
         failures = len(job.keys) - len(made_it)
         self._counters["load_failures"] += failures
         self._touch_fleet(made_it)
-        self._report(job, made_it, failures, start, moved, tuple(gone))
+        failed = NONE_FAILED
+        if failures:  # missing: a plain MISS; transient: promoted again soon
+            failed = sort_failed(job.keys, [o.error for o in outcomes], NodeFaults.outage)
+        self._report(job, made_it, failures, start, moved, failed)
 
     def _refused(self, key: BlockKey, error: BlockCorrupt) -> None:
         """A value that failed verification (deleted by the I/O thread): counted, logged
@@ -420,7 +423,7 @@ class RedisTier(SecondaryTier):
 
     def _report(
         self, job: TierJob, made_it: list[BlockKey], failures: int, start: float, moved: int,
-        gone: tuple[BlockKey, ...] = (),
+        failed: FailedLoads = NONE_FAILED,
     ) -> None:  # fmt: skip
         try:
             self._on_done(
@@ -430,7 +433,9 @@ class RedisTier(SecondaryTier):
                     successful_keys=tuple(made_it) or None,
                     seconds=time.perf_counter() - start,
                     bytes_moved=moved,
-                    missing_keys=gone,
+                    missing_keys=failed.missing,
+                    transient_keys=failed.transient,
+                    transient_cause=failed.cause,
                 )
             )
         except Exception:

@@ -7,6 +7,7 @@ each call, refused ones included)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -72,6 +73,9 @@ class HandTier(SecondaryTier):
     def lookup(self, keys: Sequence[BlockKey]) -> list[LookupResult]:
         return [HIT if key in self.keys else MISS for key in keys]
 
+    def contains(self, key: BlockKey) -> bool | None:
+        return key in self.keys
+
     def submit_store(self, job: TierJob) -> bool:
         self.jobs.append(job)
         return True
@@ -79,12 +83,15 @@ class HandTier(SecondaryTier):
     def submit_load(self, job: TierJob) -> None:
         self.jobs.append(job)
 
-    def report(self, success: bool = True) -> TierJob:
-        """Reports the oldest job done (a store lands in the tier)."""
+    def report(self, success: bool = True, transient: str = "") -> TierJob:
+        """Reports the oldest job done (a store lands in the tier); failed, a load's
+        keys failed transiently for the cause ``transient`` if given."""
         job = self.jobs.pop(0)
         if success and not job.is_promotion:
             self.keys.update(job.keys)
-        self._pool.tiering.on_done(JobResult(job.job_id, success))
+        for_now = job.keys if transient and not success else ()
+        self._pool.tiering.on_done(JobResult(job.job_id, success, transient_keys=for_now,
+                                             transient_cause=transient))  # fmt: skip
         return job
 
     async def drain(self) -> None:
@@ -309,3 +316,34 @@ def test_check_invariants_catches_a_pin_or_a_reservation_nobody_owns(make_pool):
     pool.pool.manager.prepare_store(keys("b"))  # a reservation nobody owns
     with pytest.raises(AssertionError, match="pending rows"):
         pool.pool.check_invariants()
+
+
+def test_explain_tells_why_a_key_the_tier_holds_is_not_promoted_yet(make_pool):
+    """Scenario: issue #40, item 5. The tier holds the key; its promotion failed.
+    Transiently (an I/O worker timed out): nothing was removed, and Explain says when
+    a Lookup promotes it again. Unreadable: Lookups answer MISS for the full window."""
+    pool = make_pool(num_blocks=4)
+    tier = HandTier(pool.pool, held=keys("t", "u"))
+    pool.tiering.attach(tier)
+    assert pool.lookup(keys("t")) == [PENDING]
+    assert "the next Lookup promotes it" in pool.explain(b"u").summary
+    tier.report(success=False, transient="the I/O worker did not answer in time")
+    explained = pool.explain(b"t")
+    assert explained.tiers == [("hand", True)]
+    assert re.fullmatch(
+        r"not in the primary; held by tier hand, but its last promotion failed for now \(the "
+        r"I/O worker did not answer in time; nothing was removed\): Lookups answer MISS for "
+        r"\d\.\ds more, then the next one promotes it again",
+        explained.summary,
+    ), explained.summary
+    assert [r.what for r in explained.history] == [
+        "promotion failed for now (the I/O worker did not answer in time): nothing removed, "
+        "promoted again later"
+    ]
+    assert pool.lookup(keys("u")) == [PENDING]
+    tier.report(success=False)  # unreadable
+    assert re.fullmatch(
+        r"not in the primary; held by tier hand, but its promotion failed \(unreadable or "
+        r"corrupt\): Lookups answer MISS for (30|29)s more, then the next one tries again",
+        pool.explain(b"u").summary,
+    ), pool.explain(b"u").summary

@@ -8,6 +8,7 @@ results the orchestration sees come from a tier that keeps the contract."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 
@@ -16,8 +17,9 @@ from fake_clock import FakeClock
 
 from kvtierd.contract import BlockKey, LookupResult
 from kvtierd.primary.manager import PrimaryManager
-from kvtierd.tiering.manager import Tiering
-from kvtierd.tiers.base import JobCallback, TierJob
+from kvtierd.tiering.manager import Tiering, transient_record
+from kvtierd.tiering.retries import PROMOTION_RETRY_AFTER, TRANSIENT_RETRY_AFTER
+from kvtierd.tiers.base import JobCallback, JobResult, TierJob
 from kvtierd.tiers.memory import MemoryTier, StoreOutcome
 
 HIT, MISS, PENDING, RETRY = (
@@ -56,6 +58,7 @@ class ScriptedTier(MemoryTier):
         self.stores: list[TierJob] = []
         self.loads: list[TierJob] = []
         self._failing: frozenset[BlockKey] = frozenset()
+        self._transient: frozenset[BlockKey] = frozenset()
         self.pause()
         self.launch()
         if ready:
@@ -73,14 +76,29 @@ class ScriptedTier(MemoryTier):
         super().submit_load(job)
         self.loads.append(job)
 
-    def finish(self, job: TierJob, *, failing: Sequence[BlockKey] = ()) -> None:
-        """Runs ``job`` now and reports it; the ``failing`` keys fail as on a
-        transient error (the tier keeps them)."""
-        self._failing = frozenset(failing)
+    def finish(
+        self,
+        job: TierJob,
+        *,
+        failing: Sequence[BlockKey] = (),
+        transient: Sequence[BlockKey] = (),
+    ) -> None:
+        """Runs ``job`` now and reports it; the ``failing`` keys fail as an unreadable
+        block does (a fault: the tier keeps them), the ``transient`` ones as when the
+        I/O could not be done now (an I/O worker timed out: reported as transient,
+        with :data:`CAUSE`; the tier keeps them too)."""
+        self._failing = frozenset(failing) | frozenset(transient)
+        self._transient = frozenset(transient)
         try:
             self._run_now(job.job_id)
         finally:
-            self._failing = frozenset()
+            self._failing = self._transient = frozenset()
+
+    def _report(self, job: TierJob, result: JobResult) -> None:
+        transient = tuple(key for key in job.keys if key in self._transient)
+        if transient:
+            result = dataclasses.replace(result, transient_keys=transient, transient_cause=CAUSE)
+        super()._report(job, result)
 
     def asked(self) -> int:
         """Keys the tier answered HIT or MISS so far (each time it was consulted)."""
@@ -97,6 +115,7 @@ class ScriptedTier(MemoryTier):
 
 
 Attach = Callable[..., ScriptedTier]
+CAUSE = "the I/O worker did not answer within io_worker_timeout and was killed"
 
 
 @pytest.fixture
@@ -162,7 +181,7 @@ def test_partial_promotion_keeps_what_arrived_and_does_not_retry_the_rest(manage
     (job,) = tier.loads
     tier.finish(job, failing=keys("y", "z"))
     assert manager.lookup(ks) == [HIT, MISS, MISS]
-    # the tier still holds y and z (a transient error keeps the file): no retry loop
+    # the tier still holds y and z (an unreadable block stays there): no retry loop
     assert tier.contains(b"y") and tier.contains(b"z")
     assert tiering.lookup(ks, manager.lookup(ks)) == [HIT, MISS, MISS]
     assert len(tier.loads) == 1
@@ -414,3 +433,105 @@ def test_the_hold_timer_releases_expired_holds_on_a_running_loop(manager, attach
     assert asyncio.run(scenario()) == [1], "the hold was released before its deadline"
     assert manager.ref_count(b"a") == 0, "the hold timer did not release the hold"
     assert tiering.hold_statistics().expired == 1
+
+
+# ----------------------------------------------------------------- failed promotions
+# A key whose promotion failed answers MISS and is not promoted from that tier again
+# until its retry time: 30 s when it was unreadable or corrupt, a short doubling window
+# when the I/O could not be done now (kvtierd.tiers.failures, kvtierd.tiering.retries).
+
+
+def failing_once(
+    manager: PrimaryManager, tiering: Tiering, tier: ScriptedTier, names: list[bytes], **how: list
+) -> None:
+    """Looks ``names`` up (a promotion starts) and lets the tier fail it as ``how`` says."""
+    assert tiering.lookup(names, manager.lookup(names)) == [PENDING] * len(names)
+    tier.finish(tier.loads[-1], **how)
+    assert manager.lookup(names) == [MISS] * len(names)
+
+
+def test_a_transient_failure_is_promoted_again_after_a_short_window(manager, clock, attach):
+    """Scenario: issue #40, item 5. An I/O worker timed out under a promotion: the key
+    answers MISS for TRANSIENT_RETRY_AFTER (not PROMOTION_RETRY_AFTER), the tier keeps
+    it, its history says why, and then a Lookup promotes it again."""
+    tiering = Tiering("p", manager, clock=clock)
+    tier = attach(tiering, "t", keys("x", "y"))
+    ks = keys("x", "y")
+    assert tiering.lookup(ks, manager.lookup(ks)) == [PENDING, PENDING]
+    tier.finish(tier.loads[0], transient=keys("x"))
+    assert manager.lookup(ks) == [MISS, HIT]
+    assert tier.contains(b"x")  # nothing removed
+    assert [r.what for r in tiering.history.get(b"x")] == [transient_record(CAUSE)]
+    failure, left = tiering.promotion_wait(0, b"x") or (None, 0.0)
+    assert failure is not None and failure.transient and failure.cause == CAUSE
+    assert left == TRANSIENT_RETRY_AFTER
+    clock.advance(TRANSIENT_RETRY_AFTER - 0.001)
+    assert tiering.lookup(keys("x"), manager.lookup(keys("x"))) == [MISS]  # within the window
+    assert len(tier.loads) == 1
+    clock.advance(0.001)
+    assert tiering.promotion_wait(0, b"x") is None
+    assert tiering.lookup(keys("x"), manager.lookup(keys("x"))) == [PENDING]
+    tier.finish(tier.loads[1])
+    assert manager.lookup(keys("x")) == [HIT]
+    counters = tiering.counters(0)
+    assert (counters.promotion_blocks_failed, counters.promotion_blocks_loaded) == (1, 2)
+
+
+def test_transient_failures_in_a_row_double_the_window_up_to_the_fault_ban(manager, clock, attach):
+    """A file system or server that stays down is not asked for a key without end: each
+    transient failure in a row doubles the key's window, up to PROMOTION_RETRY_AFTER; a
+    promotion that loads it starts over."""
+    tiering = Tiering("p", manager, clock=clock)
+    tier = attach(tiering, "t", keys("x"))
+    windows = []
+    for _ in range(7):
+        failing_once(manager, tiering, tier, keys("x"), transient=keys("x"))
+        _, left = tiering.promotion_wait(0, b"x") or (None, 0.0)
+        windows.append(left)
+        clock.advance(left)
+    doubling = [TRANSIENT_RETRY_AFTER * 2**i for i in range(7)]
+    assert windows == [min(w, PROMOTION_RETRY_AFTER) for w in doubling]
+    assert windows[-2:] == [PROMOTION_RETRY_AFTER] * 2  # capped
+    promote(manager, tiering, tier, keys("x"))
+    assert manager.lookup(keys("x")) == [HIT]
+    tiering.check_invariants(Counter())
+
+
+def test_a_loaded_key_starts_its_transient_windows_over(manager, clock, attach):
+    tiering = Tiering("p", manager, clock=clock)
+    tier = attach(tiering, "t", keys("x", "y", "z", "w", "v"))
+    for _ in range(3):  # windows 1, 2, 4
+        failing_once(manager, tiering, tier, keys("x"), transient=keys("x"))
+        clock.advance((tiering.promotion_wait(0, b"x") or (None, 0.0))[1])
+    promote(manager, tiering, tier, keys("x"))
+    assert manager.lookup(keys("x")) == [HIT]
+    # push x out of the 4-row primary, then fail it once more: the first window again
+    promote(manager, tiering, tier, keys("y", "z", "w", "v"))
+    assert manager.lookup(keys("x")) == [MISS]
+    failing_once(manager, tiering, tier, keys("x"), transient=keys("x"))
+    assert (tiering.promotion_wait(0, b"x") or (None, 0.0))[1] == TRANSIENT_RETRY_AFTER
+
+
+def test_an_unreadable_block_is_not_promoted_again_for_the_full_window(manager, clock, attach):
+    tiering = Tiering("p", manager, clock=clock)
+    tier = attach(tiering, "t", keys("x"))
+    failing_once(manager, tiering, tier, keys("x"), failing=keys("x"))
+    failure, left = tiering.promotion_wait(0, b"x") or (None, 0.0)
+    assert failure is not None and not failure.transient and left == PROMOTION_RETRY_AFTER
+    assert [r.what for r in tiering.history.get(b"x")] == [
+        "promotion failed (unreadable or corrupt)"
+    ]
+    clock.advance(PROMOTION_RETRY_AFTER - 0.001)
+    assert tiering.lookup(keys("x"), manager.lookup(keys("x"))) == [MISS]
+    clock.advance(0.001)
+    assert tiering.lookup(keys("x"), manager.lookup(keys("x"))) == [PENDING]
+    assert len(tier.loads) == 2
+
+
+def test_a_tier_waiting_out_a_transient_failure_lets_the_next_tier_serve(manager, clock, attach):
+    tiering = Tiering("p", manager, clock=clock)
+    near = attach(tiering, "near", keys("x"))
+    far = attach(tiering, "far", keys("x"))
+    failing_once(manager, tiering, near, keys("x"), transient=keys("x"))
+    assert tiering.lookup(keys("x"), manager.lookup(keys("x"))) == [PENDING]
+    assert len(far.loads) == 1 and len(near.loads) == 1

@@ -14,9 +14,11 @@ from collections.abc import Callable
 import pytest
 import redis
 from daemon_harness import DaemonProcess, eventually, peak_rss_bytes
-from engine_harness import MISS, Engine, block_keys
+from engine_harness import HIT, MISS, PENDING, Engine, block_keys, payload
 from redis_harness import RedisServer, TrickleProxy, redis_config, redis_key
+from redis_harness import stopped as hung
 
+from kvtierd.tiering.retries import PROMOTION_RETRY_AFTER
 from kvtierd_client.client import Client, LookupResult
 from kvtierd_client.errors import FailedPrecondition
 
@@ -91,6 +93,52 @@ def test_a_redis_node_that_stops_answering_does_not_shut_the_primary_to_stores(
     eventually(cascaded, 30.0, "a block cascaded to the node once it answered", interval=0.5)
     assert daemon.alive()
     server.close()
+    engine.close()
+
+
+def test_a_promotion_the_server_timed_out_keeps_the_value_and_is_tried_again_soon(
+    redis_factory: Callable[..., RedisServer],
+    daemons: Callable[[str], DaemonProcess],
+    key_prefix: str,
+    pool_name,
+):
+    """Issue #40, item 5, on Redis. Scenario: the server hangs (SIGSTOP) while blocks
+    held only there are promoted; the loads time out. The failure is transient: the
+    values stay in the server, untouched, Explain says the server did not answer (not
+    "unreadable or corrupt"), and once it answers again the blocks are promoted
+    bit-exact long before a corrupt block's ban (PROMOTION_RETRY_AFTER) would end."""
+    server = redis_factory()
+    config = redis_config(server.url, key_prefix, timeout="1s", presence_ttl="60s")
+    daemon = daemons(config)
+    engine = Engine(daemon, pool_name, num_blocks=4)
+    stalled, others = block_keys("a", 2), block_keys("b", 4)
+    engine.store(stalled)
+    engine.settle_cascades()
+    engine.store(others)  # `stalled` now only in the server
+    engine.settle_cascades()
+    client = server.client()
+    names = [redis_key(key_prefix, pool_name, key) for key in stalled]
+    values = [client.get(name) for name in names]
+    assert all(values)
+    with hung(server):
+        assert engine.session.lookup(stalled) == [PENDING, PENDING]
+        assert engine.wait_settled(stalled) == [MISS, MISS]  # timed out
+    assert [client.get(name) for name in names] == values  # nothing deleted
+    explained = engine.client.explain(pool_name, stalled[0])
+    assert [(t.tier, t.present) for t in explained.tiers] == [("redis", True)]
+    assert explained.history[-1].what == (
+        "promotion failed for now (the Redis server did not answer within the tier's "
+        "timeout): nothing removed, promoted again later"
+    ), explained
+
+    def promoted() -> bool:
+        return engine.session.lookup(stalled) == [HIT, HIT]
+
+    eventually(promoted, PROMOTION_RETRY_AFTER / 2, lambda: f"promoted again:\n"
+               f"{engine.client.explain(pool_name, stalled[0])}", interval=0.05)  # fmt: skip
+    assert engine.load(stalled) == [payload(key) for key in stalled]
+    assert engine.tier_stats().checksum_failures == 0
+    client.close()
     engine.close()
 
 

@@ -8,6 +8,7 @@ hooks (``before_scan``, ``block_io``), never with sleeps.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import shutil
@@ -25,7 +26,7 @@ from kvtierd.primary.region import Region
 from kvtierd.tiers.base import JobResult, TierJob
 from kvtierd.tiers.configured import PoolBinding
 from kvtierd.tiers.fs import FsTier, FsTierError, PoolMismatchError, fsformat, iowire, safefs
-from kvtierd.tiers.fs.blockio import BlockIo, InlineIo, IoWorkers
+from kvtierd.tiers.fs.blockio import BlockIo, InlineIo, IoWorkers, WorkerStalled
 from kvtierd.tiers.fs.fsck import fsck
 from kvtierd.tiers.fs.iopool import IoPool, PoolShutDown
 from kvtierd.tiers.fs.iowire import Reply
@@ -534,6 +535,9 @@ def test_a_job_queued_at_shutdown_fails_every_block(region: Region, tmp_path: Pa
             stopping = h.loop.run_in_executor(None, tier.shutdown)
             result = await asyncio.wait_for(h.waiters[queued.job_id], timeout=10)
             assert not result.success and result.successful_keys is None
+            # transient (kvtierd.tiers.failures): the blocks are not in question
+            assert result.transient_keys == queued.keys
+            assert result.transient_cause == PoolShutDown.cause
             reads.gate.set()
             await stopping
             assert (await h.waiters[running.job_id]).success
@@ -543,6 +547,75 @@ def test_a_job_queued_at_shutdown_fails_every_block(region: Region, tmp_path: Pa
             tier.shutdown()
 
     run(region, tmp_path, body)
+
+
+class DyingIo:
+    """Block I/O whose next request of kind ``op`` fails as a whole, as when its I/O
+    worker is killed (stalled past io_worker_timeout): ``after`` False, before the
+    worker touched anything; True, after it did the request's work (files renamed)
+    but before it answered. A worker cannot be stopped at that point on demand."""
+
+    def __init__(self, inner: BlockIo) -> None:
+        self.inner = inner
+        self.failing: tuple[str, bool] | None = None  # (op, after)
+
+    def call(self, request: tuple[Any, ...]) -> list[Reply]:
+        failing, self.failing = self.failing, None
+        if failing is None or failing[0] != request[0]:
+            self.failing = failing
+            return self.inner.call(request)
+        if failing[1]:
+            self.inner.call(request)
+        raise WorkerStalled(errno.ETIMEDOUT, "I/O worker kvtierd-io-1 (pid 1) did not answer")
+
+
+@BLOCK_IO
+def test_a_worker_killed_under_a_request_removes_no_block_file(
+    region: Region, tmp_path: Path, io_processes: int
+) -> None:
+    """Issue #40, item 5: a worker timeout is a transient failure, never corruption. A
+    read keeps its files and index entries and reports its keys transient; a write
+    keeps (and indexes) the whole files the worker renamed before it was killed and
+    removes only its temp files."""
+
+    async def body(h: Harness) -> None:
+        inner = h.workers or InlineIo(h.region.safe_rows())
+        dying = DyingIo(inner)
+        tier = await h.ready_tier(block_io=dying)
+        try:
+            data = [h.fill(row, row) for row in range(4)]
+            assert (await h.store(tier, [b"a", b"b"], [0, 1])).success
+            files = {key: block_path(tier, key).read_bytes() for key in (b"a", b"b")}
+
+            dying.failing = (iowire.READ, False)
+            result = await h.load(tier, [b"a", b"b"], [4, 5])
+            assert not result.success and result.successful_keys is None
+            assert result.transient_keys == (b"a", b"b") and result.missing_keys == ()
+            assert result.transient_cause == WorkerStalled.cause
+            assert {key: block_path(tier, key).read_bytes() for key in files} == files
+            assert tier.contains(b"a") and tier.contains(b"b")
+
+            dying.failing = (iowire.WRITE, True)  # renamed, then killed before answering
+            result = await h.store(tier, [b"c", b"d"], [2, 3])
+            assert result.success  # the tier holds both: whole files, verified when read
+            assert tier.contains(b"c") and tier.contains(b"d")
+
+            dying.failing = (iowire.WRITE, False)  # killed before it wrote anything
+            h.fill(6, 6)
+            result = await h.store(tier, [b"e"], [6])
+            assert not result.success and not tier.contains(b"e")
+            assert not block_path(tier, b"e").exists()
+
+            assert temp_files(tier) == []
+            loaded = await h.load(tier, [b"a", b"b", b"c", b"d"], [4, 5, 6, 7])
+            assert loaded.success
+            assert [h.read(row) for row in (4, 5, 6, 7)] == data
+            stats = tier.statistics()
+            assert stats.checksum_failures == 0 and stats.blocks == 4
+        finally:
+            tier.shutdown()
+
+    run(region, tmp_path, body, io_processes=io_processes)
 
 
 def test_write_fails_when_nothing_fits(region: Region, tmp_path: Path) -> None:
