@@ -29,6 +29,11 @@ owned by this daemon's uid; the pid is the kernel's answer (``SO_PEERCRED`` of a
 connection to it) and must run as this uid; a pidfd is taken while that
 connection is open, so the signal reaches that process and never one that
 reused its pid; the path must still be the same file after the probe.
+
+All or nothing: every socket name is checked and linked before the first rename
+(``SocketPlacement.publish``); a refusal there, or a rename that fails half-way
+(the replaced sockets are put back), leaves the old daemon serving every path,
+unsignalled, and this one exits with code 2 and one line naming the path.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvtierd.errors import StartupError
-from kvtierd.util.sockets import SocketPlacement
+from kvtierd.util.sockets import PublishError, SocketPlacement
 
 log = logging.getLogger("kvtierd.takeover")
 
@@ -170,8 +175,15 @@ class Takeover:
         self.gone = asyncio.Event()  # set once the old daemon has exited
 
     def publish(self) -> None:
-        """Renames the sockets over the paths, then asks the old daemon to stop."""
-        self.placement.publish()
+        """Puts the sockets at the paths, all or none, then asks the old daemon to
+        stop. Raises StartupError, signalling nothing, when they cannot all be put
+        there: every path then holds what it held before."""
+        try:
+            self.placement.publish()
+        except PublishError as exc:
+            raise StartupError(
+                KEY, f"{exc}; nothing was replaced: pid {self.old.pid} serves on"
+            ) from None
         self.published_at = self._clock()
         log.info(
             "took over %s; stopping the previous daemon (pid %d)",

@@ -15,7 +15,7 @@ import time
 import pytest
 from daemon_harness import eventually, refused_start, start_daemon, write_config
 from nonroot import as_user_prefix, require_nonroot_daemon
-from takeover_harness import CallLoop, take_over
+from takeover_harness import CallLoop, plant_for_every_pid, refused_takeover, take_over
 from warm_harness import BLOCK, BLOCKS, HIT, store
 
 from kvtierd_client.client import Client
@@ -153,3 +153,69 @@ def test_takeover_attack_on_a_daemon_of_another_uid_is_refused(accounts):
         assert victim.stop() == 0
     finally:
         victim.cleanup()
+
+
+@pytest.mark.parametrize(
+    "prefix", [".kvtierd.sock.staged-", ".kvtierd.sock.lane.keep-"], ids=["staged", "keep"]
+)
+def test_takeover_attack_files_planted_at_every_pids_name_change_nothing(other_user, prefix):
+    """Another user plants a regular file, in the sticky socket directory, at the
+    name a socket got for every pid (issue #40): at the gRPC socket's staged name the
+    bind failed ("Address already in use"); at the lane's keep name the takeover
+    failed half-way and took the old daemon's sockets with it. The names are random
+    now: the takeover goes through and the planted files stay as they were."""
+    old = start_daemon("--lease", "10s")
+    daemons = [old]
+    try:
+        os.chmod(old.workdir, 0o1777)  # as /tmp: any user may create names there
+        pids = plant_for_every_pid(other_user, old.workdir, prefix)
+        new = take_over(old)
+        daemons.append(new)
+        assert new.proc.pid in pids  # its names under the old scheme were all taken
+        assert old.proc.returncode == 0, old.log()
+        with Client(new.address) as client:
+            client.open_session("p", block_bytes=BLOCK, num_blocks=BLOCKS, keepalive=False)
+        assert new.stop() == 0
+        names = os.listdir(old.workdir)
+        planted = [name for name in names if name.startswith(prefix)]
+        assert len(planted) == len(pids)
+        assert {os.lstat(os.path.join(old.workdir, n)).st_uid for n in planted} == {other_user.uid}
+        assert [n for n in names if "sock" in n and not n.startswith(prefix)] == []
+    finally:
+        for daemon in daemons:
+            daemon.cleanup()
+
+
+def _socket_names(directory: str) -> dict[str, int]:
+    """Each name in ``directory`` that a socket has or had: its inode."""
+    return {
+        name: os.lstat(os.path.join(directory, name)).st_ino
+        for name in os.listdir(directory)
+        if "sock" in name
+    }
+
+
+def test_takeover_attack_a_file_planted_at_a_new_socket_path_refuses_it_whole(other_user):
+    """The old daemon serves no fast lane, the new one does; another user plants a
+    regular file at the lane's path. The takeover used to rename the gRPC and region
+    sockets over the old daemon's, then the lane's over the planted file (root may
+    remove another user's file in a sticky directory). Every name is checked before
+    the first rename now: the takeover refuses (exit 2, one line naming the path),
+    renames and removes nothing, and the old daemon serves on, over the real client."""
+    old = start_daemon("--lease", "10s", "--fast-lane", "false")
+    try:
+        os.chmod(old.workdir, 0o1777)
+        lane = old.socket_path + ".lane"
+        planted = other_user.run_python("import sys; open(sys.argv[1], 'x').close()", lane)
+        assert planted.returncode == 0, planted.stderr
+        before = _socket_names(old.workdir)
+        _, line = refused_takeover(old, "--fast-lane", "true")
+        assert f"{lane} is a regular file" in line and "nothing was replaced" in line, line
+        assert _socket_names(old.workdir) == before
+        assert os.lstat(lane).st_uid == other_user.uid
+        assert old.alive() and "SIGTERM" not in old.log()
+        with Client(old.address) as client:
+            client.open_session("p", block_bytes=BLOCK, num_blocks=BLOCKS, keepalive=False)
+        assert old.stop() == 0
+    finally:
+        old.cleanup()
