@@ -219,3 +219,43 @@ def test_takeover_attack_a_file_planted_at_a_new_socket_path_refuses_it_whole(ot
         assert old.stop() == 0
     finally:
         old.cleanup()
+
+
+def test_a_daemon_still_waiting_for_the_one_it_replaced_refuses_to_be_taken_over():
+    """A (stopped with SIGSTOP, holding a pool's region) is taken over by B, which
+    waits for A's exit. C's takeover of B used to succeed and leave A holding the
+    region with nobody waiting for it: C's OpenSession answered FAILED_PRECONDITION
+    "... give this one another memory.shm_dir" for as long as A lived. C refuses
+    now (exit 2, naming A's pid); B serves on and opens the pool once A is gone."""
+    a = start_daemon("--lease", "10s")
+    daemons = [a]
+    try:
+        keys = [f"chain-{i}".encode() for i in range(4)]
+        with Client(a.address) as client:
+            session = client.open_session(
+                "warm", block_bytes=BLOCK, num_blocks=BLOCKS, layout="l1", keepalive=False
+            )
+            store(session, keys)
+        os.kill(a.proc.pid, signal.SIGSTOP)
+        # B waits for A 3 x 20 s + 30 s before it kills it: longer than this test
+        b = take_over(a, "--shutdown-grace", "20s", wait=False)
+        daemons.append(b)
+        eventually(lambda: "kvtierd ready" in b.log(), 60.0, lambda: b.log())
+        c, line = refused_takeover(b)
+        daemons.append(c)
+        assert f"pid {b.proc.pid}" in line and f"pid {a.proc.pid}" in line, line
+        assert b.alive()
+        with Client(b.address) as client:
+            client.get_stats()
+            os.kill(a.proc.pid, signal.SIGCONT)  # its SIGTERM is delivered now
+            assert a.proc.wait(30.0) == 0
+            session = client.open_session(
+                "warm", block_bytes=BLOCK, num_blocks=BLOCKS, layout="l1", keepalive=False
+            )
+            assert session.lookup(keys) == [HIT] * len(keys)
+        assert b.stop() == 0
+    finally:
+        if a.alive():
+            os.kill(a.proc.pid, signal.SIGCONT)
+        for daemon in daemons:
+            daemon.cleanup()
