@@ -18,11 +18,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from daemon_harness import DaemonProcess, eventually
+from daemon_harness import LOG_LINE, DaemonProcess, eventually
 
 from kvtierd_client.client import Client, LookupResult
 from kvtierd_client.errors import KvtierError, NotFound
+
+if TYPE_CHECKING:
+    from local_users import LocalUser
 
 # what gRPC and the fast lane say when no process accepts at the socket path
 REFUSALS = ("connection refused", "no such file or directory", "failed to connect")
@@ -53,6 +57,64 @@ def take_over(old: DaemonProcess, *extra: str, wait: bool = True) -> DaemonProce
         )  # fmt: skip
         old.proc.wait(60.0)
     return new
+
+
+def refused_takeover(old: DaemonProcess, *extra: str) -> tuple[DaemonProcess, str]:
+    """A takeover of ``old`` that must refuse to start: exit code 2, no traceback,
+    one line on stderr besides its log lines. Returns the process and that line."""
+    new = take_over(old, *extra, wait=False)
+    try:
+        eventually(lambda: not new.alive(), 60.0, lambda: f"the takeover's exit:\n{new.log()}")
+    finally:
+        if new.alive():
+            new.proc.kill()
+            new.proc.wait()
+    assert new.proc.returncode == 2, new.log()
+    assert "Traceback" not in new.log(), new.log()
+    lines = [line for line in new.log().splitlines() if not LOG_LINE.match(line)]
+    assert len(lines) == 1, new.log()
+    return new, lines[0]
+
+
+# Run as the attacker (the system python, standard library only): creates an empty
+# regular file, mode 0644, at DIRECTORY/PREFIX<pid> for each pid of FIRST-LAST ranges.
+_PLANT = """
+import os, sys
+directory, prefix = sys.argv[1], sys.argv[2]
+made = 0
+for span in sys.argv[3:]:
+    first, last = map(int, span.split("-"))
+    for pid in range(first, last + 1):
+        path = os.path.join(directory, prefix + str(pid))
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))
+        made += 1
+print(made)
+"""
+PLANTED_PIDS = 32768  # how many pids the attacker covers (every one where pid_max is 32768)
+_RESERVED_PIDS = 300  # the kernel hands these out only before the first wrap
+
+
+def plant_for_every_pid(attacker: LocalUser, directory: str, prefix: str) -> set[int]:
+    """The red team's attack on predictable names: ``attacker`` plants a regular
+    file at ``directory/prefix<pid>`` for every pid the next process can get (all
+    of them where ``kernel.pid_max`` is 32768, else the next 32,768 after the
+    last pid handed out). Returns the pids covered."""
+    with open("/proc/sys/kernel/pid_max") as f:
+        pid_max = int(f.read())
+    if pid_max <= PLANTED_PIDS:
+        spans = [(1, pid_max - 1)]
+    else:
+        with open("/proc/sys/kernel/ns_last_pid") as f:
+            first = int(f.read()) + 1
+        last = first + PLANTED_PIDS - 1
+        spans = [(first, min(last, pid_max - 1))]
+        if last >= pid_max:  # wraps
+            spans.append((_RESERVED_PIDS, _RESERVED_PIDS + last - pid_max))
+    done = attacker.run_python(_PLANT, directory, prefix, *(f"{a}-{b}" for a, b in spans))
+    assert done.returncode == 0, done.stderr
+    pids = {pid for first, last in spans for pid in range(first, last + 1)}
+    assert int(done.stdout) == len(pids)
+    return pids
 
 
 def _ready(daemon: DaemonProcess) -> bool:

@@ -56,7 +56,7 @@ from kvtierd.tiers import registry
 from kvtierd.tiers.configured import ConfiguredTier, TierCheckError
 from kvtierd.tiers.fs.iopool import JOIN_S as IO_JOIN_S
 from kvtierd.util.heap import HeapTrimmer, tune_malloc
-from kvtierd.util.sockets import SocketPlacement
+from kvtierd.util.sockets import PublishError, SocketPlacement
 from kvtierd.util.units import format_bytes
 from kvtierd_client.wire.peer_ticket import ticket_socket_path
 
@@ -176,7 +176,7 @@ class Daemon:
         await server.start()
         self._server = server
         if takeover is None:
-            self._placement.publish()  # at their paths from now on (kvtierd.util.sockets)
+            self._publish()
         else:
             self._begin_takeover(takeover, server, tuple(a for a in listen if a not in unix))
         self._supervisor = asyncio.create_task(self._supervise_forever(), name="kvtierd-supervisor")
@@ -197,6 +197,13 @@ class Daemon:
         add_listeners(
             server, addresses, self.gid, self._sockets, tls, self._placement, self._socket_dirs
         )
+
+    def _publish(self) -> None:
+        """The sockets at their paths from now on, all or none (kvtierd.util.sockets)."""
+        try:
+            self._placement.publish()
+        except PublishError as exc:
+            raise StartupError("server.listen", str(exc)) from None
 
     def _takeover(self) -> Takeover | None:
         """With ``server.takeover`` and a daemon of this user serving the first Unix

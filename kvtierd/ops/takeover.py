@@ -29,6 +29,18 @@ owned by this daemon's uid; the pid is the kernel's answer (``SO_PEERCRED`` of a
 connection to it) and must run as this uid; a pidfd is taken while that
 connection is open, so the signal reaches that process and never one that
 reused its pid; the path must still be the same file after the probe.
+
+All or nothing: every socket name is checked and linked before the first rename
+(``SocketPlacement.publish``); a refusal there, or a rename that fails half-way
+(the replaced sockets are put back), leaves the old daemon serving every path,
+unsignalled, and this one exits with code 2 and one line naming the path.
+
+A chain is refused: a daemon that still waits for the one *it* replaced (it
+holds a pidfd of that live process: the kernel's ``/proc/PID/fdinfo`` says which)
+is not taken over. Replacing it would leave its predecessor holding the pools'
+regions with nobody waiting for it (every ``OpenSession`` refused while it
+lives); the start stops with code 2 naming both pids, and succeeds once the
+predecessor has exited.
 """
 
 from __future__ import annotations
@@ -45,7 +57,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvtierd.errors import StartupError
-from kvtierd.util.sockets import SocketPlacement
+from kvtierd.util.sockets import PublishError, SocketPlacement
 
 log = logging.getLogger("kvtierd.takeover")
 
@@ -69,7 +81,8 @@ def find_running_daemon(path: str) -> RunningDaemon | None:
     """The daemon serving the Unix socket ``path``; None when there is none to
     replace (no file, or a stale socket file nobody listens on). Raises
     StartupError, signalling nothing, when the path is not a socket file of this
-    uid, or the process serving it runs as another uid."""
+    uid, the process serving it runs as another uid, or it still waits for the
+    daemon it took over (module docstring: a chain)."""
     before = _own_socket_file(path)
     if before is None:
         return None
@@ -93,10 +106,63 @@ def find_running_daemon(path: str) -> RunningDaemon | None:
         _check_uid(path, pid, _process_uid(pid))  # its uid now, not at listen()
         if _own_socket_file(path) != before:
             raise StartupError(KEY, f"{path} was replaced while it was probed; try again")
+        _refuse_a_chain(path, pid)
     except BaseException:
         os.close(pidfd)
         raise
     return RunningDaemon(pid, pidfd)
+
+
+def _refuse_a_chain(path: str, pid: int) -> None:
+    """Raises StartupError when daemon ``pid`` still waits for the one it took over."""
+    waited = waited_for(pid)
+    if waited is not None:
+        raise StartupError(
+            KEY,
+            f"the daemon serving {path} (pid {pid}) is itself still waiting for the daemon "
+            f"it took over (pid {waited}) to exit (it may still hold the pools' regions): "
+            f"not replaced; try again once pid {waited} has exited",
+        )
+
+
+def waited_for(pid: int) -> int | None:
+    """The live process that process ``pid`` holds a pidfd of (a daemon waiting for
+    the one it took over), itself and its children aside; None when there is none,
+    or when ``/proc/PID/fd`` cannot be read (a WARNING: the chain goes unchecked)."""
+    fd_dir = f"/proc/{pid}/fd"
+    try:
+        fds = os.listdir(fd_dir)
+    except OSError as exc:
+        log.warning(
+            "cannot tell whether pid %d still waits for a daemon it took over (%s: %s)",
+            pid, fd_dir, exc.strerror,
+        )  # fmt: skip
+        return None
+    for fd in fds:
+        try:
+            if "pidfd" not in os.readlink(f"{fd_dir}/{fd}"):
+                continue
+            waited = _pidfd_target(f"/proc/{pid}/fdinfo/{fd}")
+        except OSError:  # closed since the listing
+            continue
+        if waited is not None and waited != pid and _parent_of(waited) != pid:
+            return waited
+    return None
+
+
+def _pidfd_target(fdinfo: str) -> int | None:
+    """The pid a pidfd names (its fdinfo's ``Pid:`` line); None once it has exited."""
+    with open(fdinfo, encoding="ascii", errors="replace") as info:
+        for line in info:  # a handful of short lines
+            if line.startswith("Pid:"):
+                value = line[len("Pid:") :].strip()
+                return int(value) if value.isdigit() and int(value) > 0 else None
+    return None
+
+
+def _parent_of(pid: int) -> int:
+    """The parent pid of process ``pid`` (``/proc/PID/status``); -1 if gone."""
+    return _status_field(pid, "PPid:", 1)
 
 
 def _own_socket_file(path: str) -> tuple[int, int] | None:
@@ -136,12 +202,17 @@ def _pidfd(path: str, pid: int) -> int:
 
 def _process_uid(pid: int) -> int:
     """The effective uid of process ``pid`` now (``/proc/PID/status``); -1 if gone."""
+    return _status_field(pid, "Uid:", 2)
+
+
+def _status_field(pid: int, name: str, column: int) -> int:
+    """Column ``column`` of the line ``name`` of ``/proc/PID/status``; -1 if gone."""
     try:
         with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as status:
             for line in status:
-                if line.startswith("Uid:"):
-                    return int(line.split()[2])
-    except OSError:
+                if line.startswith(name):
+                    return int(line.split()[column])
+    except (OSError, ValueError, IndexError):
         pass
     return -1
 
@@ -170,8 +241,15 @@ class Takeover:
         self.gone = asyncio.Event()  # set once the old daemon has exited
 
     def publish(self) -> None:
-        """Renames the sockets over the paths, then asks the old daemon to stop."""
-        self.placement.publish()
+        """Puts the sockets at the paths, all or none, then asks the old daemon to
+        stop. Raises StartupError, signalling nothing, when they cannot all be put
+        there: every path then holds what it held before."""
+        try:
+            self.placement.publish()
+        except PublishError as exc:
+            raise StartupError(
+                KEY, f"{exc}; nothing was replaced: pid {self.old.pid} serves on"
+            ) from None
         self.published_at = self._clock()
         log.info(
             "took over %s; stopping the previous daemon (pid %d)",

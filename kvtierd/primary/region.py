@@ -60,6 +60,7 @@ from typing import Any
 from kvtierd.primary import safecopy
 from kvtierd.primary.rows import RegionRows
 from kvtierd.util import filekind
+from kvtierd.util.flocks import flock_holder
 from kvtierd.util.units import format_bytes
 
 log = logging.getLogger("kvtierd.region")
@@ -421,10 +422,7 @@ def _remove_if_stale(path: str, reason: str = "") -> None:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise RegionInUseError(
-                f"region file {path} is held by another live kvtierd (its flock is taken); "
-                "stop that daemon or give this one another memory.shm_dir"
-            ) from None
+            raise RegionInUseError(held_by_another(path, fd)) from None
         if not _path_names(path, _identity(st)):
             return  # replaced under us: try the create again
         if reason:
@@ -442,6 +440,19 @@ def _remove_if_stale(path: str, reason: str = "") -> None:
         os.unlink(path)
     finally:
         os.close(fd)  # drops our lock on the old inode
+
+
+def held_by_another(path: str, fd: int) -> str:
+    """What to say when the flock of the region file ``path`` (open as ``fd``) is
+    taken: which process holds it (``/proc/locks``), and what to do."""
+    holder = flock_holder(fd)
+    who = f"pid {holder}" if holder is not None else "a process /proc/locks does not name"
+    return (
+        f"region file {path} is held by another live kvtierd, {who} (it holds the "
+        "file's flock): a daemon replaced by a takeover holds its regions until it has "
+        "exited, so wait for that; else it is a second daemon using this memory.shm_dir: "
+        "stop it"
+    )
 
 
 def _not_a_region(path: str, st: os.stat_result) -> RegionError:

@@ -41,7 +41,12 @@ import time
 from dataclasses import dataclass
 
 from kvtierd.contract import BlockKey
-from kvtierd.primary.region import MADV_POPULATE_WRITE, Region, madvise_populate_write
+from kvtierd.primary.region import (
+    MADV_POPULATE_WRITE,
+    Region,
+    held_by_another,
+    madvise_populate_write,
+)
 from kvtierd.primary.warm.holds import OldClientHolds, old_client_holds
 from kvtierd.primary.warm.journalformat import (
     JournalError,
@@ -117,7 +122,7 @@ def adopt_region(
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise ColdStart(f"region {region_path} is held by another live kvtierd") from None
+            raise ColdStart(held_by_another(region_path, fd)) from None
         mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         if prefault and MADV_POPULATE_WRITE:
             try:

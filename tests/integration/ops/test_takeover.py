@@ -15,7 +15,7 @@ import time
 import pytest
 from daemon_harness import eventually, refused_start, start_daemon, write_config
 from nonroot import as_user_prefix, require_nonroot_daemon
-from takeover_harness import CallLoop, take_over
+from takeover_harness import CallLoop, plant_for_every_pid, refused_takeover, take_over
 from warm_harness import BLOCK, BLOCKS, HIT, store
 
 from kvtierd_client.client import Client
@@ -153,3 +153,109 @@ def test_takeover_attack_on_a_daemon_of_another_uid_is_refused(accounts):
         assert victim.stop() == 0
     finally:
         victim.cleanup()
+
+
+@pytest.mark.parametrize(
+    "prefix", [".kvtierd.sock.staged-", ".kvtierd.sock.lane.keep-"], ids=["staged", "keep"]
+)
+def test_takeover_attack_files_planted_at_every_pids_name_change_nothing(other_user, prefix):
+    """Another user plants a regular file, in the sticky socket directory, at the
+    name a socket got for every pid (issue #40): at the gRPC socket's staged name the
+    bind failed ("Address already in use"); at the lane's keep name the takeover
+    failed half-way and took the old daemon's sockets with it. The names are random
+    now: the takeover goes through and the planted files stay as they were."""
+    old = start_daemon("--lease", "10s")
+    daemons = [old]
+    try:
+        os.chmod(old.workdir, 0o1777)  # as /tmp: any user may create names there
+        pids = plant_for_every_pid(other_user, old.workdir, prefix)
+        new = take_over(old)
+        daemons.append(new)
+        assert new.proc.pid in pids  # its names under the old scheme were all taken
+        assert old.proc.returncode == 0, old.log()
+        with Client(new.address) as client:
+            client.open_session("p", block_bytes=BLOCK, num_blocks=BLOCKS, keepalive=False)
+        assert new.stop() == 0
+        names = os.listdir(old.workdir)
+        planted = [name for name in names if name.startswith(prefix)]
+        assert len(planted) == len(pids)
+        assert {os.lstat(os.path.join(old.workdir, n)).st_uid for n in planted} == {other_user.uid}
+        assert [n for n in names if "sock" in n and not n.startswith(prefix)] == []
+    finally:
+        for daemon in daemons:
+            daemon.cleanup()
+
+
+def _socket_names(directory: str) -> dict[str, int]:
+    """Each name in ``directory`` that a socket has or had: its inode."""
+    return {
+        name: os.lstat(os.path.join(directory, name)).st_ino
+        for name in os.listdir(directory)
+        if "sock" in name
+    }
+
+
+def test_takeover_attack_a_file_planted_at_a_new_socket_path_refuses_it_whole(other_user):
+    """The old daemon serves no fast lane, the new one does; another user plants a
+    regular file at the lane's path. The takeover used to rename the gRPC and region
+    sockets over the old daemon's, then the lane's over the planted file (root may
+    remove another user's file in a sticky directory). Every name is checked before
+    the first rename now: the takeover refuses (exit 2, one line naming the path),
+    renames and removes nothing, and the old daemon serves on, over the real client."""
+    old = start_daemon("--lease", "10s", "--fast-lane", "false")
+    try:
+        os.chmod(old.workdir, 0o1777)
+        lane = old.socket_path + ".lane"
+        planted = other_user.run_python("import sys; open(sys.argv[1], 'x').close()", lane)
+        assert planted.returncode == 0, planted.stderr
+        before = _socket_names(old.workdir)
+        _, line = refused_takeover(old, "--fast-lane", "true")
+        assert f"{lane} is a regular file" in line and "nothing was replaced" in line, line
+        assert _socket_names(old.workdir) == before
+        assert os.lstat(lane).st_uid == other_user.uid
+        assert old.alive() and "SIGTERM" not in old.log()
+        with Client(old.address) as client:
+            client.open_session("p", block_bytes=BLOCK, num_blocks=BLOCKS, keepalive=False)
+        assert old.stop() == 0
+    finally:
+        old.cleanup()
+
+
+def test_a_daemon_still_waiting_for_the_one_it_replaced_refuses_to_be_taken_over():
+    """A (stopped with SIGSTOP, holding a pool's region) is taken over by B, which
+    waits for A's exit. C's takeover of B used to succeed and leave A holding the
+    region with nobody waiting for it: C's OpenSession answered FAILED_PRECONDITION
+    "... give this one another memory.shm_dir" for as long as A lived. C refuses
+    now (exit 2, naming A's pid); B serves on and opens the pool once A is gone."""
+    a = start_daemon("--lease", "10s")
+    daemons = [a]
+    try:
+        keys = [f"chain-{i}".encode() for i in range(4)]
+        with Client(a.address) as client:
+            session = client.open_session(
+                "warm", block_bytes=BLOCK, num_blocks=BLOCKS, layout="l1", keepalive=False
+            )
+            store(session, keys)
+        os.kill(a.proc.pid, signal.SIGSTOP)
+        # B waits for A 3 x 20 s + 30 s before it kills it: longer than this test
+        b = take_over(a, "--shutdown-grace", "20s", wait=False)
+        daemons.append(b)
+        eventually(lambda: "kvtierd ready" in b.log(), 60.0, lambda: b.log())
+        c, line = refused_takeover(b)
+        daemons.append(c)
+        assert f"pid {b.proc.pid}" in line and f"pid {a.proc.pid}" in line, line
+        assert b.alive()
+        with Client(b.address) as client:
+            client.get_stats()
+            os.kill(a.proc.pid, signal.SIGCONT)  # its SIGTERM is delivered now
+            assert a.proc.wait(30.0) == 0
+            session = client.open_session(
+                "warm", block_bytes=BLOCK, num_blocks=BLOCKS, layout="l1", keepalive=False
+            )
+            assert session.lookup(keys) == [HIT] * len(keys)
+        assert b.stop() == 0
+    finally:
+        if a.alive():
+            os.kill(a.proc.pid, signal.SIGCONT)
+        for daemon in daemons:
+            daemon.cleanup()

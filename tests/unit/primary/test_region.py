@@ -195,7 +195,9 @@ def test_stale_file_of_a_dead_daemon_is_replaced_not_reused(region_dir, caplog):
         os.close(old)
 
 
-def test_file_locked_by_a_live_process_is_refused_and_left_alone(region_dir):
+def test_file_locked_by_a_live_process_is_refused_naming_it_and_left_alone(region_dir):
+    """The refusal names the pid holding the flock (after a chain of takeovers it
+    used to say only "give this one another memory.shm_dir")."""
     path = os.path.join(region_dir, region_file_name("pool"))
     with open(path, "wb") as f:
         f.write(b"\xcd" * 4096)
@@ -212,7 +214,8 @@ def test_file_locked_by_a_live_process_is_refused_and_left_alone(region_dir):
     try:
         assert holder.stdout.readline().strip() == "locked"
         inode = os.stat(path).st_ino
-        with pytest.raises(RegionInUseError, match="held by another live kvtierd"):
+        named = f"held by another live kvtierd, pid {holder.pid} "
+        with pytest.raises(RegionInUseError, match=named):
             Region.create(region_dir, "pool", 8, BLOCK)
         assert os.stat(path).st_ino == inode
         with open(path, "rb") as f:
