@@ -52,6 +52,8 @@ class DaemonProcess:
     log_path: str
     workdir: str
     env: dict[str, str] | None = None  # the environment it was started with
+    # the directory of root's holding ``workdir`` when another user owns that (removed too)
+    outer: str = ""
     # the channels of stub(): this object's own, closed by stop()
     _channels: list[grpc.Channel] = field(default_factory=list, init=False, repr=False)
 
@@ -103,8 +105,9 @@ class DaemonProcess:
                 cwd=self.workdir,
             )  # fmt: skip
         again = DaemonProcess(
-            proc, self.socket_path, self.shm_dir, self.log_path, self.workdir, self.env
-        )
+            proc, self.socket_path, self.shm_dir, self.log_path, self.workdir, self.env,
+            self.outer,
+        )  # fmt: skip
         wait_serving(again, timeout)
         return again
 
@@ -113,7 +116,7 @@ class DaemonProcess:
             self.proc.kill()
             self.proc.wait()
         shutil.rmtree(self.shm_dir, ignore_errors=True)
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        shutil.rmtree(self.outer or self.workdir, ignore_errors=True)
 
 
 def write_config(directory: str | os.PathLike[str], text: str) -> str:
@@ -191,7 +194,14 @@ def start_daemon(
     another user); ``owner`` (uid, gid) then owns its workdir (socket, config).
     """
     workdir = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")  # short: sun_path is 108 bytes
+    outer = ""
     if owner is not None:
+        # the user's directory inside one of root's (0755), not straight in sticky /tmp:
+        # what root hands a user there names that user's daemon to every client
+        # (kvtierd_client.wire.trust), as /run/kvtierd does under systemd
+        outer, workdir = workdir, os.path.join(workdir, "w")
+        os.chmod(outer, 0o755)
+        os.mkdir(workdir, 0o700)
         os.chown(workdir, *owner)
     if config is not None:
         extra_args = ("--config", write_config(workdir, config), *extra_args)
@@ -212,7 +222,7 @@ def start_daemon(
             [*command_prefix, *daemon_command(*args)], stdout=log_file, stderr=subprocess.STDOUT,
             env=full_env, cwd=workdir,
         )  # fmt: skip
-    daemon = DaemonProcess(proc, socket_path, shm_dir, log_path, workdir, full_env)
+    daemon = DaemonProcess(proc, socket_path, shm_dir, log_path, workdir, full_env, outer)
     if wait:
         try:
             wait_serving(daemon, timeout)

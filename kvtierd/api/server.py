@@ -389,9 +389,11 @@ def _prepare_socket_directory(directory: str, gid: int | None, created: list[str
         raise ListenError(_unreachable(directory, exc)) from None
     if not os.path.isdir(directory):
         raise ListenError(
-            f"cannot listen in {directory}: it exists and is not a directory; choose another "
-            "listen path"
+            f"cannot create socket directory {directory}: {directory} exists and is not a "
+            "directory; choose another listen path"
         )
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ListenError(_unreachable(directory, PermissionError(errno.EACCES, "no write access")))
     if os.stat(directory).st_mode & stat.S_ISVTX:
         log.warning(
             "server.listen: %s is a directory anyone may create names in (sticky): clients "
@@ -468,7 +470,7 @@ def _remove_stale_socket(path: str) -> None:
     except FileNotFoundError:
         return
     except OSError as exc:
-        raise ListenError(f"cannot inspect socket path {path}: {exc.strerror}") from None
+        raise ListenError(_unreachable(path, exc)) from None
     if not stat.S_ISSOCK(info.st_mode):
         raise ConfigError(
             "server.listen",

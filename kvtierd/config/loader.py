@@ -77,6 +77,7 @@ def load_config(
 # reported as unknown at start (a test keeps this list complete)
 OTHER_PROGRAMS_ENVIRONMENT: dict[str, str] = {
     "KVTIERD_ADDRESS": "kvtierctl, kvtierd-health and the client: the daemon's address",
+    "KVTIERD_DAEMON_USER": "kvtierctl and the client: users trusted to run the daemon",
     "KVTIERD_REPLAY_TRACE": "make replay, make bench-vllm: the trace replayed",
     "KVTIERD_BENCH_FS_ROOT": "the fs benchmarks: parent of their fs tier roots",
     "KVTIERD_BENCH_VLLM_PYTHON": "the fs benchmark: the interpreter with vLLM",
