@@ -72,9 +72,15 @@ class TierFaultLog:
     def refused(self, key: BlockKey, error: BlockCorrupt) -> None:
         """``key``'s value failed verification (the I/O thread deleted it): counted by
         the tier, logged here at most every :data:`FAULT_LOG_INTERVAL_S` per kind."""
-        kind = "integrity" if error.integrity else "checksum"
-        self.limited.warning(
-            (kind, self.name),
-            "redis tier %s: value of block %s refused and deleted: %s (counted in "
-            "%s_failures)", self.name, key.hex(), error, kind,
-        )  # fmt: skip
+        if error.integrity:
+            self.limited.warning(
+                ("integrity", self.name),
+                "redis tier %s: value of block %s refused and deleted: %s (counted in "
+                "integrity_failures)", self.name, key.hex(), error,
+            )  # fmt: skip
+        else:
+            self.limited.warning(
+                ("checksum", self.name),
+                "redis tier %s: block %s dropped: %s (counted in checksum_failures)",
+                self.name, key.hex(), error,
+            )  # fmt: skip

@@ -37,13 +37,12 @@ def test_redis_refused_values_are_one_line_per_kind_per_interval_with_a_count(ca
     clock.advance(FAULT_LOG_INTERVAL_S)
     faults.refused(BlockKey(b"later"), BlockCorrupt("header names key 6b30"))
     assert warnings(caplog) == [
-        "redis tier redis: value of block 6b30 refused and deleted: header names key 6b30 "
+        "redis tier redis: block 6b30 dropped: header names key 6b30 "
         "(counted in checksum_failures)",
         "redis tier redis: value of block 666f72676564 refused and deleted: no MAC "
         "(counted in integrity_failures)",
-        "redis tier redis: value of block 6c61746572 refused and deleted: header names key "
-        "6b30 (counted in checksum_failures) (999 similar lines suppressed since the "
-        "previous one)",
+        "redis tier redis: block 6c61746572 dropped: header names key 6b30 "
+        "(counted in checksum_failures) (999 similar lines suppressed since the previous one)",
     ]
     link.close()
 
