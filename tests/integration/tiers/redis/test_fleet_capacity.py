@@ -115,6 +115,25 @@ def test_a_bound_under_a_mebibyte_is_refused_at_start(tmp_path: Path) -> None:
     assert "tiers[0].fleet_capacity" in line and "at least 1MiB" in line, line
 
 
+def test_a_bound_beyond_the_largest_size_is_refused_alike_as_an_integer_and_as_text(
+    tmp_path: Path,
+) -> None:
+    """Scenario: fleet_capacity = 2^64 as a TOML integer and as "16EiB": both stop the
+    daemon with one line naming the option and the largest size, the same words.
+    Before: the integer (2^70 too) was taken as a bound, the text refused."""
+    lines = []
+    for written in (str(1 << 64), '"16EiB"'):
+        config = tmp_path / "kvtierd.toml"
+        config.write_text(
+            redis_config("redis://127.0.0.1:1", "p") + f"fleet_capacity = {written}\n"
+        )
+        lines.append(
+            refused_start(config, tmp_path).replace(repr(1 << 64), "X").replace("'16EiB'", "X")
+        )
+    assert "tiers[0].fleet_capacity" in lines[0] and "a size is at most" in lines[0], lines[0]
+    assert lines[0] == lines[1], lines
+
+
 FUTURE_BLOCKS = 32
 
 
