@@ -14,7 +14,10 @@ So the daemon bounds, per stream and in total:
 * each message: events are split to at most ``MAX_EVENT_BYTES`` (64 KiB) when
   they are logged (:mod:`kvtierd.records.events`);
 * the number of open streams: ``limits.max_watch_streams`` (all pools); one more
-  is refused with RESOURCE_EXHAUSTED;
+  is refused with RESOURCE_EXHAUSTED. They are shared fairly between principals,
+  as peer tickets are (:mod:`kvtierd.util.fairshare`): each principal may always
+  open its share (``max_watch_streams`` / principals), and more only while the
+  free places still cover every other principal's unused share;
 * the wait: a write that has not completed within ``limits.watch_write_timeout``
   ends the stream with OUT_OF_RANGE. gRPC queues that status behind the message
   already handed to it, so a client that reads later receives every event it
@@ -37,12 +40,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import grpc
 
 from kvtierd.errors import KvtierdError, OutOfRange, ResourceExhausted
+from kvtierd.util.fairshare import FairShares
 
 log = logging.getLogger("kvtierd.watch")
 
@@ -87,28 +91,40 @@ class WatchSlot:
 class WatchStreams:
     """The daemon's WatchEvents streams.
 
-    Invariants: ``0 <= _open <= max_streams``; ``_open`` is the number of slots
-    in state open; ``_unread[p]`` the number of principal ``p``'s slots in state
-    unread, never 0 (the key goes) and at most ``max_unread`` after a
-    ``reserve`` (a slot moves to unread without a check: its stream is ending
-    whatever the count, and the count bounds new streams)."""
+    ``principals``: the configured principals' names, among whom the open places
+    are shared (none: one share, the whole limit).
 
-    def __init__(self, max_streams: int, write_timeout: float, max_unread: int = 64) -> None:
+    Invariants: ``0 <= len(_open) <= max_streams``; ``_open.held(p)`` is the
+    number of principal ``p``'s slots in state open; ``_unread[p]`` the number
+    of ``p``'s slots in state unread, never 0 (the key goes) and at most
+    ``max_unread`` after a ``reserve`` (a slot moves to unread without a check:
+    its stream is ending whatever the count, and the count bounds new streams)."""
+
+    def __init__(
+        self,
+        max_streams: int,
+        write_timeout: float,
+        max_unread: int = 64,
+        principals: Iterable[str] = (),
+    ) -> None:
         self.max_streams = max_streams
         self.max_unread = max_unread
         self.write_timeout = write_timeout
-        self._open = 0
+        self._open = FairShares(max_streams, principals)
         self._unread: dict[str, int] = {}
         self._refused = 0
         self._ended_slow = 0
 
     def statistics(self) -> WatchStats:
-        return WatchStats(self._open, sum(self._unread.values()), self._refused, self._ended_slow)
+        return WatchStats(
+            len(self._open), sum(self._unread.values()), self._refused, self._ended_slow
+        )
 
     def reserve(self, principal: str) -> WatchSlot:
         """A place for a new stream of ``principal``; raises ResourceExhausted when
-        none is free or that principal has ``max_unread`` unread ended streams
-        (nothing changed). The caller closes it (:meth:`held`)."""
+        none is free, when the free ones are kept for the other principals' shares,
+        or when that principal has ``max_unread`` unread ended streams (nothing
+        changed). The caller closes it (:meth:`held`)."""
         unread = self._unread.get(principal, 0)
         if unread >= self.max_unread:
             self._refused += 1
@@ -118,14 +134,22 @@ class WatchStreams:
                 "(limits.max_unread_watch_streams): read those streams to their end or "
                 "close them"
             )
-        if self._open >= self.max_streams:
+        if self._open.full:
             self._refused += 1
             raise ResourceExhausted(
-                f"{self._open} WatchEvents streams are open, the limit is {self.max_streams} "
-                "(limits.max_watch_streams); close a stream you no longer read, or raise "
-                "the limit"
+                f"{len(self._open)} WatchEvents streams are open, the limit is "
+                f"{self.max_streams} (limits.max_watch_streams); close a stream you no longer "
+                "read, or raise the limit"
             )
-        self._open += 1
+        if not self._open.within_share(principal):
+            self._refused += 1
+            raise ResourceExhausted(
+                f"principal {principal!r} has {self._open.held(principal)} WatchEvents streams "
+                f"open; the free places ({self._open.free}) are kept for the other principals' "
+                "shares (limits.max_watch_streams / principals); close a stream you no longer "
+                "read"
+            )
+        self._open.take(principal)
         return WatchSlot(self, principal)
 
     @contextlib.contextmanager
@@ -137,14 +161,12 @@ class WatchStreams:
             slot.close()
 
     def _moved_to_unread(self, principal: str) -> None:
-        self._open -= 1
+        self._open.give_back(principal)
         self._unread[principal] = self._unread.get(principal, 0) + 1
-        assert self._open >= 0
 
     def _closed(self, principal: str, unread: bool) -> None:
         if not unread:
-            self._open -= 1
-            assert self._open >= 0
+            self._open.give_back(principal)
             return
         left = self._unread[principal] - 1
         if left:

@@ -304,7 +304,9 @@ OPTIONS: tuple[Option, ...] = (
         int_in(1, 1 << 16),
         lambda: 64,
         "WatchEvents streams open at once (all pools); more are refused with "
-        "RESOURCE_EXHAUSTED. A stream ended for not reading (watch_write_timeout) gives "
+        "RESOURCE_EXHAUSTED. Shared fairly between principals: each may always open "
+        "max_watch_streams / principals, more only while the free places cover the "
+        "others' unused shares. A stream ended for not reading (watch_write_timeout) gives "
         "its place back at once",
         flag="--max-watch-streams",
     ),

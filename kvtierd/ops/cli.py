@@ -76,8 +76,8 @@ def _epilog() -> str:
     paragraphs = (
         "Every key can also be set with KVTIERD_<SECTION>_<KEY> in the environment "
         "(e.g. KVTIERD_MEMORY_BUDGET=8GiB). Precedence: flag > environment > file > "
-        "default. Sizes are binary: a number of bytes or a number with KiB, MiB, GiB, TiB "
-        "or PiB (GB, G and Gi are refused); durations take ms, s, m or h ('10s'); a "
+        "default. Sizes are binary: a number of bytes or a number with KiB, MiB, GiB, TiB, "
+        "PiB or EiB (GB, G and Gi are refused); durations take ms, s, m or h ('10s'); a "
         "duration without a unit is refused, except 0.",
         "Operator commands: kvtierd fsck ROOT (see kvtierctl --help).",
         "Secondary tiers are [[tiers]] tables of the --config file (type, name, then the "

@@ -3,6 +3,12 @@
 Exit codes: 0 success (fsck: every block verified), 1 a problem was found or
 the daemon answered with an error (one readable line on stderr), 2 bad usage,
 141 stdout's reader closed the pipe (``| head``; nothing on stderr).
+
+Every line it writes for a person goes through :func:`show` (table cells through
+:func:`printable` first, so columns line up): what the server sent (pool, tier and
+policy names, versions, explanations, error details) reaches the terminal with its
+control characters escaped, never as escape sequences the terminal would act on.
+``--json`` is escaped by JSON itself (``json.dumps`` writes ``\\u001b``).
 """
 
 from __future__ import annotations
@@ -24,6 +30,34 @@ EXIT_OK = 0
 EXIT_PROBLEM = 1
 EXIT_USAGE = 2
 EXIT_PIPE = 128 + 13  # stdout's reader went away (SIGPIPE's status in the shell)
+
+
+def printable(text: str) -> str:
+    """``text`` with every character that is not printable (``str.isprintable``: C0
+    and C1 controls, DEL, line breaks, bidi overrides and other format characters)
+    written as a Python escape (``\\x1b``, ``\\n``, ``\\u202e``). Printable text is
+    left as it is, so escaping twice is escaping once."""
+    if text.isprintable():
+        return text
+    return "".join(char if char.isprintable() else _escaped(char) for char in text)
+
+
+def _escaped(char: str) -> str:
+    code = ord(char)
+    if code <= 0xFF:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
+
+
+def show(*lines: str, file: TextIO | None = None, flush: bool = False) -> None:
+    """Writes each of ``lines`` (to stdout, or ``file``) with its non-printable
+    characters escaped (:func:`printable`): the one way kvtierctl writes text that
+    may hold what a server sent."""
+    stream = sys.stdout if file is None else file
+    for line in lines:
+        stream.write(printable(line) + "\n")
+    if flush:
+        stream.flush()
 
 
 class Progress:
@@ -62,16 +96,16 @@ def cmd_fsck(args: argparse.Namespace) -> int:
 
     root = args.root
     if not os.path.isdir(root):
-        print(f"kvtierctl fsck: {root} is not a directory", file=sys.stderr)
+        show(f"kvtierctl fsck: {root} is not a directory", file=sys.stderr)
         return EXIT_USAGE
     progress = Progress(f"fsck {root}") if not args.quiet else None
     report = fsck(root, remove=args.remove, progress=progress.update if progress else None)
     if progress:
         progress.finish()
     for path, reason in report.bad:
-        print(f"BAD {path}: {reason}")
+        show(f"BAD {path}: {reason}")  # a planted file's name is anyone's text
     action = f", {report.removed} removed" if args.remove else ""
-    print(
+    show(
         f"{report.files_checked} block files in {report.pools} pools checked: "
         f"{len(report.bad)} bad{action}, {report.temp_files} temp files"
     )
@@ -110,7 +144,7 @@ def _client(args: argparse.Namespace) -> Client:
             address, timeout=args.timeout, token=args.token, tls=tls, daemon_user=args.daemon_user
         )
     except (OSError, ValueError) as exc:
-        print(f"kvtierctl: {exc}", file=sys.stderr)
+        show(f"kvtierctl: {exc}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE) from None
     try:
         client.verify_daemon()  # a socket another user could have put there: not a word to it
@@ -140,20 +174,20 @@ def cmd_status(args: argparse.Namespace) -> int:
         stats = client.get_stats()
     address, source = daemon_address(args)
     origin = "" if source == "--address" else f" ({source})"
-    print(
+    show(
         f"kvtierd {stats.version} at {address}{origin}: up "
         f"{_duration(stats.uptime_seconds)}, {stats.sessions} sessions, {len(stats.pools)} pools, "
         f"memory {_human_bytes(stats.memory_used_bytes)} of "
         f"{_human_bytes(stats.memory_budget_bytes)}"
     )
     for pool in stats.pools:
-        print(
+        show(
             f"pool {pool.name}: {pool.num_blocks} blocks x {_human_bytes(pool.block_bytes)}, "
             f"{pool.eviction_policy}, {pool.sessions} sessions, layout {pool.layout!r}"
         )
         for tier in pool.tiers:
             ready = "" if tier.tier == "primary" or tier.ready else " (index rebuilding)"
-            print(
+            show(
                 f"  {tier.tier:<10} {tier.used_blocks}/{tier.capacity_blocks} blocks, "
                 f"{_human_bytes(tier.used_bytes)} of {_human_bytes(tier.capacity_bytes)}{ready}"
             )
@@ -265,7 +299,7 @@ def _table(
     columns: tuple[tuple[str, Callable[[Any, Any], str]], ...], tiers: list[tuple[Any, Any]]
 ) -> list[str]:
     rows = [[c[0] for c in columns]]
-    rows += [[c[1](p, t) for c in columns] for p, t in tiers]
+    rows += [[printable(c[1](p, t)) for c in columns] for p, t in tiers]  # widths as shown
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return [
         "  ".join(cell.ljust(w) if i < 2 else cell.rjust(w)
@@ -280,9 +314,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
     with _client(args) as client:
         stats = client.get_stats(args.pool or "")
     if args.json:
-        print(json.dumps(message_json(stats), indent=2))
+        print(json.dumps(message_json(stats), indent=2))  # escaped by JSON (ensure_ascii)
         return EXIT_OK
-    print("\n".join(stats_table(stats)))
+    show(*stats_table(stats))
     return EXIT_OK
 
 
@@ -338,8 +372,8 @@ def watch_stats(args: argparse.Namespace) -> int:
                     f"kvtierd stats every {args.watch:g}s, {time.strftime('%H:%M:%S')} "
                     "(Ctrl-C exits)"
                 )
-                sys.stdout.write(clear + "\n".join([header, *stats_table(stats)]) + "\n")
-                sys.stdout.flush()
+                sys.stdout.write(clear)
+                show(header, *stats_table(stats), flush=True)
                 next_at = max(next_at + args.watch, time.monotonic())
                 stop.wait(max(0.0, next_at - time.monotonic()))
     finally:
@@ -353,7 +387,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
         stream = client.watch_events(args.pool, args.after_seq, timeout=None)
         try:
             for event in stream:
-                print(_event_line(event), flush=True)
+                show(_event_line(event), flush=True)
                 seen += 1
                 if args.count and seen >= args.count:
                     break
@@ -378,7 +412,7 @@ def _event_line(event: Any) -> str:
 def cmd_flush(args: argparse.Namespace) -> int:
     with _client(args) as client:
         evicted = client.flush_pool(args.pool)
-    print(f"pool {args.pool}: {evicted} blocks evicted from the primary tier "
+    show(f"pool {args.pool}: {evicted} blocks evicted from the primary tier "
           "(pinned and in-flight blocks stay; secondary tiers keep their copies)")  # fmt: skip
     return EXIT_OK
 
@@ -401,15 +435,15 @@ def cmd_explain(args: argparse.Namespace) -> int:
         report = client.explain(args.pool, key)
         pools = client.get_stats(args.pool).pools
     remote = {t.tier: t for p in pools for t in p.tiers if _is_remote(t)}
-    print(f"key {key.hex()} in pool {args.pool}: {report.summary}")
-    print(f"  primary: {LookupResult(report.primary).name} (ref count {report.ref_count})")
+    show(f"key {key.hex()} in pool {args.pool}: {report.summary}")
+    show(f"  primary: {LookupResult(report.primary).name} (ref count {report.ref_count})")
     for tier in report.tiers:
         state = ("present" if tier.present else "absent") if tier.known else "index rebuilding"
         server = f" ({remote_line(remote[tier.tier])})" if tier.tier in remote else ""
-        print(f"  {tier.tier}: {state}{server}")
+        show(f"  {tier.tier}: {state}{server}")
     for record in report.history:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.unix_time))
-        print(f"  {when} {record.tier}: {record.what}")
+        show(f"  {when} {record.tier}: {record.what}")
     return EXIT_OK
 
 
@@ -527,7 +561,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "kvtierctl") -> int:
     try:
         return COMMANDS[args.command](args)
     except KvtierError as exc:  # one readable line; the status code name says what kind
-        print(f"{prog} {args.command}: {exc}", file=sys.stderr)
+        show(f"{prog} {args.command}: {exc}", file=sys.stderr)
         return EXIT_PROBLEM
     except BrokenPipeError:
         return reader_went_away()

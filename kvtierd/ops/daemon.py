@@ -133,6 +133,7 @@ class Daemon:
                 config.limits.max_watch_streams,
                 config.limits.watch_write_timeout,
                 max_unread=config.limits.max_unread_watch_streams,
+                principals=[principal.name for principal in config.security.principals],
             ),
         )
         self.pools.observe_job = self.metrics.observe_job

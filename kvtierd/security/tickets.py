@@ -20,6 +20,9 @@ its calls' metadata (``kvtierd_client.wire.peer_ticket`` holds the protocol):
 
 Invariant: ``ticket in self._callers`` iff its connection is open and its
 task is waiting for the close; ``len(self._callers) <= max_holders``.
+Fair shares between principals (:mod:`kvtierd.util.fairshare`): each may always
+hold ``max_holders / principals`` tickets, and more only while the free ones
+still cover every other principal's unused share.
 Event-loop only.
 """
 
@@ -30,13 +33,13 @@ import contextlib
 import logging
 import secrets
 import socket
-from collections import Counter
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from kvtierd.security.access import AccessDenied
 from kvtierd.security.identity import Caller, PeerCredentials, peer_credentials
 from kvtierd.security.principals import Principal
+from kvtierd.util.fairshare import FairShares
 from kvtierd_client.wire.peer_ticket import TICKET_BYTES, granted_line, refused_line
 
 log = logging.getLogger("kvtierd.security.tickets")
@@ -62,14 +65,10 @@ class TicketOffice:
         self._identify = identify
         self._max_holders = max_holders
         self._on_refused = on_refused
-        # Fair shares: each configured principal may always get share tickets; it
-        # gets more only while the free ones still cover every other principal's
-        # unused share, so no principal can lock the others out.
-        self._principals = tuple(principals)
-        self._share = max(1, max_holders // max(1, len(self._principals)))
         self._callers: dict[str, Caller] = {}  # ticket -> the caller it proves
-        # Invariant: _held[p] == number of tickets in _callers whose caller is p (> 0)
-        self._held: Counter[str] = Counter()
+        # Invariant: _shares.held(p) == number of tickets in _callers whose caller
+        # is p; len(_shares) == len(_callers)
+        self._shares = FairShares(max_holders, principals)
         self._listeners: list[socket.socket] = []
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -132,8 +131,7 @@ class TicketOffice:
                 return
             ticket = secrets.token_hex(TICKET_BYTES)
             self._callers[ticket] = caller  # holders +1
-            self._held[caller.name] += 1
-            assert len(self._callers) <= self._max_holders
+            self._shares.take(caller.name)
             answer = granted_line(ticket, caller.name)
             await asyncio.wait_for(loop.sock_sendall(connection, answer), HANDSHAKE_TIMEOUT)
             log.debug("peer ticket issued to %s as principal %s", caller.peer, caller.name)
@@ -143,38 +141,25 @@ class TicketOffice:
             log.debug("ticket connection ended: %s", exc)
         finally:
             if ticket:
-                name = self._callers.pop(ticket).name  # holders -1
-                self._held[name] -= 1
-                if not self._held[name]:
-                    del self._held[name]
+                self._shares.give_back(self._callers.pop(ticket).name)  # holders -1
             connection.close()
 
     def _admit(self, peer: PeerCredentials) -> Caller:
         """The caller ``peer`` is; raises ``AccessDenied`` (unknown or ambiguous
         peer, too many holders)."""
         principal = self._identify(peer)
-        if len(self._callers) >= self._max_holders:
+        if self._shares.full:
             raise AccessDenied(
                 f"{len(self._callers)} processes hold peer tickets, the limit is "
                 f"{self._max_holders} (sessions.max_sessions); close clients you no longer use",
                 principal=principal.name,
             )
-        if not self._within_share(principal.name):
+        if not self._shares.within_share(principal.name):
             raise AccessDenied(
-                f"principal {principal.name!r} holds {self._held[principal.name]} peer tickets; "
-                f"the free ones ({self._max_holders - len(self._callers)}) are kept for the "
+                f"principal {principal.name!r} holds {self._shares.held(principal.name)} peer "
+                f"tickets; the free ones ({self._shares.free}) are kept for the "
                 "other principals' shares (sessions.max_sessions / principals); close clients "
                 "you no longer use",
                 principal=principal.name,
             )
         return Caller(principal, peer.describe(), "peer ticket")
-
-    def _within_share(self, name: str) -> bool:
-        """Whether ``name`` may take one more ticket: below its share, or the free
-        tickets stay more than the other principals' unused shares."""
-        if self._held[name] < self._share:
-            return True
-        unused_by_others = sum(
-            max(0, self._share - self._held[other]) for other in self._principals if other != name
-        )
-        return self._max_holders - len(self._callers) > unused_by_others

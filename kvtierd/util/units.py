@@ -4,7 +4,9 @@ Only what the configuration reference documents is accepted
 (docs/reference/configuration.md, "Sizes and durations"; ``SIZE_UNITS`` and
 ``DURATION_UNITS`` are its tables). Sizes are binary (IEC): ``KiB`` is 1024 bytes.
 A decimal unit (``GB``, ``M``...) is refused, because half of its writers mean
-1000 and half 1024; the message says what to write for either. A duration needs its unit, except 0:
+1000 and half 1024; the message says what to write for either. A size is at most
+:data:`MAX_SIZE` bytes however it is written (a TOML integer, a number of bytes in text,
+a number with a unit): beyond, the same message. A duration needs its unit, except 0:
 ``lease = "10"`` could be seconds or milliseconds. Units are case-insensitive.
 """
 
@@ -22,38 +24,44 @@ SIZE_UNITS: dict[str, int] = {
     "gib": 1 << 30,
     "tib": 1 << 40,
     "pib": 1 << 50,
+    "eib": 1 << 60,
 }
 # refused units -> (the binary unit to write, the bytes of the decimal reading or 0):
 # decimal ones (k, KB, G, GB...) and Kubernetes-style shorthands (Ki, Gi...)
 _REFUSED_SIZE_UNITS: dict[str, tuple[str, int]] = {
     letter + suffix: (binary, 0 if suffix == "i" else 1000**power)
     for power, (letter, binary) in enumerate(
-        (("k", "KiB"), ("m", "MiB"), ("g", "GiB"), ("t", "TiB"), ("p", "PiB")), start=1
+        (("k", "KiB"), ("m", "MiB"), ("g", "GiB"), ("t", "TiB"), ("p", "PiB"), ("e", "EiB")),
+        start=1,
     )
     for suffix in ("", "b", "i")
 }
+# The largest size: an int64's (sizes cross the wire as uint64, and reach metrics and
+# system calls as int64), 8EiB less one byte.
+MAX_SIZE = (1 << 63) - 1
 DURATION_UNITS: dict[str, float] = {"ms": 0.001, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
 _NUMBER_UNIT = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
 SIZE_FORMS = (
-    "a number of bytes (4096) or a number with KiB, MiB, GiB, TiB or PiB ('512MiB', '8GiB')"
+    "a number of bytes (4096) or a number with KiB, MiB, GiB, TiB, PiB or EiB ('512MiB', '8GiB')"
 )
 DURATION_FORMS = "a number with ms, s, m (minutes) or h ('500ms', '10s', '2m'), or 0"
 
 
 def parse_size(value: str | int | float) -> int:
     """Bytes in ``value``: an int, or a number with an optional binary unit (KiB,
-    MiB, GiB, TiB, PiB; B or none: bytes). A fraction with a unit is rounded down
+    MiB, GiB, TiB, PiB, EiB; B or none: bytes). A fraction with a unit is rounded down
     to whole bytes; without one it is refused.
 
     Raises ValueError saying what to write when the value is not one of these forms,
-    decimal units (``10GB``, ``10G``) and ``Gi``-style shorthands included.
+    decimal units (``10GB``, ``10G``) and ``Gi``-style shorthands included, or when it
+    is over :data:`MAX_SIZE` (one message, whichever form said it).
     """
     if isinstance(value, bool):
         raise ValueError(f"expected a size, got {value!r}")
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"a size cannot be negative, got {value}")
-        return value
+        return _at_most_max(value, value)
     match = _NUMBER_UNIT.match(str(value))
     if match is None:
         raise ValueError(f"expected a size: {SIZE_FORMS}; got {value!r}")
@@ -64,7 +72,13 @@ def parse_size(value: str | int | float) -> int:
         raise ValueError(f"expected a size: {SIZE_FORMS}; got {value!r}")
     if SIZE_UNITS[unit] == 1 and number.denominator != 1:
         raise ValueError(f"a size without a unit is a whole number of bytes, got {value!r}")
-    return int(number * SIZE_UNITS[unit])
+    return _at_most_max(value, int(number * SIZE_UNITS[unit]))
+
+
+def _at_most_max(value: object, nbytes: int) -> int:
+    if nbytes > MAX_SIZE:
+        raise ValueError(f"a size is at most {MAX_SIZE} bytes (8EiB less one byte), got {value!r}")
+    return nbytes
 
 
 def _ambiguous_size(value: object, text: str, number: Fraction, unit: str) -> str:

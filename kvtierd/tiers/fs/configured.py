@@ -26,6 +26,7 @@ from kvtierd.tiers.base import JobCallback
 from kvtierd.tiers.configured import ConfiguredTier, PoolBinding, TierCheckError
 from kvtierd.tiers.fs import permissions
 from kvtierd.tiers.fs.blockio import IoWorkers
+from kvtierd.tiers.fs.corruptlog import CorruptFileLog
 from kvtierd.tiers.fs.index import DiskBudget
 from kvtierd.tiers.fs.iopool import IoPool
 from kvtierd.tiers.fs.rootlock import RootGuard, RootInUse
@@ -55,6 +56,8 @@ class ConfiguredFsTier(ConfiguredTier):
         self.budget = DiskBudget(settings.capacity)
         # one report stream of write failures for all its pools
         self.write_log = WriteFailureLog(name, logging.getLogger("kvtierd.tiers.fs"))
+        # one rate limit on the lines of files that failed verification, for all its pools
+        self.corrupt_log = CorruptFileLog(name)
         self._io: IoPool | None = None  # started with the first pool
         self._workers: IoWorkers | None = None  # started with the first pool (if any)
         # exclusive, or shared with other daemons (shared = true); held from check() to shutdown()
@@ -173,6 +176,7 @@ class ConfiguredFsTier(ConfiguredTier):
                 write_log=self.write_log,
                 unserved=self.unserved,
                 integrity=self.keys,
+                corrupt_log=self.corrupt_log,
             ),
         )
         if self.unserved is not None:

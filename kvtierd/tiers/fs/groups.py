@@ -36,21 +36,17 @@ Invariants:
 
 from __future__ import annotations
 
-import logging
-
 from kvtierd.contract import BlockKey
 from kvtierd.tiers.failures import LoadFailure, classify
 from kvtierd.tiers.fs import fsformat, iowire
 from kvtierd.tiers.fs.blockfile import CorruptFile
 from kvtierd.tiers.fs.blockio import BlockIo
+from kvtierd.tiers.fs.corruptlog import CorruptFileLog
 from kvtierd.tiers.fs.files import PoolFiles, beside, name_of
 from kvtierd.tiers.fs.fsformat import TEMP_SUFFIX
 from kvtierd.tiers.fs.index import BlockIndex, TierFull
 from kvtierd.tiers.fs.iopool import Outcome, Pairs
 from kvtierd.tiers.fs.iowire import RegionRef
-from kvtierd.tiers.fs.safefs import REGULAR
-
-log = logging.getLogger("kvtierd.tiers.fs")
 
 
 class BlockGroups:
@@ -72,10 +68,14 @@ class BlockGroups:
         num_rows: int,
         fsync: bool,
         keys: tuple[bytes, tuple[bytes, ...]] | None,
+        corrupt_log: CorruptFileLog | None = None,
     ) -> None:
         """``keys``: the integrity keys as sent to the block I/O
-        (:meth:`~kvtierd.tiers.integrity.KeyRing.wire`; None: unkeyed files)."""
+        (:meth:`~kvtierd.tiers.integrity.KeyRing.wire`; None: unkeyed files).
+        ``corrupt_log``: where files that failed verification are logged
+        (rate-limited; one of its own when not given)."""
         self.name = name
+        self._corrupt_log = corrupt_log or CorruptFileLog(name)
         self.o_direct = False
         self._index = index
         self._files = files
@@ -226,13 +226,7 @@ class BlockGroups:
         file if the path still names the inode that failed (never a directory, never
         through a symlink; something else at the path is left there)."""
         path, rel = self._files.path(key), fsformat.block_rel_path(key)
-        if error.kind == REGULAR:
-            log.warning("FS tier %s: removing corrupt block file %s: %s", self.name, path,
-                        error.reason)  # fmt: skip
-        else:
-            action = "removing it" if error.identity is not None else "leaving it there"
-            log.warning("FS tier %s: bad block file %s: %s; %s", self.name, path, error.reason,
-                        action)  # fmt: skip
+        self._corrupt_log.dropped(path, error)
         identity = error.identity
 
         def replaced() -> bool:

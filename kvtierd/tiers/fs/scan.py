@@ -12,7 +12,8 @@ RETRY until it ends). Invariants:
   indexes only files sealed under one of them
   (:func:`~kvtierd.tiers.fs.fsformat.check_sealing`; the MAC is checked at
   load). A file that fails is removed (if the path still names it), counted in
-  ``checksum_failures`` (``integrity_failures`` for the keyed check) and logged;
+  ``checksum_failures`` (``integrity_failures`` for the keyed check) and logged
+  (rate-limited: :mod:`.corruptlog`);
   something other than a regular file is removed too, unless a directory.
 * Leftover temp files (a crash mid-write or mid-eviction) are removed; on a
   shared root (``temp_min_age_s`` > 0) only those older than that, since a
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 from kvtierd.contract import BlockKey
 from kvtierd.tiers.fs import blockfile, fsformat, permissions, safefs
 from kvtierd.tiers.fs.blockfile import CorruptFile
+from kvtierd.tiers.fs.corruptlog import CorruptFileLog
 from kvtierd.tiers.fs.fsformat import BLOCK_SUFFIX, TEMP_SUFFIX, CorruptBlock
 from kvtierd.tiers.fs.index import BlockIndex, TierFull
 from kvtierd.tiers.fs.safefs import DIRECTORY, REGULAR, Entry, PoolDir, UnexpectedEntry
@@ -72,6 +74,8 @@ class IndexScan:
     hands it to its loop). ``before_scan``, if given, is called on the scan
     thread first (tests hold the scan there, as a slow mount would). ``keys``:
     the tier's integrity keys (None: it reads unkeyed files only).
+    ``corrupt_log``: where the files it removes are logged (rate-limited; one
+    of its own when not given).
     """
 
     def __init__(
@@ -85,8 +89,10 @@ class IndexScan:
         before_scan: Callable[[], object] | None = None,
         temp_min_age_s: float = 0.0,
         keys: KeyRing | None = None,
+        corrupt_log: CorruptFileLog | None = None,
     ) -> None:
         self.tier_name = tier_name
+        self._corrupt_log = corrupt_log or CorruptFileLog(tier_name)
         self._keys = keys
         self._temp_min_age_s = temp_min_age_s
         self.pool_dir = pool_dir
@@ -206,17 +212,13 @@ class IndexScan:
         return st.st_mtime, header.key, st.st_size
 
     def _drop(self, entry: Entry, error: CorruptFile, path: str) -> None:
-        """Logs, counts and (unless a directory) removes a bad entry the scan met."""
-        report = self.report
+        """Logs (rate-limited), counts and (unless a directory) removes a bad entry
+        the scan met."""
+        self._corrupt_log.dropped(path, error)
         if error.kind == REGULAR:
-            log.warning("FS tier %s: removing unreadable block file %s: %s", self.tier_name,
-                        path, error.reason)  # fmt: skip
-            report.removed_corrupt += 1
+            self.report.removed_corrupt += 1
         else:
-            action = "removing it" if error.identity is not None else "leaving it there"
-            log.warning("FS tier %s: bad block file %s: %s; %s", self.tier_name, path,
-                        error.reason, action)  # fmt: skip
-            report.bad_entries += 1
+            self.report.bad_entries += 1
         if error.identity is not None:
             safefs.unlink_if_same(entry.dir_fd, entry.name, error.identity)
         self._index.count("integrity_failures" if error.integrity else "checksum_failures")

@@ -80,6 +80,7 @@ from kvtierd.tiers.configured import PoolBinding
 from kvtierd.tiers.failures import NONE_FAILED, FailedLoads, sort_failed, transient_cause
 from kvtierd.tiers.fs import startup
 from kvtierd.tiers.fs.blockio import BlockIo, InlineIo, IoWorkers
+from kvtierd.tiers.fs.corruptlog import CorruptFileLog
 from kvtierd.tiers.fs.files import PoolFiles
 from kvtierd.tiers.fs.fsformat import HEADER_SIZE, PoolIdentity
 from kvtierd.tiers.fs.groups import BlockGroups
@@ -114,6 +115,7 @@ class SharedParts:
     write_log: WriteFailureLog | None = None
     unserved: UnservedPools | None = None
     integrity: KeyRing | None = None  # the keys of keyed integrity (integrity_key_file)
+    corrupt_log: CorruptFileLog | None = None  # the lines of files that failed verification
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,11 +195,12 @@ class FsTier(SecondaryTier):
         self._io: IoPool | None = parts.io_pool
         self._owns_io = parts.io_pool is None
         self._files = PoolFiles(name, self.pool_dir)
+        corrupt_log = parts.corrupt_log or CorruptFileLog(name)
         self.index = BlockIndex(name, self.file_bytes, self.budget, self._files.remove_evicted)
         self._scan = IndexScan(
             name, self.pool_dir, self._fingerprint, block_bytes, self.index,
             self._index_ready, probes.before_scan,
-            SHARED_TEMP_MAX_AGE_S if settings.shared else 0.0, parts.integrity,
+            SHARED_TEMP_MAX_AGE_S if settings.shared else 0.0, parts.integrity, corrupt_log,
         )  # fmt: skip
         self.shared: SharedRoot | None = (
             SharedRoot(
@@ -222,6 +225,7 @@ class FsTier(SecondaryTier):
             (*(region_file or ("", 0, 0)), block_bytes),
             fingerprint=self._fingerprint, num_rows=len(region) // block_bytes,
             fsync=settings.fsync, keys=integrity.wire() if integrity is not None else None,
+            corrupt_log=corrupt_log,
         )  # fmt: skip
 
     def _inline_io(self, pool: PoolBinding) -> BlockIo:

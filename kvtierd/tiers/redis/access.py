@@ -43,7 +43,7 @@ ACL_COMMANDS = (
     "watch", "multi", "exec", "unwatch", "discard",  # deleting a bad value unless replaced
     "ping", "info",  # health (INFO memory, stats; INFO cluster with cluster = "auto")
     "cluster|slots", "cluster|shards", "command", "asking",  # a Cluster's slot map, redirects
-    "eval", "zadd", "zcard", "zpopmin",  # fleet_capacity: the fleet's LRU index (fleetlru.py)
+    "eval", "zadd", "zcard", "zpopmin", "zremrangebyscore",  # fleet_capacity's index (fleetlru)
 )  # fmt: skip
 
 

@@ -7,9 +7,10 @@
   option fixes it (:func:`~kvtierd.tiers.redis.access.explain`);
 * a region a client truncated fails the block whose row is gone: one rate-limited
   WARNING naming the pool and the region;
-* a value that failed verification: a WARNING per block, or, when it is not sealed
-  under the tier's integrity keys, at most every :data:`FAULT_LOG_INTERVAL_S` (anyone
-  who can write the server can make many).
+* a value that failed verification: at most one WARNING every
+  :data:`FAULT_LOG_INTERVAL_S` per kind (its header or checksum; not sealed under the
+  tier's integrity keys), the next one saying how many were suppressed: anyone who
+  can write the server can make one per key (values moved between keys).
 
 It logs only: the tier counts the fault and decides what it means for the keys.
 """
@@ -69,7 +70,8 @@ class TierFaultLog:
             log.debug("redis tier %s: %s failed: %s", self.name, kind, error)
 
     def refused(self, key: BlockKey, error: BlockCorrupt) -> None:
-        """``key``'s value failed verification (the I/O thread deleted it)."""
+        """``key``'s value failed verification (the I/O thread deleted it): counted by
+        the tier, logged here at most every :data:`FAULT_LOG_INTERVAL_S` per kind."""
         if error.integrity:
             self.limited.warning(
                 ("integrity", self.name),
@@ -77,4 +79,8 @@ class TierFaultLog:
                 "integrity_failures)", self.name, key.hex(), error,
             )  # fmt: skip
         else:
-            log.warning("redis tier %s: block %s dropped: %s", self.name, key.hex(), error)
+            self.limited.warning(
+                ("checksum", self.name),
+                "redis tier %s: block %s dropped: %s (counted in checksum_failures)",
+                self.name, key.hex(), error,
+            )  # fmt: skip

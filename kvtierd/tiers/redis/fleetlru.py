@@ -33,7 +33,14 @@ more recent one even within a clock tick):
   A call pops at most its own blocks plus :data:`EXTRA_POPS` and returns only
   members that can be block keys, so its answer is bounded in bytes whatever
   someone who can write the server planted in the index (junk members make the
-  fleet evict early: lost hits, never a wrong byte).
+  fleet evict early: lost hits, never a wrong byte). Before it counts, the script
+  drops the members scored after now + :data:`FUTURE_SKEW_S`: no daemon whose clock
+  agrees with this one's within that gave them, and a member scored in the future
+  would outrank every block stored until then (at +inf, forever), so each new
+  block would be the least recent and evict itself. What a writer of the server
+  can still do with scores is bounded by the skew: members just under the horizon
+  make new blocks evict themselves until the clock passes their scores (at most
+  :data:`FUTURE_SKEW_S`), then go first.
 * :meth:`FleetLru.touch`, after a promotion: ``ZADD XX`` (a block popped
   meanwhile is not put back).
 
@@ -41,8 +48,10 @@ What this never decides is what gets served. A block popped while another daemon
 promotes it is a missing value at worst (``MISS``); the bytes served are verified
 by the header (and MAC) whatever the index says. A value the server lost otherwise
 (``maxmemory``, ``ttl``, a bad value deleted) leaves its entry until it is the
-least recent; its pop deletes nothing. Skewed clocks between daemons only blur
-recency by the skew.
+least recent; its pop deletes nothing. Skewed clocks between daemons blur recency
+by the skew; past :data:`FUTURE_SKEW_S`, a daemon behind the others drops their
+entries from the index (their values are then bounded by the server's
+``maxmemory`` and ``ttl`` only): keep the fleet's clocks in step (NTP).
 """
 
 from __future__ import annotations
@@ -61,14 +70,20 @@ MAX_BUCKETS = 64  # ... and at most this many
 MEMBERS_PER_CALL = 512  # blocks per script call or ZADD (a Lua stack holds ~8,000 arguments)
 EXTRA_POPS = 512  # a call pops at most its own members plus this many (an index over its bound)
 MAX_MEMBER_BYTES = 256  # the longest block key (the API refuses longer ones)
+# An index score (a daemon's wall clock) later than now + this is dropped before an
+# admission counts: the fleet's daemons' clocks must agree within it.
+FUTURE_SKEW_S = 300.0
 
 # KEYS[1]: a bucket's index; ARGV[1]: the bucket's limit; ARGV[2]: the most this call
-# pops; ARGV[3]: the longest member it returns; ARGV[4..]: score, member pairs. Adds
+# pops; ARGV[3]: the longest member it returns; ARGV[4]: the latest score that counts
+# (now + FUTURE_SKEW_S, in microseconds); ARGV[5..]: score, member pairs. Drops the
+# members scored after ARGV[4] (from the future: planted, or a clock far ahead), adds
 # (or refreshes) the members, then pops what is past the limit, least recent first, and
 # returns the popped members that can be block keys (a longer one, planted, is dropped
 # from the index and never sent back: the answer stays bounded in bytes).
 ADMIT_SCRIPT = """
-redis.call('ZADD', KEYS[1], unpack(ARGV, 4))
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '(' .. ARGV[4], '+inf')
+redis.call('ZADD', KEYS[1], unpack(ARGV, 5))
 local over = math.min(redis.call('ZCARD', KEYS[1]) - tonumber(ARGV[1]), tonumber(ARGV[2]))
 if over <= 0 then
   return {}
@@ -139,15 +154,18 @@ class FleetLru:
 
     def admit(self, keys: Sequence[BlockKey]) -> Admitted:
         """Makes ``keys`` the most recent (the last the most recent), pops what is
-        past each bucket's limit and deletes the popped blocks' values."""
+        past each bucket's limit and deletes the popped blocks' values; members
+        scored after now + :data:`FUTURE_SKEW_S` are dropped first, never counted."""
         commands: list[Command] = []
-        for bucket, scored in self._by_bucket(keys):
+        now_us, by_bucket = self._by_bucket(keys)
+        horizon_us = now_us + len(keys) + int(FUTURE_SKEW_S * 1e6)
+        for bucket, scored in by_bucket:
             name, limit = self.index_names[bucket], self.limits[bucket]
             for start in range(0, len(scored), MEMBERS_PER_CALL):
                 chunk = scored[start : start + MEMBERS_PER_CALL]
                 most = len(chunk) + EXTRA_POPS
                 args = ("EVAL", ADMIT_SCRIPT, 1, name, limit, most, MAX_MEMBER_BYTES)
-                commands.append((name, (*args, *_flat(chunk))))
+                commands.append((name, (*args, horizon_us, *_flat(chunk))))
         replies, _ = self._link.pipelined(commands)
         popped: list[BlockKey] = []
         error: BaseException | None = None
@@ -165,7 +183,7 @@ class FleetLru:
         """Makes the indexed ones of ``keys`` the most recent (the last the most
         recent); a key no longer indexed stays out. Returns the first error."""
         commands: list[Command] = []
-        for bucket, scored in self._by_bucket(keys):
+        for bucket, scored in self._by_bucket(keys)[1]:
             name = self.index_names[bucket]
             for start in range(0, len(scored), MEMBERS_PER_CALL):
                 pairs = _flat(scored[start : start + MEMBERS_PER_CALL])
@@ -173,10 +191,12 @@ class FleetLru:
         replies, _ = self._link.pipelined(commands)
         return next((r for r in replies if isinstance(r, BaseException)), None)
 
-    def _by_bucket(self, keys: Sequence[BlockKey]) -> list[tuple[int, list[tuple[int, bytes]]]]:
-        """(bucket, [(score, key)]) of ``keys``, each key once (its last place), scored
-        now (or past the last score given) plus its place in microseconds: the order
-        of ``keys`` is the recency."""
+    def _by_bucket(
+        self, keys: Sequence[BlockKey]
+    ) -> tuple[int, list[tuple[int, list[tuple[int, bytes]]]]]:
+        """The time they are scored at, and (bucket, [(score, key)]) of ``keys``, each
+        key once (its last place), scored now (or past the last score given) plus its
+        place in microseconds: the order of ``keys`` is the recency."""
         place = {key: i for i, key in enumerate(keys)}
         with self._scoring:
             now_us = max(int(self._clock() * 1e6), self._last_score + 1)
@@ -184,7 +204,7 @@ class FleetLru:
         buckets: dict[int, list[tuple[int, bytes]]] = {}
         for key, i in place.items():
             buckets.setdefault(self.bucket(key), []).append((now_us + i, bytes(key)))
-        return sorted(buckets.items())
+        return now_us, sorted(buckets.items())
 
 
 def _flat(scored: Sequence[tuple[int, bytes]]) -> list[int | bytes]:

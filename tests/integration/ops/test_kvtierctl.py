@@ -1,5 +1,6 @@
-"""kvtierctl against a live daemon (output and exit codes) and against a dead socket;
-``make run`` saying how to reach the daemon with it."""
+"""kvtierctl against a live daemon (output and exit codes), against a dead socket and
+against a server that sends escape sequences; ``make run`` saying how to reach the
+daemon with it."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
 
+import grpc
 import pytest
 from daemon_harness import (
     KVTIERCTL,
@@ -21,6 +24,7 @@ from daemon_harness import (
     DaemonProcess,
     ctl,
     eventually,
+    free_port,
     fs_tiers_config,
     start_daemon,
     wait_tier_jobs,
@@ -28,6 +32,7 @@ from daemon_harness import (
 
 from kvtierd import __version__
 from kvtierd_client.client import Client
+from kvtierd_client.wire.proto import pb2, pb2_grpc
 
 BLOCK = 4096
 
@@ -167,6 +172,75 @@ def test_daemon_errors_are_one_readable_line(tiered):
     assert result.returncode == 1
     assert result.stderr.strip().count("\n") == 0
     assert "kvtierctl flush: NOT_FOUND: pool 'no-such-pool' does not exist" in result.stderr
+
+
+# OSC (set the window title, BEL-ended), erase the screen, a C1 CSI (UTF-8 terminals act
+# on it too), a right-to-left override: what a terminal would act on or hide behind
+HOSTILE = "\x1b]0;owned\x07\x1b[2J\x9b31m\u202e"
+
+
+class Impostor(pb2_grpc.KVTierServicer):
+    """A server that is not kvtierd, at the address an operator gives kvtierctl (anyone
+    may listen on a TCP port while the daemon is down): every string it sends carries
+    ``HOSTILE``. A real daemon sends none (it refuses such pool and tier names and
+    quotes what it echoes), so only an impostor shows what kvtierctl prints raw."""
+
+    def GetStats(self, request, context):  # noqa: N802 - the RPC's name
+        tiers = [pb2.TierStats(tier="primary", medium=pb2.MEDIUM_CPU),
+                 pb2.TierStats(tier="redis" + HOSTILE, medium=pb2.MEDIUM_REMOTE,
+                               nodes_known=1, nodes_reachable=1)]  # fmt: skip
+        pool = pb2.PoolStats(name="p" + HOSTILE, eviction_policy="lru" + HOSTILE,
+                             layout="L" + HOSTILE, tiers=tiers)  # fmt: skip
+        return pb2.GetStatsResponse(version="9" + HOSTILE, pools=[pool])
+
+    def Explain(self, request, context):  # noqa: N802
+        return pb2.ExplainResponse(
+            primary=pb2.LOOKUP_RESULT_MISS,
+            summary="held" + HOSTILE,
+            tiers=[pb2.TierPresence(tier="redis" + HOSTILE, present=True, known=True)],
+            history=[pb2.KeyRecord(unix_time=1.0, tier="fs" + HOSTILE, what="gone" + HOSTILE)],
+        )
+
+    def FlushPool(self, request, context):  # noqa: N802
+        context.abort(grpc.StatusCode.NOT_FOUND, "no pool" + HOSTILE)
+
+    def WatchEvents(self, request, context):  # noqa: N802
+        yield pb2.Event(seq=1, keys=[b"k"], medium=pb2.MEDIUM_REMOTE, tier="redis" + HOSTILE)
+
+
+@pytest.fixture
+def impostor() -> Iterator[str]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb2_grpc.add_KVTierServicer_to_server(Impostor(), server)
+    address = f"127.0.0.1:{free_port()}"
+    server.add_insecure_port(address)
+    server.start()
+    yield address
+    server.stop(grace=None)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["status"], ["stats"], ["explain", "p", "k"], ["flush", "p"], ["watch", "p", "--count", "1"]],
+)
+def test_a_servers_strings_reach_the_terminal_escaped(impostor, command):
+    """Scenario: kvtierctl asks a server whose pool, tier and policy names, version,
+    explanations and error details carry escape sequences. Every one reaches stdout
+    and stderr escaped (\\x1b, \\x9b, \\u202e): no character a terminal acts on
+    but the line breaks kvtierctl writes itself. Before: printed raw."""
+    result = ctl(impostor, *command)
+    output = result.stdout + result.stderr
+    acted_on = sorted({char for char in output if not char.isprintable() and char != "\n"})
+    assert acted_on == [], f"{acted_on} reached the terminal:\n{output!r}"
+    assert "\\x1b]0;owned\\x07\\x1b[2J\\x9b31m\\u202e" in output, output
+    assert result.returncode == (1 if command[0] == "flush" else 0), output
+
+
+def test_json_output_is_escaped_by_json(impostor):
+    result = ctl(impostor, "stats", "--json")
+    assert result.returncode == 0, result.stderr
+    assert all(char.isprintable() or char == "\n" for char in result.stdout)
+    assert json.loads(result.stdout)["pools"][0]["name"] == "p" + HOSTILE
 
 
 @pytest.mark.parametrize("command", [["status"], ["stats"], ["flush", "p"], ["explain", "p", "k"]])

@@ -135,6 +135,50 @@ def test_one_principal_cannot_take_every_peer_ticket(accounts):
         daemon.cleanup()
 
 
+def test_one_principal_cannot_take_every_watch_stream(accounts):
+    """Scenario: limits.max_watch_streams = 4; principals team-b (root, the
+    attacker) and team-a (another uid), a share of 2 streams each. team-b opens 4
+    WatchEvents streams on its idle pool and reads them all: 2 are served (each
+    gets the pool's event), 2 are refused RESOURCE_EXHAUSTED naming the shares.
+    team-a, in its own process, is then served a stream. Before: team-b's 4
+    streams were served and team-a's was refused (the red team of issue #40:
+    64 of 64)."""
+    group = accounts.group()
+    a = accounts.user(group)
+    config = principals_toml(
+        {"name": "team-b", "uids": [0], "pools": ["team-b/*"]},
+        {"name": "team-a", "uids": [a.uid], "pools": ["team-a/*"]},
+    )
+    daemon = start_shared(config, group, "--max-watch-streams", "4")
+    try:
+        with Client(daemon.address) as client:
+            session = client.open_session("team-b/idle", block_bytes=4096, num_blocks=4)
+            grant = session.prepare_store([b"k"])
+            assert grant is not None
+            session.complete_store(grant.keys_to_store)  # the pool's event 1
+            streams = [client.watch_events("team-b/idle", after_seq=0) for _ in range(4)]
+            served: list[int] = []
+            refused: list[str] = []
+            for stream in streams:  # read: the attacker's streams are not idle ones
+                try:
+                    served.append(next(stream).seq)
+                except ResourceExhausted as err:
+                    refused.append(err.details)
+            try:
+                calls: list[list[object]] = [["open", "team-a/x"], ["watch", "team-a/x"]]
+                [_, watch] = run_as(a, daemon.address, calls)
+            finally:
+                for stream in streams:
+                    stream.cancel()
+        assert watch == {"ok": "watching"}, watch  # served: no event came within its 1 s
+        assert served == [1, 1], (served, refused)
+        assert len(refused) == 2 and all("other principals' shares" in r for r in refused)
+        assert "'team-b' has 2 WatchEvents streams open" in refused[0]
+        assert daemon.stop() == 0
+    finally:
+        daemon.cleanup()
+
+
 def test_concurrent_opensessions_cannot_overrun_a_quota_across_two_pool_patterns():
     """Scenario: a principal with a 64 KiB quota over two patterns opens 16 new
     16 KiB pools at once, 8 under each pattern: exactly 4 fit, the others are

@@ -46,3 +46,20 @@ def test_each_move_happens_once():
     with streams.held(streams.reserve("a")) as held:
         assert streams.statistics().open_streams == 1
     assert held.state == "closed" and streams.statistics().open_streams == 0
+
+
+def test_open_places_are_shared_fairly_between_principals():
+    """Scenario: 4 places, principals a and b (share 2 each). a takes its 2 and is
+    refused a third (the 2 free ones are b's share) naming the limit and the
+    shares; b still gets its 2. A principal nobody configured has a share too."""
+    streams = WatchStreams(max_streams=4, write_timeout=1.0, principals=["a", "b"])
+    mine = [streams.reserve("a") for _ in range(2)]
+    with pytest.raises(ResourceExhausted, match=r"'a' has 2 .*other principals' shares"):
+        streams.reserve("a")
+    theirs = [streams.reserve("b") for _ in range(2)]
+    assert streams.statistics().open_streams == 4
+    mine[0].ending()  # an ending stream gives its share back at once
+    streams.reserve("a")
+    for slot in [*mine, *theirs]:
+        slot.close()
+    assert streams.statistics().refused == 1

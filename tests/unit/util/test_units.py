@@ -11,6 +11,7 @@ import pytest
 
 from kvtierd.util.units import (
     DURATION_UNITS,
+    MAX_SIZE,
     SIZE_UNITS,
     format_bytes,
     format_duration,
@@ -127,3 +128,17 @@ def test_the_docs_tables_of_units_are_what_is_accepted():
         unit: n for unit, n in SIZE_UNITS.items() if unit
     }
     assert {unit: float(n) for unit, n in durations} == DURATION_UNITS
+
+
+@pytest.mark.parametrize("value", [2**64, "16EiB", str(2**64), "16384PiB", 2**70, 2**63, "8EiB"])
+def test_a_size_beyond_the_largest_is_refused_alike_in_every_form(value):
+    """A TOML integer of 2^70 was taken as is (a fleet_capacity of 1 ZiB) while
+    "16EiB" was refused: now every form past MAX_SIZE gets one message."""
+    message = f"a size is at most {MAX_SIZE} bytes (8EiB less one byte), got {value!r}"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        parse_size(value)
+
+
+def test_the_largest_size_is_accepted_in_every_form():
+    assert parse_size(MAX_SIZE) == parse_size(str(MAX_SIZE)) == MAX_SIZE
+    assert parse_size("7EiB") == 7 << 60 and parse_size("8191PiB") == 8191 << 50

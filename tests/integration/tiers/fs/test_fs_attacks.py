@@ -1,4 +1,5 @@
-"""Attacks on the fs tier by other local users: files and locks planted in its root."""
+"""Attacks on the fs tier by other local users and writers of its root: files and
+locks planted in its root, block files moved between keys."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import time
 
 import pytest
 from daemon_harness import DaemonProcess, eventually, fs_tiers_config, health_status, start_daemon
-from engine_harness import HIT, MISS, Engine, block_keys
+from engine_harness import HIT, MISS, Engine, block_files, block_keys, file_of
 from local_users import LocalUser
 
 _PLANT_LOCK = """
@@ -109,4 +110,72 @@ def test_a_file_another_user_plants_in_a_shared_root_does_not_evict_the_cache(
         engine.close()
     finally:
         daemon.stop()
+        daemon.cleanup()
+
+
+MOVED_FILES = 300
+
+
+def _moved_one_key_along(root, pool: str, keys: list[bytes]) -> None:
+    """Each block file now under its neighbour's name (its header names another key),
+    as anyone who can write the root could do."""
+    paths = [file_of(root, pool, key) for key in keys]
+    first = paths[0].read_bytes()
+    for source, target in zip(paths[1:], paths, strict=False):
+        os.replace(source, target)
+    paths[-1].write_bytes(first)
+
+
+def _corrupt_lines(daemon: DaemonProcess) -> list[str]:
+    lines = [line for line in daemon.log().splitlines() if " WARNING " in line]
+    # "unreadable": the start-up scan's line before the change
+    return [line for line in lines if "corrupt block file" in line or "unreadable" in line]
+
+
+def test_block_files_moved_between_keys_are_logged_at_a_bounded_rate(fs_root, pool_name):
+    """Scenario: a writer of the root moves 300 block files one key along, twice: once
+    while the daemon runs (each promotion refuses its file) and once while it is
+    stopped (the start-up scan refuses them). Every file is counted in
+    ``checksum_failures`` and removed; the log gets at most one such WARNING per
+    10 s (CORRUPT_LOG_INTERVAL_S), not one per file. Before: 300 lines each time."""
+    config = fs_tiers_config(fs_root)
+    keys = block_keys("moved", MOVED_FILES)
+    daemon = start_daemon("--memory-budget", "64MiB", config=config)
+    try:
+        engine = Engine(daemon, pool_name, num_blocks=MOVED_FILES)
+        started = time.monotonic()
+        engine.store(keys)
+        engine.settle_cascades()
+        assert engine.client.flush_pool(pool_name) == MOVED_FILES  # the tier holds them alone
+        _moved_one_key_along(fs_root, pool_name, keys)
+
+        def all_refused() -> bool:
+            engine.session.lookup(keys)  # asks for the promotions (again)
+            return engine.tier_stats().checksum_failures >= MOVED_FILES
+
+        eventually(all_refused, 60.0, lambda: f"every file refused: {engine.tier_stats()}",
+                   interval=0.05)  # fmt: skip
+        assert engine.wait_settled(keys) == [MISS] * MOVED_FILES
+        elapsed = time.monotonic() - started
+        lines = _corrupt_lines(daemon)
+        assert 1 <= len(lines) <= 1 + elapsed // 10, f"{len(lines)} lines in {elapsed:.1f}s"
+        assert not block_files(fs_root), "the refused files were left in the root"
+        engine.store(keys)
+        engine.close()
+        assert daemon.stop() == 0, daemon.log()  # shutdown lets the cascades finish
+    finally:
+        daemon.cleanup()
+    _moved_one_key_along(fs_root, pool_name, keys)
+    started = time.monotonic()
+    daemon = start_daemon("--memory-budget", "64MiB", config=config)
+    try:
+        engine = Engine(daemon, pool_name, num_blocks=MOVED_FILES)
+        eventually(lambda: engine.tier_stats().ready, 60, "the fs tier's index ready")
+        assert engine.tier_stats().checksum_failures == MOVED_FILES
+        elapsed = time.monotonic() - started
+        lines = _corrupt_lines(daemon)
+        assert 1 <= len(lines) <= 1 + elapsed // 10, f"{len(lines)} lines in {elapsed:.1f}s"
+        engine.close()
+        assert daemon.stop() == 0, daemon.log()
+    finally:
         daemon.cleanup()

@@ -2,16 +2,18 @@
 server together, deleting the least recently used by any of them first -- a block one
 daemon stored and another promoted outlives one stored later that nobody read. Real
 daemons, real redis-server processes; a bound too small to mean anything stops the
-daemon with one line naming the option."""
+daemon with one line naming the option; members a writer of the server scored in the
+future do not make the fleet's new blocks evict themselves."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import redis
 from daemon_harness import DaemonProcess, eventually, refused_start
-from engine_harness import MISS, PENDING, Engine, block_keys
+from engine_harness import BLOCK, MISS, PENDING, Engine, block_keys, payload
 from redis_harness import (
     VALUE_BYTES,
     WAIT_FOR_REDIS,
@@ -21,6 +23,8 @@ from redis_harness import (
     redis_config,
     redis_key,
 )
+
+from kvtierd.tiers.fs import fsformat
 
 BOUND = 15  # blocks of fleet_capacity = 1 MiB
 
@@ -109,3 +113,72 @@ def test_a_bound_under_a_mebibyte_is_refused_at_start(tmp_path: Path) -> None:
     config.write_text(redis_config("redis://127.0.0.1:1", "p", fleet_capacity="64KiB"))
     line = refused_start(config, tmp_path)
     assert "tiers[0].fleet_capacity" in line and "at least 1MiB" in line, line
+
+
+def test_a_bound_beyond_the_largest_size_is_refused_alike_as_an_integer_and_as_text(
+    tmp_path: Path,
+) -> None:
+    """Scenario: fleet_capacity = 2^64 as a TOML integer and as "16EiB": both stop the
+    daemon with one line naming the option and the largest size, the same words.
+    Before: the integer (2^70 too) was taken as a bound, the text refused."""
+    lines = []
+    for written in (str(1 << 64), '"16EiB"'):
+        config = tmp_path / "kvtierd.toml"
+        config.write_text(
+            redis_config("redis://127.0.0.1:1", "p") + f"fleet_capacity = {written}\n"
+        )
+        lines.append(
+            refused_start(config, tmp_path).replace(repr(1 << 64), "X").replace("'16EiB'", "X")
+        )
+    assert "tiers[0].fleet_capacity" in lines[0] and "a size is at most" in lines[0], lines[0]
+    assert lines[0] == lines[1], lines
+
+
+FUTURE_BLOCKS = 32
+
+
+@pytest.mark.parametrize("topology", ["standalone", "cluster"])
+def test_index_members_from_the_future_do_not_make_new_blocks_evict_themselves(
+    request: pytest.FixtureRequest,
+    daemons: Callable[[str], DaemonProcess],
+    key_prefix: str,
+    pool_name: str,
+    topology: str,
+) -> None:
+    """Scenario: a writer of the server adds more members than the bound to the fleet's
+    index, at score +inf. A daemon then stores 32 blocks and another looks them up:
+    32 of 32 HIT (the admission dropped the members from the future before counting).
+    Before: each new block was the least recent of the index and evicted itself:
+    0 of 32 HIT, and as many for every store after, until someone deleted the index."""
+    if topology == "standalone":
+        urls: str | tuple[str, ...] = request.getfixturevalue("redis_server").url
+        server: redis.Redis | redis.RedisCluster = redis.Redis.from_url(urls)
+    else:
+        urls = tuple(request.getfixturevalue("redis_cluster").urls)
+        server = redis.RedisCluster.from_url(urls[0])
+    bound = (4 << 20) // VALUE_BYTES
+    fingerprint = fsformat.PoolIdentity(pool_name, BLOCK, "L").fingerprint.hex()
+    index = f"{key_prefix}:lru:{fingerprint}:1:0"  # one bucket at this bound
+    server.zadd(index, {b"planted-%04d" % i: float("inf") for i in range(bound + 10)})
+    config = redis_config(urls, key_prefix, fleet_capacity="4MiB") + WAIT_FOR_REDIS
+    writer = Engine(daemons(config), pool_name, num_blocks=FUTURE_BLOCKS)
+    reader = Engine(daemons(config), pool_name, num_blocks=FUTURE_BLOCKS)
+    keys = block_keys("after", FUTURE_BLOCKS)
+    writer.store(keys)
+    writer.settle_cascades()
+
+    def admitted() -> bool:  # each key indexed, or evicted (its value deleted)
+        indexed = set(server.zrange(index, 0, -1))
+        held = _held(server, key_prefix, pool_name, keys)
+        return all(key in indexed or key not in held for key in keys)
+
+    eventually(admitted, 20, "the store's admission")
+    held = _held(server, key_prefix, pool_name, keys)
+    assert len(held) == FUTURE_BLOCKS, f"{len(held)} of {FUTURE_BLOCKS} values kept"
+    assert server.zcard(index) == FUTURE_BLOCKS  # the planted members dropped
+    promoted(reader, keys)
+    assert reader.load(keys) == [payload(key) for key in keys]
+    server.delete(index)
+    server.close()
+    writer.close()
+    reader.close()

@@ -15,7 +15,7 @@ import pytest
 import redis
 from daemon_harness import DaemonProcess, eventually, peak_rss_bytes
 from engine_harness import HIT, MISS, PENDING, Engine, block_keys, payload
-from redis_harness import RedisServer, TrickleProxy, redis_config, redis_key
+from redis_harness import RedisServer, TrickleProxy, redis_config, redis_key, tier_warnings
 from redis_harness import stopped as hung
 
 from kvtierd.tiering.retries import PROMOTION_RETRY_AFTER
@@ -248,5 +248,46 @@ def test_a_huge_value_planted_under_a_blocks_redis_key_is_read_bounded(
     eventually(lambda: server.exists(victim) == 0, 10.0, "the planted value deleted")
     with pytest.raises(FailedPrecondition):  # never served
         engine.session.prepare_load(keys[:1])
+    engine.close()
+    server.close()
+
+
+MOVED_VALUES = 300  # the red team's 1,000 gave 1,000 lines (153 KB) in 1.9 s
+
+
+def test_values_moved_between_keys_are_logged_at_a_bounded_rate(
+    redis_server: RedisServer, daemons: Callable[[str], DaemonProcess], key_prefix: str, pool_name
+):
+    """Scenario: a writer of the server moves 300 genuine values one key along (each
+    now under its neighbour's name: its header names another key). Each promotion
+    refuses its value, counts it in ``checksum_failures`` and deletes it; the log
+    gets at most one such WARNING per 10 s (FAULT_LOG_INTERVAL_S), not one per value.
+    Before: one WARNING per value (``block ... dropped``), 300 lines."""
+    daemon = daemons(redis_config(redis_server.url, key_prefix))
+    engine = Engine(daemon, pool_name, num_blocks=MOVED_VALUES)
+    keys = block_keys("moved", MOVED_VALUES)
+    started = time.monotonic()
+    engine.store(keys)
+    engine.settle_cascades()
+    assert engine.client.flush_pool(pool_name) == MOVED_VALUES  # the tier holds them alone
+    server = redis.Redis.from_url(redis_server.url)
+    names = [redis_key(key_prefix, pool_name, key) for key in keys]
+    values = server.mget(names)
+    assert all(isinstance(value, bytes) for value in values)
+    server.mset(dict(zip(names[1:] + names[:1], values, strict=True)))
+
+    def all_refused() -> bool:
+        engine.session.lookup(keys)  # asks for the promotions (again)
+        return engine.tier_stats().checksum_failures >= MOVED_VALUES
+
+    eventually(all_refused, 60.0, lambda: f"every value refused: {engine.tier_stats()}",
+               interval=0.05)  # fmt: skip
+    assert engine.wait_settled(keys) == [MISS] * MOVED_VALUES
+    elapsed = time.monotonic() - started
+    lines = [line for line in tier_warnings(daemon.log()) if " dropped: " in line]
+    assert 1 <= len(lines) <= 1 + elapsed // 10, (
+        f"{len(lines)} lines for {MOVED_VALUES} values in {elapsed:.1f}s"
+    )
+    assert server.exists(*names) == 0, "the refused values were left in the server"
     engine.close()
     server.close()

@@ -3,7 +3,8 @@ admissions past the bound delete exactly the least recently used values, whoever
 stored or promoted them; a promotion's touch keeps a block, and never brings back one
 that was evicted; daemons admitting at once never evict more than the excess; a large
 bound is spread over buckets on a Cluster's masters, each exact, adding up to the bound;
-an index someone planted costs hits, never an unbounded answer or a raised error.
+an index someone planted costs hits, never an unbounded answer or a raised error, and
+its members scored in the future are dropped before an admission counts.
 Skipped without ``redis-server``."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from redis_harness import RedisClusterNodes, RedisServer
 from kvtierd.tiers.redis.fleetlru import (
     BUCKET_BLOCKS,
     EXTRA_POPS,
+    FUTURE_SKEW_S,
     MAX_BUCKETS,
     MAX_MEMBER_BYTES,
     FleetLru,
@@ -218,6 +220,58 @@ def test_a_planted_index_costs_hits_never_an_unbounded_answer(
             assert admin.zcard(name) > 10 and _held(admin, [b"a", b"b"]) == [b"a", b"b"]
     assert admin.zcard(name) == 10  # the junk worked off: 11 blocks, the oldest evicted
     assert _held(admin, [b"a", b"b", *later]) == [b"b", *later]
+
+
+@pytest.mark.parametrize("topology", ["standalone", "cluster"])
+def test_index_members_from_the_future_are_dropped_before_an_admission_counts(
+    request: pytest.FixtureRequest, topology: str
+) -> None:
+    """Scenario: a writer of the server puts 20 members at +inf and 20 at now + 1 h
+    (past FUTURE_SKEW_S) in a bound of 10. An admission of 4 blocks drops them all
+    before it counts: it evicts nothing, and the index holds its 4. Before: the 4
+    were the least recent, so they popped themselves, as would every block after
+    them until someone deleted the index."""
+    if topology == "standalone":
+        urls = (request.getfixturevalue("redis_server").url,)
+    else:
+        urls = tuple(request.getfixturevalue("redis_cluster").urls)
+    link = _link(urls)
+    admin = link.client()
+    lru = _lru(link, 10)
+    name = lru.index_names[0]
+    now_us = 1_700_000_000 * 10**6
+    assert FUTURE_SKEW_S < 3600
+    admin.zadd(name, {b"inf-%02d" % i: float("inf") for i in range(20)})
+    admin.zadd(name, {b"later-%02d" % i: now_us + 3600 * 10**6 + i for i in range(20)})
+    keys = [b"a", b"b", b"c", b"d"]
+    try:
+        _store(admin, keys)
+        admitted = lru.admit(keys)
+        assert admitted.error is None and admitted.popped == []
+        assert _held(admin, keys) == keys
+        assert admin.zrange(name, 0, -1) == keys
+    finally:
+        admin.delete(name, *[SPACE + key for key in keys])
+        link.close()
+
+
+def test_members_within_the_skew_cost_hits_only_until_the_clock_passes_them(
+    standalone: tuple[RedisLink, redis.Redis],
+) -> None:
+    """What a writer of the server can still do: members scored a minute ahead (within
+    FUTURE_SKEW_S, as a daemon's fast clock would) count, and outrank a block stored
+    now, which evicts itself; once the clock passes them they are the least recent
+    and go first."""
+    link, admin = standalone
+    clock = FakeClock(1_700_000_000.0)
+    lru = _lru(link, 10, clock)
+    name = lru.index_names[0]
+    admin.zadd(name, {b"soon-%02d" % i: 1_700_000_060 * 10**6 + i for i in range(10)})
+    _store(admin, [b"early", b"later"])
+    assert lru.admit([b"early"]).popped == [b"early"]
+    clock.advance(61.0)
+    assert lru.admit([b"later"]).popped == [b"soon-00"]
+    assert _held(admin, [b"early", b"later"]) == [b"later"]
 
 
 def test_an_index_of_the_wrong_type_fails_the_admission_not_the_caller(
