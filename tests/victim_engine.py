@@ -5,9 +5,9 @@ Started as root: imports the client and numpy, drops to the uid and gid it is gi
 (the interpreter lives where that user may not read), then, as an engine would,
 opens a session at the address, maps the announced region, stores its own prompt's
 block and looks up the block an attacker planted, loading it when it is a HIT. It
-prints one JSON object: what it mapped (the daemon's uid, which owns the mapped file), what it stored,
-the planted key's lookup result and the bytes it loaded; or the error that stopped
-it, with ``mapped`` False when nothing was mapped.
+prints one JSON object: what it mapped (the daemon's uid, which owns the mapped
+file), what it stored, the planted key's lookup result and the bytes it loaded; or
+the error that stopped it, with ``mapped`` False when nothing was mapped.
 
 Usage: python victim_engine.py '{"uid": 1001, "gid": 1001, "address": "unix:///...",
 "env": {"KVTIERD_ADDRESS": ""}, "pool": "p", "block_bytes": 4096,

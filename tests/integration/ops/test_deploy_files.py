@@ -16,6 +16,7 @@ import urllib.request
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from daemon_harness import REPO, DaemonProcess, fs_tiers_config, start_daemon, wait_tier_jobs
@@ -445,6 +446,11 @@ def test_manifests_render_to_the_settings_tests_deploy_runs(tmp_path: Path):
     assert "--ipc=shareable" not in node  # regions on the node's tmpfs, no IPC sharing
 
 
+def _render_every_container(pod: Any) -> None:
+    for name in pod.containers:
+        pod.run_args(name, "IMAGE")
+
+
 def test_rendering_refuses_what_no_manifest_may_ask(tmp_path: Path):
     """A privileged container, a host namespace or runAsNonRoot as uid 0 is not turned
     into docker arguments: the rendering fails, naming it."""
@@ -460,8 +466,7 @@ def test_rendering_refuses_what_no_manifest_may_ask(tmp_path: Path):
         manifest.write_text(text.replace(*change, 1))
         pod = prepare_pod(manifest, "p", tmp_path / complaint)
         with pytest.raises(ManifestError, match=complaint):  # whichever container it hit
-            for name in pod.containers:
-                pod.run_args(name, "IMAGE")
+            _render_every_container(pod)
 
 
 DEPLOYMENT = REPO / "docs" / "guides" / "deployment.md"
