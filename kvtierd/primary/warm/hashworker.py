@@ -17,8 +17,8 @@ busy: the journal fell 2-5 s behind a storm, past ``memory.warm_restart_max_lag`
 
 Invariants:
 
-* The checksum of a row is the same value :func:`kvtierd.primary.warm.journal.row_checksum`
-  and :func:`kvtierd.primary.warm.journal.read_row_checksum` give: ``xxh3_64`` of the covered
+* The checksum of a row is the same value :func:`kvtierd.primary.warm.rowsums.row_checksum`
+  and :func:`kvtierd.primary.warm.rowsums.read_row_checksum` give: ``xxh3_64`` of the covered
   spans in order (one streaming state per row, so no copy is needed).
 * A worker vouches only for rows that lie inside the region file as it
   ``fstat``-s it when the request arrives; a truncation racing the hashing
