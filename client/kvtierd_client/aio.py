@@ -45,7 +45,7 @@ __all__ = ["AsyncClient", "AsyncEventStream", "AsyncSession", "LookupResult", "S
 
 R = TypeVar("R")
 
-log = logging.getLogger("kvtierd_client")
+log = logging.getLogger(__name__)
 
 
 class AsyncClient(Connection):

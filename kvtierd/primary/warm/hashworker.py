@@ -60,7 +60,7 @@ import xxhash
 
 from kvtierd.util.workerproc import die_with
 
-log = logging.getLogger("kvtierd.hashworker")
+log = logging.getLogger(__name__)
 
 MAX_ROWS_PER_REQUEST = 4096  # the journal's batch cap: requests stay under 16 KiB
 REPLY_TIMEOUT_S = 60.0  # a worker silent this long on one request is killed
