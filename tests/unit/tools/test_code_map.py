@@ -235,9 +235,10 @@ LOGGING_PAGE = REPO / "docs" / "operations" / "troubleshooting.md"
 
 @cache
 def interface_logger_names() -> frozenset[str]:
-    """The names of the "Logger names" table (its rows' first cells)."""
-    section = LOGGING_PAGE.read_text().split("### Logger names\n", 1)[1].split("\n#", 1)[0]
-    return frozenset(re.findall(r"^\| `([\w.]+)` \|", section, re.MULTILINE))
+    """The names of the "Logger names" table (its rows' first cells); none without it."""
+    section = re.search(r"^### Logger names\n(.*?)(?=^#|\Z)", LOGGING_PAGE.read_text(), re.M | re.S)
+    rows = section.group(1) if section else ""
+    return frozenset(re.findall(r"^\| `([\w.]+)` \|", rows, re.MULTILINE))
 
 
 def module_name(path: Path) -> str:
