@@ -1,4 +1,5 @@
-"""Small helpers every layer may use.
+"""Small helpers every layer may use: units, rate-limited logs, files and their locks,
+worker processes, loop futures, fair shares, the C heap and sockets.
 
 - ``units``: size and duration parsing; ``ratelimit``: rate-limited log lines;
 - ``filekind``: file types in words; ``flocks``: who holds a file's ``flock``

@@ -1,4 +1,5 @@
-"""The client's private shared-memory helpers.
+"""The client's private shared-memory helpers: a region's descriptor, CUDA registration
+and the copy engine's row copies.
 
 - ``region_fd``: a region's descriptor from the daemon (``SCM_RIGHTS``);
 - ``cuda_runtime``: the CUDA runtime calls for registering a region;
