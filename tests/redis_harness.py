@@ -466,7 +466,7 @@ def redis_key(key_prefix: str, pool: str, key: bytes, layout: str = "L") -> byte
 def tier_warnings(log: str) -> list[str]:
     """The redis tier's WARNING lines of a daemon log: a fault is one line (the node that
     failed), however many calls it fails; the calls' own lines are DEBUG."""
-    return [line for line in log.splitlines() if " WARNING kvtierd.tiers.redis: " in line]
+    return [line for line in log.splitlines() if " WARNING kvtierd.tiers.redis." in line]
 
 
 def promoted(engine: Engine, keys: list[bytes], timeout: float = 20.0) -> list[object]:

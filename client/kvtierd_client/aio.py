@@ -45,7 +45,7 @@ __all__ = ["AsyncClient", "AsyncEventStream", "AsyncSession", "LookupResult", "S
 
 R = TypeVar("R")
 
-log = logging.getLogger("kvtierd_client")
+log = logging.getLogger(__name__)
 
 
 class AsyncClient(Connection):
@@ -130,7 +130,7 @@ class AsyncClient(Connection):
         return await self._call(codec.GET_STATS, pool)
 
     async def flush_pool(self, pool: str) -> int:
-        """As :meth:`kvtierd_client.Client.flush_pool`."""
+        """As :meth:`kvtierd_client.client.Client.flush_pool`."""
         return await self._call(codec.FLUSH_POOL, pool)
 
     def watch_events(
@@ -247,7 +247,7 @@ class AsyncSession(SessionState):
     async def lookup(
         self, keys: Sequence[bytes], request_id: str = "", *, prefix: bool = False
     ) -> list[LookupResult]:
-        """As :meth:`kvtierd_client.client.Session.lookup`."""
+        """As :meth:`kvtierd_client.session.Session.lookup`."""
         return await self._call(codec.LOOKUP, keys, request_id=request_id, prefix=prefix)
 
     async def touch(self, keys: Sequence[bytes]) -> None:
@@ -283,7 +283,7 @@ class AsyncSession(SessionState):
         await self._call(codec.COMPLETE_STORE, keys, success=success)
 
     async def take_events(self) -> list[pb2.Event]:
-        """As :meth:`kvtierd_client.client.Session.take_events`."""
+        """As :meth:`kvtierd_client.session.Session.take_events`."""
         pages = EventPages()
         while pages.more:
             pages.add(await self._call(codec.TAKE_EVENTS))

@@ -58,7 +58,7 @@ __all__ = [
 
 R = TypeVar("R")
 
-log = logging.getLogger("kvtierd_client")
+log = logging.getLogger(__name__)
 
 
 class Client(Connection):

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-log = logging.getLogger("kvtierd_client.region")
+log = logging.getLogger(__name__)
 
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 

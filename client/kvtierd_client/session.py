@@ -44,7 +44,7 @@ from kvtierd_client.wire.results import LookupResult, StoreResult
 
 __all__ = ["Session", "SessionOwner"]
 
-log = logging.getLogger("kvtierd_client")
+log = logging.getLogger(__name__)
 
 R = TypeVar("R")
 

@@ -3,13 +3,16 @@
 - ``handlers``: the request handlers of both transports (validate, call the pool,
   answer); ``keycalls``: the manager calls on a session's keys, shared by the single
   RPCs and Batch;
+- ``grpc_service``: the KVTier gRPC servicer, a thin adapter over the handlers;
 - ``server``: the gRPC servers and their Unix and TCP listeners;
 - ``fastlane``: a session's hot calls as framed protobuf on a Unix socket (its socket,
-  tokens and bounds; ``laneconn``: one connection, its frames and in-order answers);
+  tokens and bounds; ``laneconn``: one connection, its frames and in-order answers;
+  ``lanebuffers``: the bytes the lane holds between reads, bounded per owner and in all);
 - ``guards``, ``validation``: unparsable requests and field checks (INVALID_ARGUMENT,
   nothing changed);
-- ``wire``: the daemon's enums as the wire's; ``watch``: WatchEvents stream bounds;
-- ``grpclog``: grpc's own log lines, rate limited.
+- ``messages``: the daemon's values (a pool's spec, an event, statistics) as
+  ``kvtier.v1`` messages; ``wire``: the daemon's enums as the wire's;
+- ``watch``: WatchEvents stream bounds; ``grpclog``: grpc's own log lines, rate limited.
 
 Invariants: every RPC validates every field before touching state; a rejected call
 changes nothing; a client mistake is never logged with a traceback.

@@ -81,7 +81,7 @@ from kvtierd.security.identity import LOCAL_CALLER, Caller, PeerCredentials
 from kvtierd.security.state import SecurityState
 from kvtierd_client.wire.lane_frames import HEADER, VERSION
 
-log = logging.getLogger("kvtierd.fastlane")
+log = logging.getLogger(__name__)
 
 LANE_SOCKET_SUFFIX = ".lane"
 DEFAULT_WRITE_TIMEOUT = 10.0  # seconds a peer may leave the daemon's answers unread

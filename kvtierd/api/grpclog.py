@@ -61,7 +61,7 @@ def install(interval: float = INTERVAL) -> TransportNoiseFilter:
     for existing in logger.filters:
         if isinstance(existing, TransportNoiseFilter):
             return existing
-    noise = TransportNoiseFilter(RateLimitedLog(logging.getLogger("kvtierd.server"), interval))
+    noise = TransportNoiseFilter(RateLimitedLog(logging.getLogger(__name__), interval))
     logger.addFilter(noise)
     return noise
 

@@ -77,7 +77,7 @@ from kvtierd.security.state import SecurityState
 from kvtierd.tiering.remote import RemoteWait
 from kvtierd_client.wire.proto import pb2
 
-log = logging.getLogger("kvtierd.service")
+log = logging.getLogger(__name__)
 
 MAX_BATCH_OPS = 4096
 # One TakeEvents answer carries at most this many event bytes (events.event_bytes);

@@ -23,7 +23,7 @@ from kvtierd.util.ratelimit import RateLimitedLog
 from kvtierd_client.wire.lane_frames import BIND, HEADER, METHODS, OK, frame
 from kvtierd_client.wire.proto import pb2
 
-log = logging.getLogger("kvtierd.fastlane")
+log = logging.getLogger(__name__)
 _faults = RateLimitedLog(log)
 
 TOKEN_BYTES = 32

@@ -38,7 +38,7 @@ from kvtierd.util import filekind
 from kvtierd.util.sockets import SocketPlacement
 from kvtierd_client.wire.proto import pb2, pb2_grpc
 
-log = logging.getLogger("kvtierd.server")
+log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb2.DESCRIPTOR.services_by_name["KVTier"].full_name
 KEY_WIRE_BYTES = MAX_KEY_BYTES + 3  # a longest key as a repeated bytes field: tag, length

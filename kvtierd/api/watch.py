@@ -48,7 +48,7 @@ import grpc
 from kvtierd.errors import KvtierdError, OutOfRange, ResourceExhausted
 from kvtierd.util.fairshare import FairShares
 
-log = logging.getLogger("kvtierd.watch")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)

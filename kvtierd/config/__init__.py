@@ -9,9 +9,15 @@ daemon reads the environment.
 - ``loader``: :func:`load_config`, the ``[[tiers]]`` tables, unknown keys and
   environment variables.
 
+Invariants: every scalar option is declared once, in ``options`` (the ``[security]`` file
+keys in ``kvtierd.security.config``): its variable, its flag, ``--help`` and the docs' tables
+are made from that declaration. Every value is checked while the tree is built; a bad one
+raises ``ConfigError`` naming the option. The tree never changes once built.
+
 May import: ``kvtierd.security`` and ``kvtierd.tiers`` (their sections' own readers),
 ``kvtierd.records`` (the accounted size of an event), the root vocabulary,
-``kvtierd.util`` and ``kvtierd_client.wire`` (the default socket).
+``kvtierd.util`` and ``kvtierd_client.wire`` (the default socket): layers below it.
+Never ``kvtierd.core``, ``kvtierd.api`` or ``kvtierd.ops``.
 """
 
 from kvtierd.config.loader import (

@@ -57,7 +57,7 @@ from kvtierd.tiering.manager import Tiering
 from kvtierd.tiering.remote import RemoteWait
 from kvtierd.tiering.retries import FailedPromotion
 
-log = logging.getLogger("kvtierd.pool")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,7 +40,7 @@ from kvtierd.security.principals import Principal
 from kvtierd.tiers.configured import ConfiguredTier, PoolBinding, TierStartError
 from kvtierd.util.units import format_bytes
 
-log = logging.getLogger("kvtierd.pools")
+log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 

@@ -35,7 +35,7 @@ from kvtierd.errors import ResourceExhausted, SessionNotFound
 from kvtierd.records.events import LoggedEvent
 from kvtierd.security.access import session_not_owned
 
-log = logging.getLogger("kvtierd.sessions")
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, eq=False)

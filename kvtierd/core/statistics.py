@@ -1,14 +1,14 @@
 """A pool's statistics: the one snapshot (:meth:`kvtierd.core.pool.Pool.statistics`) and
 the numbers each of its tiers tells, computed from it in one place.
 
-GetStats (``service.py``), the metrics endpoint (``metrics.py``) and, through
-GetStats, ``kvtierctl stats`` convert the same snapshot through
-:data:`TIER_NUMBERS`, so they cannot disagree: a number is named after its
-GetStats ``TierStats`` field, and is computed once for the primary and once for
-a secondary tier. A few numbers only the metrics endpoint tells (``on_wire``
-False: GetStats has no field for them and the wire contract stays as it is).
-``tests/unit/core/test_statistics.py`` checks that every field of the snapshot
-reaches both outputs, or is declared to reach only one and why.
+GetStats (:mod:`kvtierd.api.messages`), the metrics endpoint
+(:mod:`kvtierd.ops.metrics`) and, through GetStats, ``kvtierctl stats`` convert the
+same snapshot through :data:`TIER_NUMBERS` (:func:`tier_views`), so they cannot
+disagree: a number is named after its GetStats ``TierStats`` field, and is computed
+once for the primary and once for a secondary tier. A few numbers only the metrics
+endpoint tells (``on_wire`` False: GetStats has no field for them and the wire contract
+stays as it is). ``tests/unit/core/test_statistics.py`` checks that every field of the
+snapshot reaches both outputs, or is declared to reach only one and why.
 """
 
 from __future__ import annotations

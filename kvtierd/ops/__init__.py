@@ -1,12 +1,19 @@
 """Running the daemon: lifecycle, command lines and what operators watch.
 
 - ``daemon``: start, serve, ordered shutdown; ``cli``: ``kvtierd``;
+- ``takeover``: a new daemon taking over the sockets of the one it replaces, without a
+  refused connection (``kvtierd --takeover``);
 - ``ctl``: ``kvtierctl`` (a client of the daemon, through ``kvtierd_client``);
 - ``metrics``: the Prometheus collector; ``metrics_http``: its HTTP endpoint, on a
   thread of its own, with caps and per-peer rate limits;
 - ``shmdir``: ``memory.shm_dir`` made (private) when missing, and checked at start;
 - ``sdnotify``: systemd's notify protocol.
 
+Invariants: a start the operator must fix (a bad value, a busy socket) ends with one line
+naming what to fix and exit code 2, never a traceback; shutdown runs in one order (health
+NOT_SERVING first, the socket files removed last); a takeover never signals a process of
+another uid.
+
 May import every other package of the daemon; nothing imports it (``kvtierd.__main__``
-excepted).
+excepted). ``ctl`` alone imports the client's public modules (it is a client).
 """

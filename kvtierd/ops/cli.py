@@ -114,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_CONFIG
     configure_logging(config.log.level)
     for warning in unknown_environment():
-        logging.getLogger("kvtierd").warning("%s", warning)
+        logging.getLogger(__name__).warning("%s", warning)
     from kvtierd.ops.daemon import serve  # heavy imports after argument checks
 
     try:
@@ -126,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvtierd: cannot start: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     except Exception as exc:
-        logging.getLogger("kvtierd").error("kvtierd failed: %s", exc, exc_info=True)
+        logging.getLogger(__name__).error("kvtierd failed: %s", exc, exc_info=True)
         print(f"kvtierd: {exc}", file=sys.stderr)
         return EXIT_RUNTIME
     return 0

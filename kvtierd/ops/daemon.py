@@ -60,7 +60,7 @@ from kvtierd.util.sockets import PublishError, SocketPlacement
 from kvtierd.util.units import format_bytes
 from kvtierd_client.wire.peer_ticket import ticket_socket_path
 
-log = logging.getLogger("kvtierd.daemon")
+log = logging.getLogger(__name__)
 
 
 def resolve_group(name: str) -> int | None:

@@ -55,7 +55,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvtierd.util.ratelimit import RateLimitedLog
 
-log = logging.getLogger("kvtierd.metrics")
+log = logging.getLogger(__name__)
 _limited = RateLimitedLog(log)
 
 Families = list[Any]  # prometheus_client Metric objects, built fresh per collection

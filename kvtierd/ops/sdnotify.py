@@ -13,7 +13,7 @@ import os
 import socket
 from collections.abc import Mapping
 
-log = logging.getLogger("kvtierd.sdnotify")
+log = logging.getLogger(__name__)
 
 
 def notify(message: str, env: Mapping[str, str] | None = None) -> bool:

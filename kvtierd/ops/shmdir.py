@@ -29,7 +29,7 @@ from kvtierd.primary.region import is_region_file_name
 from kvtierd.security.own_dirs import PRIVATE_MODE, SHARED_MODE, ParentMissing, create_own_dir
 from kvtierd.security.trusted_dirs import UntrustedPath, require_own_entries, require_trusted_dir
 
-log = logging.getLogger("kvtierd.daemon")
+log = logging.getLogger(__name__)
 
 
 def prepare_shm_dir(path: str, gid: int | None, *, private: bool) -> None:

@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from kvtierd.errors import StartupError
 from kvtierd.util.sockets import PublishError, SocketPlacement
 
-log = logging.getLogger("kvtierd.takeover")
+log = logging.getLogger(__name__)
 
 _UCRED = struct.Struct("iII")  # pid_t pid; uid_t uid; gid_t gid
 PROBE_TIMEOUT = 1.0  # seconds a connect to the running daemon's socket may take

@@ -8,6 +8,9 @@
   (free, quarantined, ref count), the counters and the primitive row transitions;
 - ``manager``: the protocol over it: who may change a ref count and when, eviction to
   make room, events, the quarantine and adoption fences;
+- ``fences``: rows kept from writers until a time (the write fence, adoption);
+- ``errors``: why a call refused a key (not in the state the call needs);
+- ``footprint``: what a pool costs the daemon's heap beyond its region;
 - ``policies``: eviction orders (LRU, ARC) the manager consults;
 - ``warm``: the warm-restart journal, its row checksums and the adoption of a region a
   previous daemon left.

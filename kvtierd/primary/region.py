@@ -63,7 +63,7 @@ from kvtierd.util import filekind
 from kvtierd.util.flocks import flock_holder
 from kvtierd.util.units import format_bytes
 
-log = logging.getLogger("kvtierd.region")
+log = logging.getLogger(__name__)
 
 ROW_ALIGNMENT = 4096  # block_bytes must be a multiple of this (the page size)
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14

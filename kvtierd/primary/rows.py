@@ -71,7 +71,7 @@ __all__ = [
     "scratch_bytes",
 ]
 
-log = logging.getLogger("kvtierd.regionrows")
+log = logging.getLogger(__name__)
 
 _SYSCALLS, _PROC_SELF_MEM, _NONE = "process_vm_readv/writev", "/proc/self/mem", "none"
 

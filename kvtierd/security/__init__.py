@@ -13,5 +13,20 @@
 - ``reload``: SIGHUP re-reads the credential files (tokens, certificates, keys)
   and swaps what was built from them; a bad file keeps the old credentials;
 - ``trusted_dirs``: ``memory.shm_dir`` and tier roots must be the daemon's own
-  (owner, no write for others without the sticky bit, no planted symlink).
+  (owner, no write for others without the sticky bit, no planted symlink);
+  ``own_dirs``: those directories (and a listen socket's) made when missing, one level,
+  no link followed, their mode exact;
+- ``region_access``: region file descriptors handed (``SCM_RIGHTS``) to authorized
+  peers only;
+- ``config``: the ``[security]`` section of the configuration (its keys, its frozen
+  section, its checks).
+
+Invariants: a caller is identified before its request is read and authorized on every
+call (no identity, no call); a refusal is audited, rate limited, and changes nothing;
+what other users could plant (a file, a link, a directory) is checked without being
+followed; a bad credential file on reload keeps the credentials in force.
+
+May import: ``kvtierd.records``, ``kvtierd.prefix``, the root vocabulary and
+``kvtierd.util`` (the layers below it), and ``kvtierd_client.wire`` (the peer-ticket
+exchange, the trust rules); never the tiers, the primary tier, the pools or the API.
 """

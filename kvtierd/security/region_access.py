@@ -58,7 +58,7 @@ from kvtierd.util import filekind
 from kvtierd.util.ratelimit import RateLimitedLog
 from kvtierd.util.sockets import BoundSocket, SocketPlacement, unlink_if_own
 
-log = logging.getLogger("kvtierd.security.region_access")
+log = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES = 128  # "MAP " + 32 hex + "\n", with room to spare
 REQUEST_TIMEOUT_S = 2.0  # a peer that says nothing within this is dropped

@@ -24,7 +24,7 @@ from kvtierd.errors import ConfigError
 from kvtierd.security.tls import ServerTls
 from kvtierd.security.tokens import TokensFileError
 
-log = logging.getLogger("kvtierd.security")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,7 +57,7 @@ class AuditedSession(Protocol):
     def pool_name(self) -> str: ...
 
 
-log = logging.getLogger("kvtierd.security")
+log = logging.getLogger(__name__)
 
 BEARER_PREFIX = "Bearer "
 TCP_UNAUTHENTICATED = "TCP calls need metadata 'authorization: Bearer <token>'"

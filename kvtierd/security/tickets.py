@@ -42,7 +42,7 @@ from kvtierd.security.principals import Principal
 from kvtierd.util.fairshare import FairShares
 from kvtierd_client.wire.peer_ticket import TICKET_BYTES, granted_line, refused_line
 
-log = logging.getLogger("kvtierd.security.tickets")
+log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT = 5.0  # seconds the daemon waits to hand its answer to a slow peer
 

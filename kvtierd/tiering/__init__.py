@@ -3,7 +3,11 @@
 - ``manager``: :class:`Tiering`: cascades after CompleteStore (primary -> every tier)
   and promotions on Lookup (a tier -> the primary);
 - ``holds``: promotion holds, pool-owned pins that keep a promoted block in the
-  primary until the engine that asked comes back for it.
+  primary until the engine that asked comes back for it;
+- ``remote``: a Lookup's bounded wait for what its remote tiers (Redis, a shared fs
+  root) hold;
+- ``retries``: which promotions failed lately, and when each key may be promoted from
+  its tier again.
 
 Invariants: a cascade job owns one pin per key it copies and a promotion owns the
 reservation of the row it fills; both are released exactly once, when the tier answers

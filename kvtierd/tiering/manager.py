@@ -72,7 +72,7 @@ from kvtierd.tiering.remote import RemoteWait, known_miss, plan_asks
 from kvtierd.tiering.retries import FailedPromotion, FailedPromotions
 from kvtierd.tiers.base import JobResult, SecondaryTier, TierJob
 
-log = logging.getLogger("kvtierd.tiering")
+log = logging.getLogger(__name__)
 
 _MISS = LookupResult.MISS
 _HIT = LookupResult.HIT

@@ -1,7 +1,7 @@
 """The configured-tier contract: what the daemon holds for one ``[[tiers]]`` table.
 
-A tier type (``fs`` now; Redis or a shared filesystem later) brings three things,
-registered by name in :mod:`kvtierd.tiers.registry`:
+A tier type (``fs``, ``redis``) brings three things, registered by name in
+:mod:`kvtierd.tiers.registry`:
 
 * a frozen settings dataclass (:class:`TierSettings`) and a pure parser of a
   ``[[tiers]]`` table into it, raising :class:`TierOptionError` naming the option;
@@ -14,6 +14,8 @@ registered by name in :mod:`kvtierd.tiers.registry`:
 Lifecycle, all on the event loop unless said otherwise::
 
     daemon start     ConfiguredTier.check()          refuses unusable resources
+                     (a takeover: check_unlocked(), then lock() once the daemon
+                     it replaces has exited)
     per pool         ConfiguredTier.create(...)      no I/O
                      SecondaryTier.prepare()         blocking: off the loop
                      SecondaryTier.launch()          starts threads; jobs may come

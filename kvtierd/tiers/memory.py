@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from kvtierd.contract import BlockKey, LookupResult, Medium
 from kvtierd.tiers.base import JobCallback, JobResult, SecondaryTier, TierJob, TierStats
 
-log = logging.getLogger("kvtierd.tiers.memory")
+log = logging.getLogger(__name__)
 
 REMOVALS_KEPT = 1024  # recent removals remembered for Explain, per tier instance
 _COUNTERS = (

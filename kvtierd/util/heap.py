@@ -30,7 +30,7 @@ import os
 import threading
 from collections.abc import Callable
 
-log = logging.getLogger("kvtierd.heap")
+log = logging.getLogger(__name__)
 
 MMAP_THRESHOLD = 32 << 10  # blocks this large or larger are mapped alone
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)

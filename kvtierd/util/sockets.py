@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 from kvtierd.util import filekind
 
-log = logging.getLogger("kvtierd.sockets")
+log = logging.getLogger(__name__)
 
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
 NAME_TOKEN_BYTES = 8  # random bytes in a staged or keep name (16 hex digits)

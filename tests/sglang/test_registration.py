@@ -17,7 +17,9 @@ LOGGER = "kvtierd_client.sglang"
 
 def _errors(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [
-        r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno >= logging.ERROR
+        r.getMessage()
+        for r in caplog.records
+        if r.name.startswith(LOGGER + ".") and r.levelno >= logging.ERROR
     ]
 
 

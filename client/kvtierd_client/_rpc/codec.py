@@ -55,7 +55,7 @@ __all__ = [
     "client_closed_error",
 ]
 
-log = logging.getLogger("kvtierd_client")
+log = logging.getLogger(__name__)
 
 R = TypeVar("R")
 R_co = TypeVar("R_co", covariant=True)  # an Op's answer type

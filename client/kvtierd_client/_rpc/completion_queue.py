@@ -20,7 +20,7 @@ from kvtierd_client.wire.proto import pb2
 
 __all__ = ["DEFAULT_FLUSH_AFTER", "DEFERRED_ERRORS_KEPT", "CompletionQueue"]
 
-log = logging.getLogger("kvtierd_client")
+log = logging.getLogger(__name__)
 
 DEFAULT_FLUSH_AFTER = 0.005  # seconds a queued completion may wait for a carrier call
 DEFERRED_ERRORS_KEPT = 100  # the most recent failures of queued ops kept

@@ -31,7 +31,7 @@ from kvtierd_client.wire.proto import pb2_grpc
 
 __all__ = ["DEFAULT_CHANNEL_OPTIONS", "DEFAULT_TIMEOUT", "Connection", "WatchStream"]
 
-log = logging.getLogger("kvtierd_client")
+log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 5.0
 # OpenSession creates a pool's region the first time (allocation and pre-faulting:

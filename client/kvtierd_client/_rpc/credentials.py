@@ -25,7 +25,7 @@ from kvtierd_client.errors import PermissionDenied, Unavailable
 from kvtierd_client.wire.address import to_grpc_target
 from kvtierd_client.wire.peer_ticket import TicketHolder, TicketRefused, TicketSocketError
 
-log = logging.getLogger("kvtierd_client.credentials")
+log = logging.getLogger(__name__)
 
 Metadata = tuple[tuple[str, str], ...]
 

@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-log = logging.getLogger("kvtierd_client")
+log = logging.getLogger(__name__)
 
 IDLE_EXIT = 1.0  # seconds a flusher with nothing queued ticks before its thread exits
 MIN_TICK = 0.001  # seconds; the shortest tick (a shorter ``after`` is met by notifying)

@@ -39,7 +39,7 @@ __all__ = [
     "keepalive_interval",
 ]
 
-log = logging.getLogger("kvtierd_client")
+log = logging.getLogger(__name__)
 
 MIN_KEEPALIVE_DEADLINE = 0.1  # seconds: the shortest deadline of a background KeepAlive
 

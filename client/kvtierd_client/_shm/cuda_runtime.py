@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import logging
 
-log = logging.getLogger("kvtierd_client.cuda")
+log = logging.getLogger(__name__)
 
 RUNTIME_LIBRARY = "libcudart.so"
 

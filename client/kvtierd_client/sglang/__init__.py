@@ -4,6 +4,24 @@ Requires SGLang (0.5.23); nothing else in ``kvtierd_client`` imports this packag
 so the client works without SGLang installed. SGLang loads the backend with
 ``--hicache-storage-backend dynamic`` and the extra-config keys of
 ``kvtierd_client.sglang.settings.EXTRA_KEYS`` (docs/guides/sglang.md).
+
+- ``storage``: ``KvtierdStorage``, the backend SGLang calls;
+- ``settings``: what it reads from ``--hicache-storage-backend-extra-config``;
+- ``pool_plan``: which kvtierd pool a rank stores its pages in, and its keys;
+- ``host_pages``: an SGLang host pool's pages, per layout, as views the copy engine moves;
+- ``link``: the connection to kvtierd (session generations, reconnects, failures);
+- ``transfers``: one generation's data path (look pages up, load, store);
+- ``metrics``: the transfer counters and SGLang's ``StorageMetrics`` made from them;
+- ``quiet_log``: one log line per kind of failure and period.
+
+Invariants: the data path never raises into SGLang: a daemon that is down or refuses
+a call turns into misses and failed stores, logged once per kind and period; a
+configuration SGLang cannot serve is refused at start with one line saying what to
+change.
+
+May import: SGLang, torch and the client's public modules (``client``, ``region``,
+``copy_engine``, ``errors``, ``types``, ``wire``); never ``kvtierd_client.vllm`` or the
+daemon.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ from kvtierd_client.sglang.settings import StorageSettings
 
 __all__ = ["DaemonLink", "Generation", "LinkStatistics", "describe_refusal"]
 
-log = logging.getLogger("kvtierd_client.sglang")
+log = logging.getLogger(__name__)
 
 
 class Generation:

@@ -48,7 +48,7 @@ from kvtierd_client.sglang.settings import SettingsError, StorageSettings
 
 __all__ = ["KvtierdStorage", "StorageStatistics"]
 
-log = logging.getLogger("kvtierd_client.sglang")
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 STORAGE_BATCH_PAGES = 128  # SGLang's STORAGE_BATCH_SIZE: pages per batch_*_v1 call
 

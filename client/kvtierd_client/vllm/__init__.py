@@ -5,6 +5,28 @@ another release gets one warning at start). Nothing else in ``kvtierd_client``
 imports this package, so the client works without vLLM installed. See
 ``kvtierd_client.vllm.spec`` for the configuration and
 ``kvtierd_client.vllm.settings.EXTRA_KEYS`` for the extra config keys.
+
+- ``spec``: ``KvtierdOffloadingSpec``, vLLM's ``OffloadingSpec`` on kvtierd;
+- ``settings``: what the plug-in reads from ``kv_connector_extra_config``, and its pool;
+- ``common``: the types the scheduler side and the worker side share;
+- ``compat``: the supported vLLM releases and how they drive the plug-in differently;
+- ``manager``: the scheduler side, vLLM's ``OffloadingManager`` served by kvtierd;
+  ``connection``: its connection (session generations, failures); ``holdings``: what
+  its session holds (load pins, reservations, graves); ``step_cache``: a step's lookup
+  answers and their pins; ``store_ahead``: the ``PrepareStore`` a lookup's round trip
+  carries; ``accounting``: what it counts;
+- ``worker``: the worker side, vLLM's ``OffloadingWorker`` copying KV pages to and from
+  region rows.
+
+Invariants: a daemon that cannot be reached at start stops the engine with one
+``DaemonStartError`` naming what to do; once serving, a daemon that is down turns every
+lookup into a miss and every store into none, and a session the daemon forgot is opened
+again (row ids always travel with their region's identity); a worker copies a job's rows
+only while the scheduler's session is proven alive (``kvtierd_client.lease_fence``).
+
+May import: vLLM, torch and the client's public modules (``client``, ``region``,
+``copy_engine``, ``errors``, ``lease_beacon``, ``lease_fence``, ``wire``); never
+``kvtierd_client.sglang`` or the daemon.
 """
 
 from __future__ import annotations

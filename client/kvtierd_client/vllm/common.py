@@ -29,7 +29,7 @@ from kvtierd_client.errors import (
 from kvtierd_client.region import announced_identity
 from kvtierd_client.vllm.settings import PluginSettings, PoolPlan
 
-log = logging.getLogger("kvtierd_client.vllm")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

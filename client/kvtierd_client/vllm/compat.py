@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 __all__ = ["SUPPORTED", "VllmCalls", "release_of", "warn_if_unknown"]
 
-log = logging.getLogger("kvtierd_client.vllm")
+log = logging.getLogger(__name__)
 
 SUPPORTED: tuple[tuple[int, int], ...] = ((0, 32), (0, 33))
 """The (major, minor) releases of vLLM the plug-in is tested with."""

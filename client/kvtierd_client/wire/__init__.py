@@ -5,8 +5,12 @@
 - ``results``: ``LookupResult`` and ``StoreResult`` (values equal the wire enums);
 - ``lane_frames``: the fast lane's frame header and method numbers;
 - ``peer_ticket``: the peer-ticket exchange on the ticket socket;
-- ``address``: daemon addresses (default socket, ``unix:`` / TCP targets).
+- ``address``: daemon addresses (default socket, ``unix:`` / TCP targets);
+- ``trust``: whether a path or a peer can be the daemon's (the client's defence against
+  a local user impersonating kvtierd).
 
-Invariant: nothing here does I/O at import, and nothing imports the rest of
-``kvtierd_client`` or anything of ``kvtierd``.
+Invariant: nothing here does I/O at import.
+
+May import: the standard library, protobuf and grpc, and the generated stubs
+(``kvtierd_client._proto``); nothing else of ``kvtierd_client`` and nothing of ``kvtierd``.
 """

@@ -57,7 +57,7 @@ from kvtierd.primary.warm.journalformat import (
 )
 from kvtierd.primary.warm.rowsums import checksum_spans, read_row_checksum
 
-log = logging.getLogger("kvtierd.warm")
+log = logging.getLogger(__name__)
 
 _OPEN_REGION = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
 # the journal's bound when read back: the live size is at most one record per

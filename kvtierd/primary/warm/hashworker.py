@@ -17,8 +17,8 @@ busy: the journal fell 2-5 s behind a storm, past ``memory.warm_restart_max_lag`
 
 Invariants:
 
-* The checksum of a row is the same value :func:`kvtierd.primary.warm.journal.row_checksum`
-  and :func:`kvtierd.primary.warm.journal.read_row_checksum` give: ``xxh3_64`` of the covered
+* The checksum of a row is the same value :func:`kvtierd.primary.warm.rowsums.row_checksum`
+  and :func:`kvtierd.primary.warm.rowsums.read_row_checksum` give: ``xxh3_64`` of the covered
   spans in order (one streaming state per row, so no copy is needed).
 * A worker vouches only for rows that lie inside the region file as it
   ``fstat``-s it when the request arrives; a truncation racing the hashing
@@ -60,7 +60,7 @@ import xxhash
 
 from kvtierd.util.workerproc import die_with
 
-log = logging.getLogger("kvtierd.hashworker")
+log = logging.getLogger(__name__)
 
 MAX_ROWS_PER_REQUEST = 4096  # the journal's batch cap: requests stay under 16 KiB
 REPLY_TIMEOUT_S = 60.0  # a worker silent this long on one request is killed

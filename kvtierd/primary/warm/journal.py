@@ -60,7 +60,7 @@ from kvtierd.primary.warm.journalformat import (
 from kvtierd.primary.warm.rowsums import RowChecksums, checksum_spans
 from kvtierd.util.ratelimit import RateLimitedLog
 
-log = logging.getLogger("kvtierd.journal")
+log = logging.getLogger(__name__)
 _rate_limited = RateLimitedLog(log)
 
 # the journal's thread waits this long after the first completion of a batch: a

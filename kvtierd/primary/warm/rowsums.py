@@ -33,7 +33,7 @@ from kvtierd.primary.safecopy import address_of
 from kvtierd.primary.warm.hashworker import HashWorker, WorkerDied
 from kvtierd.util.ratelimit import RateLimitedLog
 
-log = logging.getLogger("kvtierd.journal")
+log = logging.getLogger(__name__)
 _rate_limited = RateLimitedLog(log)
 
 PAGE = 4096

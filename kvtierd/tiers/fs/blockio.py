@@ -45,7 +45,7 @@ from kvtierd.tiers.failures import IoUnavailable
 from kvtierd.tiers.fs.iowire import Reply, receive_message, send_message
 from kvtierd.tiers.fs.ioworker import Worker
 
-log = logging.getLogger("kvtierd.tiers.fs.blockio")
+log = logging.getLogger(__name__)
 
 STOP_WAIT_S = 5.0  # seconds a worker gets to exit after EOF before it is killed
 # a worker silent this long on one request is killed (fs option io_worker_timeout)

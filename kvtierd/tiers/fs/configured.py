@@ -55,7 +55,7 @@ class ConfiguredFsTier(ConfiguredTier):
         self.settings: FsTierSettings = settings
         self.budget = DiskBudget(settings.capacity)
         # one report stream of write failures for all its pools
-        self.write_log = WriteFailureLog(name, logging.getLogger("kvtierd.tiers.fs"))
+        self.write_log = WriteFailureLog(name, logging.getLogger(__name__))
         # one rate limit on the lines of files that failed verification, for all its pools
         self.corrupt_log = CorruptFileLog(name)
         self._io: IoPool | None = None  # started with the first pool

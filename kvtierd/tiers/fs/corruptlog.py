@@ -24,7 +24,7 @@ from kvtierd.tiers.fs.blockfile import CorruptFile
 from kvtierd.tiers.fs.safefs import REGULAR
 from kvtierd.util.ratelimit import RateLimitedLog
 
-log = logging.getLogger("kvtierd.tiers.fs")
+log = logging.getLogger(__name__)
 
 CORRUPT_LOG_INTERVAL_S = 10.0
 

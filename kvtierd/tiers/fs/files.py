@@ -19,7 +19,7 @@ from kvtierd.tiers.fs import fsformat, safefs
 from kvtierd.tiers.fs.fsformat import TEMP_SUFFIX
 from kvtierd.tiers.fs.safefs import PoolDir, UnexpectedEntry
 
-log = logging.getLogger("kvtierd.tiers.fs")
+log = logging.getLogger(__name__)
 
 
 class PoolFiles:

@@ -36,7 +36,7 @@ from kvtierd.contract import BlockKey
 from kvtierd.tiers.failures import IoUnavailable
 from kvtierd.tiers.fs.settings import DEFAULTS
 
-log = logging.getLogger("kvtierd.tiers.fs.iopool")
+log = logging.getLogger(__name__)
 
 Task = Callable[[], Any]
 JOIN_S = 2.0  # shutdown waits this long in all for the threads to finish their tasks

@@ -25,7 +25,7 @@ import stat
 
 from kvtierd.security.trusted_dirs import require_own_entry, require_trusted_dir
 
-log = logging.getLogger("kvtierd.tiers.fs")
+log = logging.getLogger(__name__)
 
 FILE_MODE = 0o640  # block files and pool.json
 DIR_MODE = 0o750  # pool directories and their <hh> folders

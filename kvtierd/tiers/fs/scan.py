@@ -42,7 +42,7 @@ from kvtierd.tiers.fs.index import BlockIndex, TierFull
 from kvtierd.tiers.fs.safefs import DIRECTORY, REGULAR, Entry, PoolDir, UnexpectedEntry
 from kvtierd.tiers.integrity import KeyRing
 
-log = logging.getLogger("kvtierd.tiers.fs")
+log = logging.getLogger(__name__)
 
 SCAN_JOIN_S = 2.0  # shutdown waits this long for a scan stuck in the file system
 SCAN_LOG_EVERY = 10_000  # files between progress lines

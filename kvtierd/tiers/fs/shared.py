@@ -66,7 +66,7 @@ from kvtierd.tiers.integrity import KeyRing
 from kvtierd.util.filekind import REGULAR
 from kvtierd.util.ratelimit import RateLimitedLog
 
-log = logging.getLogger("kvtierd.tiers.fs")
+log = logging.getLogger(__name__)
 
 PROBE_BATCH = 256  # keys checked per batch (one PoolDir open)
 MAX_WANTED = 16384  # keys waiting for a check (~4 MiB at 256-byte keys); more: not queued

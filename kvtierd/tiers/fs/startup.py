@@ -24,7 +24,7 @@ from kvtierd.tiers.fs import blockfile, permissions
 from kvtierd.tiers.fs.fsformat import POOL_FILE, POOL_FILE_MAX_BYTES, TEMP_SUFFIX, PoolIdentity
 from kvtierd.tiers.fs.safefs import PoolDir, UnexpectedEntry
 
-log = logging.getLogger("kvtierd.tiers.fs")
+log = logging.getLogger(__name__)
 
 SPEED_PROBE_BYTES = 16 << 20  # at most this much written twice by the o_direct=auto probe
 DIRECT_SPEEDUP = 0.8  # O_DIRECT is chosen by "auto" when it takes < 80 % of the time

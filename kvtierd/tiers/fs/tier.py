@@ -98,7 +98,7 @@ from kvtierd.util.ratelimit import RateLimitedLog
 
 __all__ = ["DiskBudget", "FsTier", "FsTierError", "PoolMismatchError", "ScanReport", "TierFull"]
 
-log = logging.getLogger("kvtierd.tiers.fs")
+log = logging.getLogger(__name__)
 
 REGION_FAULT_LOG_S = 10.0  # at most one "region cut short" WARNING per kind this often
 

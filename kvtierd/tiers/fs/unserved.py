@@ -37,7 +37,7 @@ from kvtierd.tiers.fs.safefs import PoolDir, UnexpectedEntry
 from kvtierd.util.filekind import REGULAR
 from kvtierd.util.ratelimit import RateLimitedLog
 
-log = logging.getLogger("kvtierd.tiers.fs")
+log = logging.getLogger(__name__)
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 

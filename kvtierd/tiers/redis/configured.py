@@ -44,7 +44,7 @@ from kvtierd.tiers.redis.settings import RedisTierSettings
 from kvtierd.tiers.redis.tier import RedisTier
 from kvtierd.util.ratelimit import RateLimitedLog
 
-log = logging.getLogger("kvtierd.tiers.redis")
+log = logging.getLogger(__name__)
 
 
 def read_password(path: str) -> str:

@@ -29,7 +29,7 @@ from kvtierd.tiers.redis.link import RedisLink
 from kvtierd.tiers.redis.nodefaults import NodeFaults
 from kvtierd.util.ratelimit import RateLimitedLog
 
-log = logging.getLogger("kvtierd.tiers.redis")
+log = logging.getLogger(__name__)
 
 FAULT_LOG_INTERVAL_S = 10.0
 

@@ -70,7 +70,7 @@ from kvtierd.tiers.redis.health import NodeInfo, ServerHealth, summarize
 from kvtierd.tiers.redis.nodefaults import NodeFaults
 from kvtierd.tiers.redis.settings import RedisTierSettings
 
-log = logging.getLogger("kvtierd.tiers.redis")
+log = logging.getLogger(__name__)
 
 RESOLVE_RETRY_S = 1.0  # a server that did not answer the mode question: asked again after
 TOPOLOGY_REFRESH_S = 1.0  # at most one slot-map refresh per this, whatever fails

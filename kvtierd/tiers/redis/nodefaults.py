@@ -27,7 +27,7 @@ from collections.abc import Callable
 import redis
 from redis.exceptions import ClusterDownError
 
-log = logging.getLogger("kvtierd.tiers.redis")
+log = logging.getLogger(__name__)
 
 NODE_FAULT_LOG_S = 60.0  # a node's fault is logged at most once in this long (it flaps)
 

@@ -53,7 +53,7 @@ from kvtierd.contract import BlockKey
 from kvtierd.tiers.redis.link import RedisLink
 from kvtierd.util.loopfuture import complete
 
-log = logging.getLogger("kvtierd.tiers.redis")
+log = logging.getLogger(__name__)
 
 MAX_WANTED_PER_NODE = 8192  # keys waiting for one node's next probe (~2 MiB at 256 B)
 PROBE_THREADS = 4  # probes in flight at once (one per node); a hung node holds one

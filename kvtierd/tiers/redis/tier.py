@@ -80,7 +80,7 @@ from kvtierd.tiers.redis.nodefaults import NodeFaults
 from kvtierd.tiers.redis.prober import Prober
 from kvtierd.util.ratelimit import RateLimitedLog
 
-log = logging.getLogger("kvtierd.tiers.redis")
+log = logging.getLogger(__name__)
 
 HIT, RETRY = LookupResult.HIT, LookupResult.RETRY
 MAX_PROBE_WANTED = 8192  # held keys probed again after the server evicted some

@@ -4,7 +4,7 @@ lease its pins are released, its reservation aborted, and its blocks evictable.
 These run against the real daemon, so leases run on real time; every wait is an
 ``eventually`` on what the daemon reports. The lease rules themselves (expiry,
 renewal by calls, stall credit) are tested on an injected clock in
-``tests/unit/core/test_sessions.py`` and ``tests/unit/api/test_service.py``."""
+``tests/unit/core/test_sessions.py`` and ``tests/unit/api/test_handlers.py``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""vLLM's CPU-manager scenarios (its tests/v1/kv_offload/cpu/test_manager.py;
+"""vLLM's CPU-manager scenarios (vLLM's tests/v1/kv_offload/cpu/test_manager.py;
 docs/design/semantics.md) replayed through the real daemon over its Unix socket: same
 block ids, evicted keys, lookup results, events."""
 

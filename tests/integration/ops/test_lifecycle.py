@@ -26,7 +26,8 @@ def open_pool(daemon, name: str, num_blocks: int = 4):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_shuts_down_cleanly(sig):
-    daemon = start_daemon("--warm-restart", "false")  # warm: tests/.../test_warm_restart.py
+    # warm: tests/integration/primary/warm/test_warm_restart.py
+    daemon = start_daemon("--warm-restart", "false")
     try:
         _, opened = open_pool(daemon, "lifecycle")
         region = opened.region.path

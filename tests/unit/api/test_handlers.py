@@ -212,7 +212,7 @@ def test_a_bug_is_internal_logged_and_the_service_goes_on(daemon, monkeypatch, c
         raise RuntimeError("boom")
 
     monkeypatch.setattr(pool, "touch", broken)
-    with caplog.at_level(logging.ERROR, logger="kvtierd.service"):
+    with caplog.at_level(logging.ERROR, logger="kvtierd.api.handlers"):
         aborted = daemon.refused("Touch", pb2.TouchRequest(session_id=session, keys=[b"a"]))
     assert aborted.code is grpc.StatusCode.INTERNAL
     assert "internal error in Touch: RuntimeError: boom" in aborted.details

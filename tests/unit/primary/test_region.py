@@ -181,7 +181,7 @@ def test_stale_file_of_a_dead_daemon_is_replaced_not_reused(region_dir, caplog):
     old = os.open(path, os.O_RDONLY)  # keeps the old inode (and its number) alive
     try:
         old_inode = os.fstat(old).st_ino
-        with caplog.at_level(logging.WARNING, logger="kvtierd.region"):
+        with caplog.at_level(logging.WARNING, logger="kvtierd.primary.region"):
             replaced = Region.create(region_dir, "pool", 8, BLOCK)
         with replaced:
             assert replaced.path == path
@@ -384,7 +384,7 @@ def test_close_unlinks_and_is_idempotent(region_dir):
 def test_close_with_a_buffer_still_exported_unlinks_and_logs(region_dir, caplog):
     created = Region.create(region_dir, "pool", 2, BLOCK)
     array = np.frombuffer(created.row(0), dtype=np.uint8)  # pins the mapping
-    with caplog.at_level(logging.WARNING, logger="kvtierd.region"):
+    with caplog.at_level(logging.WARNING, logger="kvtierd.primary.region"):
         created.close()
     assert not os.path.exists(created.path)
     assert "garbage collector" in caplog.text

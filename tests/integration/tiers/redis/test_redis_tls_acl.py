@@ -156,7 +156,7 @@ def _degraded(daemon: DaemonProcess, pool_name: str, words: str) -> None:
 
     def said() -> bool:
         lines = daemon.log().split("\n")
-        return any(" WARNING kvtierd.tiers.redis: " in line and words in line for line in lines)
+        return any(" WARNING kvtierd.tiers.redis." in line and words in line for line in lines)
 
     eventually(said, 20, lambda: f"{words!r} in the tier's WARNING:\n{daemon.log()}")
     assert daemon.alive()

@@ -2,7 +2,7 @@
 (kvtierd.primary.warm.journalfiles), on real files: only this uid's files are removed, what
 another user left at the journal's name is described (never followed, never
 touched), and temporary files get a new name each time. Files "of another user"
-are made by chown (root); tests/integration/test_attack_planted_journal.py plants
+are made by chown (root); tests/integration/primary/warm/test_planted_journal_attacks.py plants
 them as a real other user against a real non-root daemon."""
 
 from __future__ import annotations
