@@ -1,15 +1,17 @@
 """Starts the real kvtierd process for tests and talks to it over its Unix socket.
 
-Waiting: :func:`eventually` is the tests' one wait for a condition. Where the code
-offers an event it blocks on that event between two looks (``wake``: a thread's
-``join``, an fd's readiness, a pool's WatchEvents stream through :class:`PoolEvents`);
-elsewhere it polls. A fixed ``time.sleep`` in a test only lets time pass on purpose
-(a stall, a lease running out, a window in which something must *not* happen) and
-says so beside it.
+Waiting: :func:`eventually` is the tests' one wait for a condition (in a coroutine,
+:func:`eventually_async`). Where the code offers an event it blocks on that event
+between two looks (``wake``: a thread's ``join``, an fd's readiness, a pool's
+WatchEvents stream through :class:`PoolEvents`); elsewhere it polls. A fixed
+``time.sleep`` in a test only lets time pass on purpose (a stall, a lease running
+out, a window in which something must *not* happen) and says so beside it; unit
+tests have none (they inject a clock: ``tests/unit/test_conventions.py`` checks).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import queue
@@ -273,6 +275,28 @@ def eventually(
             wake(left)
         else:
             time.sleep(min(interval, left))
+
+
+async def eventually_async(
+    condition: Callable[[], _T],
+    timeout: float,
+    what: str | Callable[[], str],
+    *,
+    interval: float = POLL_INTERVAL_S,
+) -> _T:
+    """:func:`eventually` inside a coroutine: between two looks it sleeps on the
+    event loop (``interval`` seconds), so what ``condition`` waits for (callbacks
+    on that loop, a probe's answer) can run meanwhile."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        left = deadline - time.monotonic()
+        if left <= 0:
+            details = what() if callable(what) else what
+            raise AssertionError(f"not within {timeout}s: {details}")
+        await asyncio.sleep(min(interval, left))
 
 
 class PoolEvents:

@@ -18,7 +18,9 @@ scheduler side never imports torch:
 * ``kvtierd_client.vllm`` — the vLLM plug-in; ``kvtierd_client.sglang`` — the SGLang
   storage backend (each needs its engine installed; nothing else imports them);
 * ``kvtierd_client.wire`` — what the client and the daemon both speak (messages,
-  results, frames, addresses): the one package the daemon imports.
+  results, frames, addresses, who can be the daemon): the one package the daemon imports;
+* ``kvtierd_client.proto`` — the raw stubs' old import path, kept as a deprecated alias
+  of ``kvtierd_client.wire.proto`` (the public one).
 
 Private: ``kvtierd_client._rpc`` (the transport: encoding, the connection, the fast lane,
 keepalives), ``kvtierd_client._shm`` (the shared-memory and CUDA helpers of the region

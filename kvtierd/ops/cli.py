@@ -115,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(config.log.level)
     for warning in unknown_environment():
         logging.getLogger(__name__).warning("%s", warning)
-    from kvtierd.ops.daemon import serve  # heavy imports after argument checks
+    from kvtierd.ops.daemon import logged, serve  # heavy imports after argument checks
 
     try:
         _run(serve(config))
@@ -126,7 +126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvtierd: cannot start: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     except Exception as exc:
-        logging.getLogger(__name__).error("kvtierd failed: %s", exc, exc_info=True)
+        # a failed shutdown step was logged with its traceback where it failed
+        logging.getLogger(__name__).error("kvtierd failed: %s", exc, exc_info=not logged(exc))
         print(f"kvtierd: {exc}", file=sys.stderr)
         return EXIT_RUNTIME
     return 0

@@ -10,7 +10,8 @@ close every session (pins released, reservations aborted) -> let the tier
 jobs in flight finish (cascades reach the disk; ``server.shutdown_grace``) ->
 join the tiers' I/O threads -> close pools (journals drained and closed; region
 files unlinked, or kept for the next daemon with ``memory.warm_restart``) -> remove
-the socket files.
+the socket files. A step that fails skips none after it (``ShutdownSteps``): it is
+logged by name, and the first failure is raised once all ran (exit code 1).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import logging
 import os
 import signal
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from kvtierd.api.fastlane import FastLane, first_unix_path, lane_socket_path
 from kvtierd.api.grpc_service import GrpcService
@@ -61,6 +63,7 @@ from kvtierd.util.units import format_bytes
 from kvtierd_client.wire.peer_ticket import ticket_socket_path
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 def resolve_group(name: str) -> int | None:
@@ -70,6 +73,60 @@ def resolve_group(name: str) -> int | None:
         return grp.getgrnam(name).gr_gid
     except KeyError:
         raise ConfigError("server.socket_group", f"no such group: {name!r}") from None
+
+
+class ShutdownSteps:
+    """Runs the steps of a shutdown so that a step that fails skips none after it.
+
+    A step that raises an ``Exception`` is logged once, at ERROR, with its name and
+    traceback; the first such exception is kept and :meth:`raise_first` raises it
+    again, once every step ran (the exit code then says the stop was not clean:
+    ``kvtierd.ops.cli``). Anything else (``CancelledError``, ``SystemExit``) ends
+    the shutdown at once, as it would any coroutine.
+    """
+
+    def __init__(self) -> None:
+        self.failed: list[str] = []  # the names of the steps that raised, in order
+        self._first: Exception | None = None
+
+    def run(self, name: str, step: Callable[..., _T], *args: Any) -> _T | None:
+        """``step(*args)``; its result, or None when it raised."""
+        try:
+            return step(*args)
+        except Exception as exc:
+            self._failed(name, exc)
+            return None
+
+    async def run_async(self, name: str, step: Awaitable[_T]) -> _T | None:
+        """``await step``; its result, or None when it raised."""
+        try:
+            return await step
+        except Exception as exc:
+            self._failed(name, exc)
+            return None
+
+    def raise_first(self) -> None:
+        """Raises the first failure again (marked logged: see :func:`logged`); nothing
+        when every step succeeded."""
+        if self._first is not None:
+            setattr(self._first, _LOGGED, True)
+            raise self._first
+
+    def _failed(self, name: str, exc: Exception) -> None:
+        log.error("shutdown step %r failed; going on with the others", name, exc_info=exc)
+        self.failed.append(name)
+        if self._first is None:
+            self._first = exc
+
+
+_LOGGED = "_kvtierd_logged_with_traceback"
+
+
+def logged(exc: BaseException) -> bool:
+    """Whether ``exc`` was logged with its traceback where it happened before being
+    raised again (a failed shutdown step): the process's last handler then says it
+    in one line instead of a second traceback."""
+    return bool(getattr(exc, _LOGGED, False))
 
 
 class Daemon:
@@ -280,49 +337,84 @@ class Daemon:
         await self._stop.wait()
 
     async def shutdown(self) -> None:
-        """Ordered shutdown; each step runs even if an earlier one failed."""
+        """Ordered shutdown (the module docstring); each step runs even if an earlier
+        one failed (:class:`ShutdownSteps`): a tier whose ``shutdown()`` raises still
+        leaves the pools closed and the sockets removed. Each failure is logged once,
+        naming its step; the first is raised again once every step ran."""
         log.info("shutting down: refusing new calls, finishing in-flight ones")
         notify("STOPPING=1")
-        self.handlers.stop_accepting()
-        for pool in self.pools:
-            pool.events.wake_all()  # watch streams end
+        steps = ShutdownSteps()
+        steps.run("refuse new calls", self._refuse_calls)
+        stopping = None
         if self._server is not None:
-            await set_health(self._health, serving=False)
+            await steps.run_async("health NOT_SERVING", set_health(self._health, serving=False))
             # GOAWAY first: a client's next call opens a new connection (to the
             # daemon that took over, if any: docs/operations/upgrades.md) ...
-            stopping = asyncio.ensure_future(self._server.stop(self.config.server.shutdown_grace))
+            stopping = steps.run("servers", self._begin_server_stop, self._server)
             await asyncio.sleep(0)
         if self.fast_lane is not None:
             # ... then every lane cut (their sessions close below): its clients learn
             # at once that the session is gone (NOT_FOUND) and reopen one there
-            self.fast_lane.close()
-        if self._server is not None:
-            await stopping
+            steps.run("fast lane", self.fast_lane.close)
+        if stopping is not None:
+            await steps.run_async("in-flight calls", stopping)
+        await steps.run_async("background tasks", self._cancel_background_tasks())
+        steps.run("sessions", self.sessions.close_all, "closed by daemon shutdown")
+        await steps.run_async("peer tickets", self.security.tickets.close())
+        await steps.run_async("tier jobs in flight", self._drain_tiers())
+        for tier in self.tiers:
+            # joins the tier's I/O threads: nothing of it touches a region after this.
+            # One that failed may still copy rows: closing the regions is safe anyway
+            # (a region's rows wait for the copies in flight, then refuse new ones:
+            # kvtierd.primary.rows)
+            steps.run(f"tier {tier.name}", tier.shutdown)
+        steps.run("dropped tier jobs", self._report_dropped_jobs)
+        await steps.run_async(
+            "pools", self.pools.close_all(wait_for_creations=self.config.server.shutdown_grace)
+        )
+        if self._region_fds is not None:
+            steps.run("region descriptor socket", self._region_fds.close)
+        # never a socket a daemon that took over put there
+        steps.run("socket files", self._placement.remove_own)
+        for directory in self._socket_dirs:
+            # kept while a daemon that took over serves there
+            steps.run(f"socket directory {directory}", remove_if_empty, directory)
+        if self._metrics_endpoint is not None:
+            await steps.run_async("metrics endpoint", self._metrics_endpoint.close())
+        if steps.failed:
+            log.error(
+                "shutdown done, but %d steps failed: %s (each logged above)",
+                len(steps.failed), ", ".join(steps.failed),
+            )  # fmt: skip
+        else:
+            log.info("shutdown complete")
+        steps.raise_first()
+
+    def _refuse_calls(self) -> None:
+        """New calls refused; every watch stream ends."""
+        self.handlers.stop_accepting()
+        for pool in self.pools:
+            pool.events.wake_all()
+
+    def _begin_server_stop(self, server: TransportServers) -> asyncio.Future[None]:
+        """The servers' stop begun (GOAWAY now); the future it returns ends when the
+        calls in flight finished, or after ``server.shutdown_grace``."""
+        return asyncio.ensure_future(server.stop(self.config.server.shutdown_grace))
+
+    async def _cancel_background_tasks(self) -> None:
         for task in (self._supervisor, self._watchdog, self._takeover_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        self.sessions.close_all("closed by daemon shutdown")
-        await self.security.tickets.close()
-        await self._drain_tiers()
-        for tier in self.tiers:
-            tier.shutdown()  # joins the I/O threads: nothing touches a region after this
+
+    def _report_dropped_jobs(self) -> None:
         dropped = sum(tier.dropped_jobs for tier in self.tiers)
         if dropped:
             log.warning(
                 "stopping: %d queued tier jobs dropped (their cascades are not in the tier, "
                 "their promotions answer MISS)", dropped,
             )  # fmt: skip
-        await self.pools.close_all(wait_for_creations=self.config.server.shutdown_grace)
-        if self._region_fds is not None:
-            self._region_fds.close()
-        self._placement.remove_own()  # never a socket a daemon that took over put there
-        for directory in self._socket_dirs:
-            remove_if_empty(directory)  # kept while a daemon that took over serves there
-        if self._metrics_endpoint is not None:
-            await self._metrics_endpoint.close()
-        log.info("shutdown complete")
 
     def _session_event(self, event: str, session: Any, reason: str) -> None:
         """``SessionTable``'s hook: a session that ends ends its fast lane; every
@@ -548,9 +640,15 @@ async def serve(config: Config) -> None:
     try:
         try:
             await daemon.start()
-        except BaseException:
-            await daemon.shutdown()
-            raise
+        except BaseException as exc:
+            refused: BaseException | None = exc
+        else:
+            refused = None
+        if refused is not None:  # out of the except: the steps' logs don't chain to it
+            # the start's error is the one to report; the shutdown's were logged
+            with contextlib.suppress(Exception):
+                await daemon.shutdown()
+            raise refused
         await daemon.wait_stopped()
         await daemon.shutdown()
     finally:

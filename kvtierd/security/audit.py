@@ -52,10 +52,10 @@ class AuditLog:
     """Writes audit lines; ``clock`` is injectable for the denial rate limit."""
 
     def __init__(
-        self, logger: logging.Logger = log, clock: Callable[[], float] | None = None
+        self, logger: logging.Logger = log, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self._logger = logger
-        self._denials = RateLimitedLog(logger, DENIAL_INTERVAL, clock=clock or time.monotonic)
+        self._denials = RateLimitedLog(logger, DENIAL_INTERVAL, clock=clock)
 
     def session(
         self, event: str, session_id: str, principal: str, peer: str, pool: str, **extra: object

@@ -37,7 +37,7 @@ import queue
 import threading
 import time
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kvtierd.contract import BlockKey
@@ -106,6 +106,7 @@ class JournalWriter:
         *,
         hash_worker: bool = True,
         lag_bound: float = DEFAULT_LAG_BOUND_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``region_fd`` given (the daemon): a batch's rows are hashed by a hash worker
         process, in place from its own mapping, or by this journal's thread where
@@ -114,7 +115,10 @@ class JournalWriter:
         hashed in place from ``region_buffer`` on the journal thread (unit tests).
         ``hash_worker`` False: never start a worker (measurements, tests).
         ``lag_bound``: a batch recorded later than this after its oldest
-        completion is logged (``memory.warm_restart_max_lag``)."""
+        completion is logged (``memory.warm_restart_max_lag``). ``clock``: monotonic
+        seconds, for the lag and for when the written horizon must be renewed
+        (:meth:`cover_leases`; the horizon itself is an :class:`Instant`)."""
+        self._clock = clock
         self.path = path
         self.header = header
         self._seed = header.binding_seed()
@@ -258,7 +262,7 @@ class JournalWriter:
     def lag_seconds(self) -> float:
         """The age of the oldest completion not yet journaled (0: none). Any thread."""
         oldest = min((t for t in (self._batch_since, self._waiting_since) if t), default=0.0)
-        return max(0.0, time.monotonic() - oldest) if oldest else 0.0
+        return max(0.0, self._clock() - oldest) if oldest else 0.0
 
     # -------------------------------------------------------------- event loop
 
@@ -268,7 +272,7 @@ class JournalWriter:
         already reaches that far (:mod:`kvtierd.primary.warm.holds`). Usually one
         clock read and a comparison; a record at most once per
         :data:`HORIZON_SLACK_SECONDS` under steady renewals. (Event loop.)"""
-        now = time.monotonic()
+        now = self._clock()
         if now + seconds <= self._horizon_until:
             return
         ahead = seconds + HORIZON_SLACK_SECONDS
@@ -307,7 +311,7 @@ class JournalWriter:
                 return
             waiting, generation = self._waiting, self._generation
             if not waiting:
-                self._waiting_since = time.monotonic()
+                self._waiting_since = self._clock()
             for key, row in zip(keys, rows, strict=True):
                 if waiting.pop(row, None) is not None:
                     self.hash_jobs_stale += 1  # re-inserted below: completion order
@@ -367,7 +371,7 @@ class JournalWriter:
             since, self._batch_since = self._batch_since, 0.0
         if not since:
             return
-        waited = time.monotonic() - since
+        waited = self._clock() - since
         self.max_lag_seconds = max(self.max_lag_seconds, waited)
         if waited > self._lag_bound:
             _rate_limited.warning(

@@ -137,7 +137,9 @@ class BlockIndex:
 
     Thread-safe: the event loop, the I/O threads and the scan thread call it.
     ``remove_evicted(key)`` removes an evicted key's file; it is called without
-    the lock held and must not raise.
+    the lock held and must not raise. ``clock``: unix seconds, the keys' last uses
+    and removals; a shared root's rescan takes its start from it too (``since`` of
+    :meth:`drop_absent`).
     """
 
     def __init__(
@@ -146,7 +148,9 @@ class BlockIndex:
         file_bytes: int,
         budget: DiskBudget,
         remove_evicted: Callable[[BlockKey], None],
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        self.clock = clock
         self.tier_name = tier_name
         self.file_bytes = file_bytes  # every block file has this size
         self.budget = budget
@@ -186,7 +190,7 @@ class BlockIndex:
         with self._lock:
             if not self._scanned:
                 return [LookupResult.RETRY] * len(keys)
-            now = time.time()
+            now = self.clock()
             results = []
             for key in keys:
                 entry = self._entries.get(key)
@@ -278,7 +282,7 @@ class BlockIndex:
 
     def end_writes(self, keys: Sequence[BlockKey], written: Sequence[bool]) -> None:
         """Ends the write reservations of ``keys``; those ``written`` are indexed now."""
-        now = time.time()
+        now = self.clock()
         with self._lock:
             for key, done in zip(keys, written, strict=True):
                 self._end_write_locked(key)
@@ -327,7 +331,7 @@ class BlockIndex:
         with self._lock:
             if key in self._entries or key in self._writing or key in self._evicting:
                 return False
-            self._add_locked(key, size, time.time())
+            self._add_locked(key, size, self.clock())
             self._counters["foreign_files_found"] += 1
             return True
 
@@ -403,7 +407,7 @@ class BlockIndex:
     # -- helpers (caller holds _lock, unless said otherwise) -----------------------------
 
     def _touch_locked(self, keys: Iterable[BlockKey]) -> None:
-        now = time.time()
+        now = self.clock()
         for key in keys:
             entry = self._entries.get(key)
             if entry is not None:
@@ -434,7 +438,7 @@ class BlockIndex:
 
     def _note_removed_locked(self, key: BlockKey, why: str) -> None:
         """Records why ``key`` left the index (for Explain)."""
-        self._removed[key] = (time.time(), why)
+        self._removed[key] = (self.clock(), why)
         self._removed.move_to_end(key)
         if len(self._removed) > REMOVALS_KEPT:
             self._removed.popitem(last=False)

@@ -320,7 +320,7 @@ class SharedRoot:
         """Walks the pool directory once: files gone leave the index, files other
         daemons wrote join it, then the index evicts down to the capacity. On the
         thread (tests call it directly)."""
-        since = time.time()
+        since = self._index.clock()  # the clock of the last uses it is compared with
         known = {fsformat.block_rel_path(key): key for key in self._index.known_keys()}
         present: set[str] = set()
         unknown: list[str] = []

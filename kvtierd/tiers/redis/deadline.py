@@ -27,7 +27,7 @@ import itertools
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import redis
@@ -46,9 +46,15 @@ class CallDeadlines:
     """Shuts down the socket of every watched call still running ``seconds`` after
     it started (module doc)."""
 
-    def __init__(self, seconds: float, name: str) -> None:
+    def __init__(
+        self, seconds: float, name: str, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        """``clock``: monotonic seconds, the watched calls' start and the watchdog's
+        now. The watchdog waits for real between its passes; a test on a fake clock
+        makes a pass of its own (:meth:`cut_overdue`)."""
         self.seconds = seconds
         self._name = name
+        self._clock = clock
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._calls: dict[int, tuple[float, Any, Watched]] = {}  # id -> (deadline, conn, call)
@@ -64,7 +70,7 @@ class CallDeadlines:
         call = Watched()
         call_id = next(self._ids)
         with self._lock:
-            self._calls[call_id] = (time.monotonic() + self.seconds, connection, call)
+            self._calls[call_id] = (self._clock() + self.seconds, connection, call)
             if self._thread is None and not self._closed:
                 self._thread = threading.Thread(
                     target=self._run, name=f"kvtierd-redis-deadline-{self._name}", daemon=True
@@ -81,21 +87,32 @@ class CallDeadlines:
             self._closed = True
             self._wake.notify_all()
 
+    def cut_overdue(self) -> int:
+        """One watchdog pass now: every watched call past its deadline is cut (its
+        socket shut down, its :class:`Watched` marked expired); returns how many."""
+        with self._lock:
+            return self._cut_overdue(self._clock())
+
     def _run(self) -> None:
         with self._wake:
             while not self._closed:
-                now = time.monotonic()
-                overdue = [key for key, (deadline, _, _) in self._calls.items() if deadline <= now]
-                for key in overdue:
-                    _, connection, call = self._calls.pop(key)
-                    call.expired = True
-                    self.expired += 1
-                    sock = getattr(connection, "_sock", None)
-                    if isinstance(sock, socket.socket):
-                        with contextlib.suppress(OSError):
-                            sock.shutdown(socket.SHUT_RDWR)  # the blocked recv returns
+                now = self._clock()
+                self._cut_overdue(now)
                 soonest = min((d for d, _, _ in self._calls.values()), default=now + self.seconds)
                 self._wake.wait(max(0.01, soonest - now))
+
+    def _cut_overdue(self, now: float) -> int:
+        """Under ``_lock``."""
+        overdue = [key for key, (deadline, _, _) in self._calls.items() if deadline <= now]
+        for key in overdue:
+            _, connection, call = self._calls.pop(key)
+            call.expired = True
+            self.expired += 1
+            sock = getattr(connection, "_sock", None)
+            if isinstance(sock, socket.socket):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)  # the blocked recv returns
+        return len(overdue)
 
 
 def deadline_connection_class(

@@ -167,7 +167,7 @@ class RedisLink:
                 if self._closed:
                     raise redis.ConnectionError("the redis tier is shut down")
                 if self._resolve_error is not None and (
-                    time.monotonic() - self._resolved_at < RESOLVE_RETRY_S
+                    self._clock() - self._resolved_at < RESOLVE_RETRY_S
                 ):
                     raise redis.ConnectionError(
                         f"server not reached: {self._resolve_error}"
@@ -178,7 +178,7 @@ class RedisLink:
                 client = self._build()
             except (redis.RedisError, RedisClusterException, OSError) as exc:
                 with self._lock:
-                    self._resolved_at = time.monotonic()
+                    self._resolved_at = self._clock()
                     first = self._resolve_error is None
                     self._resolve_error = exc
                 if first:  # once per streak; the tier's own lines about it are DEBUG
@@ -561,7 +561,7 @@ class RedisLink:
         client = self._client
         if not isinstance(client, RedisCluster):
             return
-        now = time.monotonic()
+        now = self._clock()
         if now - self._topology_refreshed_at < TOPOLOGY_REFRESH_S:
             return
         if not self._refreshing.acquire(blocking=False):

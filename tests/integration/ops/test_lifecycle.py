@@ -8,13 +8,15 @@ import signal
 import socket
 import stat
 
+import faulty_daemon
 import grpc
 import pytest
-from daemon_harness import health_status, start_daemon
+from daemon_harness import fs_tiers_config, health_status, start_daemon
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
+from kvtierd_client.client import Client
 from kvtierd_client.wire.proto import pb2
 
 
@@ -38,6 +40,53 @@ def test_signal_shuts_down_cleanly(sig):
         assert not os.path.exists(daemon.socket_path)
         assert not os.path.exists(region)
         assert "shutdown complete" in daemon.log()
+    finally:
+        daemon.cleanup()
+
+
+def test_a_failing_shutdown_step_skips_none_of_the_others(tmp_path):
+    """Scenario: at SIGTERM a tier's ``shutdown()`` and the peer tickets' ``close()``
+    raise (faults injected: nothing real can make them fail, tests/faulty_daemon.py).
+    The steps after them still run: the pool's region file is unlinked, the listen,
+    lane, ticket and region-descriptor sockets are removed; each failure is logged
+    once with its step's name and traceback; the daemon exits 1 (the first failure,
+    raised once every step ran). Before, the tier's exception skipped every later step."""
+    config = (
+        '[[security.principals]]\nname = "admin"\nuids = [0]\npools = ["*"]\n'
+        + fs_tiers_config(tmp_path / "fs", create_root=True)
+    )
+    daemon = start_daemon(
+        "--warm-restart", "false", config=config,
+        command_prefix=faulty_daemon.prefix("tier-shutdown", "tickets-close"),
+    )  # fmt: skip
+    try:
+        with Client(daemon.address) as client:  # over a peer ticket, the region by descriptor
+            session = client.open_session("stop/faults", block_bytes=4096, num_blocks=4)
+            region = session.region.path
+            sockets = [
+                os.path.join(daemon.workdir, name)
+                for name in os.listdir(daemon.workdir)
+                if stat.S_ISSOCK(os.lstat(os.path.join(daemon.workdir, name)).st_mode)
+            ]
+            assert session.region.fd_socket in sockets and daemon.socket_path in sockets
+            assert len(sockets) == 4, sockets  # listen, lane, tickets, region descriptors
+            assert os.path.exists(region)
+            code = daemon.stop()
+        log = daemon.log()
+        assert code == 1, log
+        assert not os.path.exists(region), log  # the pools closed
+        assert [path for path in sockets if os.path.lexists(path)] == [], log
+        for step, last_line in (
+            ("peer tickets", f"RuntimeError: {faulty_daemon.TICKETS_CLOSE_MESSAGE}"),
+            ("tier fs0", f"OSError: [Errno 5] {faulty_daemon.TIER_SHUTDOWN_MESSAGE}"),
+        ):
+            assert log.count(f"shutdown step '{step}' failed") == 1, log
+            assert log.count(last_line) == 1, log  # its traceback's
+        assert log.count("Traceback") == 2, log  # each failure once, not again at exit
+        assert "2 steps failed: peer tickets, tier fs0" in log, log
+        # the first failure, raised again once all ran: its one line on stderr, exit code 1
+        assert log.endswith(f"kvtierd: {faulty_daemon.TICKETS_CLOSE_MESSAGE}\n"), log
+        assert "shutdown complete" not in log
     finally:
         daemon.cleanup()
 

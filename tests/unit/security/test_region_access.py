@@ -125,7 +125,11 @@ def test_close_returns_promptly_while_a_lookup_is_stuck(daemon_loop, path):
         stuck = ask(path, b"MAP 00\n")
         silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         silent.connect(path)
-        time.sleep(0.1)
+        # both accepted; the stuck one's request read (its lookup waits), the silent one's not
+        eventually(
+            lambda: len(server._open) == 2 and len(server._reading) == 1,
+            10, "both connections accepted, one request read",
+        )  # fmt: skip
         started = time.monotonic()
         server.close()
         assert time.monotonic() - started < 1.0

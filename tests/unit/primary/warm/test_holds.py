@@ -12,6 +12,8 @@ import time
 import zlib
 
 import pytest
+from daemon_harness import eventually
+from fake_clock import FakeClock
 
 from kvtierd.primary.warm import clock
 from kvtierd.primary.warm import journal as journal_module
@@ -33,13 +35,17 @@ ROWS = 16
 FENCE = 3.0  # the writer's lease + write_quarantine
 
 
-def make_writer(tmp_path, boot_id: str | None = None) -> JournalWriter:
+def make_writer(
+    tmp_path, boot_id: str | None = None, clock: FakeClock | None = None
+) -> JournalWriter:
     header = JournalHeader(
         "pool", BLOCK, ROWS, "layout", 1, 2, fence_seconds=FENCE,
         boot_id=current_boot_id() if boot_id is None else boot_id,
     )  # fmt: skip
     region = memoryview(bytearray(ROWS * BLOCK))
-    return JournalWriter(str(tmp_path / "pool.journal"), header, region)
+    return JournalWriter(
+        str(tmp_path / "pool.journal"), header, region, clock=clock or time.monotonic
+    )
 
 
 def stored(writer: JournalWriter, rows: list[int]) -> None:
@@ -127,20 +133,23 @@ def test_the_horizon_is_written_ahead_at_most_once_per_slack_and_survives_compac
     tmp_path, monkeypatch
 ):
     monkeypatch.setattr(journal_module, "COMPACT_SLACK_BYTES", 512)
-    writer = make_writer(tmp_path)
+    clock = FakeClock()
+    writer = make_writer(tmp_path, clock=clock)
     writer.start([], [])
     before = writer.records_written
     for _ in range(100):  # renewals in a burst: one record covers them all
         writer.cover_leases(FENCE)
     assert writer.records_written == before + 1
-    time.sleep(HORIZON_SLACK_SECONDS * 1.5)  # past the slack: the next grant needs another
+    clock.advance(HORIZON_SLACK_SECONDS * 0.9)  # within the slack: still covered
+    writer.cover_leases(FENCE)
+    assert writer.records_written == before + 1
+    clock.advance(HORIZON_SLACK_SECONDS * 0.2)  # past the slack: the next grant needs another
     writer.cover_leases(FENCE)
     assert writer.records_written == before + 2
     for round_ in range(40):  # rows stored again and again: the file outgrows its state
         stored(writer, list(range(ROWS)))
-        deadline = time.monotonic() + 10
-        while writer.rows_journaled < (round_ + 1) * ROWS and time.monotonic() < deadline:
-            time.sleep(0.001)  # each round's records land before the rows go out again
+        # each round's records land before the rows go out again
+        eventually(lambda n=(round_ + 1) * ROWS: writer.rows_journaled >= n, 10, "journaled")
     writer.close(drain_seconds=10)
     assert writer.compactions > 0
     replay = read_journal(writer.path, 1 << 20)

@@ -12,6 +12,7 @@ import os
 import time
 
 import pytest
+from daemon_harness import eventually
 
 from kvtierd.primary.manager import PrimaryManager
 from kvtierd.primary.warm import journal as journal_module
@@ -202,10 +203,8 @@ def test_a_thread_failure_turns_the_journal_off_with_one_line_and_close_stays_pr
     writer.start([], [])
     writer.rows_reserved([0])
     writer.rows_ready([b"a"], [0])
-    deadline = time.monotonic() + 10
-    while not writer.failed and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert writer.failed and not os.path.exists(writer.path)
+    eventually(lambda: writer.failed, 10, "the journal turned off")
+    assert not os.path.exists(writer.path)
     writer.rows_ready([b"b"], [1])  # nothing queued any more
     started = time.monotonic()
     writer.close(drain_seconds=10)

@@ -7,16 +7,17 @@ real, or a rescan is called directly where a test needs it at a known moment.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 import tempfile
-import time
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from daemon_harness import eventually_async
+from fake_clock import FakeClock
 from test_fs_tier import BLOCK, FILE_BYTES, POOL, ROWS, Harness, run
 
 from kvtierd.contract import LookupResult
@@ -50,10 +51,7 @@ def shared_tier(harness: Harness, **kw: Any) -> Any:
 
 
 async def until(condition: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
+    await eventually_async(condition, timeout, "condition not met")
 
 
 def block_files(root: Path) -> list[Path]:
@@ -87,8 +85,10 @@ def test_the_negative_cache_and_the_queue_bound(region: Region, tmp_path):
         await until(lambda: tier.statistics().shared_rechecks == 1)
         for _ in range(20):
             assert tier.lookup([b"absent"]) == [MISS]
-        await asyncio.sleep(0.1)  # lets a wrongly queued check run, on purpose
-        assert tier.statistics().shared_rechecks == 1
+        answered = threading.Event()
+        assert tier.shared.want([b"absent"], answered.set) == 0  # negative-cached
+        # nothing queued or being checked for it (a check the lookups queued would be)
+        assert answered.is_set() and tier.statistics().shared_rechecks == 1
         tier.shutdown()
 
     run(region, tmp_path, body)
@@ -134,13 +134,13 @@ def test_a_rescan_accounts_every_file_and_evicts_whoever_wrote_them(region: Regi
 
 def test_drop_absent_spares_keys_used_since_the_rescan_began_and_reads():
     removed: list[bytes] = []
-    index = BlockIndex("fs", FILE_BYTES, DiskBudget(1 << 30), removed.append)
+    clock = FakeClock()
+    index = BlockIndex("fs", FILE_BYTES, DiskBudget(1 << 30), removed.append, clock=clock)
     index.mark_scanned()
     for key in (b"old", b"read", b"fresh"):
         assert index.adopt(key, FILE_BYTES)
-    since = time.time()
-    time.sleep(0.01)  # a later last use than `since`, on purpose
-    index.touch([b"fresh"])
+    since = clock.advance(1.0)  # a rescan begins
+    index.touch([b"fresh"])  # used since
     index.begin_reads([b"read"])
     assert index.drop_absent([b"old", b"read", b"fresh", b"unknown"], since) == 1
     assert index.contains(b"old") is False
@@ -232,8 +232,6 @@ def test_a_planted_entry_at_a_keys_path_is_never_followed_or_waited_on(
 def test_a_key_being_checked_is_not_queued_again(tmp_path, monkeypatch):
     """Lookups that come while the key's check is on disk (the fast lane answers 30
     lookups in a few ms) queue no second check: the check's answer is the next."""
-    import threading
-
     index = BlockIndex("fs", FILE_BYTES, DiskBudget(1 << 30), lambda key: None)
     shared = SharedRoot("fs", str(tmp_path), b"f" * 16, 4096, index,
                         negative_ttl=LONG_S, rescan_interval=LONG_S)  # fmt: skip
@@ -253,10 +251,10 @@ def test_a_key_being_checked_is_not_queued_again(tmp_path, monkeypatch):
         assert on_disk.wait(10)
         assert shared.want([b"k"]) == 0  # taken by the check in progress
         release.set()
-        deadline = time.monotonic() + 10
-        while shared.want([b"k"]) != 0 or not checked:  # negative-cached now
-            assert time.monotonic() < deadline
-        time.sleep(0.05)
+        answered = threading.Event()
+        assert shared.want([b"k"], answered.set) == 0  # being checked, or negative-cached
+        # its check answered; a second one, had a lookup queued it, would have run first
+        assert answered.wait(10)
         assert checked == [[b"k"]]
     finally:
         release.set()

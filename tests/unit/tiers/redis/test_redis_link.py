@@ -8,7 +8,6 @@ Skipped without ``redis-server``."""
 from __future__ import annotations
 
 import logging
-import time
 
 import pytest
 import redis
@@ -21,8 +20,11 @@ from kvtierd.tiers.redis.nodefaults import NODE_FAULT_LOG_S, NodeFaults
 from kvtierd.tiers.redis.settings import RedisTierSettings
 
 
-def link_of(urls: tuple[str, ...], cluster: str = "auto") -> RedisLink:
-    return RedisLink(RedisTierSettings(urls=urls, cluster=cluster, timeout=1.0), None)
+def link_of(
+    urls: tuple[str, ...], cluster: str = "auto", clock: FakeClock | None = None
+) -> RedisLink:
+    settings = RedisTierSettings(urls=urls, cluster=cluster, timeout=1.0)
+    return RedisLink(settings, None, clock=clock or FakeClock())
 
 
 def test_auto_asks_the_server_whether_it_is_a_cluster(
@@ -48,14 +50,16 @@ def test_a_server_down_at_the_first_call_is_asked_again_later(
 ) -> None:
     server: RedisServer = redis_factory("--maxmemory", "5mb")
     server.kill()
-    link = link_of((server.url,))
+    clock = FakeClock()
+    link = link_of((server.url,), clock=clock)
     try:
         with pytest.raises(redis.ConnectionError, match="server not reached"):
             link.client()
         server.start()
+        clock.advance(RESOLVE_RETRY_S - 0.001)
         with pytest.raises(redis.ConnectionError):  # within RESOLVE_RETRY_S: not asked again
             link.client()
-        time.sleep(RESOLVE_RETRY_S + 0.1)
+        clock.advance(0.001)
         assert not link.is_cluster and link.client() is link.client()
         assert link.refresh_health().max_memory_bytes == 5 << 20
     finally:

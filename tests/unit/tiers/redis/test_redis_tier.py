@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 import uuid
 from collections.abc import Iterator
 
 import pytest
 import redis
+from daemon_harness import eventually_async
 from redis_harness import RedisServer
 
 from kvtierd.contract import LookupResult
@@ -78,13 +80,9 @@ class Rig:
             self.client.delete(*keys)
 
 
-async def _eventually_hit(tier: RedisTier, keys: list[bytes]) -> int:
-    """Lookups until every key HITs; how many it took."""
-    for attempt in range(1, 500):
-        if tier.lookup(keys) == [HIT] * len(keys):
-            return attempt
-        await asyncio.sleep(0.002)
-    raise AssertionError("never HIT")
+async def eventually_hit(tier: RedisTier, keys: list[bytes]) -> None:
+    """Lookups until every key HITs (the probe a MISS started answered, on the loop)."""
+    await eventually_async(lambda: tier.lookup(keys) == [HIT] * len(keys), 10, "every key HIT")
 
 
 def test_keys_another_tier_stored_miss_at_once_then_hit_after_one_probe(client) -> None:
@@ -97,7 +95,7 @@ def test_keys_another_tier_stored_miss_at_once_then_hit_after_one_probe(client) 
             rows[: 4 * BLOCK] = os.urandom(4 * BLOCK)
             assert (await rig.run(writer, keys, [0, 1, 2, 3], load=False)).success
             assert reader.lookup(keys) == [MISS] * 4  # unknown: no wait, a probe starts
-            assert await _eventually_hit(reader, keys) >= 1
+            await eventually_hit(reader, keys)
             assert reader.contains(keys[0]) and reader.statistics().blocks == 0  # not its own
             assert (await rig.run(reader, keys, [4, 5, 6, 7], load=True)).success
             assert bytes(into[4 * BLOCK : 8 * BLOCK]) == bytes(rows[: 4 * BLOCK])
@@ -113,11 +111,14 @@ def test_values_expire_with_the_ttl_and_the_tier_forgets_them(client) -> None:
         try:
             tier, rows = rig.tier(ttl_s=0.3)
             rows[:BLOCK] = os.urandom(BLOCK)
+            stored = time.monotonic()
             assert (await rig.run(tier, [b"t"], [0], load=False)).success
             assert 0 < client.pttl(tier.key_space + b"t") <= 300
             assert tier.lookup([b"t"]) == [HIT]
-            await asyncio.sleep(0.35)
-            assert tier.lookup([b"t"]) == [MISS] and tier.take_removed() == [b"t"]
+            # the ttl is real time (the server's): the tier forgets the value then, not sooner
+            await eventually_async(lambda: tier.lookup([b"t"]) == [MISS], 10, "t forgotten")
+            assert time.monotonic() - stored >= 0.3
+            assert tier.take_removed() == [b"t"]
         finally:
             await rig.close()
 
@@ -133,7 +134,7 @@ def test_a_value_of_another_pool_under_the_key_is_a_miss_and_deleted(client) -> 
             rows[:BLOCK] = os.urandom(BLOCK)
             assert (await rig.run(ours, [b"x"], [0], load=False)).success
             client.copy(ours.key_space + b"x", theirs.key_space + b"x")  # header: pool a
-            assert await _eventually_hit(theirs, [b"x"]) >= 1
+            await eventually_hit(theirs, [b"x"])
             loaded = await rig.run(theirs, [b"x"], [1], load=True)
             assert not loaded.success and theirs.statistics().checksum_failures == 1
             assert client.exists(theirs.key_space + b"x") == 0
