@@ -14,8 +14,9 @@ The daemon (``kvtierd.ops.metrics_endpoint``) binds the listening socket and sta
 This process does all the HTTP work (``kvtierd.ops.metrics_http``): it accepts,
 finds the peer (the user owning the client's socket: ``kvtierd.util.tcpowner``),
 refuses a peer past its bucket with a fixed 429 and closes the connection without
-reading it, reads and answers the others, and asks the daemon for a snapshot of
-the metrics only for a scrape it will answer. It runs :data:`NICENESS` steps below
+parsing it (once its Retry-After has passed: ``kvtierd.ops.metrics_http``), reads
+and answers the others, and asks the daemon for a snapshot of the metrics only for
+a scrape it will answer. It runs :data:`NICENESS` steps below
 the daemon, so that on a small machine the CPU a flood costs it is taken from it
 before it is taken from the daemon.
 
@@ -28,8 +29,9 @@ Invariants:
   a scrape joins the next ask to be sent, and one ask at a time is outstanding. So
   a client that scrapes after its call returned sees the call counted.
 * Bounded: ``max_connections`` connections served at once (the rest wait in the
-  kernel's backlog), heads of ``max_head_bytes``, snapshots of ``max_text_bytes``
-  (a longer frame ends the exporter), sent without a copy per connection.
+  kernel's backlog), ``max_held`` refused ones waiting for their answer, heads of
+  ``max_head_bytes``, snapshots of ``max_text_bytes`` (a longer frame ends the
+  exporter), sent without a copy per connection.
 * It dies with the daemon: the kernel kills it when the daemon thread that started
   it ends (``kvtierd.util.workerproc``), and it exits at EOF of its channel.
 
@@ -73,6 +75,7 @@ _STATUS = {TEXT: "200 OK", UNAVAILABLE: "503 Service Unavailable"}
 NICENESS = 10  # steps below the daemon's scheduling priority
 ACCEPT_BATCH = 64  # connections accepted per wake-up, at most (then the loop runs others)
 ACCEPT_RETRY_S = 0.1  # after accept failed (EMFILE and the like)
+DROP_BYTES = 16384  # of a refused client's request, dropped unparsed before the close
 HANDOVER_S = 5.0  # beyond collect_timeout: the daemon's render and the frame's transfer
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # kvtierd.ops.cli's
 
@@ -152,6 +155,8 @@ class Exporter:
         self._tasks: set[asyncio.Task[None]] = set()  # Invariant: <= max_connections
         self._accepting = False
         self._backing_off = False  # accept failed: resumes after ACCEPT_RETRY_S
+        # refused connections held until their Retry-After; Invariant: <= max_held
+        self._held: set[socket.socket] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def serve(self) -> None:
@@ -165,6 +170,8 @@ class Exporter:
             self._stop_accepting()
             for task in list(self._tasks):
                 task.cancel()
+            for connection in self._held:
+                connection.close()
             await asyncio.gather(*self._tasks, return_exceptions=True)
             self._listener.close()
 
@@ -244,6 +251,9 @@ class Exporter:
         return None if self._owners.available else "loopback"
 
     def _refuse(self, connection: socket.socket, who: str, wait: float) -> None:
+        """Answers 429 without reading the request: once its Retry-After has passed
+        (a client that retries at once waits for it, instead of spinning on
+        refusals), or now when ``max_held`` refusals wait already."""
         rate = self.limits.peer_rate
         _limited.warning(
             ("metrics", "peer"),
@@ -251,12 +261,16 @@ class Exporter:
             who, rate,
         )  # fmt: skip
         answer = too_many(wait, f"over {rate:g} requests a second")
-        try:
-            connection.send(response_head(answer) + answer.body, socket.MSG_DONTWAIT)
-        except OSError:
-            pass  # gone, or not taking even that: closed all the same
-        finally:
-            connection.close()
+        if len(self._held) >= self.limits.max_held or self._loop is None:
+            _answer_and_close(connection, answer)
+            return
+        self._held.add(connection)
+        self._loop.call_later(answer.retry_after, self._release, connection, answer)
+
+    def _release(self, connection: socket.socket, answer: Answer) -> None:
+        if connection in self._held:  # else closed by the end of serve()
+            self._held.discard(connection)
+            _answer_and_close(connection, answer)
 
     # -- serving one connection -------------------------------------------------------
 
@@ -313,6 +327,23 @@ class Exporter:
         if kind == TEXT:
             return Answer("200 OK", body, self._content_type)
         return Answer(_STATUS.get(kind, "500 Internal Server Error"), body)
+
+
+def _answer_and_close(connection: socket.socket, answer: Answer) -> None:
+    """Writes ``answer`` if the socket takes it at once, and closes the socket. What
+    the client sent is dropped unparsed first, so that the close is an end of
+    stream after the answer (bytes left unread make it a reset, which may reach a
+    client before it read the answer)."""
+    try:
+        connection.recv(DROP_BYTES, socket.MSG_DONTWAIT)
+    except OSError:
+        pass  # nothing sent yet (EAGAIN)
+    try:
+        connection.send(response_head(answer) + answer.body, socket.MSG_DONTWAIT)
+    except OSError:
+        pass  # gone, or not taking even that: closed all the same
+    finally:
+        connection.close()
 
 
 async def _serve(listener: socket.socket, channel: socket.socket, content_type: str) -> None:
