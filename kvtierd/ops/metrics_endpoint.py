@@ -81,7 +81,6 @@ class MetricsEndpoint:
         # down the channel of the exporter running, never one started after it
         self._lock = threading.Lock()
         self._channel: socket.socket | None = None
-        self.exporter_pid: int | None = None  # the running exporter (tests, logs)
 
     # -- the event loop's side ----------------------------------------------------------
 
@@ -158,7 +157,6 @@ class MetricsEndpoint:
             finally:
                 theirs.close()
             self._channel = ours
-            self.exporter_pid = process.pid
         log.debug("metrics exporter started: pid %d", process.pid)
         return process, ours
 
@@ -220,7 +218,6 @@ class MetricsEndpoint:
         """Ends the exporter whose channel ended and reaps it; says so unless closing."""
         with self._lock:
             self._channel = None
-            self.exporter_pid = None
         _interrupt(channel)
         channel.close()
         try:

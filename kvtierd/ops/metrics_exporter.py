@@ -172,6 +172,7 @@ class Exporter:
                 task.cancel()
             for connection in self._held:
                 connection.close()
+            self._held.clear()
             await asyncio.gather(*self._tasks, return_exceptions=True)
             self._listener.close()
 
