@@ -1,6 +1,7 @@
 """The metrics exporter process of a real daemon (``kvtierd.ops.metrics_endpoint``):
-it runs below the daemon's priority, dies with it, stops with it, and one that
-dies alone is replaced while the port stays bound."""
+it runs below the daemon's priority, dies with it, stops with it (a daemon taking
+over then binds the port), and one that dies alone is replaced while the port
+stays bound."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from daemon_harness import (
     gone,
     start_daemon,
 )
+from takeover_harness import take_over
 
 from kvtierd.ops.metrics_exporter import NICENESS
 
@@ -106,3 +108,19 @@ def test_a_daemon_stopping_stops_its_exporter_and_frees_the_port(metered):
     assert daemon.stop() == 0, daemon.log()
     assert gone(exporter)
     assert port_free(address)
+
+
+def test_a_daemon_taking_over_serves_the_metrics_once_the_old_one_is_gone(metered):
+    """The old daemon's exporter is stopped and reaped before the old daemon exits,
+    so the port is free when the new daemon starts its endpoint."""
+    old, address = metered
+    first = exporter_of(old)
+    new = take_over(old)
+    try:
+        assert gone(first)
+        exporter_of(new)
+        assert eventually(lambda: scrape_status(address) == 200, 30, "the new daemon's metrics")
+        assert "cannot listen" not in new.log(), new.log()
+        assert new.stop() == 0, new.log()
+    finally:
+        new.cleanup()
