@@ -16,6 +16,7 @@ from benchmarks import (
     fs,
     integrity,
     memory,
+    metrics_flood,
     redis,
     replay,
     rpc,
@@ -29,7 +30,7 @@ SUITES = {"rpc": rpc.run, "copy": copy.run, "memory": memory.run, "replay": repl
           "fs": fs.run, "stall": stall.run, "buffers": buffers.run,
           "tls": tls.run, "authz": authz.run, "redis": redis.run,
           "warm": warm.run, "fastlane": fastlane.run, "integrity": integrity.run,
-          "bounds": bounds.run}  # fmt: skip
+          "bounds": bounds.run, "metrics-flood": metrics_flood.run}  # fmt: skip
 
 
 def main() -> int:

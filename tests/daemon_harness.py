@@ -436,6 +436,24 @@ def running(pids: list[int]) -> list[int]:
     return [pid for pid in pids if not gone(pid)]
 
 
+def children_running(pid: int, module: str) -> list[int]:
+    """Process ids of ``pid``'s children (every thread's) running ``python -m module``."""
+    found: list[int] = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            children = Path(f"/proc/{pid}/task/{task}/children").read_text().split()
+        except FileNotFoundError:
+            continue  # the thread ended
+        for child in map(int, children):
+            try:
+                command = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+            except FileNotFoundError:
+                continue
+            if module.encode() in command and not gone(child):
+                found.append(child)
+    return found
+
+
 class Exits:
     """A ``wake`` for :func:`eventually` that returns when one of some processes exits
     (its pidfd becomes readable, zombie or reaped) or when the time left runs out. A

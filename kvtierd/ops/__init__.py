@@ -4,8 +4,9 @@
 - ``takeover``: a new daemon taking over the sockets of the one it replaces, without a
   refused connection (``kvtierd --takeover``);
 - ``ctl``: ``kvtierctl`` (a client of the daemon, through ``kvtierd_client``);
-- ``metrics``: the Prometheus collector; ``metrics_http``: its HTTP endpoint, on a
-  thread of its own, with caps and per-peer rate limits;
+- ``metrics``: the Prometheus collector; ``metrics_endpoint``: its HTTP endpoint,
+  served by an exporter process (``metrics_exporter``) under the caps and per-user
+  rate limits of ``metrics_http``;
 - ``shmdir``: ``memory.shm_dir`` made (private) when missing, and checked at start;
 - ``sdnotify``: systemd's notify protocol.
 

@@ -44,7 +44,7 @@ from kvtierd.core.pools import PoolTable, region_access_text
 from kvtierd.core.sessions import SessionTable
 from kvtierd.errors import StartupError
 from kvtierd.ops.metrics import Metrics, pool_labels_for
-from kvtierd.ops.metrics_http import MetricsEndpoint
+from kvtierd.ops.metrics_endpoint import MetricsEndpoint
 from kvtierd.ops.sdnotify import notify, watchdog_interval
 from kvtierd.ops.shmdir import prepare_shm_dir
 from kvtierd.ops.takeover import OPEN_WAIT, Takeover, find_running_daemon
@@ -462,8 +462,8 @@ class Daemon:
             self._sockets.append(tickets)
 
     async def _start_metrics(self) -> None:
-        """The metrics endpoint on its own thread (``kvtierd.ops.metrics_http``): the
-        state is collected on this loop, everything else happens there."""
+        """The metrics endpoint (``kvtierd.ops.metrics_endpoint``): an exporter process
+        serves it; the state is collected on this loop when it asks for a scrape."""
         address = self.config.server.metrics_address
         if not address:
             return

@@ -10,13 +10,13 @@ Two kinds of source:
 * *observations* (histograms and the RPC counter): recorded as they happen
   through :meth:`Metrics.observe_rpc` and :meth:`Metrics.observe_job`.
 
-A scrape is two steps (``kvtierd.ops.metrics_http`` serves them): ``collect`` reads
-the state on the daemon's event loop, the thread that mutates it, so a scrape is
-always a consistent snapshot without a lock; ``render`` formats those families
-and the observations (prometheus_client's values are thread-safe) into the
-exposition text on the endpoint's own thread. ``render`` leaves out every
-sample of a pool that ``PoolLabels`` does not show (``server.metrics_pool_labels``:
-with principals, no pool's by default).
+A scrape is two steps (``kvtierd.ops.metrics_endpoint`` runs them when its
+exporter process asks): ``collect`` reads the state on the daemon's event loop,
+the thread that mutates it, so a scrape is always a consistent snapshot without a
+lock; ``render`` formats those families and the observations (prometheus_client's
+values are thread-safe) into the exposition text on the endpoint's own thread.
+``render`` leaves out every sample of a pool that ``PoolLabels`` does not show
+(``server.metrics_pool_labels``: with principals, no pool's by default).
 """
 
 from __future__ import annotations
