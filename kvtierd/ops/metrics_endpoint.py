@@ -47,7 +47,7 @@ from kvtierd.ops.metrics_exporter import ASK, FAILED, FRAME, TEXT, UNAVAILABLE
 from kvtierd.ops.metrics_http import EndpointLimits
 from kvtierd.util.ratelimit import RateLimitedLog
 
-log = logging.getLogger("kvtierd.metrics")
+log = logging.getLogger(__name__)
 _limited = RateLimitedLog(log)
 
 Families = list[Any]  # prometheus_client Metric objects, built fresh per collection
@@ -134,7 +134,7 @@ class MetricsEndpoint:
         """A new exporter and this end of its channel; None when closing or when it
         cannot be started (logged; tried again later)."""
         assert self._listener is not None
-        level = logging.getLevelName(logging.getLogger("kvtierd").getEffectiveLevel())
+        level = logging.getLevelName(logging.getLogger(__name__).getEffectiveLevel())
         with self._lock:
             if self._closing.is_set():
                 return None

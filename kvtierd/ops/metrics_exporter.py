@@ -65,7 +65,7 @@ from kvtierd.util.ratelimit import RateLimitedLog
 from kvtierd.util.tcpowner import TcpOwners, is_loopback
 from kvtierd.util.workerproc import die_with
 
-log = logging.getLogger("kvtierd.metrics")
+log = logging.getLogger("kvtierd.ops.metrics_exporter")  # its name also when run as __main__
 _limited = RateLimitedLog(log)
 
 ASK = b"?"
