@@ -240,6 +240,17 @@ def add_listeners(
             _add_tcp(server, address, tls)
 
 
+def refuse_served_sockets(addresses: tuple[str, ...]) -> None:
+    """Before anything else of the start is checked or taken (a secondary tier's
+    root lock, the metrics port): ListenError when another process serves one of
+    the Unix socket paths of ``addresses``, so a second daemon started as the first
+    is told that, not what it would have shared with it. A stale socket file is
+    removed here as at binding (``_remove_stale_socket``)."""
+    for address in addresses:
+        if address.startswith("unix://"):
+            _remove_stale_socket(address[len("unix://") :])
+
+
 def _add_tcp(
     server: TransportServers,
     address: str,
