@@ -64,7 +64,12 @@ def run_daemon(*args: str, env: dict[str, str] | None = None, config: str | None
         (["--promotion-hold", "soon"], ["limits.promotion_hold", "duration"]),
         # longer than a scheduler step would hold the engine: refused, as a negative wait
         (["--remote-lookup-wait", "2s"], ["limits.remote_lookup_wait", "between 0s and 1s"]),
-        (["--remote-lookup-wait=-5ms"], ["limits.remote_lookup_wait", "expected a duration"]),
+        (["--remote-lookup-wait=-5ms"], ["limits.remote_lookup_wait: a duration cannot be "
+                                         "negative, got '-5ms'; write one between 0s and 1s"]),
+        # a negative value after its flag was taken for a flag by argparse
+        (["--lease", "-5s"], ["sessions.lease: a duration cannot be negative, got '-5s'; "
+                              "write one between 0.1s and 3600s"]),
+        (["--max-keys-per-call", "-3.5"], ["limits.max_keys_per_call: expected an integer"]),
         (["--removals-retained-bytes", "1"], ["limits.removals_retained_bytes", "between"]),
         (["--config", "/nonexistent/kvtierd.toml"], ["--config", "no such file"]),
         (["--config", "/"], ["--config: cannot read /: Is a directory"]),
@@ -116,6 +121,17 @@ def test_bad_environment_value_names_the_key():
             "tiers[0].capacity: '100 GB': sizes are binary, write '100GiB'",
         ),
         ("[sessions]\nlease = 10\n", "sessions.lease: a duration needs a unit, got 10"),
+        # the refusal gives the option's range: "or 0" was suggested, then refused
+        (
+            "[sessions]\nlease = '-5s'\n",
+            "sessions.lease: a duration cannot be negative, got '-5s'; write one between 0.1s "
+            "and 3600s",
+        ),
+        (
+            "[sessions]\nlease = 'soon'\n",
+            "sessions.lease: expected a duration: a number with ms, s, m (minutes) or h ('500ms', "
+            "'10s', '2m'); got 'soon'; write one between 0.1s and 3600s",
+        ),
         ("[limits]\nremote_lookup_wait = '1h'\n", "limits.remote_lookup_wait: must be between"),
         ("[memory]\nbudget = '8G'\n", "memory.budget: '8G': sizes are binary, write '8GiB'"),
         (
