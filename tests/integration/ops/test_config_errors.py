@@ -99,8 +99,17 @@ def test_bad_environment_value_names_the_key():
 @pytest.mark.parametrize(
     ("toml", "fragment"),
     [
-        ("[memory]\nbudgt = '1GiB'\n", "memory.budgt: unknown key"),
-        ("[memroy]\n", "memroy: unknown section"),
+        # a misspelt name gets "did you mean", as a misspelt environment variable does
+        ("[memory]\nbudgt = '1GiB'\n", "memory.budgt: unknown key; did you mean budget? known: "),
+        ("[memroy]\n", "memroy: unknown section; did you mean [memory]? known sections: "),
+        ("[memory]\nlease = '5s'\n", "memory.lease: unknown key; did you mean sessions.lease?"),
+        ("[memory]\nzzz = 1\n", "memory.zzz: unknown key; known: budget, "),
+        ("[[security.principal]]\nname = 'a'\n", "unknown key; did you mean principals?"),
+        (
+            "[[tiers]]\ntype = 'fs'\nroot = '/x'\ncapcity = '1GiB'\n",
+            "tiers[0].capcity: unknown fs tier option; known: capacity, ",
+        ),
+        ("[[tiers]]\ntype = 'fs'\nroot = '/x'\ncapcity = '1GiB'\n", "; did you mean capacity?"),
         ("[sessions]\nlease = true\n", "sessions.lease"),
         ("[memory\n", "not valid TOML"),
         ("[[tiers]]\nroot = '/x'\n", "tiers[0].type: missing"),
