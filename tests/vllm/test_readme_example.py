@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from daemon_harness import DaemonProcess, daemon_command, eventually, wait_serving
 from openai_server import OpenAIServer
+from shm_leftovers import shm_tempdir
 from vllm_e2e import BLOCK_KV_BYTES
 
 from benchmarks.vllm_model import random_prompt
@@ -94,7 +95,7 @@ def start_readme_daemon(workdir: str, config_text: str) -> DaemonProcess:
     Path(config).write_text(config_text)
     socket_path = re.search(r'"unix://([^"]+)"', config_text)
     assert socket_path, config_text
-    shm_dir = tempfile.mkdtemp(prefix="kvtierd-test-", dir="/dev/shm")
+    shm_dir = shm_tempdir()
     log_path = os.path.join(workdir, "daemon.log")
     args = ["--config", config, "--shm-dir", shm_dir, "--metrics-address", ""]
     with open(log_path, "wb") as log:

@@ -25,21 +25,34 @@ from daemon_harness import (
     start_daemon,
     write_config,
 )
+from shm_leftovers import shm_tempdir
 
 from kvtierd.util.units import format_bytes
 
 
 def run_daemon(*args: str, env: dict[str, str] | None = None, config: str | None = None,
                tmp_path=None) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    """The daemon run to its end. One that gets past its arguments serves on a socket
+    and a shm directory of its own unless ``args`` name them: never the machine's
+    default socket (where a daemon may serve) or shm directory (left behind)."""
     cmd = list(args)
     if config is not None:
         path = tmp_path / "kvtierd.toml"
         path.write_text(config)
         cmd = ["--config", str(path), *cmd]
-    return subprocess.run(
-        daemon_command(*cmd), capture_output=True, text=True, timeout=60,
-        env={**os.environ, **(env or {})},
-    )  # fmt: skip
+    shm, sockets = shm_tempdir(), tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
+    if not any(arg.startswith("--listen") for arg in cmd):
+        cmd = ["--listen", f"unix://{sockets}/kvtierd.sock", *cmd]
+    if not any(arg.startswith("--shm-dir") for arg in cmd):
+        cmd = ["--shm-dir", shm, *cmd]
+    try:
+        return subprocess.run(
+            daemon_command(*cmd), capture_output=True, text=True, timeout=60,
+            env={**os.environ, **(env or {})},
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(sockets, ignore_errors=True)
 
 
 @pytest.mark.parametrize(

@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from shm_leftovers import shm_tempdir
 from test_fs_tier import BLOCK, FILE_BYTES, POOL, ROWS, Harness, run
 
 from kvtierd.contract import LookupResult
@@ -32,7 +32,7 @@ LONG_S = 3600.0  # a rescan interval no test waits for
 
 @pytest.fixture
 def region() -> Iterator[Region]:
-    directory = tempfile.mkdtemp(prefix="kvtierd-fs-shared-test-", dir="/dev/shm")
+    directory = shm_tempdir("kvtierd-fs-shared-test-")
     reg = Region.create(directory, POOL, ROWS, BLOCK, prefault=False)
     try:
         yield reg
