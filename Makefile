@@ -231,7 +231,7 @@ typecheck: install
 	$(BIN)/mypy
 
 # The docs site (docs/, mkdocs.yml): MkDocs + Material in a small venv of their own
-# (docs/requirements.txt, ~60 MB), built into site/ with warnings as errors; mkdocs.yml's
+# (docs/requirements.txt, 185 MB), built into site/ with warnings as errors; mkdocs.yml's
 # validation settings make every broken internal link or anchor a warning, so an error.
 # The configuration reference's tables are generated at build time from the code's
 # option declarations (docs/hooks/generated.py -> tools/docs_reference.py).

@@ -46,6 +46,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks import devshm
 from benchmarks.common import BenchDaemon, cpu_seconds
 from benchmarks.vllm_storm import Server, child_env, completion, free_port, send_all
 
@@ -120,6 +121,7 @@ class OverheadServer(Server):
         fd, self.log_path = tempfile.mkstemp(prefix=f"vllm-overhead-{config}-", suffix=".log")
         os.close(fd)
         command = server_command(args, config, model, self.port, address)
+        self.shm_before = devshm.entries()
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, env=child_env(),

@@ -75,6 +75,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks import devshm
 from benchmarks.vllm_http import stop_server_group, vllm_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -210,6 +211,7 @@ class Server:
             "--kv-cache-memory-bytes", str(args.kv_cache_bytes), "--seed", "0",
             "--kv-transfer-config", json.dumps(kv),
         ]  # fmt: skip
+        self.shm_before = devshm.entries()  # what is in /dev/shm before it: not its to clean
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -247,8 +249,9 @@ class Server:
         return vllm_metrics(self.url)
 
     def stop(self) -> None:
-        """SIGTERM, then SIGKILL to the whole group (engine core and worker too)."""
-        stop_server_group(self.proc)
+        """SIGTERM, then SIGKILL to what is left of the whole group (engine core and
+        worker too); the shared memory a SIGKILL left in /dev/shm is removed."""
+        stop_server_group(self.proc, self.shm_before)
 
 
 # ---------------------------------------------------------------- requests

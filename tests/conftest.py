@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+for _path in (HERE.parent, HERE):  # benchmarks (devshm), then the harnesses
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 # tests/vllm needs vLLM (`make test-vllm` builds .venv-vllm for it), tests/sglang SGLang
 # (`make test-sglang`, .venv-sglang); elsewhere a bare `pytest` leaves them out instead
@@ -21,6 +24,9 @@ for _engine in ("vllm", "sglang"):
         collect_ignore.append(_engine)
 
 from daemon_harness import DaemonProcess, start_daemon  # noqa: E402
+
+# the check that a run left nothing in /dev/shm: its hooks end every suite's session
+from shm_leftovers import pytest_sessionfinish, pytest_sessionstart  # noqa: E402, F401
 
 _pool_counter = itertools.count()
 

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
+from shm_leftovers import shm_tempdir
 
 from kvtierd_client.wire.proto import pb2, pb2_grpc
 
@@ -158,7 +159,7 @@ def refused_start(config: str | os.PathLike[str], workdir: str | os.PathLike[str
     directory of its own, no metrics; through ``prefix``: nonroot.py's, as another
     user) that must refuse to start: exit code 2, no traceback and, besides its log
     lines, exactly one line on stderr, which is returned."""
-    shm = tempfile.mkdtemp(prefix="kvt-shm-", dir="/dev/shm")
+    shm = shm_tempdir("kvt-shm-")
     try:
         os.chmod(shm, 0o1777)  # sticky, as /dev/shm: any user's daemon may use it
         result = subprocess.run(
@@ -207,7 +208,7 @@ def start_daemon(
         os.chown(workdir, *owner)
     if config is not None:
         extra_args = ("--config", write_config(workdir, config), *extra_args)
-    shm_dir = shm_dir or tempfile.mkdtemp(prefix="kvtierd-test-", dir="/dev/shm")
+    shm_dir = shm_dir or shm_tempdir()
     socket_path = os.path.join(workdir, "kvtierd.sock")
     log_path = os.path.join(workdir, "daemon.log")
     args = [

@@ -84,8 +84,9 @@ def _takes_units(option: config.Option, value: int) -> bool:
 
 
 def options_table(section: str) -> str:
-    """The keys of one section of ``kvtierd.config.OPTIONS``: default, flag and
-    environment variable, meaning."""
+    """The keys of one section of ``kvtierd.config.OPTIONS``: its name in the section
+    and in full (``sessions.lease``, as messages and ``--help`` write it, and as a
+    search finds it), default, flag and environment variable, meaning."""
     rows = ["| key | default | flag / environment | meaning |", "|---|---|---|---|"]
     chosen = [o for o in config.OPTIONS if o.section == section]
     if not chosen:
@@ -98,7 +99,8 @@ def options_table(section: str) -> str:
         if option.repeatable:
             flag += " (repeatable)"
         rows.append(
-            f"| `{option.key}` | {default} | {flag}<br>`{option.env}` | {_cell(option.help)} |"
+            f"| `{option.key}`<br>`{option.dotted}` | {default} | {flag}<br>`{option.env}` "
+            f"| {_cell(option.help)} |"
         )
     return "\n".join(rows) + "\n"
 

@@ -182,7 +182,7 @@ class AsyncEventStream(WatchStream, AsyncIterator[pb2.Event]):
             error = self._error_of(err)
             if error is None:
                 raise StopAsyncIteration from None
-            raise error from err
+            raise error from None  # the message says it all; __context__ keeps it
         except asyncio.CancelledError:
             if self._cancelled and not _current_task_cancelling():
                 raise StopAsyncIteration from None

@@ -235,7 +235,7 @@ class EventStream(WatchStream, Iterator[pb2.Event]):
             error = self._error_of(err)
             if error is None:
                 raise StopIteration from None
-            raise error from err
+            raise error from None  # the message says it all; __context__ keeps it
         return event
 
     def __enter__(self) -> EventStream:

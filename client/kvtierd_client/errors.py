@@ -4,6 +4,11 @@ Every call of ``kvtierd_client.client`` and ``kvtierd_client.aio`` raises a
 ``KvtierError`` subclass, never a ``grpc.RpcError``. ``str(err)`` reads
 ``"CODE_NAME: details"``; ``err.code`` is the ``grpc.StatusCode`` and
 ``err.details`` the daemon's message (or the client's, for local checks).
+
+Raised without the ``grpc.RpcError`` (or socket error) it stands for shown: the
+message already carries its code and details, and a traceback of the client's
+failure to connect is a few lines, not thirty. That error is still there for a
+debugger: ``err.__context__`` (``raise ... from None`` only hides it).
 """
 
 from __future__ import annotations

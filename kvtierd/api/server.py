@@ -240,6 +240,42 @@ def add_listeners(
             _add_tcp(server, address, tls)
 
 
+def refuse_served_sockets(addresses: tuple[str, ...]) -> None:
+    """Before anything else of the start is checked or taken (a secondary tier's
+    root lock, the metrics port): ListenError when another process of this uid
+    serves one of the Unix socket paths of ``addresses``, so a second daemon started
+    as the first is told that, not what it would have shared with it. Nothing is
+    removed or refused otherwise: binding says the rest (``_remove_stale_socket``)."""
+    for address in addresses:
+        path = address[len("unix://") :]
+        if address.startswith("unix://") and _served_by_own_uid(path):
+            raise ListenError(_already_served(path))
+
+
+def _served_by_own_uid(path: str) -> bool:
+    """A process accepts connections at ``path``, a socket file of this uid."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    if not stat.S_ISSOCK(info.st_mode) or info.st_uid != os.geteuid():
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(STALE_PROBE_TIMEOUT)
+        try:
+            probe.connect(path)
+        except OSError:  # refused (stale), full backlog, gone: binding says which
+            return False
+    return True
+
+
+def _already_served(path: str) -> str:
+    return (
+        f"another process is already serving {path}; stop it first, or give this "
+        "daemon another listen path"
+    )
+
+
 def _add_tcp(
     server: TransportServers,
     address: str,
@@ -497,10 +533,7 @@ def _remove_stale_socket(path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
     else:
-        raise ListenError(
-            f"another process is already serving {path}; stop it first, or give this "
-            "daemon another listen path"
-        )
+        raise ListenError(_already_served(path))
     finally:
         probe.close()
 

@@ -8,7 +8,7 @@ import difflib
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kvtierd.config.options import OPTIONS, SECTIONS, Option
@@ -102,9 +102,7 @@ def unknown_environment(env: Mapping[str, str] | None = None) -> list[str]:
         if not name.startswith(ENV_PREFIX) or name in known:
             continue
         key = name[len(ENV_PREFIX) :].lower()  # a key without its section (LEASE)
-        close = [o.env for o in OPTIONS if o.key == key] or difflib.get_close_matches(
-            name, known, n=1, cutoff=0.75
-        )
+        close = [o.env for o in OPTIONS if o.key == key] or closest(name, known)
         hint = (
             f"did you mean {close[0]}?"
             if close
@@ -112,6 +110,29 @@ def unknown_environment(env: Mapping[str, str] | None = None) -> list[str]:
         )
         warnings.append(f"unknown environment variable {name} is ignored; {hint}")
     return warnings
+
+
+def closest(name: str, known: Iterable[str]) -> list[str]:
+    """The known name ``name`` is most likely a misspelling of (at most one; the
+    one measure for environment variables, sections and keys)."""
+    return difflib.get_close_matches(name, list(known), n=1, cutoff=0.75)
+
+
+def _unknown_tier_option_hint(option: str, known: Mapping[str, str]) -> str:
+    """ "; did you mean ...?" after a tier type's refusal of an option it does not
+    know (the type's message lists the known ones); "" for a known option."""
+    close = [] if option in known else closest(option, known)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+def _unknown_key_hint(section: str, key: str) -> str:
+    """ "did you mean ...? " for a key of ``section`` nobody reads: the same key in
+    another section (``[memory] lease``), else a close key of this one; or ""."""
+    elsewhere = [o.dotted for o in OPTIONS if o.key == key and o.section != section]
+    keys = [o.key for o in OPTIONS if o.section == section]
+    keys += [name for where, name in _TABLE_ARRAYS if where == section]
+    close = elsewhere or closest(key, keys)
+    return f"did you mean {close[0]}? " if close else ""
 
 
 def _check_cross_field(config: Config) -> None:
@@ -149,7 +170,11 @@ def _reject_unknown(document: Mapping[str, Any]) -> None:
     known = {(o.section, o.key) for o in OPTIONS}
     for section, body in document.items():
         if section not in SECTIONS:
-            raise ConfigError(section, f"unknown section; known sections: {', '.join(SECTIONS)}")
+            close = closest(section, SECTIONS)
+            hint = f"did you mean [{close[0]}]? " if close else ""
+            raise ConfigError(
+                section, f"unknown section; {hint}known sections: {', '.join(SECTIONS)}"
+            )
         if section == "tiers":
             continue
         if not isinstance(body, dict):
@@ -157,7 +182,10 @@ def _reject_unknown(document: Mapping[str, Any]) -> None:
         for key in body:
             if (section, key) not in known and (section, key) not in _TABLE_ARRAYS:
                 names = sorted(o.key for o in OPTIONS if o.section == section)
-                raise ConfigError(f"{section}.{key}", f"unknown key; known: {', '.join(names)}")
+                raise ConfigError(
+                    f"{section}.{key}",
+                    f"unknown key; {_unknown_key_hint(section, key)}known: {', '.join(names)}",
+                )
 
 
 def _raw_value(
@@ -223,7 +251,8 @@ def _parse_tiers(raw: Any) -> tuple[TierConfig, ...]:
         try:
             settings = tier_type.parse_settings(options)
         except TierOptionError as exc:
-            raise ConfigError(f"{key}.{exc.key}", exc.message) from None
+            hint = _unknown_tier_option_hint(exc.key, tier_type.option_help())
+            raise ConfigError(f"{key}.{exc.key}", exc.message + hint) from None
         for option, value in settings.exclusive().items():
             if any(t.settings.exclusive().get(option) == value for t in tiers):
                 raise ConfigError(f"{key}.{option}", f"{value} is already another tier's {option}")

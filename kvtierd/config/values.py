@@ -60,10 +60,17 @@ class DurationIn:
         self.lo, self.hi = lo, hi
 
     def __call__(self, value: Any) -> float:
-        seconds = parse_duration(value)
+        try:
+            seconds = parse_duration(value)
+        except ValueError as exc:  # the form refused: the range says what to write
+            raise ValueError(f"{exc}; {self._range()}") from None
         if not self.lo <= seconds <= self.hi:
             raise ValueError(f"must be between {self.lo:g}s and {self.hi:g}s, got {value!r}")
         return seconds
+
+    def _range(self) -> str:
+        """What this option takes, 0 included only where it is (``lease = 0`` is not)."""
+        return f"write one between {self.lo:g}s and {self.hi:g}s"
 
     @staticmethod
     def show(value: float) -> str:

@@ -124,7 +124,9 @@ TIER_NUMBERS: tuple[TierNumber, ...] = (
     TierNumber("pinned_blocks", lambda p: p.pinned_blocks, None),
     TierNumber("pending_blocks", lambda p: p.pending_blocks, None),
     TierNumber("quarantined_blocks", lambda p: p.quarantined_blocks, None),
-    TierNumber("ready", None, lambda s: int(s.ready)),
+    # answers HIT / MISS, not RETRY: a secondary tier once its index is rebuilt; the
+    # primary whenever its pool has statistics (an open pool's primary never says RETRY)
+    TierNumber("ready", lambda p: 1, lambda s: int(s.ready)),
     # lookup answers
     TierNumber("hits", lambda p: p.hits, lambda s: s.counters.hits),
     TierNumber("hits_pending", lambda p: p.hits_pending, None),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import re
 import sys
 import textwrap
 from collections.abc import Sequence
@@ -87,8 +88,32 @@ def _epilog() -> str:
     return f"{text}\n{registry.help_text(HELP_WIDTH)}"
 
 
+def value_flags() -> frozenset[str]:
+    """The flags that take a value (not the booleans, whose value is optional)."""
+    flags = {option.flag for option in OPTIONS if option.flag and option.parse is not boolean}
+    return frozenset({"--config", *flags})
+
+
+# a value argparse would take for a flag ("-5s"): no flag starts with '-' and a digit
+_NEGATIVE_VALUE = re.compile(r"^-\.?[0-9]")
+
+
+def join_negative_values(argv: Sequence[str], flags: frozenset[str]) -> list[str]:
+    """``--lease -5s`` as ``--lease=-5s``: argparse reads a token that starts with
+    '-' and is not a plain number as a flag ("expected one argument"), so the
+    option's reader never got to say a duration cannot be negative."""
+    joined: list[str] = []
+    for token in argv:
+        if joined and joined[-1] in flags and _NEGATIVE_VALUE.match(token):
+            joined[-1] = f"{joined[-1]}={token}"
+        else:
+            joined.append(token)
+    return joined
+
+
 def parse_config(argv: Sequence[str] | None = None) -> Config:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(join_negative_values(argv, value_flags()))
     overrides = {k: v for k, v in vars(args).items() if "." in k and v is not None}
     return load_config(args.config, overrides=overrides)
 

@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
+from kvtierd import __version__
+
 if TYPE_CHECKING:
     from kvtierd_client.client import Client
 
@@ -30,6 +32,12 @@ EXIT_OK = 0
 EXIT_PROBLEM = 1
 EXIT_USAGE = 2
 EXIT_PIPE = 128 + 13  # stdout's reader went away (SIGPIPE's status in the shell)
+
+
+def counted(number: int, noun: str) -> str:
+    """``number`` and ``noun`` in agreement: "1 pool", "0 pools", "2 block files"
+    (``noun`` is the singular; every noun kvtierctl counts takes an s)."""
+    return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
 
 
 def printable(text: str) -> str:
@@ -106,7 +114,8 @@ def cmd_fsck(args: argparse.Namespace) -> int:
         show(f"BAD {path}: {reason}")  # a planted file's name is anyone's text
     action = f", {report.removed} removed" if args.remove else ""
     show(
-        f"{report.files_checked} block files in {report.pools} pools checked: "
+        f"{counted(report.files_checked, 'block file')} in {counted(report.pools, 'pool')} "
+        "checked: "
         f"{len(report.bad)} bad{action}, {report.temp_files} temp files"
     )
     return EXIT_OK if report.clean else EXIT_PROBLEM
@@ -176,14 +185,16 @@ def cmd_status(args: argparse.Namespace) -> int:
     origin = "" if source == "--address" else f" ({source})"
     show(
         f"kvtierd {stats.version} at {address}{origin}: up "
-        f"{_duration(stats.uptime_seconds)}, {stats.sessions} sessions, {len(stats.pools)} pools, "
+        f"{_duration(stats.uptime_seconds)}, {counted(stats.sessions, 'session')}, "
+        f"{counted(len(stats.pools), 'pool')}, "
         f"memory {_human_bytes(stats.memory_used_bytes)} of "
         f"{_human_bytes(stats.memory_budget_bytes)}"
     )
     for pool in stats.pools:
         show(
-            f"pool {pool.name}: {pool.num_blocks} blocks x {_human_bytes(pool.block_bytes)}, "
-            f"{pool.eviction_policy}, {pool.sessions} sessions, layout {pool.layout!r}"
+            f"pool {pool.name}: {counted(pool.num_blocks, 'block')} x "
+            f"{_human_bytes(pool.block_bytes)}, {pool.eviction_policy}, "
+            f"{counted(pool.sessions, 'session')}, layout {pool.layout!r}"
         )
         for tier in pool.tiers:
             ready = "" if tier.tier == "primary" or tier.ready else " (index rebuilding)"
@@ -412,7 +423,7 @@ def _event_line(event: Any) -> str:
 def cmd_flush(args: argparse.Namespace) -> int:
     with _client(args) as client:
         evicted = client.flush_pool(args.pool)
-    show(f"pool {args.pool}: {evicted} blocks evicted from the primary tier "
+    show(f"pool {args.pool}: {counted(evicted, 'block')} evicted from the primary tier "
           "(pinned and in-flight blocks stay; secondary tiers keep their copies)")  # fmt: skip
     return EXIT_OK
 
@@ -427,16 +438,31 @@ def _parse_key(args: argparse.Namespace) -> bytes:
     return key.encode()
 
 
-def cmd_explain(args: argparse.Namespace) -> int:
-    from kvtierd_client.client import LookupResult
+def lookup_state(value: int) -> str:
+    """The name of a lookup state a server sent: one this kvtierctl knows by name
+    (HIT), else the wire's name with its number (a newer daemon's state, or the
+    unset 0: ``LOOKUP_RESULT_UNSPECIFIED (0)``), else the number alone."""
+    from kvtierd_client.wire.proto import pb2
+    from kvtierd_client.wire.results import LookupResult
 
+    try:
+        return LookupResult(value).name
+    except ValueError:
+        pass
+    try:
+        return f"{pb2.LookupResult.Name(value)} ({value})"
+    except ValueError:
+        return f"unknown state {value}"
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
     key = _parse_key(args)
     with _client(args) as client:
         report = client.explain(args.pool, key)
         pools = client.get_stats(args.pool).pools
     remote = {t.tier: t for p in pools for t in p.tiers if _is_remote(t)}
     show(f"key {key.hex()} in pool {args.pool}: {report.summary}")
-    show(f"  primary: {LookupResult(report.primary).name} (ref count {report.ref_count})")
+    show(f"  primary: {lookup_state(report.primary)} (ref count {report.ref_count})")
     for tier in report.tiers:
         state = ("present" if tier.present else "absent") if tier.known else "index rebuilding"
         server = f" ({remote_line(remote[tier.tier])})" if tier.tier in remote else ""
@@ -460,6 +486,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 
 def build_parser(prog: str = "kvtierctl") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description="Operate a kvtierd daemon.")
+    parser.add_argument("--version", action="version", version=f"{prog} {__version__}")
     parser.add_argument(
         "--address",
         default=None,

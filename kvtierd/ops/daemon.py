@@ -1,7 +1,8 @@
 """The daemon's lifecycle: start, serve, and an ordered shutdown.
 
-Start: the C heap's mmap threshold fixed -> secondary tier roots checked -> pools
-and sessions tables -> gRPC server with health (NOT_SERVING) -> listeners ->
+Start: the C heap's mmap threshold fixed -> no other process serving its sockets
+(checked first: that is what a second daemon is told) -> secondary tier roots checked
+-> pools and sessions tables -> gRPC server with health (NOT_SERVING) -> listeners ->
 supervisor (leases, loop lag, heap trims) -> health SERVING.
 SIGHUP re-reads the tokens and TLS files (``security.reload``).
 Shutdown (SIGTERM / SIGINT; a second signal forces exit): health NOT_SERVING ->
@@ -36,6 +37,7 @@ from kvtierd.api.server import (
     bind_unix_socket,
     build_server,
     max_receive_bytes,
+    refuse_served_sockets,
     set_health,
 )
 from kvtierd.api.watch import WatchStreams
@@ -218,6 +220,8 @@ class Daemon:
         if warning is not None:
             log.warning("%s", warning)
         takeover = self._takeover()
+        if takeover is None:  # a daemon serving the socket is named first, not what it holds
+            refuse_served_sockets(self.config.server.listen)
         self._check_tiers(lock=takeover is None)  # a takeover locks once the old one is gone
         if takeover is None:
             await self._start_metrics()

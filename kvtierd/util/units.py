@@ -44,7 +44,7 @@ _NUMBER_UNIT = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
 SIZE_FORMS = (
     "a number of bytes (4096) or a number with KiB, MiB, GiB, TiB, PiB or EiB ('512MiB', '8GiB')"
 )
-DURATION_FORMS = "a number with ms, s, m (minutes) or h ('500ms', '10s', '2m'), or 0"
+DURATION_FORMS = "a number with ms, s, m (minutes) or h ('500ms', '10s', '2m')"
 
 
 def parse_size(value: str | int | float) -> int:
@@ -95,7 +95,9 @@ def _ambiguous_size(value: object, text: str, number: Fraction, unit: str) -> st
 
 def parse_duration(value: str | int | float) -> float:
     """Seconds in ``value``: a number with ms / s / m / min / h. A number without
-    a unit is refused (seconds or milliseconds?) unless it is 0."""
+    a unit is refused (seconds or milliseconds?) unless it is 0. The messages say
+    what this reader takes, not an option's range: whether 0 (or 1ms) is allowed is
+    the option's to say (``config.values.DurationIn``)."""
     if isinstance(value, bool):
         raise ValueError(f"expected a duration, got {value!r}")
     if isinstance(value, (int, float)):
@@ -104,6 +106,8 @@ def parse_duration(value: str | int | float) -> float:
         if value == 0:
             return 0.0
         raise ValueError(_no_unit(value, f"{value:g}"))
+    if str(value).lstrip().startswith("-"):
+        raise ValueError(f"a duration cannot be negative, got {value!r}")
     match = _NUMBER_UNIT.match(str(value))
     if match is None:
         raise ValueError(f"expected a duration: {DURATION_FORMS}; got {value!r}")

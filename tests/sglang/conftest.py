@@ -2,7 +2,9 @@
 
 Run with ``make test-sglang`` (``.venv-sglang``: SGLang 0.5.23 without its CUDA
 dependencies, CPU torch); ``make test`` does not collect this folder. The import
-hook of ``sglang_env`` is installed before anything imports SGLang.
+hook of ``sglang_env`` is installed before anything imports SGLang. Like every suite, the
+session ends with ``tests/conftest.py``'s check that it left nothing in /dev/shm
+(``tests/shm_leftovers.py``).
 """
 
 from __future__ import annotations

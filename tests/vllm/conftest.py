@@ -5,7 +5,9 @@ engines, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; the OpenAI servers of ``openai_se
 without it, in vLLM's default multiprocess mode), then the tests without the ``engine`` marker
 in ``.venv-vllm033`` (vLLM 0.33, which has no CPU build that runs models: ``engine_free.py``
 drives the plug-in with its scheduler and connector worker). ``make test`` does not collect
-this folder.
+this folder. Like every suite, the session ends with ``tests/conftest.py``'s check that it
+left nothing in /dev/shm (``tests/shm_leftovers.py``): the OpenAI servers' process groups
+are stopped whole, and what a kill of them leaves there is removed (``openai_server.py``).
 """
 
 from __future__ import annotations

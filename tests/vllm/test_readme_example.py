@@ -1,11 +1,12 @@
 """The vLLM guide's example starts as written (issue #16, item 2).
 
-Scenario: the daemon config and the ``--kv-transfer-config`` JSON are read out of
-docs/guides/vllm.md (the fenced blocks right after ``<!-- example: NAME -->``); only
-the socket path, the fs tier's root and the sizes are replaced (a private socket
-and directory, a budget and pool this machine can hold), every other byte is the
-guide's. ``kvtierd --config`` and one OpenAI server (multiprocess) start with
-them and a completion answers 200 with kvtierd's pool in use.
+Scenario: the daemon config (written by the guide's shell block, run by ``sh``) and
+the ``--kv-transfer-config`` JSON are read out of docs/guides/vllm.md (the fenced
+blocks right after ``<!-- example: NAME -->``); only the socket path and the sizes
+are replaced (a private socket, a budget and pool this machine can hold), every other
+byte is the guide's, the fs root in the user's own data directory included.
+``kvtierd --config`` and one OpenAI server (multiprocess) start with them and a
+completion answers 200 with kvtierd's pool in use.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 import pytest
 from daemon_harness import DaemonProcess, daemon_command, eventually, wait_serving
 from openai_server import OpenAIServer
+from shm_leftovers import shm_tempdir
 from vllm_e2e import BLOCK_KV_BYTES
 
 from benchmarks.vllm_model import random_prompt
@@ -49,8 +51,18 @@ def substitute(text: str, replacements: dict[str, str]) -> str:
     return text
 
 
-def example_pair(socket_path: str, fs_root: str) -> tuple[str, dict[str, object]]:
-    """(daemon TOML, kv-transfer-config) of the guide with this test's paths and sizes."""
+def written_config(block: str, workdir: str) -> tuple[str, str]:
+    """The daemon config the guide's shell block writes, run by ``sh`` in ``workdir``
+    as a user whose data directory is ``workdir/data``; (its text, that fs root)."""
+    data = os.path.join(workdir, "data")
+    env = {"PATH": os.environ["PATH"], "HOME": workdir, "XDG_DATA_HOME": data}
+    subprocess.run(["sh", "-eu", "-c", block], cwd=workdir, env=env, check=True, timeout=30)
+    return Path(workdir, "kvtierd-vllm.toml").read_text(), os.path.join(data, "kvtierd", "fs")
+
+
+def example_pair(socket_path: str, workdir: str) -> tuple[str, dict[str, object]]:
+    """(daemon TOML, kv-transfer-config) of the guide with this test's socket and sizes
+    (the fs root is the guide's: the user's own data directory, here in ``workdir``)."""
     examples = readme_examples()
     assert {"daemon-config", "kv-transfer-config"} <= examples.keys(), examples.keys()
     kv_text = examples["kv-transfer-config"]
@@ -60,18 +72,17 @@ def example_pair(socket_path: str, fs_root: str) -> tuple[str, dict[str, object]
     assert "kvtierd_address" not in readme_kv["kv_connector_extra_config"], readme_kv
     assert "listen" not in examples["daemon-config"], examples["daemon-config"]
     readme_pool_bytes = readme_kv["kv_connector_extra_config"]["cpu_bytes_to_use"]
-    daemon_text = examples["daemon-config"]
+    daemon_text, fs_root = written_config(examples["daemon-config"], workdir)
     readme_budget = re.search(r'budget = "([^"]+)"', daemon_text)
-    readme_root = re.search(r'root = "([^"]+)"', daemon_text)
     readme_capacity = re.search(r'capacity = "([^"]+)"', daemon_text)
-    assert readme_budget and readme_root and readme_capacity, daemon_text
+    assert readme_budget and readme_capacity, daemon_text
+    assert f'root = "{fs_root}"' in daemon_text, daemon_text  # per user, not a shared path
     # the budget rule the guide states, held by the guide's own numbers
     assert parse_size(readme_budget.group(1)) >= readme_pool_bytes, "budget < cpu_bytes_to_use"
     daemon = f'[server]\nlisten = ["unix://{socket_path}"]\n' + substitute(
         daemon_text,
         {
             f'"{readme_budget.group(1)}"': '"64MiB"',
-            f'"{readme_root.group(1)}"': f'"{fs_root}"',
             f'"{readme_capacity.group(1)}"': '"256MiB"',
         },
     )
@@ -94,7 +105,7 @@ def start_readme_daemon(workdir: str, config_text: str) -> DaemonProcess:
     Path(config).write_text(config_text)
     socket_path = re.search(r'"unix://([^"]+)"', config_text)
     assert socket_path, config_text
-    shm_dir = tempfile.mkdtemp(prefix="kvtierd-test-", dir="/dev/shm")
+    shm_dir = shm_tempdir()
     log_path = os.path.join(workdir, "daemon.log")
     args = ["--config", config, "--shm-dir", shm_dir, "--metrics-address", ""]
     with open(log_path, "wb") as log:
@@ -110,7 +121,7 @@ def start_readme_daemon(workdir: str, config_text: str) -> DaemonProcess:
 
 def test_the_readme_example_pair_starts_and_serves(tiny_model: Path, workdir: str) -> None:
     socket_path = os.path.join(workdir, "run", "kvtierd.sock")  # the daemon creates run/
-    daemon_text, kv = example_pair(socket_path, os.path.join(workdir, "fs"))
+    daemon_text, kv = example_pair(socket_path, workdir)
     daemon = start_readme_daemon(workdir, daemon_text)
     server = None
     try:

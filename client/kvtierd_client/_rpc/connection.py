@@ -195,9 +195,9 @@ class Connection:
         Call it from ``except (grpc.RpcError, self._closed_channel_error)``: an except
         clause costs nothing on the path where the call succeeds."""
         if isinstance(err, grpc.RpcError):
-            raise from_rpc_error(err, self.address) from err
+            raise from_rpc_error(err, self.address) from None  # says it all; __context__ keeps it
         if isinstance(err, self._closed_channel_error) and self._closed:
-            raise client_closed_error(self.address) from err
+            raise client_closed_error(self.address) from None
         raise err
 
     def _watch(self, pool: str, after_seq: int, timeout: float | None) -> Any:

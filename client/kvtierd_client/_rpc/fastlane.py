@@ -151,7 +151,7 @@ class FastLane:
             kind, body = self._read()
         except OSError as err:
             self._sock.close()
-            raise _unreachable(self.path, address, f"cannot be connected ({err})") from err
+            raise _unreachable(self.path, address, f"cannot be connected ({err})") from None
         except KvtierError:
             self._sock.close()
             raise
@@ -180,7 +180,7 @@ class FastLane:
                 sock.sendall(data)
             except OSError as err:
                 self._break()
-                raise _lost(self.path, self.address, f"failed ({err})") from err
+                raise _lost(self.path, self.address, f"failed ({err})") from None
             self._owed += 1
             try:
                 while True:
@@ -194,7 +194,7 @@ class FastLane:
                 ) from None
             except OSError as err:
                 self._break()
-                raise _lost(self.path, self.address, f"failed ({err})") from err
+                raise _lost(self.path, self.address, f"failed ({err})") from None
         if answer_kind != OK:
             raise _lane_error(answer_kind, body, self.address)
         return response_type.FromString(body)
@@ -288,7 +288,7 @@ class AsyncFastLane:
             kind, body = await asyncio.wait_for(self._read(), timeout)
         except (OSError, asyncio.IncompleteReadError, TimeoutError) as err:
             self.close()
-            raise _unreachable(self.path, self.address, f"cannot be connected ({err!r})") from err
+            raise _unreachable(self.path, self.address, f"cannot be connected ({err!r})") from None
         except KvtierError:
             self.close()
             raise
@@ -319,7 +319,7 @@ class AsyncFastLane:
             ) from None
         except ConnectionError as err:  # drain: the daemon closed the connection
             self.broken = True
-            raise _lost(self.path, self.address, f"failed ({err})") from err
+            raise _lost(self.path, self.address, f"failed ({err})") from None
         if answer_kind != OK:
             raise _lane_error(answer_kind, body, self.address)
         return response_type.FromString(body)

@@ -25,21 +25,34 @@ from daemon_harness import (
     start_daemon,
     write_config,
 )
+from shm_leftovers import shm_tempdir
 
 from kvtierd.util.units import format_bytes
 
 
 def run_daemon(*args: str, env: dict[str, str] | None = None, config: str | None = None,
                tmp_path=None) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    """The daemon run to its end. One that gets past its arguments serves on a socket
+    and a shm directory of its own unless ``args`` name them: never the machine's
+    default socket (where a daemon may serve) or shm directory (left behind)."""
     cmd = list(args)
     if config is not None:
         path = tmp_path / "kvtierd.toml"
         path.write_text(config)
         cmd = ["--config", str(path), *cmd]
-    return subprocess.run(
-        daemon_command(*cmd), capture_output=True, text=True, timeout=60,
-        env={**os.environ, **(env or {})},
-    )  # fmt: skip
+    shm, sockets = shm_tempdir(), tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
+    if not any(arg.startswith("--listen") for arg in cmd):
+        cmd = ["--listen", f"unix://{sockets}/kvtierd.sock", *cmd]
+    if not any(arg.startswith("--shm-dir") for arg in cmd):
+        cmd = ["--shm-dir", shm, *cmd]
+    try:
+        return subprocess.run(
+            daemon_command(*cmd), capture_output=True, text=True, timeout=60,
+            env={**os.environ, **(env or {})},
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(sockets, ignore_errors=True)
 
 
 @pytest.mark.parametrize(
@@ -64,7 +77,12 @@ def run_daemon(*args: str, env: dict[str, str] | None = None, config: str | None
         (["--promotion-hold", "soon"], ["limits.promotion_hold", "duration"]),
         # longer than a scheduler step would hold the engine: refused, as a negative wait
         (["--remote-lookup-wait", "2s"], ["limits.remote_lookup_wait", "between 0s and 1s"]),
-        (["--remote-lookup-wait=-5ms"], ["limits.remote_lookup_wait", "expected a duration"]),
+        (["--remote-lookup-wait=-5ms"], ["limits.remote_lookup_wait: a duration cannot be "
+                                         "negative, got '-5ms'; write one between 0s and 1s"]),
+        # a negative value after its flag was taken for a flag by argparse
+        (["--lease", "-5s"], ["sessions.lease: a duration cannot be negative, got '-5s'; "
+                              "write one between 0.1s and 3600s"]),
+        (["--max-keys-per-call", "-3.5"], ["limits.max_keys_per_call: expected an integer"]),
         (["--removals-retained-bytes", "1"], ["limits.removals_retained_bytes", "between"]),
         (["--config", "/nonexistent/kvtierd.toml"], ["--config", "no such file"]),
         (["--config", "/"], ["--config: cannot read /: Is a directory"]),
@@ -94,8 +112,17 @@ def test_bad_environment_value_names_the_key():
 @pytest.mark.parametrize(
     ("toml", "fragment"),
     [
-        ("[memory]\nbudgt = '1GiB'\n", "memory.budgt: unknown key"),
-        ("[memroy]\n", "memroy: unknown section"),
+        # a misspelt name gets "did you mean", as a misspelt environment variable does
+        ("[memory]\nbudgt = '1GiB'\n", "memory.budgt: unknown key; did you mean budget? known: "),
+        ("[memroy]\n", "memroy: unknown section; did you mean [memory]? known sections: "),
+        ("[memory]\nlease = '5s'\n", "memory.lease: unknown key; did you mean sessions.lease?"),
+        ("[memory]\nzzz = 1\n", "memory.zzz: unknown key; known: budget, "),
+        ("[[security.principal]]\nname = 'a'\n", "unknown key; did you mean principals?"),
+        (
+            "[[tiers]]\ntype = 'fs'\nroot = '/x'\ncapcity = '1GiB'\n",
+            "tiers[0].capcity: unknown fs tier option; known: capacity, ",
+        ),
+        ("[[tiers]]\ntype = 'fs'\nroot = '/x'\ncapcity = '1GiB'\n", "; did you mean capacity?"),
         ("[sessions]\nlease = true\n", "sessions.lease"),
         ("[memory\n", "not valid TOML"),
         ("[[tiers]]\nroot = '/x'\n", "tiers[0].type: missing"),
@@ -116,6 +143,17 @@ def test_bad_environment_value_names_the_key():
             "tiers[0].capacity: '100 GB': sizes are binary, write '100GiB'",
         ),
         ("[sessions]\nlease = 10\n", "sessions.lease: a duration needs a unit, got 10"),
+        # the refusal gives the option's range: "or 0" was suggested, then refused
+        (
+            "[sessions]\nlease = '-5s'\n",
+            "sessions.lease: a duration cannot be negative, got '-5s'; write one between 0.1s "
+            "and 3600s",
+        ),
+        (
+            "[sessions]\nlease = 'soon'\n",
+            "sessions.lease: expected a duration: a number with ms, s, m (minutes) or h ('500ms', "
+            "'10s', '2m'); got 'soon'; write one between 0.1s and 3600s",
+        ),
         ("[limits]\nremote_lookup_wait = '1h'\n", "limits.remote_lookup_wait: must be between"),
         ("[memory]\nbudget = '8G'\n", "memory.budget: '8G': sizes are binary, write '8GiB'"),
         (

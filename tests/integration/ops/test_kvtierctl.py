@@ -4,6 +4,7 @@ daemon with it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -66,7 +67,7 @@ def test_status_lists_pools_and_tiers(tiered, stored):
     _, pool = stored
     result = ctl(tiered.address, "status")
     assert result.returncode == 0, result.stderr
-    assert "kvtierd " in result.stdout and "sessions" in result.stdout
+    assert "kvtierd " in result.stdout and " session" in result.stdout
     assert f"pool {pool}: 2 blocks x 4.0 KiB, lru" in result.stdout
     assert "  primary    2/2 blocks" in result.stdout
     assert "  fs0        3/" in result.stdout
@@ -91,6 +92,8 @@ def test_stats_table_and_json(tiered, stored):
     assert (pool_stats["block_bytes"], data["memory_budget_bytes"]) == (BLOCK, 1 << 30)
     primary = pool_stats["tiers"][0]
     assert (primary["used_blocks"], primary["hits"], primary["misses"]) == (2, 0, 0)  # 0s too
+    # the primary answers HIT / MISS, never RETRY: ready (it was false while serving HITs)
+    assert (primary["ready"], pool_stats["tiers"][1]["ready"]) == (True, True)
     assert numbers_as_text(data) == []
 
 
@@ -101,6 +104,31 @@ def numbers_as_text(value: object, where: str = "") -> list[str]:
     if isinstance(value, list):
         return [bad for i, v in enumerate(value) for bad in numbers_as_text(v, f"{where}[{i}]")]
     return [where] if isinstance(value, str) and value.lstrip("-").isdigit() else []
+
+
+def test_counts_agree_with_their_nouns():
+    """One session, one pool of one block: "1 session, 1 pool", "1 block" (it said
+    "1 sessions, 1 pools"); flush says "1 block evicted"."""
+    daemon = start_daemon()
+    try:
+        with Client(daemon.address) as client:
+            session = client.open_session("solo", block_bytes=BLOCK, num_blocks=1)
+            session.prepare_store([b"k"])
+            session.complete_store([b"k"])
+            status = ctl(daemon.address, "status")
+            assert status.returncode == 0, status.stderr
+            assert ": up " in status.stdout and ", 1 session, 1 pool, memory " in status.stdout
+            assert "pool solo: 1 block x 4.0 KiB, lru, 1 session, layout ''" in status.stdout
+            flushed = ctl(daemon.address, "flush", "solo")
+            assert flushed.stdout.startswith("pool solo: 1 block evicted"), flushed.stdout
+    finally:
+        daemon.stop()
+        daemon.cleanup()
+
+
+def test_version():
+    result = subprocess.run([KVTIERCTL, "--version"], capture_output=True, text=True, timeout=30)
+    assert (result.returncode, result.stdout) == (0, f"kvtierctl {__version__}\n"), result.stderr
 
 
 def test_status_names_the_address_from_the_environment(tiered):
@@ -208,15 +236,50 @@ class Impostor(pb2_grpc.KVTierServicer):
         yield pb2.Event(seq=1, keys=[b"k"], medium=pb2.MEDIUM_REMOTE, tier="redis" + HOSTILE)
 
 
-@pytest.fixture
-def impostor() -> Iterator[str]:
+class NewerDaemon(pb2_grpc.KVTierServicer):
+    """A server answering Explain with a lookup state this kvtierctl has no name for
+    (a newer daemon's), or the wire's unset 0."""
+
+    def __init__(self, state: int) -> None:
+        self.state = state
+
+    def GetStats(self, request, context):  # noqa: N802 - the RPC's name
+        return pb2.GetStatsResponse(version="9.9", pools=[pb2.PoolStats(name="p")])
+
+    def Explain(self, request, context):  # noqa: N802
+        return pb2.ExplainResponse(primary=self.state, summary="a newer state")
+
+
+@contextlib.contextmanager
+def serving(servicer: pb2_grpc.KVTierServicer) -> Iterator[str]:
+    """``servicer`` on a TCP port of 127.0.0.1 (anyone may listen there); its address."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    pb2_grpc.add_KVTierServicer_to_server(Impostor(), server)
+    pb2_grpc.add_KVTierServicer_to_server(servicer, server)
     address = f"127.0.0.1:{free_port()}"
     server.add_insecure_port(address)
     server.start()
-    yield address
-    server.stop(grace=None)
+    try:
+        yield address
+    finally:
+        server.stop(grace=None)
+
+
+@pytest.fixture
+def impostor() -> Iterator[str]:
+    with serving(Impostor()) as address:
+        yield address
+
+
+@pytest.mark.parametrize(
+    ("state", "shown"), [(7, "unknown state 7"), (0, "LOOKUP_RESULT_UNSPECIFIED (0)")]
+)
+def test_explain_shows_a_state_it_has_no_name_for(state, shown):
+    """A newer daemon's lookup state is printed as what is known of it: a traceback
+    (ValueError: 7 is not a valid LookupResult) ended kvtierctl explain."""
+    with serving(NewerDaemon(state)) as address:
+        result = ctl(address, "explain", "p", "k")
+    assert result.returncode == 0, result.stderr
+    assert f"  primary: {shown} (ref count 0)" in result.stdout.splitlines(), result.stdout
 
 
 @pytest.mark.parametrize(

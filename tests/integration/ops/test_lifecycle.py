@@ -4,6 +4,7 @@ reflection, stale files from a crashed daemon."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -131,6 +132,33 @@ def test_stale_socket_is_replaced_and_live_socket_refused():
         third.stop()
         third.cleanup()
         leftover.cleanup()
+
+
+def test_a_second_daemon_with_the_same_defaults_is_told_the_socket_is_served():
+    """Started twice with the embedded default (an fs tier whose root lock the
+    first holds, the same shm_dir): the socket is named, not the fs root."""
+    first = start_daemon(config=None)
+    try:
+        second = start_daemon(
+            "--listen", first.address, config=None, shm_dir=first.shm_dir,
+            env={"STATE_DIRECTORY": first.workdir}, wait=False,
+        )  # fmt: skip
+        try:
+            assert second.proc.wait(30) == 2
+            last = second.log().splitlines()[-1]
+            assert last == (
+                f"kvtierd: cannot start: server.listen: another process is already serving "
+                f"{first.socket_path}; stop it first, or give this daemon another listen path"
+            )
+        finally:  # its shm_dir is the first's: only its own workdir goes
+            if second.alive():
+                second.proc.kill()
+                second.proc.wait()
+            shutil.rmtree(second.workdir, ignore_errors=True)
+        assert first.alive() and health_status(first) == "SERVING"
+    finally:
+        first.stop()
+        first.cleanup()
 
 
 def test_stale_region_from_crashed_daemon_is_replaced_not_reused():

@@ -15,6 +15,7 @@ import time
 import pytest
 from daemon_harness import eventually, refused_start, start_daemon, write_config
 from nonroot import as_user_prefix, require_nonroot_daemon
+from shm_leftovers import shm_tempdir
 from takeover_harness import CallLoop, plant_for_every_pid, refused_takeover, take_over
 from warm_harness import BLOCK, BLOCKS, HIT, store
 
@@ -136,7 +137,7 @@ def test_takeover_attack_on_a_daemon_of_another_uid_is_refused(accounts):
     line naming that uid, nothing signalled, its sockets left in place."""
     require_nonroot_daemon()
     other = accounts.user()
-    shm_dir = tempfile.mkdtemp(prefix="kvtierd-test-", dir="/dev/shm")
+    shm_dir = shm_tempdir()
     os.chmod(shm_dir, 0o1777)  # as /dev/shm: the other user's daemon may use it
     victim = start_daemon(
         shm_dir=shm_dir, command_prefix=as_user_prefix(other), owner=(other.uid, other.gid)

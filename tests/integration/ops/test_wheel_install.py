@@ -34,6 +34,7 @@ import pytest
 from daemon_harness import REPO, DaemonProcess, fs_tiers_config, wait_serving, write_config
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from shm_leftovers import shm_tempdir
 
 STUBS = "kvtierd_client/_proto/kvtier/v1/"
 STUB_FILES = {STUBS + name for name in ("kvtier_pb2.py", "kvtier_pb2_grpc.py", "kvtier_pb2.pyi")}
@@ -287,7 +288,7 @@ def build_requirements() -> list[str]:
 def start_wheel_daemon(kvtierd: Path, fs_root: Path) -> DaemonProcess:
     """The fresh venv's console script on a fresh socket, with an fs tier; SERVING."""
     workdir = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")  # short: sun_path is 108 bytes
-    shm_dir = tempfile.mkdtemp(prefix="kvtierd-test-", dir="/dev/shm")
+    shm_dir = shm_tempdir()
     socket_path = os.path.join(workdir, "kvtierd.sock")
     log_path = os.path.join(workdir, "daemon.log")
     args = [

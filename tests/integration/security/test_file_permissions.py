@@ -21,6 +21,7 @@ import pytest
 from daemon_harness import daemon_command, eventually, fs_tiers_config, start_daemon, write_config
 from engine_harness import Engine, block_keys, file_of
 from local_users import LocalUser
+from shm_leftovers import shm_tempdir
 
 from kvtierd.primary.region import region_file_name
 from kvtierd.tiers.fs import fsformat
@@ -47,7 +48,7 @@ def open_root() -> Iterator[Path]:
 
 @pytest.fixture
 def shm_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="kvtierd-test-", dir="/dev/shm"))
+    path = Path(shm_tempdir())
     try:
         yield path
     finally:

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 from daemon_harness import DaemonProcess, ctl, start_daemon
 from nonroot import as_user_prefix, require_nonroot_daemon
+from shm_leftovers import shm_tempdir
 from users_harness import Group, ThrowawayAccounts, User, require_root
 
 from kvtierd_client.client import Client
@@ -67,7 +68,7 @@ def _attacker_daemon(attacker: User, socket_path: str, group: Group) -> DaemonPr
     """A real kvtierd run by the attacker, also serving at ``socket_path`` for the
     members of ``group``, with a block of the attacker's bytes planted at ``PLANTED``."""
     require_nonroot_daemon()
-    shm_dir = tempfile.mkdtemp(prefix="kvtierd-test-", dir="/dev/shm")
+    shm_dir = shm_tempdir()
     os.chown(shm_dir, attacker.uid, attacker.gid)
     daemon = start_daemon(
         "--listen", "unix://" + socket_path, "--socket-group", group.name,

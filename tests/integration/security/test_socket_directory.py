@@ -22,6 +22,7 @@ from daemon_harness import (
     write_config,
 )
 from nonroot import as_user_prefix, require_nonroot_daemon
+from shm_leftovers import shm_tempdir
 from users_harness import ThrowawayAccounts, require_root
 
 from kvtierd.config.options import default_shm_dir
@@ -51,7 +52,7 @@ def accounts() -> Iterator[ThrowawayAccounts]:
 
 def _refused(listen: str, workdir: Path) -> str:
     """The one stderr line of a start refused for ``listen`` (exit code 2)."""
-    shm = tempfile.mkdtemp(prefix="kvtierd-test-", dir="/dev/shm")
+    shm = shm_tempdir()
     try:
         result = subprocess.run(
             daemon_command("--config", write_config(workdir, ""), "--listen", listen,
@@ -117,7 +118,7 @@ def test_a_socket_directory_the_daemons_user_cannot_reach_is_one_line(accounts):
     require_nonroot_daemon()
     user = accounts.user()
     hidden = Path(tempfile.mkdtemp(prefix="kvt-hidden-", dir="/tmp"))  # root's, 0700
-    shm = Path(tempfile.mkdtemp(prefix="kvtierd-test-", dir="/dev/shm"))
+    shm = Path(shm_tempdir())
     try:
         os.chown(shm, user.uid, user.gid)
         result = subprocess.run(

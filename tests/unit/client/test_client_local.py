@@ -9,6 +9,7 @@ import pickle
 import re
 import threading
 import time
+import traceback
 from typing import Any
 
 import grpc
@@ -198,6 +199,34 @@ def test_missing_socket_is_unavailable(tmp_path):
             client.open_session("p", block_bytes=4096)
         with pytest.raises(Unavailable, match=re.escape(path)), client.watch_events("p") as stream:
             next(stream)
+
+
+def shown(error: BaseException) -> str:
+    return "".join(traceback.format_exception(error))
+
+
+def test_an_unreachable_daemon_is_one_error_not_a_chain(tmp_path):
+    """The client's error is shown alone: the gRPC error it stands for (30 lines of
+    traceback before the clear last line) is kept as ``__context__``, not printed."""
+    with Client(str(tmp_path / "absent" / "kvtierd.sock"), timeout=2.0) as client:
+        with pytest.raises(Unavailable) as info:
+            client.get_stats()
+        with pytest.raises(Unavailable) as streamed, client.watch_events("p") as stream:
+            next(stream)
+
+    async def async_errors() -> list[BaseException]:
+        async with AsyncClient(f"unix://{tmp_path}/absent/k.sock", timeout=2.0) as client:
+            with pytest.raises(Unavailable) as answered:
+                await client.get_stats()
+            with pytest.raises(Unavailable) as streamed_async:
+                async for _ in client.watch_events("p"):
+                    pass
+        return [answered.value, streamed_async.value]
+
+    for error in (info.value, streamed.value, *asyncio.run(async_errors())):
+        assert isinstance(error.__context__, grpc.RpcError)  # still there for a debugger
+        assert "grpc" not in shown(error).replace("grpc.StatusCode", ""), shown(error)
+        assert "direct cause" not in shown(error) and "During handling" not in shown(error)
 
 
 def test_missing_socket_is_unavailable_async(tmp_path):

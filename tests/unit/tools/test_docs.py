@@ -41,7 +41,7 @@ def test_the_rendered_reference_names_every_option_flag_and_variable() -> None:
     page = render(CONFIGURATION.read_text())
     assert "<!-- generated" not in page
     for option in config.OPTIONS:
-        assert f"| `{option.key}` |" in page, option.dotted
+        assert f"| `{option.key}`<br>`{option.dotted}` |" in page, option.dotted
         assert f"`{option.env}`" in page, option.env
         if option.flag:
             assert f"`{option.flag}`" in page, option.flag

@@ -85,6 +85,15 @@ def test_parse_duration_rejects(text):
 
 
 @pytest.mark.parametrize(
+    ("value", "shown"), [("-5s", "'-5s'"), (" -0.5ms", "' -0.5ms'"), (-2, "-2")]
+)
+def test_a_negative_duration_is_named_negative(value, shown):
+    with pytest.raises(ValueError) as info:
+        parse_duration(value)
+    assert str(info.value) == f"a duration cannot be negative, got {shown}"
+
+
+@pytest.mark.parametrize(
     ("value", "shown"), [("10", "'10'"), (10, "10"), (1.5, "1.5"), ("0.5", "'0.5'")]
 )
 def test_a_duration_without_a_unit_is_refused(value, shown):

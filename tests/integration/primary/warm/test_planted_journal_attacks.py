@@ -20,7 +20,6 @@ import os
 import shutil
 import signal
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 
@@ -28,6 +27,7 @@ import pytest
 from daemon_harness import DaemonProcess, eventually, free_port, scrape, start_daemon, value
 from local_users import SYSTEM_PYTHON
 from nonroot import as_user_prefix, require_nonroot_daemon
+from shm_leftovers import shm_tempdir
 from spawn_harness import as_user
 from users_harness import ThrowawayAccounts, User, require_root
 from warm_harness import BLOCK, HIT, assert_bit_exact, store
@@ -54,7 +54,7 @@ class Host:
     def __init__(self, accounts: ThrowawayAccounts) -> None:
         self.kvtierd = accounts.user()
         self.mallory = accounts.user()
-        self.shm_dir = tempfile.mkdtemp(prefix="kvtierd-test-", dir="/dev/shm")
+        self.shm_dir = shm_tempdir()
         os.chmod(self.shm_dir, 0o1777)  # as /dev/shm: anyone may create, nobody replace
         self.metrics = f"127.0.0.1:{free_port()}"
         self.daemons: list[DaemonProcess] = []

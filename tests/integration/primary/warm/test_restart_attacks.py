@@ -9,7 +9,6 @@ import os
 import shutil
 import signal
 import subprocess
-import tempfile
 import time
 
 import pytest
@@ -18,6 +17,7 @@ from daemon_harness import (
     start_daemon,
 )
 from local_users import SYSTEM_PYTHON, LocalUser
+from shm_leftovers import shm_tempdir
 from spawn_harness import as_user
 from warm_harness import BLOCK, content, read_row, store, write_rows
 
@@ -141,7 +141,7 @@ def test_a_restart_that_takes_a_groups_access_away_does_not_leave_it_the_adopted
     after the restart reached the revoked group. A pool whose access changed now
     starts cold: a new region file, the old inode keeps only the old bytes."""
     group = grp.getgrgid(other_user.gid).gr_name
-    shm_dir = tempfile.mkdtemp(prefix="kvtierd-test-", dir="/dev/shm")
+    shm_dir = shm_tempdir()
     os.chown(shm_dir, 0, other_user.gid)
     os.chmod(shm_dir, 0o750)  # the old group may reach the region files by path
     first = start_daemon("--socket-group", group, shm_dir=shm_dir)
@@ -194,7 +194,7 @@ def test_a_symlink_any_user_plants_in_a_sticky_shm_dir_does_not_keep_the_daemon_
     restart, restarts are routine -- until an administrator removed it. In a sticky
     shm_dir it is now a WARNING: nothing follows it, and only the pool whose file it
     would be is refused when created (a private shm_dir still refuses the start)."""
-    shm_dir = tempfile.mkdtemp(prefix="kvtierd-test-", dir="/dev/shm")
+    shm_dir = shm_tempdir()
     os.chmod(shm_dir, 0o1777)
     daemon: DaemonProcess | None = None
     try:

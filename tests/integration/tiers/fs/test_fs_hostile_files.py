@@ -269,7 +269,7 @@ def test_fsck_lists_planted_entries_without_hanging_or_following(tmp_path):
     )
     assert f"BAD {fifo_pool}: a FIFO, not a directory" in result.stdout
     assert str(good) not in result.stdout
-    assert "5 block files in 1 pools checked: 7 bad" in result.stdout
+    assert "5 block files in 1 pool checked: 7 bad" in result.stdout
     assert took < 20
 
     removed, _ = fsck("--remove", str(root))
@@ -280,4 +280,4 @@ def test_fsck_lists_planted_entries_without_hanging_or_following(tmp_path):
     assert not os.path.lexists(linked.parent) and not os.path.lexists(root / other_dir.name)
     assert (outside / "fan-out" / linked.name).is_file() and other_dir.is_dir()
     again, _ = fsck(str(root))
-    assert "2 block files in 1 pools checked: 1 bad" in again.stdout  # the directory
+    assert "2 block files in 1 pool checked: 1 bad" in again.stdout  # the directory

@@ -161,4 +161,4 @@ def test_fsck_checks_sealed_files_without_the_key(
                             timeout=60)  # fmt: skip
     assert report.returncode == 1, report.stderr
     assert f"BAD {damaged}: payload checksum mismatch" in report.stdout
-    assert "3 block files in 1 pools checked: 1 bad" in report.stdout
+    assert "3 block files in 1 pool checked: 1 bad" in report.stdout

@@ -344,12 +344,12 @@ def test_fsck_reports_and_removes_bad_files(tiered, fs_root, pool_name):
     report = fsck(str(fs_root))
     assert report.returncode == 1
     assert f"BAD {bad}: payload checksum mismatch" in report.stdout
-    assert "3 block files in 1 pools checked: 1 bad" in report.stdout
+    assert "3 block files in 1 pool checked: 1 bad" in report.stdout
     assert bad.exists()
     assert fsck("--remove", str(fs_root)).returncode == 1
     assert not bad.exists()
     clean = fsck(str(fs_root))
-    assert clean.returncode == 0 and "2 block files in 1 pools checked: 0 bad" in clean.stdout
+    assert clean.returncode == 0 and "2 block files in 1 pool checked: 0 bad" in clean.stdout
     missing = fsck(str(fs_root / "nope"))
     assert missing.returncode == 2 and "is not a directory" in missing.stderr
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 import pytest
 from daemon_harness import eventually_async
 from fake_clock import FakeClock
+from shm_leftovers import shm_tempdir
 from test_fs_tier import BLOCK, FILE_BYTES, POOL, ROWS, Harness, run
 
 from kvtierd.contract import LookupResult
@@ -33,7 +33,7 @@ LONG_S = 3600.0  # a rescan interval no test waits for
 
 @pytest.fixture
 def region() -> Iterator[Region]:
-    directory = tempfile.mkdtemp(prefix="kvtierd-fs-shared-test-", dir="/dev/shm")
+    directory = shm_tempdir("kvtierd-fs-shared-test-")
     reg = Region.create(directory, POOL, ROWS, BLOCK, prefault=False)
     try:
         yield reg
