@@ -11,9 +11,9 @@ Modules, read in this order:
 * :mod:`.scan` -- the index rebuild from file headers at start.
 * :mod:`.files` -- removing evicted and corrupt files.
 * :mod:`.fsck` -- ``kvtierctl fsck``, sharing the scan's header check.
-* :mod:`.fsformat`, :mod:`.blockfile`, :mod:`.safefs` -- the on-disk format, one
-  block file's read, write and header check, no-follow opens below a pool directory.
-* :mod:`.iopool` -- the I/O threads.
+* :mod:`.fsformat`, :mod:`.blockfile`, :mod:`.safefs` -- where block files live (their
+  contents: :mod:`kvtierd.tiers.blockformat`), one block file's read, write and header
+  check, no-follow opens below a pool directory.
 * :mod:`.blockio`, :mod:`.ioworker`, :mod:`.iowire` -- where block I/O runs (inline, or
   in I/O worker processes the daemon supervises), the worker process's own side, and
   the messages between them.

@@ -28,13 +28,13 @@ from kvtierd.tiers.fs import permissions
 from kvtierd.tiers.fs.blockio import IoWorkers
 from kvtierd.tiers.fs.corruptlog import CorruptFileLog
 from kvtierd.tiers.fs.index import DiskBudget
-from kvtierd.tiers.fs.iopool import IoPool
 from kvtierd.tiers.fs.rootlock import RootGuard, RootInUse
 from kvtierd.tiers.fs.settings import FsTierSettings
 from kvtierd.tiers.fs.tier import FsTier, SharedParts
 from kvtierd.tiers.fs.unserved import UnservedPools
 from kvtierd.tiers.fs.writelog import WriteFailureLog
 from kvtierd.tiers.integrity import KeyRing
+from kvtierd.tiers.iopool import IoPool
 from kvtierd.tiers.keyfiles import integrity_words, load_keyring
 
 

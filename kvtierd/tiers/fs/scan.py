@@ -10,7 +10,7 @@ RETRY until it ends). Invariants:
   shared with ``fsck`` (:func:`~kvtierd.tiers.fs.blockfile.check_header`); the
   payload is checked when the block is loaded. A tier with integrity keys
   indexes only files sealed under one of them
-  (:func:`~kvtierd.tiers.fs.fsformat.check_sealing`; the MAC is checked at
+  (:func:`~kvtierd.tiers.blockformat.check_sealing`; the MAC is checked at
   load). A file that fails is removed (if the path still names it), counted in
   ``checksum_failures`` (``integrity_failures`` for the keyed check) and logged
   (rate-limited: :mod:`.corruptlog`);
@@ -34,10 +34,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvtierd.contract import BlockKey
-from kvtierd.tiers.fs import blockfile, fsformat, permissions, safefs
+from kvtierd.tiers.blockformat import CorruptBlock, check_sealing
+from kvtierd.tiers.fs import blockfile, permissions, safefs
 from kvtierd.tiers.fs.blockfile import CorruptFile
 from kvtierd.tiers.fs.corruptlog import CorruptFileLog
-from kvtierd.tiers.fs.fsformat import BLOCK_SUFFIX, TEMP_SUFFIX, CorruptBlock
+from kvtierd.tiers.fs.fsformat import BLOCK_SUFFIX, TEMP_SUFFIX
 from kvtierd.tiers.fs.index import BlockIndex, TierFull
 from kvtierd.tiers.fs.safefs import DIRECTORY, REGULAR, Entry, PoolDir, UnexpectedEntry
 from kvtierd.tiers.integrity import KeyRing
@@ -195,7 +196,7 @@ class IndexScan:
                 header = blockfile.check_header(
                     fd, st, entry.rel, self._fingerprint, self._block_bytes
                 )
-                fsformat.check_sealing(header, self._keys)
+                check_sealing(header, self._keys)
             finally:
                 os.close(fd)
         except FileNotFoundError:

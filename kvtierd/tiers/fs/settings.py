@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtierd.tiers.configured import TierOptionError
+from kvtierd.tiers.iopool import DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_JOBS
 from kvtierd.tiers.options import (
     help_lines,
     markdown_table,
@@ -69,9 +70,11 @@ class FsTierSettings:
     read_threads: int = option(8, "I/O threads that prefer reads (promotions)")
     write_threads: int = option(8, "I/O threads that prefer writes (cascades)")
     max_queue_bytes: int = option(
-        1 << 30, "cascade bytes queued before new cascade writes are dropped"
+        DEFAULT_QUEUE_BYTES, "cascade bytes queued before new cascade writes are dropped"
     )
-    max_queue_jobs: int = option(1024, "cascade jobs queued before new cascade writes are dropped")
+    max_queue_jobs: int = option(
+        DEFAULT_QUEUE_JOBS, "cascade jobs queued before new cascade writes are dropped"
+    )
     io_processes: int = option(
         2,
         "worker processes that do the block file I/O (checksum, write, read) off the "

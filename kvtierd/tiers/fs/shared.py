@@ -57,8 +57,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 from kvtierd.contract import BlockKey
+from kvtierd.tiers.blockformat import CorruptBlock, check_sealing
 from kvtierd.tiers.fs import blockfile, fsformat, safefs
-from kvtierd.tiers.fs.fsformat import BLOCK_SUFFIX, CorruptBlock
+from kvtierd.tiers.fs.fsformat import BLOCK_SUFFIX
 from kvtierd.tiers.fs.index import BlockIndex, TierFull
 from kvtierd.tiers.fs.safefs import PoolDir, UnexpectedEntry
 from kvtierd.tiers.fs.unserved import UnservedPools
@@ -288,7 +289,7 @@ class SharedRoot:
             identity = safefs.identity_of(st)
             try:
                 header = blockfile.check_header(fd, st, rel, self._fingerprint, self._block_bytes)
-                fsformat.check_sealing(header, self._keys)
+                check_sealing(header, self._keys)
             finally:
                 os.close(fd)
             return header.key, st.st_size

@@ -4,7 +4,7 @@ One :class:`ConfiguredRedisTier` per configured redis tier for the daemon's life
 Its pools share one :class:`~kvtierd.tiers.redis.link.RedisLink` (the redis-py
 client, standalone or Cluster: thread-safe connection pools, at most
 ``threads`` connections busy at once per node, one per I/O thread), one
-:class:`~kvtierd.tiers.fs.iopool.IoPool` of ``threads`` I/O threads with the
+:class:`~kvtierd.tiers.iopool.IoPool` of ``threads`` I/O threads with the
 write-queue limits, one :class:`~kvtierd.tiers.redis.prober.Prober` (the
 presence probes of every pool: one in flight per node, on threads of its own, so
 a probe never waits behind block transfers) and one rate-limited fault log. ``capacity`` bounds each
@@ -32,8 +32,8 @@ import redis
 
 from kvtierd.tiers.base import JobCallback
 from kvtierd.tiers.configured import ConfiguredTier, PoolBinding, TierCheckError
-from kvtierd.tiers.fs.iopool import IoPool, Outcome
 from kvtierd.tiers.integrity import KeyRing
+from kvtierd.tiers.iopool import IoPool, Outcome
 from kvtierd.tiers.keyfiles import integrity_words, load_keyring
 from kvtierd.tiers.redis.access import check_tls, explain
 from kvtierd.tiers.redis.faultlog import FAULT_LOG_INTERVAL_S

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtierd.tiers.configured import TierOptionError
+from kvtierd.tiers.iopool import DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_JOBS
 from kvtierd.tiers.options import (
     help_lines,
     markdown_table,
@@ -92,9 +93,11 @@ class RedisTierSettings:
     )
     threads: int = option(8, "I/O threads (connections) moving blocks and probing keys")
     max_queue_bytes: int = option(
-        1 << 30, "cascade bytes queued before new cascade writes are dropped"
+        DEFAULT_QUEUE_BYTES, "cascade bytes queued before new cascade writes are dropped"
     )
-    max_queue_jobs: int = option(1024, "cascade jobs queued before new cascade writes are dropped")
+    max_queue_jobs: int = option(
+        DEFAULT_QUEUE_JOBS, "cascade jobs queued before new cascade writes are dropped"
+    )
     integrity_key_file: str = option(
         "",
         "file of 32 random bytes (mode 0600) the daemons of a fleet share: every value is "

@@ -1,6 +1,6 @@
 """The redis secondary tier for one pool: one value per block in Redis or Valkey.
 
-A value is exactly an fs block file (:mod:`kvtierd.tiers.fs.fsformat`) under the
+A value is exactly one block of :mod:`kvtierd.tiers.blockformat` under the
 Redis key ``<key_prefix>:<pool fingerprint hex>:<block key>`` (binary), so pools
 of another name, block size or layout never share keys; a value that does not
 verify for the key and pool it was read under is a MISS: deleted, counted in
@@ -9,13 +9,13 @@ tier's integrity keys, :mod:`kvtierd.tiers.integrity`), never copied out as a
 success.
 
 The event loop never waits on Redis. Every Redis call runs on the I/O threads
-of an :class:`~kvtierd.tiers.fs.iopool.IoPool` (shared by the pools of one
+of an :class:`~kvtierd.tiers.iopool.IoPool` (shared by the pools of one
 configured tier), in :mod:`.blockio` (``SET NX`` per stored block, a bounded
 ``GETRANGE`` per loaded one, verified before its payload reaches the row; rows
 copied with :class:`~kvtierd.primary.rows.RegionRows`, so a region a client
 truncated fails only the blocks whose rows are gone), and reports through
 ``loop.call_soon_threadsafe``. This module is the loop's side: it submits a
-job's blocks in groups of about 16 MiB (:func:`~kvtierd.tiers.fs.iopool.group_tasks`),
+job's blocks in groups of about 16 MiB (:func:`~kvtierd.tiers.iopool.group_tasks`),
 settles what their outcomes mean for the keys, counts, and reports the job.
 
 Presence: a lookup answers from what the tier knows on the loop, its
@@ -66,10 +66,10 @@ import redis
 from kvtierd.contract import BlockKey, LookupResult, Medium
 from kvtierd.primary.rows import RegionRows
 from kvtierd.tiers.base import JobCallback, JobResult, SecondaryTier, TierJob, TierStats
+from kvtierd.tiers.blockformat import HEADER_SIZE, PoolIdentity
 from kvtierd.tiers.failures import NONE_FAILED, FailedLoads, sort_failed
-from kvtierd.tiers.fs import fsformat
-from kvtierd.tiers.fs.iopool import IoPool, Outcome, flatten, group_tasks
 from kvtierd.tiers.integrity import KeyRing
+from kvtierd.tiers.iopool import IoPool, Outcome, flatten, group_tasks
 from kvtierd.tiers.redis.blockio import WRITTEN, BlockCorrupt, BlockMissing, RedisBlockIO
 from kvtierd.tiers.redis.faultlog import TierFaultLog
 from kvtierd.tiers.redis.fleetlru import Admitted, FleetLru
@@ -143,9 +143,9 @@ class RedisTier(SecondaryTier):
         self.name = name
         self.pool_name = pool_name
         self.block_bytes = block_bytes
-        self.value_bytes = fsformat.HEADER_SIZE + block_bytes
+        self.value_bytes = HEADER_SIZE + block_bytes
         self.capacity_bytes = capacity_bytes  # 0: the server's (no local eviction)
-        self.identity = fsformat.PoolIdentity(pool_name, block_bytes, layout)
+        self.identity = PoolIdentity(pool_name, block_bytes, layout)
         self.fingerprint = self.identity.fingerprint
         self.key_space = f"{key_prefix}:{self.fingerprint.hex()}:".encode()
         self._link = link

@@ -1,11 +1,12 @@
-"""A dual-queue I/O thread pool whose completions land on an asyncio loop.
+"""A dual-queue I/O thread pool whose completions land on an asyncio loop: the
+threads of the tiers that move blocks off the loop (fs, redis).
 
 Work is submitted in *batches* (one tier job = one batch of tasks; the fs and
 redis tiers make one task per group of blocks, about 16 MiB: :func:`group_tasks`,
-whose per-group outcomes :func:`flatten` turns back into one per block). Read-priority threads
-(``kvtierd-fs-r<i>``) pop the read queue first, write-priority threads
-(``kvtierd-fs-w<i>``) the write queue first; both drain either queue, so no
-thread idles while work waits.
+whose per-group outcomes :func:`flatten` turns back into one per block).
+Read-priority threads (``<name>-r<i>``; a configured tier's ``kvtierd-<tier>-r<i>``)
+pop the read queue first, write-priority threads (``<name>-w<i>``) the write queue
+first; both drain either queue, so no thread idles while work waits.
 
 Invariants:
 
@@ -34,12 +35,14 @@ from typing import Any
 
 from kvtierd.contract import BlockKey
 from kvtierd.tiers.failures import IoUnavailable
-from kvtierd.tiers.fs.settings import DEFAULTS
 
-log = logging.getLogger("kvtierd.tiers.fs.iopool")
+log = logging.getLogger("kvtierd.tiers.iopool")
 
 Task = Callable[[], Any]
 JOIN_S = 2.0  # shutdown waits this long in all for the threads to finish their tasks
+# the tiers' defaults of max_queue_jobs and max_queue_bytes: cascade writes queued at most
+DEFAULT_QUEUE_JOBS = 1024
+DEFAULT_QUEUE_BYTES = 1 << 30
 
 
 class PoolShutDown(IoUnavailable):
@@ -84,11 +87,11 @@ class IoPool:
         self,
         loop: asyncio.AbstractEventLoop,
         *,
-        read_threads: int = DEFAULTS.read_threads,
-        write_threads: int = DEFAULTS.write_threads,
-        max_queue_jobs: int = DEFAULTS.max_queue_jobs,
-        max_queue_bytes: int = DEFAULTS.max_queue_bytes,
-        name: str = "kvtierd-fs",
+        read_threads: int,
+        write_threads: int,
+        max_queue_jobs: int = DEFAULT_QUEUE_JOBS,
+        max_queue_bytes: int = DEFAULT_QUEUE_BYTES,
+        name: str = "kvtierd-io",
     ) -> None:
         if read_threads < 0 or write_threads < 0 or read_threads + write_threads < 1:
             raise ValueError(
