@@ -286,10 +286,6 @@ class FsTier(SecondaryTier):
             raise RuntimeError(f"FS tier {self.name} was not started")
         await asyncio.shield(self._ready)
 
-    async def drain(self) -> None:
-        if self._io is not None:
-            await self._io.drain()
-
     def shutdown(self) -> None:
         """Stops the scan and the I/O threads; queued jobs are reported failed.
         Bounded (see the module docstring). Any thread."""
@@ -378,16 +374,14 @@ class FsTier(SecondaryTier):
     def statistics(self) -> TierStats:
         io = self._io
         index = self.index.statistics()
-        return TierStats(
-            name=self.name,
-            medium=self.medium,
+        return self.snapshot(
+            index.counters,
             capacity_bytes=self.capacity_bytes,
             used_bytes=index.used_bytes,
             bytes_per_block=self.file_bytes,
             blocks=index.blocks,
             queued_jobs=io.queued_jobs if io else 0,
             queued_bytes=io.queued_bytes if io else 0,
-            **index.counters,
         )
 
     # -- job completion (loop thread) ----------------------------------------------------

@@ -27,8 +27,6 @@ timeout and raises what the server or the verification said: the caller
 
 from __future__ import annotations
 
-import time
-
 import redis
 from redis.exceptions import AskError
 
@@ -37,7 +35,7 @@ from kvtierd.primary.rows import RegionRows, scratch
 from kvtierd.tiers import blockformat
 from kvtierd.tiers.failures import BlockAbsent, BlockRefused
 from kvtierd.tiers.integrity import KeyRing
-from kvtierd.tiers.iopool import Outcome
+from kvtierd.tiers.iopool import Outcome, Pairs, each_block
 from kvtierd.tiers.redis.link import RedisLink
 from kvtierd.util.ratelimit import RateLimitedLog
 
@@ -90,18 +88,9 @@ class RedisBlockIO:
 
     # -- stores --------------------------------------------------------------------------
 
-    def store_group(self, pairs: list[tuple[BlockKey, int]]) -> list[Outcome]:
+    def store_group(self, pairs: Pairs) -> list[Outcome]:
         """Stores each (key, row); one outcome per block (WRITTEN, PRESENT or its error)."""
-        outcomes = []
-        for key, row in pairs:
-            started = time.perf_counter()
-            try:
-                value = self.store_one(key, row)
-            except Exception as exc:
-                outcomes.append(Outcome(error=exc, seconds=time.perf_counter() - started))
-            else:
-                outcomes.append(Outcome(value=value, seconds=time.perf_counter() - started))
-        return outcomes
+        return each_block(pairs, self.store_one)
 
     def store_one(self, key: BlockKey, row: int) -> str:
         """Stores row ``row`` as ``key``'s value, sent from a copy (this thread's
@@ -124,23 +113,14 @@ class RedisBlockIO:
 
     # -- loads ---------------------------------------------------------------------------
 
-    def load_group(self, pairs: list[tuple[BlockKey, int]]) -> list[Outcome]:
+    def load_group(self, pairs: Pairs) -> list[Outcome]:
         """Loads each (key, row); one outcome per block (LOADED or its error)."""
-        outcomes = []
-        for key, row in pairs:
-            started = time.perf_counter()
-            try:
-                self.load_one(key, row)
-            except Exception as exc:
-                outcomes.append(Outcome(error=exc, seconds=time.perf_counter() - started))
-            else:
-                outcomes.append(Outcome(value=LOADED, seconds=time.perf_counter() - started))
-        return outcomes
+        return each_block(pairs, self.load_one)
 
-    def load_one(self, key: BlockKey, row: int) -> None:
-        """The verified payload into ``row``; BlockMissing, BlockCorrupt (the value was
-        deleted) or the server's error otherwise, the row then unspecified (the
-        daemon frees it: a failed promotion is never served)."""
+    def load_one(self, key: BlockKey, row: int) -> str:
+        """The verified payload into ``row`` (LOADED); BlockMissing, BlockCorrupt (the
+        value was deleted) or the server's error otherwise, the row then unspecified
+        (the daemon frees it: a failed promotion is never served)."""
         redis_key = self.redis_key(key)
         value = self.link.get(redis_key, self.value_bytes)  # bounded: one value + 1 byte
         if not isinstance(value, bytes):  # the client decodes nothing: never a str
@@ -153,6 +133,7 @@ class RedisBlockIO:
             self.delete_if_same(redis_key, value)
             raise BlockCorrupt(exc.reason, exc.integrity) from None
         self._rows.write(row, value, blockformat.HEADER_SIZE)  # from the value: no copy
+        return LOADED
 
     def verify(self, key: BlockKey, value: bytes) -> None:
         """Raises blockformat.CorruptBlock unless ``value`` is this pool's block of ``key``
