@@ -30,7 +30,7 @@ import errno
 import fcntl
 import mmap
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvtierd.tiers import blockformat
 from kvtierd.tiers.blockformat import HEADER_SIZE, CorruptBlock
@@ -216,22 +216,26 @@ def remaining(buffers: Sequence[memoryview], done: int) -> list[memoryview]:
 
 
 def write_all(fd: int, buffers: Sequence[memoryview]) -> None:
-    """pwritev until every byte is written (loops on short writes)."""
-    total = sum(len(b) for b in buffers)
-    done = 0
-    while done < total:
-        n = os.pwritev(fd, remaining(buffers, done), done)
-        if n <= 0:
-            raise OSError(errno.EIO, "write made no progress")
-        done += n
+    """pwritev until every byte is written (loops on short writes); EIO when a write
+    makes no progress."""
+    if _vectored(os.pwritev, fd, buffers) < sum(len(b) for b in buffers):
+        raise OSError(errno.EIO, "write made no progress")
 
 
 def read_all(fd: int, buffers: Sequence[memoryview]) -> int:
     """preadv until the buffers are full or EOF; returns bytes read."""
+    return _vectored(os.preadv, fd, buffers)
+
+
+def _vectored(
+    call: Callable[[int, list[memoryview], int], int], fd: int, buffers: Sequence[memoryview]
+) -> int:
+    """``call(fd, the buffers past the bytes done, offset)`` (pwritev or preadv, from
+    offset 0) until every byte of ``buffers`` moved or a call moved none; the bytes moved."""
     total = sum(len(b) for b in buffers)
     done = 0
     while done < total:
-        n = os.preadv(fd, remaining(buffers, done), done)
+        n = call(fd, remaining(buffers, done), done)
         if n <= 0:
             break
         done += n

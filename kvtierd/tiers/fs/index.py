@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from kvtierd.contract import BlockKey, LookupResult
 from kvtierd.tiers.base import Removals, zero_counters
+from kvtierd.tiers.integrity import KeyRing
 
 # Recent removals remembered for Explain, per pool: an entry takes at most ~450
 # bytes (a 256-byte key, its (time, why) tuple, the OrderedDict node): ~7 MiB.
@@ -441,3 +442,18 @@ class BlockIndex:
             with self._lock:
                 self._evicting.discard(doomed.key)  # evicting: file gone -> absent
             self.budget.release(doomed.nbytes)
+
+
+@dataclass(frozen=True, slots=True)
+class IndexedPool:
+    """One pool's directory and its index, as the threads that read block headers off
+    disk and index what they find see it (the start-up scan, a shared root's checks):
+    files of ``fingerprint`` and ``block_bytes`` under ``pool_dir``, sealed under
+    ``keys`` (the tier's integrity keys; None: unkeyed files only), go into ``index``."""
+
+    tier_name: str
+    pool_dir: str
+    fingerprint: bytes
+    block_bytes: int
+    index: BlockIndex
+    keys: KeyRing | None = None

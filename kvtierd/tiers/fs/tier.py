@@ -85,7 +85,7 @@ from kvtierd.tiers.fs.corruptlog import CorruptFileLog
 from kvtierd.tiers.fs.files import PoolFiles
 from kvtierd.tiers.fs.fsformat import pool_dir_name
 from kvtierd.tiers.fs.groups import BlockGroups
-from kvtierd.tiers.fs.index import BlockIndex, DiskBudget, TierFull
+from kvtierd.tiers.fs.index import BlockIndex, DiskBudget, IndexedPool, TierFull
 from kvtierd.tiers.fs.scan import SHARED_TEMP_MAX_AGE_S, IndexScan, ScanReport
 from kvtierd.tiers.fs.settings import FsTierSettings
 from kvtierd.tiers.fs.shared import SharedRoot
@@ -199,18 +199,15 @@ class FsTier(SecondaryTier):
         self._files = PoolFiles(name, self.pool_dir)
         corrupt_log = parts.corrupt_log or CorruptFileLog(name)
         self.index = BlockIndex(name, self.file_bytes, self.budget, self._files.remove_evicted)
+        indexed = IndexedPool(
+            name, self.pool_dir, self._fingerprint, block_bytes, self.index, parts.integrity
+        )
         self._scan = IndexScan(
-            name, self.pool_dir, self._fingerprint, block_bytes, self.index,
-            self._index_ready, probes.before_scan,
-            SHARED_TEMP_MAX_AGE_S if settings.shared else 0.0, parts.integrity, corrupt_log,
+            indexed, self._index_ready, probes.before_scan,
+            SHARED_TEMP_MAX_AGE_S if settings.shared else 0.0, corrupt_log,
         )  # fmt: skip
         self.shared: SharedRoot | None = (
-            SharedRoot(
-                name, self.pool_dir, self._fingerprint, block_bytes, self.index,
-                negative_ttl=settings.shared_negative_ttl,
-                rescan_interval=settings.shared_rescan_interval, unserved=parts.unserved,
-                keys=parts.integrity,
-            ) if settings.shared else None
+            SharedRoot(indexed, settings, parts.unserved) if settings.shared else None
         )  # fmt: skip
         self.remote = settings.shared  # other daemons write the root: a Lookup may wait for a check
         self._ready: asyncio.Future[None] | None = None
