@@ -173,6 +173,10 @@ def contracts_table() -> str:
             said = "top to bottom, each may import only the ones below it: " + " > ".join(
                 f"`{layer}`" for layer in contract["layers"]
             )
+            if contract.get("containers"):
+                every = " (every one placed)" if contract.get("exhaustive") else ""
+                inside = ", ".join(f"`{c}`" for c in contract["containers"])
+                said = f"the modules of {inside}{every}, " + said
         elif kind == "forbidden":
             said = (
                 ", ".join(f"`{m}`" for m in contract["source_modules"])
@@ -181,6 +185,10 @@ def contracts_table() -> str:
             )
             if contract.get("ignore_imports"):
                 said += " (except " + ", ".join(f"`{i}`" for i in contract["ignore_imports"]) + ")"
+        elif kind == "independence":
+            said = (
+                ", ".join(f"`{m}`" for m in contract["modules"]) + " import nothing of each other"
+            )
         elif kind == "acyclic_siblings":
             said = "no import cycle between the sibling modules and packages below " + ", ".join(
                 f"`{a}`" for a in contract["ancestors"]

@@ -131,7 +131,7 @@ def peer_uid(sock: socket.socket) -> int:
     _pid, uid, _gid = _PEERCRED.unpack(
         sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
     )
-    return uid
+    return int(uid)
 
 
 def require_peer(sock: socket.socket, uid: int, path: str, what: str) -> None:
