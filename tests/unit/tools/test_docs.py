@@ -109,7 +109,10 @@ def test_the_layout_page_lists_every_package_and_contract() -> None:
     for init in sorted((REPO / "kvtierd").rglob("__init__.py")):
         package = ".".join(init.parent.relative_to(REPO).parts)
         assert f"| `{package}` |" in page, package
-    assert page.count("| `layers` |") == 1
+    contracts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
+    for contract in contracts["contracts"]:
+        assert f"| {contract['name']} | `{contract['type']}` |" in page, contract["name"]
+    assert page.count("| `layers` |") == 2  # the daemon's and the client's
 
 
 def test_the_readme_is_a_front_door() -> None:
