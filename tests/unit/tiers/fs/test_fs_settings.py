@@ -99,6 +99,37 @@ def test_a_shown_default_parses_back_to_the_default() -> None:
     assert {"capacity", "max_queue_bytes", "fsync", "o_direct", "read_threads"} <= set(checked)
 
 
+@pytest.mark.parametrize(
+    ("options", "key", "message"),
+    [
+        ({}, "root", "missing: directory holding the block files"),
+        ({"root": "rel"}, "root", "expected an absolute directory path, got 'rel'"),
+        ({"capacity": "512KiB"}, "capacity", "must be at least 1MiB, got '512KiB'"),
+        ({"capacity": "lots"}, "capacity", "lots"),
+        ({"fsync": "yes"}, "fsync", "expected true or false, got 'yes'"),
+        ({"o_direct": "maybe"}, "o_direct", "expected auto, on or off"),
+        ({"read_threads": 257}, "read_threads", "expected an integer in [0, 256], got 257"),
+        ({"read_threads": 0, "write_threads": 0}, "read_threads", "must be at least 1"),
+        ({"max_queue_jobs": 0}, "max_queue_jobs", "expected an integer in [1, 1048576]"),
+        ({"io_worker_timeout": "0s"}, "io_worker_timeout", "must be 10ms to 3600s, got '0s'"),
+        ({"integrity_key_file": "k"}, "integrity_key_file", "expected an absolute path"),
+        ({"integrity_verify_key_file": "/k"}, "integrity_verify_key_file", "needs integrity_key"),
+    ],
+)
+def test_bad_options_name_the_option_and_what_to_write(
+    options: dict[str, object], key: str, message: str
+) -> None:
+    with pytest.raises(TierOptionError) as caught:
+        parse_fs_settings({"root": "/x", **options} if key != "root" else options)
+    assert caught.value.key == key and message in caught.value.message, caught.value.message
+
+
+def test_o_direct_and_the_durations_read_their_other_spellings() -> None:
+    parsed = parse_fs_settings({"root": "/x", "o_direct": True, "io_worker_timeout": "500ms"})
+    assert (parsed.o_direct, parsed.io_worker_timeout) == ("on", 0.5)
+    assert parse_fs_settings({"root": "/x", "o_direct": False}).o_direct == "off"
+
+
 def test_an_unknown_option_lists_the_known_ones() -> None:
     with pytest.raises(TierOptionError, match="unknown fs tier option; known: capacity") as info:
         parse_fs_settings({"root": "/x", "threads": 4})
