@@ -199,8 +199,10 @@ class Removals:
     it (the event loop, or the owner's lock).
     """
 
-    def __init__(self, kept: int) -> None:
+    def __init__(self, kept: int, clock: Callable[[], float] = time.time) -> None:
+        """``clock``: unix seconds, when a removal is noted (the owner's, if it has one)."""
         self.kept = kept
+        self._clock = clock
         self._dropped: list[BlockKey] = []  # since the last take(), oldest first
         self._why: OrderedDict[BlockKey, tuple[float, str]] = OrderedDict()  # oldest first
 
@@ -215,7 +217,7 @@ class Removals:
 
     def note(self, key: BlockKey, why: str) -> None:
         """Remembers why ``key`` was removed, now (unix time)."""
-        self._why[key] = (time.time(), why)
+        self._why[key] = (self._clock(), why)
         self._why.move_to_end(key)
         if len(self._why) > self.kept:
             self._why.popitem(last=False)
