@@ -8,7 +8,7 @@ Three parts, one run (``python -m benchmarks integrity``):
   through ``hmac``; the CPU's SHA extensions are named in the row when it has them)
   and BLAKE2b keyed (``hashlib``).
 * **per block**: the tiers' own functions on one block -- the store path's
-  header (:func:`~kvtierd.tiers.fs.blockformat.block_header`: xxh3, plus the MAC with a
+  header (:func:`~kvtierd.tiers.blockformat.block_header`: xxh3, plus the MAC with a
   key) and the promotion path's check (``decode_header`` + ``check_payload``:
   xxh3 without a key, the MAC with one) -- unkeyed and keyed side by side.
 * **through a daemon** (2 MiB blocks): the redis tier's cascade and promotion

@@ -37,7 +37,7 @@ from typing import Any
 from kvtierd.contract import BlockKey
 from kvtierd.tiers.failures import IoUnavailable
 
-log = logging.getLogger("kvtierd.tiers.iopool")
+log = logging.getLogger(__name__)
 
 Task = Callable[[], Any]
 JOIN_S = 2.0  # shutdown waits this long in all for the threads to finish their tasks

@@ -3,6 +3,16 @@
 ``make_policy`` is the only constructor the rest of the daemon uses; the names
 are the values of ``PoolSpec.eviction_policy``, declared once with the client
 (:data:`kvtierd.contract.EVICTION_POLICIES`).
+
+- ``base``: the interface (:class:`CachePolicy`) and the manager's callbacks it reads;
+- ``lru``: least recently used (vLLM's ``LRUCachePolicy``);
+- ``arc``: adaptive replacement (vLLM's ``ARCCachePolicy``).
+
+Invariants: a policy only orders the keys the manager tells it about and, when asked,
+names ready blocks (ref count 0) to evict; it never changes a ref count and never
+allocates or frees a row. Every method runs on the event loop and never blocks.
+
+May import: ``kvtierd.contract`` and the standard library only.
 """
 
 from __future__ import annotations
