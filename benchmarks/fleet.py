@@ -66,7 +66,7 @@ from benchmarks.rediscluster import BenchCluster
 from benchmarks.replay import DONE, SHIPPED_TRACE, Request, load_trace
 
 BLOCK = 4096
-HEADER = 4096  # kvtierd.tiers.fs.fsformat.HEADER_SIZE: a value is header + row
+HEADER = 4096  # kvtierd.tiers.blockformat.HEADER_SIZE: a value is header + row
 REMOTES = ("one", "none", "C", "3C", "unbounded")
 POLICIES = (  # (label, maxmemory-policy, maxmemory-samples): Redis = C, round-robin
     ("allkeys-lru, samples 1", "allkeys-lru", 1),

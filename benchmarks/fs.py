@@ -50,7 +50,7 @@ import xxhash
 
 from benchmarks import fs_shared
 from benchmarks.common import BenchDaemon, Row
-from kvtierd.tiers.fs.fsformat import HEADER_SIZE
+from kvtierd.tiers.blockformat import HEADER_SIZE
 from kvtierd.tiers.fs.settings import DEFAULTS
 from kvtierd_client.client import Client, LookupResult
 from kvtierd_client.region import AttachedRegion

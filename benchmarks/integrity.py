@@ -8,7 +8,7 @@ Three parts, one run (``python -m benchmarks integrity``):
   through ``hmac``; the CPU's SHA extensions are named in the row when it has them)
   and BLAKE2b keyed (``hashlib``).
 * **per block**: the tiers' own functions on one block -- the store path's
-  header (:func:`~kvtierd.tiers.fs.fsformat.block_header`: xxh3, plus the MAC with a
+  header (:func:`~kvtierd.tiers.blockformat.block_header`: xxh3, plus the MAC with a
   key) and the promotion path's check (``decode_header`` + ``check_payload``:
   xxh3 without a key, the MAC with one) -- unkeyed and keyed side by side.
 * **through a daemon** (2 MiB blocks): the redis tier's cascade and promotion
@@ -35,14 +35,14 @@ import xxhash
 from benchmarks import fs as fs_bench
 from benchmarks import redis as redis_bench
 from benchmarks.common import Row
-from kvtierd.tiers.fs import fsformat
+from kvtierd.tiers import blockformat
 from kvtierd.tiers.integrity import IntegrityKey, KeyRing
 
 SIZES = (64 << 10, 2 << 20)
 ROUNDS = 7
 TIER_ROUNDS = 2  # unkeyed/keyed pairs of daemon runs
 GROUP = "keyed integrity"
-FINGERPRINT = b"\x01" * fsformat.FINGERPRINT_BYTES
+FINGERPRINT = b"\x01" * blockformat.FINGERPRINT_BYTES
 
 
 def sha_extensions() -> bool:
@@ -113,12 +113,14 @@ def path_rows() -> list[Row]:
 
 def _path_calls(payload: memoryview, keys: KeyRing) -> dict[str, Callable[[], object]]:
     def header(ring: KeyRing | None) -> bytes:
-        return fsformat.block_header(key=b"k", fingerprint=FINGERPRINT, payload=payload, keys=ring)
+        return blockformat.block_header(
+            key=b"k", fingerprint=FINGERPRINT, payload=payload, keys=ring
+        )
 
     plain, sealed = header(None), header(keys)
 
     def check(head: bytes, ring: KeyRing | None) -> None:
-        fsformat.check_payload(head, fsformat.decode_header(head), payload, ring)
+        blockformat.check_payload(head, blockformat.decode_header(head), payload, ring)
 
     return {
         "store: header, unkeyed": lambda: header(None),

@@ -61,7 +61,7 @@ import redis
 
 from benchmarks.common import BenchDaemon, Row, percentile
 from benchmarks.fs import StoredEvents, _fill, _gbs, _wait
-from kvtierd.tiers.fs.fsformat import HEADER_SIZE
+from kvtierd.tiers.blockformat import HEADER_SIZE
 from kvtierd.tiers.redis.settings import DEFAULTS
 from kvtierd_client.client import Client, LookupResult
 from kvtierd_client.region import AttachedRegion

@@ -19,8 +19,13 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-# The answer of a lookup is defined once, with the client (it is a wire value the
-# client decodes too); the daemon already depends on kvtierd_client for the stubs.
+# The answer of a lookup and the eviction policies' names are defined once, with the
+# client (wire values the client speaks too); the daemon already depends on
+# kvtierd_client for the stubs.
+from kvtierd_client.wire.results import ARC as ARC
+from kvtierd_client.wire.results import DEFAULT_EVICTION_POLICY as DEFAULT_EVICTION_POLICY
+from kvtierd_client.wire.results import EVICTION_POLICIES as EVICTION_POLICIES
+from kvtierd_client.wire.results import LRU as LRU
 from kvtierd_client.wire.results import LookupResult as LookupResult
 
 BlockKey = bytes

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from daemon_harness import DaemonProcess, eventually, wait_tier_jobs
 
+from kvtierd.tiers import blockformat
 from kvtierd.tiers.fs import fsformat
 from kvtierd_client.client import Client, LookupResult, Session
 from kvtierd_client.region import AttachedRegion, attach_announced
@@ -20,7 +21,7 @@ from kvtierd_client.region import AttachedRegion, attach_announced
 BLOCK = 65536
 
 
-FILE_BYTES = fsformat.HEADER_SIZE + BLOCK
+FILE_BYTES = blockformat.HEADER_SIZE + BLOCK
 
 
 HIT, MISS, PENDING, RETRY = (
@@ -105,5 +106,5 @@ def block_files(root: Path) -> list[Path]:
 
 def file_of(root: Path, pool: str, key: bytes, layout: str = "L") -> Path:
     """Where the daemon keeps ``key`` of ``pool`` under ``root``."""
-    pool_dir = fsformat.PoolIdentity(pool, BLOCK, layout).dir_name
+    pool_dir = fsformat.pool_dir_name(blockformat.PoolIdentity(pool, BLOCK, layout))
     return root / pool_dir / fsformat.block_rel_path(key)

@@ -1,5 +1,5 @@
 """Integrity keys and forged values for the keyed-integrity tests of the shared tiers
-(redis values and shared fs block files are one format: kvtierd.tiers.fs.fsformat).
+(redis values and shared fs block files are one format: kvtierd.tiers.blockformat).
 
 ``write_key`` makes a key file as an operator would (32 random bytes, mode 0600);
 ``forged`` builds what a writer of the server or the root can make without the
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from engine_harness import BLOCK
 
-from kvtierd.tiers.fs import fsformat
+from kvtierd.tiers import blockformat
 from kvtierd.tiers.integrity import KEY_BYTES, IntegrityKey, KeyRing
 
 
@@ -33,14 +33,14 @@ def key_id(path: Path) -> bytes:
 def forged(key: bytes, pool: str, data: bytes, sealed_with: bytes | None = None) -> bytes:
     """A whole value (header + ``data``) for ``key`` of ``pool``: an unkeyed (version 1)
     header with valid checksums, or one sealed under the secret ``sealed_with``."""
-    fingerprint = fsformat.PoolIdentity(pool, BLOCK, "L").fingerprint
+    fingerprint = blockformat.PoolIdentity(pool, BLOCK, "L").fingerprint
     keys = None
     if sealed_with is not None:
         own = IntegrityKey.of(sealed_with)
         keys = KeyRing(own, (own,))
-    header = fsformat.block_header(key=key, fingerprint=fingerprint, payload=data, keys=keys)
+    header = blockformat.block_header(key=key, fingerprint=fingerprint, payload=data, keys=keys)
     return header + data
 
 
-def header_of(value: bytes) -> fsformat.Header:
-    return fsformat.decode_header(value[: fsformat.HEADER_SIZE])
+def header_of(value: bytes) -> blockformat.Header:
+    return blockformat.decode_header(value[: blockformat.HEADER_SIZE])

@@ -39,7 +39,7 @@ from daemon_harness import eventually
 from engine_harness import BLOCK, HIT, Engine
 from tls_ca import TestCA
 
-from kvtierd.tiers.fs import fsformat
+from kvtierd.tiers import blockformat
 from kvtierd.tiers.redis.access import ACL_COMMANDS
 
 START_TIMEOUT_S = 10.0
@@ -413,7 +413,7 @@ def redis_cluster_factory() -> Iterator[Callable[..., RedisClusterNodes]]:
             cluster.close()
 
 
-VALUE_BYTES = fsformat.HEADER_SIZE + BLOCK
+VALUE_BYTES = blockformat.HEADER_SIZE + BLOCK
 # a [limits] table letting a lookup wait for the server as long as a busy test machine
 # may take to answer (the wait ends with the answer: it costs what the probe takes)
 WAIT_FOR_REDIS = '[limits]\nremote_lookup_wait = "1s"\n'
@@ -459,7 +459,7 @@ def redis_config(url: str | tuple[str, ...], key_prefix: str, **options: object)
 
 
 def redis_key(key_prefix: str, pool: str, key: bytes, layout: str = "L") -> bytes:
-    fingerprint = fsformat.PoolIdentity(pool, BLOCK, layout).fingerprint
+    fingerprint = blockformat.PoolIdentity(pool, BLOCK, layout).fingerprint
     return f"{key_prefix}:{fingerprint.hex()}:".encode() + key
 
 

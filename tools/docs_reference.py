@@ -4,7 +4,7 @@ from the option declarations in the code, never copied by hand.
 A page asks for a table with a marker line of its own::
 
     <!-- generated: options server -->      the [server] keys of kvtierd.config.OPTIONS
-    <!-- generated: tier fs -->             a tier type's options (its settings module)
+    <!-- generated: tier fs -->             a tier type's options (kvtierd.tiers.registry)
     <!-- generated: principals -->          the keys of [[security.principals]]
     <!-- generated: alerts -->              the rules of deploy/prometheus/alerts.yml
     <!-- generated: packages kvtierd -->     each package's docstring, first paragraph
@@ -16,8 +16,8 @@ it on every page; the tests read the pages through it (``tests/unit/tools/test_d
 
 The sources: ``kvtierd.config.OPTIONS`` (every scalar key: section, key, parser, default,
 help, flag; the ``[security]`` file keys come from ``kvtierd.security.config``), each
-tier type's ``kvtierd.tiers.<type>.settings.options_markdown`` (the ``FsTierSettings`` /
-``RedisTierSettings`` dataclasses), ``kvtierd.security.principals.PRINCIPAL_HELP`` and the
+tier type's table of options in ``kvtierd.tiers.registry`` (``TierType.options``: the
+fields of its settings dataclass), ``kvtierd.security.principals.PRINCIPAL_HELP`` and the
 shipped alerting rules (``deploy/prometheus/alerts.yml``), the packages' own docstrings and
 ``pyproject.toml``'s ``[tool.importlinter]`` contracts.
 
@@ -28,7 +28,6 @@ standard library and ``grpc``), so the docs toolchain's small venv can run it.
 from __future__ import annotations
 
 import ast
-import importlib
 import re
 import sys
 from collections.abc import Callable
@@ -43,7 +42,7 @@ for _path in (REPO / "client", REPO):  # a checkout, importable without an insta
 from kvtierd import config  # noqa: E402
 from kvtierd.security import principals  # noqa: E402
 from kvtierd.tiers import registry  # noqa: E402
-from kvtierd.tiers.options import size_text  # noqa: E402
+from kvtierd.util.units import format_size  # noqa: E402
 
 MARKER = re.compile(r"^<!-- generated: ([a-z]+)(?: ([a-z_]+))? -->$", re.MULTILINE)
 
@@ -67,7 +66,7 @@ def toml_default(option: config.Option) -> str:
     if isinstance(value, float):  # every float option is a duration in seconds
         return f'"{value:g}s"'
     if isinstance(value, int) and _takes_units(option, value):
-        return f'"{size_text(value)}"'
+        return f'"{format_size(value)}"'
     if isinstance(value, str):
         return f'"{value}"'
     if isinstance(value, tuple):
@@ -78,7 +77,7 @@ def toml_default(option: config.Option) -> str:
 def _takes_units(option: config.Option, value: int) -> bool:
     """Whether the option's parser reads a size with a unit (``"1GiB"``), not a count."""
     try:
-        return bool(option.parse(size_text(value)) == value) and size_text(value) != str(value)
+        return bool(option.parse(format_size(value)) == value) and format_size(value) != str(value)
     except ValueError:
         return False
 
@@ -106,11 +105,14 @@ def options_table(section: str) -> str:
 
 
 def tier_table(tier_type: str) -> str:
-    """A tier type's options (besides ``type`` and ``name``), from its settings module."""
-    registry.lookup(tier_type)  # UnknownTierType names the supported ones
-    settings = importlib.import_module(f"kvtierd.tiers.{tier_type}.settings")
-    table: str = settings.options_markdown()
-    return table
+    """A tier type's options (besides ``type`` and ``name``): default, meaning. An
+    unknown type raises UnknownTierType naming the supported ones."""
+    rows = ["| option | default | meaning |", "|---|---|---|"]
+    for option in registry.lookup(tier_type).options:
+        shown = option.default_text()
+        default = f"`{shown}`" if shown else "required"
+        rows.append(f"| `{option.key}` | {default} | {_cell(option.help)} |")
+    return "\n".join(rows) + "\n"
 
 
 def principals_table() -> str:
@@ -173,6 +175,10 @@ def contracts_table() -> str:
             said = "top to bottom, each may import only the ones below it: " + " > ".join(
                 f"`{layer}`" for layer in contract["layers"]
             )
+            if contract.get("containers"):
+                every = " (every one placed)" if contract.get("exhaustive") else ""
+                inside = ", ".join(f"`{c}`" for c in contract["containers"])
+                said = f"the modules of {inside}{every}, " + said
         elif kind == "forbidden":
             said = (
                 ", ".join(f"`{m}`" for m in contract["source_modules"])
@@ -181,6 +187,10 @@ def contracts_table() -> str:
             )
             if contract.get("ignore_imports"):
                 said += " (except " + ", ".join(f"`{i}`" for i in contract["ignore_imports"]) + ")"
+        elif kind == "independence":
+            said = (
+                ", ".join(f"`{m}`" for m in contract["modules"]) + " import nothing of each other"
+            )
         elif kind == "acyclic_siblings":
             said = "no import cycle between the sibling modules and packages below " + ", ".join(
                 f"`{a}`" for a in contract["ancestors"]

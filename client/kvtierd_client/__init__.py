@@ -24,16 +24,19 @@ scheduler side never imports torch:
 
 Private: ``kvtierd_client._rpc`` (the transport: encoding, the connection, the fast lane,
 keepalives), ``kvtierd_client._shm`` (the shared-memory and CUDA helpers of the region
-and the copy engine) and ``kvtierd_client._proto`` (the protobuf stubs, generated at
-build time and imported through ``kvtierd_client.wire.proto`` only).
+and the copy engine), ``kvtierd_client._extra_config`` (the reader of the engines' extra
+config that both plug-ins share) and ``kvtierd_client._proto`` (the protobuf stubs,
+generated at build time and imported through ``kvtierd_client.wire.proto`` only).
 
 Invariants: every call of ``client``, ``aio`` and ``session`` raises a
 ``kvtierd_client.errors.KvtierError`` subclass, never a ``grpc.RpcError``; nothing but the
 engine plug-ins needs an engine installed.
 
-May import: nothing of ``kvtierd`` (the daemon); the public modules may import ``wire``,
-``_rpc`` and ``_shm``; ``wire`` imports nothing else of the client, ``_rpc`` and ``_shm``
-never the public facades or the engine plug-ins, and the two plug-ins never each other.
+May import: nothing of ``kvtierd`` (the daemon). Within the client, each module only the
+layers below its own (``pyproject.toml``'s "the client's layers" contract: the plug-ins,
+then what they build on, the facades, the private ``_rpc`` and ``_shm``, ``wire``, the
+stubs); ``wire`` imports nothing else of the client, ``_rpc`` and ``_shm`` never the
+public facades or the engine plug-ins, and the two plug-ins never each other.
 """
 
 __version__ = "0.1.0"

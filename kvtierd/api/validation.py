@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from kvtierd.config import EVICTION_POLICIES, MAX_BLOCK_BYTES
-from kvtierd.contract import key_repr
+from kvtierd.config import MAX_BLOCK_BYTES
+from kvtierd.contract import DEFAULT_EVICTION_POLICY, EVICTION_POLICIES, key_repr
 from kvtierd.errors import InvalidArgument
 
 MAX_KEY_BYTES = 256
@@ -64,7 +64,7 @@ def check_eviction_policy(policy: str) -> None:
     if policy and policy not in EVICTION_POLICIES:
         raise InvalidArgument(
             f"pool.eviction_policy: {policy!r} is not supported; use one of "
-            f"{', '.join(EVICTION_POLICIES)} (or empty for lru)"
+            f"{', '.join(EVICTION_POLICIES)} (or empty for {DEFAULT_EVICTION_POLICY})"
         )
 
 

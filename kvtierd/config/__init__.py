@@ -27,7 +27,7 @@ from kvtierd.config.loader import (
     load_config,
     unknown_environment,
 )
-from kvtierd.config.options import EVICTION_POLICIES, MAX_BLOCK_BYTES, OPTIONS, SECTIONS, Option
+from kvtierd.config.options import MAX_BLOCK_BYTES, OPTIONS, SECTIONS, Option
 from kvtierd.config.sections import (
     Config,
     LimitsConfig,
@@ -41,7 +41,6 @@ from kvtierd.config.values import parse_listen_address
 from kvtierd.errors import ConfigError
 
 __all__ = [
-    "EVICTION_POLICIES",
     "MAX_BLOCK_BYTES",
     "OPTIONS",
     "OTHER_PROGRAMS_ENVIRONMENT",

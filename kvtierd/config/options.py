@@ -30,7 +30,6 @@ from kvtierd.security import config as security_config
 from kvtierd_client.wire.address import default_socket_path
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-EVICTION_POLICIES = ("lru", "arc")
 MAX_BLOCK_BYTES = 1 << 30
 # a Lookup waits at most this long for remote tiers (limits.remote_lookup_wait): longer
 # than a scheduler step, an engine would rather recompute

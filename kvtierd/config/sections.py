@@ -1,6 +1,9 @@
 """The configuration's frozen tree: one dataclass per section, and :class:`Config`
 holding them. Built once by :func:`kvtierd.config.loader.load_config`, then passed
-down; nothing changes it."""
+down; nothing changes it.
+
+A section's fields have no defaults: each key's default is written once, in
+:data:`kvtierd.config.options.OPTIONS`, and the loader fills every field."""
 
 from __future__ import annotations
 
@@ -16,10 +19,10 @@ class ServerConfig:
     metrics_address: str  # "" = off
     socket_group: str  # "" = the daemon's own group
     shutdown_grace: float  # seconds
-    fast_lane: bool = True  # offer sessions the '<socket>.lane' fast lane (kvtierd.api.fastlane)
-    takeover: bool = False  # replace the daemon serving the Unix sockets (kvtierd.ops.takeover)
+    fast_lane: bool  # offer sessions the '<socket>.lane' fast lane (kvtierd.api.fastlane)
+    takeover: bool  # replace the daemon serving the Unix sockets (kvtierd.ops.takeover)
     # pool globs whose series /metrics shows; None ("auto"): all, none with principals
-    metrics_pool_labels: tuple[str, ...] | None = None
+    metrics_pool_labels: tuple[str, ...] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +54,7 @@ class LimitsConfig:
     max_unread_watch_streams: int  # per principal
     watch_write_timeout: float  # seconds
     promotion_hold: float  # seconds; 0 = no promotion holds
-    remote_lookup_wait: float = 0.005  # seconds a Lookup may wait for remote tiers; 0: never
+    remote_lookup_wait: float  # seconds a Lookup may wait for remote tiers; 0: never
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvtierd.config import LimitsConfig, MemoryConfig
-from kvtierd.contract import PoolSpec
+from kvtierd.contract import DEFAULT_EVICTION_POLICY, PoolSpec
 from kvtierd.core.pool import Pool
 from kvtierd.errors import FailedPrecondition, PoolNotFound, ResourceExhausted
 from kvtierd.primary.footprint import pool_heap_bytes
@@ -127,7 +127,7 @@ class PoolTable:
                 block_bytes=requested.block_bytes,
                 num_blocks=requested.num_blocks or self._memory.default_pool_blocks,
                 layout=requested.layout,
-                eviction_policy=requested.eviction_policy or "lru",
+                eviction_policy=requested.eviction_policy or DEFAULT_EVICTION_POLICY,
             )
             self._check_room(spec)
             creating = asyncio.ensure_future(self._create(spec))

@@ -58,7 +58,7 @@ from kvtierd.security.tls import ServerTls, TlsFiles
 from kvtierd.security.tokens import TokensFileError
 from kvtierd.tiers import registry
 from kvtierd.tiers.configured import ConfiguredTier, TierCheckError
-from kvtierd.tiers.fs.iopool import JOIN_S as IO_JOIN_S
+from kvtierd.tiers.iopool import JOIN_S as IO_JOIN_S
 from kvtierd.util.heap import HeapTrimmer, tune_malloc
 from kvtierd.util.sockets import PublishError, SocketPlacement
 from kvtierd.util.units import format_bytes

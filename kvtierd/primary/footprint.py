@@ -26,15 +26,17 @@ Pure arithmetic; nothing here is measured at run time.
 
 from __future__ import annotations
 
-TABLE_ROW_BYTES = {"lru": 240, "arc": 680}  # beyond the row's key (or keys: ARC)
-KEYS_PER_ROW = {"lru": 1, "arc": 2}  # ARC: the resident key and an evicted one's ghost
+from kvtierd.contract import ARC, LRU
+
+TABLE_ROW_BYTES = {LRU: 240, ARC: 680}  # beyond the row's key (or keys: ARC)
+KEYS_PER_ROW = {LRU: 1, ARC: 2}  # ARC: the resident key and an evicted one's ghost
 JOURNAL_ROW_BYTES = 24
 MAX_KEY_BYTES = 256  # the protocol's limit (kvtierd.api.validation)
 
 
 def table_heap_bytes(num_blocks: int, policy: str, key_bytes: int = MAX_KEY_BYTES) -> int:
     """What the block table of ``num_blocks`` rows holding keys of ``key_bytes``
-    bytes costs at most; ``policy`` is "lru" or "arc" (ValueError otherwise)."""
+    bytes costs at most; ``policy`` is one of ``EVICTION_POLICIES`` (ValueError otherwise)."""
     if policy not in TABLE_ROW_BYTES:
         raise ValueError(f"unknown eviction policy {policy!r}")
     return num_blocks * (KEYS_PER_ROW[policy] * key_bytes + TABLE_ROW_BYTES[policy])

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from kvtierd.contract import BlockEvent, BlockKey, Medium, StoreGrant
+from kvtierd.contract import DEFAULT_EVICTION_POLICY, BlockEvent, BlockKey, Medium, StoreGrant
 from kvtierd.primary.table import BlockTable
 
 
@@ -45,7 +45,7 @@ class PrimaryManager(BlockTable):
     def __init__(
         self,
         num_blocks: int,
-        policy: str = "lru",
+        policy: str = DEFAULT_EVICTION_POLICY,
         on_event: Callable[[BlockEvent], object] | None = None,
     ) -> None:
         """``on_event`` receives every :class:`BlockEvent` synchronously; it must not

@@ -36,7 +36,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvtierd.contract import BlockKey, LookupResult
+from kvtierd.contract import DEFAULT_EVICTION_POLICY, BlockKey, LookupResult
 from kvtierd.primary.errors import NotLoadableError, NotPinnedError
 from kvtierd.primary.fences import TimedRows
 from kvtierd.primary.policies import CachePolicy, make_policy
@@ -86,7 +86,7 @@ class BlockTable:
       is mapped and holds at least the one pin its adoption gave it.
     """
 
-    def __init__(self, num_blocks: int, policy: str = "lru") -> None:
+    def __init__(self, num_blocks: int, policy: str = DEFAULT_EVICTION_POLICY) -> None:
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         self._num_blocks = num_blocks

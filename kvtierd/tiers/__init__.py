@@ -5,8 +5,12 @@
 - ``configured``: what the daemon holds for one ``[[tiers]]`` table for its whole life
   (:class:`~kvtierd.tiers.configured.ConfiguredTier`), and the errors of a tier's start;
 - ``registry``: the tier types this build knows, by the ``type`` of a ``[[tiers]]`` table;
-- ``options``: what every tier type's settings share (options with their help, the
-  ``--help`` and docs tables, the checked readers of values);
+- ``options``: how a tier type declares its options once (default, help and reader
+  of each; the table the parser, ``--help`` and the docs read) and the shared readers;
+- ``blockformat``: the block format the fs and redis tiers share (a header naming key,
+  pool and checksums, sealed with a MAC under integrity keys; then the row);
+- ``iopool``: the I/O threads the fs and redis tiers run their jobs on (completions
+  reported on the loop, cascade writes bounded);
 - ``failures``: why a block did not load (missing, corrupt, transient, fault), one
   classification for every tier;
 - ``integrity``: keyed integrity (a MAC) of the values of a tier other hosts can write;
@@ -14,7 +18,8 @@
 - ``memory``: an in-memory tier, the reference implementation of the contract (tests
   only: not a configurable type);
 - ``fs``: the fs tier type, one file per block under a root directory;
-- ``redis``: the redis tier type, one value per block in Redis or Valkey.
+- ``redis``: the redis tier type, one value per block in Redis or Valkey. The two tier
+  types import nothing of each other: what they share is in this package.
 
 Invariants: a tier only copies blocks (the pool's tiering decides what moves, and the
 primary's manager owns the rows); a tier's methods run on the event loop and never

@@ -74,16 +74,29 @@ Isolation
     One instance serves one pool (its namespace and block size). What one
     instance stores is never found, loaded or evicted through another, even
     when both share a medium (one root directory, one Redis).
+
+What the implementations share lives here too: the counters of :class:`TierStats`
+(:data:`COUNTERS`, :func:`zero_counters`, :meth:`SecondaryTier.snapshot`), the
+record of dropped keys (:class:`Removals`) and :meth:`SecondaryTier.drain` of a tier
+whose jobs run on an :class:`~kvtierd.tiers.iopool.IoPool`.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
 from kvtierd.contract import BlockKey, LookupResult, Medium
+
+if TYPE_CHECKING:
+    from kvtierd.tiers.iopool import IoPool
+
+_COUNTER = {"counter": True}  # the metadata of a cumulative counter of TierStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,15 +145,15 @@ class TierStats:
     used_bytes: int  # <= capacity_bytes once a job has reported
     bytes_per_block: int  # what one block occupies on the tier (header included)
     blocks: int
-    hits: int
-    misses: int
-    bytes_written: int
-    bytes_read: int
-    evictions: int
-    store_failures: int  # keys
-    load_failures: int  # keys
-    checksum_failures: int
-    dropped_writes: int  # cascade writes refused by backpressure (jobs)
+    hits: int = field(metadata=_COUNTER)
+    misses: int = field(metadata=_COUNTER)
+    bytes_written: int = field(metadata=_COUNTER)
+    bytes_read: int = field(metadata=_COUNTER)
+    evictions: int = field(metadata=_COUNTER)
+    store_failures: int = field(metadata=_COUNTER)  # keys
+    load_failures: int = field(metadata=_COUNTER)  # keys
+    checksum_failures: int = field(metadata=_COUNTER)
+    dropped_writes: int = field(metadata=_COUNTER)  # cascade writes refused by backpressure (jobs)
     queued_jobs: int
     queued_bytes: int
     # A remote tier's server (0 for a tier without one), as of its last health check:
@@ -149,18 +162,79 @@ class TierStats:
     round_trip_us: int = 0  # running average of small-command round trips
     server_capacity_bytes: int = 0  # maxmemory summed over masters; 0: unbounded
     server_used_bytes: int = 0  # used_memory summed over the reachable masters
-    probe_failures: int = 0  # presence probes (per node) that failed
+    probe_failures: int = field(default=0, metadata=_COUNTER)  # presence probes (per node)
     # presence round trips made (a remote tier: one pipelined EXISTS per node; a
     # shared fs root: one batch of header checks), whatever asked them
-    probes: int = 0
+    probes: int = field(default=0, metadata=_COUNTER)
     # a shared fs root (kvtierd.tiers.fs.shared); 0 for other tiers
-    foreign_files_found: int = 0  # files other daemons wrote, found and indexed
-    shared_rechecks: int = 0  # keys looked for on disk after a local miss
-    shared_rescans: int = 0  # periodic rescans finished
-    shared_files_vanished: int = 0  # indexed files someone else removed
+    # files other daemons wrote, found and indexed
+    foreign_files_found: int = field(default=0, metadata=_COUNTER)
+    shared_rechecks: int = field(default=0, metadata=_COUNTER)  # keys looked for after a miss
+    shared_rescans: int = field(default=0, metadata=_COUNTER)  # periodic rescans finished
+    # indexed files someone else removed
+    shared_files_vanished: int = field(default=0, metadata=_COUNTER)
     # values not sealed under the tier's integrity keys (kvtierd.tiers.integrity): written
     # without a key, under another key, or forged; refused (MISS) and removed
-    integrity_failures: int = 0
+    integrity_failures: int = field(default=0, metadata=_COUNTER)
+
+
+COUNTERS: tuple[str, ...] = tuple(f.name for f in fields(TierStats) if f.metadata.get("counter"))
+"""The cumulative counters of :class:`TierStats`, in declaration order: what a tier
+counts (:func:`zero_counters`) and hands whole to :meth:`SecondaryTier.snapshot`."""
+
+
+def zero_counters() -> Counter[str]:
+    """Every name of :data:`COUNTERS` at 0 (a tier counts what it does; the rest stay 0)."""
+    return Counter(dict.fromkeys(COUNTERS, 0))
+
+
+class Removals:
+    """The keys a tier dropped (evicted, failed verification, vanished): each handed
+    out once (:meth:`take`, what :meth:`SecondaryTier.take_removed` returns) and why the
+    last ``kept`` keys were removed, and when (:meth:`of`, for
+    :meth:`SecondaryTier.removals`).
+
+    Invariant: at most ``kept`` keys are remembered, the oldest forgotten first; a
+    key is remembered once, with its last removal. Not thread-safe: its owner guards
+    it (the event loop, or the owner's lock).
+    """
+
+    def __init__(self, kept: int, clock: Callable[[], float] = time.time) -> None:
+        """``clock``: unix seconds, when a removal is noted (the owner's, if it has one)."""
+        self.kept = kept
+        self._clock = clock
+        self._dropped: list[BlockKey] = []  # since the last take(), oldest first
+        self._why: OrderedDict[BlockKey, tuple[float, str]] = OrderedDict()  # oldest first
+
+    def drop(self, key: BlockKey, why: str) -> None:
+        """``key`` left the tier (``why``): one removed event owed, and remembered."""
+        self._dropped.append(key)
+        self.note(key, why)
+
+    def dropped(self, key: BlockKey) -> None:
+        """``key`` left the tier: one removed event owed (why: :meth:`note`)."""
+        self._dropped.append(key)
+
+    def note(self, key: BlockKey, why: str) -> None:
+        """Remembers why ``key`` was removed, now (unix time)."""
+        self._why[key] = (self._clock(), why)
+        self._why.move_to_end(key)
+        if len(self._why) > self.kept:
+            self._why.popitem(last=False)
+
+    def take(self) -> list[BlockKey]:
+        """The keys dropped since the last call, oldest first."""
+        dropped, self._dropped = self._dropped, []
+        return dropped
+
+    def of(self, key: BlockKey) -> list[tuple[float, str]]:
+        """``[(unix time, why)]`` of ``key``'s last removal, if it is remembered."""
+        entry = self._why.get(key)
+        return [entry] if entry is not None else []
+
+    def __len__(self) -> int:
+        """How many keys are remembered (at most ``kept``)."""
+        return len(self._why)
 
 
 JobCallback = Callable[[JobResult], None]
@@ -176,6 +250,9 @@ class SecondaryTier(abc.ABC):
     medium: Medium
     remote: bool = False
     """True when other daemons write the tier's medium (module doc, "Remote presence")."""
+    _io: IoPool | None = None
+    """The I/O threads the tier's jobs run on, once it has them (None: a tier that runs
+    its jobs otherwise overrides :meth:`drain`)."""
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -203,9 +280,12 @@ class SecondaryTier(abc.ABC):
     async def wait_ready(self) -> None:
         """Returns once :attr:`ready` is True. Only after :meth:`launch`."""
 
-    @abc.abstractmethod
     async def drain(self) -> None:
-        """Returns once every job submitted so far has reported (its ``on_done`` ran)."""
+        """Returns once every job submitted so far has reported (its ``on_done`` ran).
+        Default: once the tier's I/O pool (:attr:`_io`) delivered every batch it took,
+        those of the other pools sharing it included."""
+        if self._io is not None:
+            await self._io.drain()
 
     @abc.abstractmethod
     def shutdown(self) -> None:
@@ -275,3 +355,10 @@ class SecondaryTier(abc.ABC):
     @abc.abstractmethod
     def statistics(self) -> TierStats:
         """A snapshot (:class:`TierStats`)."""
+
+    def snapshot(self, counters: Mapping[str, int], **gauges: Any) -> TierStats:
+        """The :class:`TierStats` of this tier: ``counters`` (every name of
+        :data:`COUNTERS`) and ``gauges`` (capacity, usage, queues, the server's health);
+        a gauge named like a counter replaces it (a count kept elsewhere, such as the
+        probes of a prober the pools of a configured tier share)."""
+        return TierStats(name=self.name, medium=self.medium, **{**counters, **gauges})

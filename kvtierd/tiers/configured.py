@@ -7,7 +7,8 @@ A tier type (``fs``, ``redis``) brings three things, registered by name in
   ``[[tiers]]`` table into it, raising :class:`TierOptionError` naming the option;
 * a :class:`ConfiguredTier` subclass: one instance per configured tier for the
   daemon's whole life, holding what the pools of that tier share (threads,
-  worker processes, a byte budget);
+  worker processes, a byte budget); the I/O threads, what drains and stops them
+  and what a stop dropped are the base class's (:meth:`ConfiguredTier.io_pool`);
 * the per-pool tier it creates (a :class:`~kvtierd.tiers.base.SecondaryTier`,
   not started: its start has two steps, ``prepare`` and ``launch``).
 
@@ -38,6 +39,7 @@ from typing import Any, ClassVar, Protocol
 
 from kvtierd.primary.rows import RegionRows
 from kvtierd.tiers.base import JobCallback, SecondaryTier
+from kvtierd.tiers.iopool import IoPool
 
 
 class TierOptionError(ValueError):
@@ -108,6 +110,7 @@ class ConfiguredTier(abc.ABC):
     def __init__(self, name: str, settings: TierSettings) -> None:
         self.name = name  # the tier's label in statistics and logs
         self.settings = settings
+        self._io: IoPool | None = None  # the pools' I/O threads, from the first io_pool()
 
     def describe(self) -> str:
         """One line for the daemon's start log."""
@@ -136,17 +139,46 @@ class ConfiguredTier(abc.ABC):
         """A tier for ``pool``, not started (no I/O here). ``on_done`` receives each
         of its job results on ``loop``."""
 
-    @abc.abstractmethod
-    async def drain(self) -> None:
-        """Returns once every job submitted so far to this tier's pools reported."""
+    def io_pool(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        read_threads: int,
+        write_threads: int,
+        max_queue_jobs: int,
+        max_queue_bytes: int,
+    ) -> IoPool:
+        """The I/O threads every pool of this tier runs its jobs on (``kvtierd-<name>-r<i>``
+        and ``-w<i>``), started at the first call (the first :meth:`create`); later
+        calls return the same pool whatever they ask."""
+        if self._io is None:
+            self._io = IoPool(
+                loop,
+                read_threads=read_threads,
+                write_threads=write_threads,
+                max_queue_jobs=max_queue_jobs,
+                max_queue_bytes=max_queue_bytes,
+                name=f"kvtierd-{self.name}",
+            )
+        return self._io
 
-    @abc.abstractmethod
+    async def drain(self) -> None:
+        """Returns once every job submitted so far to this tier's pools reported: its
+        I/O pool delivered every batch (a tier type whose pools run no jobs on one
+        overrides this)."""
+        if self._io is not None:
+            await self._io.drain()
+
     def shutdown(self) -> None:
         """Stops what the pools share (threads, processes) once every pool's tier
-        has shut down; queued jobs are reported failed. Idempotent."""
+        has shut down; queued jobs are reported failed. Idempotent. Here: fails the
+        I/O pool's queued jobs and joins its threads (running ones finish); a
+        subclass stops what else it holds around this call."""
+        if self._io is not None:
+            self._io.shutdown()
 
     @property
     def dropped_jobs(self) -> int:
         """Jobs :meth:`shutdown` failed because they had not started yet (what a stop
         dropped: cascades not written, promotions not served)."""
-        return 0
+        return self._io.dropped_batches if self._io is not None else 0

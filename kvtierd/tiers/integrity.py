@@ -8,7 +8,7 @@ and payload under a secret the daemons of a fleet share, and the id of the key
 (:data:`KEY_ID_BYTES` bytes, derived from the key: it reveals nothing of it).
 A value read back is served only if its MAC verifies under one of the tier's
 keys: the sealing key, or the one ``integrity_verify_key_file`` adds while a
-fleet rotates keys. The header format is :mod:`kvtierd.tiers.fs.fsformat`'s.
+fleet rotates keys. The header format is :mod:`kvtierd.tiers.blockformat`'s.
 
 Why BLAKE3's keyed mode: a well-kept PRF built for exactly this (a 32-byte key,
 no HMAC nesting), and the fastest keyed hash here: 4-5 GB/s on one core with

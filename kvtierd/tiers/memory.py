@@ -21,7 +21,8 @@ Invariants:
 * ``_blocks`` is in recency order: first the least recently used;
 * every accepted job is in ``_queued`` until it runs or :meth:`MemoryTier.shutdown`
   fails it, and reports exactly once afterwards; ``_unreported`` counts accepted
-  jobs whose report has not run, and reaching 0 wakes :meth:`MemoryTier.drain`;
+  jobs whose report has not run, and reaching 0 wakes :meth:`MemoryTier.drain`
+  (:class:`~kvtierd.tiers.iopool.JobsInFlight`);
 * ``_stores_unreported`` (accepted store jobs not reported yet) never exceeds
   ``max_queue_jobs``: that is the backpressure bound.
 """
@@ -32,25 +33,24 @@ import asyncio
 import enum
 import logging
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from kvtierd.contract import BlockKey, LookupResult, Medium
-from kvtierd.tiers.base import JobCallback, JobResult, SecondaryTier, TierJob, TierStats
+from kvtierd.tiers.base import (
+    JobCallback,
+    JobResult,
+    Removals,
+    SecondaryTier,
+    TierJob,
+    TierStats,
+    zero_counters,
+)
+from kvtierd.tiers.iopool import JobsInFlight
 
 log = logging.getLogger(__name__)
 
 REMOVALS_KEPT = 1024  # recent removals remembered for Explain, per tier instance
-_COUNTERS = (
-    "hits",
-    "misses",
-    "bytes_written",
-    "bytes_read",
-    "evictions",
-    "store_failures",
-    "load_failures",
-    "dropped_writes",
-)
 
 
 class StoreOutcome(enum.Enum):
@@ -110,13 +110,11 @@ class MemoryTier(SecondaryTier):
         self._blocks: OrderedDict[BlockKey, bytes] = OrderedDict()  # LRU first
         self._used_bytes = 0
         self._queued: dict[int, TierJob] = {}  # accepted, not run yet (submission order)
-        self._unreported = 0  # accepted jobs whose on_done has not run
+        self._unreported = JobsInFlight(loop)  # accepted jobs whose on_done has not run
         self._stores_unreported = 0  # the store jobs among them: <= max_queue_jobs
         self._store_keys_unreported = 0  # their keys (for queued_bytes)
-        self._idle_waiters: list[asyncio.Future[None]] = []  # drain() callers
-        self._counters: Counter[str] = Counter(dict.fromkeys(_COUNTERS, 0))
-        self._dropped: list[BlockKey] = []  # dropped since take_removed()
-        self._removals: OrderedDict[BlockKey, tuple[float, str]] = OrderedDict()
+        self._counters = zero_counters()  # checksum_failures stays 0: nothing to verify
+        self._removals = Removals(REMOVALS_KEPT)
         self._launched = False
         self._ready: asyncio.Future[None] | None = None  # created by launch()
         self._paused = False
@@ -146,11 +144,7 @@ class MemoryTier(SecondaryTier):
         await asyncio.shield(self._ready)
 
     async def drain(self) -> None:
-        if self._unreported == 0:
-            return
-        waiter = self._loop.create_future()
-        self._idle_waiters.append(waiter)
-        await waiter
+        await self._unreported.drain()
 
     def shutdown(self) -> None:
         """Fails every job not run yet (each reports in a later loop callback)."""
@@ -196,12 +190,10 @@ class MemoryTier(SecondaryTier):
                 self._blocks.move_to_end(key)
 
     def take_removed(self) -> list[BlockKey]:
-        dropped, self._dropped = self._dropped, []
-        return dropped
+        return self._removals.take()
 
     def removals(self, key: BlockKey) -> list[tuple[float, str]]:
-        entry = self._removals.get(key)
-        return [entry] if entry is not None else []
+        return self._removals.of(key)
 
     # -- jobs ----------------------------------------------------------------------
 
@@ -220,23 +212,12 @@ class MemoryTier(SecondaryTier):
         self._accept(job)
 
     def statistics(self) -> TierStats:
-        c = self._counters
-        return TierStats(
-            name=self.name,
-            medium=self.medium,
+        return self.snapshot(
+            self._counters,
             capacity_bytes=self.capacity_bytes,
             used_bytes=self._used_bytes,
             bytes_per_block=self.block_bytes,
             blocks=len(self._blocks),
-            hits=c["hits"],
-            misses=c["misses"],
-            bytes_written=c["bytes_written"],
-            bytes_read=c["bytes_read"],
-            evictions=c["evictions"],
-            store_failures=c["store_failures"],
-            load_failures=c["load_failures"],
-            checksum_failures=0,  # nothing to verify: the copies never leave this process
-            dropped_writes=c["dropped_writes"],
             queued_jobs=len(self._queued),
             queued_bytes=self._store_keys_unreported * self.block_bytes,
         )
@@ -246,7 +227,7 @@ class MemoryTier(SecondaryTier):
     def _accept(self, job: TierJob) -> None:
         assert len(job.keys) == len(job.block_ids), f"job {job.job_id}: keys and rows differ"
         self._queued[job.job_id] = job
-        self._unreported += 1
+        self._unreported.add()
         if not self._paused:
             self._loop.call_soon(self._run, job.job_id)
 
@@ -291,13 +272,8 @@ class MemoryTier(SecondaryTier):
             if not job.is_promotion:
                 self._stores_unreported -= 1  # unreported stores n -> n-1
                 self._store_keys_unreported -= len(job.keys)
-            self._unreported -= 1  # unreported jobs n -> n-1
-            assert self._unreported >= 0 and self._stores_unreported >= 0
-            if self._unreported == 0:
-                waiters, self._idle_waiters = self._idle_waiters, []
-                for waiter in waiters:
-                    if not waiter.done():
-                        waiter.set_result(None)
+            assert self._stores_unreported >= 0
+            self._unreported.done()  # unreported jobs n -> n-1; 0 wakes drain()
 
     def _store_block(self, key: BlockKey, block_id: int) -> StoreOutcome:
         """Copies row ``block_id`` in as ``key``, evicting LRU blocks to make room."""
@@ -335,11 +311,7 @@ class MemoryTier(SecondaryTier):
             victim, _ = self._blocks.popitem(last=False)
             self._used_bytes -= self.block_bytes
             self._counters["evictions"] += 1
-            self._dropped.append(victim)
-            self._removals[victim] = (time.time(), "evicted: least recently used at capacity")
-            self._removals.move_to_end(victim)
-            if len(self._removals) > REMOVALS_KEPT:
-                self._removals.popitem(last=False)
+            self._removals.drop(victim, "evicted: least recently used at capacity")
         return True
 
     # -- small helpers ---------------------------------------------------------------

@@ -1,10 +1,11 @@
 """The tier types this build knows, by the ``type`` of a ``[[tiers]]`` table.
 
-The one place that maps a type name to its settings parser and its
-:class:`~kvtierd.tiers.configured.ConfiguredTier` class: the configuration
-(:mod:`kvtierd.config`), the daemon and the pool table ask here and name no
-tier type themselves. A configured-tier class is imported on first use, so
-parsing a configuration does not load a tier's threads and I/O machinery.
+The one place that maps a type name to its settings parser, its table of options
+and its :class:`~kvtierd.tiers.configured.ConfiguredTier` class: the configuration
+(:mod:`kvtierd.config`), the daemon, the pool table, ``kvtierd --help`` and the docs'
+configuration reference (``tools/docs_reference.py``) ask here and name no tier type
+themselves. A configured-tier class is imported on first use, so parsing a
+configuration does not load a tier's threads and I/O machinery.
 
 Adding a type: one :func:`register` call below (or from a plug-in, before the
 configuration is loaded).
@@ -21,6 +22,7 @@ from typing import Any
 
 from kvtierd.tiers.configured import ConfiguredTier, TierSettings
 from kvtierd.tiers.fs import settings as fs_settings
+from kvtierd.tiers.options import TierOption
 from kvtierd.tiers.redis import settings as redis_settings
 
 
@@ -32,7 +34,8 @@ class TierType:
     # options (without ``type`` and ``name``) -> settings; pure, raises TierOptionError
     parse_settings: Callable[[Mapping[str, Any]], TierSettings]
     configured_class: str  # "module:Class" of its ConfiguredTier, imported on first use
-    option_help: Callable[[], Mapping[str, str]]  # option -> help with its default
+    # its options (kvtierd.tiers.options): what --help and the docs' table show
+    options: tuple[TierOption, ...]
 
     def configured(self) -> type[ConfiguredTier]:
         module, _, attribute = self.configured_class.partition(":")
@@ -99,26 +102,29 @@ def help_text(width: int = 79) -> str:
     lines = []
     for tier_type in _TYPES.values():
         lines.append(f'  type = "{tier_type.name}":')
-        for key, text in tier_type.option_help().items():
+        for option in tier_type.options:
             lines += textwrap.wrap(
-                f"{key}: {text}", width, initial_indent="    - ", subsequent_indent="      "
+                f"{option.key}: {option.help_line()}",
+                width,
+                initial_indent="    - ",
+                subsequent_indent="      ",
             )
     return "\n".join(lines)
 
 
 register(
     TierType(
-        name="fs",
-        parse_settings=fs_settings.parse_fs_settings,
-        configured_class="kvtierd.tiers.fs.configured:ConfiguredFsTier",
-        option_help=fs_settings.option_help,
+        "fs",
+        fs_settings.parse_fs_settings,
+        "kvtierd.tiers.fs.configured:ConfiguredFsTier",
+        fs_settings.OPTIONS,
     )
 )
 register(
     TierType(
-        name="redis",
-        parse_settings=redis_settings.parse_redis_settings,
-        configured_class="kvtierd.tiers.redis.configured:ConfiguredRedisTier",
-        option_help=redis_settings.option_help,
+        "redis",
+        redis_settings.parse_redis_settings,
+        "kvtierd.tiers.redis.configured:ConfiguredRedisTier",
+        redis_settings.OPTIONS,
     )
 )

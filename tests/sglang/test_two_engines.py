@@ -17,6 +17,7 @@ from daemon_harness import DaemonProcess, fs_tiers_config, start_daemon, wait_ti
 from engine_proc import EngineProcess, digest
 
 from benchmarks import sglang_env as env
+from kvtierd.tiers import blockformat
 from kvtierd.tiers.fs import fsformat
 from kvtierd_client.client import Client
 
@@ -101,9 +102,9 @@ def test_flipped_byte_in_a_cascaded_block_is_never_reported_loaded(tiered, engin
     assert client.flush_pool(pool_name) == 4  # now only the fs tier holds them
     (victim,) = root.rglob(Path(fsformat.block_rel_path(keys[1].encode())).name)
     with open(victim, "r+b") as f:
-        f.seek(fsformat.HEADER_SIZE + 100)
+        f.seek(blockformat.HEADER_SIZE + 100)
         byte = f.read(1)
-        f.seek(fsformat.HEADER_SIZE + 100)
+        f.seek(blockformat.HEADER_SIZE + 100)
         f.write(bytes([byte[0] ^ 0x01]))
 
     engine_b.call("attach", kind="mha", layout="page_first", address=daemon.address)

@@ -26,13 +26,14 @@ from tier_contract import CHECKS, DAMAGE_CHECKS, ROWS, Check, TierKit, run_check
 
 from kvtierd.contract import BlockKey
 from kvtierd.primary.region import Region
+from kvtierd.tiers import blockformat
 from kvtierd.tiers.base import JobCallback, SecondaryTier
 from kvtierd.tiers.configured import PoolBinding
 from kvtierd.tiers.fs import FsTier, fsformat
 from kvtierd.tiers.fs.blockio import IoWorkers
-from kvtierd.tiers.fs.iopool import IoPool
 from kvtierd.tiers.fs.settings import FsTierSettings
 from kvtierd.tiers.fs.tier import SharedParts
+from kvtierd.tiers.iopool import IoPool
 from kvtierd.tiers.memory import MemoryTier
 from kvtierd.tiers.redis.link import RedisLink
 from kvtierd.tiers.redis.settings import RedisTierSettings
@@ -85,7 +86,7 @@ class FsKit(TierKit):
         owned = self.regions[pool]
         settings = FsTierSettings(
             root=str(self.root),
-            capacity=capacity_blocks * (fsformat.HEADER_SIZE + self.block_bytes),
+            capacity=capacity_blocks * (blockformat.HEADER_SIZE + self.block_bytes),
             shared=self.shared,
             shared_negative_ttl=0.05,
             shared_rescan_interval=0.05,  # rescans race every check's jobs
@@ -130,9 +131,9 @@ class FsKit(TierKit):
         assert isinstance(tier, FsTier)
         path = Path(tier.pool_dir) / fsformat.block_rel_path(key)
         with open(path, "r+b") as f:
-            f.seek(fsformat.HEADER_SIZE)
+            f.seek(blockformat.HEADER_SIZE)
             byte = f.read(1)
-            f.seek(fsformat.HEADER_SIZE)
+            f.seek(blockformat.HEADER_SIZE)
             f.write(bytes([byte[0] ^ 0xFF]))
 
     def close(self) -> None:
@@ -215,7 +216,7 @@ class RedisKit(TierKit):
             block_bytes=self.block_bytes,
             layout={"layout": "contract"},
             region_buffer=region,
-            capacity_bytes=capacity_blocks * (fsformat.HEADER_SIZE + self.block_bytes),
+            capacity_bytes=capacity_blocks * (blockformat.HEADER_SIZE + self.block_bytes),
             on_done=on_done,
             loop=loop,
             io_pool=io,
@@ -238,8 +239,8 @@ class RedisKit(TierKit):
         redis_key = tier.key_space + key
         value = self.client.get(redis_key)
         assert isinstance(value, bytes)
-        flipped = bytes([value[fsformat.HEADER_SIZE] ^ 0xFF])
-        self.client.setrange(redis_key, fsformat.HEADER_SIZE, flipped)
+        flipped = bytes([value[blockformat.HEADER_SIZE] ^ 0xFF])
+        self.client.setrange(redis_key, blockformat.HEADER_SIZE, flipped)
 
     def close(self) -> None:
         keys = list(self.client.scan_iter(match=f"{self.key_prefix}:*", count=1000))

@@ -38,9 +38,6 @@ CLOCK_EXCEPTIONS: dict[tuple[str, str, str, str], str] = {
     ("kvtierd/tiers/redis/link.py", "RedisLink", "_node_health", "perf_counter"): (
         "a PING's round trip measured for the round_trip_us statistic"
     ),
-    ("kvtierd/tiers/redis/keybook.py", "KeyBook", "_remember", "time"): (
-        "a removal's wall-clock time, shown to operators (Explain); the class's clock is monotonic"
-    ),
     ("client/kvtierd_client/sglang/storage.py", "KvtierdStorage", "batch_get_v1", "perf_counter"): (
         "a transfer's duration for the throughput counters"
     ),

@@ -10,13 +10,12 @@ docs/guides/sglang.md shows; a test checks that both list the same keys.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvtierd_client._extra_config import POLICY_HELP, ExtraConfig
 from kvtierd_client.client import DEFAULT_TIMEOUT
-from kvtierd_client.wire.address import default_address, to_grpc_target
 
 __all__ = ["EXTRA_KEYS", "SettingsError", "StorageSettings"]
 
@@ -40,7 +39,7 @@ EXTRA_KEYS: dict[str, str] = {
     "kvtierd_log_interval": "seconds between two log lines of one kind of failure "
     "(default 30); the next line says how many were left out",
     "kvtierd_token": "bearer token (TCP daemons only)",
-    "eviction_policy": "'lru' (default) or 'arc'; fixed by the engine that creates the pool",
+    "eviction_policy": f"{POLICY_HELP}; fixed by the engine that creates the pool",
 }
 """Every extra-config key this backend (and SGLang, for it) reads, with its meaning."""
 
@@ -69,62 +68,25 @@ class StorageSettings:
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> StorageSettings:
         """Reads and checks the keys; :class:`SettingsError` naming the key otherwise."""
-        extra = dict(extra or {})
-        address = str(extra.get("kvtierd_address") or default_address())
-        try:
-            to_grpc_target(address)
-        except ValueError as err:
-            raise SettingsError(f"{_PREFIX} kvtierd_address: {err}") from None
-        policy = str(extra.get("eviction_policy") or "lru").lower()
-        if policy not in ("lru", "arc"):
-            raise SettingsError(
-                f"{_PREFIX} eviction_policy: kvtierd supports 'lru' and 'arc', got "
-                f"{extra.get('eviction_policy')!r}"
-            )
-        prefix = extra.get("kvtierd_pool")
-        token = extra.get("kvtierd_token")
+        config = ExtraConfig(extra, lambda key: f"{_PREFIX} {key}", SettingsError)
         return cls(
-            address=address,
-            pool_bytes=_non_negative_int(extra, "kvtierd_pool_bytes"),
-            pool_prefix=str(prefix) if prefix else None,
-            timeout=_seconds(extra, "kvtierd_timeout", DEFAULT_TIMEOUT, minimum=0.001),
-            retry_interval=_seconds(extra, "kvtierd_retry_interval", 1.0, minimum=0.0),
-            load_wait=_seconds(extra, "kvtierd_load_wait", 1.0, minimum=0.0),
-            log_interval=_seconds(extra, "kvtierd_log_interval", 30.0, minimum=0.0),
-            token=str(token) if token else None,
-            eviction_policy=policy,
-            interface_v1=_flag(extra, "interface_v1"),
+            address=config.address(),
+            pool_bytes=config.byte_count("kvtierd_pool_bytes"),
+            pool_prefix=config.name("kvtierd_pool"),
+            timeout=config.seconds("kvtierd_timeout", DEFAULT_TIMEOUT, minimum=0.001),
+            retry_interval=config.seconds("kvtierd_retry_interval", 1.0, minimum=0.0),
+            load_wait=config.seconds("kvtierd_load_wait", 1.0, minimum=0.0),
+            log_interval=config.seconds("kvtierd_log_interval", 30.0, minimum=0.0),
+            token=config.name("kvtierd_token"),
+            eviction_policy=config.eviction_policy(),
+            interface_v1=_flag(config, "interface_v1"),
         )
 
 
-def _seconds(extra: Mapping[str, Any], key: str, default: float, minimum: float) -> float:
-    raw = extra.get(key)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except (TypeError, ValueError):
-        value = float("nan")
-    if isinstance(raw, bool) or not value >= minimum or math.isinf(value):
-        raise SettingsError(f"{_PREFIX} {key}: expected seconds >= {minimum}, got {raw!r}")
-    return value
-
-
-def _non_negative_int(extra: Mapping[str, Any], key: str) -> int:
-    raw = extra.get(key)
-    if raw is None:
-        return 0
-    try:
-        value = int(raw)
-    except (TypeError, ValueError):
-        value = -1
-    if value < 0 or isinstance(raw, bool) or (isinstance(raw, float) and raw != value):
-        raise SettingsError(f"{_PREFIX} {key}: expected a non-negative integer, got {raw!r}")
-    return value
-
-
-def _flag(extra: Mapping[str, Any], key: str) -> bool:
-    raw = extra.get(key)
+def _flag(config: ExtraConfig, key: str) -> bool:
+    """SGLang's 1 or 0 (any integer, true/false, or their words as text); False when
+    absent or empty."""
+    raw = config.values.get(key)
     if raw is None:
         return False
     if isinstance(raw, (bool, int)):
@@ -134,4 +96,4 @@ def _flag(extra: Mapping[str, Any], key: str) -> bool:
         return True
     if text in ("false", "0", "no", "off", ""):
         return False
-    raise SettingsError(f"{_PREFIX} {key}: expected 1 or 0, got {raw!r}")
+    config.fail(key, f"expected 1 or 0, got {raw!r}")

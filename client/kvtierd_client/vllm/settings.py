@@ -34,8 +34,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvtierd_client._extra_config import POLICY_HELP, ExtraConfig
 from kvtierd_client.client import DEFAULT_TIMEOUT
-from kvtierd_client.wire.address import default_address, to_grpc_target
 
 __all__ = [
     "EXTRA_KEYS",
@@ -73,7 +73,7 @@ EXTRA_KEYS: dict[str, str] = {
     "kvtierd_token": "bearer token (TCP daemons only)",
     "cpu_bytes_to_use": "pool capacity in bytes (rows = this // row stride); "
     "absent: the daemon's default_pool_blocks",
-    "eviction_policy": "'lru' (default) or 'arc'; fixed by the first engine that creates the pool",
+    "eviction_policy": f"{POLICY_HELP}; fixed by the first engine that creates the pool",
     "kvtierd_store_ahead": "true (default): a request's first lookup also reserves the rows of "
     "its chain's missing blocks in the same round trip, and vLLM's prepare_store of them is "
     "answered without one (kvtierd_client.vllm.store_ahead); false: prepare_store asks",
@@ -100,31 +100,19 @@ class PluginSettings:
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> PluginSettings:
         """Reads and checks the keys; ValueError naming the key for a bad value."""
-        address = str(extra.get("kvtierd_address") or default_address())
-        try:
-            to_grpc_target(address)
-        except ValueError as err:
-            raise ValueError(f"kv_connector_extra_config.kvtierd_address: {err}") from None
-        policy = str(extra.get("eviction_policy") or "lru").lower()
-        if policy not in ("lru", "arc"):
-            raise ValueError(
-                f"kv_connector_extra_config.eviction_policy: kvtierd supports 'lru' and "
-                f"'arc', got {extra.get('eviction_policy')!r}"
-            )
-        pool = extra.get("kvtierd_pool")
-        token = extra.get("kvtierd_token")
+        config = ExtraConfig(extra, lambda key: f"kv_connector_extra_config.{key}")
         return cls(
-            address=address,
-            timeout=_seconds(extra, "kvtierd_timeout", DEFAULT_TIMEOUT, minimum=0.001),
-            start_timeout=_seconds(extra, "kvtierd_start_timeout", 10.0, minimum=0.0),
-            retry_interval=_seconds(extra, "kvtierd_retry_interval", 1.0, minimum=0.0),
-            stats_interval=_seconds(extra, "kvtierd_stats_interval", 10.0, minimum=0.0),
-            flush_after=_seconds(extra, "kvtierd_flush_after", DEFAULT_FLUSH_AFTER, minimum=0.0),
-            pool_name=str(pool) if pool else None,
-            token=str(token) if token else None,
-            capacity_bytes=_non_negative_int(extra, "cpu_bytes_to_use"),
-            eviction_policy=policy,
-            store_ahead=_flag(extra, "kvtierd_store_ahead", True),
+            address=config.address(),
+            timeout=config.seconds("kvtierd_timeout", DEFAULT_TIMEOUT, minimum=0.001),
+            start_timeout=config.seconds("kvtierd_start_timeout", 10.0, minimum=0.0),
+            retry_interval=config.seconds("kvtierd_retry_interval", 1.0, minimum=0.0),
+            stats_interval=config.seconds("kvtierd_stats_interval", 10.0, minimum=0.0),
+            flush_after=config.seconds("kvtierd_flush_after", DEFAULT_FLUSH_AFTER, minimum=0.0),
+            pool_name=config.name("kvtierd_pool"),
+            token=config.name("kvtierd_token"),
+            capacity_bytes=config.byte_count("cpu_bytes_to_use"),
+            eviction_policy=config.eviction_policy(),
+            store_ahead=_flag(config, "kvtierd_store_ahead", True),
         )
 
 
@@ -233,23 +221,9 @@ def _round_up(value: int, multiple: int) -> int:
     return math.ceil(value / multiple) * multiple
 
 
-def _seconds(extra: Mapping[str, Any], key: str, default: float, minimum: float) -> float:
-    raw = extra.get(key)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except (TypeError, ValueError):
-        value = float("nan")
-    if not value >= minimum or math.isinf(value):
-        raise ValueError(
-            f"kv_connector_extra_config.{key}: expected seconds >= {minimum}, got {raw!r}"
-        )
-    return value
-
-
-def _flag(extra: Mapping[str, Any], key: str, default: bool) -> bool:
-    raw = extra.get(key)
+def _flag(config: ExtraConfig, key: str, default: bool) -> bool:
+    """true or false (also 1/0, yes/no, on/off as text); ``default`` when absent."""
+    raw = config.values.get(key)
     if raw is None:
         return default
     if isinstance(raw, bool):
@@ -259,19 +233,4 @@ def _flag(extra: Mapping[str, Any], key: str, default: bool) -> bool:
         return True
     if text in ("false", "0", "no", "off"):
         return False
-    raise ValueError(f"kv_connector_extra_config.{key}: expected true or false, got {raw!r}")
-
-
-def _non_negative_int(extra: Mapping[str, Any], key: str) -> int:
-    raw = extra.get(key)
-    if raw is None:
-        return 0
-    try:
-        value = int(raw)
-    except (TypeError, ValueError):
-        value = -1
-    if value < 0 or isinstance(raw, bool):
-        raise ValueError(
-            f"kv_connector_extra_config.{key}: expected a non-negative integer, got {raw!r}"
-        )
-    return value
+    config.fail(key, f"expected true or false, got {raw!r}")

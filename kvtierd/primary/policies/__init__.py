@@ -1,7 +1,8 @@
 """Eviction policies of the primary tier, by name (docs/design/semantics.md, "Eviction policies").
 
 ``make_policy`` is the only constructor the rest of the daemon uses; the names
-are the values of ``PoolSpec.eviction_policy``.
+are the values of ``PoolSpec.eviction_policy``, declared once with the client
+(:data:`kvtierd.contract.EVICTION_POLICIES`).
 
 - ``base``: the interface (:class:`CachePolicy`) and the manager's callbacks it reads;
 - ``lru``: least recently used (vLLM's ``LRUCachePolicy``);
@@ -16,12 +17,12 @@ May import: ``kvtierd.contract`` and the standard library only.
 
 from __future__ import annotations
 
+from kvtierd.contract import ARC, EVICTION_POLICIES, LRU
 from kvtierd.primary.policies.arc import ARCPolicy, ArcStats
 from kvtierd.primary.policies.base import CachePolicy, KeyOf, RefCount, RowOf
 from kvtierd.primary.policies.lru import LRUPolicy
 
 __all__ = [
-    "POLICY_NAMES",
     "ARCPolicy",
     "ArcStats",
     "CachePolicy",
@@ -29,12 +30,8 @@ __all__ = [
     "make_policy",
 ]
 
-_POLICIES: dict[str, type[CachePolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
-
-POLICY_NAMES: tuple[str, ...] = ("lru", "arc")
-"""Supported policy names; the first is the default."""
-
-assert set(POLICY_NAMES) == set(_POLICIES)
+_POLICIES: dict[str, type[CachePolicy]] = {LRU: LRUPolicy, ARC: ARCPolicy}
+assert tuple(_POLICIES) == EVICTION_POLICIES, "a policy without its class, or the reverse"
 
 
 def make_policy(
@@ -51,6 +48,6 @@ def make_policy(
         cls = _POLICIES[name]
     except (KeyError, TypeError):
         raise ValueError(
-            f"unknown eviction policy {name!r}; supported: {', '.join(POLICY_NAMES)}"
+            f"unknown eviction policy {name!r}; supported: {', '.join(EVICTION_POLICIES)}"
         ) from None
     return cls(capacity, ref_count, row_of, key_of)

@@ -58,7 +58,7 @@ from typing import NoReturn
 
 import xxhash
 
-from kvtierd.util.workerproc import die_with
+from kvtierd.util.workerproc import die_with, reap
 
 log = logging.getLogger(__name__)
 
@@ -193,16 +193,7 @@ class HashWorker:
         self._sock.close()
         if self.broken:
             self.process.kill()
-        try:
-            self.process.wait(timeout=_STOP_WAIT_S)
-            return
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-        try:
-            self.process.wait(timeout=_STOP_WAIT_S)
-        except subprocess.TimeoutExpired:
-            log.warning("hash worker %s (pid %d) does not exit even when killed; leaving it",
-                        self.name, self.pid)  # fmt: skip
+        reap(self.process, _STOP_WAIT_S, _STOP_WAIT_S, log, f"hash worker {self.name}")
 
 
 def _reopen_read_only(region_fd: int) -> int:

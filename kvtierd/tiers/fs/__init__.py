@@ -11,11 +11,11 @@ Modules, read in this order:
 * :mod:`.scan` -- the index rebuild from file headers at start.
 * :mod:`.files` -- removing evicted and corrupt files.
 * :mod:`.fsck` -- ``kvtierctl fsck``, sharing the scan's header check.
-* :mod:`.fsformat`, :mod:`.blockfile`, :mod:`.safefs` -- the on-disk format, one
-  block file's read, write and header check, no-follow opens below a pool directory.
+* :mod:`.fsformat`, :mod:`.blockfile`, :mod:`.safefs` -- where block files live (their
+  contents: :mod:`kvtierd.tiers.blockformat`), one block file's read, write and header
+  check, no-follow opens below a pool directory.
 * :mod:`.groups` -- a group of blocks written or read on an I/O thread (its index
   reservations settled on every path).
-* :mod:`.iopool` -- the I/O threads.
 * :mod:`.blockio`, :mod:`.ioworker`, :mod:`.iowire` -- where block I/O runs (inline, or
   in I/O worker processes the daemon supervises), the worker process's own side, and
   the messages between them.
@@ -32,7 +32,8 @@ integrity key, its MAC) verifies; nothing below the root is followed through a l
 opened in a way that can block; the bytes the tier charges never exceed ``capacity``
 once a job has reported.
 
-May import: ``kvtierd.tiers`` (the contract, failures, integrity, options),
+May import: ``kvtierd.tiers`` (the contract, failures, integrity, options, the block
+format and the I/O threads),
 ``kvtierd.primary`` (its rows), ``kvtierd.security``, the root vocabulary and
 ``kvtierd.util``; never ``kvtierd.tiers.redis``.
 

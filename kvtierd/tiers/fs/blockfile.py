@@ -15,7 +15,7 @@ Invariants:
 * :func:`read_block_file` fills ``row`` and returns only if the file is a
   regular file and its size, header (magic, version, checksum, pool
   fingerprint, key, payload length) and payload checksum -- or, for a tier with
-  integrity keys, its MAC (:func:`~kvtierd.tiers.fs.fsformat.check_payload`) --
+  integrity keys, its MAC (:func:`~kvtierd.tiers.blockformat.check_payload`) --
   all verify. Otherwise
   ``row`` may hold garbage and it raises :class:`CorruptFile` (naming the inode
   that failed, so the caller removes only that file; a FIFO, socket, device,
@@ -30,10 +30,11 @@ import errno
 import fcntl
 import mmap
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from kvtierd.tiers import blockformat
+from kvtierd.tiers.blockformat import HEADER_SIZE, CorruptBlock
 from kvtierd.tiers.fs import fsformat
-from kvtierd.tiers.fs.fsformat import HEADER_SIZE, CorruptBlock
 from kvtierd.tiers.fs.permissions import FILE_MODE
 from kvtierd.tiers.fs.safefs import REGULAR, Identity, PoolDir, UnexpectedEntry
 from kvtierd.tiers.integrity import KeyRing
@@ -86,7 +87,7 @@ def write_block_file(
     block file's directory. ``head`` is a :func:`header_buffer` owned by the
     calling thread.
     """
-    head[:] = fsformat.block_header(key=key, fingerprint=fingerprint, payload=row, keys=keys)
+    head[:] = blockformat.block_header(key=key, fingerprint=fingerprint, payload=row, keys=keys)
     try:
         with pool.parent(rel, create=True) as (dir_fd, name):
             _write_and_rename(dir_fd, name, temp_name, [memoryview(head), row], o_direct, fsync)
@@ -152,9 +153,11 @@ def read_block_file(
             got = read_all(fd, [memoryview(head), row])
             if got != expected:
                 raise CorruptBlock(f"short read: {got} of {expected} bytes")
-            header = fsformat.decode_header(head)
-            fsformat.verify_header(header, key=key, fingerprint=fingerprint, block_bytes=len(row))
-            fsformat.check_payload(head, header, row, keys)
+            header = blockformat.decode_header(head)
+            blockformat.verify_header(
+                header, key=key, fingerprint=fingerprint, block_bytes=len(row)
+            )
+            blockformat.check_payload(head, header, row, keys)
         except CorruptBlock as exc:
             identity = (st.st_dev, st.st_ino)
             raise CorruptFile(exc.reason, identity, integrity=exc.integrity) from None
@@ -164,7 +167,7 @@ def read_block_file(
 
 def check_header(
     fd: int, st: os.stat_result, rel: str, fingerprint: bytes, block_bytes: int
-) -> fsformat.Header:
+) -> blockformat.Header:
     """The one header check of a block file met by listing its pool directory (the
     start-up scan, ``fsck``): size, header, pool fingerprint, payload length, and
     the file's name against its key. ``fd`` is the open file at ``rel`` (relative
@@ -176,13 +179,13 @@ def check_header(
     """
     if st.st_size < HEADER_SIZE:
         raise CorruptBlock(f"file is {st.st_size} bytes, shorter than a {HEADER_SIZE}-byte header")
-    header = fsformat.decode_header(os.pread(fd, HEADER_SIZE, 0))
+    header = blockformat.decode_header(os.pread(fd, HEADER_SIZE, 0))
     holds = st.st_size - HEADER_SIZE
     if header.payload_length > holds:
         raise CorruptBlock(
             f"header claims {header.payload_length} payload bytes, the file holds {holds}"
         )
-    fsformat.verify_header(header, key=None, fingerprint=fingerprint, block_bytes=block_bytes)
+    blockformat.verify_header(header, key=None, fingerprint=fingerprint, block_bytes=block_bytes)
     if fsformat.block_rel_path(header.key) != rel:
         raise CorruptBlock(f"header names key {header.key.hex()}, not this file")
     if holds != block_bytes:
@@ -213,22 +216,26 @@ def remaining(buffers: Sequence[memoryview], done: int) -> list[memoryview]:
 
 
 def write_all(fd: int, buffers: Sequence[memoryview]) -> None:
-    """pwritev until every byte is written (loops on short writes)."""
-    total = sum(len(b) for b in buffers)
-    done = 0
-    while done < total:
-        n = os.pwritev(fd, remaining(buffers, done), done)
-        if n <= 0:
-            raise OSError(errno.EIO, "write made no progress")
-        done += n
+    """pwritev until every byte is written (loops on short writes); EIO when a write
+    makes no progress."""
+    if _vectored(os.pwritev, fd, buffers) < sum(len(b) for b in buffers):
+        raise OSError(errno.EIO, "write made no progress")
 
 
 def read_all(fd: int, buffers: Sequence[memoryview]) -> int:
     """preadv until the buffers are full or EOF; returns bytes read."""
+    return _vectored(os.preadv, fd, buffers)
+
+
+def _vectored(
+    call: Callable[[int, list[memoryview], int], int], fd: int, buffers: Sequence[memoryview]
+) -> int:
+    """``call(fd, the buffers past the bytes done, offset)`` (pwritev or preadv, from
+    offset 0) until every byte of ``buffers`` moved or a call moved none; the bytes moved."""
     total = sum(len(b) for b in buffers)
     done = 0
     while done < total:
-        n = os.preadv(fd, remaining(buffers, done), done)
+        n = call(fd, remaining(buffers, done), done)
         if n <= 0:
             break
         done += n

@@ -44,6 +44,7 @@ from kvtierd.primary.rows import RegionRows, scratch
 from kvtierd.tiers.failures import IoUnavailable
 from kvtierd.tiers.fs.iowire import Reply, receive_message, send_message
 from kvtierd.tiers.fs.ioworker import Worker
+from kvtierd.util.workerproc import reap
 
 log = logging.getLogger(__name__)
 
@@ -213,16 +214,7 @@ class WorkerProcess:
             sock.close()
         if deadline is None:
             deadline = time.monotonic() + STOP_WAIT_S
-        try:
-            self.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            return
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-        try:
-            self.process.wait(timeout=_KILL_WAIT)
-        except subprocess.TimeoutExpired:
-            log.warning("I/O worker %s (pid %d) does not exit even when killed; leaving it",
-                        self.name, self.process.pid)  # fmt: skip
+        reap(self.process, deadline - time.monotonic(), _KILL_WAIT, log, f"I/O worker {self.name}")
 
 
 class _SpawnRequest:

@@ -28,7 +28,6 @@ from kvtierd.tiers.fs import permissions
 from kvtierd.tiers.fs.blockio import IoWorkers
 from kvtierd.tiers.fs.corruptlog import CorruptFileLog
 from kvtierd.tiers.fs.index import DiskBudget
-from kvtierd.tiers.fs.iopool import IoPool
 from kvtierd.tiers.fs.rootlock import RootGuard, RootInUse
 from kvtierd.tiers.fs.settings import FsTierSettings
 from kvtierd.tiers.fs.tier import FsTier, SharedParts
@@ -58,7 +57,6 @@ class ConfiguredFsTier(ConfiguredTier):
         self.write_log = WriteFailureLog(name, logging.getLogger(__name__))
         # one rate limit on the lines of files that failed verification, for all its pools
         self.corrupt_log = CorruptFileLog(name)
-        self._io: IoPool | None = None  # started with the first pool
         self._workers: IoWorkers | None = None  # started with the first pool (if any)
         # exclusive, or shared with other daemons (shared = true); held from check() to shutdown()
         self.root_guard = RootGuard(name, settings.root, shared=settings.shared)
@@ -154,15 +152,13 @@ class ConfiguredFsTier(ConfiguredTier):
                     reply_timeout=s.io_worker_timeout,
                 )
             workers = self._workers
-        if self._io is None:
-            self._io = IoPool(
-                loop,
-                read_threads=s.read_threads,
-                write_threads=s.write_threads,
-                max_queue_jobs=s.max_queue_jobs,
-                max_queue_bytes=s.max_queue_bytes,
-                name=f"kvtierd-{self.name}",
-            )
+        io_pool = self.io_pool(
+            loop,
+            read_threads=s.read_threads,
+            write_threads=s.write_threads,
+            max_queue_jobs=s.max_queue_jobs,
+            max_queue_bytes=s.max_queue_bytes,
+        )
         tier = FsTier(
             self.name,
             s,
@@ -170,7 +166,7 @@ class ConfiguredFsTier(ConfiguredTier):
             on_done,
             loop,
             parts=SharedParts(
-                io_pool=self._io,
+                io_pool=io_pool,
                 budget=self.budget,
                 workers=workers,
                 write_log=self.write_log,
@@ -183,19 +179,10 @@ class ConfiguredFsTier(ConfiguredTier):
             self.unserved.serve(os.path.basename(tier.pool_dir))
         return tier
 
-    async def drain(self) -> None:
-        if self._io is not None:
-            await self._io.drain()
-
-    @property
-    def dropped_jobs(self) -> int:
-        return self._io.dropped_batches if self._io is not None else 0
-
     def shutdown(self) -> None:
         """Fails queued jobs, joins the I/O threads (running ones finish), then stops
         the I/O worker processes (no thread can send them a request anymore). Idempotent."""
-        if self._io is not None:
-            self._io.shutdown()
+        super().shutdown()
         if self._workers is not None:
             self._workers.stop()
         self.root_guard.release()

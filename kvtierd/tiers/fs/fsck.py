@@ -28,14 +28,9 @@ from typing import Any
 
 import xxhash
 
+from kvtierd.tiers.blockformat import FINGERPRINT_BYTES, HEADER_SIZE, CorruptBlock
 from kvtierd.tiers.fs import blockfile, fsformat, safefs
-from kvtierd.tiers.fs.fsformat import (
-    BLOCK_SUFFIX,
-    HEADER_SIZE,
-    POOL_FILE,
-    TEMP_SUFFIX,
-    CorruptBlock,
-)
+from kvtierd.tiers.fs.fsformat import BLOCK_SUFFIX, POOL_FILE, TEMP_SUFFIX
 from kvtierd.tiers.fs.safefs import DIRECTORY, Entry, Identity, PoolDir, UnexpectedEntry
 from kvtierd.util import filekind
 
@@ -149,7 +144,7 @@ class _Checker:
             desc: Any = json.loads(raw)
             fingerprint = bytes.fromhex(desc["fingerprint"])
             block_bytes = int(desc["block_bytes"])
-            if len(fingerprint) != fsformat.FINGERPRINT_BYTES or block_bytes < 1:
+            if len(fingerprint) != FINGERPRINT_BYTES or block_bytes < 1:
                 raise ValueError(f"fingerprint {desc['fingerprint']!r}, block_bytes {block_bytes}")
         except (ValueError, KeyError, TypeError) as exc:
             self._bad(path, f"unreadable pool description: {exc}")

@@ -1,7 +1,7 @@
 """An fs tier's write and read paths on the I/O threads (docs/design/tiers.md).
 
 A job's blocks are cut into groups of about 16 MiB
-(:func:`~kvtierd.tiers.fs.iopool.group_tasks`); an I/O thread runs one group at
+(:func:`~kvtierd.tiers.iopool.group_tasks`); an I/O thread runs one group at
 a time with :class:`BlockGroups`: checks its rows, reserves (store) or marks
 being read (load) its keys in the :class:`~kvtierd.tiers.fs.index.BlockIndex`,
 sends the group to the tier's :class:`~kvtierd.tiers.fs.blockio.BlockIo` as one
@@ -37,6 +37,7 @@ Invariants:
 from __future__ import annotations
 
 from kvtierd.contract import BlockKey
+from kvtierd.tiers.blockformat import HEADER_SIZE, check_key
 from kvtierd.tiers.failures import LoadFailure, classify
 from kvtierd.tiers.fs import fsformat, iowire
 from kvtierd.tiers.fs.blockfile import CorruptFile
@@ -45,8 +46,8 @@ from kvtierd.tiers.fs.corruptlog import CorruptFileLog
 from kvtierd.tiers.fs.files import PoolFiles, beside, name_of
 from kvtierd.tiers.fs.fsformat import TEMP_SUFFIX
 from kvtierd.tiers.fs.index import BlockIndex, TierFull
-from kvtierd.tiers.fs.iopool import Outcome, Pairs
 from kvtierd.tiers.fs.iowire import RegionRef
+from kvtierd.tiers.iopool import Outcome, Pairs
 
 
 class BlockGroups:
@@ -86,7 +87,7 @@ class BlockGroups:
         self._fsync = fsync
         self._keys = keys
         self._pool_dir = files.pool_dir
-        self._file_bytes = fsformat.HEADER_SIZE + region_ref[3]  # a whole block file
+        self._file_bytes = HEADER_SIZE + region_ref[3]  # a whole block file
 
     def store(self, pairs: Pairs) -> list[Outcome]:
         """Writes a group's block files; one Outcome per block, in order: True
@@ -103,7 +104,7 @@ class BlockGroups:
         try:
             for i, (key, block_id) in enumerate(pairs):
                 try:
-                    fsformat.check_key(key)
+                    check_key(key)
                     self._check_row(block_id)
                     try:
                         fresh = self._index.reserve_write(key)

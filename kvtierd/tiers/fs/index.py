@@ -23,29 +23,13 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvtierd.contract import BlockKey, LookupResult
+from kvtierd.tiers.base import Removals, zero_counters
+from kvtierd.tiers.integrity import KeyRing
 
 # Recent removals remembered for Explain, per pool: an entry takes at most ~450
 # bytes (a 256-byte key, its (time, why) tuple, the OrderedDict node): ~7 MiB.
 REMOVALS_KEPT = 16384
 EVICTING_WAIT_S = 0.001  # a writer of a key whose old file is being evicted polls this often
-COUNTERS = (
-    "hits",
-    "misses",
-    "bytes_written",
-    "bytes_read",
-    "evictions",
-    "store_failures",
-    "load_failures",
-    "checksum_failures",
-    "integrity_failures",  # files not sealed under the tier's integrity keys (removed)
-    "dropped_writes",
-    # shared roots (kvtierd.tiers.fs.shared); the first three stay 0 unless shared = true
-    "foreign_files_found",  # files other daemons wrote, checked and indexed
-    "shared_rechecks",  # keys looked for on disk after a local miss
-    "shared_rescans",  # periodic rescans of the pool directory finished
-    "shared_files_vanished",  # indexed files someone else removed (found at a rescan or load)
-    "probes",  # batches of keys checked on disk after local misses (TierStats.probes)
-)
 
 
 class TierFull(Exception):
@@ -121,7 +105,7 @@ class IndexStatistics:
     writing: int  # keys being written
     reading: int  # keys being read
     evicting: int  # keys whose evicted file is being removed
-    counters: dict[str, int]  # every name of COUNTERS
+    counters: dict[str, int]  # every name of kvtierd.tiers.base.COUNTERS
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,11 +154,11 @@ class BlockIndex:
         self._evicting: set[BlockKey] = set()
         # Reads in flight per key (values >= 1); eviction spares these keys' files.
         self._reading: dict[BlockKey, int] = {}
-        # key -> (unix time, why) of its last removal, oldest first, at most REMOVALS_KEPT.
-        self._removed: OrderedDict[BlockKey, tuple[float, str]] = OrderedDict()
-        # Keys that left _entries since take_removed(), oldest first.
-        self._dropped: list[BlockKey] = []
-        self._counters = dict.fromkeys(COUNTERS, 0)  # only ever grow
+        # Keys that left _entries since take_removed(), and why the last REMOVALS_KEPT
+        # keys were removed (a key is remembered even if it was not indexed).
+        self._removals = Removals(REMOVALS_KEPT, clock)
+        # TierStats' counters (the shared-root ones stay 0 unless shared = true); only grow
+        self._counters = zero_counters()
         self._scanned = False  # set once, when the start-up scan merged its files
 
     # -- answers (loop thread) -------------------------------------------------------
@@ -215,16 +199,14 @@ class BlockIndex:
 
     def removals(self, key: BlockKey) -> list[tuple[float, str]]:
         with self._lock:
-            entry = self._removed.get(key)
-        return [entry] if entry is not None else []
+            return self._removals.of(key)
 
     def take_removed(self) -> list[BlockKey]:
         with self._lock:
-            dropped, self._dropped = self._dropped, []
-        return dropped
+            return self._removals.take()
 
     def count(self, counter: str, n: int = 1) -> None:
-        """Adds ``n`` to one of :data:`COUNTERS`."""
+        """Adds ``n`` to one of :data:`~kvtierd.tiers.base.COUNTERS`."""
         with self._lock:
             self._counters[counter] += n
 
@@ -249,7 +231,7 @@ class BlockIndex:
                 f"reserved {self._reserved} for {len(self._writing)} writes"
             )
             assert all(n >= 1 for n in self._reading.values()), "a read count below 1"
-            assert len(self._removed) <= REMOVALS_KEPT, "removal history over its bound"
+            assert len(self._removals) <= REMOVALS_KEPT, "removal history over its bound"
 
     # -- writes (I/O threads) --------------------------------------------------------
 
@@ -318,8 +300,7 @@ class BlockIndex:
         with self._lock:
             if key in self._entries:
                 self._counters["shared_files_vanished"] += 1
-            self._remove_locked(key)
-            self._note_removed_locked(key, "file vanished (removed outside the daemon)")
+            self._remove_locked(key, "file vanished (removed outside the daemon)")
 
     # -- shared roots (the shared-root thread) -------------------------------------------
 
@@ -351,8 +332,7 @@ class BlockIndex:
                 entry = self._entries.get(key)
                 if entry is None or entry[1] >= since or key in self._reading:
                     continue
-                self._remove_locked(key)
-                self._note_removed_locked(key, "file removed by another daemon (shared rescan)")
+                self._remove_locked(key, "file removed by another daemon (shared rescan)")
                 dropped += 1
             self._counters["shared_files_vanished"] += dropped
         return dropped
@@ -368,8 +348,7 @@ class BlockIndex:
             self._counters["integrity_failures" if integrity else "checksum_failures"] += 1
             if replaced():
                 return  # a fresh file of the key replaced the bad one: keep it
-            self._remove_locked(key)
-            self._note_removed_locked(key, f"file failed verification ({reason}); dropped")
+            self._remove_locked(key, f"file failed verification ({reason}); dropped")
 
     # -- start-up scan (scan thread) ---------------------------------------------------
 
@@ -428,20 +407,15 @@ class BlockIndex:
         self._used += size
         self.budget.charge(size)
 
-    def _remove_locked(self, key: BlockKey) -> None:
-        """Drops ``key`` from the index and uncharges its file (which is gone)."""
+    def _remove_locked(self, key: BlockKey, why: str) -> None:
+        """Drops ``key`` from the index and uncharges its file (which is gone), and
+        records why (for Explain; also when the key was not indexed)."""
         old = self._entries.pop(key, None)
         if old is not None:
             self._used -= old[0]
             self.budget.release(old[0])
-            self._dropped.append(key)
-
-    def _note_removed_locked(self, key: BlockKey, why: str) -> None:
-        """Records why ``key`` left the index (for Explain)."""
-        self._removed[key] = (self.clock(), why)
-        self._removed.move_to_end(key)
-        if len(self._removed) > REMOVALS_KEPT:
-            self._removed.popitem(last=False)
+            self._removals.dropped(key)
+        self._removals.note(key, why)
 
     def _doom_lru_locked(self, size: int) -> Doomed:
         """Takes this pool's least recently used file that is not being read out of
@@ -458,8 +432,7 @@ class BlockIndex:
             )
         nbytes, _ = self._entries.pop(victim)
         self._used -= nbytes
-        self._dropped.append(victim)
-        self._note_removed_locked(victim, "evicted: least recently used at capacity")
+        self._removals.drop(victim, "evicted: least recently used at capacity")
         self._counters["evictions"] += 1
         self._evicting.add(victim)  # evicting: indexed -> file being removed
         return Doomed(victim, nbytes)
@@ -473,3 +446,18 @@ class BlockIndex:
             with self._lock:
                 self._evicting.discard(doomed.key)  # evicting: file gone -> absent
             self.budget.release(doomed.nbytes)
+
+
+@dataclass(frozen=True, slots=True)
+class IndexedPool:
+    """One pool's directory and its index, as the threads that read block headers off
+    disk and index what they find see it (the start-up scan, a shared root's checks):
+    files of ``fingerprint`` and ``block_bytes`` under ``pool_dir``, sealed under
+    ``keys`` (the tier's integrity keys; None: unkeyed files only), go into ``index``."""
+
+    tier_name: str
+    pool_dir: str
+    fingerprint: bytes
+    block_bytes: int
+    index: BlockIndex
+    keys: KeyRing | None = None

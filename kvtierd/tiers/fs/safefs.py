@@ -120,6 +120,7 @@ def _open_beneath(dir_fd: int, rel: str, flags: int) -> int | None:
     return None
 
 
+@dataclass(eq=False)
 class UnexpectedEntry(Exception):
     """``path`` is a ``kind`` where a ``expected`` (regular file or directory) should be.
 
@@ -128,12 +129,13 @@ class UnexpectedEntry(Exception):
     (anything but a directory).
     """
 
-    def __init__(self, path: str, kind: str, expected: str, identity: Identity | None) -> None:
-        super().__init__(f"{path} is a {kind}, not a {expected}")
-        self.path = path
-        self.kind = kind
-        self.expected = expected
-        self.identity = identity
+    path: str
+    kind: str
+    expected: str
+    identity: Identity | None
+
+    def __str__(self) -> str:
+        return f"{self.path} is a {self.kind}, not a {self.expected}"
 
     @property
     def removable(self) -> bool:

@@ -10,7 +10,7 @@ RETRY until it ends). Invariants:
   shared with ``fsck`` (:func:`~kvtierd.tiers.fs.blockfile.check_header`); the
   payload is checked when the block is loaded. A tier with integrity keys
   indexes only files sealed under one of them
-  (:func:`~kvtierd.tiers.fs.fsformat.check_sealing`; the MAC is checked at
+  (:func:`~kvtierd.tiers.blockformat.check_sealing`; the MAC is checked at
   load). A file that fails is removed (if the path still names it), counted in
   ``checksum_failures`` (``integrity_failures`` for the keyed check) and logged
   (rate-limited: :mod:`.corruptlog`);
@@ -34,13 +34,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvtierd.contract import BlockKey
-from kvtierd.tiers.fs import blockfile, fsformat, permissions, safefs
+from kvtierd.tiers.blockformat import CorruptBlock, check_sealing
+from kvtierd.tiers.fs import blockfile, permissions, safefs
 from kvtierd.tiers.fs.blockfile import CorruptFile
 from kvtierd.tiers.fs.corruptlog import CorruptFileLog
-from kvtierd.tiers.fs.fsformat import BLOCK_SUFFIX, TEMP_SUFFIX, CorruptBlock
-from kvtierd.tiers.fs.index import BlockIndex, TierFull
+from kvtierd.tiers.fs.fsformat import BLOCK_SUFFIX, TEMP_SUFFIX
+from kvtierd.tiers.fs.index import IndexedPool, TierFull
 from kvtierd.tiers.fs.safefs import DIRECTORY, REGULAR, Entry, PoolDir, UnexpectedEntry
-from kvtierd.tiers.integrity import KeyRing
 
 log = logging.getLogger(__name__)
 
@@ -67,39 +67,28 @@ class ScanReport:
 
 
 class IndexScan:
-    """The scan of one pool directory into ``index``: :meth:`start` once; :meth:`cancel`
+    """The scan of one pool directory into its index (``pool``): :meth:`start` once; :meth:`cancel`
     then :meth:`join` any time.
 
     ``on_ready`` is called on the scan thread once the index is ready (the tier
     hands it to its loop). ``before_scan``, if given, is called on the scan
-    thread first (tests hold the scan there, as a slow mount would). ``keys``:
-    the tier's integrity keys (None: it reads unkeyed files only).
+    thread first (tests hold the scan there, as a slow mount would).
     ``corrupt_log``: where the files it removes are logged (rate-limited; one
     of its own when not given).
     """
 
     def __init__(
         self,
-        tier_name: str,
-        pool_dir: str,
-        fingerprint: bytes,
-        block_bytes: int,
-        index: BlockIndex,
+        pool: IndexedPool,
         on_ready: Callable[[], None],
         before_scan: Callable[[], object] | None = None,
         temp_min_age_s: float = 0.0,
-        keys: KeyRing | None = None,
         corrupt_log: CorruptFileLog | None = None,
     ) -> None:
-        self.tier_name = tier_name
-        self._corrupt_log = corrupt_log or CorruptFileLog(tier_name)
-        self._keys = keys
+        self.pool = pool
+        self._corrupt_log = corrupt_log or CorruptFileLog(pool.tier_name)
         self._temp_min_age_s = temp_min_age_s
-        self.pool_dir = pool_dir
         self.report = ScanReport()  # written by the scan thread only
-        self._fingerprint = fingerprint
-        self._block_bytes = block_bytes
-        self._index = index
         self._on_ready = on_ready
         self._before_scan = before_scan
         self._stop = threading.Event()
@@ -122,7 +111,7 @@ class IndexScan:
             log.warning(
                 "FS tier %s: the index scan of %s did not stop within %gs (file system "
                 "not answering?); leaving it behind",
-                self.tier_name, self.pool_dir, SCAN_JOIN_S,
+                self.pool.tier_name, self.pool.pool_dir, SCAN_JOIN_S,
             )  # fmt: skip
 
     # -- the scan thread -----------------------------------------------------------------
@@ -133,7 +122,7 @@ class IndexScan:
         try:
             if self._before_scan is not None:
                 self._before_scan()
-            with PoolDir(self.pool_dir) as pool:
+            with PoolDir(self.pool.pool_dir) as pool:
                 for entry in pool.walk(self._walk_error):
                     if self._stop.is_set():
                         return
@@ -142,13 +131,15 @@ class IndexScan:
                         found.append(verified)
         except Exception:
             log.exception(
-                "FS tier %s: scan of %s failed; index is partial", self.tier_name, self.pool_dir
+                "FS tier %s: scan of %s failed; index is partial",
+                self.pool.tier_name,
+                self.pool.pool_dir,
             )
         finally:
             self._finish(found, time.perf_counter() - start)
 
     def _walk_error(self, path: str, exc: BaseException) -> None:
-        log.warning("FS tier %s: not scanning %s: %s", self.tier_name, path, exc)
+        log.warning("FS tier %s: not scanning %s: %s", self.pool.tier_name, path, exc)
 
     def _entry(self, pool: PoolDir, entry: Entry) -> Found | None:
         """What the scan does with one entry below the pool directory."""
@@ -162,11 +153,11 @@ class IndexScan:
         if entry.name.endswith(BLOCK_SUFFIX):
             report.files += 1
             if report.files % SCAN_LOG_EVERY == 0:
-                log.info("FS tier %s: scanned %d files in %s", self.tier_name, report.files,
-                         self.pool_dir)  # fmt: skip
+                log.info("FS tier %s: scanned %d files in %s", self.pool.tier_name, report.files,
+                         self.pool.pool_dir)  # fmt: skip
             return self._block_file(pool, entry)
         if entry.kind == "symlink":
-            log.warning("FS tier %s: %s is a symlink: not followed", self.tier_name,
+            log.warning("FS tier %s: %s is a symlink: not followed", self.pool.tier_name,
                         pool.full(entry.rel))  # fmt: skip
         return None
 
@@ -193,9 +184,9 @@ class IndexScan:
             try:
                 self.report.tightened += permissions.tighten(fd, st)  # an older daemon's 0644
                 header = blockfile.check_header(
-                    fd, st, entry.rel, self._fingerprint, self._block_bytes
+                    fd, st, entry.rel, self.pool.fingerprint, self.pool.block_bytes
                 )
-                fsformat.check_sealing(header, self._keys)
+                check_sealing(header, self.pool.keys)
             finally:
                 os.close(fd)
         except FileNotFoundError:
@@ -221,25 +212,25 @@ class IndexScan:
             self.report.bad_entries += 1
         if error.identity is not None:
             safefs.unlink_if_same(entry.dir_fd, entry.name, error.identity)
-        self._index.count("integrity_failures" if error.integrity else "checksum_failures")
+        self.pool.index.count("integrity_failures" if error.integrity else "checksum_failures")
 
     def _finish(self, found: list[Found], seconds: float) -> None:
         """Merges what the scan found into the index, evicts down to the capacity,
         then marks the index ready and reports it."""
-        index = self._index
+        index = self.pool.index
         self.report.indexed = index.merge_scanned(found)
         self.report.seconds = seconds
         try:
             index.evict_to_capacity()
         except TierFull:
-            log.warning("FS tier %s: over capacity after the scan", self.tier_name)
+            log.warning("FS tier %s: over capacity after the scan", self.pool.tier_name)
         index.mark_scanned()
         stats = index.statistics()
         report = self.report
         log.info(
             "FS tier %s: index of %s ready: %d blocks, %d bytes, %d corrupt and %d temp files "
             "removed, %d bad entries (not regular files), %d modes tightened, %.2fs",
-            self.tier_name, self.pool_dir, stats.blocks, stats.used_bytes,
+            self.pool.tier_name, self.pool.pool_dir, stats.blocks, stats.used_bytes,
             report.removed_corrupt, report.removed_temp, report.bad_entries, report.tightened,
             seconds,
         )  # fmt: skip

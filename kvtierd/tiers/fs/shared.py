@@ -57,12 +57,13 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 from kvtierd.contract import BlockKey
+from kvtierd.tiers.blockformat import CorruptBlock, check_sealing
 from kvtierd.tiers.fs import blockfile, fsformat, safefs
-from kvtierd.tiers.fs.fsformat import BLOCK_SUFFIX, CorruptBlock
-from kvtierd.tiers.fs.index import BlockIndex, TierFull
+from kvtierd.tiers.fs.fsformat import BLOCK_SUFFIX
+from kvtierd.tiers.fs.index import IndexedPool, TierFull
 from kvtierd.tiers.fs.safefs import PoolDir, UnexpectedEntry
+from kvtierd.tiers.fs.settings import FsTierSettings
 from kvtierd.tiers.fs.unserved import UnservedPools
-from kvtierd.tiers.integrity import KeyRing
 from kvtierd.util.filekind import REGULAR
 from kvtierd.util.ratelimit import RateLimitedLog
 
@@ -93,26 +94,13 @@ class SharedRoot:
     """
 
     def __init__(
-        self,
-        tier_name: str,
-        pool_dir: str,
-        fingerprint: bytes,
-        block_bytes: int,
-        index: BlockIndex,
-        *,
-        negative_ttl: float,
-        rescan_interval: float,
-        unserved: UnservedPools | None = None,
-        keys: KeyRing | None = None,
+        self, pool: IndexedPool, settings: FsTierSettings, unserved: UnservedPools | None = None
     ) -> None:
-        self.tier_name = tier_name
-        self._keys = keys
-        self.pool_dir = pool_dir
-        self.negative_ttl = negative_ttl
-        self.rescan_interval = rescan_interval
-        self._fingerprint = fingerprint
-        self._block_bytes = block_bytes
-        self._index = index
+        """``settings``: the tier's (``shared_negative_ttl``, ``shared_rescan_interval``);
+        ``unserved``: the root's pool directories no pool of this daemon serves."""
+        self.pool = pool
+        self.negative_ttl = settings.shared_negative_ttl
+        self.rescan_interval = settings.shared_rescan_interval
         self._unserved = unserved
         self._faults = RateLimitedLog(log, FAULT_LOG_INTERVAL_S)
         self._lock = threading.Lock()
@@ -216,7 +204,7 @@ class SharedRoot:
             if thread.is_alive():
                 log.warning("FS tier %s: the shared-root thread of %s did not stop within "
                             "%gs (file system not answering?); leaving it behind",
-                            self.tier_name, self.pool_dir, JOIN_S)  # fmt: skip
+                            self.pool.tier_name, self.pool.pool_dir, JOIN_S)  # fmt: skip
 
     # -- the thread ------------------------------------------------------------------
 
@@ -248,7 +236,7 @@ class SharedRoot:
                     self.rescan()
                     next_rescan = time.monotonic() + self.rescan_interval
             except Exception as exc:  # keep serving: the next batch or rescan tries again
-                self._fault("bug", "shared-root check of %s failed: %r", self.pool_dir, exc)
+                self._fault("bug", "shared-root check of %s failed: %r", self.pool.pool_dir, exc)
                 next_rescan = time.monotonic() + self.rescan_interval
                 time.sleep(min(1.0, self.rescan_interval))
 
@@ -257,21 +245,21 @@ class SharedRoot:
         when missing or bad."""
         absent: list[BlockKey] = []
         adopted = 0
-        self._index.count("probes")
+        self.pool.index.count("probes")
         try:
-            pool = PoolDir(self.pool_dir)
+            pool = PoolDir(self.pool.pool_dir)
         except (OSError, UnexpectedEntry) as exc:
-            self._fault("pool-dir", "cannot open %s: %s", self.pool_dir, exc)
+            self._fault("pool-dir", "cannot open %s: %s", self.pool.pool_dir, exc)
             self._remember_absent(keys)
             return
         with pool:
             for key in keys:
-                if self._index.contains(key):  # written here meanwhile
+                if self.pool.index.contains(key):  # written here meanwhile
                     continue
-                self._index.count("shared_rechecks")
+                self.pool.index.count("shared_rechecks")
                 found = self._checked(pool, fsformat.block_rel_path(key))
                 if found is not None and found[0] == key:
-                    adopted += self._index.adopt(key, found[1])
+                    adopted += self.pool.index.adopt(key, found[1])
                 else:
                     absent.append(key)
         self._remember_absent(absent)
@@ -287,8 +275,10 @@ class SharedRoot:
             fd, st = pool.open_file(rel)
             identity = safefs.identity_of(st)
             try:
-                header = blockfile.check_header(fd, st, rel, self._fingerprint, self._block_bytes)
-                fsformat.check_sealing(header, self._keys)
+                header = blockfile.check_header(
+                    fd, st, rel, self.pool.fingerprint, self.pool.block_bytes
+                )
+                check_sealing(header, self.pool.keys)
             finally:
                 os.close(fd)
             return header.key, st.st_size
@@ -306,7 +296,7 @@ class SharedRoot:
         self, pool: PoolDir, rel: str, reason: str, identity: safefs.Identity | None,
         integrity: bool = False,
     ) -> None:  # fmt: skip
-        self._index.count("integrity_failures" if integrity else "checksum_failures")
+        self.pool.index.count("integrity_failures" if integrity else "checksum_failures")
         action = "removing it" if identity is not None else "leaving it there"
         self._fault("bad", "bad block file %s in a shared root: %s; %s", pool.full(rel), reason,
                     action)  # fmt: skip
@@ -320,14 +310,14 @@ class SharedRoot:
         """Walks the pool directory once: files gone leave the index, files other
         daemons wrote join it, then the index evicts down to the capacity. On the
         thread (tests call it directly)."""
-        since = self._index.clock()  # the clock of the last uses it is compared with
-        known = {fsformat.block_rel_path(key): key for key in self._index.known_keys()}
+        since = self.pool.index.clock()  # the clock of the last uses it is compared with
+        known = {fsformat.block_rel_path(key): key for key in self.pool.index.known_keys()}
         present: set[str] = set()
         unknown: list[str] = []
         try:
-            pool = PoolDir(self.pool_dir)
+            pool = PoolDir(self.pool.pool_dir)
         except (OSError, UnexpectedEntry) as exc:
-            self._fault("pool-dir", "cannot open %s: %s", self.pool_dir, exc)
+            self._fault("pool-dir", "cannot open %s: %s", self.pool.pool_dir, exc)
             return
         with pool:
             for entry in pool.walk(self._walk_error):
@@ -338,7 +328,7 @@ class SharedRoot:
                 present.add(entry.rel)
                 if entry.rel not in known:
                     unknown.append(entry.rel)
-            self._index.drop_absent(
+            self.pool.index.drop_absent(
                 [key for rel, key in known.items() if rel not in present], since
             )
             for rel in unknown:
@@ -347,13 +337,13 @@ class SharedRoot:
                 self._adopt_unknown(pool, rel)
         if self._unserved is not None:
             self._unserved.recount_if_due()
-        self._index.count("shared_rescans")
+        self.pool.index.count("shared_rescans")
         self._evict_to_capacity()
 
     def _adopt_unknown(self, pool: PoolDir, rel: str) -> None:
         """Header-checks a block file the index does not know and adopts it."""
         found = self._checked(pool, rel)
-        if found is not None and self._index.adopt(*found):
+        if found is not None and self.pool.index.adopt(*found):
             self._forget_absent(found[0])
 
     # -- helpers ---------------------------------------------------------------------
@@ -375,7 +365,7 @@ class SharedRoot:
 
     def _evict_to_capacity(self) -> None:
         try:
-            self._index.evict_to_capacity()
+            self.pool.index.evict_to_capacity()
         except TierFull:
             self._fault("full", "over capacity in a shared root and nothing of this pool "
                         "evictable (reads in flight)")  # fmt: skip
@@ -384,5 +374,5 @@ class SharedRoot:
         self._fault("walk", "not rescanning %s: %s", path, exc)
 
     def _fault(self, kind: str, msg: str, *args: object) -> None:
-        self._faults.log(logging.WARNING, (self.tier_name, kind),
-                         f"FS tier %s: {msg}", self.tier_name, *args)  # fmt: skip
+        self._faults.log(logging.WARNING, (self.pool.tier_name, kind),
+                         f"FS tier %s: {msg}", self.pool.tier_name, *args)  # fmt: skip

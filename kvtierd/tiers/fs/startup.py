@@ -19,9 +19,10 @@ import secrets
 import time
 
 from kvtierd.security.trusted_dirs import UntrustedPath
+from kvtierd.tiers.blockformat import PoolIdentity
 from kvtierd.tiers.configured import TierStartError
 from kvtierd.tiers.fs import blockfile, permissions
-from kvtierd.tiers.fs.fsformat import POOL_FILE, POOL_FILE_MAX_BYTES, TEMP_SUFFIX, PoolIdentity
+from kvtierd.tiers.fs.fsformat import POOL_FILE, POOL_FILE_MAX_BYTES, TEMP_SUFFIX, pool_file
 from kvtierd.tiers.fs.safefs import PoolDir, UnexpectedEntry
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ def write_pool_file(tier_name: str, pool_dir: str, identity: PoolIdentity) -> No
     """Checks ``pool.json`` against ``identity``, or writes it when missing. The file
     is opened without blocking or following a symlink and read only if small."""
     path = os.path.join(pool_dir, POOL_FILE)
-    ours = identity.describe()
+    ours = pool_file(identity)
     try:
         with PoolDir(pool_dir) as pool:
             raw = pool.read_small(POOL_FILE, POOL_FILE_MAX_BYTES)

@@ -51,7 +51,7 @@ Ownership and invariants:
 * Threads: a tier either owns its :class:`IoPool` or uses one shared by the
   pools of one configured tier (then it never shuts it down). Shutdown is
   bounded: a scan or I/O thread stuck in the file system is left behind after
-  :data:`~kvtierd.tiers.fs.scan.SCAN_JOIN_S` / :data:`~kvtierd.tiers.fs.iopool.JOIN_S`.
+  :data:`~kvtierd.tiers.fs.scan.SCAN_JOIN_S` / :data:`~kvtierd.tiers.iopool.JOIN_S`.
 * Every submitted job reports exactly once through ``on_done`` on the loop.
 * Shared root (``shared``): a :class:`~kvtierd.tiers.fs.shared.SharedRoot`
   thread, started once the index is ready, adopts files other daemons wrote
@@ -76,16 +76,16 @@ from dataclasses import dataclass
 from kvtierd.contract import BlockKey, LookupResult, Medium
 from kvtierd.primary.rows import RegionRows
 from kvtierd.tiers.base import JobCallback, JobResult, SecondaryTier, TierJob, TierStats
+from kvtierd.tiers.blockformat import HEADER_SIZE, PoolIdentity
 from kvtierd.tiers.configured import PoolBinding
 from kvtierd.tiers.failures import NONE_FAILED, FailedLoads, sort_failed, transient_cause
 from kvtierd.tiers.fs import startup
 from kvtierd.tiers.fs.blockio import BlockIo, InlineIo, IoWorkers
 from kvtierd.tiers.fs.corruptlog import CorruptFileLog
 from kvtierd.tiers.fs.files import PoolFiles
-from kvtierd.tiers.fs.fsformat import HEADER_SIZE, PoolIdentity
+from kvtierd.tiers.fs.fsformat import pool_dir_name
 from kvtierd.tiers.fs.groups import BlockGroups
-from kvtierd.tiers.fs.index import BlockIndex, DiskBudget, TierFull
-from kvtierd.tiers.fs.iopool import IoPool, Outcome, Pairs, flatten, group_tasks
+from kvtierd.tiers.fs.index import BlockIndex, DiskBudget, IndexedPool, TierFull
 from kvtierd.tiers.fs.scan import SHARED_TEMP_MAX_AGE_S, IndexScan, ScanReport
 from kvtierd.tiers.fs.settings import FsTierSettings
 from kvtierd.tiers.fs.shared import SharedRoot
@@ -93,6 +93,7 @@ from kvtierd.tiers.fs.startup import FsTierError, PoolMismatchError
 from kvtierd.tiers.fs.unserved import UnservedPools
 from kvtierd.tiers.fs.writelog import WriteFailureLog
 from kvtierd.tiers.integrity import KeyRing
+from kvtierd.tiers.iopool import IoPool, Outcome, Pairs, flatten, group_tasks
 from kvtierd.util.loopfuture import completer
 from kvtierd.util.ratelimit import RateLimitedLog
 
@@ -171,7 +172,7 @@ class FsTier(SecondaryTier):
         self.name = name
         self.root = settings.root
         self.identity = PoolIdentity(pool.pool_name, block_bytes, pool.layout)
-        self.pool_dir = os.path.join(self.root, self.identity.dir_name)
+        self.pool_dir = os.path.join(self.root, pool_dir_name(self.identity))
         self.block_bytes = block_bytes
         self.file_bytes = HEADER_SIZE + block_bytes
         self.budget = parts.budget if parts.budget is not None else DiskBudget(settings.capacity)
@@ -191,24 +192,22 @@ class FsTier(SecondaryTier):
             write_threads=settings.write_threads,
             max_queue_bytes=settings.max_queue_bytes,
             max_queue_jobs=settings.max_queue_jobs,
+            name="kvtierd-fs",
         )
         self._io: IoPool | None = parts.io_pool
         self._owns_io = parts.io_pool is None
         self._files = PoolFiles(name, self.pool_dir)
         corrupt_log = parts.corrupt_log or CorruptFileLog(name)
         self.index = BlockIndex(name, self.file_bytes, self.budget, self._files.remove_evicted)
+        indexed = IndexedPool(
+            name, self.pool_dir, self._fingerprint, block_bytes, self.index, parts.integrity
+        )
         self._scan = IndexScan(
-            name, self.pool_dir, self._fingerprint, block_bytes, self.index,
-            self._index_ready, probes.before_scan,
-            SHARED_TEMP_MAX_AGE_S if settings.shared else 0.0, parts.integrity, corrupt_log,
+            indexed, self._index_ready, probes.before_scan,
+            SHARED_TEMP_MAX_AGE_S if settings.shared else 0.0, corrupt_log,
         )  # fmt: skip
         self.shared: SharedRoot | None = (
-            SharedRoot(
-                name, self.pool_dir, self._fingerprint, block_bytes, self.index,
-                negative_ttl=settings.shared_negative_ttl,
-                rescan_interval=settings.shared_rescan_interval, unserved=parts.unserved,
-                keys=parts.integrity,
-            ) if settings.shared else None
+            SharedRoot(indexed, settings, parts.unserved) if settings.shared else None
         )  # fmt: skip
         self.remote = settings.shared  # other daemons write the root: a Lookup may wait for a check
         self._ready: asyncio.Future[None] | None = None
@@ -283,10 +282,6 @@ class FsTier(SecondaryTier):
         if self._ready is None:
             raise RuntimeError(f"FS tier {self.name} was not started")
         await asyncio.shield(self._ready)
-
-    async def drain(self) -> None:
-        if self._io is not None:
-            await self._io.drain()
 
     def shutdown(self) -> None:
         """Stops the scan and the I/O threads; queued jobs are reported failed.
@@ -376,16 +371,14 @@ class FsTier(SecondaryTier):
     def statistics(self) -> TierStats:
         io = self._io
         index = self.index.statistics()
-        return TierStats(
-            name=self.name,
-            medium=self.medium,
+        return self.snapshot(
+            index.counters,
             capacity_bytes=self.capacity_bytes,
             used_bytes=index.used_bytes,
             bytes_per_block=self.file_bytes,
             blocks=index.blocks,
             queued_jobs=io.queued_jobs if io else 0,
             queued_bytes=io.queued_bytes if io else 0,
-            **index.counters,
         )
 
     # -- job completion (loop thread) ----------------------------------------------------

@@ -21,8 +21,7 @@ threads, each with a deadline); a value is served only if it verifies for the ke
 pool it was read under (else it is deleted and counted, never copied out); a server that
 cannot be reached answers MISS and is logged once, and never stops the daemon.
 
-May import: ``kvtierd.tiers`` (the contract, failures, integrity, options),
-``kvtierd.primary`` (its rows), ``kvtierd.security``, the root vocabulary and
-``kvtierd.util``; from ``kvtierd.tiers.fs`` today its block format and its I/O threads
-(``fsformat``, ``iopool``).
+May import: ``kvtierd.tiers`` (the contract, failures, integrity, options, the block
+format and the I/O threads), ``kvtierd.primary`` (its rows), ``kvtierd.security``, the
+root vocabulary and ``kvtierd.util``; never ``kvtierd.tiers.fs``.
 """

@@ -1,7 +1,7 @@
 """The redis tier's block I/O, run on I/O threads only: one value per block.
 
-A value is exactly an fs block file (:mod:`kvtierd.tiers.fs.fsformat`): the
-4096-byte integrity header (key, pool fingerprint, payload length, payload
+A value is exactly one block of :mod:`kvtierd.tiers.blockformat` (as an fs block file
+is): the 4096-byte integrity header (key, pool fingerprint, payload length, payload
 checksum, its own checksum; with integrity keys the key id and a MAC over
 header and payload, :mod:`kvtierd.tiers.integrity`), then the row's bytes, under the Redis key
 ``<key_space><block key>``. :class:`RedisBlockIO` stores a row (``SET NX``, the
@@ -27,17 +27,15 @@ timeout and raises what the server or the verification said: the caller
 
 from __future__ import annotations
 
-import time
-
 import redis
 from redis.exceptions import AskError
 
 from kvtierd.contract import BlockKey
 from kvtierd.primary.rows import RegionRows, scratch
+from kvtierd.tiers import blockformat
 from kvtierd.tiers.failures import BlockAbsent, BlockRefused
-from kvtierd.tiers.fs import fsformat
-from kvtierd.tiers.fs.iopool import Outcome
 from kvtierd.tiers.integrity import KeyRing
+from kvtierd.tiers.iopool import Outcome, Pairs, each_block
 from kvtierd.tiers.redis.link import RedisLink
 from kvtierd.util.ratelimit import RateLimitedLog
 
@@ -66,7 +64,7 @@ class RedisBlockIO:
         self,
         link: RedisLink,
         key_space: bytes,
-        identity: fsformat.PoolIdentity,
+        identity: blockformat.PoolIdentity,
         rows: RegionRows,
         ttl_ms: int | None,
         faults: RateLimitedLog,
@@ -79,7 +77,7 @@ class RedisBlockIO:
         self.key_space = key_space
         self.fingerprint = identity.fingerprint
         self.block_bytes = identity.block_bytes
-        self.value_bytes = fsformat.HEADER_SIZE + self.block_bytes
+        self.value_bytes = blockformat.HEADER_SIZE + self.block_bytes
         self._rows = rows
         self._ttl_ms = ttl_ms
         self._faults = faults
@@ -90,18 +88,9 @@ class RedisBlockIO:
 
     # -- stores --------------------------------------------------------------------------
 
-    def store_group(self, pairs: list[tuple[BlockKey, int]]) -> list[Outcome]:
+    def store_group(self, pairs: Pairs) -> list[Outcome]:
         """Stores each (key, row); one outcome per block (WRITTEN, PRESENT or its error)."""
-        outcomes = []
-        for key, row in pairs:
-            started = time.perf_counter()
-            try:
-                value = self.store_one(key, row)
-            except Exception as exc:
-                outcomes.append(Outcome(error=exc, seconds=time.perf_counter() - started))
-            else:
-                outcomes.append(Outcome(value=value, seconds=time.perf_counter() - started))
-        return outcomes
+        return each_block(pairs, self.store_one)
 
     def store_one(self, key: BlockKey, row: int) -> str:
         """Stores row ``row`` as ``key``'s value, sent from a copy (this thread's
@@ -110,7 +99,7 @@ class RedisBlockIO:
         cannot be read (nothing is sent), or the server's error."""
         payload = scratch(self.block_bytes)
         self._rows.read(row, payload)
-        header = fsformat.block_header(
+        header = blockformat.block_header(
             key=key, fingerprint=self.fingerprint, payload=payload, keys=self.keys
         )
         # header and row copy go out as separate buffers of one SET: never joined
@@ -124,23 +113,14 @@ class RedisBlockIO:
 
     # -- loads ---------------------------------------------------------------------------
 
-    def load_group(self, pairs: list[tuple[BlockKey, int]]) -> list[Outcome]:
+    def load_group(self, pairs: Pairs) -> list[Outcome]:
         """Loads each (key, row); one outcome per block (LOADED or its error)."""
-        outcomes = []
-        for key, row in pairs:
-            started = time.perf_counter()
-            try:
-                self.load_one(key, row)
-            except Exception as exc:
-                outcomes.append(Outcome(error=exc, seconds=time.perf_counter() - started))
-            else:
-                outcomes.append(Outcome(value=LOADED, seconds=time.perf_counter() - started))
-        return outcomes
+        return each_block(pairs, self.load_one)
 
-    def load_one(self, key: BlockKey, row: int) -> None:
-        """The verified payload into ``row``; BlockMissing, BlockCorrupt (the value was
-        deleted) or the server's error otherwise, the row then unspecified (the
-        daemon frees it: a failed promotion is never served)."""
+    def load_one(self, key: BlockKey, row: int) -> str:
+        """The verified payload into ``row`` (LOADED); BlockMissing, BlockCorrupt (the
+        value was deleted) or the server's error otherwise, the row then unspecified
+        (the daemon frees it: a failed promotion is never served)."""
         redis_key = self.redis_key(key)
         value = self.link.get(redis_key, self.value_bytes)  # bounded: one value + 1 byte
         if not isinstance(value, bytes):  # the client decodes nothing: never a str
@@ -149,23 +129,26 @@ class RedisBlockIO:
             raise BlockMissing(key.hex())
         try:
             self.verify(key, value)
-        except fsformat.CorruptBlock as exc:
+        except blockformat.CorruptBlock as exc:
             self.delete_if_same(redis_key, value)
             raise BlockCorrupt(exc.reason, exc.integrity) from None
-        self._rows.write(row, value, fsformat.HEADER_SIZE)  # from the value: no copy
+        self._rows.write(row, value, blockformat.HEADER_SIZE)  # from the value: no copy
+        return LOADED
 
     def verify(self, key: BlockKey, value: bytes) -> None:
-        """Raises fsformat.CorruptBlock unless ``value`` is this pool's block of ``key``
+        """Raises blockformat.CorruptBlock unless ``value`` is this pool's block of ``key``
         (IntegrityRefused: not sealed under the tier's keys)."""
         if len(value) != self.value_bytes:
-            raise fsformat.CorruptBlock(f"value of {len(value)} bytes, expected {self.value_bytes}")
-        header = fsformat.decode_header(value)
-        fsformat.verify_header(
+            raise blockformat.CorruptBlock(
+                f"value of {len(value)} bytes, expected {self.value_bytes}"
+            )
+        header = blockformat.decode_header(value)
+        blockformat.verify_header(
             header, key=key, fingerprint=self.fingerprint, block_bytes=self.block_bytes
         )
         view = memoryview(value)
-        fsformat.check_payload(
-            view[: fsformat.HEADER_SIZE], header, view[fsformat.HEADER_SIZE :], self.keys
+        blockformat.check_payload(
+            view[: blockformat.HEADER_SIZE], header, view[blockformat.HEADER_SIZE :], self.keys
         )
 
     # -- deletes --------------------------------------------------------------------------

@@ -4,7 +4,7 @@ One :class:`ConfiguredRedisTier` per configured redis tier for the daemon's life
 Its pools share one :class:`~kvtierd.tiers.redis.link.RedisLink` (the redis-py
 client, standalone or Cluster: thread-safe connection pools, at most
 ``threads`` connections busy at once per node, one per I/O thread), one
-:class:`~kvtierd.tiers.fs.iopool.IoPool` of ``threads`` I/O threads with the
+:class:`~kvtierd.tiers.iopool.IoPool` of ``threads`` I/O threads with the
 write-queue limits, one :class:`~kvtierd.tiers.redis.prober.Prober` (the
 presence probes of every pool: one in flight per node, on threads of its own, so
 a probe never waits behind block transfers) and one rate-limited fault log. ``capacity`` bounds each
@@ -32,8 +32,8 @@ import redis
 
 from kvtierd.tiers.base import JobCallback
 from kvtierd.tiers.configured import ConfiguredTier, PoolBinding, TierCheckError
-from kvtierd.tiers.fs.iopool import IoPool, Outcome
 from kvtierd.tiers.integrity import KeyRing
+from kvtierd.tiers.iopool import Outcome
 from kvtierd.tiers.keyfiles import integrity_words, load_keyring
 from kvtierd.tiers.redis.access import check_tls, explain
 from kvtierd.tiers.redis.faultlog import FAULT_LOG_INTERVAL_S
@@ -75,7 +75,6 @@ class ConfiguredRedisTier(ConfiguredTier):
         self._password: str | None = None
         self.keys: KeyRing | None = None  # read by check()
         self._link: RedisLink | None = None
-        self._io: IoPool | None = None
         self._prober: Prober | None = None
         self._pools = 0
         # the pools' tiers, told each health refresh (a closed pool's tier goes away)
@@ -104,15 +103,13 @@ class ConfiguredRedisTier(ConfiguredTier):
         s = self.settings
         if self._link is None:
             self._link = RedisLink(s, self._password, self.name)
-        if self._io is None:
-            self._io = IoPool(
-                loop,
-                read_threads=(s.threads + 1) // 2,
-                write_threads=s.threads // 2,
-                max_queue_jobs=s.max_queue_jobs,
-                max_queue_bytes=s.max_queue_bytes,
-                name=f"kvtierd-{self.name}",
-            )
+        io_pool = self.io_pool(
+            loop,
+            read_threads=(s.threads + 1) // 2,
+            write_threads=s.threads // 2,
+            max_queue_jobs=s.max_queue_jobs,
+            max_queue_bytes=s.max_queue_bytes,
+        )
         if self._prober is None:
             self._prober = Prober(self._link, loop, self.name)
         self._pools += 1
@@ -128,7 +125,7 @@ class ConfiguredRedisTier(ConfiguredTier):
             capacity_bytes=s.capacity,
             on_done=on_done,
             loop=loop,
-            io_pool=self._io,
+            io_pool=io_pool,
             ttl_s=s.ttl,
             presence_ttl_s=s.presence_ttl,
             faults=self.faults,
@@ -168,14 +165,6 @@ class ConfiguredRedisTier(ConfiguredTier):
         for tier in list(self._tiers):
             tier.on_health(outcome.value)
 
-    async def drain(self) -> None:
-        if self._io is not None:
-            await self._io.drain()
-
-    @property
-    def dropped_jobs(self) -> int:
-        return self._io.dropped_batches if self._io is not None else 0
-
     def shutdown(self) -> None:
         """Stops the health timer, fails queued jobs, joins the I/O threads, closes
         the connections. Idempotent."""
@@ -185,7 +174,6 @@ class ConfiguredRedisTier(ConfiguredTier):
             self._health_timer = None
         if self._prober is not None:
             self._prober.close()
-        if self._io is not None:
-            self._io.shutdown()
+        super().shutdown()
         if self._link is not None:
             self._link.close()

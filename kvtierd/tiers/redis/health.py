@@ -33,6 +33,16 @@ class ServerHealth:
     system_memory_bytes: int = 0
     evicted_keys: int = 0
 
+    def stats_gauges(self) -> dict[str, int]:
+        """What :class:`~kvtierd.tiers.base.TierStats` shows of it, by field name."""
+        return {
+            "nodes_known": self.nodes_known,
+            "nodes_reachable": self.nodes_reachable,
+            "round_trip_us": self.round_trip_us,
+            "server_capacity_bytes": self.max_memory_bytes,
+            "server_used_bytes": self.used_memory_bytes,
+        }
+
 
 def summarize(mode: str, nodes_known: int, answers: Sequence[NodeInfo]) -> ServerHealth:
     """The health of a server whose ``nodes_known`` masters gave ``answers`` (one per

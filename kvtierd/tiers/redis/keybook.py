@@ -17,8 +17,8 @@ A lookup never waits on the server for what this module can answer:
   asked again at their next lookup). A held key a probe found absent is dropped
   only if it was stored before the probe left.
 * what left: the keys dropped since the tiering last took them
-  (:meth:`KeyBook.take_removed`) and why each of the last :data:`REMOVALS_KEPT`
-  went (:meth:`KeyBook.removals`, for ``kvtierctl explain``).
+  and why each of the last :data:`REMOVALS_KEPT` went (for ``kvtierctl explain``):
+  :attr:`KeyBook.removals`.
 * the tier's own ``capacity``: :meth:`KeyBook.evict_over_capacity` picks the least
   recently used held keys past it (the tier deletes their values off the loop).
 
@@ -34,6 +34,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from kvtierd.contract import BlockKey, LookupResult
+from kvtierd.tiers.base import Removals
 
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
 REMOVALS_KEPT = 1024
@@ -57,11 +58,10 @@ class KeyBook:
       each probe answer.
     * ``_writing``: store jobs in flight per key, positive counts only.
     * a dropped key (:meth:`drop`) answers absent for ``presence_ttl``; one that was
-      held leaves ``_held`` and ``_confirmed`` and is listed in ``_dropped`` (until
-      :meth:`take_removed`) and ``_removals``. A key evicted at capacity leaves the
-      same way but is unknown (no presence answer), not absent.
-    * ``_removals``: key -> (unix time, why) of its last removal, oldest first, at
-      most :data:`REMOVALS_KEPT`.
+      held leaves ``_held`` and ``_confirmed`` and is dropped in :attr:`removals` (out
+      once at its ``take()``; why, for the last :data:`REMOVALS_KEPT` keys). A
+      key evicted at capacity leaves the same way but is unknown (no presence
+      answer), not absent.
     """
 
     def __init__(
@@ -82,8 +82,7 @@ class KeyBook:
         self._confirmed: dict[BlockKey, float] = {}
         self._writing: Counter[BlockKey] = Counter()
         self._presence: dict[BlockKey, tuple[bool, float]] = {}
-        self._dropped: list[BlockKey] = []
-        self._removals: OrderedDict[BlockKey, tuple[float, str]] = OrderedDict()
+        self.removals = Removals(REMOVALS_KEPT)  # what the tier dropped, and why
 
     @property
     def blocks(self) -> int:
@@ -162,14 +161,6 @@ class KeyBook:
             if key in self._held:
                 self._held.move_to_end(key)
 
-    def take_removed(self) -> list[BlockKey]:
-        dropped, self._dropped = self._dropped, []
-        return dropped
-
-    def removals(self, key: BlockKey) -> list[tuple[float, str]]:
-        entry = self._removals.get(key)
-        return [entry] if entry else []
-
     # -- probe answers -------------------------------------------------------------------
 
     def answered(self, answers: Sequence[tuple[BlockKey, bool | None]], sent_at: float) -> None:
@@ -236,14 +227,7 @@ class KeyBook:
         if key in self._held:
             del self._held[key]
             del self._confirmed[key]
-            self._dropped.append(key)
-            self._remember(key, why)
-
-    def _remember(self, key: BlockKey, why: str) -> None:
-        self._removals[key] = (time.time(), why)
-        self._removals.move_to_end(key)
-        if len(self._removals) > REMOVALS_KEPT:
-            self._removals.popitem(last=False)
+            self.removals.drop(key, why)
 
     def evict_over_capacity(self, capacity_bytes: int, protect: set[BlockKey]) -> list[BlockKey]:
         """The least recently used held keys, no longer held, until within
@@ -257,6 +241,5 @@ class KeyBook:
                 break
             del self._confirmed[victim]
             victims.append(victim)
-            self._dropped.append(victim)
-            self._remember(victim, "evicted: least recently used at capacity")
+            self.removals.drop(victim, "evicted: least recently used at capacity")
         return victims

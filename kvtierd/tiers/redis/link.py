@@ -50,6 +50,7 @@ slot, which would pin a pool's whole cache to one node.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -137,16 +138,7 @@ class RedisLink:
         with self._lock:
             health = self._health
             rtt = self._rtt_us
-        return ServerHealth(
-            mode=health.mode,
-            nodes_known=health.nodes_known,
-            nodes_reachable=health.nodes_reachable,
-            round_trip_us=round(rtt),
-            max_memory_bytes=health.max_memory_bytes,
-            used_memory_bytes=health.used_memory_bytes,
-            system_memory_bytes=health.system_memory_bytes,
-            evicted_keys=health.evicted_keys,
-        )
+        return dataclasses.replace(health, round_trip_us=round(rtt))
 
     @property
     def is_cluster(self) -> bool:

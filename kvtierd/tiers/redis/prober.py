@@ -60,17 +60,22 @@ PROBE_THREADS = 4  # probes in flight at once (one per node); a hung node holds 
 UNROUTED = ""  # the node name of keys asked before the client knew the slot map
 
 
+@dataclass(frozen=True, slots=True)
+class ProbeAnswer:
+    """What one probe told one listener: ``answers``, each key asked and whether the
+    server holds it (None: its node failed, ``error`` says why); ``sent_at``: when the
+    probe left (monotonic)."""
+
+    answers: list[tuple[BlockKey, bool | None]]
+    sent_at: float
+    error: BaseException | None
+
+
 class ProbeListener(Protocol):
     """The tier that asked: told each answer of its keys, on the loop."""
 
-    def probe_answered(
-        self,
-        answers: Sequence[tuple[BlockKey, bool | None]],
-        sent_at: float,
-        error: BaseException | None,
-    ) -> None:
-        """``answers``: each key asked and whether the server holds it (None: its node
-        failed, ``error`` says why); ``sent_at``: when the probe left (monotonic)."""
+    def probe_answered(self, answer: ProbeAnswer) -> None:
+        """The answers of one probe about keys this listener asked."""
 
 
 # a probe's outcome on the thread: each key's EXISTS reply (or its error), nodes failed
@@ -178,7 +183,7 @@ class Prober:
             by_listener.setdefault(id(listener), (listener, []))[1].append((key, present))
         for listener, answers in by_listener.values():
             try:
-                listener.probe_answered(answers, sent_at, error)
+                listener.probe_answered(ProbeAnswer(answers, sent_at, error))
             except Exception:
                 log.exception("redis tier %s: a probe's answer could not be taken", self._name)
         if future is not None:

@@ -1,6 +1,6 @@
 """The redis secondary tier for one pool: one value per block in Redis or Valkey.
 
-A value is exactly an fs block file (:mod:`kvtierd.tiers.fs.fsformat`) under the
+A value is exactly one block of :mod:`kvtierd.tiers.blockformat` under the
 Redis key ``<key_prefix>:<pool fingerprint hex>:<block key>`` (binary), so pools
 of another name, block size or layout never share keys; a value that does not
 verify for the key and pool it was read under is a MISS: deleted, counted in
@@ -9,13 +9,13 @@ tier's integrity keys, :mod:`kvtierd.tiers.integrity`), never copied out as a
 success.
 
 The event loop never waits on Redis. Every Redis call runs on the I/O threads
-of an :class:`~kvtierd.tiers.fs.iopool.IoPool` (shared by the pools of one
+of an :class:`~kvtierd.tiers.iopool.IoPool` (shared by the pools of one
 configured tier), in :mod:`.blockio` (``SET NX`` per stored block, a bounded
 ``GETRANGE`` per loaded one, verified before its payload reaches the row; rows
 copied with :class:`~kvtierd.primary.rows.RegionRows`, so a region a client
 truncated fails only the blocks whose rows are gone), and reports through
 ``loop.call_soon_threadsafe``. This module is the loop's side: it submits a
-job's blocks in groups of about 16 MiB (:func:`~kvtierd.tiers.fs.iopool.group_tasks`),
+job's blocks in groups of about 16 MiB (:func:`~kvtierd.tiers.iopool.group_tasks`),
 settles what their outcomes mean for the keys, counts, and reports the job.
 
 Presence: a lookup answers from what the tier knows on the loop, its
@@ -57,7 +57,6 @@ import asyncio
 import functools
 import logging
 import time
-from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -65,11 +64,18 @@ import redis
 
 from kvtierd.contract import BlockKey, LookupResult, Medium
 from kvtierd.primary.rows import RegionRows
-from kvtierd.tiers.base import JobCallback, JobResult, SecondaryTier, TierJob, TierStats
+from kvtierd.tiers.base import (
+    JobCallback,
+    JobResult,
+    SecondaryTier,
+    TierJob,
+    TierStats,
+    zero_counters,
+)
+from kvtierd.tiers.blockformat import HEADER_SIZE, PoolIdentity
 from kvtierd.tiers.failures import NONE_FAILED, FailedLoads, sort_failed
-from kvtierd.tiers.fs import fsformat
-from kvtierd.tiers.fs.iopool import IoPool, Outcome, flatten, group_tasks
 from kvtierd.tiers.integrity import KeyRing
+from kvtierd.tiers.iopool import IoPool, Outcome, flatten, group_tasks
 from kvtierd.tiers.redis.blockio import WRITTEN, BlockCorrupt, BlockMissing, RedisBlockIO
 from kvtierd.tiers.redis.faultlog import TierFaultLog
 from kvtierd.tiers.redis.fleetlru import Admitted, FleetLru
@@ -77,26 +83,13 @@ from kvtierd.tiers.redis.health import ServerHealth
 from kvtierd.tiers.redis.keybook import KeyBook
 from kvtierd.tiers.redis.link import RedisLink
 from kvtierd.tiers.redis.nodefaults import NodeFaults
-from kvtierd.tiers.redis.prober import Prober
+from kvtierd.tiers.redis.prober import ProbeAnswer, Prober
 from kvtierd.util.ratelimit import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
 HIT, RETRY = LookupResult.HIT, LookupResult.RETRY
 MAX_PROBE_WANTED = 8192  # held keys probed again after the server evicted some
-_COUNTERS = (
-    "hits",
-    "misses",
-    "bytes_written",
-    "bytes_read",
-    "evictions",
-    "store_failures",
-    "load_failures",
-    "checksum_failures",
-    "integrity_failures",
-    "dropped_writes",
-    "probe_failures",
-)
 
 
 class RedisTier(SecondaryTier):
@@ -105,6 +98,7 @@ class RedisTier(SecondaryTier):
 
     medium = Medium.REMOTE
     remote = True
+    _io: IoPool  # shared by the pools of the configured tier, from construction on
 
     def __init__(
         self,
@@ -143,9 +137,9 @@ class RedisTier(SecondaryTier):
         self.name = name
         self.pool_name = pool_name
         self.block_bytes = block_bytes
-        self.value_bytes = fsformat.HEADER_SIZE + block_bytes
+        self.value_bytes = HEADER_SIZE + block_bytes
         self.capacity_bytes = capacity_bytes  # 0: the server's (no local eviction)
-        self.identity = fsformat.PoolIdentity(pool_name, block_bytes, layout)
+        self.identity = PoolIdentity(pool_name, block_bytes, layout)
         self.fingerprint = self.identity.fingerprint
         self.key_space = f"{key_prefix}:{self.fingerprint.hex()}:".encode()
         self._link = link
@@ -163,7 +157,7 @@ class RedisTier(SecondaryTier):
         )  # fmt: skip
         # the loop's side: what it knows about keys (held, presence, removals)
         self._keys = KeyBook(self.value_bytes, ttl_ms=ttl_ms, presence_ttl_s=presence_ttl_s)
-        self._counters: Counter[str] = Counter(dict.fromkeys(_COUNTERS, 0))
+        self._counters = zero_counters()
         self._ready: asyncio.Future[None] | None = None
         self._closed = False
         # the server as last seen: set by prepare (before launch), then on the loop
@@ -216,9 +210,6 @@ class RedisTier(SecondaryTier):
             raise RuntimeError(f"redis tier {self.name} was not launched")
         await self._ready
 
-    async def drain(self) -> None:
-        await self._io.drain()
-
     def shutdown(self) -> None:
         """No new probes; the shared I/O pool (its owner stops it) fails what is queued."""
         self._closed = True
@@ -261,25 +252,20 @@ class RedisTier(SecondaryTier):
         self._keys.touch(keys)
 
     def take_removed(self) -> list[BlockKey]:
-        return self._keys.take_removed()
+        return self._keys.removals.take()
 
     def removals(self, key: BlockKey) -> list[tuple[float, str]]:
-        return self._keys.removals(key)
+        return self._keys.removals.of(key)
 
     # -- probe answers (loop) --------------------------------------------------------------
 
-    def probe_answered(
-        self,
-        answers: Sequence[tuple[BlockKey, bool | None]],
-        sent_at: float,
-        error: BaseException | None,
-    ) -> None:
+    def probe_answered(self, answer: ProbeAnswer) -> None:
         """The prober's answers about keys this tier asked (:class:`.prober.ProbeListener`),
         kept by :meth:`.keybook.KeyBook.answered`; a failed probe is counted and logged."""
-        self._keys.answered(answers, sent_at)
-        if error is not None:
+        self._keys.answered(answer.answers, answer.sent_at)
+        if answer.error is not None:
             self._counters["probe_failures"] += 1
-            self._log.fault("probe", error)
+            self._log.fault("probe", answer.error)
 
     # -- jobs (loop) ---------------------------------------------------------------------
 
@@ -311,11 +297,8 @@ class RedisTier(SecondaryTier):
         )
 
     def statistics(self) -> TierStats:
-        c = self._counters
-        health = self._link.health
-        return TierStats(
-            name=self.name,
-            medium=self.medium,
+        return self.snapshot(
+            self._counters,
             # 0: the server's limit (INFO), never below what this pool holds
             capacity_bytes=self.capacity_bytes
             or self._fleet_bytes
@@ -323,25 +306,10 @@ class RedisTier(SecondaryTier):
             used_bytes=self._used_bytes,
             bytes_per_block=self.value_bytes,
             blocks=self._keys.blocks,
-            probes=self._prober.probes,
-            hits=c["hits"],
-            misses=c["misses"],
-            bytes_written=c["bytes_written"],
-            bytes_read=c["bytes_read"],
-            evictions=c["evictions"],
-            store_failures=c["store_failures"],
-            load_failures=c["load_failures"],
-            checksum_failures=c["checksum_failures"],
-            dropped_writes=c["dropped_writes"],
+            probes=self._prober.probes,  # the prober's, which the pools of the tier share
             queued_jobs=self._io.queued_jobs,
             queued_bytes=self._io.queued_bytes,
-            nodes_known=health.nodes_known,
-            nodes_reachable=health.nodes_reachable,
-            round_trip_us=health.round_trip_us,
-            server_capacity_bytes=health.max_memory_bytes,
-            server_used_bytes=health.used_memory_bytes,
-            probe_failures=c["probe_failures"],
-            integrity_failures=c["integrity_failures"],
+            **self._link.health.stats_gauges(),
         )
 
     @property

@@ -24,6 +24,7 @@ from local_users import LocalUser
 from shm_leftovers import shm_tempdir
 
 from kvtierd.primary.region import region_file_name
+from kvtierd.tiers import blockformat
 from kvtierd.tiers.fs import fsformat
 
 EXIT_CONFIG = 2
@@ -197,7 +198,7 @@ def test_start_refused_on_a_symlink_planted_as_a_pool_directory(
     root-only directory; the daemon must neither start nor write there."""
     private = tmp_path / "root-only"
     private.mkdir(mode=0o700)
-    planted = open_root / fsformat.PoolIdentity(pool_name, 65536, "L").dir_name
+    planted = open_root / fsformat.pool_dir_name(blockformat.PoolIdentity(pool_name, 65536, "L"))
     planted.symlink_to(private, target_is_directory=True)
     result = refused_start(shm=shm_dir, config=fs_tiers_config(open_root), workdir=tmp_path)
     assert result.returncode == EXIT_CONFIG, result
@@ -209,7 +210,7 @@ def test_start_refused_on_a_symlink_planted_as_a_pool_directory(
 def test_start_refused_on_a_pool_directory_made_by_another_user(
     open_root, shm_dir, other_user: LocalUser, tmp_path, pool_name
 ):
-    planted = open_root / fsformat.PoolIdentity(pool_name, 65536, "L").dir_name
+    planted = open_root / fsformat.pool_dir_name(blockformat.PoolIdentity(pool_name, 65536, "L"))
     planted.mkdir()
     os.chown(planted, other_user.uid, other_user.gid)
     result = refused_start(shm=shm_dir, config=fs_tiers_config(open_root), workdir=tmp_path)

@@ -10,10 +10,17 @@ from collections.abc import Callable
 
 import pytest
 
-from kvtierd.contract import PRIMARY_TIER, BlockEvent, LookupResult, Medium, StoreGrant
+from kvtierd.contract import (
+    EVICTION_POLICIES,
+    PRIMARY_TIER,
+    BlockEvent,
+    LookupResult,
+    Medium,
+    StoreGrant,
+)
 from kvtierd.primary.errors import NotLoadableError, NotPinnedError
 from kvtierd.primary.manager import PrimaryManager
-from kvtierd.primary.policies import POLICY_NAMES, ARCPolicy, LRUPolicy
+from kvtierd.primary.policies import ARCPolicy, LRUPolicy
 from kvtierd.primary.table import PrimaryStats
 
 MISS, HIT, PENDING = LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING
@@ -134,7 +141,7 @@ def test_cpu_manager():
     m.check_invariants()
 
 
-@pytest.mark.parametrize("policy", POLICY_NAMES)
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
 def test_eviction_removed_precedes_stored(policy):
     events: list[BlockEvent] = []
     seen_during_removal: list[tuple[bool, int]] = []
@@ -156,7 +163,7 @@ def test_eviction_removed_precedes_stored(policy):
     assert seen_during_removal == [(False, 1)]
 
 
-@pytest.mark.parametrize("policy", POLICY_NAMES)
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
 def test_already_stored_block_not_evicted_during_prepare_store(policy):
     m, _ = make(policy, 4)
     store(m, [1, 2])
@@ -168,7 +175,7 @@ def test_already_stored_block_not_evicted_during_prepare_store(policy):
     m.check_invariants()
 
 
-@pytest.mark.parametrize("policy", POLICY_NAMES)
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
 def test_prepare_load_preserves_key_order(policy):
     m, _ = make(policy, 4)
     g = store(m, [0, 1, 2])
@@ -234,7 +241,7 @@ def test_evictable_block_count():
     m.check_invariants()
 
 
-@pytest.mark.parametrize("policy", POLICY_NAMES)
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
 def test_usage_counters_follow_writes_and_reads(policy):
     """The counts behind vLLM's usage gauges (write = pending, read = pinned)."""
     m, _ = make(policy, 4)
@@ -441,7 +448,7 @@ REFUSALS: list[tuple[str, Callable[[PrimaryManager], object], type[Exception] | 
 ]
 
 
-@pytest.mark.parametrize("policy", POLICY_NAMES)
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
 @pytest.mark.parametrize(("call", "error"), [r[1:] for r in REFUSALS], ids=[r[0] for r in REFUSALS])
 def test_refused_call_changes_nothing(policy, call, error):
     m, events = _setup_mixed(policy)
@@ -476,7 +483,7 @@ def test_not_loadable_error_names_key_and_state():
 # ----------------------------------------------------------------- store / load details
 
 
-@pytest.mark.parametrize("policy", POLICY_NAMES)
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
 def test_store_of_present_keys_is_empty_grant_even_when_full(policy):
     m, events = make(policy, 2)
     store(m, [1])
@@ -490,7 +497,7 @@ def test_store_of_present_keys_is_empty_grant_even_when_full(policy):
     assert events == []
 
 
-@pytest.mark.parametrize("policy", POLICY_NAMES)
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
 def test_key_named_twice_in_store_is_reserved_once(policy):
     m, _ = make(policy, 4)
     assert m.prepare_store(keys([1, 2, 1])) == grant([1, 2], [0, 1], [])
@@ -508,7 +515,7 @@ def test_slots_fresh_ascending_then_last_freed_first():
     m.check_invariants()
 
 
-@pytest.mark.parametrize("policy", POLICY_NAMES)
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
 def test_complete_store_ignores_ready_and_absent_keys(policy):
     m, events = make(policy, 4)
     store(m, [1])
@@ -528,7 +535,7 @@ def test_complete_store_ignores_ready_and_absent_keys(policy):
     m.check_invariants()
 
 
-@pytest.mark.parametrize("policy", POLICY_NAMES)
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
 def test_same_key_loaded_twice_in_one_call(policy):
     m, _ = make(policy, 4)
     store(m, [1, 2])
@@ -541,7 +548,7 @@ def test_same_key_loaded_twice_in_one_call(policy):
     m.check_invariants()
 
 
-@pytest.mark.parametrize("policy", POLICY_NAMES)
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
 def test_pinned_and_pending_blocks_are_never_evicted(policy):
     m, _ = make(policy, 3)
     store(m, [1, 2])
@@ -563,7 +570,7 @@ def test_lru_complete_load_and_store_count_as_use():
     assert m.prepare_store(keys([4, 5])) == grant([4, 5], [3, 1], [2])
 
 
-@pytest.mark.parametrize("policy", POLICY_NAMES)
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
 def test_lookup_does_not_change_recency(policy):
     m, _ = make(policy, 3)
     store(m, [1, 2, 3])
@@ -572,7 +579,7 @@ def test_lookup_does_not_change_recency(policy):
     assert m.prepare_store(keys([4])) == grant([4], [0], [1])
 
 
-@pytest.mark.parametrize("policy", POLICY_NAMES)
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
 def test_touch_first_key_ends_most_recent(policy):
     m, _ = make(policy, 3)
     store(m, [1, 2, 3])
@@ -587,7 +594,7 @@ def test_touch_first_key_ends_most_recent(policy):
 # ----------------------------------------------------------------- flush
 
 
-@pytest.mark.parametrize("policy", POLICY_NAMES)
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
 def test_evict_all_evictable_keeps_pinned_and_pending(policy):
     m, events = make(policy, 5)
     store(m, [1, 2, 3])
@@ -738,7 +745,7 @@ def test_lru_manager_matches_ordereddict_model(seed):
 # ----------------------------------------------------------------- quarantine
 
 
-@pytest.mark.parametrize("policy", POLICY_NAMES)
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
 def test_quarantined_rows_are_neither_mapped_nor_reused_until_released(policy):
     """Rows of writes aborted for an ended session stay out of use until their time."""
     manager = PrimaryManager(3, policy)

@@ -8,8 +8,8 @@ from collections import OrderedDict
 
 import pytest
 
+from kvtierd.contract import EVICTION_POLICIES
 from kvtierd.primary.policies import (
-    POLICY_NAMES,
     ARCPolicy,
     ArcStats,
     CachePolicy,
@@ -130,10 +130,10 @@ def arc_state(policy: ARCPolicy) -> tuple[list[bytes], ...]:
 
 
 def test_registry_names():
-    assert POLICY_NAMES == ("lru", "arc")
+    assert EVICTION_POLICIES == ("lru", "arc")
     assert isinstance(make_policy("lru", 4, lambda k: 0, no_row, no_key), LRUPolicy)
     assert isinstance(make_policy("arc", 4, lambda k: 0, no_row, no_key), ARCPolicy)
-    for name in POLICY_NAMES:
+    for name in EVICTION_POLICIES:
         policy = make_policy(name, 7, lambda k: 0, no_row, no_key)
         assert isinstance(policy, CachePolicy)
         assert policy.capacity == 7
@@ -145,7 +145,7 @@ def test_registry_unknown_name_lists_supported(name):
         make_policy(name, 4, lambda k: 0, no_row, no_key)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("name", POLICY_NAMES)
+@pytest.mark.parametrize("name", EVICTION_POLICIES)
 def test_negative_capacity_rejected(name):
     with pytest.raises(ValueError, match="capacity"):
         make_policy(name, -1, lambda k: 0, no_row, no_key)
@@ -154,7 +154,7 @@ def test_negative_capacity_rejected(name):
 # ----------------------------------------------------------------- shared
 
 
-@pytest.mark.parametrize("name", POLICY_NAMES)
+@pytest.mark.parametrize("name", EVICTION_POLICIES)
 def test_evict_zero_is_empty(name):
     t = Table(name)
     t.store([1])
@@ -162,7 +162,7 @@ def test_evict_zero_is_empty(name):
     assert t.evict(1) == keys([1])
 
 
-@pytest.mark.parametrize("name", POLICY_NAMES)
+@pytest.mark.parametrize("name", EVICTION_POLICIES)
 def test_evict_only_ready_unprotected(name):
     t = Table(name)
     t.store([1, 2, 3])
@@ -177,7 +177,7 @@ def test_evict_only_ready_unprotected(name):
     assert t.evict(2) == (keys([2, 1]) if name == "lru" else keys([1, 2]))
 
 
-@pytest.mark.parametrize("name", POLICY_NAMES)
+@pytest.mark.parametrize("name", EVICTION_POLICIES)
 def test_clear_forgets_everything(name):
     t = Table(name)
     t.store([1, 2])

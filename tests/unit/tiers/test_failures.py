@@ -11,11 +11,11 @@ import redis
 from redis.exceptions import ClusterDownError
 
 from kvtierd.primary.rows import RegionCutShort
+from kvtierd.tiers.blockformat import IntegrityRefused
 from kvtierd.tiers.failures import CAUSE_MAX_CHARS, LoadFailure, classify, sort_failed
 from kvtierd.tiers.fs.blockfile import CorruptFile
 from kvtierd.tiers.fs.blockio import WorkerDied, WorkerStalled
-from kvtierd.tiers.fs.fsformat import IntegrityRefused
-from kvtierd.tiers.fs.iopool import PoolShutDown
+from kvtierd.tiers.iopool import PoolShutDown
 from kvtierd.tiers.redis.blockio import BlockCorrupt, BlockMissing
 from kvtierd.tiers.redis.nodefaults import NodeFaults, NodeSkipped
 

@@ -1,5 +1,5 @@
 """Keyed integrity (kvtierd.tiers.integrity, .keyfiles) and the sealed header version of
-kvtierd.tiers.fs.fsformat: real key files with real modes and owners, real headers.
+kvtierd.tiers.blockformat: real key files with real modes and owners, real headers.
 
 What a forged value through a real daemon does is in the integration tests
 (tests/integration/tiers/redis/test_redis_integrity.py and the fs twin).
@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 
+from kvtierd.tiers import blockformat
+from kvtierd.tiers.blockformat import CorruptBlock, IntegrityRefused
 from kvtierd.tiers.configured import TierCheckError, TierOptionError
-from kvtierd.tiers.fs import fsformat
-from kvtierd.tiers.fs.fsformat import CorruptBlock, IntegrityRefused
 from kvtierd.tiers.fs.settings import parse_fs_settings
 from kvtierd.tiers.integrity import KEY_BYTES, IntegrityKey, KeyRing, key_id_of
 from kvtierd.tiers.keyfiles import load_key, load_keyring
 from kvtierd.tiers.redis.settings import parse_redis_settings
 
-FINGERPRINT = b"\x05" * fsformat.FINGERPRINT_BYTES
+FINGERPRINT = b"\x05" * blockformat.FINGERPRINT_BYTES
 PAYLOAD = os.urandom(64 << 10)
 
 
@@ -130,28 +130,28 @@ def test_key_options_are_absolute_paths_and_a_verify_key_needs_a_sealing_key(par
 
 
 def _sealed(keys: KeyRing, payload: bytes = PAYLOAD, key: bytes = b"block") -> bytes:
-    return fsformat.block_header(key=key, fingerprint=FINGERPRINT, payload=payload, keys=keys)
+    return blockformat.block_header(key=key, fingerprint=FINGERPRINT, payload=payload, keys=keys)
 
 
 def _check(head: bytes, payload: bytes, keys: KeyRing | None) -> None:
-    fsformat.check_payload(head, fsformat.decode_header(head), payload, keys)
+    blockformat.check_payload(head, blockformat.decode_header(head), payload, keys)
 
 
 def test_a_sealed_header_verifies_under_its_key_and_a_rotation_that_holds_it() -> None:
     first, second = os.urandom(KEY_BYTES), os.urandom(KEY_BYTES)
     head = _sealed(_ring(first))
-    header = fsformat.decode_header(head)
-    assert header.version == fsformat.KEYED_VERSION and len(head) == fsformat.HEADER_SIZE
+    header = blockformat.decode_header(head)
+    assert header.version == blockformat.KEYED_VERSION and len(head) == blockformat.HEADER_SIZE
     assert header.key_id == key_id_of(first)
-    assert header.payload_checksum == fsformat.payload_checksum(PAYLOAD)  # fsck reads it keyless
+    assert header.payload_checksum == blockformat.payload_checksum(PAYLOAD)  # fsck reads it keyless
     _check(head, PAYLOAD, _ring(first))
     _check(head, PAYLOAD, _ring(second, first))  # the new key seals, the old one verifies
-    assert fsformat.decode_header(_sealed(_ring(second, first))).key_id == key_id_of(second)
+    assert blockformat.decode_header(_sealed(_ring(second, first))).key_id == key_id_of(second)
 
 
 def test_what_is_not_sealed_under_the_tiers_keys_is_refused_as_integrity() -> None:
     first, second = os.urandom(KEY_BYTES), os.urandom(KEY_BYTES)
-    unkeyed = fsformat.block_header(
+    unkeyed = blockformat.block_header(
         key=b"block", fingerprint=FINGERPRINT, payload=PAYLOAD, keys=None
     )
     _check(unkeyed, PAYLOAD, None)  # version 1 still reads without keys
@@ -175,21 +175,21 @@ def test_the_mac_covers_the_header_so_no_field_of_it_can_be_changed() -> None:
     Rewriting a field and recomputing the (unkeyed) header checksum still fails."""
     first = os.urandom(KEY_BYTES)
     head = bytearray(_sealed(_ring(first)))
-    header = fsformat.decode_header(bytes(head))
+    header = blockformat.decode_header(bytes(head))
     key_at = head.index(b"block")
     head[key_at : key_at + 5] = b"blocc"  # another block key, as a forger would name it
-    used = fsformat.KEYED_HEADER_USED - 8
-    head[used : used + 8] = fsformat.payload_checksum(bytes(head[:used])).to_bytes(8, "little")
-    changed = fsformat.decode_header(bytes(head))  # the header's own checksum is fixed up
+    used = blockformat.KEYED_HEADER_USED - 8
+    head[used : used + 8] = blockformat.payload_checksum(bytes(head[:used])).to_bytes(8, "little")
+    changed = blockformat.decode_header(bytes(head))  # the header's own checksum is fixed up
     assert changed.key == b"blocc" and changed.mac == header.mac
     with pytest.raises(IntegrityRefused, match="MAC mismatch"):
-        fsformat.check_payload(bytes(head), changed, PAYLOAD, _ring(first))
+        blockformat.check_payload(bytes(head), changed, PAYLOAD, _ring(first))
 
 
 def test_a_damaged_sealed_header_fails_its_checksum_like_any_header() -> None:
     head = bytearray(_sealed(_ring(os.urandom(KEY_BYTES))))
-    head[fsformat.KEYED_HEADER_USED - 9] ^= 1  # a bit of the MAC
+    head[blockformat.KEYED_HEADER_USED - 9] ^= 1  # a bit of the MAC
     with pytest.raises(CorruptBlock, match="header checksum mismatch"):
-        fsformat.decode_header(bytes(head))
+        blockformat.decode_header(bytes(head))
     with pytest.raises(CorruptBlock, match="header truncated"):
-        fsformat.decode_header(bytes(head[: fsformat.HEADER_USED]))
+        blockformat.decode_header(bytes(head[: blockformat.HEADER_USED]))

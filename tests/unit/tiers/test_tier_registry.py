@@ -4,6 +4,7 @@ and the pool table reach tier types only through it."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ from kvtierd.tiers.configured import (
 )
 from kvtierd.tiers.fs.configured import ConfiguredFsTier
 from kvtierd.tiers.fs.settings import FsTierSettings
+from kvtierd.tiers.options import TEXT, option, tier_options
 
 
 def test_fs_is_supported_and_configures_a_configured_fs_tier(tmp_path: Any) -> None:
@@ -55,7 +57,7 @@ def test_the_embedded_default_is_an_fs_tier_under_the_data_directory() -> None:
 
 @dataclass(frozen=True, slots=True)
 class MemorySettings:
-    label: str
+    label: str = option(dataclasses.MISSING, "a label", TEXT)
 
     def exclusive(self) -> Mapping[str, object]:
         return {"label": self.label}
@@ -94,7 +96,7 @@ def memory_type() -> Any:
         name="memory-test",
         parse_settings=parse_memory,
         configured_class=f"{__name__}:ConfiguredMemoryTier",
-        option_help=lambda: {"label": "a label (required)"},
+        options=tier_options(MemorySettings),
     )
     registry.register(tier_type)
     try:
@@ -131,7 +133,7 @@ def test_a_registered_type_is_parsed_checked_for_sharing_and_configured(
 
 
 def test_a_registered_class_must_be_a_configured_tier() -> None:
-    bogus = registry.TierType("bogus", parse_memory, f"{__name__}:MemorySettings", dict)
+    bogus = registry.TierType("bogus", parse_memory, f"{__name__}:MemorySettings", ())
     with pytest.raises(TypeError, match="is not a ConfiguredTier"):
         bogus.configured()
 

@@ -46,8 +46,8 @@ def test_the_rendered_reference_names_every_option_flag_and_variable() -> None:
         if option.flag:
             assert f"`{option.flag}`" in page, option.flag
     for tier_type in registry.supported():
-        for key in registry.lookup(tier_type).option_help():
-            assert f"| `{key}` |" in page, (tier_type, key)
+        for option in registry.lookup(tier_type).options:
+            assert f"| `{option.key}` |" in page, (tier_type, option.key)
 
 
 FIXED_DEFAULTS = [o for o in config.OPTIONS if (o.section, o.key) not in MACHINE_DEFAULTS]
@@ -84,7 +84,7 @@ def test_the_example_configuration_names_every_key_and_parses() -> None:
              for key in table}  # fmt: skip
     assert named == {(o.section, o.key) for o in config.OPTIONS}
     first = {k: v for k, v in document["tiers"][0].items() if k not in ("type", "name")}
-    assert sorted(first) == sorted(FS_OPTIONS)
+    assert sorted(first) == sorted(option.key for option in FS_OPTIONS)
     for table in document["tiers"]:
         parse_fs_settings({k: v for k, v in table.items() if k not in ("type", "name")})
 
@@ -109,7 +109,10 @@ def test_the_layout_page_lists_every_package_and_contract() -> None:
     for init in sorted((REPO / "kvtierd").rglob("__init__.py")):
         package = ".".join(init.parent.relative_to(REPO).parts)
         assert f"| `{package}` |" in page, package
-    assert page.count("| `layers` |") == 1
+    contracts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
+    for contract in contracts["contracts"]:
+        assert f"| {contract['name']} | `{contract['type']}` |" in page, contract["name"]
+    assert page.count("| `layers` |") == 2  # the daemon's and the client's
 
 
 def test_the_readme_is_a_front_door() -> None:

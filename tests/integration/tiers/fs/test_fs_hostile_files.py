@@ -20,6 +20,7 @@ from daemon_harness import daemon_command, fs_tiers_config, start_daemon
 from engine_harness import BLOCK, HIT, MISS, Engine, block_keys, file_of, payload
 from spawn_harness import with_address_space
 
+from kvtierd.tiers import blockformat
 from kvtierd.tiers.fs import fsformat
 
 GRACE_S = 1.0  # --shutdown-grace of these daemons
@@ -94,7 +95,7 @@ def test_a_planted_block_file_is_a_quick_counted_miss_and_sigterm_completes(
         assert (stats.checksum_failures, stats.promotion_failures) == (1, 1)
         assert f"bad block file {victim}: a {kind}, not a regular file" in daemon.log()
         assert victim.is_dir() if kind == "directory" else not os.path.lexists(victim)
-        assert (tmp_path / "outside" / victim.name).read_bytes()[fsformat.HEADER_SIZE :] == (
+        assert (tmp_path / "outside" / victim.name).read_bytes()[blockformat.HEADER_SIZE :] == (
             payload(keys[0])
         )  # the file outside the root is untouched
 
@@ -155,10 +156,10 @@ def test_planted_entries_across_a_restart_the_scan_completes(fs_root, tmp_path, 
 
 def write_pool(root: Path, name: str, block_bytes: int) -> tuple[Path, bytes]:
     """A pool directory with its pool.json, as the daemon writes it; (dir, fingerprint)."""
-    identity = fsformat.PoolIdentity(name, block_bytes, "L")
-    pool_dir = root / identity.dir_name
+    identity = blockformat.PoolIdentity(name, block_bytes, "L")
+    pool_dir = root / fsformat.pool_dir_name(identity)
     pool_dir.mkdir(parents=True)
-    (pool_dir / fsformat.POOL_FILE).write_text(json.dumps(identity.describe()))
+    (pool_dir / fsformat.POOL_FILE).write_text(json.dumps(fsformat.pool_file(identity)))
     return pool_dir, identity.fingerprint
 
 
@@ -183,8 +184,8 @@ def write_block(
         digest = checksum.intdigest()
     else:
         body = payload(key)[:block_bytes]
-        digest = fsformat.payload_checksum(body)
-    header = fsformat.encode_header(
+        digest = blockformat.payload_checksum(body)
+    header = blockformat.encode_header(
         key=key,
         fingerprint=fingerprint,
         payload_length=block_bytes if claim is None else claim,
@@ -193,7 +194,7 @@ def write_block(
     with open(path, "wb") as f:
         f.write(header)
         if sparse:
-            f.truncate(fsformat.HEADER_SIZE + block_bytes)
+            f.truncate(blockformat.HEADER_SIZE + block_bytes)
         else:
             f.write(body)
     return path
@@ -228,7 +229,7 @@ def test_fsck_reports_huge_and_lying_files_quickly_in_bounded_memory(tmp_path):
     result, took = fsck(str(root), address_space=128 << 20)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "Traceback" not in result.stderr and "MemoryError" not in result.stderr
-    expected = fsformat.HEADER_SIZE + BLOCK
+    expected = blockformat.HEADER_SIZE + BLOCK
     assert f"BAD {sparse}: file is {1 << 40} bytes, expected {expected}" in result.stdout
     assert f"BAD {lying}: header claims {1 << 40} payload bytes, the file holds {BLOCK}" in (
         result.stdout
@@ -255,7 +256,7 @@ def test_fsck_lists_planted_entries_without_hanging_or_following(tmp_path):
     other_dir, other_fingerprint = write_pool(outside, "elsewhere", BLOCK)
     write_block(other_dir, other_fingerprint, b"x", BLOCK)
     (root / other_dir.name).symlink_to(other_dir)
-    fifo_pool = root / fsformat.PoolIdentity("fifo", BLOCK, "L").dir_name
+    fifo_pool = root / fsformat.pool_dir_name(blockformat.PoolIdentity("fifo", BLOCK, "L"))
     os.mkfifo(fifo_pool)  # where a pool directory belongs: the daemon refuses that pool
     good = write_block(pool_dir, fingerprint, b"good", BLOCK)
 

@@ -21,7 +21,7 @@ from daemon_harness import DaemonProcess, daemon_command, eventually, fs_tiers_c
 from engine_harness import HIT, MISS, Engine, block_files, block_keys, file_of, payload
 from integrity_harness import forged, header_of, key_id, write_key
 
-from kvtierd.tiers.fs import fsformat
+from kvtierd.tiers import blockformat
 
 
 @pytest.fixture
@@ -90,7 +90,7 @@ def test_a_forged_file_with_a_valid_header_in_a_shared_root_is_never_served(
     _refused(reader, b"victim-1", 2)
     assert not unkeyed.exists() and not other_key.exists()
     tampered = file_of(fs_root, pool_name, b"tampered")
-    tampered.write_bytes(tampered.read_bytes()[: fsformat.HEADER_SIZE] + chosen)
+    tampered.write_bytes(tampered.read_bytes()[: blockformat.HEADER_SIZE] + chosen)
     _refused(reader, b"tampered", 3)
     assert not tampered.exists()
     stats = reader.tier_stats()
@@ -154,7 +154,7 @@ def test_fsck_checks_sealed_files_without_the_key(
     engine.close()
     damaged = file_of(fs_root, pool_name, keys[1])
     data = bytearray(damaged.read_bytes())
-    data[fsformat.HEADER_SIZE + 7] ^= 1
+    data[blockformat.HEADER_SIZE + 7] ^= 1
     damaged.write_bytes(bytes(data))
     kvtierctl = str(Path(daemon_command()[0]).parent / "kvtierctl")
     report = subprocess.run([kvtierctl, "fsck", str(fs_root)], capture_output=True, text=True,

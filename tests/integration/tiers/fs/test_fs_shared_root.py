@@ -33,6 +33,7 @@ from engine_harness import (
     payload,
 )
 
+from kvtierd.tiers import blockformat
 from kvtierd.tiers.fs import fsformat
 
 LONG = "60s"  # a rescan interval no test waits for: what it checks comes from lookups
@@ -210,7 +211,7 @@ def test_temp_and_partial_files_are_never_read(fs_root, daemons, pool_name):
     # a partial file under the final name (what a writer that skipped rename would leave)
     torn = file_of(fs_root, pool_name, partial)
     with open(torn, "r+b") as f:
-        f.truncate(fsformat.HEADER_SIZE + BLOCK // 2)
+        f.truncate(blockformat.HEADER_SIZE + BLOCK // 2)
 
     node_b = daemons.start(config)
     reader = Engine(node_b, pool_name)

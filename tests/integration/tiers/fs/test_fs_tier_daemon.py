@@ -37,6 +37,7 @@ from engine_harness import (
     payload,
 )
 
+from kvtierd.tiers import blockformat
 from kvtierd.tiers.fs import fsformat
 from kvtierd_client.client import Client
 from kvtierd_client.errors import FailedPrecondition
@@ -107,9 +108,9 @@ def test_restart_on_same_root_serves_blocks_bit_exact(fs_root, pool_name):
 
 def _flip_payload_byte(path: Path, key: bytes, root: Path) -> None:
     with open(path, "r+b") as f:
-        f.seek(fsformat.HEADER_SIZE + 1234)
+        f.seek(blockformat.HEADER_SIZE + 1234)
         byte = f.read(1)
-        f.seek(fsformat.HEADER_SIZE + 1234)
+        f.seek(blockformat.HEADER_SIZE + 1234)
         f.write(bytes([byte[0] ^ 0x01]))
 
 

@@ -24,7 +24,7 @@ from redis_harness import (
     redis_key,
 )
 
-from kvtierd.tiers.fs import fsformat
+from kvtierd.tiers import blockformat
 
 BOUND = 15  # blocks of fleet_capacity = 1 MiB
 
@@ -157,7 +157,7 @@ def test_index_members_from_the_future_do_not_make_new_blocks_evict_themselves(
         urls = tuple(request.getfixturevalue("redis_cluster").urls)
         server = redis.RedisCluster.from_url(urls[0])
     bound = (4 << 20) // VALUE_BYTES
-    fingerprint = fsformat.PoolIdentity(pool_name, BLOCK, "L").fingerprint.hex()
+    fingerprint = blockformat.PoolIdentity(pool_name, BLOCK, "L").fingerprint.hex()
     index = f"{key_prefix}:lru:{fingerprint}:1:0"  # one bucket at this bound
     server.zadd(index, {b"planted-%04d" % i: float("inf") for i in range(bound + 10)})
     config = redis_config(urls, key_prefix, fleet_capacity="4MiB") + WAIT_FOR_REDIS

@@ -22,7 +22,7 @@ from engine_harness import HIT, MISS, Engine, block_keys, payload
 from integrity_harness import forged, header_of, key_id, write_key
 from redis_harness import RedisServer, promoted, redis_config, redis_key
 
-from kvtierd.tiers.fs import fsformat
+from kvtierd.tiers import blockformat
 
 
 @pytest.fixture
@@ -85,7 +85,7 @@ def test_a_forged_value_with_a_valid_header_is_never_served(
     rewritten = server.get(redis_key(key_prefix, pool_name, victims[0]))
     assert isinstance(rewritten, bytes)
     assert header_of(rewritten).key_id == key_id(fleet_key)
-    assert rewritten[fsformat.HEADER_SIZE :] == payload(victims[0])
+    assert rewritten[blockformat.HEADER_SIZE :] == payload(victims[0])
     promoted(reader, [b"genuine"])
     assert reader.load([b"genuine"]) == [payload(b"genuine")]
     log = reader.daemon.log()
@@ -114,7 +114,7 @@ def test_a_forged_payload_under_the_fleets_header_is_never_served(
     name = redis_key(key_prefix, pool_name, key)
     value = server.get(name)
     assert isinstance(value, bytes)
-    server.set(name, value[: fsformat.HEADER_SIZE] + payload(b"something else"))
+    server.set(name, value[: blockformat.HEADER_SIZE] + payload(b"something else"))
     _refused(reader, key, 1)
     assert "MAC mismatch under integrity key" in reader.daemon.log()
     server.close()
@@ -140,7 +140,7 @@ def test_values_written_without_a_key_are_read_without_one_and_refused_with_one(
     writer.settle_cascades()
     server = redis.Redis.from_url(redis_server.url)
     value = server.get(redis_key(key_prefix, pool_name, keys[0]))
-    assert isinstance(value, bytes) and header_of(value).version == fsformat.FORMAT_VERSION
+    assert isinstance(value, bytes) and header_of(value).version == blockformat.FORMAT_VERSION
     promoted(plain_reader, keys)
     assert plain_reader.load(keys) == [payload(k) for k in keys]
     for count, key in enumerate(keys, start=1):

@@ -27,7 +27,7 @@ from redis_harness import (
     tier_warnings,
 )
 
-from kvtierd.tiers.fs import fsformat
+from kvtierd.tiers import blockformat
 from kvtierd_client.errors import FailedPrecondition
 
 
@@ -78,7 +78,7 @@ def _good_keys_hit(engine: Engine, keys: list[bytes]) -> None:
 def _other_bytes(server: redis.Redis, name: bytes, other: bytes) -> None:
     value = server.get(name)
     assert isinstance(value, bytes)
-    i = fsformat.HEADER_SIZE + 1234
+    i = blockformat.HEADER_SIZE + 1234
     server.set(name, value[:i] + bytes([value[i] ^ 1]) + value[i + 1 :])
 
 

@@ -32,7 +32,7 @@ from redis_harness import (
     restrict_user,
 )
 
-from kvtierd.tiers.fs import fsformat
+from kvtierd.tiers import blockformat
 from kvtierd.tiers.redis.access import ACL_COMMANDS
 
 USER, PASSWORD = "kvtierd-tier", "tier-s3cret"
@@ -83,7 +83,7 @@ def test_rediss_to_a_standalone_server_as_a_restricted_acl_user(
     restrict_user([server], USER, PASSWORD, key_prefix)
     config = redis_config(
         server.url, key_prefix, username=USER, password_file=_password(tmp_path),
-        capacity=f"{4 * (fsformat.HEADER_SIZE + 65536)}", **tls.tier_options(), **FAST,
+        capacity=f"{4 * (blockformat.HEADER_SIZE + 65536)}", **tls.tier_options(), **FAST,
     )  # fmt: skip
     writer, reader = Engine(daemons(config), pool_name), Engine(daemons(config), pool_name)
     _exercise(writer, reader, "tls")  # 6 blocks in one job: held, though over a capacity of 4

@@ -1,6 +1,7 @@
 """fs tier settings (kvtierd.tiers.fs.settings): every default is written once, in
-``FsTierSettings``; the help text, the docs' configuration reference (its table generated
-from this class at every docs build), the tier and its I/O pool agree with it."""
+``FsTierSettings``; its table of options (``OPTIONS``), the help text, the docs'
+configuration reference (its table generated from the table at every docs build), the tier
+and its I/O pool agree with it."""
 
 from __future__ import annotations
 
@@ -15,17 +16,12 @@ import tomllib
 from kvtierd.ops.cli import build_parser
 from kvtierd.tiers.configured import TierOptionError
 from kvtierd.tiers.fs import FsTier
-from kvtierd.tiers.fs.iopool import IoPool
-from kvtierd.tiers.fs.settings import (
-    DEFAULTS,
-    OPTIONS,
-    FsTierSettings,
-    format_default,
-    option_help,
-    options_markdown,
-    parse_fs_settings,
-)
-from tools.docs_reference import render
+from kvtierd.tiers.fs.settings import DEFAULTS, OPTIONS, FsTierSettings, parse_fs_settings
+from kvtierd.tiers.iopool import IoPool
+from tools.docs_reference import render, tier_table
+
+KEYS = [option.key for option in OPTIONS]
+SHOWN = {option.key: option.default_text() for option in OPTIONS}
 
 REPO = Path(__file__).resolve().parents[4]
 CONFIGURATION = REPO / "docs" / "reference" / "configuration.md"
@@ -33,7 +29,9 @@ CONFIGURATION = REPO / "docs" / "reference" / "configuration.md"
 
 def test_the_docs_table_of_fs_options_is_the_generated_one() -> None:
     """The configuration reference asks for the table (``<!-- generated: tier fs -->``)."""
-    assert options_markdown() in render(CONFIGURATION.read_text())
+    table = tier_table("fs")
+    assert table in render(CONFIGURATION.read_text())
+    assert '| `capacity` | `"10GiB"` | bytes of block files of all pools together' in table
 
 
 def test_the_docs_example_sets_every_fs_option_and_parses() -> None:
@@ -43,7 +41,7 @@ def test_the_docs_example_sets_every_fs_option_and_parses() -> None:
     example = found.group(1)
     tables = tomllib.loads(example)["tiers"]
     first = {k: v for k, v in tables[0].items() if k not in ("type", "name")}
-    assert sorted(first) == sorted(OPTIONS)
+    assert sorted(first) == sorted(KEYS)
     for table in tables:
         parse_fs_settings({k: v for k, v in table.items() if k not in ("type", "name")})
 
@@ -54,8 +52,8 @@ def test_the_quick_start_names_the_default_capacity() -> None:
 
 
 def test_help_names_every_option_with_its_default() -> None:
-    helps = option_help()
-    assert list(helps) == list(OPTIONS)
+    helps = {option.key: option.help_line() for option in OPTIONS}
+    assert list(helps) == KEYS == [f.name for f in dataclasses.fields(FsTierSettings)]
     assert helps["root"].endswith("(required)")
     assert helps["capacity"].endswith('(default "10GiB")')
     assert helps["io_processes"].endswith(f"(default {DEFAULTS.io_processes})")
@@ -65,11 +63,11 @@ def test_help_names_every_option_with_its_default() -> None:
 
 
 def test_the_tier_and_its_io_pool_default_to_the_settings_defaults() -> None:
-    """The keyword options of FsTier and IoPool are the settings' own defaults."""
+    """The keyword options of FsTier and IoPool with a default have the settings' own."""
     for cls in (FsTier, IoPool):
         parameters = inspect.signature(cls).parameters
-        for option in OPTIONS:
-            if option in parameters and option != "root":
+        for option in KEYS:
+            if option in parameters and parameters[option].default is not inspect.Parameter.empty:
                 assert parameters[option].default == getattr(DEFAULTS, option), (cls, option)
     assert "read_threads" in inspect.signature(IoPool).parameters
 
@@ -84,21 +82,52 @@ def test_parsing_only_a_root_gives_every_default() -> None:
      ("o_direct", '"auto"'), ("read_threads", "8"), ("root", "")],
 )  # fmt: skip
 def test_defaults_are_shown_as_toml_values(option: str, shown: str) -> None:
-    assert format_default(option) == shown
+    assert SHOWN[option] == shown
 
 
 def test_a_shown_default_parses_back_to_the_default() -> None:
     checked = []
-    for option in OPTIONS:
-        shown = format_default(option)
+    for option in KEYS:
+        shown = SHOWN[option]
         if shown:
             value = tomllib.loads(f"v = {shown}")["v"]
             parsed = parse_fs_settings({"root": "/x", option: value})
             assert getattr(parsed, option) == getattr(DEFAULTS, option), option
             checked.append(option)
     # every option but the root (no default) is shown, so none can be skipped unseen
-    assert sorted(checked) == sorted(option for option in OPTIONS if option != "root")
+    assert sorted(checked) == sorted(option for option in KEYS if option != "root")
     assert {"capacity", "max_queue_bytes", "fsync", "o_direct", "read_threads"} <= set(checked)
+
+
+@pytest.mark.parametrize(
+    ("options", "key", "message"),
+    [
+        ({}, "root", "missing: directory holding the block files"),
+        ({"root": "rel"}, "root", "expected an absolute directory path, got 'rel'"),
+        ({"capacity": "512KiB"}, "capacity", "must be at least 1MiB, got '512KiB'"),
+        ({"capacity": "lots"}, "capacity", "lots"),
+        ({"fsync": "yes"}, "fsync", "expected true or false, got 'yes'"),
+        ({"o_direct": "maybe"}, "o_direct", "expected auto, on or off"),
+        ({"read_threads": 257}, "read_threads", "expected an integer in [0, 256], got 257"),
+        ({"read_threads": 0, "write_threads": 0}, "read_threads", "must be at least 1"),
+        ({"max_queue_jobs": 0}, "max_queue_jobs", "expected an integer in [1, 1048576]"),
+        ({"io_worker_timeout": "0s"}, "io_worker_timeout", "must be 10ms to 3600s, got '0s'"),
+        ({"integrity_key_file": "k"}, "integrity_key_file", "expected an absolute path"),
+        ({"integrity_verify_key_file": "/k"}, "integrity_verify_key_file", "needs integrity_key"),
+    ],
+)
+def test_bad_options_name_the_option_and_what_to_write(
+    options: dict[str, object], key: str, message: str
+) -> None:
+    with pytest.raises(TierOptionError) as caught:
+        parse_fs_settings({"root": "/x", **options} if key != "root" else options)
+    assert caught.value.key == key and message in caught.value.message, caught.value.message
+
+
+def test_o_direct_and_the_durations_read_their_other_spellings() -> None:
+    parsed = parse_fs_settings({"root": "/x", "o_direct": True, "io_worker_timeout": "500ms"})
+    assert (parsed.o_direct, parsed.io_worker_timeout) == ("on", 0.5)
+    assert parse_fs_settings({"root": "/x", "o_direct": False}).o_direct == "off"
 
 
 def test_an_unknown_option_lists_the_known_ones() -> None:

@@ -7,6 +7,8 @@ real, or a rescan is called directly where a test needs it at a known moment.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import os
 import shutil
 import threading
@@ -23,7 +25,8 @@ from test_fs_tier import BLOCK, FILE_BYTES, POOL, ROWS, Harness, run
 from kvtierd.contract import LookupResult
 from kvtierd.primary.region import Region
 from kvtierd.tiers.fs import FsTier, fsformat
-from kvtierd.tiers.fs.index import BlockIndex, DiskBudget
+from kvtierd.tiers.fs.index import BlockIndex, DiskBudget, IndexedPool
+from kvtierd.tiers.fs.settings import DEFAULTS
 from kvtierd.tiers.fs.shared import MAX_WANTED, SharedRoot
 from kvtierd.tiers.fs.unserved import UnservedPools
 
@@ -93,8 +96,9 @@ def test_the_negative_cache_and_the_queue_bound(region: Region, tmp_path):
 
     run(region, tmp_path, body)
     index = BlockIndex("fs", FILE_BYTES, DiskBudget(1 << 30), lambda key: None)
-    idle = SharedRoot("fs", str(tmp_path), b"f" * 16, 4096, index,
-                      negative_ttl=1.0, rescan_interval=LONG_S)  # fmt: skip
+    pool = IndexedPool("fs", str(tmp_path), b"f" * 16, 4096, index)
+    times = dataclasses.replace(DEFAULTS, shared_negative_ttl=1.0, shared_rescan_interval=LONG_S)
+    idle = SharedRoot(pool, times)
     keys = [i.to_bytes(4, "big") for i in range(MAX_WANTED + 10)]
     assert idle.want(keys) == MAX_WANTED  # bounded: the rest answer MISS unqueued
     assert idle.want(keys) == 0  # queued already
@@ -233,8 +237,9 @@ def test_a_key_being_checked_is_not_queued_again(tmp_path, monkeypatch):
     """Lookups that come while the key's check is on disk (the fast lane answers 30
     lookups in a few ms) queue no second check: the check's answer is the next."""
     index = BlockIndex("fs", FILE_BYTES, DiskBudget(1 << 30), lambda key: None)
-    shared = SharedRoot("fs", str(tmp_path), b"f" * 16, 4096, index,
-                        negative_ttl=LONG_S, rescan_interval=LONG_S)  # fmt: skip
+    pool = IndexedPool("fs", str(tmp_path), b"f" * 16, 4096, index)
+    times = dataclasses.replace(DEFAULTS, shared_negative_ttl=LONG_S, shared_rescan_interval=LONG_S)
+    shared = SharedRoot(pool, times)
     on_disk, release = threading.Event(), threading.Event()
     checked: list[list[bytes]] = []
 

@@ -23,19 +23,20 @@ import pytest
 
 from kvtierd.contract import LookupResult
 from kvtierd.primary.region import Region
+from kvtierd.tiers import blockformat
 from kvtierd.tiers.base import JobResult, TierJob
 from kvtierd.tiers.configured import PoolBinding
 from kvtierd.tiers.fs import FsTier, FsTierError, PoolMismatchError, fsformat, iowire, safefs
 from kvtierd.tiers.fs.blockio import BlockIo, InlineIo, IoWorkers, WorkerStalled
 from kvtierd.tiers.fs.fsck import fsck
-from kvtierd.tiers.fs.iopool import IoPool, PoolShutDown
 from kvtierd.tiers.fs.iowire import Reply
 from kvtierd.tiers.fs.settings import FsTierSettings
 from kvtierd.tiers.fs.tier import FsTierProbes, SharedParts
+from kvtierd.tiers.iopool import IoPool, PoolShutDown
 
 BLOCK = 16384
 ROWS = 8
-FILE_BYTES = fsformat.HEADER_SIZE + BLOCK
+FILE_BYTES = blockformat.HEADER_SIZE + BLOCK
 POOL = "test/pool:1"
 LONG_KEY = bytes(range(200))
 
@@ -327,9 +328,9 @@ def _poke(path: Path, offset: int, data: bytes) -> None:
 
 def _flip_payload(tier: FsTier, path: Path) -> None:
     with open(path, "r+b") as f:
-        f.seek(fsformat.HEADER_SIZE + 1234)
+        f.seek(blockformat.HEADER_SIZE + 1234)
         byte = f.read(1)
-        f.seek(fsformat.HEADER_SIZE + 1234)
+        f.seek(blockformat.HEADER_SIZE + 1234)
         f.write(bytes([byte[0] ^ 0x01]))
 
 
@@ -343,14 +344,14 @@ def _other_key(tier: FsTier, path: Path) -> None:
 
 def _other_pool(tier: FsTier, path: Path) -> None:
     raw = path.read_bytes()
-    header = fsformat.decode_header(raw[: fsformat.HEADER_SIZE])
-    forged = fsformat.encode_header(
+    header = blockformat.decode_header(raw[: blockformat.HEADER_SIZE])
+    forged = blockformat.encode_header(
         key=header.key,
-        fingerprint=b"\x42" * fsformat.FINGERPRINT_BYTES,
+        fingerprint=b"\x42" * blockformat.FINGERPRINT_BYTES,
         payload_length=header.payload_length,
         payload_checksum=header.payload_checksum,
     )
-    path.write_bytes(forged + raw[fsformat.HEADER_SIZE :])
+    path.write_bytes(forged + raw[blockformat.HEADER_SIZE :])
 
 
 @BLOCK_IO

@@ -26,8 +26,9 @@ from test_fs_tier import BLOCK_IO, Harness, block_path, region, run
 
 from kvtierd.contract import LookupResult
 from kvtierd.primary.region import Region
-from kvtierd.tiers.fs import FsTier, FsTierError, blockio, fsformat, iopool, scan
-from kvtierd.tiers.fs.iopool import IoPool
+from kvtierd.tiers import iopool
+from kvtierd.tiers.fs import FsTier, FsTierError, blockio, fsformat, scan
+from kvtierd.tiers.iopool import IoPool
 
 __all__ = ["region"]  # the fixture, imported for these tests
 

@@ -16,14 +16,15 @@ from test_fs_tier import BLOCK, FILE_BYTES, Harness, block_path, region, run, te
 
 from kvtierd.contract import LookupResult
 from kvtierd.primary.region import Region
-from kvtierd.tiers.fs import fsformat, iowire
+from kvtierd.tiers import blockformat
+from kvtierd.tiers.fs import iowire
 from kvtierd.tiers.fs.blockfile import CorruptFile
 from kvtierd.tiers.fs.blockio import IoWorkers, WorkerDied, WorkerProcess
 from kvtierd.tiers.integrity import IntegrityKey, KeyRing
 
 __all__ = ["region"]  # the fixture, imported for these tests
 
-FINGERPRINT = b"\x07" * fsformat.FINGERPRINT_BYTES
+FINGERPRINT = b"\x07" * blockformat.FINGERPRINT_BYTES
 
 
 def _wait_gone(pid: int, timeout: float = 10.0) -> bool:
@@ -70,8 +71,8 @@ def test_a_worker_seals_with_the_keys_of_the_request_and_refuses_other_keys(
     workers = IoWorkers(1, channels=1)
     try:
         assert workers.call(_write_request(region, tmp_path, b"key", 0, _ring(first))) == [None]
-        header = fsformat.decode_header((tmp_path / f"{b'key'.hex()}.kvb").read_bytes())
-        assert header.version == fsformat.KEYED_VERSION
+        header = blockformat.decode_header((tmp_path / f"{b'key'.hex()}.kvb").read_bytes())
+        assert header.version == blockformat.KEYED_VERSION
         assert header.key_id == IntegrityKey.of(first).key_id
         for ring in (_ring(first), _ring(second, first)):  # the rotation verifies it too
             region.row(2)[:] = bytes(BLOCK)

@@ -35,15 +35,15 @@ def test_a_probe_that_found_a_held_key_gone_drops_it_only_if_it_was_stored_befor
     keys = book(clock)
     keys.hold(A)
     keys.answered([(A, False)], sent_at=clock.now - 0.5)  # asked before the store
-    assert keys.blocks == 1 and keys.take_removed() == []
+    assert keys.blocks == 1 and keys.removals.take() == []
     keys.writing([A])  # rewritten meanwhile: absent when asked, being stored now
     keys.answered([(A, False)], sent_at=clock.advance(0.5))
     assert keys.blocks == 1
     keys.written([A])
     keys.answered([(A, False)], sent_at=clock.now)
     assert keys.blocks == 0 and keys.used_bytes == 0
-    assert keys.take_removed() == [A] and keys.take_removed() == []
-    assert keys.removals(A)[0][1] == "evicted by the server (a probe found it gone)"
+    assert keys.removals.take() == [A] and keys.removals.take() == []
+    assert keys.removals.of(A)[0][1] == "evicted by the server (a probe found it gone)"
     assert keys.lookup([A]) == ([MISS], [])  # known absent: not asked again
     assert keys.contains(A) is False
 
@@ -65,8 +65,8 @@ def test_a_held_key_past_its_ttl_is_dropped_at_its_lookup() -> None:
     clock.advance(1.5)
     assert keys.presence([A]) == [False] and keys.contains(A) is False
     assert keys.lookup([A]) == ([MISS], [])
-    assert keys.take_removed() == [A]
-    assert keys.removals(A)[0][1] == "expired: its ttl ran out on the server"
+    assert keys.removals.take() == [A]
+    assert keys.removals.of(A)[0][1] == "expired: its ttl ran out on the server"
 
 
 def test_storing_a_key_replaces_what_a_probe_said_about_it() -> None:
@@ -91,7 +91,7 @@ def test_eviction_takes_the_least_recent_and_spares_a_store_that_is_all_that_is_
     keys.touch([A])  # recency: B, C, A
     assert keys.evict_over_capacity(2 * VALUE, protect={C}) == [B]
     assert keys.used_bytes == 2 * VALUE and list(keys.least_recent(5)) == [C, A]
-    assert keys.take_removed() == [B]
+    assert keys.removals.take() == [B]
     assert keys.presence([B]) == [None]  # evicted here: unknown, not known absent
     assert keys.evict_over_capacity(0, protect={C, A}) == []
     assert keys.blocks == 2
@@ -104,6 +104,6 @@ def test_the_removal_history_keeps_the_latest_removals_only() -> None:
         key = n.to_bytes(16, "big")
         keys.hold(key)
         keys.drop(key, "gone")
-    assert keys.removals((0).to_bytes(16, "big")) == []
-    assert keys.removals(REMOVALS_KEPT.to_bytes(16, "big"))[0][1] == "gone"
-    assert len(keys.take_removed()) == REMOVALS_KEPT + 1
+    assert keys.removals.of((0).to_bytes(16, "big")) == []
+    assert keys.removals.of(REMOVALS_KEPT.to_bytes(16, "big"))[0][1] == "gone"
+    assert len(keys.removals.take()) == REMOVALS_KEPT + 1

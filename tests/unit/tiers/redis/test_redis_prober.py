@@ -10,13 +10,12 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import Sequence
 
 import redis
 from redis_harness import RedisServer
 
 from kvtierd.tiers.redis.link import RedisLink
-from kvtierd.tiers.redis.prober import Prober
+from kvtierd.tiers.redis.prober import ProbeAnswer, Prober
 from kvtierd.tiers.redis.settings import RedisTierSettings
 
 
@@ -27,15 +26,10 @@ class Answers:
         self.present: dict[bytes, bool | None] = {}
         self.errors: list[BaseException] = []
 
-    def probe_answered(
-        self,
-        answers: Sequence[tuple[bytes, bool | None]],
-        sent_at: float,
-        error: BaseException | None,
-    ) -> None:
-        self.present.update(answers)
-        if error is not None:
-            self.errors.append(error)
+    def probe_answered(self, answer: ProbeAnswer) -> None:
+        self.present.update(answer.answers)
+        if answer.error is not None:
+            self.errors.append(answer.error)
 
 
 def _link(server: RedisServer, timeout: float) -> RedisLink:

@@ -11,20 +11,16 @@ import pytest
 from kvtierd.tiers import registry
 from kvtierd.tiers.configured import TierCheckError, TierOptionError
 from kvtierd.tiers.redis.configured import ConfiguredRedisTier, read_password
-from kvtierd.tiers.redis.settings import (
-    DEFAULTS,
-    RedisTierSettings,
-    options_markdown,
-    parse_redis_settings,
-)
-from tools.docs_reference import render
+from kvtierd.tiers.redis.settings import DEFAULTS, RedisTierSettings, parse_redis_settings
+from tools.docs_reference import render, tier_table
 
 CONFIGURATION = Path(__file__).resolve().parents[4] / "docs" / "reference" / "configuration.md"
 
 
 def test_the_docs_table_of_redis_options_is_the_generated_one() -> None:
     """The configuration reference asks for the table (``<!-- generated: tier redis -->``)."""
-    assert options_markdown() in render(CONFIGURATION.read_text())
+    assert tier_table("redis") in render(CONFIGURATION.read_text())
+    assert '| `urls` | `["redis://127.0.0.1:6379"]` | seed nodes' in tier_table("redis")
 
 
 def test_the_normative_options_and_their_defaults() -> None:

@@ -17,7 +17,7 @@ from redis_harness import RedisServer
 
 from kvtierd.contract import LookupResult
 from kvtierd.tiers.base import JobResult, TierJob
-from kvtierd.tiers.fs.iopool import IoPool
+from kvtierd.tiers.iopool import IoPool
 from kvtierd.tiers.redis.link import RedisLink
 from kvtierd.tiers.redis.settings import RedisTierSettings
 from kvtierd.tiers.redis.tier import RedisTier

@@ -1,11 +1,12 @@
-"""A dual-queue I/O thread pool whose completions land on an asyncio loop.
+"""A dual-queue I/O thread pool whose completions land on an asyncio loop: the
+threads of the tiers that move blocks off the loop (fs, redis).
 
 Work is submitted in *batches* (one tier job = one batch of tasks; the fs and
 redis tiers make one task per group of blocks, about 16 MiB: :func:`group_tasks`,
-whose per-group outcomes :func:`flatten` turns back into one per block). Read-priority threads
-(``kvtierd-fs-r<i>``) pop the read queue first, write-priority threads
-(``kvtierd-fs-w<i>``) the write queue first; both drain either queue, so no
-thread idles while work waits.
+whose per-group outcomes :func:`flatten` turns back into one per block).
+Read-priority threads (``<name>-r<i>``; a configured tier's ``kvtierd-<tier>-r<i>``)
+pop the read queue first, write-priority threads (``<name>-w<i>``) the write queue
+first; both drain either queue, so no thread idles while work waits.
 
 Invariants:
 
@@ -17,7 +18,8 @@ Invariants:
   would exceed ``max_queue_jobs`` pending write batches or ``max_queue_bytes``
   pending write bytes (pending = accepted, not yet done). Reads are unbounded.
 * the pending counters are guarded by the pool's condition lock; the
-  outstanding-batch count used by :meth:`drain` lives on the loop thread only.
+  outstanding-batch count used by :meth:`drain` lives on the loop thread only
+  (:class:`JobsInFlight`, which the memory tier counts its jobs with too).
 """
 
 from __future__ import annotations
@@ -34,12 +36,14 @@ from typing import Any
 
 from kvtierd.contract import BlockKey
 from kvtierd.tiers.failures import IoUnavailable
-from kvtierd.tiers.fs.settings import DEFAULTS
 
 log = logging.getLogger(__name__)
 
 Task = Callable[[], Any]
 JOIN_S = 2.0  # shutdown waits this long in all for the threads to finish their tasks
+# the tiers' defaults of max_queue_jobs and max_queue_bytes: cascade writes queued at most
+DEFAULT_QUEUE_JOBS = 1024
+DEFAULT_QUEUE_BYTES = 1 << 30
 
 
 class PoolShutDown(IoUnavailable):
@@ -64,6 +68,41 @@ class Outcome:
 BatchCallback = Callable[[list[Outcome]], None]
 
 
+class JobsInFlight:
+    """Jobs (or batches) accepted and not reported yet, and the :meth:`drain` callers
+    waiting for none to be left. Loop thread only.
+
+    Invariant: :attr:`count` >= 0; every waiter is woken the moment it reaches 0.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.count = 0
+        self._waiters: list[asyncio.Future[None]] = []
+
+    def add(self) -> None:
+        """One more accepted (count n -> n+1)."""
+        self.count += 1
+
+    def done(self) -> None:
+        """One reported (count n -> n-1); at 0 every :meth:`drain` caller returns."""
+        self.count -= 1
+        assert self.count >= 0, "more jobs reported than accepted"
+        if self.count == 0:
+            waiters, self._waiters = self._waiters, []
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    async def drain(self) -> None:
+        """Returns once every job accepted so far has reported."""
+        if self.count == 0:
+            return
+        waiter = self._loop.create_future()
+        self._waiters.append(waiter)
+        await waiter
+
+
 class _Batch:
     """Outcomes of one batch; completed by whichever thread records the last one."""
 
@@ -84,11 +123,11 @@ class IoPool:
         self,
         loop: asyncio.AbstractEventLoop,
         *,
-        read_threads: int = DEFAULTS.read_threads,
-        write_threads: int = DEFAULTS.write_threads,
-        max_queue_jobs: int = DEFAULTS.max_queue_jobs,
-        max_queue_bytes: int = DEFAULTS.max_queue_bytes,
-        name: str = "kvtierd-fs",
+        read_threads: int,
+        write_threads: int,
+        max_queue_jobs: int = DEFAULT_QUEUE_JOBS,
+        max_queue_bytes: int = DEFAULT_QUEUE_BYTES,
+        name: str = "kvtierd-io",
     ) -> None:
         if read_threads < 0 or write_threads < 0 or read_threads + write_threads < 1:
             raise ValueError(
@@ -107,8 +146,7 @@ class IoPool:
         # batches failed because shutdown came before they ran (any thread reads it
         # after shutdown returned): the jobs a stop dropped
         self.dropped_batches = 0
-        self._outstanding = 0  # loop thread only: accepted batches not yet delivered
-        self._idle_waiters: list[asyncio.Future[None]] = []  # loop thread only
+        self._outstanding = JobsInFlight(loop)  # accepted batches not yet delivered
         self._threads = [
             threading.Thread(target=self._worker, args=(True,), name=f"{name}-r{i}", daemon=True)
             for i in range(read_threads)
@@ -140,7 +178,7 @@ class IoPool:
         self, tasks: Sequence[Task], on_done: BatchCallback, nbytes: int, *, is_write: bool
     ) -> None:
         batch = _Batch(len(tasks), on_done, nbytes, is_write)
-        self._outstanding += 1
+        self._outstanding.add()
         if not tasks:
             self._finish(batch)
             return
@@ -172,11 +210,7 @@ class IoPool:
 
     async def drain(self) -> None:
         """Returns once every accepted batch's callback has run on the loop."""
-        if self._outstanding == 0:
-            return
-        waiter = self._loop.create_future()
-        self._idle_waiters.append(waiter)
-        await waiter
+        await self._outstanding.drain()
 
     def shutdown(self, join_s: float | None = None) -> None:
         """Fails every queued task (their batches still report once, counted in
@@ -250,12 +284,7 @@ class IoPool:
         except Exception:
             log.exception("I/O batch completion callback failed")
         finally:
-            self._outstanding -= 1
-            if self._outstanding == 0:
-                waiters, self._idle_waiters = self._idle_waiters, []
-                for waiter in waiters:
-                    if not waiter.done():
-                        waiter.set_result(None)
+            self._outstanding.done()
 
 
 def _run(task: Task) -> Outcome:
@@ -292,3 +321,9 @@ def flatten(outcomes: list[Outcome], sizes: list[int]) -> list[Outcome]:
     for outcome, size in zip(outcomes, sizes, strict=True):
         flat.extend(outcome.value if outcome.ok else [outcome] * size)
     return flat
+
+
+def each_block(pairs: Pairs, run: Callable[[BlockKey, int], Any]) -> list[Outcome]:
+    """One :class:`Outcome` per (key, row) of a group, in order: what ``run(key, row)``
+    returned or raised, and how long it took (a failed block does not stop the rest)."""
+    return [_run(functools.partial(run, key, row)) for key, row in pairs]
