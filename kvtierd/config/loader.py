@@ -8,7 +8,7 @@ import difflib
 import os
 import re
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from kvtierd.config.options import OPTIONS, SECTIONS, Option
@@ -118,7 +118,7 @@ def closest(name: str, known: Iterable[str]) -> list[str]:
     return difflib.get_close_matches(name, list(known), n=1, cutoff=0.75)
 
 
-def _unknown_tier_option_hint(option: str, known: Mapping[str, str]) -> str:
+def _unknown_tier_option_hint(option: str, known: Sequence[str]) -> str:
     """ "; did you mean ...?" after a tier type's refusal of an option it does not
     know (the type's message lists the known ones); "" for a known option."""
     close = [] if option in known else closest(option, known)
@@ -251,7 +251,7 @@ def _parse_tiers(raw: Any) -> tuple[TierConfig, ...]:
         try:
             settings = tier_type.parse_settings(options)
         except TierOptionError as exc:
-            hint = _unknown_tier_option_hint(exc.key, tier_type.option_help())
+            hint = _unknown_tier_option_hint(exc.key, [option.key for option in tier_type.options])
             raise ConfigError(f"{key}.{exc.key}", exc.message + hint) from None
         for option, value in settings.exclusive().items():
             if any(t.settings.exclusive().get(option) == value for t in tiers):

@@ -7,7 +7,6 @@ real, or a rescan is called directly where a test needs it at a known moment.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import os
 import shutil
