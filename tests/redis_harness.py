@@ -37,7 +37,6 @@ import pytest
 import redis
 from daemon_harness import eventually
 from engine_harness import BLOCK, HIT, Engine
-from tls_ca import TestCA
 
 from kvtierd.tiers import blockformat
 from kvtierd.tiers.redis.access import ACL_COMMANDS
@@ -80,6 +79,10 @@ class RedisTls:
 
     @classmethod
     def make(cls, directory: str | os.PathLike[str], name: str = "redis") -> RedisTls:
+        # imported here: every conftest imports this module, and the GPU check's machine
+        # (benchmarks.gpu: torch, numpy, pytest; no registry) has no cryptography
+        from tls_ca import TestCA
+
         ca = TestCA(f"{name}-ca")
         ca_file = ca.write(os.path.join(directory, f"{name}-ca.pem"))
         server = ca.issue("redis", dns_names=("localhost",), ip_addresses=("127.0.0.1",))

@@ -119,3 +119,37 @@ def test_the_device_script_refuses_to_run_without_its_wheels(tmp_path):
     )  # fmt: skip
     assert done.returncode == 2
     assert "no wheels in" in done.stderr and "gpu_pack.py" in done.stderr
+
+
+# what the device image has besides the standard library and the carried wheels: its
+# torch, numpy, xxhash, uvloop, prometheus-client and pytest (gpu_pack.DEVICE_HAS), and
+# what those bring (pluggy, iniconfig, packaging, ... for pytest; sympy, jinja2, ... for
+# torch); a test-only package such as cryptography is not there
+_NOT_ON_THE_DEVICE = ("cryptography", "yaml", "valkey_glide_sync", "mypy", "ruff")
+_BLOCK_IMPORTS = """
+import importlib.abc, sys
+class NotOnTheDevice(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {blocked!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}} (not on the device image)")
+        return None
+sys.meta_path.insert(0, NotOnTheDevice())
+import pytest
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "--collect-only", "-k", "cuda", *{files!r}]))
+"""
+
+
+def test_the_cuda_tests_collect_with_only_what_the_device_machine_has():
+    """`make gpu-dry-run` found the CUDA tests unable to start on the device image: every
+    conftest imported the redis harness, and that the TLS test CA (cryptography). The
+    conftests must import nothing the device image lacks (test-only packages are
+    imported where they are used)."""
+    from benchmarks.gpu.suites import CUDA_TESTS
+
+    code = _BLOCK_IMPORTS.format(blocked=set(_NOT_ON_THE_DEVICE), files=list(CUDA_TESTS))
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "4/" in done.stdout and "tests collected" in done.stdout, done.stdout  # 3 CUDA + 1
