@@ -416,20 +416,20 @@ def _prepare_socket_directory(directory: str, gid: int | None, created: list[str
     except FileNotFoundError:
         _create_socket_directory(directory, gid, created)
     except OSError as exc:
-        raise ListenError(_unreachable(directory, exc)) from None
+        raise ListenError(_unreachable(directory, exc.strerror or str(exc))) from None
     try:
         require_trusted_dir(directory)
     except UntrustedPath as exc:
         raise ListenError(f"cannot listen in {directory}: {exc}") from None
     except OSError as exc:
-        raise ListenError(_unreachable(directory, exc)) from None
+        raise ListenError(_unreachable(directory, exc.strerror or str(exc))) from None
     if not os.path.isdir(directory):
         raise ListenError(
             f"cannot create socket directory {directory}: {directory} exists and is not a "
             "directory; choose another listen path"
         )
     if not os.access(directory, os.W_OK | os.X_OK):
-        raise ListenError(_unreachable(directory, PermissionError(errno.EACCES, "no write access")))
+        raise ListenError(_unreachable(directory, "no write access"))
     if os.stat(directory).st_mode & stat.S_ISVTX:
         log.warning(
             "server.listen: %s is a directory anyone may create names in (sticky): clients "
@@ -458,9 +458,9 @@ def _create_socket_directory(directory: str, gid: int | None, created: list[str]
         log.info("socket directory %s created: mode 0750, the daemon's own", directory)
 
 
-def _unreachable(path: str, exc: OSError) -> str:
+def _unreachable(path: str, why: str) -> str:
     return (
-        f"cannot reach {path}: {exc.strerror or exc} (the daemon runs as "
+        f"cannot reach {path}: {why} (the daemon runs as "
         f"{owner_name(os.geteuid())}); give that user access to it or choose another "
         "listen path"
     )
@@ -506,7 +506,7 @@ def _remove_stale_socket(path: str) -> None:
     except FileNotFoundError:
         return
     except OSError as exc:
-        raise ListenError(_unreachable(path, exc)) from None
+        raise ListenError(_unreachable(path, exc.strerror or str(exc))) from None
     if not stat.S_ISSOCK(info.st_mode):
         raise ConfigError(
             "server.listen",

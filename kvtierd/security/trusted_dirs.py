@@ -27,9 +27,10 @@ Nothing here changes a file; these are pure checks (``lstat``/``fstat`` only).
 from __future__ import annotations
 
 import os
-import pwd
 import stat
 from collections.abc import Callable
+
+from kvtierd_client.wire.trust import user_name as owner_name  # ``name (uid N)``
 
 GROUP_OR_OTHER_WRITE = stat.S_IWGRP | stat.S_IWOTH
 TRUSTED_OWNERS_DOC = "the daemon's user or root"
@@ -45,14 +46,6 @@ class UntrustedPath(Exception):
         )
         self.path = path
         self.owner_uid = st.st_uid
-
-
-def owner_name(uid: int) -> str:
-    """``name (uid N)``, or ``uid N`` for a uid without a passwd entry."""
-    try:
-        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
-    except KeyError:
-        return f"uid {uid}"
 
 
 def require_trusted_dir(path: str) -> None:

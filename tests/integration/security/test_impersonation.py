@@ -19,14 +19,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from daemon_harness import DaemonProcess, ctl, start_daemon
 from nonroot import as_user_prefix, require_nonroot_daemon
 from shm_leftovers import shm_tempdir
-from users_harness import Group, ThrowawayAccounts, User, require_root
+from users_harness import Group, ThrowawayAccounts, User
 
 from kvtierd_client.client import Client
 from kvtierd_client.errors import UntrustedAddress
@@ -36,16 +35,6 @@ POOL = "vllm/llama"
 BLOCK = 4096
 PLANTED = b"planted-prefix"
 ATTACKER_BYTE = 0xEE
-
-
-@pytest.fixture
-def accounts() -> Iterator[ThrowawayAccounts]:
-    require_root()
-    made = ThrowawayAccounts()
-    try:
-        yield made
-    finally:
-        made.remove_all()
 
 
 def _attacker_dir(attacker: User, path: str, mode: int) -> str:

@@ -23,7 +23,6 @@ from daemon_harness import (
 )
 from nonroot import as_user_prefix, require_nonroot_daemon
 from shm_leftovers import shm_tempdir
-from users_harness import ThrowawayAccounts, require_root
 
 from kvtierd.config.options import default_shm_dir
 from kvtierd_client.client import Client
@@ -38,16 +37,6 @@ def base() -> Iterator[Path]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def accounts() -> Iterator[ThrowawayAccounts]:
-    require_root()
-    made = ThrowawayAccounts()
-    try:
-        yield made
-    finally:
-        made.remove_all()
 
 
 def _refused(listen: str, workdir: Path) -> str:
