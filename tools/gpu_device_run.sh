@@ -38,4 +38,7 @@ fi
 mkdir -p "$out"
 echo "python: $("$python" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available())')"
 echo "regions in $shm ($(df -Ph "$shm" | awk 'NR == 2 {print $4}') free)"
-exec "$python" -m benchmarks.gpu --out "$out/gpu.md" --shm-dir "$shm" "$@"
+status=0
+"$python" -m benchmarks.gpu --out "$out/gpu.md" --shm-dir "$shm" "$@" || status=$?
+rm -rf "$site"  # the wheels' private install: nothing of it is kept
+exit "$status"

@@ -90,8 +90,8 @@ class Host:
     def close(self) -> None:
         for daemon in self.daemons:
             daemon.stop(signal.SIGKILL)
-        if self.daemons:
-            self.daemons[-1].cleanup()
+        for daemon in self.daemons:
+            daemon.cleanup()  # each start's work directory (a restart shares its own)
         shutil.rmtree(self.shm_dir, ignore_errors=True)
 
 
