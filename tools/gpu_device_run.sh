@@ -13,7 +13,6 @@ cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
 wheels=${WHEELS:-.whl}
 out=${OUT:-bench-results}
-site=$(mktemp -d /tmp/kvtierd-site.XXXXXX)
 if ! ls "$wheels"/*.whl >/dev/null 2>&1; then
   echo "no wheels in $wheels: run python tools/gpu_pack.py first and carry $wheels" >&2
   exit 2
@@ -22,6 +21,7 @@ if [ ! -d client/kvtierd_client/_proto ]; then
   echo "client/kvtierd_client/_proto is missing: carry it (make gen makes it)" >&2
   exit 2
 fi
+site=$(mktemp -d /tmp/kvtierd-site.XXXXXX)
 "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
   --target "$site" "$wheels"/*.whl
 export PYTHONPATH="$site:$PWD:$PWD/client" PYTHONUNBUFFERED=1
