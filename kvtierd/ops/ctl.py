@@ -383,8 +383,9 @@ def watch_stats(args: argparse.Namespace) -> int:
                     f"kvtierd stats every {args.watch:g}s, {time.strftime('%H:%M:%S')} "
                     "(Ctrl-C exits)"
                 )
-                sys.stdout.write(clear)
-                show(header, *stats_table(stats), flush=True)
+                frame = "".join(printable(line) + "\n" for line in (header, *stats_table(stats)))
+                sys.stdout.write(clear + frame)  # one write: a reader never sees half a frame
+                sys.stdout.flush()
                 next_at = max(next_at + args.watch, time.monotonic())
                 stop.wait(max(0.0, next_at - time.monotonic()))
     finally:

@@ -104,7 +104,8 @@ def test_watch_without_a_terminal_prints_tables_without_escapes(daemon, pool_nam
             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         )  # fmt: skip
         try:
-            out = read_until(proc.stdout.fileno(), lambda out: out.count(b"kvtierd stats") >= 2, 20)
+            row = f"\n{pool_name}  primary".encode()
+            out = read_until(proc.stdout.fileno(), lambda out: out.count(row) >= 2, 20)
             proc.send_signal(signal.SIGINT)
             rest, err = proc.communicate(timeout=20)
         finally:
@@ -113,7 +114,9 @@ def test_watch_without_a_terminal_prints_tables_without_escapes(daemon, pool_nam
                 proc.communicate()
     assert (proc.returncode, err) == (0, b""), out + rest
     assert CLEAR_SCREEN.encode() not in out
-    assert out.count(f"\n{pool_name}  primary".encode()) >= 2
+    frames = out.split(b"kvtierd stats every 0.1s, ")[1:]
+    assert len(frames) >= 2
+    assert all(row in frame for frame in frames[:2]), out  # each frame whole: header and row
     assert err == b""
 
 
