@@ -38,6 +38,7 @@ from kvtierd_client._rpc.flusher import FlushStatistics
 from kvtierd_client._rpc.keepalive import KeepaliveThread
 from kvtierd_client._rpc.session_state import SessionState
 from kvtierd_client.errors import KvtierError, NotFound
+from kvtierd_client.wire.descriptions import BlockDescription, description_problem
 from kvtierd_client.wire.lane_frames import LANE_METHODS
 from kvtierd_client.wire.proto import pb2
 from kvtierd_client.wire.results import LookupResult, StoreResult
@@ -274,11 +275,25 @@ class Session(SessionState):
         """
         return self._answer(PREPARE_STORE, keys, request_id=request_id)
 
-    def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
+    def complete_store(
+        self,
+        keys: Sequence[bytes],
+        success: bool = True,
+        descriptions: Sequence[BlockDescription | None] | None = None,
+    ) -> None:
         """Makes this session's reserved ``keys`` readable, or frees them when not
         ``success`` (RPC ``CompleteStore``; queued with ``queue_completions``);
-        ready or absent keys are ignored."""
-        self._complete(COMPLETE_STORE, keys, success=success)
+        ready or absent keys are ignored.
+
+        ``descriptions``: None, or one per key (None for a key left undescribed):
+        the blocks as the engine hashes them, which a daemon publishing KV events
+        needs to announce the key to routers (a key without one is announced to
+        none). Raises ValueError, before anything is sent, for a bad one."""
+        if descriptions is None:
+            self._complete(COMPLETE_STORE, keys, success=success)
+            return
+        wire = describe_on_wire(keys, descriptions)
+        self._complete(COMPLETE_STORE, keys, success=success, descriptions=wire)
 
     def take_events(self) -> list[pb2.Event]:
         """The pool's events since this session's last take (RPC ``TakeEvents``, one
@@ -337,3 +352,36 @@ def _weak_flush(ref: weakref.ref[Session]) -> Callable[[], bool]:
         return True
 
     return flush
+
+
+def describe_on_wire(
+    keys: Sequence[bytes], descriptions: Sequence[BlockDescription | None]
+) -> list[pb2.BlockDescription]:
+    """``descriptions`` as ``CompleteStoreRequest.descriptions`` (co-indexed with
+    ``keys``; None becomes an empty entry). ValueError names the first bad one."""
+    if len(descriptions) != len(keys):
+        raise ValueError(f"{len(descriptions)} descriptions for {len(keys)} keys; give one a key")
+    wire = []
+    for index, described in enumerate(descriptions):
+        if described is None:
+            wire.append(pb2.BlockDescription())
+            continue
+        problem = description_problem(
+            described.block_hashes,
+            described.parent_block_hash,
+            described.token_ids,
+            described.block_size,
+        )
+        if problem is not None:
+            raise ValueError(f"descriptions[{index}] {problem}")
+        wire.append(
+            pb2.BlockDescription(
+                block_hashes=described.block_hashes,
+                parent_block_hash=described.parent_block_hash,
+                token_ids=described.token_ids,
+                block_size=described.block_size,
+                lora_name=described.lora_name,
+                group_idx=described.group_idx,
+            )
+        )
+    return wire

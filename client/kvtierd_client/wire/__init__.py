@@ -7,6 +7,8 @@
 - ``lane_frames``: the fast lane's frame header and method numbers;
 - ``peer_ticket``: the peer-ticket exchange on the ticket socket;
 - ``address``: daemon addresses (default socket, ``unix:`` / TCP targets);
+- ``descriptions``: ``BlockDescription``, a stored key's blocks as its engine hashes
+  them (what KV-event routers need), and its bounds;
 - ``trust``: whether a path or a peer can be the daemon's (the client's defence against
   a local user impersonating kvtierd).
 
