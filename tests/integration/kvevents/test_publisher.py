@@ -80,13 +80,15 @@ def store(session, numbers, describe_them=True):  # noqa: ANN001, ANN201
 def test_stores_with_descriptions_are_published_as_vllm_block_stored(event_dir):
     daemon = start_daemon(config=events_config(event_dir))
     try:
-        with EventReader(f"ipc://{event_dir}/events", f"ipc://{event_dir}/replay") as reader:
-            with Client(daemon.address) as client:
-                session = client.open_session(POOL, block_bytes=BLOCK, num_blocks=8)
-                store(session, [0, 1])
-                store(session, [2], describe_them=False)  # undescribed: published nowhere
-                store(session, [3])
-                events = reader.until(lambda ev: len(stored(ev, "CPU")) >= 3)
+        with (
+            EventReader(f"ipc://{event_dir}/events", f"ipc://{event_dir}/replay") as reader,
+            Client(daemon.address) as client,
+        ):
+            session = client.open_session(POOL, block_bytes=BLOCK, num_blocks=8)
+            store(session, [0, 1])
+            store(session, [2], describe_them=False)  # undescribed: published nowhere
+            store(session, [3])
+            events = reader.until(lambda ev: len(stored(ev, "CPU")) >= 3)
         assert events[0] == {"type": "AllBlocksCleared"}  # the first message, replayed
         cpu = stored(events, "CPU")
         assert [e["block_hashes"] for e in cpu] == [[1000], [1001], [1003]]
@@ -116,11 +118,13 @@ def test_stores_with_descriptions_are_published_as_vllm_block_stored(event_dir):
 def test_each_engine_gets_a_message_with_its_own_topic(event_dir):
     daemon = start_daemon(config=events_config(event_dir, engines='["pod-a", "pod-b"]'))
     try:
-        with EventReader(f"ipc://{event_dir}/events", f"ipc://{event_dir}/replay") as reader:
-            with Client(daemon.address) as client:
-                session = client.open_session(POOL, block_bytes=BLOCK, num_blocks=8)
-                store(session, [0])
-                reader.until(lambda ev: len(stored(ev, "CPU")) >= 2)
+        with (
+            EventReader(f"ipc://{event_dir}/events", f"ipc://{event_dir}/replay") as reader,
+            Client(daemon.address) as client,
+        ):
+            session = client.open_session(POOL, block_bytes=BLOCK, num_blocks=8)
+            store(session, [0])
+            reader.until(lambda ev: len(stored(ev, "CPU")) >= 2)
         topics = [m.topic for m in reader.ordered if m.events[0]["type"] == "BlockStored"]
         assert topics == ["kv@pod-a@m", "kv@pod-b@m"]
     finally:
@@ -132,18 +136,20 @@ def test_evictions_flushes_and_the_storage_tier_are_published_per_medium(event_d
     os.mkdir(root)
     daemon = start_daemon(config=events_config(event_dir) + fs_tiers_config(root))
     try:
-        with EventReader(f"ipc://{event_dir}/events", f"ipc://{event_dir}/replay") as reader:
-            with Client(daemon.address) as client:
-                session = client.open_session(POOL, block_bytes=BLOCK, num_blocks=2)
-                store(session, [0, 1])
-                reader.until(lambda ev: len(stored(ev, "STORAGE")) >= 2)  # cascaded
-                store(session, [2, 3])  # evicts 0 and 1 from the primary
-                events = reader.until(lambda ev: len(removed_hashes(ev, "CPU")) >= 2)
-                assert sorted(removed_hashes(events, "CPU")) == [1000, 1001]
-                assert removed_hashes(events, "STORAGE") == []  # the fs tier still holds them
-                reader.until(lambda ev: len(stored(ev, "STORAGE")) >= 4)  # 2 and 3 unpinned
-                assert client.flush_pool(POOL) == 2
-                events = reader.until(lambda ev: len(removed_hashes(ev, "CPU")) >= 4)
+        with (
+            EventReader(f"ipc://{event_dir}/events", f"ipc://{event_dir}/replay") as reader,
+            Client(daemon.address) as client,
+        ):
+            session = client.open_session(POOL, block_bytes=BLOCK, num_blocks=2)
+            store(session, [0, 1])
+            reader.until(lambda ev: len(stored(ev, "STORAGE")) >= 2)  # cascaded
+            store(session, [2, 3])  # evicts 0 and 1 from the primary
+            events = reader.until(lambda ev: len(removed_hashes(ev, "CPU")) >= 2)
+            assert sorted(removed_hashes(events, "CPU")) == [1000, 1001]
+            assert removed_hashes(events, "STORAGE") == []  # the fs tier still holds them
+            reader.until(lambda ev: len(stored(ev, "STORAGE")) >= 4)  # 2 and 3 unpinned
+            assert client.flush_pool(POOL) == 2
+            events = reader.until(lambda ev: len(removed_hashes(ev, "CPU")) >= 4)
         assert sorted(removed_hashes(events, "CPU")) == [1000, 1001, 1002, 1003]
         storage = [e["block_hashes"][0] for e in stored(events, "STORAGE")]
         assert sorted(storage[:2]) == [1000, 1001]
@@ -189,10 +195,12 @@ def test_a_warm_restart_clears_then_re_announces_what_survived(event_dir):
             session.close()
         assert daemon.stop() == 0, daemon.log()
         daemon = daemon.restart()
-        with EventReader(f"ipc://{event_dir}/events", f"ipc://{event_dir}/replay") as reader:
-            with Client(daemon.address) as client:
-                client.open_session(POOL, block_bytes=BLOCK, num_blocks=8)
-                events = reader.until(lambda ev: len(stored(ev, "CPU")) >= 3)
+        with (
+            EventReader(f"ipc://{event_dir}/events", f"ipc://{event_dir}/replay") as reader,
+            Client(daemon.address) as client,
+        ):
+            client.open_session(POOL, block_bytes=BLOCK, num_blocks=8)
+            events = reader.until(lambda ev: len(stored(ev, "CPU")) >= 3)
         assert events[0] == {"type": "AllBlocksCleared"}
         assert sorted(e["block_hashes"][0] for e in stored(events, "CPU")) == [1000, 1001, 1002]
         assert stored(events, "CPU")[1]["token_ids"] in ([0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11])

@@ -64,7 +64,8 @@ def test_with_principals_the_endpoint_belongs_to_one(tmp_path):
     base = '[kv_events]\nendpoint = "tcp://127.0.0.1:5557"\n'
     ok = config(tmp_path, base + 'pools = ["team-a/x"]\nprincipal = "team-a"\n' + PRINCIPALS)
     assert ok.kv_events.principal == "team-a"
-    with pytest.raises(ConfigError, match=r"kv_events.principal: with \[\[security.principals\]\], name the principal"):
+    named = r"kv_events.principal: with \[\[security.principals\]\], name the principal"
+    with pytest.raises(ConfigError, match=named):
         config(tmp_path, base + 'pools = ["team-a/x"]\n' + PRINCIPALS)
     with pytest.raises(ConfigError, match=r"pool 'team-b/x' is reachable by \['team-b'\]"):
         config(tmp_path, base + 'pools = ["team-a/x", "team-b/x"]\nprincipal = "team-a"\n'
