@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from daemon_harness import DaemonProcess, fs_tiers_config, start_daemon
+from daemon_harness import DaemonProcess, free_port, fs_tiers_config, scrape, start_daemon
 from kv_events_harness import EventReader
 
 from kvtierd_client.client import Client
@@ -78,7 +78,8 @@ def store(session, numbers, describe_them=True):  # noqa: ANN001, ANN201
 
 
 def test_stores_with_descriptions_are_published_as_vllm_block_stored(event_dir):
-    daemon = start_daemon(config=events_config(event_dir))
+    port = free_port()
+    daemon = start_daemon("--metrics-address", f"127.0.0.1:{port}", config=events_config(event_dir))
     try:
         with (
             EventReader(f"ipc://{event_dir}/events", f"ipc://{event_dir}/replay") as reader,
@@ -111,6 +112,10 @@ def test_stores_with_descriptions_are_published_as_vllm_block_stored(event_dir):
         assert [m.seq for m in messages] == list(range(len(messages)))  # gap-free from 0
         assert {m.topic for m in messages} == {"kv@node-a@m"}
         assert {m.rank for m in messages} == {None}
+        metrics = scrape(f"http://127.0.0.1:{port}")
+        assert metrics[("kvtierd_kv_events_undescribed_stores_total", ())] == 1
+        assert metrics[("kvtierd_kv_events_described_blocks", ())] == 3
+        assert metrics[("kvtierd_kv_events_events_total", ())] >= 4  # the clear and 3 stores
     finally:
         stop(daemon)
 
