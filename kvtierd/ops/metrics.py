@@ -188,8 +188,10 @@ def collect_kv_events_families(stats: KvEventsStats) -> list[Metric]:
     counters = (
         ("messages", "KV-event messages sent (one per topic per batch)", publisher.messages),
         ("events", "KV events sent", publisher.events),
-        ("refused_events", "KV events the hand-over queue refused (then re-announced)",
-         publisher.refused_events),
+        ("refused_items", "hand-overs the queue's bound refused (then AllBlocksCleared)",
+         publisher.refused_items),
+        ("clears", "AllBlocksCleared sent (one at start, one after each refusal)",
+         stats.cleared),
         ("replays", "replay requests answered", publisher.replays),
         ("dropped_descriptions", "block descriptions the byte bound dropped (withdrawn first)",
          stats.dropped_descriptions),
