@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 import time
 from collections import deque
@@ -37,6 +38,7 @@ from typing import Any
 import zmq
 
 from kvtierd.kvevents import wireformat
+from kvtierd.security.trusted_dirs import UntrustedPath, require_trusted_dir
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +108,9 @@ class EventPublisher:
         self._thread = threading.Thread(target=self._run, name="kvtierd-kv-events", daemon=True)
 
     def _bind(self, kind: int, endpoint: str) -> zmq.Socket[Any]:
+        binds_ipc = endpoint.startswith("ipc://") and not (self._connect and kind == zmq.PUB)
+        if binds_ipc:
+            _require_own_directory(endpoint[len("ipc://") :])
         sock: zmq.Socket[Any] = self._context.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         if kind == zmq.PUB:
@@ -118,8 +123,11 @@ class EventPublisher:
         except zmq.ZMQError as exc:
             sock.close(0)
             raise OSError(f"kv_events: cannot bind {endpoint}: {exc}") from None
-        if endpoint.startswith("ipc://") and not (self._connect and kind == zmq.PUB):
+        if binds_ipc:
             path = endpoint[len("ipc://") :]
+            if not stat.S_ISSOCK(os.lstat(path).st_mode):  # nobody else writes there
+                sock.close(0)
+                raise OSError(f"kv_events: {path} is not the socket just bound")
             os.chmod(path, self._socket_mode)
             if self._socket_gid is not None:
                 os.chown(path, -1, self._socket_gid)
@@ -255,6 +263,21 @@ class EventPublisher:
                 answered += 1
             router.send_multipart((identity, b"", b"", wireformat.REPLAY_END_SEQ, b""))
             self._replays += 1
+
+
+def _require_own_directory(path: str) -> None:
+    """An ipc endpoint's directory must be one nobody but the daemon's user (or
+    root) may write, as the daemon's socket directory (docs/security.md): else
+    another user could swap the socket routers connect to."""
+    directory = os.path.dirname(path) or "/"
+    try:
+        require_trusted_dir(directory)
+    except UntrustedPath as exc:
+        raise OSError(f"kv_events: the directory of {path}: {exc}") from None
+    except FileNotFoundError:
+        raise OSError(
+            f"kv_events: {directory}, where {path} would be bound, does not exist"
+        ) from None
 
 
 def now() -> float:

@@ -212,3 +212,14 @@ def test_a_warm_restart_clears_then_re_announces_what_survived(event_dir):
         assert stored(events, "CPU")[1]["token_ids"] in ([0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11])
     finally:
         stop(daemon)
+
+
+def test_an_ipc_endpoint_in_a_directory_others_may_write_stops_the_start(event_dir):
+    os.chmod(event_dir, 0o777)  # another user could swap the socket routers connect to
+    daemon = start_daemon(config=events_config(event_dir), wait=False)
+    try:
+        assert daemon.proc.wait(30) == 2
+        log = daemon.log()
+        assert "kv_events.endpoint" in log and "writable by other users" in log, log
+    finally:
+        daemon.cleanup()
