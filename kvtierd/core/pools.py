@@ -327,7 +327,7 @@ class PoolTable:
                 tier = configured.create(binding, pool.tiering.on_done, loop)
                 await off_loop(tier.prepare)
                 tier.launch()
-                pool.tiering.attach(tier)
+                pool.tiering.attach(tier, write_budget=configured.write_budget)
         except (TierStartError, OSError) as exc:
             pool.close_tiers()
             raise FailedPrecondition(f"pool {spec.name!r}: {exc}") from None

@@ -67,10 +67,12 @@ from kvtierd.contract import PRIMARY_TIER, BlockEvent, BlockKey, LookupResult
 from kvtierd.prefix import prefix_end
 from kvtierd.primary.manager import PrimaryManager
 from kvtierd.records.history import EVICTED_FOR_ROOM, RemovalLog
+from kvtierd.tiering.budget import BudgetGate
 from kvtierd.tiering.holds import HoldStats, HoldTable
 from kvtierd.tiering.remote import RemoteWait, known_miss, plan_asks
 from kvtierd.tiering.retries import FailedPromotion, FailedPromotions
 from kvtierd.tiers.base import JobResult, SecondaryTier, TierJob
+from kvtierd.tiers.budget import WriteBudget
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +167,7 @@ class Tiering:
         self._jobs: dict[int, _InFlight] = {}
         self._job_ids = itertools.count(1)
         self._counters: list[Counter[str]] = []
+        self.budgets: list[BudgetGate] = []  # per tier: its write budget's gate
         self._holds = HoldTable(manager, hold_seconds, clock)
         self._clock = clock
         self._failures = FailedPromotions(clock)  # when failed promotions are retried
@@ -175,11 +178,14 @@ class Tiering:
         # (pool, tier name, is_promotion, seconds) per reported job; set by the daemon
         self.observe_job: Callable[[str, str, bool, float], None] | None = None
 
-    def attach(self, tier: SecondaryTier) -> None:
-        """Appends a tier (consulted after the ones attached before it)."""
+    def attach(self, tier: SecondaryTier, *, write_budget: WriteBudget | None = None) -> None:
+        """Appends a tier (consulted after the ones attached before it); its cascades
+        write within ``write_budget`` (the configured tier's; None: no budget)."""
         self.tiers.append(tier)
         self.remote = self.remote or tier.remote
         self._counters.append(Counter(dict.fromkeys(COUNTERS, 0)))
+        cost = tier.statistics().bytes_per_block
+        self.budgets.append(BudgetGate(tier, write_budget, self.history, cost))
 
     @property
     def jobs_in_flight(self) -> int:
@@ -194,21 +200,27 @@ class Tiering:
 
     def cascade(self, keys: Sequence[BlockKey], *, before: int | None = None) -> None:
         """Submits one store job per tier (the first ``before`` tiers only, if given)
-        for ready ``keys``; each job pins its rows until the tier reports."""
+        for ready ``keys``, those its write budget lets through (:mod:`.budget`);
+        each job pins its rows until the tier reports."""
         if not keys or self.closed:
             return
         for index, tier in enumerate(self.tiers[:before]):
-            block_ids = self._manager.prepare_load(keys)  # pool-owned pins, +1 per key
-            job = TierJob(next(self._job_ids), tuple(keys), tuple(block_ids), is_promotion=False)
+            written = self.budgets[index].admit(keys)  # the rest: dropped, counted
+            if not written:
+                continue
+            block_ids = self._manager.prepare_load(written)  # pool-owned pins, +1 per key
+            job = TierJob(next(self._job_ids), tuple(written), tuple(block_ids), is_promotion=False)
             counters = self._counters[index]
             if tier.submit_store(job):
                 self._jobs[job.job_id] = _InFlight(index, job)
                 counters["cascade_jobs_started"] += 1
-                counters["cascade_blocks"] += len(keys)
+                counters["cascade_blocks"] += len(written)
             else:
-                self._manager.complete_load(keys)  # refused: the pins go at once
-                counters["cascade_blocks_dropped"] += len(keys)
-                self.history.record(keys, tier.name, "cascade write dropped: queue over its limit")
+                self._manager.complete_load(written)  # refused: the pins go at once
+                counters["cascade_blocks_dropped"] += len(written)
+                self.history.record(
+                    written, tier.name, "cascade write dropped: queue over its limit"
+                )
 
     # ----------------------------------------------------------------- promotion
 

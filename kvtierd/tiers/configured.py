@@ -39,6 +39,7 @@ from typing import Any, ClassVar, Protocol
 
 from kvtierd.primary.rows import RegionRows
 from kvtierd.tiers.base import JobCallback, SecondaryTier
+from kvtierd.tiers.budget import WRITE_BUDGET_OPTION, WriteBudget, write_budget
 from kvtierd.tiers.iopool import IoPool
 
 
@@ -111,6 +112,11 @@ class ConfiguredTier(abc.ABC):
         self.name = name  # the tier's label in statistics and logs
         self.settings = settings
         self._io: IoPool | None = None  # the pools' I/O threads, from the first io_pool()
+        # the cascades' write budget, shared by every pool of the tier (None: no budget;
+        # a tier type without the option has none)
+        self.write_budget: WriteBudget | None = write_budget(
+            getattr(settings, WRITE_BUDGET_OPTION, 0)
+        )
 
     def describe(self) -> str:
         """One line for the daemon's start log."""

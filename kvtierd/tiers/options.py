@@ -32,6 +32,7 @@ SEAL_OPTION = "integrity_key_file"  # the options of kvtierd.tiers.integrity's k
 VERIFY_OPTION = "integrity_verify_key_file"
 MIN_QUEUE_BYTES = 4096  # the bounds of max_queue_bytes and max_queue_jobs
 MAX_QUEUE_JOBS = 1 << 20
+MIN_WRITE_BUDGET = 4096  # bytes per second: the smallest budget but 0 (none)
 
 
 class Reader(abc.ABC):
@@ -133,6 +134,18 @@ def queued_jobs_option() -> Any:
         DEFAULT_QUEUE_JOBS,
         "cascade jobs queued before new cascade writes are dropped",
         Whole(1, MAX_QUEUE_JOBS),
+    )
+
+
+def write_budget_option() -> Any:
+    """The ``max_write_bytes_per_s`` field of every tier type: the budget of the
+    tier's cascade writes (:mod:`kvtierd.tiers.budget`), 0 for none."""
+    return option(
+        0,
+        "bytes per second the cascades of all pools together may write to this tier (a "
+        "second of it may come at once); a block past it is not written (dropped and "
+        "counted with reason budget, never queued, never delaying a store); 0 for no budget",
+        Size(minimum=MIN_WRITE_BUDGET, zero_allowed=True),
     )
 
 

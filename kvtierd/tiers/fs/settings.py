@@ -78,6 +78,7 @@ class FsTierSettings:
     write_threads: int = option(8, "I/O threads that prefer writes (cascades)", _THREADS)
     max_queue_bytes: int = options.queued_bytes_option()
     max_queue_jobs: int = options.queued_jobs_option()
+    max_write_bytes_per_s: int = options.write_budget_option()
     io_processes: int = option(
         2,
         "worker processes that do the block file I/O (checksum, write, read) off the "

@@ -17,9 +17,11 @@ from fake_clock import FakeClock
 
 from kvtierd.contract import BlockKey, LookupResult
 from kvtierd.primary.manager import PrimaryManager
+from kvtierd.tiering.budget import BUDGET, OVER_BUDGET, Rejected
 from kvtierd.tiering.manager import Tiering, transient_record
 from kvtierd.tiering.retries import PROMOTION_RETRY_AFTER, TRANSIENT_RETRY_AFTER
 from kvtierd.tiers.base import JobCallback, JobResult, TierJob
+from kvtierd.tiers.budget import WriteBudget
 from kvtierd.tiers.memory import MemoryTier, StoreOutcome
 
 HIT, MISS, PENDING, RETRY = (
@@ -120,17 +122,21 @@ CAUSE = "the I/O worker did not answer within io_worker_timeout and was killed"
 
 @pytest.fixture
 def attach() -> Iterator[Attach]:
-    """``attach(tiering, name, held=(), ready=..., accept_writes=...)``: a scripted
-    tier reporting to ``tiering``, attached after the ones before it. The tiers of
-    one test copy to and from the same rows, as a pool's tiers share its region."""
+    """``attach(tiering, name, held=(), ready=..., accept_writes=..., write_budget=None)``:
+    a scripted tier reporting to ``tiering``, attached after the ones before it. The
+    tiers of one test copy to and from the same rows, as a pool's tiers share its region."""
     rows = memoryview(bytearray(ROWS * BLOCK))
     loop = asyncio.new_event_loop()  # never runs: finish() reports instead
 
     def attach(
-        tiering: Tiering, name: str, held: Sequence[BlockKey] = (), **kw: bool
+        tiering: Tiering,
+        name: str,
+        held: Sequence[BlockKey] = (),
+        write_budget: WriteBudget | None = None,
+        **kw: bool,
     ) -> ScriptedTier:
         tier = ScriptedTier(name, rows, tiering.on_done, loop, held, **kw)
-        tiering.attach(tier)
+        tiering.attach(tier, write_budget=write_budget)
         return tier
 
     yield attach
@@ -170,6 +176,55 @@ def test_refused_cascade_is_counted_and_pins_nothing(manager, attach):
     stored(manager, tiering, keys("a", "b"))
     assert manager.ref_count(b"a") == 0
     assert tiering.counters(0).cascade_blocks_dropped == 2
+
+
+def test_a_cascade_past_the_write_budget_drops_the_rest_at_once(manager, clock, attach):
+    """A budget of two blocks a second: of a cascade of three, the first two are
+    written; the third is neither queued nor pinned, it is counted (reason budget)
+    and Explain's history says why. The first tier's budget leaves the second alone."""
+    tiering = Tiering("p", manager)
+    first = attach(tiering, "t", write_budget=WriteBudget(2 * BLOCK, clock=clock))
+    second = attach(tiering, "u")
+    stored(manager, tiering, keys("a", "b", "c"))
+    (job,) = first.stores
+    assert job.keys == tuple(keys("a", "b"))
+    assert [manager.ref_count(k) for k in keys("a", "b", "c")] == [2, 2, 1]  # c: u's pin only
+    assert second.stores[0].keys == tuple(keys("a", "b", "c"))
+    assert tiering.budgets[0].rejected(BUDGET) == Rejected(1, BLOCK)
+    assert tiering.budgets[1].rejected(BUDGET) == Rejected(0, 0)
+    assert [(r.tier, r.what) for r in tiering.history.get(b"c")] == [("t", OVER_BUDGET)]
+    assert tiering.counters(0).cascade_blocks == 2
+    tiering.check_invariants(Counter())
+
+
+def test_the_write_budget_refills_on_the_clock(manager, clock, attach):
+    tiering = Tiering("p", manager)
+    tier = attach(tiering, "t", write_budget=WriteBudget(2 * BLOCK, clock=clock))
+    stored(manager, tiering, keys("a", "b"))
+    stored(manager, tiering, keys("c"))  # the budget is spent: nothing submitted
+    assert len(tier.stores) == 1
+    clock.advance(0.5)  # one block's worth
+    stored(manager, tiering, keys("d"))
+    assert [job.keys for job in tier.stores] == [tuple(keys("a", "b")), tuple(keys("d"))]
+    assert tiering.budgets[0].rejected() == Rejected(1, BLOCK)
+
+
+def test_a_block_the_tier_holds_costs_no_budget(manager, clock, attach):
+    """Storing a block the tier holds rewrites nothing: it goes through whatever is
+    left, and after the budget refused one block, the held ones still go."""
+    tiering = Tiering("p", manager)
+    tier = attach(tiering, "t", held=keys("h1", "h2"), write_budget=WriteBudget(BLOCK, clock=clock))
+    stored(manager, tiering, keys("h1", "a", "b", "h2"))
+    assert tier.stores[0].keys == tuple(keys("h1", "a", "h2"))
+    assert tiering.budgets[0].rejected() == Rejected(1, BLOCK)
+
+
+def test_without_a_budget_every_block_is_written_and_none_counted(manager, attach):
+    tiering = Tiering("p", manager)
+    tier = attach(tiering, "t")
+    stored(manager, tiering, keys("a", "b", "c", "d"))
+    assert tier.stores[0].keys == tuple(keys("a", "b", "c", "d"))
+    assert tiering.budgets[0].rejected() == Rejected(0, 0)
 
 
 def test_partial_promotion_keeps_what_arrived_and_does_not_retry_the_rest(manager, attach):
