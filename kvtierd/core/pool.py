@@ -53,6 +53,7 @@ from kvtierd.primary.region import Region
 from kvtierd.primary.warm.journal import JournalWriter
 from kvtierd.records.events import EventLog
 from kvtierd.records.history import EVICTED_FOR_ROOM, FLUSHED, KeyRecord, RemovalLog
+from kvtierd.tiering.admission import NOT_ADMITTED
 from kvtierd.tiering.manager import Tiering
 from kvtierd.tiering.remote import RemoteWait
 from kvtierd.tiering.retries import FailedPromotion
@@ -91,6 +92,8 @@ def _summary(
         return f"not in the primary; tier {unknown[0]} is still rebuilding its index (RETRY)"
     if history:
         last = history[-1]
+        if last.what.startswith(NOT_ADMITTED):  # never reached the tier
+            return f"MISS: tier {last.tier}: {last.what}"
         return f"MISS: last seen leaving tier {last.tier}: {last.what}"
     return "MISS: never stored, or stored so long ago that its record was forgotten"
 
@@ -304,6 +307,7 @@ class Pool:
             self._unused_pins += len(keys)
         else:
             self._loads_completed += len(keys)
+            self.tiering.read(keys)  # admission: a tier may take a block at its load
 
     def prepare_store(self, session_id: str, keys: Sequence[BlockKey]) -> StoreGrant | None:
         """Reserves rows for the keys not present; None when no room (nothing changed).
@@ -402,6 +406,7 @@ class Pool:
                     tier=tier.statistics(),
                     ready=tier.ready,
                     counters=tiering.counters(index),
+                    admission=tiering.admission_statistics(index),
                 )
                 for index, tier in enumerate(tiering.tiers)
             ),

@@ -1,43 +1,30 @@
 """The write-budget gate of one pool's cascades to one tier (``max_write_bytes_per_s``:
-:mod:`kvtierd.tiers.budget`), after admission: only a block the tier admitted asks
-the budget.
+:mod:`kvtierd.tiers.budget`), after admission: only a block the tier's admission
+policy admitted asks the budget.
 
-A cascade's blocks ask the tier's budget in their order (a prefix chain: the front
-blocks are the most reused); each block the tier does not hold yet costs what the
-tier writes for it (``bytes_per_block``, header included). A block the tier holds
-already costs nothing (storing it rewrites nothing) and always goes through. From
-the first block the budget refuses, the job's blocks the tier lacks are not written
-to this tier (dropped at once: never queued, never pinned, nothing
-waits), counted under reason ``budget`` and recorded in the pool's history, so
-Explain says why the tier lacks them.
+A job's blocks ask the tier's budget in their order (a prefix chain: the front blocks
+are the most reused); each block the tier does not hold yet costs what the tier
+writes for it (``bytes_per_block``, header included). A block the tier holds already
+costs nothing (storing it rewrites nothing) and always goes through. From the first
+block the budget refuses, the job's blocks the tier lacks are not written to this tier:
+dropped at once (never queued, never pinned, nothing waits), counted by the tier's
+admission as rejected for reason ``budget`` (:data:`~kvtierd.tiering.admission.BUDGET`:
+moved from admitted to rejected) and recorded in the pool's history, so Explain says
+"not admitted: over the tier's write budget".
 
-Counters are this pool's (the budget is the tier's, shared by every pool):
-:meth:`BudgetGate.rejected` gives blocks and bytes per reason, as the tier's
-admission counters count theirs. Event loop only; O(1) per block.
+The budget is the configured tier's, shared by every pool; the counters are this
+pool's. Event loop only; O(1) per block.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from kvtierd.contract import BlockKey
 from kvtierd.records.history import RemovalLog
+from kvtierd.tiering.admission import BUDGET, TierAdmission
 from kvtierd.tiers.base import SecondaryTier
-from kvtierd.tiers.budget import WRITE_BUDGET_OPTION, WriteBudget
-
-BUDGET = "budget"
-"""The reason a block over the write budget is counted under."""
-OVER_BUDGET = f"not admitted: the tier's write budget ({WRITE_BUDGET_OPTION}) was spent"
-"""What the history (Explain) says of a block the budget dropped."""
-
-
-@dataclass(frozen=True, slots=True)
-class Rejected:
-    """Blocks (and their bytes on the tier) not written for one reason (cumulative)."""
-
-    blocks: int = 0
-    bytes: int = 0
+from kvtierd.tiers.budget import WriteBudget
 
 
 class BudgetGate:
@@ -47,17 +34,18 @@ class BudgetGate:
         self,
         tier: SecondaryTier,
         budget: WriteBudget | None,
+        admission: TierAdmission,
         history: RemovalLog,
         bytes_per_block: int,
     ) -> None:
-        """``budget``: the tier's (None: no budget, every block passes, nothing is
-        counted). ``bytes_per_block``: what the tier writes per block."""
+        """``budget``: the tier's (None: no budget, every block passes). ``admission``:
+        the tier's for this pool, which counts the drops. ``bytes_per_block``: what
+        the tier writes per block."""
         self._tier = tier
         self._budget = budget
+        self._admission = admission
         self._history = history
         self.bytes_per_block = bytes_per_block
-        self._rejected_blocks = 0
-        self._rejected_bytes = 0
 
     def admit(self, keys: Sequence[BlockKey]) -> Sequence[BlockKey]:
         """The ``keys`` to write to the tier, in order: all of them without a budget;
@@ -77,14 +65,6 @@ class BudgetGate:
                 spent = True
                 dropped.append(key)
         if dropped:
-            self._rejected_blocks += len(dropped)
-            self._rejected_bytes += len(dropped) * cost
-            self._history.record(dropped, self._tier.name, OVER_BUDGET)
+            self._admission.reject(dropped, BUDGET)
+            self._history.record(dropped, self._tier.name, BUDGET.record)
         return passed
-
-    def rejected(self, reason: str = BUDGET) -> Rejected:
-        """This pool's blocks not written to the tier for ``reason`` (only ``budget``
-        is counted here; any other reason: none)."""
-        if reason != BUDGET:
-            return Rejected()
-        return Rejected(self._rejected_blocks, self._rejected_bytes)

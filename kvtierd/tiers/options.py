@@ -165,6 +165,21 @@ def verifying_key_option(blocks: str) -> Any:
     )
 
 
+ADMISSION_POLICIES = ("always", "reused", "tinylfu")  # kvtierd.tiering.admission runs them
+
+
+def admission_option() -> Any:
+    """The ``admission`` field of a tier type: which completed blocks it is written
+    (:mod:`kvtierd.tiering.admission`, docs/design/admission.md)."""
+    return option(
+        "always",
+        "which blocks are written to the tier: always (every stored block), reused (a "
+        "block once it is loaded again from the primary) or tinylfu (a block seen more "
+        "often than the one it would displace, by a frequency sketch)",
+        OneOf(ADMISSION_POLICIES),
+    )
+
+
 def check_key_options(values: Mapping[str, Any]) -> None:
     """A key that only verifies needs the key that seals; TierOptionError otherwise."""
     if values.get(VERIFY_OPTION) and not values.get(SEAL_OPTION):
@@ -280,6 +295,18 @@ class Choice(Reader):
         if value not in self.choices:
             raise ValueError(f"expected {self.expected}, got {value!r}")
         return str(value)
+
+
+@dataclass(frozen=True, slots=True)
+class OneOf(Reader):
+    """One of ``choices`` (strings), nothing else."""
+
+    choices: tuple[str, ...]
+
+    def read(self, value: Any) -> str:
+        if not isinstance(value, str) or value not in self.choices:
+            raise ValueError(f"expected one of {', '.join(self.choices)}, got {value!r}")
+        return value
 
 
 class AbsolutePath(Reader):

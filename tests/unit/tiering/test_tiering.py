@@ -17,7 +17,7 @@ from fake_clock import FakeClock
 
 from kvtierd.contract import BlockKey, LookupResult
 from kvtierd.primary.manager import PrimaryManager
-from kvtierd.tiering.budget import BUDGET, OVER_BUDGET, Rejected
+from kvtierd.tiering.admission import BUDGET, ReusedAdmit, TierAdmission
 from kvtierd.tiering.manager import Tiering, transient_record
 from kvtierd.tiering.retries import PROMOTION_RETRY_AFTER, TRANSIENT_RETRY_AFTER
 from kvtierd.tiers.base import JobCallback, JobResult, TierJob
@@ -122,7 +122,8 @@ CAUSE = "the I/O worker did not answer within io_worker_timeout and was killed"
 
 @pytest.fixture
 def attach() -> Iterator[Attach]:
-    """``attach(tiering, name, held=(), ready=..., accept_writes=..., write_budget=None)``:
+    """``attach(tiering, name, held=(), write_budget=None, admission=None, ready=...,
+    accept_writes=...)``:
     a scripted tier reporting to ``tiering``, attached after the ones before it. The
     tiers of one test copy to and from the same rows, as a pool's tiers share its region."""
     rows = memoryview(bytearray(ROWS * BLOCK))
@@ -133,10 +134,11 @@ def attach() -> Iterator[Attach]:
         name: str,
         held: Sequence[BlockKey] = (),
         write_budget: WriteBudget | None = None,
+        admission: TierAdmission | None = None,
         **kw: bool,
     ) -> ScriptedTier:
         tier = ScriptedTier(name, rows, tiering.on_done, loop, held, **kw)
-        tiering.attach(tier, write_budget=write_budget)
+        tiering.attach(tier, admission, write_budget=write_budget)
         return tier
 
     yield attach
@@ -190,9 +192,9 @@ def test_a_cascade_past_the_write_budget_drops_the_rest_at_once(manager, clock, 
     assert job.keys == tuple(keys("a", "b"))
     assert [manager.ref_count(k) for k in keys("a", "b", "c")] == [2, 2, 1]  # c: u's pin only
     assert second.stores[0].keys == tuple(keys("a", "b", "c"))
-    assert tiering.budgets[0].rejected(BUDGET) == Rejected(1, BLOCK)
-    assert tiering.budgets[1].rejected(BUDGET) == Rejected(0, 0)
-    assert [(r.tier, r.what) for r in tiering.history.get(b"c")] == [("t", OVER_BUDGET)]
+    assert rejected(tiering, 0) == (2, {"not_reused": 0, "infrequent": 0, "budget": 1})
+    assert rejected(tiering, 1) == (3, {"not_reused": 0, "infrequent": 0, "budget": 0})
+    assert [(r.tier, r.what) for r in tiering.history.get(b"c")] == [("t", BUDGET.record)]
     assert tiering.counters(0).cascade_blocks == 2
     tiering.check_invariants(Counter())
 
@@ -206,7 +208,7 @@ def test_the_write_budget_refills_on_the_clock(manager, clock, attach):
     clock.advance(0.5)  # one block's worth
     stored(manager, tiering, keys("d"))
     assert [job.keys for job in tier.stores] == [tuple(keys("a", "b")), tuple(keys("d"))]
-    assert tiering.budgets[0].rejected() == Rejected(1, BLOCK)
+    assert rejected(tiering, 0)[1]["budget"] == 1
 
 
 def test_a_block_the_tier_holds_costs_no_budget(manager, clock, attach):
@@ -216,7 +218,7 @@ def test_a_block_the_tier_holds_costs_no_budget(manager, clock, attach):
     tier = attach(tiering, "t", held=keys("h1", "h2"), write_budget=WriteBudget(BLOCK, clock=clock))
     stored(manager, tiering, keys("h1", "a", "b", "h2"))
     assert tier.stores[0].keys == tuple(keys("h1", "a", "h2"))
-    assert tiering.budgets[0].rejected() == Rejected(1, BLOCK)
+    assert rejected(tiering, 0)[1]["budget"] == 1
 
 
 def test_without_a_budget_every_block_is_written_and_none_counted(manager, attach):
@@ -224,7 +226,26 @@ def test_without_a_budget_every_block_is_written_and_none_counted(manager, attac
     tier = attach(tiering, "t")
     stored(manager, tiering, keys("a", "b", "c", "d"))
     assert tier.stores[0].keys == tuple(keys("a", "b", "c", "d"))
-    assert tiering.budgets[0].rejected() == Rejected(0, 0)
+    assert rejected(tiering, 0)[1]["budget"] == 0
+
+
+def test_only_what_the_admission_policy_admits_spends_the_budget(manager, clock, attach):
+    """``reused`` rejects the stores (not read again yet): the budget of one block is
+    untouched, so the first block read again is written; the second finds it spent."""
+    tiering = Tiering("p", manager)
+    budget = WriteBudget(BLOCK, clock=clock)
+    tier = attach(tiering, "t", write_budget=budget, admission=TierAdmission(ReusedAdmit(), BLOCK))
+    stored(manager, tiering, keys("a", "b"))
+    assert tier.stores == [] and budget.statistics().passed_bytes == 0
+    tiering.read(keys("a", "b"))
+    assert [job.keys for job in tier.stores] == [tuple(keys("a"))]
+    assert rejected(tiering, 0) == (1, {"not_reused": 2, "infrequent": 0, "budget": 1})
+
+
+def rejected(tiering: Tiering, index: int) -> tuple[int, dict[str, int]]:
+    """Tier ``index``'s admitted blocks and its rejected ones by reason."""
+    stats = tiering.admission_statistics(index)
+    return stats.admitted_blocks, stats.rejected_blocks
 
 
 def test_partial_promotion_keeps_what_arrived_and_does_not_retry_the_rest(manager, attach):

@@ -11,7 +11,7 @@ import pytest
 from daemon_harness import DaemonProcess, fs_tiers_config, start_daemon
 from engine_harness import FILE_BYTES, HIT, Engine, block_files, block_keys, file_of
 
-from kvtierd.tiering.budget import OVER_BUDGET
+from kvtierd.tiering.admission import BUDGET
 
 BURST_FILES = 4  # the budget: four block files a second (its burst: one second of it)
 
@@ -40,7 +40,8 @@ def test_blocks_past_the_budget_are_not_written_and_are_counted(budgeted, fs_roo
     assert set(block_files(fs_root)) == written
     stats = engine.tier_stats()
     assert stats.cascade_blocks == BURST_FILES and stats.bytes_in == BURST_FILES * FILE_BYTES
+    assert (stats.admitted_blocks, stats.rejected_budget_blocks) == (BURST_FILES, 8)
     explained = engine.client.explain(pool_name, keys[-1])
     assert [(t.tier, t.present) for t in explained.tiers] == [("fs0", False)]
-    assert [(r.tier, r.what) for r in explained.history] == [("fs0", OVER_BUDGET)]
+    assert [(r.tier, r.what) for r in explained.history] == [("fs0", BUDGET.record)]
     engine.close()
