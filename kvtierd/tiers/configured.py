@@ -41,6 +41,7 @@ from kvtierd.primary.rows import RegionRows
 from kvtierd.tiers.base import JobCallback, SecondaryTier
 from kvtierd.tiers.budget import WRITE_BUDGET_OPTION, WriteBudget, write_budget
 from kvtierd.tiers.iopool import IoPool
+from kvtierd.util.units import format_size
 
 
 class TierOptionError(ValueError):
@@ -119,8 +120,11 @@ class ConfiguredTier(abc.ABC):
         )
 
     def describe(self) -> str:
-        """One line for the daemon's start log."""
-        return self.settings.describe()
+        """One line for the daemon's start log (with the write budget, if any)."""
+        if self.write_budget is None:
+            return self.settings.describe()
+        rate = format_size(self.write_budget.rate)
+        return f"{self.settings.describe()}, cascade writes at most {rate}/s"
 
     @abc.abstractmethod
     def check(self) -> None:

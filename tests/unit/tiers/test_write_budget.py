@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from fake_clock import FakeClock
 
+from kvtierd.tiers import registry
 from kvtierd.tiers.budget import WriteBudget, write_budget
 from kvtierd.tiers.configured import TierOptionError
 from kvtierd.tiers.fs.settings import parse_fs_settings
@@ -95,3 +96,12 @@ def test_every_tier_type_reads_max_write_bytes_per_s(parse):
         with pytest.raises(TierOptionError) as caught:
             parse({"max_write_bytes_per_s": bad})
         assert caught.value.key == "max_write_bytes_per_s" and says in caught.value.message
+
+
+def test_the_configured_tier_holds_one_budget_for_its_pools_and_names_it():
+    with_budget = parse_fs_settings({"root": "/x", "max_write_bytes_per_s": "20MiB"})
+    configured = registry.configure("fs", "fs0", with_budget)
+    assert configured.write_budget is not None and configured.write_budget.rate == 20 << 20
+    assert configured.describe().endswith(", cascade writes at most 20MiB/s")
+    plain = registry.configure("fs", "fs1", parse_fs_settings({"root": "/x"}))
+    assert plain.write_budget is None and "at most" not in plain.describe()

@@ -45,3 +45,27 @@ def test_blocks_past_the_budget_are_not_written_and_are_counted(budgeted, fs_roo
     assert [(t.tier, t.present) for t in explained.tiers] == [("fs0", False)]
     assert [(r.tier, r.what) for r in explained.history] == [("fs0", BUDGET.record)]
     engine.close()
+
+
+def test_the_pools_of_a_tier_share_its_budget(fs_root, pool_name):
+    """The budget is the tier's (one disk), not each pool's: what one pool spent, the
+    next pool's store finds spent; each pool counts its own drops. The smallest budget,
+    4 KiB/s, is less than a file: one passes from the full bucket and leaves it 16 s in
+    debt, so the second pool's file finds it spent however slowly the test runs."""
+    config = fs_tiers_config(fs_root, max_write_bytes_per_s=4096)
+    daemon = start_daemon("--memory-budget", "64MiB", config=config)
+    try:
+        first = Engine(daemon, pool_name + "-a", num_blocks=2)
+        second = Engine(daemon, pool_name + "-b", num_blocks=2)
+        first.store(block_keys("a", 1))
+        second.store(block_keys("b", 1))
+        for engine in (first, second):
+            engine.settle_cascades()
+        assert block_files(fs_root) == [file_of(fs_root, pool_name + "-a", b"a-0")]
+        assert first.tier_stats().rejected_budget_blocks == 0
+        assert second.tier_stats().rejected_budget_blocks == 1
+        for engine in (first, second):
+            engine.close()
+        assert daemon.stop() == 0, daemon.log()
+    finally:
+        daemon.cleanup()
