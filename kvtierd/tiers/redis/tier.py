@@ -65,6 +65,7 @@ import redis
 from kvtierd.contract import BlockKey, LookupResult, Medium
 from kvtierd.primary.rows import RegionRows
 from kvtierd.tiers.base import (
+    UNKNOWN_VICTIM,
     JobCallback,
     JobResult,
     SecondaryTier,
