@@ -80,6 +80,15 @@ def _summary(
 ) -> str:
     """``waits``: per tier name, why the key is not promoted from it yet and for how
     many seconds more (:meth:`Tiering.promotion_wait`)."""
+    return _main_summary(state, tiers, history, waits) + _not_admitted(tiers, history)
+
+
+def _main_summary(
+    state: LookupResult,
+    tiers: list[tuple[str, bool | None]],
+    history: list[KeyRecord],
+    waits: dict[str, tuple[FailedPromotion, float]],
+) -> str:
     if state is LookupResult.HIT:
         return "HIT: readable in the primary tier"
     if state is LookupResult.HIT_PENDING:
@@ -92,10 +101,23 @@ def _summary(
         return f"not in the primary; tier {unknown[0]} is still rebuilding its index (RETRY)"
     if history:
         last = history[-1]
-        if last.what.startswith(NOT_ADMITTED):  # never reached the tier
-            return f"MISS: tier {last.tier}: {last.what}"
+        if last.what.startswith(NOT_ADMITTED):  # told by _not_admitted
+            return "MISS: in no tier"
         return f"MISS: last seen leaving tier {last.tier}: {last.what}"
     return "MISS: never stored, or stored so long ago that its record was forgotten"
+
+
+def _not_admitted(tiers: list[tuple[str, bool | None]], history: list[KeyRecord]) -> str:
+    """ "; tier T: not admitted: <why>" for each tier that does not hold the key and whose
+    last record of it is a refusal of its admission (the key never reached it since)."""
+    last: dict[str, str] = {}
+    for record in history:  # oldest first: the last record per tier wins
+        last[record.tier] = record.what
+    return "".join(
+        f"; tier {name}: {last[name]}"
+        for name, present in tiers
+        if present is False and last.get(name, "").startswith(NOT_ADMITTED)
+    )
 
 
 def _promotion_summary(holders: list[str], waits: dict[str, tuple[FailedPromotion, float]]) -> str:

@@ -50,13 +50,14 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kvtierd.contract import BlockKey
-from kvtierd.tiering.sketch import FrequencySketch, width_for
+from kvtierd.tiering.sketch import FrequencySketch, sketch_for
 from kvtierd.tiers.base import UNKNOWN_VICTIM
 from kvtierd.tiers.options import ADMISSION_POLICIES
 
 ALWAYS, REUSED, TINYLFU = "always", "reused", "tinylfu"
 NOT_ADMITTED = "not admitted: "  # how the history's record of a rejection starts
 DEFAULT_POLICY = ALWAYS
+UNKNOWN_CAPACITY_BLOCKS = 1 << 16  # what a sketch is sized for when the tier's is unknown
 
 
 class Occasion(enum.Enum):
@@ -180,7 +181,7 @@ def make_policy(name: str, victim: VictimOf, capacity_blocks: int) -> AdmissionP
     if name == REUSED:
         return ReusedAdmit()
     if name == TINYLFU:
-        return TinyLfuAdmit(FrequencySketch(width_for(capacity_blocks or 1 << 16)), victim)
+        return TinyLfuAdmit(sketch_for(capacity_blocks or UNKNOWN_CAPACITY_BLOCKS), victim)
     raise ValueError(f"unknown admission policy {name!r}; expected one of {', '.join(POLICIES)}")
 
 

@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterator, Sequence
 import pytest
 from fake_clock import FakeClock
 
-from kvtierd.contract import BlockKey, LookupResult
+from kvtierd.contract import BlockEvent, BlockKey, LookupResult
 from kvtierd.primary.manager import PrimaryManager
-from kvtierd.tiering.admission import BUDGET, ReusedAdmit, TierAdmission
+from kvtierd.tiering.admission import BUDGET, NOT_REUSED, TierAdmission, make_policy
 from kvtierd.tiering.manager import Tiering, transient_record
 from kvtierd.tiering.retries import PROMOTION_RETRY_AFTER, TRANSIENT_RETRY_AFTER
 from kvtierd.tiers.base import JobCallback, JobResult, TierJob
@@ -122,10 +122,10 @@ CAUSE = "the I/O worker did not answer within io_worker_timeout and was killed"
 
 @pytest.fixture
 def attach() -> Iterator[Attach]:
-    """``attach(tiering, name, held=(), write_budget=None, admission=None, ready=...,
-    accept_writes=...)``:
-    a scripted tier reporting to ``tiering``, attached after the ones before it. The
-    tiers of one test copy to and from the same rows, as a pool's tiers share its region."""
+    """``attach(tiering, name, held=(), admission=..., write_budget=None, ready=...,
+    accept_writes=...)``: a scripted tier reporting to ``tiering``, attached after the
+    ones before it. The tiers of one test copy to and from the same rows, as a pool's
+    tiers share its region."""
     rows = memoryview(bytearray(ROWS * BLOCK))
     loop = asyncio.new_event_loop()  # never runs: finish() reports instead
 
@@ -133,12 +133,15 @@ def attach() -> Iterator[Attach]:
         tiering: Tiering,
         name: str,
         held: Sequence[BlockKey] = (),
+        *,
+        admission: str = "always",
         write_budget: WriteBudget | None = None,
-        admission: TierAdmission | None = None,
         **kw: bool,
     ) -> ScriptedTier:
         tier = ScriptedTier(name, rows, tiering.on_done, loop, held, **kw)
-        tiering.attach(tier, admission, write_budget=write_budget)
+        capacity_blocks = tier.capacity_bytes // BLOCK
+        policy = make_policy(admission, tier.victim, capacity_blocks)
+        tiering.attach(tier, TierAdmission(policy, BLOCK), write_budget=write_budget)
         return tier
 
     yield attach
@@ -234,7 +237,7 @@ def test_only_what_the_admission_policy_admits_spends_the_budget(manager, clock,
     untouched, so the first block read again is written; the second finds it spent."""
     tiering = Tiering("p", manager)
     budget = WriteBudget(BLOCK, clock=clock)
-    tier = attach(tiering, "t", write_budget=budget, admission=TierAdmission(ReusedAdmit(), BLOCK))
+    tier = attach(tiering, "t", write_budget=budget, admission="reused")
     stored(manager, tiering, keys("a", "b"))
     assert tier.stores == [] and budget.statistics().passed_bytes == 0
     tiering.read(keys("a", "b"))
@@ -611,3 +614,55 @@ def test_a_tier_waiting_out_a_transient_failure_lets_the_next_tier_serve(manager
     failing_once(manager, tiering, near, keys("x"), transient=keys("x"))
     assert tiering.lookup(keys("x"), manager.lookup(keys("x"))) == [PENDING]
     assert len(far.loads) == 1 and len(near.loads) == 1
+
+
+# -- admission ---------------------------------------------------------------------------
+
+
+def test_reused_writes_a_block_at_its_first_load_not_at_its_store(manager, attach):
+    """Scenario: tier ``t`` admits ``reused``. A completed store starts no job there,
+    makes no stored event of ``t``, and leaves the key's history saying why; once a
+    session loads the block from the primary, it is written (one job, one event)."""
+    events: list[BlockEvent] = []
+    tiering = Tiering("p", manager, on_event=events.append)
+    tier = attach(tiering, "t", admission="reused")
+    stored(manager, tiering, keys("a", "b"))
+    assert tier.stores == [] and events == [] and manager.ref_count(b"a") == 0
+    assert [r.what for r in tiering.history.get(b"a")] == [NOT_REUSED.record]
+    assert tier.lookup(keys("a")) == [MISS]  # not in that tier: a miss there
+    manager.prepare_load(keys("a"))
+    manager.complete_load(keys("a"))
+    tiering.read(keys("a", "a"))  # a key named twice in one load is one read
+    (job,) = tier.stores
+    assert job.keys == (b"a",) and manager.ref_count(b"a") == 1  # the job's pin
+    tier.finish(job)
+    assert events == [BlockEvent((b"a",), tier.medium, removed=False, tier="t")]
+    tiering.read(keys("a"))  # held now: nothing more to write
+    assert len(tier.stores) == 1
+    stats = tiering.admission_statistics(0)
+    assert (stats.admitted_blocks, stats.rejected_blocks["not_reused"]) == (1, 2)
+
+
+def test_always_writes_at_the_store_and_nothing_at_a_load(manager, attach):
+    """``always`` (the default) is the cascade as it was: a load writes nothing, even
+    of a block the tier does not hold (yet)."""
+    tiering = Tiering("p", manager)
+    tier = attach(tiering, "t")
+    stored(manager, tiering, keys("a"))
+    assert len(tier.stores) == 1 and tier.contains(b"a") is False  # written when it runs
+    manager.prepare_load(keys("a"))
+    manager.complete_load(keys("a"))
+    tiering.read(keys("a"))
+    assert len(tier.stores) == 1 and tiering.admission_statistics(0).admitted_blocks == 1
+
+
+def test_a_block_promoted_from_a_later_tier_is_offered_to_the_tiers_before(manager, attach):
+    """Promoted blocks are being reused: ``reused`` writes them to the nearer tier."""
+    tiering = Tiering("p", manager)
+    near = attach(tiering, "near", admission="reused")
+    far = attach(tiering, "far", keys("x"))
+    assert tiering.lookup(keys("x"), manager.lookup(keys("x"))) == [PENDING]
+    (load,) = far.loads
+    far.finish(load)
+    (cascade,) = near.stores
+    assert cascade.keys == (b"x",) and tiering.admission_statistics(0).admitted_blocks == 1
