@@ -112,6 +112,11 @@ class AdmissionPolicy(abc.ABC):
         """None: write ``key`` to the tier now; else why not. For ``READ`` a policy
         that writes nothing at reads answers :data:`NOT_ON_READ` (not counted)."""
 
+    def decide(self, keys: Sequence[BlockKey], occasion: Occasion) -> list[Rejection | None]:
+        """:meth:`admit` of each key of one batch, in order (a policy may share work
+        between them: nothing is written until the batch is decided)."""
+        return [self.admit(key, occasion) for key in keys]
+
     @property
     def sketch_bytes(self) -> int:
         """Bytes of the policy's own state (0: none)."""
@@ -155,14 +160,18 @@ class TinyLfuAdmit(AdmissionPolicy):
         self.sketch.age_if_due()
 
     def admit(self, key: BlockKey, occasion: Occasion) -> Rejection | None:
+        return self.decide((key,), occasion)[0]
+
+    def decide(self, keys: Sequence[BlockKey], occasion: Occasion) -> list[Rejection | None]:
+        """One victim for the batch: the tier writes none of it before it is decided."""
         victim = self._victim()
         if victim is None:
-            return None  # room: nothing is displaced
+            return [None] * len(keys)  # room: nothing is displaced
         # a held block was admitted, so seen at least once (also: a restarted sketch)
         floor = 1 if victim is UNKNOWN_VICTIM else max(1, self.sketch.estimate(victim))
-        if self.sketch.estimate(key) > floor:
-            return None
-        return NOT_ON_READ if occasion is Occasion.READ else INFREQUENT
+        no = NOT_ON_READ if occasion is Occasion.READ else INFREQUENT
+        estimate = self.sketch.estimate
+        return [None if estimate(key) > floor else no for key in keys]
 
     @property
     def sketch_bytes(self) -> int:
@@ -222,11 +231,9 @@ class TierAdmission:
         """The keys to write now, and the rest grouped by why not (READ's
         non-occasions left out). Counts both. The caller told :meth:`seen` first
         about the stores and loads among them."""
-        admit = self.policy.admit
         admitted: list[BlockKey] = []
         rejected: dict[Rejection, list[BlockKey]] = {}
-        for key in keys:
-            rejection = admit(key, occasion)
+        for key, rejection in zip(keys, self.policy.decide(keys, occasion), strict=True):
             if rejection is None:
                 admitted.append(key)
             elif rejection is not NOT_ON_READ:

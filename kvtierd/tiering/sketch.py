@@ -37,7 +37,7 @@ import xxhash
 
 from kvtierd.contract import BlockKey
 
-DEPTH = 4  # rows of counters (hash functions)
+DEPTH = 4  # rows of counters (hash functions); add() and estimate() are unrolled for 4
 COUNTER_MAX = 15  # a counter saturates here (TinyLFU's 4 bits)
 MIN_WIDTH = 64
 MAX_WIDTH = 1 << 20  # counters per row: the sketch is at most 6 MiB
@@ -114,10 +114,14 @@ class FrequencySketch:
         if not (door[bit1 >> 3] >> (bit1 & 7)) & 1 or not (door[bit2 >> 3] >> (bit2 & 7)) & 1:
             door[bit1 >> 3] |= 1 << (bit1 & 7)  # first sight: the doorkeeper only
             door[bit2 >> 3] |= 1 << (bit2 & 7)
-        else:
+        else:  # one counter per row (DEPTH == 4), unrolled: this runs per stored block
             counters, mask, width = self._counters, self._mask, self.width
-            for row in range(DEPTH):
-                i = row * width + ((low + row * high) & mask)
+            for i in (
+                low & mask,
+                width + ((low + high) & mask),
+                2 * width + ((low + 2 * high) & mask),
+                3 * width + ((low + 3 * high) & mask),
+            ):
                 if counters[i] < COUNTER_MAX:
                     counters[i] += 1
         self._additions += 1
@@ -133,9 +137,12 @@ class FrequencySketch:
         bit1, bit2 = low & self._door_mask, high & self._door_mask
         known = (door[bit1 >> 3] >> (bit1 & 7)) & (door[bit2 >> 3] >> (bit2 & 7)) & 1
         counters, mask, width = self._counters, self._mask, self.width
-        least = COUNTER_MAX
-        for row in range(DEPTH):
-            least = min(least, counters[row * width + ((low + row * high) & mask)])
+        least = min(
+            counters[low & mask],
+            counters[width + ((low + high) & mask)],
+            counters[2 * width + ((low + 2 * high) & mask)],
+            counters[3 * width + ((low + 3 * high) & mask)],
+        )
         return least + known
 
     def age_if_due(self) -> None:
