@@ -76,7 +76,7 @@ BUDGET_BLOCK_BYTES = 32 << 10
 BUDGET_FILE_BYTES = HEADER_SIZE + BUDGET_BLOCK_BYTES
 BUDGET_FILES_PER_S = 16  # B: 16 block files a second (589,824 B/s)
 BUDGET_TIMES = 10  # the flood: ten times B
-BUDGET_BATCH = 16  # blocks per store: BUDGET_TIMES requests a second per daemon
+BUDGET_BATCH = 4  # blocks per store: 40 stores a second per daemon (p99 of 2,400 each)
 BUDGET_POOL_BLOCKS = 512
 BUDGET_TOLERANCE = 0.05
 
