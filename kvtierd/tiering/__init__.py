@@ -8,6 +8,9 @@
   root) hold;
 - ``retries``: which promotions failed lately, and when each key may be promoted from
   its tier again.
+- ``admission``: which blocks each tier is written (``always``, ``reused``,
+  ``tinylfu``), counted per tier and reason;
+- ``sketch``: the frequency sketch ``tinylfu`` decides by, fixed in bytes.
 
 Invariants: a cascade job owns one pin per key it copies and a promotion owns the
 reservation of the row it fills; both are released exactly once, when the tier answers
