@@ -133,7 +133,7 @@ def _unknown_key_hint(section: str, key: str) -> str:
     elsewhere = [o.dotted for o in OPTIONS if o.key == key and o.section != section]
     keys = [o.key for o in OPTIONS if o.section == section]
     keys += [name for where, name in _TABLE_ARRAYS if where == section]
-    close = elsewhere or closest(key, keys)
+    close = closest(key, keys) or elsewhere  # a near miss here before the same key elsewhere
     return f"did you mean {close[0]}? " if close else ""
 
 

@@ -168,11 +168,12 @@ def verifying_key_option(blocks: str) -> Any:
 ADMISSION_POLICIES = ("always", "reused", "tinylfu")  # kvtierd.tiering.admission runs them
 
 
-def admission_option() -> Any:
+def admission_option(default: str) -> Any:
     """The ``admission`` field of a tier type: which completed blocks it is written
-    (:mod:`kvtierd.tiering.admission`, docs/design/admission.md)."""
+    (:mod:`kvtierd.tiering.admission`, docs/design/admission.md), ``default`` when
+    unset."""
     return option(
-        "always",
+        default,
         "which blocks are written to the tier: always (every stored block), reused (a "
         "block once it is loaded again from the primary) or tinylfu (a block seen more "
         "often than the one it would displace, by a frequency sketch)",

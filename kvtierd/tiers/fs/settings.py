@@ -112,7 +112,7 @@ class FsTierSettings:
     )
     integrity_key_file: str = options.sealing_key_option(_SEALING_KEY_HELP)
     integrity_verify_key_file: str = options.verifying_key_option("files")
-    admission: str = options.admission_option()
+    admission: str = options.admission_option("tinylfu")
 
     def exclusive(self) -> Mapping[str, object]:
         """Options no two configured tiers may share: two tiers on one root would

@@ -130,7 +130,7 @@ class RedisTierSettings:
     max_write_bytes_per_s: int = options.write_budget_option()
     integrity_key_file: str = options.sealing_key_option(_SEALING_KEY_HELP)
     integrity_verify_key_file: str = options.verifying_key_option("values")
-    admission: str = options.admission_option()
+    admission: str = options.admission_option("always")
 
     def exclusive(self) -> Mapping[str, object]:
         """Two configured tiers on one server with one prefix would evict each other's keys."""

@@ -203,7 +203,8 @@ def test_getstats_metrics_and_kvtierctl_agree_after_promotions(metered, pool_nam
         name = ("kvtierd_lookups_total", (("pool", pool_name), ("result", result)))
         assert samples[name] == getattr(primary, field)
 
-    header, *rows = (re.split(r"\s{2,}", line.strip()) for line in table.stdout.splitlines())
+    tiers_table = table.stdout.split("\n\n")[0]  # then the fs tier's admission table
+    header, *rows = (re.split(r"\s{2,}", line.strip()) for line in tiers_table.splitlines())
     shown = {row[1]: dict(zip(header, row, strict=True)) for row in rows}
     assert shown["primary"]["hits"] == "4" and shown["primary"]["pending"] == "12"
     assert shown["primary"]["misses"] == "7" and shown["primary"]["hit%"] == "36.4"

@@ -120,7 +120,7 @@ def test_bad_environment_value_names_the_key():
         ("[[security.principal]]\nname = 'a'\n", "unknown key; did you mean principals?"),
         (
             "[[tiers]]\ntype = 'fs'\nroot = '/x'\ncapcity = '1GiB'\n",
-            "tiers[0].capcity: unknown fs tier option; known: capacity, ",
+            "tiers[0].capcity: unknown fs tier option; known: admission, capacity, ",
         ),
         ("[[tiers]]\ntype = 'fs'\nroot = '/x'\ncapcity = '1GiB'\n", "; did you mean capacity?"),
         ("[sessions]\nlease = true\n", "sessions.lease"),

@@ -77,7 +77,8 @@ def test_stats_table_and_json(tiered, stored):
     _, pool = stored
     table = ctl(tiered.address, "stats", "--pool", pool)
     assert table.returncode == 0, table.stderr
-    header, *rows = table.stdout.splitlines()
+    tiers_table = table.stdout.split("\n\n")[0]  # then the fs tier's admission table
+    header, *rows = tiers_table.splitlines()
     assert header.split()[:4] == ["pool", "tier", "used", "capacity"]
     assert [row.split()[1] for row in rows] == ["primary", "fs0"]
     # warm restart is on: the primary's journal lag, in seconds (nothing waits now)

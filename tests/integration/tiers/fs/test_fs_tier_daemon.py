@@ -182,7 +182,7 @@ def test_deleted_file_promotion_fails_once_and_frees_its_row(tiered, fs_root, po
 
 def test_capacity_bounds_bytes_on_disk_least_recently_used_go_first(fs_root, pool_name):
     capacity = 1 << 20  # 15 block files of 68 KiB
-    daemon = start_daemon(config=fs_tiers_config(fs_root, capacity="1MiB"))
+    daemon = start_daemon(config=fs_tiers_config(fs_root, capacity="1MiB", admission="always"))
     try:
         engine = Engine(daemon, pool_name, num_blocks=16)  # room to promote all that fit
         keys = block_keys("cap", 40)

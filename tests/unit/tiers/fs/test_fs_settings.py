@@ -138,8 +138,8 @@ def test_an_unknown_option_lists_the_known_ones() -> None:
 
 
 def test_admission_is_one_of_the_policies() -> None:
-    assert parse_fs_settings({"root": "/x"}).admission == "always"
-    assert parse_fs_settings({"root": "/x", "admission": "tinylfu"}).admission == "tinylfu"
+    assert parse_fs_settings({"root": "/x"}).admission == "tinylfu"  # the disk's default
+    assert parse_fs_settings({"root": "/x", "admission": "always"}).admission == "always"
     for bad in ("lru", True, 1):
         with pytest.raises(TierOptionError, match=r"^expected one of always, reused, tinylfu, "
                            ) as info:  # fmt: skip
