@@ -15,6 +15,7 @@ from benchmarks import (
     fastlane,
     fs,
     integrity,
+    kv_events,
     memory,
     metrics_flood,
     redis,
@@ -30,7 +31,8 @@ SUITES = {"rpc": rpc.run, "copy": copy.run, "memory": memory.run, "replay": repl
           "fs": fs.run, "stall": stall.run, "buffers": buffers.run,
           "tls": tls.run, "authz": authz.run, "redis": redis.run,
           "warm": warm.run, "fastlane": fastlane.run, "integrity": integrity.run,
-          "bounds": bounds.run, "metrics-flood": metrics_flood.run}  # fmt: skip
+          "bounds": bounds.run, "metrics-flood": metrics_flood.run,
+          "kv-events": kv_events.run}  # fmt: skip
 
 
 def main() -> int:
