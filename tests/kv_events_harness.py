@@ -46,6 +46,7 @@ class EventReader:
             self.replay.setsockopt(zmq.LINGER, 0)
             self.replay.connect(replay_endpoint)
         self.messages: dict[int, Message] = {}
+        self._replayed_from_start = False
 
     def close(self) -> None:
         self.sub.close(0)
@@ -83,11 +84,17 @@ class EventReader:
         return self.events
 
     def _fill_gaps(self) -> None:
-        """Asks for a replay from the first missing sequence number (0 at first)."""
+        """Asks for a replay of what is missing: at first everything before the first
+        message read (from 0: the publisher's first number is its start time), then
+        from the first missing sequence number."""
         if self.replay is None or not self.messages:
             return
         seqs = sorted(self.messages)
-        missing = next((s for s in range(seqs[-1]) if s not in self.messages), None)
+        if not self._replayed_from_start:
+            self._replayed_from_start = True
+            missing: int | None = 0
+        else:
+            missing = next((s for s in range(seqs[0], seqs[-1]) if s not in self.messages), None)
         if missing is None:
             return
         self.replay.send_multipart([b"", SEQ.pack(missing)])

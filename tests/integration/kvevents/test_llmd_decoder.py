@@ -442,8 +442,9 @@ def test_llmd_reads_each_engine_pod_and_tier_of_the_daemons_stores_and_removals(
     (topic ``kv@<pod>@<model>``): a store of a described prompt is a ``cpu`` entry of
     each pod with the engine's hashes, parent chain, tokens and block size, then a
     ``storage`` entry once the fs tier has it; FlushPool removes the ``cpu`` entries.
-    Sequence numbers go up by one a message, and the replay endpoint serves the same
-    bytes from sequence 0, which is AllBlocksCleared for each pod."""
+    Sequence numbers go up by one a message, each batch once per pod in turn, and the
+    replay endpoint serves the same bytes from the daemon's first message on, which is
+    AllBlocksCleared for each pod."""
     subscriber, daemon, replay = llmd
     engine = Engine(daemon, "llama", num_blocks=16)
     try:
@@ -484,19 +485,19 @@ def test_llmd_reads_each_engine_pod_and_tier_of_the_daemons_stores_and_removals(
         eventually(lambda: arrived("BlockRemoved", "cpu"), 30, "cpu removals", interval=0)
         assert subscriber.events("BlockRemoved", "storage", hashes) == {}
 
-        seqs = [m.seq for m in subscriber.messages]
-        assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
-        assert all(m.pod == PODS[m.seq % len(PODS)] for m in subscriber.messages)
-
-        replayed = _replay(replay, 0)
+        replayed = _replay(replay, 0)  # from the start: the daemon's first message on
+        first = int.from_bytes(replayed[0][1], "big")
         assert [decode_message(frames) for frames in replayed[:2]] == [
-            LlmdMessage(pod, MODEL, seq, (LlmdEvent("AllBlocksCleared"),))
-            for seq, pod in enumerate(PODS)
+            LlmdMessage(pod, MODEL, first + n, (LlmdEvent("AllBlocksCleared"),))
+            for n, pod in enumerate(PODS)
         ]
         for frames in replayed:
             seq = int.from_bytes(frames[1], "big")
             if seq in subscriber.raw:
                 assert frames == subscriber.raw[seq]
+        seqs = [m.seq for m in subscriber.messages]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+        assert all(m.pod == PODS[(m.seq - first) % len(PODS)] for m in subscriber.messages)
     finally:
         engine.close()
 
