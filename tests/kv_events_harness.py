@@ -7,10 +7,12 @@ late) left out, so a test sees every message from the first, in order."""
 
 from __future__ import annotations
 
+import re
 import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -104,3 +106,23 @@ class EventReader:
                 return
             message = decode(topic, seq, payload)
             self.messages.setdefault(message.seq, message)
+
+
+def shipped_config(path: Path, **values: object) -> str:
+    """The TOML file ``path`` (one of deploy/kv-events/) with the value of each key
+    ``values`` names replaced (every line ``key = ...``; each key must be there):
+    the addresses and paths of this machine, everything else as shipped."""
+    text = path.read_text()
+    for key, value in values.items():
+        line = re.compile(rf"^{key} = .*$", re.MULTILINE)
+        assert line.search(text), f"{path} has no {key} = ..."
+        text = line.sub(lambda _m, key=key, value=value: f"{key} = {_toml(value)}", text)
+    return text
+
+
+def _toml(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml(item) for item in value) + "]"
+    return f'"{value}"'

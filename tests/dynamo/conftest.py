@@ -25,7 +25,17 @@ for path in (REPO, REPO / "tests", HERE):
 
 from daemon_harness import DaemonProcess, free_port, start_daemon  # noqa: E402
 from engine_harness import Engine  # noqa: E402
-from indexer_harness import POOL, PROBE_POOL, Indexer, start_indexer  # noqa: E402
+from indexer_harness import (  # noqa: E402
+    BLOCK_TOKENS,
+    POOL,
+    PROBE_POOL,
+    Indexer,
+    start_indexer,
+    start_indexer_script,
+)
+from kv_events_harness import shipped_config  # noqa: E402
+
+SHIPPED_CONFIG = REPO / "deploy" / "kv-events" / "kvtierd-dynamo.toml"
 
 
 def events_config(
@@ -79,27 +89,41 @@ def stack(tmp_path: Path) -> Iterator[Callable[..., Stack]]:
     with [kv_events] and (unless not ``fs``) an fs tier, and the indexer. ``workers``:
     the indexer's --workers with ``{pub}`` for the daemon's endpoint; None: both
     engines' instance ids (1 and 2) at dp_rank 1 through ``/register``, with the
-    replay endpoint."""
+    replay endpoint. ``shipped_engines``: deploy/kv-events/kvtierd-dynamo.toml and
+    dynamo-indexer.sh as shipped, with that ENGINES."""
     made: list[Stack] = []
 
     def make(
         *, fs: bool = True, fs_capacity: str = "1GiB", warm_restart: bool = False,
-        workers: str | None = None,
+        workers: str | None = None, shipped_engines: str | None = None,
     ) -> Stack:  # fmt: skip
         publish = f"tcp://127.0.0.1:{free_port()}"
         replay = f"tcp://127.0.0.1:{free_port()}"
         fs_root = tmp_path / "fs" if fs else None
-        config = events_config(
-            publish, replay, fs_root, fs_capacity=fs_capacity, warm_restart=warm_restart
-        )
+        if shipped_engines is None:
+            config = events_config(
+                publish, replay, fs_root, fs_capacity=fs_capacity, warm_restart=warm_restart
+            )
+        else:  # deploy/kv-events as shipped, on this machine's ports and paths
+            (tmp_path / "fs").mkdir()
+            config = shipped_config(
+                SHIPPED_CONFIG, endpoint=publish, replay_endpoint=replay, root=tmp_path / "fs",
+                pools=[POOL, PROBE_POOL],
+            )  # fmt: skip
         daemon = start_daemon("--memory-budget", "256MiB", config=config)
         try:
-            indexer = start_indexer(tmp_path, workers.format(pub=publish) if workers else "")
+            if shipped_engines is not None:
+                indexer = start_indexer_script(
+                    tmp_path, shipped_engines, KVTIERD_EVENTS=publish, KVTIERD_REPLAY=replay,
+                    BLOCK_SIZE=str(BLOCK_TOKENS),
+                )  # fmt: skip
+            else:
+                indexer = start_indexer(tmp_path, workers.format(pub=publish) if workers else "")
         except BaseException:
             daemon.stop()
             daemon.cleanup()
             raise
-        if workers is None:
+        if workers is None and shipped_engines is None:
             for instance in (1, 2):
                 indexer.register(instance, 1, publish, replay)
         made.append(Stack(daemon, indexer, publish, replay))

@@ -150,6 +150,38 @@ def start_indexer(workdir: Path, workers: str = "", timeout: float = 60) -> Inde
     return indexer
 
 
+SCRIPT = Path(__file__).resolve().parents[2] / "deploy" / "kv-events" / "dynamo-indexer.sh"
+
+
+def start_indexer_script(workdir: Path, engines: str, timeout: float = 60, **env: str) -> Indexer:
+    """The shipped ``deploy/kv-events/dynamo-indexer.sh`` on a free port, with
+    ``ENGINES=engines`` and ``env`` (KVTIERD_EVENTS, KVTIERD_REPLAY, BLOCK_SIZE); waits
+    until it has registered the daemon under every engine's instance id."""
+    port = free_port()
+    log_path = workdir / f"indexer-script-{port}.log"
+    full_env = {
+        **os.environ, "PYTHON": sys.executable, "PORT": str(port), "ENGINES": engines,
+        "MODEL": MODEL, **env,
+    }  # fmt: skip
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(
+            ["sh", str(SCRIPT)], stdout=log_file, stderr=subprocess.STDOUT, env=full_env
+        )
+    indexer = Indexer(proc, port, log_path)
+    ids = [engine.split("=")[0] for engine in engines.split()]
+
+    def registered() -> bool:
+        indexer.healthy()  # raises once the script exited
+        return all(f"instance {i}: kvtierd's events" in indexer.log() for i in ids)
+
+    try:
+        eventually(registered, timeout, lambda: f"the script registered:\n{indexer.log()}")
+    except BaseException:
+        indexer.stop()
+        raise
+    return indexer
+
+
 _seeds = count(1)
 
 

@@ -138,11 +138,12 @@ def test_warm_restart_clears_the_view_then_re_announces_the_adopted_blocks(stack
 
 
 def test_the_engines_gpu_events_and_the_pool_add_up_per_instance(stack):
-    """Engine A publishes its own GPU events at dp_rank 0 (a PUB here, as vLLM would),
-    the daemon at dp_rank 1 of both instances: A's GPU prefix is a gpu match for A
-    only, the pool's blocks cpu matches for both."""
+    """The deploy/kv-events files as shipped (the daemon's config, dynamo-indexer.sh):
+    engine A publishes its own GPU events at dp_rank 0 (a PUB here, as vLLM would), B
+    none, the daemon at dp_rank 1 of both instances: A's GPU prefix is a gpu match for
+    A only, the pool's blocks cpu matches for both."""
     engine_a_pub = f"tcp://127.0.0.1:{free_port()}"
-    s = stack(workers="1=" + engine_a_pub + ",1:1={pub},2:1={pub}")
+    s = stack(shipped_engines=f"1={engine_a_pub} 2")
     a, _b = s.engine(), s.engine()
     wait_listening(s.indexer, s.engine(PROBE_POOL), instances=(A, B))
     prompt = Prompt(keys=4, per_key=1)
