@@ -8,6 +8,7 @@ import sys
 import time
 
 from benchmarks import (
+    admission,
     authz,
     bounds,
     buffers,
@@ -32,10 +33,12 @@ SUITES = {"rpc": rpc.run, "copy": copy.run, "memory": memory.run, "replay": repl
           "tls": tls.run, "authz": authz.run, "redis": redis.run,
           "warm": warm.run, "fastlane": fastlane.run, "integrity": integrity.run,
           "bounds": bounds.run, "metrics-flood": metrics_flood.run,
-          "kv-events": kv_events.run}  # fmt: skip
+          "kv-events": kv_events.run, "admission": admission.run}  # fmt: skip
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["admission"]:  # its own table and options (--trace, --json, ...)
+        return admission.main(sys.argv[2:])
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     parser.add_argument("suites", nargs="*", help=f"suites to run: {', '.join(SUITES)} (all)")
     parser.add_argument(
