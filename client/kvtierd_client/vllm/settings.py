@@ -48,6 +48,12 @@ __all__ = [
 ROW_ALIGNMENT = 4096
 LAYOUT_VERSION = "kvtierd-vllm/1"
 """Bumped whenever the row layout written by the worker changes."""
+EVENT_PUBLISHERS = ("engine", "daemon")
+"""Values of ``kvtierd_events``: who publishes the pool's blocks to routers."""
+DEFAULT_ENGINE_EVENTS = "tcp://*:5557"
+"""vLLM's default KV-event endpoint (``KVEventsConfig.endpoint``)."""
+DEFAULT_DESCRIPTION_BYTES = 16 << 20
+MIN_DESCRIPTION_BYTES = 64 << 10
 DEFAULT_FLUSH_AFTER = 0.1
 """Seconds (``kvtierd_flush_after``): longer than a scheduler step (10-50 ms), so a
 stepping engine's completions ride on its next call instead of being sent alone."""
@@ -77,6 +83,18 @@ EXTRA_KEYS: dict[str, str] = {
     "kvtierd_store_ahead": "true (default): a request's first lookup also reserves the rows of "
     "its chain's missing blocks in the same round trip, and vLLM's prepare_store of them is "
     "answered without one (kvtierd_client.vllm.store_ahead); false: prepare_store asks",
+    "kvtierd_events": 'who publishes the pool\'s blocks to KV-aware routers: "engine" '
+    "(default: with vLLM's KV events on, vLLM republishes the pool's stores and removals, "
+    'those of other engines as token-less placeholders) or "daemon" (the daemon\'s '
+    "[kv_events] publisher does; vLLM publishes only its GPU blocks, and the plug-in "
+    "describes each store with the tokens of vLLM's own GPU events)",
+    "kvtierd_engine_events": 'with kvtierd_events = "daemon": the endpoint of vLLM\'s '
+    '--kv-events-config as given there (default "tcp://*:5557"); the plug-in subscribes '
+    "to it on this host (a wildcard host is 127.0.0.1; data-parallel ranks offset the port "
+    "as vLLM does)",
+    "kvtierd_description_bytes": 'with kvtierd_events = "daemon": bytes of the blocks '
+    "remembered from vLLM's GPU events until they are stored (default 16 MiB; the least "
+    "recently used go first; a store whose blocks were forgotten is sent undescribed)",
 }
 """The ``kv_connector_extra_config`` keys this plug-in reads, with their meaning."""
 
@@ -96,6 +114,9 @@ class PluginSettings:
     capacity_bytes: int
     eviction_policy: str
     store_ahead: bool = True
+    events: str = "engine"  # one of EVENT_PUBLISHERS
+    engine_events: str = DEFAULT_ENGINE_EVENTS
+    description_bytes: int = DEFAULT_DESCRIPTION_BYTES
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> PluginSettings:
@@ -113,6 +134,9 @@ class PluginSettings:
             capacity_bytes=config.byte_count("cpu_bytes_to_use"),
             eviction_policy=config.eviction_policy(),
             store_ahead=_flag(config, "kvtierd_store_ahead", True),
+            events=_events(config),
+            engine_events=_endpoint(config, "kvtierd_engine_events"),
+            description_bytes=_description_bytes(config),
         )
 
 
@@ -234,3 +258,31 @@ def _flag(config: ExtraConfig, key: str, default: bool) -> bool:
     if text in ("false", "0", "no", "off"):
         return False
     config.fail(key, f"expected true or false, got {raw!r}")
+
+
+def _description_bytes(config: ExtraConfig) -> int:
+    value = config.byte_count("kvtierd_description_bytes") or DEFAULT_DESCRIPTION_BYTES
+    if value < MIN_DESCRIPTION_BYTES:
+        config.fail(
+            "kvtierd_description_bytes", f"expected at least {MIN_DESCRIPTION_BYTES}, got {value}"
+        )
+    return value
+
+
+def _events(config: ExtraConfig) -> str:
+    raw = config.values.get("kvtierd_events")
+    value = str(raw or "engine").strip().lower()
+    if value not in EVENT_PUBLISHERS:
+        config.fail("kvtierd_events", f'expected "engine" or "daemon", got {raw!r}')
+    return value
+
+
+def _endpoint(config: ExtraConfig, key: str) -> str:
+    """A ZMQ endpoint as vLLM's KV-event config takes it (tcp://HOST:PORT, ipc://PATH)."""
+    value = str(config.values.get(key) or DEFAULT_ENGINE_EVENTS)
+    if value.startswith("ipc://") and len(value) > 6:
+        return value
+    host, _, port = value.removeprefix("tcp://").rpartition(":")
+    if not value.startswith("tcp://") or not host or not port.isdigit():
+        config.fail(key, f"expected tcp://HOST:PORT or ipc://PATH, got {value!r}")
+    return value

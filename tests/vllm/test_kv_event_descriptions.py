@@ -1,0 +1,210 @@
+"""Stores described for KV-event routers (``kvtierd_events = "daemon"``).
+
+vLLM's own ``Scheduler`` (``engine_free.SchedulerLoop``) publishes its GPU blocks with
+its own ``ZmqEventPublisher``; the plug-in's manager subscribes, decodes them with
+vLLM's event classes and sends each stored key's tokens and 64-bit hashes with its
+``complete_store``; vLLM republishes none of the pool's events (the daemon does).
+Runs on every supported release (no model)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from daemon_harness import eventually
+from engine_free import TOKENS_PER_BLOCK, SchedulerLoop, base_config, with_connector
+
+from benchmarks.vllm_model import random_prompt
+from kvtierd_client.client import Session
+from kvtierd_client.engine_events import BlockIndex, EngineEventListener, StoredBlocks
+from kvtierd_client.types import BlockDescription, hash64
+from kvtierd_client.vllm.descriptions import decode_vllm_events
+
+PROMPT_TOKENS = 100  # 6 full blocks of 16 tokens and a tail
+FULL_BLOCKS = PROMPT_TOKENS // TOKENS_PER_BLOCK
+
+
+@pytest.fixture(scope="module")
+def base(tiny_model: Path) -> Any:
+    return base_config(tiny_model)
+
+
+@pytest.fixture
+def endpoint(tmp_path: Path) -> str:
+    return f"ipc://{tmp_path}/kv-events"
+
+
+@pytest.fixture
+def make_loop(kvtierd, base, endpoint) -> Iterator[Callable[..., SchedulerLoop]]:
+    """``make_loop(publish_at=endpoint, **extra)``: vLLM's scheduler with KV events
+    on (published at ``publish_at``) and the plug-in, the manager told where they are
+    (unless ``extra`` says otherwise)."""
+    from vllm.config import KVEventsConfig
+
+    loops: list[SchedulerLoop] = []
+
+    def make(publish_at: str = endpoint, **extra: Any) -> SchedulerLoop:
+        config = with_connector(
+            base, kvtierd.address, **{"kvtierd_engine_events": publish_at, **extra}
+        )
+        events = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=publish_at)
+        loops.append(SchedulerLoop(dataclasses.replace(config, kv_events_config=events)))
+        return loops[-1]
+
+    yield make
+    for loop in loops:
+        loop.shutdown()
+
+
+@pytest.fixture
+def completions(monkeypatch) -> list[tuple[list[bytes], bool, Any]]:
+    """Every ``Session.complete_store`` call: (keys, success, descriptions)."""
+    calls: list[tuple[list[bytes], bool, Any]] = []
+    real = Session.complete_store
+
+    def record(self, keys, success=True, descriptions=None):  # type: ignore[no-untyped-def]
+        calls.append((list(keys), success, descriptions))
+        return real(self, keys, success, descriptions)
+
+    monkeypatch.setattr(Session, "complete_store", record)
+    return calls
+
+
+class Published:
+    """What vLLM publishes at ``endpoint``, read by a subscriber of the test's own
+    (the plug-in's listener class, every event kept, decoded with vLLM's classes)."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.events: list[Any] = []
+        self.listener = EngineEventListener(endpoint, BlockIndex(1 << 20), self._keep, name="test")
+        self.listener.start()
+
+    def _keep(self, payload: bytes) -> Iterable[StoredBlocks]:
+        import msgspec
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self.events.extend(msgspec.msgpack.Decoder(type=KVEventBatch).decode(payload).events)
+        return ()
+
+    def mediums(self) -> set[str]:
+        return {e.medium for e in self.events if hasattr(e, "medium")}
+
+    def drain(self, loop: SchedulerLoop) -> None:
+        """Returns once everything vLLM published so far has arrived (a marker
+        published now arrived: one connection keeps the order)."""
+        from vllm.distributed.kv_events import AllBlocksCleared, KVEventBatch
+
+        loop.scheduler.kv_event_publisher.publish(KVEventBatch(ts=0.0, events=[AllBlocksCleared()]))
+        eventually(
+            lambda: any(isinstance(e, AllBlocksCleared) for e in self.events), 30, "the marker"
+        )
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def _subscribed(loop: SchedulerLoop, *listeners: EngineEventListener) -> None:
+    """Publishes empty batches through vLLM's publisher until every listener got one
+    (a ZMQ subscriber misses what is published before it is connected)."""
+    from vllm.distributed.kv_events import KVEventBatch
+
+    def arrived() -> bool:
+        if all(listener.messages for listener in listeners):
+            return True
+        loop.scheduler.kv_event_publisher.publish(KVEventBatch(ts=0.0, events=[]))
+        return False
+
+    eventually(arrived, 30, "vLLM's publisher reached the subscribers")
+
+
+def _described(calls: list[tuple[list[bytes], bool, Any]]) -> dict[bytes, BlockDescription | None]:
+    out: dict[bytes, BlockDescription | None] = {}
+    for keys, success, descriptions in calls:
+        if success:
+            out.update(zip(keys, descriptions or [None] * len(keys), strict=True))
+    return out
+
+
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2])
+def test_each_store_carries_the_tokens_and_hashes_vllm_published_for_its_blocks(
+    make_loop, endpoint, completions, blocks_per_chunk
+):
+    """Chunks of one and of two GPU blocks: the description of a key is its blocks'
+    64-bit hashes (those of vLLM's own GPU ``BlockStored`` events), the hash before
+    them, and their tokens."""
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    loop = make_loop(kvtierd_events="daemon", blocks_per_chunk=blocks_per_chunk)
+    describer = loop.manager.describer
+    published = Published(endpoint)
+    try:
+        _subscribed(loop, describer.listener, published.listener)
+        prompt = random_prompt(PROMPT_TOKENS, seed=21)
+        request = loop.add("r", prompt)
+        loop.step()  # the prompt's blocks are cached on the GPU and published
+        # an engine's step lasts longer than the events take to arrive here: wait so
+        eventually(
+            lambda: describer.index.statistics().blocks >= FULL_BLOCKS, 30, "the GPU events"
+        )
+        loop.run()
+    finally:
+        published.close()
+
+    gpu = [e for e in published.events if e.medium == "GPU" and hasattr(e, "token_ids")]
+    gpu_hashes = [h for e in gpu for h in e.block_hashes]
+    hashes = [hash64(h) for h in request.block_hashes[:FULL_BLOCKS]]
+    assert gpu_hashes == hashes  # vLLM publishes the low 64 bits of its block hashes
+    chunks = FULL_BLOCKS // blocks_per_chunk
+    described = _described(completions)
+    assert len(described) == chunks
+    for c in range(chunks):
+        first, end = c * blocks_per_chunk, (c + 1) * blocks_per_chunk
+        key = make_offload_key(request.block_hashes[end - 1], 0)
+        assert described[key] == BlockDescription(
+            block_hashes=tuple(hashes[first:end]),
+            parent_block_hash=hashes[first - 1] if first else None,
+            token_ids=tuple(prompt[first * TOKENS_PER_BLOCK : end * TOKENS_PER_BLOCK]),
+            block_size=TOKENS_PER_BLOCK,
+        ), c
+    assert describer.counters.undescribed == 0
+
+
+def test_with_the_daemon_publishing_vllm_republishes_none_of_the_pools_events(
+    make_loop, endpoint
+):
+    """``kvtierd_events = "daemon"``: vLLM publishes its GPU blocks only; with the
+    default (``"engine"``) it also publishes the pool's stores (medium CPU)."""
+    mediums = {}
+    for mode in ("engine", "daemon"):
+        at = f"{endpoint}-{mode}"
+        loop = make_loop(at, kvtierd_events=mode)
+        published = Published(at)
+        try:
+            _subscribed(loop, published.listener)
+            loop.add(f"r-{mode}", random_prompt(PROMPT_TOKENS, seed=22))
+            loop.run()
+            for _ in range(3):  # the last completions reach the daemon, vLLM takes the events
+                loop.step()
+            published.drain(loop)
+        finally:
+            published.close()
+        mediums[mode] = published.mediums()
+    assert mediums["engine"] == {"GPU", "CPU"}
+    assert mediums["daemon"] == {"GPU"}
+
+
+def test_a_key_whose_blocks_vllm_never_published_is_sent_undescribed(
+    make_loop, completions
+):
+    """The describer listens at an endpoint where nothing publishes: the stores go
+    through, without descriptions."""
+    loop = make_loop(kvtierd_events="daemon", kvtierd_engine_events="ipc:///nonexistent/x")
+    loop.add("r", random_prompt(PROMPT_TOKENS, seed=23))
+    loop.run()
+    described = _described(completions)
+    assert len(described) == FULL_BLOCKS
+    assert set(described.values()) == {None}
+    assert loop.manager.describer.counters.undescribed == FULL_BLOCKS
