@@ -14,6 +14,8 @@ store (it is stored from the GPU). So a plug-in subscribes there:
   before them (both engines chain their hashes), so an entry never goes stale; the
   index is bounded in bytes and forgets the least recently used entries first.
   Thread-safe (one short lock per call).
+* :class:`Describer` turns a plug-in's keys into descriptions from the index (the
+  plug-in says which block hash and group a key ends with).
 * :class:`EngineEventListener` is a daemon thread with a ZMQ SUB socket connected to
   the engine's endpoint that decodes each message with the engine's own event
   classes (the ``decode`` the plug-in passes) and feeds the index. Nothing here
@@ -40,15 +42,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtierd_client.types import BlockDescription
+from kvtierd_client.wire.descriptions import description_problem
 
 __all__ = [
     "ENTRY_OVERHEAD_BYTES",
     "MAX_MESSAGE_BYTES",
     "RECEIVE_HWM",
     "BlockIndex",
+    "DescribeCounters",
+    "Describer",
     "EngineEventListener",
     "IndexStatistics",
     "StoredBlocks",
+    "listen",
     "local_endpoint",
 ]
 
@@ -309,3 +315,82 @@ def local_endpoint(endpoint: str, offset: int = 0) -> str:
     elif host in ("[::]", "::", "[*]"):
         host = "[::1]"
     return f"tcp://{host}:{number + offset if number else number}"
+
+
+KeyHash = Callable[[bytes], "tuple[int, int] | None"]
+"""A plug-in's key -> (the hash of the key's last block as the engine publishes it,
+the KV cache group), or None for a key that names no engine block."""
+
+
+@dataclass
+class DescribeCounters:
+    """Keys completed with and without a description (since start)."""
+
+    described: int = 0
+    undescribed: int = 0
+
+
+class Describer:
+    """A plug-in's stored keys described from its engine's events (module doc).
+
+    ``blocks`` engine blocks of ``block_size`` tokens make one key; ``key_hash``
+    finds a key's last block. Owns ``listener`` (closed by :meth:`close`).
+    """
+
+    def __init__(
+        self,
+        index: BlockIndex,
+        listener: EngineEventListener | None,
+        key_hash: KeyHash,
+        *,
+        blocks: int,
+        block_size: int,
+    ) -> None:
+        self.index = index
+        self.listener = listener
+        self._key_hash = key_hash
+        self.blocks = blocks
+        self.block_size = block_size
+        self.counters = DescribeCounters()
+
+    def describe(self, keys: Sequence[bytes]) -> list[BlockDescription | None] | None:
+        """One description (or None) per key; None when no key could be described."""
+        out = [self._describe(key) for key in keys]
+        described = sum(d is not None for d in out)
+        self.counters.described += described
+        self.counters.undescribed += len(out) - described
+        return out if described else None
+
+    def close(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
+
+    def _describe(self, key: bytes) -> BlockDescription | None:
+        found = self._key_hash(key)
+        if found is None:
+            return None
+        last, group = found
+        described = self.index.describe(last, self.blocks, self.block_size, group_idx=group)
+        if described is None or description_problem(
+            described.block_hashes, described.parent_block_hash, described.token_ids,
+            described.block_size,
+        ) is not None:  # fmt: skip
+            return None  # over the wire's bounds (64 blocks, 8192 tokens a key)
+        return described
+
+
+def listen(
+    endpoint: str,
+    max_bytes: int,
+    decode: Decoder,
+    key_hash: KeyHash,
+    *,
+    blocks: int,
+    block_size: int,
+) -> Describer:
+    """A :class:`Describer` over a new index fed by a listener at ``endpoint``
+    (started)."""
+    index = BlockIndex(max_bytes)
+    listener = EngineEventListener(endpoint, index, decode, name="kvtierd-kv-events")
+    listener.start()
+    return Describer(index, listener, key_hash, blocks=blocks, block_size=block_size)

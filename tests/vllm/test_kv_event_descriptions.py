@@ -21,7 +21,6 @@ from benchmarks.vllm_model import random_prompt
 from kvtierd_client.client import Session
 from kvtierd_client.engine_events import BlockIndex, EngineEventListener, StoredBlocks
 from kvtierd_client.types import BlockDescription, hash64
-from kvtierd_client.vllm.descriptions import decode_vllm_events
 
 PROMPT_TOKENS = 100  # 6 full blocks of 16 tokens and a tail
 FULL_BLOCKS = PROMPT_TOKENS // TOKENS_PER_BLOCK
@@ -146,9 +145,7 @@ def test_each_store_carries_the_tokens_and_hashes_vllm_published_for_its_blocks(
         request = loop.add("r", prompt)
         loop.step()  # the prompt's blocks are cached on the GPU and published
         # an engine's step lasts longer than the events take to arrive here: wait so
-        eventually(
-            lambda: describer.index.statistics().blocks >= FULL_BLOCKS, 30, "the GPU events"
-        )
+        eventually(lambda: describer.index.statistics().blocks >= FULL_BLOCKS, 30, "the GPU events")
         loop.run()
     finally:
         published.close()
@@ -172,33 +169,27 @@ def test_each_store_carries_the_tokens_and_hashes_vllm_published_for_its_blocks(
     assert describer.counters.undescribed == 0
 
 
+@pytest.mark.parametrize(("mode", "mediums"), [("engine", {"GPU", "CPU"}), ("daemon", {"GPU"})])
 def test_with_the_daemon_publishing_vllm_republishes_none_of_the_pools_events(
-    make_loop, endpoint
+    make_loop, endpoint, mode, mediums
 ):
     """``kvtierd_events = "daemon"``: vLLM publishes its GPU blocks only; with the
     default (``"engine"``) it also publishes the pool's stores (medium CPU)."""
-    mediums = {}
-    for mode in ("engine", "daemon"):
-        at = f"{endpoint}-{mode}"
-        loop = make_loop(at, kvtierd_events=mode)
-        published = Published(at)
-        try:
-            _subscribed(loop, published.listener)
-            loop.add(f"r-{mode}", random_prompt(PROMPT_TOKENS, seed=22))
-            loop.run()
-            for _ in range(3):  # the last completions reach the daemon, vLLM takes the events
-                loop.step()
-            published.drain(loop)
-        finally:
-            published.close()
-        mediums[mode] = published.mediums()
-    assert mediums["engine"] == {"GPU", "CPU"}
-    assert mediums["daemon"] == {"GPU"}
+    loop = make_loop(kvtierd_events=mode)
+    published = Published(endpoint)
+    try:
+        _subscribed(loop, published.listener)
+        loop.add("r", random_prompt(PROMPT_TOKENS, seed=22))
+        loop.run()
+        for _ in range(3):  # the last completions reach the daemon, vLLM takes the events
+            loop.step()
+        published.drain(loop)
+    finally:
+        published.close()
+    assert published.mediums() == mediums
 
 
-def test_a_key_whose_blocks_vllm_never_published_is_sent_undescribed(
-    make_loop, completions
-):
+def test_a_key_whose_blocks_vllm_never_published_is_sent_undescribed(make_loop, completions):
     """The describer listens at an endpoint where nothing publishes: the stores go
     through, without descriptions."""
     loop = make_loop(kvtierd_events="daemon", kvtierd_engine_events="ipc:///nonexistent/x")

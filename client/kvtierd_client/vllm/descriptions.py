@@ -9,9 +9,10 @@ scheduler and hands nothing to the manager. What vLLM does publish is every bloc
 its GPU prefix cache caches, as a ``BlockStored`` event with token ids, parent hash
 and 64-bit block hashes, on the endpoint of ``--kv-events-config`` (the same events
 a KV-aware router reads): a block reaches the manager's ``complete_store`` at least
-one engine step after vLLM published it. :class:`KeyDescriber` subscribes there,
+one engine step after vLLM published it. The manager's describer subscribes there,
 decodes with vLLM's own event classes (``vllm.distributed.kv_events``) and describes
-a chunk key by its last block's hash, walking ``blocks_per_chunk - 1`` parents back.
+a chunk key by its last block's hash, walking ``blocks_per_chunk - 1`` parents back
+(:class:`kvtierd_client.engine_events.Describer`).
 
 A key it cannot describe is sent undescribed (the daemon then publishes it to no
 router): its blocks' event was not received (yet, or at all: KV events off, another
@@ -24,22 +25,15 @@ The listener is a thread of its own; the scheduler thread only looks entries up.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any
 
-from kvtierd_client.engine_events import (
-    BlockIndex,
-    EngineEventListener,
-    StoredBlocks,
-    local_endpoint,
-)
-from kvtierd_client.types import BlockDescription, hash64
+from kvtierd_client.engine_events import Describer, StoredBlocks, listen, local_endpoint
+from kvtierd_client.types import hash64
 from kvtierd_client.vllm.common import log
 from kvtierd_client.vllm.settings import PluginSettings
-from kvtierd_client.wire.descriptions import description_problem
 
-__all__ = ["DescribeCounters", "KeyDescriber", "decode_vllm_events", "start_describer"]
+__all__ = ["decode_vllm_events", "key_hash", "start_describer"]
 
 KV_EVENTS_HINT = (
     '--kv-events-config \'{"enable_kv_cache_events": true, "publisher": "zmq", '
@@ -47,66 +41,7 @@ KV_EVENTS_HINT = (
 )
 
 
-@dataclass
-class DescribeCounters:
-    """Keys completed with and without a description (since start)."""
-
-    described: int = 0
-    undescribed: int = 0
-
-
-class KeyDescriber:
-    """Describes vLLM offload keys from vLLM's GPU KV events (module doc).
-
-    ``blocks_per_chunk`` GPU blocks of ``block_size`` tokens make one key.
-    """
-
-    def __init__(
-        self,
-        index: BlockIndex,
-        listener: EngineEventListener | None,
-        *,
-        blocks_per_chunk: int,
-        block_size: int,
-    ) -> None:
-        self.index = index
-        self.listener = listener
-        self.blocks_per_chunk = blocks_per_chunk
-        self.block_size = block_size
-        self.counters = DescribeCounters()
-
-    def describe(self, keys: Sequence[bytes]) -> list[BlockDescription | None] | None:
-        """One description (or None) per key; None when no key could be described."""
-        out = [self._describe(key) for key in keys]
-        described = sum(d is not None for d in out)
-        self.counters.described += described
-        self.counters.undescribed += len(out) - described
-        return out if described else None
-
-    def close(self) -> None:
-        if self.listener is not None:
-            self.listener.close()
-
-    def _describe(self, key: bytes) -> BlockDescription | None:
-        if len(key) <= 4:
-            return None
-        described = self.index.describe(
-            hash64(key[:-4]),
-            self.blocks_per_chunk,
-            self.block_size,
-            group_idx=int.from_bytes(key[-4:], "big"),
-        )
-        if described is None or description_problem(
-            described.block_hashes, described.parent_block_hash, described.token_ids,
-            described.block_size,
-        ) is not None:  # fmt: skip
-            return None  # over the wire's bounds (64 blocks, 8192 tokens a key)
-        return described
-
-
-def start_describer(
-    settings: PluginSettings, config: Any, *, events_on: bool
-) -> KeyDescriber | None:
+def start_describer(settings: PluginSettings, config: Any, *, events_on: bool) -> Describer | None:
     """A describer listening to this engine's KV events, for ``kvtierd_events =
     "daemon"``; None (with one warning saying what to change) when vLLM publishes
     none (``events_on`` false) or the engine has more than one KV cache group."""
@@ -126,15 +61,22 @@ def start_describer(
         )  # fmt: skip
         return None
     endpoint = local_endpoint(settings.engine_events, int(config.parallel.data_parallel_index))
-    index = BlockIndex(settings.description_bytes)
-    listener = EngineEventListener(endpoint, index, decode_vllm_events, name="kvtierd-kv-events")
-    listener.start()
-    return KeyDescriber(
-        index,
-        listener,
-        blocks_per_chunk=int(config.cache.blocks_per_chunk),
+    return listen(
+        endpoint,
+        settings.description_bytes,
+        decode_vllm_events,
+        key_hash,
+        blocks=int(config.cache.blocks_per_chunk),
         block_size=int(groups[0].tokens_per_block),
     )
+
+
+def key_hash(key: bytes) -> tuple[int, int] | None:
+    """An ``OffloadKey`` (the chunk's last block hash, then 4 bytes of group index):
+    that block's 64-bit hash as vLLM publishes it, and the group."""
+    if len(key) <= 4:
+        return None
+    return hash64(key[:-4]), int.from_bytes(key[-4:], "big")
 
 
 _decoder: Any = None

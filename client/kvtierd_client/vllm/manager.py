@@ -85,6 +85,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from kvtierd_client.client import Client, Session
+from kvtierd_client.engine_events import Describer
 from kvtierd_client.errors import KvtierError
 from kvtierd_client.types import BlockDescription
 from kvtierd_client.vllm.accounting import (
@@ -97,7 +98,6 @@ from kvtierd_client.vllm.accounting import (
 from kvtierd_client.vllm.common import KvtierdLoadStoreSpec, RegionIdentity, log, open_session_on
 from kvtierd_client.vllm.compat import VllmCalls
 from kvtierd_client.vllm.connection import DaemonConnection, Generation
-from kvtierd_client.vllm.descriptions import KeyDescriber
 from kvtierd_client.vllm.holdings import GRAVE_STEPS, Holdings
 from kvtierd_client.vllm.settings import PluginSettings, PoolPlan
 from kvtierd_client.vllm.step_cache import StepCache
@@ -153,7 +153,7 @@ class KvtierdOffloadingManager(OffloadingManager):
         events_enabled: bool,
         client_name: str,
         calls: VllmCalls | None = None,
-        describer: KeyDescriber | None = None,
+        describer: Describer | None = None,
     ) -> None:
         self._settings = settings
         self.describer = describer

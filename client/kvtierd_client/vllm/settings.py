@@ -34,7 +34,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtierd_client._extra_config import POLICY_HELP, ExtraConfig
+from kvtierd_client._extra_config import (
+    DEFAULT_DESCRIPTION_BYTES,
+    DEFAULT_ENGINE_EVENTS,
+    POLICY_HELP,
+    ExtraConfig,
+)
 from kvtierd_client.client import DEFAULT_TIMEOUT
 
 __all__ = [
@@ -48,12 +53,6 @@ __all__ = [
 ROW_ALIGNMENT = 4096
 LAYOUT_VERSION = "kvtierd-vllm/1"
 """Bumped whenever the row layout written by the worker changes."""
-EVENT_PUBLISHERS = ("engine", "daemon")
-"""Values of ``kvtierd_events``: who publishes the pool's blocks to routers."""
-DEFAULT_ENGINE_EVENTS = "tcp://*:5557"
-"""vLLM's default KV-event endpoint (``KVEventsConfig.endpoint``)."""
-DEFAULT_DESCRIPTION_BYTES = 16 << 20
-MIN_DESCRIPTION_BYTES = 64 << 10
 DEFAULT_FLUSH_AFTER = 0.1
 """Seconds (``kvtierd_flush_after``): longer than a scheduler step (10-50 ms), so a
 stepping engine's completions ride on its next call instead of being sent alone."""
@@ -134,9 +133,9 @@ class PluginSettings:
             capacity_bytes=config.byte_count("cpu_bytes_to_use"),
             eviction_policy=config.eviction_policy(),
             store_ahead=_flag(config, "kvtierd_store_ahead", True),
-            events=_events(config),
-            engine_events=_endpoint(config, "kvtierd_engine_events"),
-            description_bytes=_description_bytes(config),
+            events=config.events_publisher(),
+            engine_events=config.engine_events(),
+            description_bytes=config.description_bytes(),
         )
 
 
@@ -258,31 +257,3 @@ def _flag(config: ExtraConfig, key: str, default: bool) -> bool:
     if text in ("false", "0", "no", "off"):
         return False
     config.fail(key, f"expected true or false, got {raw!r}")
-
-
-def _description_bytes(config: ExtraConfig) -> int:
-    value = config.byte_count("kvtierd_description_bytes") or DEFAULT_DESCRIPTION_BYTES
-    if value < MIN_DESCRIPTION_BYTES:
-        config.fail(
-            "kvtierd_description_bytes", f"expected at least {MIN_DESCRIPTION_BYTES}, got {value}"
-        )
-    return value
-
-
-def _events(config: ExtraConfig) -> str:
-    raw = config.values.get("kvtierd_events")
-    value = str(raw or "engine").strip().lower()
-    if value not in EVENT_PUBLISHERS:
-        config.fail("kvtierd_events", f'expected "engine" or "daemon", got {raw!r}')
-    return value
-
-
-def _endpoint(config: ExtraConfig, key: str) -> str:
-    """A ZMQ endpoint as vLLM's KV-event config takes it (tcp://HOST:PORT, ipc://PATH)."""
-    value = str(config.values.get(key) or DEFAULT_ENGINE_EVENTS)
-    if value.startswith("ipc://") and len(value) > 6:
-        return value
-    host, _, port = value.removeprefix("tcp://").rpartition(":")
-    if not value.startswith("tcp://") or not host or not port.isdigit():
-        config.fail(key, f"expected tcp://HOST:PORT or ipc://PATH, got {value!r}")
-    return value
