@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from daemon_harness import free_port
+from daemon_harness import eventually, free_port
 
 from benchmarks import sglang_env as env
 
@@ -139,3 +139,66 @@ def test_hicache_controller_runs_on_without_a_daemon(parallel, tmp_path, caplog)
     assert _prefetch(ctrl, host, list(range(16))) == (0, 0, [])
     assert all(t.is_alive() for t in (ctrl.prefetch_thread, ctrl.backup_thread))
     ctrl.detach_storage_backend()
+
+
+def test_backed_up_pages_carry_the_tokens_and_hashes_sglang_published_for_them(
+    kvtierd, parallel, tmp_path, monkeypatch
+):
+    """``kvtierd_events = "daemon"``: SGLang's radix cache caches a prompt and
+    publishes it (its own ``KVCacheEventRecorder`` and ``ZmqEventPublisher``); the
+    controller's backup thread stores its pages, each completed with its tokens and
+    the 64-bit hashes SGLang's events gave it (modulo 2**64)."""
+    from sglang.srt.disaggregation.kv_events import BlockStored, KVEventBatch, ZmqEventPublisher
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    from kvtierd_client.client import Session
+    from kvtierd_client.types import BlockDescription
+
+    completed: dict[bytes, Any] = {}
+    real = Session.complete_store
+
+    def record(self, keys, success=True, descriptions=None):  # type: ignore[no-untyped-def]
+        completed.update(zip(keys, descriptions or [None] * len(keys), strict=True))
+        return real(self, keys, success, descriptions)
+
+    monkeypatch.setattr(Session, "complete_store", record)
+    endpoint = f"ipc://{tmp_path}/kv-events"
+    publisher = ZmqEventPublisher(attn_dp_rank=0, endpoint=endpoint)
+    ctrl, host = _controller(
+        kvtierd.address, kvtierd_events="daemon", kvtierd_engine_events=endpoint
+    )
+    try:
+        describer = ctrl.storage_backend.describer
+
+        def subscribed() -> bool:  # a subscriber misses what is published before it joins
+            publisher.publish(KVEventBatch(ts=0.0, events=[]))
+            return describer.listener.messages > 0
+
+        eventually(subscribed, 30, "SGLang's publisher reached the backend")
+        page = host.page_size
+        tokens = list(range(500, 500 + 10 * page))
+        cache = RadixCache.create_simulated(page_size=page, enable_kv_cache_events=True)
+        cache.insert(InsertParams(key=RadixKey(tokens), value=torch.arange(len(tokens))))
+        events = cache.take_events()
+        publisher.publish(KVEventBatch(ts=0.0, events=events))
+        eventually(lambda: describer.index.statistics().blocks == 10, 30, "SGLang's events")
+        assert _backup(ctrl, host, tokens) == len(tokens)
+    finally:
+        publisher.shutdown()
+        ctrl.detach_storage_backend()
+
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    published = [h & ((1 << 64) - 1) for e in stored for h in e.block_hashes]
+    keys = get_storage_hash_str(tokens, None, page_size=page)
+    hashes = [int(key[:16], 16) for key in keys]
+    assert hashes == published  # a page key names the hash SGLang publishes for it
+    for i, key in enumerate(keys):
+        assert completed[key.encode()] == BlockDescription(
+            block_hashes=(hashes[i],),
+            parent_block_hash=hashes[i - 1] if i else None,
+            token_ids=tuple(tokens[i * page : (i + 1) * page]),
+            block_size=page,
+        ), i
+    assert describer.counters.undescribed == 0
