@@ -104,7 +104,7 @@ class IndexStatistics:
 @dataclass(frozen=True, slots=True)
 class _Entry:
     parent: int | None
-    tokens: array  # type: ignore[type-arg]  # array("I"): block_size token ids
+    tokens: array[int]  # array("I"): block_size token ids
     lora_name: str
     opaque: bool  # this block or one before it is keyed (StoredBlocks.keyed)
 
