@@ -3,8 +3,9 @@
 vLLM's own ``Scheduler`` (``engine_free.SchedulerLoop``) publishes its GPU blocks with
 its own ``ZmqEventPublisher``; the plug-in's manager subscribes, decodes them with
 vLLM's event classes and sends each stored key's tokens and 64-bit hashes with its
-``complete_store``; vLLM republishes none of the pool's events (the daemon does).
-Runs on every supported release (no model)."""
+``complete_store``; the daemon's ``[kv_events]`` publisher announces them (read as a
+router reads them, ``kv_events_harness``), and vLLM republishes none of the pool's
+events. Runs on every supported release (no model)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_harness import eventually
+from daemon_harness import DaemonProcess, eventually, start_daemon
 from engine_free import TOKENS_PER_BLOCK, SchedulerLoop, base_config, with_connector
+from kv_events_harness import EventReader
 
 from benchmarks.vllm_model import random_prompt
 from kvtierd_client.client import Session
@@ -36,19 +38,36 @@ def endpoint(tmp_path: Path) -> str:
     return f"ipc://{tmp_path}/kv-events"
 
 
+POOL = "llama"
+
+
+@pytest.fixture
+def publishing(tmp_path: Path) -> Iterator[tuple[DaemonProcess, str]]:
+    """A daemon publishing pool ``llama`` (``[kv_events]``), and its endpoint."""
+    endpoint = f"ipc://{tmp_path}/daemon-events"
+    config = f'[kv_events]\nendpoint = "{endpoint}"\npools = ["{POOL}"]\nmodel = "m"\n'
+    proc = start_daemon("--memory-budget", "512MiB", config=config)
+    try:
+        yield proc, endpoint
+        assert proc.stop() == 0, proc.log()
+    finally:
+        proc.cleanup()
+
+
 @pytest.fixture
 def make_loop(kvtierd, base, endpoint) -> Iterator[Callable[..., SchedulerLoop]]:
-    """``make_loop(publish_at=endpoint, **extra)``: vLLM's scheduler with KV events
-    on (published at ``publish_at``) and the plug-in, the manager told where they are
-    (unless ``extra`` says otherwise)."""
+    """``make_loop(publish_at=endpoint, address=kvtierd's, **extra)``: vLLM's
+    scheduler with KV events on (published at ``publish_at``) and the plug-in on the
+    daemon at ``address``, the manager told where vLLM publishes (unless ``extra``
+    says otherwise)."""
     from vllm.config import KVEventsConfig
 
     loops: list[SchedulerLoop] = []
 
-    def make(publish_at: str = endpoint, **extra: Any) -> SchedulerLoop:
-        config = with_connector(
-            base, kvtierd.address, **{"kvtierd_engine_events": publish_at, **extra}
-        )
+    def make(
+        publish_at: str = endpoint, address: str = kvtierd.address, **extra: Any
+    ) -> SchedulerLoop:
+        config = with_connector(base, address, **{"kvtierd_engine_events": publish_at, **extra})
         events = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=publish_at)
         loops.append(SchedulerLoop(dataclasses.replace(config, kv_events_config=events)))
         return loops[-1]
@@ -128,25 +147,30 @@ def _described(calls: list[tuple[list[bytes], bool, Any]]) -> dict[bytes, BlockD
 
 
 @pytest.mark.parametrize("blocks_per_chunk", [1, 2])
-def test_each_store_carries_the_tokens_and_hashes_vllm_published_for_its_blocks(
-    make_loop, endpoint, completions, blocks_per_chunk
+def test_the_daemon_announces_each_store_with_the_tokens_and_hashes_vllm_published(
+    make_loop, endpoint, publishing, blocks_per_chunk
 ):
-    """Chunks of one and of two GPU blocks: the description of a key is its blocks'
-    64-bit hashes (those of vLLM's own GPU ``BlockStored`` events), the hash before
-    them, and their tokens."""
-    from vllm.v1.kv_offload.base import make_offload_key
-
-    loop = make_loop(kvtierd_events="daemon", blocks_per_chunk=blocks_per_chunk)
+    """Chunks of one and of two GPU blocks: the daemon's ``BlockStored`` (medium
+    CPU) of a key carries its blocks' 64-bit hashes (those of vLLM's own GPU
+    ``BlockStored`` events), the hash before them, and their tokens."""
+    daemon, daemon_events = publishing
+    loop = make_loop(
+        address=daemon.address, kvtierd_pool=POOL, kvtierd_events="daemon",
+        blocks_per_chunk=blocks_per_chunk,
+    )  # fmt: skip
     describer = loop.manager.describer
     published = Published(endpoint)
+    chunks = FULL_BLOCKS // blocks_per_chunk
     try:
-        _subscribed(loop, describer.listener, published.listener)
-        prompt = random_prompt(PROMPT_TOKENS, seed=21)
-        request = loop.add("r", prompt)
-        loop.step()  # the prompt's blocks are cached on the GPU and published
-        # an engine's step lasts longer than the events take to arrive here: wait so
-        eventually(lambda: describer.index.statistics().blocks >= FULL_BLOCKS, 30, "the GPU events")
-        loop.run()
+        with EventReader(daemon_events) as router:
+            _subscribed(loop, describer.listener, published.listener)
+            prompt = random_prompt(PROMPT_TOKENS, seed=21)
+            request = loop.add("r", prompt)
+            loop.step()  # the prompt's blocks are cached on the GPU and published
+            # an engine's step lasts longer than the events take to arrive here: wait so
+            eventually(lambda: describer.index.statistics().blocks >= FULL_BLOCKS, 30, "GPU events")
+            loop.run()
+            announced = router.until(lambda events: len(_cpu_stores(events)) >= chunks)
     finally:
         published.close()
 
@@ -154,19 +178,20 @@ def test_each_store_carries_the_tokens_and_hashes_vllm_published_for_its_blocks(
     gpu_hashes = [h for e in gpu for h in e.block_hashes]
     hashes = [hash64(h) for h in request.block_hashes[:FULL_BLOCKS]]
     assert gpu_hashes == hashes  # vLLM publishes the low 64 bits of its block hashes
-    chunks = FULL_BLOCKS // blocks_per_chunk
-    described = _described(completions)
-    assert len(described) == chunks
+    by_last = {e["block_hashes"][-1]: e for e in _cpu_stores(announced)}
+    assert len(by_last) == chunks
     for c in range(chunks):
         first, end = c * blocks_per_chunk, (c + 1) * blocks_per_chunk
-        key = make_offload_key(request.block_hashes[end - 1], 0)
-        assert described[key] == BlockDescription(
-            block_hashes=tuple(hashes[first:end]),
-            parent_block_hash=hashes[first - 1] if first else None,
-            token_ids=tuple(prompt[first * TOKENS_PER_BLOCK : end * TOKENS_PER_BLOCK]),
-            block_size=TOKENS_PER_BLOCK,
-        ), c
+        event = by_last[hashes[end - 1]]
+        assert event["block_hashes"] == hashes[first:end], c
+        assert event["parent_block_hash"] == (hashes[first - 1] if first else None), c
+        assert event["token_ids"] == prompt[first * TOKENS_PER_BLOCK : end * TOKENS_PER_BLOCK]
+        assert event["block_size"] == TOKENS_PER_BLOCK
     assert describer.counters.undescribed == 0
+
+
+def _cpu_stores(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e for e in events if e["type"] == "BlockStored" and e["medium"] == "CPU"]
 
 
 @pytest.mark.parametrize(("mode", "mediums"), [("engine", {"GPU", "CPU"}), ("daemon", {"GPU"})])
