@@ -124,7 +124,7 @@ class Published:
         self.listener.close()
 
 
-def _subscribed(loop: SchedulerLoop, *listeners: EngineEventListener) -> None:
+def _subscribed(loop: Any, *listeners: EngineEventListener) -> None:
     """Publishes empty batches through vLLM's publisher until every listener got one
     (a ZMQ subscriber misses what is published before it is connected)."""
     from vllm.distributed.kv_events import KVEventBatch
@@ -224,3 +224,61 @@ def test_a_key_whose_blocks_vllm_never_published_is_sent_undescribed(make_loop, 
     assert len(described) == FULL_BLOCKS
     assert set(described.values()) == {None}
     assert loop.manager.describer.counters.undescribed == FULL_BLOCKS
+
+
+@pytest.mark.engine  # a real vLLM engine: vLLM's CPU build (make test-vllm)
+def test_a_real_engine_s_stores_are_announced_with_their_prompt_tokens(
+    tiny_model, publishing, tmp_path
+):
+    """vLLM's CPU engine (in-process) with its KV events on and the plug-in on a
+    publishing daemon: every full block of the prompt is announced by the daemon
+    (medium CPU) with the prompt's tokens, and vLLM itself publishes only GPU blocks."""
+    from vllm import LLM
+    from vllm.config import KVEventsConfig
+    from vllm_e2e import TOKENS_PER_BLOCK as BLOCK
+    from vllm_e2e import generate, kv_transfer_config, manager_of, shutdown_llm
+
+    from benchmarks.vllm_model import llm_kwargs
+
+    daemon, daemon_events = publishing
+    engine_events = f"ipc://{tmp_path}/engine-events"
+    transfer = kv_transfer_config(
+        daemon.address, kvtierd_pool=POOL, kvtierd_events="daemon",
+        kvtierd_engine_events=engine_events,
+    )  # fmt: skip
+    events = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=engine_events)
+    prompt = random_prompt(5 * BLOCK + 20, seed=24)  # 5 full blocks and a tail
+    llm = LLM(**llm_kwargs(tiny_model, transfer), kv_events_config=events)
+    engine = Published(engine_events)
+    try:
+        with EventReader(daemon_events) as router:
+            describer = manager_of(llm).describer
+            _subscribed(_EngineLoop(llm), describer.listener, engine.listener)
+            generate(llm, prompt, max_tokens=4)
+            announced = router.until(lambda events: len(_cpu_stores(events)) >= 5)
+            counters = describer.counters
+    finally:
+        engine.close()
+        shutdown_llm(llm)
+    tokens = [t for e in _in_prefix_order(_cpu_stores(announced)) for t in e["token_ids"]]
+    assert tokens == prompt[: 5 * BLOCK]
+    assert (counters.described, counters.undescribed) == (5, 0)
+    assert engine.mediums() == {"GPU"}
+
+
+def _in_prefix_order(stores: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Stores chained by their parent hashes, from the prompt's first block (one
+    ``CompleteStore`` announces its keys in no particular order)."""
+    after = {e["parent_block_hash"]: e for e in stores}
+    chain, parent = [], None
+    while parent in after:
+        chain.append(after[parent])
+        parent = chain[-1]["block_hashes"][-1]
+    return chain
+
+
+class _EngineLoop:
+    """What :func:`_subscribed` needs of an in-process engine: its scheduler."""
+
+    def __init__(self, llm: Any) -> None:
+        self.scheduler = llm.llm_engine.engine_core.engine_core.scheduler
