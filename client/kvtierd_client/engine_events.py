@@ -27,8 +27,8 @@ Bounds: the index holds at most ``max_bytes`` (token ids at 4 bytes plus
 :data:`RECEIVE_HWM` messages of at most :data:`MAX_MESSAGE_BYTES` each (a larger one
 is dropped by ZMQ).
 
-May import the client's ``types`` and ``zmq`` (which both engines install; imported
-when a listener starts): never vLLM or SGLang, whose decoders come in as functions.
+May import the client's ``types`` and ``wire`` and ``zmq`` (imported when a listener
+starts): never vLLM or SGLang, whose decoders come in as functions.
 """
 
 from __future__ import annotations
