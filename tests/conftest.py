@@ -15,13 +15,14 @@ for _path in (HERE.parent, HERE):  # benchmarks (devshm), then the harnesses
         sys.path.insert(0, str(_path))
 
 # tests/vllm needs vLLM (`make test-vllm` builds .venv-vllm for it), tests/sglang SGLang
-# (`make test-sglang`, .venv-sglang); elsewhere a bare `pytest` leaves them out instead
-# of failing on the import
+# (`make test-sglang`, .venv-sglang), tests/dynamo Dynamo's indexer (`make test-dynamo`,
+# .venv-dynamo); elsewhere a bare `pytest` leaves them out instead of failing on the import
 collect_ignore: list[str] = []
-for _engine in ("vllm", "sglang"):
-    _spec = importlib.util.find_spec(_engine)
+# (Dynamo's ``dynamo`` is itself a namespace package: its indexer module is looked for)
+for _folder, _module in (("vllm", "vllm"), ("sglang", "sglang"), ("dynamo", "dynamo.indexer")):
+    _spec = importlib.util.find_spec(_module)
     if _spec is None or _spec.origin is None:  # origin None: only tests/<engine>, a namespace
-        collect_ignore.append(_engine)
+        collect_ignore.append(_folder)
 
 from daemon_harness import DaemonProcess, start_daemon  # noqa: E402
 

@@ -7,10 +7,12 @@ late) left out, so a test sees every message from the first, in order."""
 
 from __future__ import annotations
 
+import re
 import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -46,6 +48,7 @@ class EventReader:
             self.replay.setsockopt(zmq.LINGER, 0)
             self.replay.connect(replay_endpoint)
         self.messages: dict[int, Message] = {}
+        self._replayed_from_start = False
 
     def close(self) -> None:
         self.sub.close(0)
@@ -83,11 +86,17 @@ class EventReader:
         return self.events
 
     def _fill_gaps(self) -> None:
-        """Asks for a replay from the first missing sequence number (0 at first)."""
+        """Asks for a replay of what is missing: at first everything before the first
+        message read (from 0: the publisher's first number is its start time), then
+        from the first missing sequence number."""
         if self.replay is None or not self.messages:
             return
         seqs = sorted(self.messages)
-        missing = next((s for s in range(seqs[-1]) if s not in self.messages), None)
+        if not self._replayed_from_start:
+            self._replayed_from_start = True
+            missing: int | None = 0
+        else:
+            missing = next((s for s in range(seqs[0], seqs[-1]) if s not in self.messages), None)
         if missing is None:
             return
         self.replay.send_multipart([b"", SEQ.pack(missing)])
@@ -97,3 +106,23 @@ class EventReader:
                 return
             message = decode(topic, seq, payload)
             self.messages.setdefault(message.seq, message)
+
+
+def shipped_config(path: Path, **values: object) -> str:
+    """The TOML file ``path`` (one of deploy/kv-events/) with the value of each key
+    ``values`` names replaced (every line ``key = ...``; each key must be there):
+    the addresses and paths of this machine, everything else as shipped."""
+    text = path.read_text()
+    for key, value in values.items():
+        line = re.compile(rf"^{key} = .*$", re.MULTILINE)
+        assert line.search(text), f"{path} has no {key} = ..."
+        text = line.sub(lambda _m, key=key, value=value: f"{key} = {_toml(value)}", text)
+    return text
+
+
+def _toml(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml(item) for item in value) + "]"
+    return f'"{value}"'

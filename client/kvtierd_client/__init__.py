@@ -17,6 +17,9 @@ scheduler side never imports torch:
   check of it (copy a job's rows only while their session is proven alive);
 * ``kvtierd_client.vllm`` — the vLLM plug-in; ``kvtierd_client.sglang`` — the SGLang
   storage backend (each needs its engine installed; nothing else imports them);
+  ``kvtierd_client.engine_events`` — what both plug-ins read back from their engine's
+  own KV events to describe their stores for KV-event routers (needs ``zmq``, which
+  both engines install);
 * ``kvtierd_client.wire`` — what the client and the daemon both speak (messages,
   results, frames, addresses, who can be the daemon): the one package the daemon imports;
 * ``kvtierd_client.proto`` — the raw stubs' old import path, kept as a deprecated alias

@@ -26,6 +26,13 @@ POLICY_HELP = " or ".join(
 )
 """The eviction policies as the plug-ins' key tables word them: "'lru' (default) or 'arc'"."""
 
+EVENT_PUBLISHERS = ("engine", "daemon")
+"""Values of ``kvtierd_events``: who publishes the pool's blocks to KV-aware routers."""
+DEFAULT_ENGINE_EVENTS = "tcp://*:5557"
+"""The engines' default KV-event endpoint (vLLM's and SGLang's ``--kv-events-config``)."""
+DEFAULT_DESCRIPTION_BYTES = 16 << 20
+MIN_DESCRIPTION_BYTES = 64 << 10
+
 
 class ExtraConfig:
     """One engine's extra config (a mapping of keys to what the engine passed).
@@ -93,6 +100,34 @@ class ExtraConfig:
             value = -1
         if value < 0 or isinstance(raw, bool) or (isinstance(raw, float) and raw != value):
             self.fail(key, f"expected a non-negative integer, got {raw!r}")
+        return value
+
+    def events_publisher(self) -> str:
+        """``kvtierd_events``: "engine" (default) or "daemon" (any case)."""
+        raw = self.values.get("kvtierd_events")
+        value = str(raw or "engine").strip().lower()
+        if value not in EVENT_PUBLISHERS:
+            self.fail("kvtierd_events", f'expected "engine" or "daemon", got {raw!r}')
+        return value
+
+    def engine_events(self) -> str:
+        """``kvtierd_engine_events``: the engine's KV-event endpoint as its config
+        spells it (``tcp://HOST:PORT`` or ``ipc://PATH``; default ``tcp://*:5557``)."""
+        key = "kvtierd_engine_events"
+        value = str(self.values.get(key) or DEFAULT_ENGINE_EVENTS)
+        if value.startswith("ipc://") and len(value) > 6:
+            return value
+        host, _, port = value.removeprefix("tcp://").rpartition(":")
+        if not value.startswith("tcp://") or not host or not port.isdigit():
+            self.fail(key, f"expected tcp://HOST:PORT or ipc://PATH, got {value!r}")
+        return value
+
+    def description_bytes(self) -> int:
+        """``kvtierd_description_bytes``: at least 64 KiB (default 16 MiB)."""
+        key = "kvtierd_description_bytes"
+        value = self.byte_count(key) or DEFAULT_DESCRIPTION_BYTES
+        if value < MIN_DESCRIPTION_BYTES:
+            self.fail(key, f"expected at least {MIN_DESCRIPTION_BYTES} bytes, got {value}")
         return value
 
     def name(self, key: str) -> str | None:

@@ -8,7 +8,7 @@ thread turns them into events (``render``, given by the owner; it lets the loop
 take the GIL every :data:`YIELD_EVERY` items and between messages), gathers what
 arrives within :data:`GATHER_SECONDS` into one message per topic (as vLLM
 publishes one batch per scheduler step), numbers it (``seq`` grows by one per
-message: gap-free), sends it without blocking (a PUB socket drops for a
+message from ``first_seq``: gap-free), sends it without blocking (a PUB socket drops for a
 subscriber whose queue is full; that subscriber sees the gap and asks for a
 replay) and keeps it in the replay window. So a store costs the request path an
 append, never the packing, and the thread takes the GIL at most every
@@ -73,6 +73,7 @@ class EventPublisher:
         cost: Callable[[Any], int] = wireformat.event_cost,
         on_lost: Callable[[], list[dict[str, Any]]] = lambda: [wireformat.ALL_BLOCKS_CLEARED],
         connect: bool = False,
+        first_seq: int = 0,
         queue_bytes: int,
         replay_bytes: int,
         socket_mode: int = 0o660,
@@ -99,7 +100,7 @@ class EventPublisher:
         self._messages = 0
         self._events = 0
         self._replays = 0
-        self._seq = -1
+        self._seq = first_seq - 1  # the last number sent
         self._context: zmq.Context[zmq.Socket[Any]] = zmq.Context.instance()
         self._pub = self._bind(zmq.PUB, endpoint)
         self._router = self._bind(zmq.ROUTER, replay_endpoint) if replay_endpoint else None

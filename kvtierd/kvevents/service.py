@@ -27,6 +27,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -70,6 +71,21 @@ class KvEventsStats:
     cleared: int
 
 
+def first_sequence() -> int:
+    """The number of a daemon's first message: the wall clock in microseconds.
+
+    A router keeps, per listener, the last number it applied and drops any message
+    not above it: NVIDIA Dynamo's indexer (ai-dynamo-runtime 1.6.1) drops even an
+    ``AllBlocksCleared`` so. A restarted daemon (or one taking over) is heard by
+    the same listeners, so its numbers must start above its predecessor's, with no
+    state to carry (a SIGKILL saves none): they do while the predecessor sent fewer
+    messages than microseconds passed since it started (each message is a packed
+    batch: far fewer) and the clock does not step back. The jump reads as a gap, and
+    a listener with the replay endpoint asks for it: the answer starts at this
+    daemon's first message."""
+    return time.time_ns() // 1000
+
+
 def item_cost(item: tuple[Any, ...]) -> int:
     """What an item is assumed to take in the hand-over queue (no key is looked at)."""
     kind = item[0]
@@ -97,6 +113,7 @@ class KvEventsService:
             cost=item_cost,
             on_lost=self.translator.clear,
             connect=config.connect,
+            first_seq=first_sequence(),
             queue_bytes=config.replay_bytes,
             replay_bytes=config.replay_bytes,
             socket_gid=socket_gid,

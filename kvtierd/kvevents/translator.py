@@ -96,14 +96,13 @@ class Translator:
                 events.append(stored_event(entry.raw, medium))
         return events
 
-    def seed(
-        self, pool: str, kept: Sequence[tuple[BlockKey, bytes, Sequence[tuple[str, int]]]]
-    ) -> list[Event]:
-        """Re-announces what a reopened pool's tiers still hold (keys described again
-        since it opened keep their new description)."""
+    def seed(self, pool: str, kept: Sequence[tuple[BlockKey, bytes, Held]]) -> list[Event]:
+        """Re-announces what a reopened pool's tiers still hold, parents before their
+        children (llm-d drops a store whose parent it cannot place); keys described
+        again since the pool opened keep their new description."""
         events: list[Event] = []
         table = self.table
-        for key, raw, holders in kept:
+        for key, raw, holders in parents_first(kept):
             if not holders or table.get(pool, key) is not None:
                 continue
             described = Described(raw)
@@ -122,6 +121,40 @@ class Translator:
         self.table.forget_all()
         self.cleared += 1
         return [wireformat.ALL_BLOCKS_CLEARED]
+
+
+def parents_first(
+    kept: Sequence[tuple[BlockKey, bytes, Held]],
+) -> list[tuple[BlockKey, bytes, Held]]:
+    """``kept`` ordered so that a description whose parent hash is another's last
+    block comes after that one (by depth in the chains ``kept`` forms; stable)."""
+    parents: list[int | None] = []
+    owner: dict[int, int] = {}  # a description's last block hash -> its index
+    for index, (_key, raw, _holders) in enumerate(kept):
+        wire = pb2.BlockDescription.FromString(raw)
+        parents.append(wire.parent_block_hash if wire.HasField("parent_block_hash") else None)
+        if wire.block_hashes:
+            owner[wire.block_hashes[-1]] = index
+    depth: dict[int, int] = {}
+
+    def depth_of(index: int) -> int:
+        path, node = [], index
+        while node not in depth:
+            path.append(node)
+            parent = parents[node]
+            above = owner.get(parent) if parent is not None else None
+            if above is None or above in path:  # a chain's root (a cycle is cut)
+                depth[node] = 0
+                path.pop()
+                break
+            node = above
+        for below in reversed(path):  # from the top down
+            depth[below] = depth[node] + 1
+            node = below
+        return depth[index]
+
+    order = sorted(range(len(kept)), key=depth_of)
+    return [kept[index] for index in order]
 
 
 def stored_event(raw: bytes, medium: str) -> Event:

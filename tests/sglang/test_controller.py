@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from daemon_harness import free_port
+from daemon_harness import eventually, free_port, start_daemon
 
 from benchmarks import sglang_env as env
 
@@ -139,3 +139,72 @@ def test_hicache_controller_runs_on_without_a_daemon(parallel, tmp_path, caplog)
     assert _prefetch(ctrl, host, list(range(16))) == (0, 0, [])
     assert all(t.is_alive() for t in (ctrl.prefetch_thread, ctrl.backup_thread))
     ctrl.detach_storage_backend()
+
+
+def test_the_daemon_announces_backed_up_pages_with_the_tokens_sglang_published(parallel, tmp_path):
+    """``kvtierd_events = "daemon"``: SGLang's radix cache caches a prompt and
+    publishes it (its own ``KVCacheEventRecorder`` and ``ZmqEventPublisher``); the
+    controller's backup thread stores its pages, and the daemon's ``[kv_events]``
+    publisher announces each (medium CPU) with its tokens and the 64-bit hash SGLang's
+    events gave it (modulo 2**64), read as a router reads them."""
+    from kv_events_harness import EventReader
+    from sglang.srt.disaggregation.kv_events import BlockStored, KVEventBatch, ZmqEventPublisher
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    daemon_events = f"ipc://{tmp_path}/daemon-events"
+    daemon = start_daemon(
+        "--memory-budget", "256MiB",
+        config=f'[kv_events]\nendpoint = "{daemon_events}"\npools = ["llama/tp0of1"]\n'
+        'model = "m"\n',
+    )  # fmt: skip
+    endpoint = f"ipc://{tmp_path}/kv-events"
+    publisher = ZmqEventPublisher(attn_dp_rank=0, endpoint=endpoint)
+    ctrl, host = _controller(
+        daemon.address, kvtierd_pool="llama", kvtierd_events="daemon",
+        kvtierd_engine_events=endpoint,
+    )  # fmt: skip
+    page = host.page_size
+    tokens = list(range(500, 500 + 10 * page))
+    try:
+        backend = ctrl.storage_backend
+        assert backend.statistics().pool == "llama/tp0of1"
+        describer = backend.describer
+
+        def subscribed() -> bool:  # a subscriber misses what is published before it joins
+            publisher.publish(KVEventBatch(ts=0.0, events=[]))
+            return describer.listener.messages > 0
+
+        eventually(subscribed, 30, "SGLang's publisher reached the backend")
+        cache = RadixCache.create_simulated(page_size=page, enable_kv_cache_events=True)
+        cache.insert(InsertParams(key=RadixKey(tokens), value=torch.arange(len(tokens))))
+        events = cache.take_events()
+        publisher.publish(KVEventBatch(ts=0.0, events=events))
+        eventually(lambda: describer.index.statistics().blocks == 10, 30, "SGLang's events")
+        with EventReader(daemon_events) as router:
+            assert _backup(ctrl, host, tokens) == len(tokens)
+            announced = router.until(lambda ev: len(_cpu_stores(ev)) >= 10)
+    finally:
+        publisher.shutdown()
+        ctrl.detach_storage_backend()
+        assert daemon.stop() == 0, daemon.log()
+        daemon.cleanup()
+
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    published = [h & ((1 << 64) - 1) for e in stored for h in e.block_hashes]
+    keys = get_storage_hash_str(tokens, None, page_size=page)
+    hashes = [int(key[:16], 16) for key in keys]
+    assert hashes == published  # a page key names the hash SGLang publishes for it
+    assert [
+        (e["block_hashes"], e["parent_block_hash"], e["token_ids"], e["block_size"])
+        for e in _cpu_stores(announced)
+    ] == [
+        ([hashes[i]], hashes[i - 1] if i else None, tokens[i * page : (i + 1) * page], page)
+        for i in range(10)
+    ]
+    assert describer.counters.undescribed == 0
+
+
+def _cpu_stores(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e for e in events if e["type"] == "BlockStored" and e["medium"] == "CPU"]

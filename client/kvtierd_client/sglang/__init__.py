@@ -12,7 +12,9 @@ so the client works without SGLang installed. SGLang loads the backend with
 - ``link``: the connection to kvtierd (session generations, reconnects, failures);
 - ``transfers``: one generation's data path (look pages up, load, store);
 - ``metrics``: the transfer counters and SGLang's ``StorageMetrics`` made from them;
-- ``quiet_log``: one log line per kind of failure and period.
+- ``quiet_log``: one log line per kind of failure and period;
+- ``descriptions``: the stored pages' tokens and hashes, from SGLang's own KV events
+  (``kvtierd_events = "daemon"``).
 
 Invariants: the data path never raises into SGLang: a daemon that is down or refuses
 a call turns into misses and failed stores, logged once per kind and period; a
@@ -20,8 +22,8 @@ configuration SGLang cannot serve is refused at start with one line saying what 
 change.
 
 May import: SGLang, torch and the client's public modules (``client``, ``region``,
-``copy_engine``, ``errors``, ``types``, ``wire``); never ``kvtierd_client.vllm`` or the
-daemon.
+``copy_engine``, ``engine_events``, ``errors``, ``types``, ``wire``); never
+``kvtierd_client.vllm`` or the daemon.
 """
 
 from __future__ import annotations

@@ -14,7 +14,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtierd_client._extra_config import POLICY_HELP, ExtraConfig
+from kvtierd_client._extra_config import (
+    DEFAULT_DESCRIPTION_BYTES,
+    DEFAULT_ENGINE_EVENTS,
+    POLICY_HELP,
+    ExtraConfig,
+)
 from kvtierd_client.client import DEFAULT_TIMEOUT
 
 __all__ = ["EXTRA_KEYS", "SettingsError", "StorageSettings"]
@@ -40,6 +45,17 @@ EXTRA_KEYS: dict[str, str] = {
     "(default 30); the next line says how many were left out",
     "kvtierd_token": "bearer token (TCP daemons only)",
     "eviction_policy": f"{POLICY_HELP}; fixed by the engine that creates the pool",
+    "kvtierd_events": "\"daemon\": the daemon's [kv_events] publisher announces the pool's "
+    "pages to KV-aware routers, and each stored page goes with its tokens and hashes, read "
+    'from SGLang\'s own GPU KV events (--kv-events-config); "engine" (default): pages are '
+    "stored undescribed (SGLang publishes none of its storage tier)",
+    "kvtierd_engine_events": 'with kvtierd_events = "daemon": the endpoint of SGLang\'s '
+    '--kv-events-config as given there (default "tcp://*:5557"); the backend subscribes to '
+    "it on this host (a wildcard host is 127.0.0.1; attention-DP ranks offset the port as "
+    "SGLang does)",
+    "kvtierd_description_bytes": 'with kvtierd_events = "daemon": bytes of the pages '
+    "remembered from SGLang's GPU events until they are stored (default 16 MiB; the least "
+    "recently used go first; a page forgotten is stored undescribed)",
 }
 """Every extra-config key this backend (and SGLang, for it) reads, with its meaning."""
 
@@ -64,6 +80,9 @@ class StorageSettings:
     token: str | None
     eviction_policy: str
     interface_v1: bool
+    events: str = "engine"  # "engine" or "daemon" (kvtierd_events)
+    engine_events: str = DEFAULT_ENGINE_EVENTS
+    description_bytes: int = DEFAULT_DESCRIPTION_BYTES
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> StorageSettings:
@@ -80,6 +99,9 @@ class StorageSettings:
             token=config.name("kvtierd_token"),
             eviction_policy=config.eviction_policy(),
             interface_v1=_flag(config, "interface_v1"),
+            events=config.events_publisher(),
+            engine_events=config.engine_events(),
+            description_bytes=config.description_bytes(),
         )
 
 

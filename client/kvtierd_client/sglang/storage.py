@@ -37,8 +37,10 @@ from typing import Any, TypeVar
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
+from kvtierd_client.engine_events import Describer
 from kvtierd_client.errors import KvtierError
 from kvtierd_client.sglang import transfers
+from kvtierd_client.sglang.descriptions import start_describer
 from kvtierd_client.sglang.host_pages import HostPages, UnsupportedHostPool, describe_host_pool
 from kvtierd_client.sglang.link import DaemonLink, Generation, describe_refusal
 from kvtierd_client.sglang.metrics import TransferCounters
@@ -90,7 +92,8 @@ class KvtierdStorage(HiCacheStorage):
     ) -> None:
         self.storage_config = storage_config
         self._clock = clock
-        self._lock = threading.Lock()  # guards _link, _pages, _plan, _error
+        self._lock = threading.Lock()  # guards _link, _pages, _plan, _error, _describer
+        self._describer: Describer | None = None  # kvtierd_events = "daemon"
         self._link: DaemonLink | None = None
         self._pages: HostPages | None = None
         self._plan: PoolPlan | None = None
@@ -123,8 +126,12 @@ class KvtierdStorage(HiCacheStorage):
             self._refuse(str(err))
             return
         link = DaemonLink(self.settings, plan, pages, self._quiet, clock=self._clock)
+        describer = None
+        if self.settings.events == "daemon" and plan.writer:
+            describer = start_describer(self.settings, self.storage_config, pages.page_size)
         with self._lock:
             self._pages, self._plan, self._link, self._error = pages, plan, link, None
+            self._describer = describer
         self._connect_first(link, plan)
 
     def _connect_first(self, link: DaemonLink, plan: PoolPlan) -> None:
@@ -211,7 +218,10 @@ class KvtierdStorage(HiCacheStorage):
         if pages is None:
             return [False] * n
         started = time.perf_counter()
-        ok = self._guard("batch_set_v1", None, transfers.store_pages, encode_keys(keys), pages)
+        ok = self._guard(
+            "batch_set_v1", None, transfers.store_pages, encode_keys(keys), pages,
+            self._describe(),
+        )  # fmt: skip
         ok = ok if ok is not None else [False] * n
         stored = sum(ok)
         self._counters.stored(stored, n - stored, self._page_bytes(), time.perf_counter() - started)
@@ -263,7 +273,15 @@ class KvtierdStorage(HiCacheStorage):
             return False
         page_bytes = self._page_bytes()
         ok = bool(
-            self._guard("set", False, transfers.store_flat, encode_keys(keys), values, page_bytes)
+            self._guard(
+                "set",
+                False,
+                transfers.store_flat,
+                encode_keys(keys),
+                values,
+                page_bytes,
+                self._describe(),
+            )  # fmt: skip
         )
         self._counters.stored(len(keys) if ok else 0, 0 if ok else len(keys), page_bytes, 0.0)
         return ok
@@ -333,14 +351,27 @@ class KvtierdStorage(HiCacheStorage):
         )
 
     def close(self) -> None:
-        """Closes the session (the daemon releases what it held) and unmaps the region."""
+        """Closes the session (the daemon releases what it held), unmaps the region
+        and stops listening to SGLang's KV events."""
         self._close_link()
+
+    @property
+    def describer(self) -> Describer | None:
+        """What describes the stored pages (``kvtierd_events = "daemon"``), or None."""
+        return self._describer
+
+    def _describe(self) -> transfers.Describe | None:
+        describer = self._describer
+        return None if describer is None else describer.describe
 
     def _close_link(self) -> None:
         with self._lock:
             link, self._link = self._link, None
+            describer, self._describer = self._describer, None
         if link is not None:
             link.close()
+        if describer is not None:
+            describer.close()
 
     # -- plumbing --------------------------------------------------------------------
 

@@ -28,9 +28,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from kvtierd_client.client import Session
 from kvtierd_client.copy_engine import LeaseLostError
 from kvtierd_client.sglang.link import Generation
-from kvtierd_client.types import LookupResult
+from kvtierd_client.types import BlockDescription, LookupResult
 
 __all__ = [
     "count_leading",
@@ -44,6 +45,8 @@ __all__ = [
 ]
 
 _SERVABLE = (LookupResult.HIT, LookupResult.HIT_PENDING)
+Describe = Callable[[Sequence[bytes]], "list[BlockDescription | None] | None"]
+"""Keys -> one description (or None) each, or None when none is described."""
 MAX_POLL_DELAY = 0.05  # seconds between two looks at pages being promoted
 
 
@@ -130,9 +133,12 @@ def load_pages(gen: Generation, keys: Sequence[bytes], pages: Sequence[int], *, 
     return len(rows) if loaded else 0
 
 
-def store_pages(gen: Generation, keys: Sequence[bytes], pages: Sequence[int]) -> list[bool]:
+def store_pages(
+    gen: Generation, keys: Sequence[bytes], pages: Sequence[int], describe: Describe | None = None
+) -> list[bool]:
     """Stores host ``pages`` under ``keys``: one per key, True where the pool holds
-    it afterwards (present already, or written and completed now)."""
+    it afterwards (present already, or written and completed now). ``describe``:
+    the descriptions the written keys are completed with (``kvtierd_events``)."""
     session = gen.session
     unique = dict(zip(keys, pages, strict=True))  # a repeated key: its first page
     grant = session.prepare_store(list(unique))
@@ -152,7 +158,7 @@ def store_pages(gen: Generation, keys: Sequence[bytes], pages: Sequence[int]) ->
         stored = False
     finally:
         if grant.keys_to_store:
-            session.complete_store(grant.keys_to_store, success=stored)
+            _complete_store(session, grant.keys_to_store, stored, describe)
     return [stored or key not in rows for key in keys]
 
 
@@ -188,7 +194,11 @@ def load_flat(
 
 
 def store_flat(
-    gen: Generation, keys: Sequence[bytes], values: Sequence[torch.Tensor], page_bytes: int
+    gen: Generation,
+    keys: Sequence[bytes],
+    values: Sequence[torch.Tensor],
+    page_bytes: int,
+    describe: Describe | None = None,
 ) -> bool:
     """Stores the flat pages ``values`` under ``keys``; True when the pool holds all."""
     session = gen.session
@@ -205,8 +215,19 @@ def store_flat(
             stored = time.monotonic() < session.lease_deadline
     finally:
         if grant.keys_to_store:
-            session.complete_store(grant.keys_to_store, success=stored)
+            _complete_store(session, grant.keys_to_store, stored, describe)
     return stored
+
+
+def _complete_store(
+    session: Session, keys: list[bytes], stored: bool, describe: Describe | None
+) -> None:
+    """``complete_store``, the written keys with their descriptions when there are any."""
+    described = describe(keys) if stored and describe is not None else None
+    if described is None:
+        session.complete_store(keys, success=stored)
+    else:
+        session.complete_store(keys, success=stored, descriptions=described)
 
 
 def flat_bytes(tensor: torch.Tensor, page_bytes: int) -> torch.Tensor:

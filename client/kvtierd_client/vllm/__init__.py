@@ -14,7 +14,8 @@ imports this package, so the client works without vLLM installed. See
   ``connection``: its connection (session generations, failures); ``holdings``: what
   its session holds (load pins, reservations, graves); ``step_cache``: a step's lookup
   answers and their pins; ``store_ahead``: the ``PrepareStore`` a lookup's round trip
-  carries; ``accounting``: what it counts;
+  carries; ``accounting``: what it counts; ``descriptions``: its stores' tokens and
+  hashes, from vLLM's own GPU KV events (``kvtierd_events = "daemon"``);
 - ``worker``: the worker side, vLLM's ``OffloadingWorker`` copying KV pages to and from
   region rows.
 
@@ -25,7 +26,8 @@ again (row ids always travel with their region's identity); a worker copies a jo
 only while the scheduler's session is proven alive (``kvtierd_client.lease_fence``).
 
 May import: vLLM, torch and the client's public modules (``client``, ``region``,
-``copy_engine``, ``errors``, ``lease_beacon``, ``lease_fence``, ``wire``); never
+``copy_engine``, ``engine_events``, ``errors``, ``lease_beacon``, ``lease_fence``,
+``types``, ``wire``); never
 ``kvtierd_client.sglang`` or the daemon.
 """
 

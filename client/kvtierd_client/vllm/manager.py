@@ -85,7 +85,9 @@ from vllm.v1.kv_offload.base import (
 )
 
 from kvtierd_client.client import Client, Session
+from kvtierd_client.engine_events import Describer
 from kvtierd_client.errors import KvtierError
+from kvtierd_client.types import BlockDescription
 from kvtierd_client.vllm.accounting import (
     METRIC_NAMES,
     CounterReport,
@@ -136,7 +138,9 @@ class KvtierdOffloadingManager(OffloadingManager):
 
     ``client`` and ``session`` are owned from here on (closed by :meth:`shutdown`).
     ``counters``: counts since start (``ManagerCounters``). ``calls``: how the
-    vLLM driving it calls it (default: the installed vLLM's).
+    vLLM driving it calls it (default: the installed vLLM's). ``describer``: with
+    ``kvtierd_events = "daemon"``, what describes its stores (owned: closed by
+    :meth:`shutdown`; :mod:`~kvtierd_client.vllm.descriptions`).
     """
 
     def __init__(
@@ -149,8 +153,10 @@ class KvtierdOffloadingManager(OffloadingManager):
         events_enabled: bool,
         client_name: str,
         calls: VllmCalls | None = None,
+        describer: Describer | None = None,
     ) -> None:
         self._settings = settings
+        self.describer = describer
         self._calls = VllmCalls.installed() if calls is None else calls
         self._plan = plan
         self._events_enabled = events_enabled
@@ -281,25 +287,33 @@ class KvtierdOffloadingManager(OffloadingManager):
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        """Completes this generation's reservations among ``keys``; others are ignored."""
+        """Completes this generation's reservations among ``keys``; others are ignored.
+        With a describer, each stored key goes with its blocks' tokens and hashes
+        (or undescribed, when vLLM's GPU events did not give them)."""
         mine = self._holdings.complete(keys)
         self._cache.forget(mine)
         if not success:
             self._ahead.note_absent(mine)  # a grant that saw them present is wrong now
         gen = self._daemon.generation
         if gen is not None and mine:
+            described = None
+            if success and self.describer is not None:
+                described = self.describer.describe(mine)
             self._daemon.call(
-                gen, "CompleteStore", gen.session.complete_store, mine, success, quiet=True
-            )
+                gen, "CompleteStore", _complete_store, gen.session, mine, success, described,
+                quiet=True,
+            )  # fmt: skip
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         """The pool's events since the last take (every engine sharing the pool), or
-        nothing when vLLM's KV events are off (then nobody drains them)."""
+        nothing when vLLM's KV events are off (then nobody drains them) or the
+        daemon publishes them (``kvtierd_events = "daemon"``: vLLM must not publish
+        them again, and could only as token-less placeholders)."""
         gen = self._daemon.usable()
-        if not self._events_enabled or gen is None:
+        if not self._events_enabled or self._settings.events == "daemon" or gen is None:
             return ()
         events = self._daemon.call(gen, "TakeEvents", gen.session.take_events) or []
         return [
@@ -393,7 +407,10 @@ class KvtierdOffloadingManager(OffloadingManager):
         return None if stats.is_empty() else stats
 
     def shutdown(self) -> None:
-        """Closes the session (the daemon releases its pins and aborts its reservations)."""
+        """Closes the session (the daemon releases its pins and aborts its
+        reservations) and stops listening to vLLM's KV events."""
+        if self.describer is not None:
+            self.describer.close()
         self._daemon.close()
 
     # -- statistics ------------------------------------------------------------------
@@ -504,6 +521,19 @@ class KvtierdOffloadingManager(OffloadingManager):
         self._holdings.forget()
         self._cache.clear()
         self._ahead.clear()
+
+
+def _complete_store(
+    session: Session,
+    keys: list[bytes],
+    success: bool,
+    descriptions: list[BlockDescription | None] | None,
+) -> None:
+    """``Session.complete_store``, with the descriptions when there are any."""
+    if descriptions is None:
+        session.complete_store(keys, success)
+    else:
+        session.complete_store(keys, success, descriptions=descriptions)
 
 
 def _lookup_and_store_ahead(

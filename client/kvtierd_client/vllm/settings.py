@@ -34,7 +34,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtierd_client._extra_config import POLICY_HELP, ExtraConfig
+from kvtierd_client._extra_config import (
+    DEFAULT_DESCRIPTION_BYTES,
+    DEFAULT_ENGINE_EVENTS,
+    POLICY_HELP,
+    ExtraConfig,
+)
 from kvtierd_client.client import DEFAULT_TIMEOUT
 
 __all__ = [
@@ -77,6 +82,18 @@ EXTRA_KEYS: dict[str, str] = {
     "kvtierd_store_ahead": "true (default): a request's first lookup also reserves the rows of "
     "its chain's missing blocks in the same round trip, and vLLM's prepare_store of them is "
     "answered without one (kvtierd_client.vllm.store_ahead); false: prepare_store asks",
+    "kvtierd_events": 'who publishes the pool\'s blocks to KV-aware routers: "engine" '
+    "(default: with vLLM's KV events on, vLLM republishes the pool's stores and removals, "
+    'those of other engines as token-less placeholders) or "daemon" (the daemon\'s '
+    "[kv_events] publisher does; vLLM publishes only its GPU blocks, and the plug-in "
+    "describes each store with the tokens of vLLM's own GPU events)",
+    "kvtierd_engine_events": 'with kvtierd_events = "daemon": the endpoint of vLLM\'s '
+    '--kv-events-config as given there (default "tcp://*:5557"); the plug-in subscribes '
+    "to it on this host (a wildcard host is 127.0.0.1; data-parallel ranks offset the port "
+    "as vLLM does)",
+    "kvtierd_description_bytes": 'with kvtierd_events = "daemon": bytes of the blocks '
+    "remembered from vLLM's GPU events until they are stored (default 16 MiB; the least "
+    "recently used go first; a store whose blocks were forgotten is sent undescribed)",
 }
 """The ``kv_connector_extra_config`` keys this plug-in reads, with their meaning."""
 
@@ -96,6 +113,9 @@ class PluginSettings:
     capacity_bytes: int
     eviction_policy: str
     store_ahead: bool = True
+    events: str = "engine"  # one of EVENT_PUBLISHERS
+    engine_events: str = DEFAULT_ENGINE_EVENTS
+    description_bytes: int = DEFAULT_DESCRIPTION_BYTES
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> PluginSettings:
@@ -113,6 +133,9 @@ class PluginSettings:
             capacity_bytes=config.byte_count("cpu_bytes_to_use"),
             eviction_policy=config.eviction_policy(),
             store_ahead=_flag(config, "kvtierd_store_ahead", True),
+            events=config.events_publisher(),
+            engine_events=config.engine_events(),
+            description_bytes=config.description_bytes(),
         )
 
 

@@ -37,6 +37,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from kvtierd_client.vllm.accounting import METRIC_NAMES
 from kvtierd_client.vllm.common import default_client_name, open_pool_session
 from kvtierd_client.vllm.compat import warn_if_unknown
+from kvtierd_client.vllm.descriptions import start_describer
 from kvtierd_client.vllm.manager import CONFIG_INFO_KEYS, KvtierdOffloadingManager
 from kvtierd_client.vllm.settings import PluginSettings, PoolPlan, plan_pool
 from kvtierd_client.vllm.worker import KvtierdOffloadingWorker
@@ -96,19 +97,26 @@ class KvtierdOffloadingSpec(OffloadingSpec):
         self._worker: KvtierdOffloadingWorker | None = None
 
     def get_manager(self) -> OffloadingManager:
-        """The scheduler's manager over a new daemon session (created once)."""
+        """The scheduler's manager over a new daemon session (created once); with
+        ``kvtierd_events = "daemon"`` it listens to vLLM's KV events to describe
+        its stores (:mod:`~kvtierd_client.vllm.descriptions`)."""
         if self._manager is None:
             name = default_client_name("scheduler")
             client, session = open_pool_session(
                 self.settings, self.plan, name, queue_completions=True
             )
+            events_on = self.kv_events_config.enable_kv_cache_events
+            describer = None
+            if self.settings.events == "daemon":
+                describer = start_describer(self.settings, self.config, events_on=events_on)
             self._manager = KvtierdOffloadingManager(
                 client,
                 session,
                 self.settings,
                 self.plan,
-                events_enabled=self.kv_events_config.enable_kv_cache_events,
+                events_enabled=events_on,
                 client_name=name,
+                describer=describer,
             )
         return self._manager
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -79,6 +80,7 @@ def store(session, numbers, describe_them=True):  # noqa: ANN001, ANN201
 
 def test_stores_with_descriptions_are_published_as_vllm_block_stored(event_dir):
     port = free_port()
+    before_start_us = time.time_ns() // 1000
     daemon = start_daemon("--metrics-address", f"127.0.0.1:{port}", config=events_config(event_dir))
     try:
         with (
@@ -109,7 +111,9 @@ def test_stores_with_descriptions_are_published_as_vllm_block_stored(event_dir):
         }
         assert cpu[0]["parent_block_hash"] is None
         messages = reader.ordered
-        assert [m.seq for m in messages] == list(range(len(messages)))  # gap-free from 0
+        first = messages[0].seq  # gap-free from the daemon's start time in microseconds
+        assert [m.seq for m in messages] == list(range(first, first + len(messages)))
+        assert before_start_us <= first <= time.time_ns() // 1000
         assert {m.topic for m in messages} == {"kv@node-a@m"}
         assert {m.rank for m in messages} == {None}
         metrics = scrape(f"http://127.0.0.1:{port}")

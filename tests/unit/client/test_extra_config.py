@@ -64,3 +64,16 @@ def test_byte_counts_and_names() -> None:
     assert (config().byte_count("n"), config(n="4096").byte_count("n")) == (0, 4096)
     assert config(n=2.0).byte_count("n") == 2
     assert (config().name("p"), config(p="").name("p"), config(p=7).name("p")) == (None, None, "7")
+
+
+def test_the_kv_event_keys_default_and_a_bad_value_is_named() -> None:
+    assert (config().events_publisher(), config().engine_events()) == ("engine", "tcp://*:5557")
+    assert config().description_bytes() == 16 << 20
+    assert config(kvtierd_events="Daemon").events_publisher() == "daemon"
+    assert config(kvtierd_engine_events="ipc:///run/e").engine_events() == "ipc:///run/e"
+    with pytest.raises(PluginError, match=r'^extra.kvtierd_events: expected "engine" or "daemon"'):
+        config(kvtierd_events="router").events_publisher()
+    with pytest.raises(PluginError, match=r"^extra.kvtierd_engine_events: expected tcp://HOST"):
+        config(kvtierd_engine_events="tcp://*").engine_events()
+    with pytest.raises(PluginError, match=r"^extra.kvtierd_description_bytes: expected at least"):
+        config(kvtierd_description_bytes=100).description_bytes()

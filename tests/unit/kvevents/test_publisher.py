@@ -215,3 +215,21 @@ def test_the_translator_forgets_everything_when_items_were_lost():
     assert translator.observe("p", BlockEvent((b"a",), Medium.CPU, True)) == []
     translator.describe("p", [b"a"], [wire(1)])
     assert stores(translator.observe("p", BlockEvent((b"a",), Medium.CPU, False)), "CPU") == [1]
+
+
+def test_a_re_announce_puts_parents_before_their_children():
+    """llm-d drops a store whose parent it cannot place: the seed of a reopened pool
+    (saved in least-recently-stored order) is announced root first."""
+    from kvtierd.kvevents.translator import Translator
+
+    def raw(block: int, parent: int | None) -> bytes:
+        described = pb2.BlockDescription(block_hashes=[block], token_ids=[block], block_size=1)
+        if parent is not None:
+            described.parent_block_hash = parent
+        return described.SerializeToString()
+
+    held = [("primary", int(Medium.CPU))]
+    kept = [(b"c", raw(3, 2), held), (b"b", raw(2, 1), held), (b"a", raw(1, None), held),
+            (b"z", raw(9, 8), held)]  # fmt: skip
+    events = Translator(1 << 20).seed("p", kept)
+    assert [e["block_hashes"][0] for e in events] == [1, 9, 2, 3]  # z: its parent is not kept
