@@ -8,7 +8,7 @@ GENDIR := client/kvtierd_client/_proto
 GEN    := $(GENDIR)/kvtier/v1/kvtier_pb2.py
 
 .PHONY: install gen run test test-tools test-deploy bench bench-fleet bench-upgrade bench-upgrade-vllm lint typecheck clean install-vllm test-vllm bench-vllm \
-	install-vllm033 test-vllm033 install-sglang test-sglang bench-sglang \
+	install-vllm033 test-vllm033 install-sglang test-sglang bench-sglang install-dynamo bench-routing \
 	gpu-check gpu-pack gpu-dry-run docs
 
 install: $(STAMP) $(GEN)
@@ -99,6 +99,37 @@ bench-upgrade-vllm: install-vllm
 FLEET_ARGS ?=
 bench-fleet: install test-tools
 	$(BIN)/python -m benchmarks.fleet $(FLEET_ARGS)
+
+# KV events read by a real router (issue #42; docs/guides/routers.md): NVIDIA Dynamo's
+# standalone indexer (ai-dynamo-runtime, a 75 MB wheel that runs on CPU without NATS, etcd
+# or a GPU; deps pydantic and uvloop) in a venv of its own, with this repo and the
+# subscriber side's pyzmq and msgpack. tests/dynamo start the real daemon, the real
+# indexer (python -m dynamo.indexer) and real client sessions, and read its /query.
+DYNAMO_VENV  ?= .venv-dynamo
+DYNAMO_BIN   := $(DYNAMO_VENV)/bin
+DYNAMO_STAMP := $(DYNAMO_VENV)/.installed
+DYNAMO_PIN   ?= ai-dynamo-runtime==1.6.1
+DYNAMO_LIGHT := pyzmq msgpack 'pytest>=8' 'cryptography>=42'
+
+install-dynamo: $(DYNAMO_STAMP) $(GEN)
+
+$(DYNAMO_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(DYNAMO_VENV)
+	$(DYNAMO_BIN)/python -m pip install -q --upgrade pip
+	$(DYNAMO_BIN)/python -m pip install -q '$(DYNAMO_PIN)' $(DYNAMO_LIGHT)
+	$(DYNAMO_BIN)/python -m pip install -q -e .
+	$(DYNAMO_BIN)/python -c "import importlib.metadata as m, dynamo.indexer, zmq, msgpack; print('ai-dynamo-runtime', m.version('ai-dynamo-runtime'), 'pyzmq', zmq.__version__)"
+	touch $@
+
+# KV-aware routing measured (issue #42; docs/benchmarks/routing.md): 3 nodes of 2 simulated
+# engines (a GPU prefix cache publishing vLLM's KV events), a daemon per node publishing its
+# [kv_events], a real 3-master Redis Cluster shared by the nodes and the real Dynamo indexer;
+# round_robin, conversation and kv_aware routers replay the shipped trace.
+# ROUTING_ARGS=... passes options (python -m benchmarks routing --help), e.g.
+# ROUTING_ARGS="--requests 500 --json bench-results/routing.json".
+ROUTING_ARGS ?=
+bench-routing: install-dynamo test-tools
+	$(DYNAMO_BIN)/python -m benchmarks routing $(ROUTING_ARGS)
 
 # The GPU path checked and measured (issue #22; docs/guides/gpu-check.md): on a machine
 # with CUDA whose pip reaches a registry, `make gpu-check [GPU_CHECK_ARGS=...]`; without CUDA
@@ -251,7 +282,7 @@ $(DOCS_STAMP): docs/requirements.txt
 	touch $@
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VLLM033_VENV) $(SGLANG_VENV) $(GEN_VENV) $(DOCS_VENV) $(GENDIR) \
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM033_VENV) $(SGLANG_VENV) $(DYNAMO_VENV) $(GEN_VENV) $(DOCS_VENV) $(GENDIR) \
 		.pytest_cache .ruff_cache .mypy_cache .venv-gpu-dry .whl .whl-dry site
 
 # Trace replay (opt-in, the whole trace): make replay [TRACE=path/to/trace.jsonl] [REPLAY_ARGS=...]
