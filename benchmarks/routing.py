@@ -47,6 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import redis
+
 from benchmarks.common import BenchDaemon, machine
 from benchmarks.replay import SHIPPED_TRACE, load_trace
 from benchmarks.routing_blocks import Chain, ChainMaker
@@ -65,6 +67,7 @@ from benchmarks.routing_view import Placement, Truth, View, loadable
 NODES = 3
 ENGINES_PER_NODE = 2
 POOL = "routing"
+KEY_PREFIX = "kvtb-routing"
 HEADER = 4096  # kvtierd.tiers.blockformat.HEADER_SIZE: a Redis value is header + row
 READY_TIMEOUT_S = 60.0
 
@@ -105,7 +108,7 @@ def daemon_config(urls: list[str], events_port: int | None) -> str:
     quoted = ", ".join(f'"{url}"' for url in urls)
     text = (
         f'[[tiers]]\ntype = "redis"\nname = "shared"\nurls = [{quoted}]\ncluster = true\n'
-        f'key_prefix = "kvtb-routing"\n'
+        f'key_prefix = "{KEY_PREFIX}"\n'
     )
     if events_port is not None:
         text += (
@@ -129,6 +132,9 @@ class Fleet:
         self.engines: list[SimEngine] = []
         self._attached: list[Any] = []
         self.indexer: Indexer | None = None
+        self.relays: list[Any] = []
+        self._redis = redis.RedisCluster.from_url(urls[0])
+        self._key_space = b""
         try:
             self._start(urls)
         except BaseException:
@@ -145,6 +151,11 @@ class Fleet:
             path = Path(self.directory, f"node{node}.toml")
             path.write_text(daemon_config(urls, port))
             self.daemons.append(BenchDaemon("--config", str(path), "--memory-budget", "256MiB"))
+        if self.args.relays:
+            from benchmarks.routing_relay import StorageRelay
+
+            self.relays = [StorageRelay(self.context, f"tcp://127.0.0.1:{port}")
+                           for port in events_ports]  # fmt: skip
         workers: dict[str, str] = {}
         for node, daemon in enumerate(self.daemons):
             client = Client(daemon.address, timeout=60)
@@ -155,11 +166,16 @@ class Fleet:
                 workers[str(engine.engine_id + 1)] = engine.publisher.endpoint
                 if events_ports[node] is not None:
                     workers[f"{engine.engine_id + 1}:1"] = f"tcp://127.0.0.1:{events_ports[node]}"
+                for other, relay in enumerate(self.relays):
+                    if other != node:  # the other nodes' shared-tier blocks
+                        workers[f"{engine.engine_id + 1}:{2 + other}"] = relay.endpoint
         self.indexer = Indexer(workers, self.args.block_size)
         for engine in self.engines:
             engine.publisher.wait_subscribed(READY_TIMEOUT_S)
+        canaries = self._store_canaries()
+        self._key_space = self._find_key_space(canaries[0])
         if self.args.daemon_events:
-            self._wait_daemons_heard()
+            self._wait_daemons_heard(canaries)
 
     def _engine(self, client: Any, engine_id: int, node: int) -> SimEngine:
         from benchmarks.routing_publisher import GpuEventPublisher
@@ -179,22 +195,31 @@ class Fleet:
             self.args.gpu_blocks, self.args.block_bytes,
         )  # fmt: skip
 
-    def _wait_daemons_heard(self) -> None:
-        """Stores one described canary block through each node and waits until the
-        indexer credits it to both of the node's engines: every daemon's events reach
-        the indexer before the replay starts. The canaries' tokens come from negative
-        hash ids, which no trace has."""
-        assert self.indexer is not None
+    def _store_canaries(self) -> list[Chain]:
+        """One described block stored through each node, before the replay: its tokens
+        come from a negative hash id, which no trace has."""
         maker = ChainMaker(self.args.block_size)
+        canaries = []
         for node in range(NODES):
             chain = maker.chain([-1 - node])
-            engine = self.engines[node * ENGINES_PER_NODE]
-            engine.store_only(chain)
+            self.engines[node * ENGINES_PER_NODE].store_only(chain)
+            canaries.append(chain)
+        return canaries
+
+    def _wait_daemons_heard(self, canaries: list[Chain]) -> None:
+        """Waits until the indexer credits each node's canary to both of the node's
+        engines (and, with the relays, to every other engine as storage): every
+        daemon's events reach the indexer before the replay starts."""
+        assert self.indexer is not None
+        for node, chain in enumerate(canaries):
             instances = [e.engine_id + 1 for e in self.engines if e.node == node]
+            others = [e.engine_id + 1 for e in self.engines if e.node != node and self.relays]
             deadline = time.monotonic() + READY_TIMEOUT_S
             while True:
                 held = self.indexer.query(chain.flat_tokens())
-                if all(held.get(i, Holding()).cpu >= 1 for i in instances):
+                if all(held.get(i, Holding()).cpu >= 1 for i in instances) and all(
+                    held.get(i, Holding()).disk >= 1 for i in others
+                ):
                     break
                 if time.monotonic() > deadline:
                     raise TimeoutError(
@@ -205,24 +230,46 @@ class Fleet:
 
     def truth(self, chain: Chain) -> list[Truth]:
         """Per engine, the leading blocks of ``chain`` it could load now."""
+        shared = self._in_redis(chain)
         out: list[Truth] = []
         for node, client in enumerate(self.clients):
             engines = [e for e in self.engines if e.node == node]
-            pool = self._placements(client, chain, engines)
+            pool = self._placements(client, chain, engines, shared)
             out += [loadable(chain, engine.gpu, pool) for engine in engines]
         return out
 
-    def _placements(self, client: Any, chain: Chain, engines: list[SimEngine]) -> list[Placement]:
-        """Per block, where the node's pool holds it (``Explain``: no promotion starts),
-        up to the first block that neither the pool nor an engine of the node holds."""
+    def _in_redis(self, chain: Chain) -> list[bool]:
+        """Per block, whether the shared Redis tier holds its value (asked of the
+        cluster itself: a daemon knows only the keys it stored or probed)."""
+        pipeline = self._redis.pipeline(transaction=False)
+        for key in chain.keys:
+            pipeline.exists(self._key_space + key)
+        return [bool(n) for n in pipeline.execute()]
+
+    def _placements(
+        self, client: Any, chain: Chain, engines: list[SimEngine], shared: list[bool]
+    ) -> list[Placement]:
+        """Per block, where the node's pool holds it: its primary (``Explain``, which
+        starts no promotion) or the shared tier, up to the first block that neither
+        the pool nor an engine of the node holds."""
         found: list[Placement] = []
-        for block_hash, key in zip(chain.hashes, chain.keys, strict=True):
-            answer = client.explain(POOL, key)
-            primary = answer.primary in _LOADABLE
-            found.append(Placement(primary, primary or any(t.present for t in answer.tiers)))
-            if not found[-1].anywhere and not any(block_hash in e.gpu for e in engines):
+        for index, key in enumerate(chain.keys):
+            primary = client.explain(POOL, key).primary in _LOADABLE
+            found.append(Placement(primary, primary or shared[index]))
+            if not found[-1].anywhere and not any(chain.hashes[index] in e.gpu for e in engines):
                 break
         return found
+
+    def _find_key_space(self, canary: Chain) -> bytes:
+        """The shared tier's prefix of value keys (``<key_prefix>:<pool fingerprint>:``),
+        found by the canary block's value once it reached the cluster."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            for name in self._redis.scan_iter(match=f"{KEY_PREFIX}:*".encode(), count=1000):
+                if name.endswith(canary.keys[0]):
+                    return bytes(name[: -len(canary.keys[0])])
+            time.sleep(0.05)
+        raise TimeoutError("the canary block never reached the Redis tier")
 
     def close(self) -> list[str]:
         """Stops everything; the indexer's and daemons' WARN/ERROR lines."""
@@ -234,6 +281,8 @@ class Fleet:
                 lines.append(f"engine {engine.engine_id} close: {err}")
             engine.close()
             engine.region = None  # the last view of the region, before it is unmapped
+        for relay in self.relays:
+            relay.close()
         for attached in self._attached:
             attached.close()
         for client in self.clients:
@@ -252,6 +301,7 @@ class Fleet:
                       if "WARNING" in line or "ERROR" in line]  # fmt: skip
             daemon.close()
         self.context.term()
+        self._redis.close()
         return lines
 
 
@@ -422,6 +472,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="auto",
         help="register the daemons' [kv_events] with the indexer (auto: when the daemon has it)",
     )
+    parser.add_argument(
+        "--shared-view",
+        choices=("relay", "none"),
+        default="relay",
+        help="relay each daemon's STORAGE events to the other nodes' engines (the shared "
+        "Redis tier is theirs too; benchmarks/routing_relay.py), or not",
+    )
     parser.add_argument("--out", default="bench-results/routing.md")
     args = parser.parse_args(argv)
     unknown = [p for p in args.policies if p not in POLICIES]
@@ -431,6 +488,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.daemon_events = importlib.util.find_spec("kvtierd.kvevents") is not None
     else:
         args.daemon_events = args.daemon_events == "on"
+    args.relays = args.daemon_events and args.shared_view == "relay"
     args.weights = KvWeights(args.host_weight, args.disk_weight, args.load_weight, args.load_window)
     return args
 
@@ -466,7 +524,8 @@ def main(argv: list[str] | None = None) -> int:
         f"unique blocks of {args.block_size} tokens); {NODES} nodes x {ENGINES_PER_NODE} "
         f"engines; GPU {args.gpu_blocks} blocks an engine, pool {args.node_blocks} blocks a "
         f"node, Redis {args.redis_blocks or 'unbounded'}; {data['indexer']}; daemons' events "
-        f"{'on' if args.daemon_events else 'OFF (GPU events only)'}; "
+        f"{'on' if args.daemon_events else 'OFF (GPU events only)'}"
+        f"{', shared tier relayed fleet-wide' if args.relays else ''}; "
         f"{time.time() - started:.0f} s in all"
     )
     missed = check(data)
