@@ -6,6 +6,7 @@ Its packages and root modules, as layers from the top (docs/design/layout.md):
   operators watch (metrics, systemd notifications);
 - ``api``: the gRPC service and the fast lane: validation, status codes, listeners;
 - ``core``: pools and sessions, the state every request works on;
+- ``kvevents``: the KV-event publisher routers (llm-d, Dynamo) read, in vLLM's format;
 - ``config``: the one frozen configuration tree, read and checked once at start;
 - ``tiering``: one pool's cascades to its secondary tiers and promotions back;
 - ``tiers``: the secondary tiers (fs, redis, in memory) and their contract;

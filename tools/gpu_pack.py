@@ -44,7 +44,7 @@ DEVICE_HAS = ("torch", "numpy", "xxhash", "uvloop", "prometheus-client", "pytest
 # Carried as wheels, at this venv's versions.
 CARRIED = (
     "grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf", "redis", "hiredis",
-    "blake3",
+    "blake3", "pyzmq", "msgpack",
 )  # fmt: skip
 DEVICE_PYTHON = "3.12"
 PLATFORMS = (

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvtierd.api import wire
-from kvtierd.api.validation import check_keys
+from kvtierd.api.validation import check_descriptions, check_keys
 from kvtierd.core.sessions import Session
 from kvtierd.errors import InvalidArgument
 from kvtierd.tiering.remote import RemoteWait
@@ -54,6 +54,10 @@ def prepare_store(session: Session, keys: list[bytes], request: Any) -> pb2.Prep
 
 
 def complete_store(session: Session, keys: list[bytes], request: Any) -> pb2.CompleteStoreResponse:
+    descriptions = request.descriptions
+    if descriptions and request.success:
+        check_descriptions(keys, descriptions)
+        session.pool.describe(keys, descriptions)
     session.pool.complete_store(session.id, keys, request.success)
     return pb2.CompleteStoreResponse()
 

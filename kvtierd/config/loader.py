@@ -14,6 +14,7 @@ from typing import Any
 from kvtierd.config.options import OPTIONS, SECTIONS, Option
 from kvtierd.config.sections import (
     Config,
+    KvEventsConfig,
     LimitsConfig,
     LogConfig,
     MemoryConfig,
@@ -38,6 +39,7 @@ _SECTION_TYPES: dict[str, type] = {
     "limits": LimitsConfig,
     "security": SecurityConfig,
     "log": LogConfig,
+    "kv_events": KvEventsConfig,
 }
 
 
@@ -140,6 +142,40 @@ def _check_cross_field(config: Config) -> None:
         security_config.check_security(config.security, config.server.listen)
     except SecurityOptionError as exc:
         raise ConfigError(exc.key, exc.message) from None
+    _check_kv_events(config.kv_events, config.security)
+
+
+def _check_kv_events(events: KvEventsConfig, security: SecurityConfig) -> None:
+    """An endpoint needs its pools; with principals, every pool it publishes belongs to
+    ``kv_events.principal`` alone (one principal's prompts never reach an endpoint
+    another principal reads)."""
+    if not events.enabled:
+        return
+    if not events.pools:
+        raise ConfigError(
+            "kv_events.pools",
+            "name the pools to publish (an endpoint publishes no pool by default)",
+        )
+    if events.replay_endpoint == events.endpoint:
+        raise ConfigError("kv_events.replay_endpoint", "must differ from kv_events.endpoint")
+    principals = security.principals
+    if not principals:
+        return
+    names = [p.name for p in principals]
+    if events.principal not in names:
+        raise ConfigError(
+            "kv_events.principal",
+            f"with [[security.principals]], name the principal the published pools belong "
+            f"to (one of {', '.join(names)}); got {events.principal!r}",
+        )
+    for pool in events.pools:
+        owners = [p.name for p in principals if p.may_reach(pool)]
+        if owners != [events.principal]:
+            raise ConfigError(
+                "kv_events.pools",
+                f"pool {pool!r} is reachable by {owners or 'no principal'}; every published "
+                f"pool must belong to kv_events.principal ({events.principal}) alone",
+            )
 
 
 def _security_tables(document: Mapping[str, Any]) -> dict[str, Any]:

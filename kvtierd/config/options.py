@@ -17,11 +17,14 @@ from kvtierd.config.values import (
     boolean,
     choice,
     directory,
+    event_endpoint,
     int_in,
     listen_list,
     metrics_address_value,
+    name_list,
     plain_text,
     pool_label_patterns,
+    topic_part,
 )
 from kvtierd.records.events import EVENT_OVERHEAD_BYTES, MAX_EVENT_BYTES
 from kvtierd.records.history import KEY_OVERHEAD_BYTES as REMOVAL_OVERHEAD_BYTES
@@ -344,6 +347,86 @@ OPTIONS: tuple[Option, ...] = (
         "log level: " + ", ".join(LOG_LEVELS),
         flag="--log-level",
     ),
+    Option(
+        "kv_events",
+        "endpoint",
+        event_endpoint,
+        lambda: "",
+        "where the KV-event publisher routers (llm-d, Dynamo) read sends vLLM's event "
+        "format: tcp://HOST:PORT or ipc:///abs/path ('' = off, the default; events carry "
+        "the prompts' token ids: docs/security.md)",
+        flag="--kv-events-endpoint",
+    ),
+    Option(
+        "kv_events",
+        "replay_endpoint",
+        event_endpoint,
+        lambda: "",
+        "a ROUTER socket answering replays of the recent events (what a subscriber that "
+        "saw a sequence gap asks for); '' = none",
+    ),
+    Option(
+        "kv_events",
+        "connect",
+        boolean,
+        lambda: False,
+        "connect the publisher to the endpoint (a subscriber binds it, as llm-d's "
+        "indexer does) instead of binding it",
+    ),
+    Option(
+        "kv_events",
+        "pools",
+        name_list,
+        lambda: (),
+        "the pools whose blocks are published (exact names; required with an endpoint)",
+    ),
+    Option(
+        "kv_events",
+        "model",
+        topic_part,
+        lambda: "default",
+        "the model name each message's topic carries (kv@<identity>@<model>)",
+    ),
+    Option(
+        "kv_events",
+        "identity",
+        topic_part,
+        lambda: "",
+        "who the topic credits (kv@<identity>@<model>; '' = the host name)",
+    ),
+    Option(
+        "kv_events",
+        "engines",
+        name_list,
+        lambda: (),
+        "the engines of this node sharing the pools: each message is sent once per "
+        "engine, topic kv@<engine>@<model> (llm-d credits each pod); empty: once, under "
+        "identity (Dynamo: register the endpoint under each engine's instance id)",
+    ),
+    Option(
+        "kv_events",
+        "principal",
+        plain_text,
+        lambda: "",
+        "with [[security.principals]]: the principal every published pool belongs to "
+        "(its patterns match them, no other principal's do); required then",
+    ),
+    Option(
+        "kv_events",
+        "max_description_bytes",
+        SizeIn(1 << 20, 1 << 40),
+        lambda: 64 << 20,
+        "memory the published pools' block descriptions (token ids, hashes) may take "
+        "together; past it the least recently stored are published as removed and dropped",
+    ),
+    Option(
+        "kv_events",
+        "replay_bytes",
+        SizeIn(64 << 10, 1 << 34),
+        lambda: 8 << 20,
+        "the recent messages kept for replays (and the most a slow subscriber's "
+        "backlog holds before messages to it are dropped)",
+    ),
 )
 
-SECTIONS = ("server", "memory", "sessions", "limits", "security", "log", "tiers")
+SECTIONS = ("server", "memory", "sessions", "limits", "security", "log", "kv_events", "tiers")

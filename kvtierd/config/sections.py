@@ -58,6 +58,26 @@ class LimitsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class KvEventsConfig:
+    """``[kv_events]``: the KV-event publisher routers read (kvtierd.kvevents)."""
+
+    endpoint: str  # "" = off; tcp://HOST:PORT or ipc:///path
+    replay_endpoint: str  # "" = no replays
+    connect: bool  # connect to the endpoint (a subscriber binds it) instead of binding
+    pools: tuple[str, ...]  # the pools published
+    model: str  # the topic's model
+    identity: str  # the topic's identity ("" = the host name)
+    engines: tuple[str, ...]  # if any: each message once per engine, topic kv@<engine>@<model>
+    principal: str  # the principal every published pool belongs to (with principals)
+    max_description_bytes: int  # all pools' block descriptions together
+    replay_bytes: int  # the replay window
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.endpoint)
+
+
+@dataclass(frozen=True, slots=True)
 class LogConfig:
     level: str
 
@@ -81,4 +101,5 @@ class Config:
     limits: LimitsConfig
     security: SecurityConfig
     log: LogConfig
+    kv_events: KvEventsConfig
     tiers: tuple[TierConfig, ...] = ()

@@ -181,3 +181,49 @@ def pool_label_patterns(value: Any) -> tuple[str, ...] | None:
         if not isinstance(item, str) or not 0 < len(item) <= 256:
             raise ValueError(f"expected pool name globs of 1 to 256 characters, got {item!r}")
     return tuple(items)
+
+
+_EVENT_TCP = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+|\*):([0-9]{1,5})$")
+MAX_EVENT_NAMES = 256
+
+
+def event_endpoint(value: Any) -> str:
+    """``kv_events.endpoint`` / ``replay_endpoint``: '' (none), ``tcp://HOST:PORT`` or
+    ``ipc:///abs/path`` (a ZeroMQ address)."""
+    text = plain_text(value).strip()
+    if not text:
+        return ""
+    if text.startswith("ipc://"):
+        path = text[len("ipc://") :]
+        if not os.path.isabs(path) or len(os.fsencode(path)) > 107:
+            raise ValueError(f"expected ipc:///abs/path (at most 107 bytes), got {value!r}")
+        return text
+    match = _EVENT_TCP.match(text)
+    if match is None or not 0 < int(match.group(2)) < 65536:
+        raise ValueError(f"expected '', 'tcp://HOST:PORT' or 'ipc:///abs/path', got {value!r}")
+    return text
+
+
+def name_list(value: Any) -> tuple[str, ...]:
+    """A list of names (pools, engine identities): a TOML list, or a comma-separated
+    string (environment); each 1 to 256 printable characters without '@' or spaces
+    (a KV-event topic is kv@<identity>@<model>)."""
+    items = [p.strip() for p in value.split(",") if p.strip()] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or len(items) > MAX_EVENT_NAMES:
+        raise ValueError(f"expected a list of at most {MAX_EVENT_NAMES} names, got {value!r}")
+    for item in items:
+        if not isinstance(item, str) or not 0 < len(item) <= 256 or not item.isprintable():
+            raise ValueError(f"expected names of 1 to 256 printable characters, got {item!r}")
+        if "@" in item or " " in item:
+            raise ValueError(f"a name cannot hold '@' or a space (kv@<name>@<model>): {item!r}")
+    if len(set(items)) != len(items):
+        raise ValueError(f"a name is listed twice in {value!r}")
+    return tuple(items)
+
+
+def topic_part(value: Any) -> str:
+    """``kv_events.model`` / ``identity``: printable, no '@' (a topic's separator)."""
+    text = plain_text(value)
+    if "@" in text or not text.isprintable() or len(text) > 256:
+        raise ValueError(f"expected at most 256 printable characters without '@', got {value!r}")
+    return text

@@ -33,12 +33,15 @@ import logging
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvtierd.config import LimitsConfig
 from kvtierd.contract import (
     PRIMARY_TIER,
+    BlockEvent,
     BlockKey,
     LookupResult,
+    Medium,
     PoolSpec,
     StoreGrant,
     key_repr,
@@ -46,6 +49,7 @@ from kvtierd.contract import (
 from kvtierd.core.claims import ClaimTable
 from kvtierd.core.statistics import PoolStatistics, PrimaryStatistics, SecondaryStatistics
 from kvtierd.errors import FailedPrecondition
+from kvtierd.kvevents.service import KvEventsService
 from kvtierd.prefix import READY, prefix_end
 from kvtierd.primary.errors import NotLoadableError
 from kvtierd.primary.manager import PrimaryManager
@@ -123,14 +127,16 @@ class Pool:
         self.region = region
         self.events = EventLog(limits.events_retained, limits.events_retained_bytes)
         self.history = RemovalLog(max_bytes=limits.removals_retained_bytes)
+        # set by the daemon when [kv_events] publishes this pool (kvtierd.kvevents)
+        self.kv_events: KvEventsService | None = None
         self.manager = PrimaryManager(
-            spec.num_blocks, spec.eviction_policy, on_event=self.events.append
+            spec.num_blocks, spec.eviction_policy, on_event=self._record_event
         )
         self.tiering = Tiering(
             spec.name,
             self.manager,
             self.history,
-            on_event=self.events.append,
+            on_event=self._record_event,
             hold_seconds=limits.promotion_hold,
         )
         # Invariant: see the module docstring (checked by check_invariants).
@@ -340,6 +346,40 @@ class Pool:
         if flushed:
             self.history.record(flushed, PRIMARY_TIER, FLUSHED)
         return len(flushed)
+
+    def _record_event(self, event: BlockEvent) -> None:
+        """Every tier's stored / removed blocks: into the event log, and to the
+        KV-event publisher when it publishes this pool."""
+        self.events.append(event)
+        if self.kv_events is not None:
+            self.kv_events.observe(self.spec.name, event)
+
+    def describe(self, keys: Sequence[BlockKey], descriptions: Sequence[Any]) -> None:
+        """Hands a CompleteStore's block descriptions (validated) to the KV-event
+        publisher, before the completion's events; nothing when it does not publish
+        this pool."""
+        if self.kv_events is not None and descriptions:
+            self.kv_events.describe(self.spec.name, keys, descriptions)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def holders(self, key: BlockKey) -> list[tuple[str, int]]:
+        """(tier name, medium) of each tier holding ``key`` now, the primary first; a
+        tier that cannot tell from memory counts as not holding it."""
+        held = []
+        if self.manager.lookup((key,))[0] is LookupResult.HIT:
+            held.append((PRIMARY_TIER, int(Medium.CPU)))
+        for tier in self.tiering.tiers:
+            if tier.contains(key):
+                held.append((tier.name, int(tier.medium)))
+        return held
+
+    async def wait_tiers_ready(self) -> None:
+        """Returns once every secondary tier answers from what it holds."""
+        for tier in self.tiering.tiers:
+            await tier.wait_ready()
 
     def explain(self, key: BlockKey) -> Explanation:
         """Where ``key`` is and what recently removed it; changes nothing."""

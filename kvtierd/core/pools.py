@@ -29,6 +29,7 @@ from kvtierd.config import LimitsConfig, MemoryConfig
 from kvtierd.contract import DEFAULT_EVICTION_POLICY, PoolSpec
 from kvtierd.core.pool import Pool
 from kvtierd.errors import FailedPrecondition, PoolNotFound, ResourceExhausted
+from kvtierd.kvevents.service import KvEventsService
 from kvtierd.primary.footprint import pool_heap_bytes
 from kvtierd.primary.region import InsufficientSpaceError, Region, RegionError, region_file_name
 from kvtierd.primary.warm.adoption import Adoption, ColdStart, adopt_region
@@ -75,6 +76,8 @@ class PoolTable:
         self._region_access = region_access
         # given to each new pool's Tiering (metrics); set by the daemon
         self.observe_job: Callable[[str, str, bool, float], None] | None = None
+        # the KV-event publisher (kvtierd.kvevents), set by the daemon when configured
+        self.kv_events: KvEventsService | None = None
         self._pools: dict[str, Pool] = {}
         self._creating: dict[str, asyncio.Future[Pool]] = {}  # name -> its creation
         self._creating_sizes: dict[str, int] = {}  # name -> region bytes; same keys as _creating
@@ -203,6 +206,9 @@ class PoolTable:
         # the region twice (a done callback would run a loop turn later)
         self._pools[spec.name] = pool
         self._region_bytes += region.size
+        if self.kv_events is not None and self.kv_events.publishes(spec.name):
+            pool.kv_events = self.kv_events
+            self.kv_events.attach(pool)
         self._creation_ended(spec)
         log.info(
             "pool %s created: %d blocks x %d bytes (%s), policy %s, layout %r, region %s "

@@ -42,9 +42,11 @@ from kvtierd.api.server import (
 )
 from kvtierd.api.watch import WatchStreams
 from kvtierd.config import Config, ConfigError
+from kvtierd.config.loader import data_directory
 from kvtierd.core.pools import PoolTable, region_access_text
 from kvtierd.core.sessions import SessionTable
 from kvtierd.errors import StartupError
+from kvtierd.kvevents.service import KvEventsService
 from kvtierd.ops.metrics import Metrics, pool_labels_for
 from kvtierd.ops.metrics_endpoint import MetricsEndpoint
 from kvtierd.ops.sdnotify import notify, watchdog_interval
@@ -211,6 +213,7 @@ class Daemon:
         self._placement = SocketPlacement(staged=True)
         self._region_fds: region_access.RegionFdServer | None = None
         self._takeover_task: asyncio.Task[None] | None = None  # waits for the old daemon
+        self.kv_events: KvEventsService | None = None  # [kv_events], once bound
         # freed C heap back to the kernel after bursts (docs/design/memory.md)
         self._heap = HeapTrimmer()
 
@@ -225,6 +228,7 @@ class Daemon:
         self._check_tiers(lock=takeover is None)  # a takeover locks once the old one is gone
         if takeover is None:
             await self._start_metrics()
+            self._start_kv_events()
         server, self._health = build_server(self.service, self.config.limits, self.security)
         await set_health(self._health, serving=False)
         listen = self.config.server.listen
@@ -253,6 +257,21 @@ class Daemon:
             format_bytes(self.config.memory.budget), self.config.memory.shm_dir,
             self.config.sessions.lease,
         )  # fmt: skip
+
+    def _start_kv_events(self) -> None:
+        """With ``[kv_events]``: binds the publisher (kvtierd.kvevents) and hands it to
+        the pool table, which attaches each published pool as it opens."""
+        if not self.config.kv_events.enabled:
+            return
+        try:
+            service = KvEventsService(
+                self.config.kv_events, data_directory(os.environ), socket_gid=self.gid
+            )
+        except OSError as exc:
+            raise StartupError("kv_events.endpoint", str(exc)) from None
+        service.start()
+        self.kv_events = service
+        self.pools.kv_events = service
 
     def _add_listeners(self, server: TransportServers, addresses: tuple[str, ...]) -> None:
         tls = self.tls.server_credentials if self.tls is not None else None
@@ -320,6 +339,10 @@ class Daemon:
             log.exception("the takeover cannot wait for the previous daemon; stopping")
             self.request_stop()
             return
+        try:
+            self._start_kv_events()
+        except StartupError as exc:  # the old daemon's endpoint not free yet, or taken
+            log.error("after the takeover: %s; no KV events are published", exc)
         pools_ready.set()
         try:
             if tcp:
@@ -376,6 +399,8 @@ class Daemon:
         await steps.run_async(
             "pools", self.pools.close_all(wait_for_creations=self.config.server.shutdown_grace)
         )
+        if self.kv_events is not None:  # after the pools: their last events are sent
+            await steps.run_async("kv events", self.kv_events.stop())
         if self._region_fds is not None:
             steps.run("region descriptor socket", self._region_fds.close)
         # never a socket a daemon that took over put there

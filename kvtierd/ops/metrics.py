@@ -35,6 +35,7 @@ from prometheus_client.registry import Collector
 
 from kvtierd import __version__
 from kvtierd.core.statistics import PoolStatistics, TierView, tier_views
+from kvtierd.kvevents.service import KvEventsStats
 
 if TYPE_CHECKING:
     from kvtierd.core.pools import PoolTable
@@ -177,6 +178,43 @@ class DaemonCollector(Collector):
             "kvtierd_memory_used_bytes", "Shared memory used by regions", self._pools.used_bytes
         )
         yield from collect_pool_families(pool.statistics() for pool in self._pools)
+        if self._pools.kv_events is not None:
+            yield from collect_kv_events_families(self._pools.kv_events.stats())
+
+
+def collect_kv_events_families(stats: KvEventsStats) -> list[Metric]:
+    """The KV-event publisher's counters (``[kv_events]``; kvtierd.kvevents)."""
+    publisher = stats.publisher
+    counters = (
+        ("messages", "KV-event messages sent (one per topic per batch)", publisher.messages),
+        ("events", "KV events sent", publisher.events),
+        ("refused_events", "KV events the hand-over queue refused (then re-announced)",
+         publisher.refused_events),
+        ("replays", "replay requests answered", publisher.replays),
+        ("dropped_descriptions", "block descriptions the byte bound dropped (withdrawn first)",
+         stats.dropped_descriptions),
+        ("undescribed_stores", "stores of a key without a description (published nowhere)",
+         stats.undescribed_stores),
+    )  # fmt: skip
+    families: list[Metric] = [
+        CounterMetricFamily(f"kvtierd_kv_events_{name}", text, value=value)
+        for name, text, value in counters
+    ]
+    families.append(
+        _gauge(
+            "kvtierd_kv_events_described_blocks",
+            "keys with a description held",
+            stats.described_keys,
+        )  # fmt: skip
+    )
+    families.append(
+        _gauge(
+            "kvtierd_kv_events_description_bytes",
+            "bytes the descriptions count",
+            stats.description_bytes,
+        )  # fmt: skip
+    )
+    return families
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

@@ -1,0 +1,176 @@
+"""The publisher thread and the service's translation, on real ZeroMQ sockets (ipc
+in a temporary directory) read by a real subscriber (tests/kv_events_harness.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+import zmq
+from kv_events_harness import SEQ, EventReader
+
+from kvtierd.config.sections import KvEventsConfig
+from kvtierd.contract import BlockEvent, Medium
+from kvtierd.kvevents import wireformat
+from kvtierd.kvevents.publisher import EventPublisher
+from kvtierd.kvevents.service import KvEventsService
+from kvtierd_client.wire.proto import pb2
+
+
+@pytest.fixture
+def where() -> Iterator[str]:
+    path = tempfile.mkdtemp(prefix="kvp-", dir="/tmp")
+    yield path
+    for name in os.listdir(path):
+        os.unlink(os.path.join(path, name))
+    os.rmdir(path)
+
+
+def publisher(where: str, **bounds: int) -> EventPublisher:
+    settings = {"queue_bytes": 1 << 20, "replay_bytes": 1 << 20, **bounds}
+    topics = [b"kv@a@m", b"kv@b@m"]
+    made = EventPublisher(f"ipc://{where}/pub", f"ipc://{where}/replay", topics, **settings)
+    made.start()
+    return made
+
+
+def event(n: int) -> dict:
+    return {"type": "BlockRemoved", "block_hashes": [n], "medium": "CPU"}
+
+
+def test_messages_are_numbered_without_gaps_one_per_topic_and_replayed(where):
+    pub = publisher(where)
+    try:
+        with EventReader(f"ipc://{where}/pub", f"ipc://{where}/replay") as reader:
+            for n in range(5):
+                assert pub.publish([event(n)], 1.0)
+            reader.until(lambda events: len(events) >= 10)
+        messages = reader.ordered
+        assert [m.seq for m in messages] == list(range(10))
+        assert [m.topic for m in messages[:2]] == ["kv@a@m", "kv@b@m"]
+        assert [m.events[0]["block_hashes"] for m in messages[::2]] == [[n] for n in range(5)]
+        assert pub.stats().messages == 10 and pub.stats().last_seq == 9
+    finally:
+        pub.stop()
+    assert not os.path.exists(f"{where}/pub")  # ipc files go with the publisher
+
+
+def test_the_replay_window_is_bounded_in_bytes_and_answers_from_a_sequence(where):
+    pub = publisher(where, replay_bytes=64 << 10)
+    try:
+        big = {"type": "BlockRemoved", "block_hashes": list(range(1000)), "medium": "CPU"}
+        for _ in range(40):  # ~9 KB a message, two topics: far more than the window
+            pub.publish([big], 1.0)
+        dealer = zmq.Context.instance().socket(zmq.DEALER)
+        dealer.connect(f"ipc://{where}/replay")
+        try:
+            answered = []
+            for _ in range(100):  # the thread may not have sent them all yet
+                dealer.send_multipart([b"", SEQ.pack(0)])
+                answered = []
+                while True:
+                    assert dealer.poll(10_000)
+                    _empty, topic, seq, _payload = dealer.recv_multipart()
+                    if not topic:
+                        assert seq == b"\xff" * 8  # the end: -1
+                        break
+                    answered.append(SEQ.unpack(seq)[0])
+                if answered and answered[-1] == 79:
+                    break
+        finally:
+            dealer.close(0)
+        assert answered[-1] == 79 and answered == list(range(answered[0], 80))
+        size = len(wireformat.payload(1.0, [big])) + len(b"kv@a@m") + 64  # as the window counts
+        assert answered[0] > 0 and len(answered) == (64 << 10) // size  # only the newest 64 KiB
+    finally:
+        pub.stop()
+
+
+def test_a_full_queue_refuses_and_says_the_publisher_lost_events(where):
+    pub = EventPublisher(f"ipc://{where}/pub", "", [b"t"], queue_bytes=1000, replay_bytes=1 << 20)
+    try:  # not started: nothing drains the queue
+        assert pub.publish([event(0)] * 5, 1.0)  # the first list is always taken
+        assert not pub.publish([event(1)] * 20, 1.0)
+        assert pub.lost and pub.stats().refused_events == 20
+    finally:
+        pub.stop()
+
+
+def config(where: str, **changes: object) -> KvEventsConfig:
+    settings = {
+        "endpoint": f"ipc://{where}/pub",
+        "replay_endpoint": f"ipc://{where}/replay",
+        "connect": False,
+        "pools": ("p",),
+        "model": "m",
+        "identity": "node",
+        "engines": (),
+        "principal": "",
+        "max_description_bytes": 1 << 20,
+        "replay_bytes": 1 << 20,
+        **changes,
+    }
+    return KvEventsConfig(**settings)  # type: ignore[arg-type]
+
+
+def wire(n: int) -> pb2.BlockDescription:
+    return pb2.BlockDescription(block_hashes=[n], token_ids=[n, n], block_size=2)
+
+
+def stores(events, medium):  # noqa: ANN001, ANN201
+    return [e["block_hashes"][0] for e in events if e["type"] == "BlockStored"
+            and e["medium"] == medium]  # fmt: skip
+
+
+def removals(events, medium):  # noqa: ANN001, ANN201
+    return [h for e in events if e["type"] == "BlockRemoved" and e["medium"] == medium
+            for h in e["block_hashes"]]  # fmt: skip
+
+
+def test_storage_is_one_medium_however_many_tiers_hold_a_key(where):
+    async def scenario(service: KvEventsService) -> None:
+        service.start()
+        service.describe("p", [b"a", b"b"], [wire(1), pb2.BlockDescription()])  # b undescribed
+        service.observe("p", BlockEvent((b"a", b"b"), Medium.CPU, removed=False))
+        service.observe("p", BlockEvent((b"a",), Medium.STORAGE, False, tier="fs0"))
+        service.observe("p", BlockEvent((b"a",), Medium.REMOTE, False, tier="redis0"))
+        service.observe("p", BlockEvent((b"a",), Medium.STORAGE, True, tier="fs0"))
+        service.observe("p", BlockEvent((b"a",), Medium.CPU, removed=True))
+        service.observe("p", BlockEvent((b"a",), Medium.REMOTE, True, tier="redis0"))
+        await asyncio.sleep(0)
+
+    service = KvEventsService(config(where), where, socket_gid=None)
+    with EventReader(f"ipc://{where}/pub", f"ipc://{where}/replay") as reader:
+        asyncio.run(scenario(service))
+        events = reader.until(lambda ev: len(removals(ev, "STORAGE")) >= 1)
+    service.publisher.stop()
+    assert events[0] == {"type": "AllBlocksCleared"}
+    assert stores(events, "CPU") == [1] and stores(events, "STORAGE") == [1]
+    assert removals(events, "CPU") == [1] and removals(events, "STORAGE") == [1]
+    # fs0's removal withdrew nothing (redis0 still held it): CPU went first, then STORAGE
+    assert [e["medium"] for e in events if e["type"] == "BlockRemoved"] == ["CPU", "STORAGE"]
+    stats = service.stats()
+    assert stats.undescribed_stores == 1 and stats.described_keys == 0
+
+
+def test_a_description_the_bound_takes_out_is_withdrawn_first(where):
+    async def scenario(service: KvEventsService) -> None:
+        service.start()
+        for n in range(200):
+            key = f"k{n}".encode()
+            service.describe("p", [key], [wire(n)])
+            service.observe("p", BlockEvent((key,), Medium.CPU, removed=False))
+
+    service = KvEventsService(config(where, max_description_bytes=64 << 10), where, None)
+    with EventReader(f"ipc://{where}/pub", f"ipc://{where}/replay") as reader:
+        asyncio.run(scenario(service))
+        events = reader.until(lambda ev: len(stores(ev, "CPU")) == 200)
+    service.publisher.stop()
+    withdrawn = removals(events, "CPU")
+    held = set(stores(events, "CPU")) - set(withdrawn)
+    assert withdrawn and len(held) == service.stats().described_keys
+    assert service.stats().description_bytes <= 64 << 10
+    assert withdrawn == sorted(withdrawn)  # the least recently stored first
