@@ -70,6 +70,7 @@ POOL = "routing"
 KEY_PREFIX = "kvtb-routing"
 HEADER = 4096  # kvtierd.tiers.blockformat.HEADER_SIZE: a Redis value is header + row
 READY_TIMEOUT_S = 60.0
+REMOTE_WAIT = "200ms"
 
 
 @dataclass
@@ -104,9 +105,16 @@ class PolicyResult:
 
 
 def daemon_config(urls: list[str], events_port: int | None) -> str:
-    """A node's daemon: the shared Redis tier and, when on, its KV-event publisher."""
+    """A node's daemon: the shared Redis tier and, when on, its KV-event publisher.
+
+    ``remote_lookup_wait`` is raised from 5 ms to ``REMOTE_WAIT``: a Lookup of a block
+    another node stored waits for the cluster's answer instead of answering MISS when
+    the probe is slower than 5 ms (on a loaded 2-core machine it often is), so the
+    machine's load does not decide which storage hits count. It costs nothing
+    otherwise: the Lookup returns as soon as the probe answers."""
     quoted = ", ".join(f'"{url}"' for url in urls)
     text = (
+        f'[limits]\nremote_lookup_wait = "{REMOTE_WAIT}"\n\n'
         f'[[tiers]]\ntype = "redis"\nname = "shared"\nurls = [{quoted}]\ncluster = true\n'
         f'key_prefix = "{KEY_PREFIX}"\n'
     )
