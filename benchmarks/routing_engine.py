@@ -12,6 +12,7 @@ No model runs. What a router's choice changes is simulated as vLLM does it:
   HIT_PENDING block, asked again a scheduler step later, as vLLM's scheduler does);
   the leading HITs are loaded (``PrepareLoad``), every row compared with its key's
   pattern (:func:`benchmarks.routing_blocks.payload`), then released and touched;
+* the loaded blocks are described to the pool (``describe_loads``; see :meth:`_describe`);
 * every block of the request not in the pool is stored (``PrepareStore``, the rows
   written, ``CompleteStore`` with one :class:`~kvtierd_client.types.BlockDescription`
   a key: what the daemon needs to publish the key to routers), as vLLM's offloading
@@ -142,6 +143,7 @@ class SimEngine:
         publisher: GpuEventPublisher,
         gpu_blocks: int,
         block_bytes: int,
+        describe_loads: bool = True,
     ) -> None:
         self.engine_id = engine_id
         self.node = node
@@ -150,6 +152,7 @@ class SimEngine:
         self.publisher = publisher
         self.gpu = GpuPrefixCache(gpu_blocks)
         self.block_bytes = block_bytes
+        self.describe_loads = describe_loads
         self.totals = EngineTotals()
 
     def serve(self, chain: Chain) -> Served:
@@ -159,6 +162,8 @@ class SimEngine:
         rest = list(chain.keys[served.gpu :])
         if rest:
             loaded, first_hits = self._load(rest, served)
+            if loaded and self.describe_loads:
+                self._describe(chain, served.gpu, loaded)
             served.cpu = min(loaded, first_hits)
             served.storage = loaded - served.cpu
         evicted = self.gpu.admit(chain, served.gpu)
@@ -214,6 +219,16 @@ class SimEngine:
         self.session.complete_load(keys[:k])
         self.session.touch(keys[:k])
         return k, first
+
+    def _describe(self, chain: Chain, start: int, count: int) -> None:
+        """Hands the pool the descriptions of the ``count`` blocks it just loaded from
+        ``start`` on (``CompleteStore`` of keys this session did not reserve stores
+        nothing): a block promoted from a tier another node filled has none on this
+        node, and a daemon that publishes a late description of a block it holds makes
+        it visible to routers (docs/benchmarks/routing.md)."""
+        keys = list(chain.keys[start : start + count])
+        descriptions = [chain.description(start + i) for i in range(count)]
+        self.session.complete_store(keys, descriptions=descriptions)
 
     def _verify(self, keys: list[bytes], rows: list[int]) -> int:
         import numpy as np
