@@ -200,7 +200,7 @@ class Fleet:
         publisher = GpuEventPublisher(self.context)
         return SimEngine(
             engine_id, node, session, attached.numpy(), publisher,
-            self.args.gpu_blocks, self.args.block_bytes,
+            self.args.gpu_blocks, self.args.block_bytes, self.args.describe_loads,
         )  # fmt: skip
 
     def _store_canaries(self) -> list[Chain]:
@@ -486,6 +486,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="relay",
         help="relay each daemon's STORAGE events to the other nodes' engines (the shared "
         "Redis tier is theirs too; benchmarks/routing_relay.py), or not",
+    )
+    parser.add_argument(
+        "--describe-loads",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="engines describe the blocks they load to their pool (a promoted block has no "
+        "description on the node that promoted it)",
     )
     parser.add_argument("--out", default="bench-results/routing.md")
     args = parser.parse_args(argv)
