@@ -1,8 +1,8 @@
 """`make bench`: every benchmark of the project in one table, with the floors of the same run.
 
-``python -m benchmarks routing [options]`` runs the routing benchmark instead, alone (its
-options: ``python -m benchmarks routing --help``; it runs in `make install-dynamo`'s venv,
-which has no torch: the suites are imported only for `make bench`)."""
+``python -m benchmarks admission [options]`` and ``python -m benchmarks routing [options]``
+run one benchmark alone, with its own options (``--help``); routing runs in `make
+install-dynamo`'s venv, which has no torch: the suites are imported only for `make bench`."""
 
 from __future__ import annotations
 
@@ -15,13 +15,15 @@ from collections.abc import Callable
 
 from benchmarks.common import Row, machine, print_table
 
-COMMANDS = {"routing": "benchmarks.routing"}
-"""Benchmarks with options of their own, run alone: name -> module with ``main(argv)``."""
+COMMANDS = {"admission": "benchmarks.admission", "routing": "benchmarks.routing"}
+"""Benchmarks with options of their own (their own table, --trace, --json, ...), run alone:
+name -> module with ``main(argv)``."""
 
 
 def suites() -> dict[str, Callable[[], list[Row]]]:
     """The suites of `make bench`, by name (imported here: some need torch)."""
     from benchmarks import (
+        admission,
         authz,
         bounds,
         buffers,
@@ -29,6 +31,7 @@ def suites() -> dict[str, Callable[[], list[Row]]]:
         fastlane,
         fs,
         integrity,
+        kv_events,
         memory,
         metrics_flood,
         redis,
@@ -43,7 +46,8 @@ def suites() -> dict[str, Callable[[], list[Row]]]:
             "fs": fs.run, "stall": stall.run, "buffers": buffers.run,
             "tls": tls.run, "authz": authz.run, "redis": redis.run,
             "warm": warm.run, "fastlane": fastlane.run, "integrity": integrity.run,
-            "bounds": bounds.run, "metrics-flood": metrics_flood.run}  # fmt: skip
+            "bounds": bounds.run, "metrics-flood": metrics_flood.run,
+            "kv-events": kv_events.run, "admission": admission.run}  # fmt: skip
 
 
 def main() -> int:

@@ -51,6 +51,7 @@ def pool_stats_message(stats: PoolStatistics) -> pb2.PoolStats:
             pb2.TierStats(
                 tier=view.name,
                 medium=wire.medium(view.medium),
+                admission=view.admission,
                 # ints all; the stub types `ready` bool, which protobuf sets from 0 / 1 too
                 **view.wire_numbers(),  # type: ignore[arg-type]
             )

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from kvtierd.config import MAX_BLOCK_BYTES
 from kvtierd.contract import DEFAULT_EVICTION_POLICY, EVICTION_POLICIES, key_repr
 from kvtierd.errors import InvalidArgument
-from kvtierd_client.wire.descriptions import description_problem
+from kvtierd_client.wire.descriptions import shape_problem
 
 MAX_KEY_BYTES = 256
 BLOCK_ALIGNMENT = 4096
@@ -77,7 +77,8 @@ def check_text(value: str, field: str, max_bytes: int = MAX_NAME_BYTES) -> None:
 def check_descriptions(keys: Sequence[bytes], descriptions: Sequence[object]) -> None:
     """``CompleteStoreRequest.descriptions``: none, or one per key, each empty (the
     key undescribed) or within the bounds of
-    :mod:`kvtierd_client.wire.descriptions`."""
+    :mod:`kvtierd_client.wire.descriptions` (its counts: the message's field types
+    already bound every value)."""
     if not descriptions:
         return
     if len(descriptions) != len(keys):
@@ -86,10 +87,10 @@ def check_descriptions(keys: Sequence[bytes], descriptions: Sequence[object]) ->
             "(an empty one leaves its key undescribed)"
         )
     for index, wire in enumerate(descriptions):
-        hashes = wire.block_hashes  # type: ignore[attr-defined]
+        hashes = len(wire.block_hashes)  # type: ignore[attr-defined]
         if not hashes:
             continue
-        parent = wire.parent_block_hash if wire.HasField("parent_block_hash") else None  # type: ignore[attr-defined]
-        problem = description_problem(hashes, parent, wire.token_ids, wire.block_size)  # type: ignore[attr-defined]
+        tokens, size = len(wire.token_ids), wire.block_size  # type: ignore[attr-defined]
+        problem = shape_problem(hashes, tokens, size)
         if problem is not None:
             raise InvalidArgument(f"descriptions[{index}] {problem}")

@@ -57,6 +57,7 @@ from kvtierd.primary.region import Region
 from kvtierd.primary.warm.journal import JournalWriter
 from kvtierd.records.events import EventLog
 from kvtierd.records.history import EVICTED_FOR_ROOM, FLUSHED, KeyRecord, RemovalLog
+from kvtierd.tiering.admission import NOT_ADMITTED
 from kvtierd.tiering.manager import Tiering
 from kvtierd.tiering.remote import RemoteWait
 from kvtierd.tiering.retries import FailedPromotion
@@ -83,6 +84,15 @@ def _summary(
 ) -> str:
     """``waits``: per tier name, why the key is not promoted from it yet and for how
     many seconds more (:meth:`Tiering.promotion_wait`)."""
+    return _main_summary(state, tiers, history, waits) + _not_admitted(tiers, history)
+
+
+def _main_summary(
+    state: LookupResult,
+    tiers: list[tuple[str, bool | None]],
+    history: list[KeyRecord],
+    waits: dict[str, tuple[FailedPromotion, float]],
+) -> str:
     if state is LookupResult.HIT:
         return "HIT: readable in the primary tier"
     if state is LookupResult.HIT_PENDING:
@@ -95,8 +105,23 @@ def _summary(
         return f"not in the primary; tier {unknown[0]} is still rebuilding its index (RETRY)"
     if history:
         last = history[-1]
+        if last.what.startswith(NOT_ADMITTED):  # told by _not_admitted
+            return "MISS: in no tier"
         return f"MISS: last seen leaving tier {last.tier}: {last.what}"
     return "MISS: never stored, or stored so long ago that its record was forgotten"
+
+
+def _not_admitted(tiers: list[tuple[str, bool | None]], history: list[KeyRecord]) -> str:
+    """ "; tier T: not admitted: <why>" for each tier that does not hold the key and whose
+    last record of it is a refusal of its admission (the key never reached it since)."""
+    last: dict[str, str] = {}
+    for record in history:  # oldest first: the last record per tier wins
+        last[record.tier] = record.what
+    return "".join(
+        f"; tier {name}: {last[name]}"
+        for name, present in tiers
+        if present is False and last.get(name, "").startswith(NOT_ADMITTED)
+    )
 
 
 def _promotion_summary(holders: list[str], waits: dict[str, tuple[FailedPromotion, float]]) -> str:
@@ -310,6 +335,7 @@ class Pool:
             self._unused_pins += len(keys)
         else:
             self._loads_completed += len(keys)
+            self.tiering.read(keys)  # admission: a tier may take a block at its load
 
     def prepare_store(self, session_id: str, keys: Sequence[BlockKey]) -> StoreGrant | None:
         """Reserves rows for the keys not present; None when no room (nothing changed).
@@ -442,6 +468,7 @@ class Pool:
                     tier=tier.statistics(),
                     ready=tier.ready,
                     counters=tiering.counters(index),
+                    admission=tiering.admission_statistics(index),
                 )
                 for index, tier in enumerate(tiering.tiers)
             ),

@@ -38,6 +38,8 @@ from kvtierd.primary.warm.journal import JournalWriter
 from kvtierd.primary.warm.journalfiles import planted, remove_journal, remove_temporaries
 from kvtierd.primary.warm.journalformat import JournalHeader, journal_path
 from kvtierd.security.principals import Principal
+from kvtierd.tiering.admission import DEFAULT_POLICY, TierAdmission, make_policy
+from kvtierd.tiers.base import SecondaryTier
 from kvtierd.tiers.configured import ConfiguredTier, PoolBinding, TierStartError
 from kvtierd.util.units import format_bytes
 
@@ -333,7 +335,11 @@ class PoolTable:
                 tier = configured.create(binding, pool.tiering.on_done, loop)
                 await off_loop(tier.prepare)
                 tier.launch()
-                pool.tiering.attach(tier)
+                pool.tiering.attach(
+                    tier,
+                    _admission(configured, tier, spec.block_bytes),
+                    write_budget=configured.write_budget,
+                )
         except (TierStartError, OSError) as exc:
             pool.close_tiers()
             raise FailedPrecondition(f"pool {spec.name!r}: {exc}") from None
@@ -513,3 +519,11 @@ def region_access_text(mode: int, gid: int | None, principals: Sequence[Principa
     )
     digest = hashlib.sha256(repr(described).encode()).hexdigest()
     return f"mode {mode:o}, gid {gid}, principals {digest[:16]}"
+
+
+def _admission(configured: ConfiguredTier, tier: SecondaryTier, block_bytes: int) -> TierAdmission:
+    """The admission of a pool's tier: the configured tier's ``admission`` option (a
+    tier type without one writes every block), its sketch sized by the tier's capacity."""
+    name = getattr(configured.settings, "admission", DEFAULT_POLICY)  # a plug-in's type may lack it
+    capacity_blocks = tier.statistics().capacity_bytes // max(1, block_bytes)
+    return TierAdmission(make_policy(name, tier.victim, capacity_blocks), block_bytes)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvtierd.contract import PRIMARY_TIER, Medium, PoolSpec
+from kvtierd.tiering.admission import REASONS, AdmissionStats
 from kvtierd.tiering.manager import TierCounters
 from kvtierd.tiers.base import TierStats
 
@@ -69,6 +70,7 @@ class SecondaryStatistics:
     tier: TierStats
     ready: bool  # index rebuilt: the tier answers HIT / MISS, not RETRY
     counters: TierCounters
+    admission: AdmissionStats  # which blocks it was written (kvtierd.tiering.admission)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +96,13 @@ class PoolStatistics:
 
 
 # ----------------------------------------------------------------- tier numbers
+
+
+def _rejected(reason: str, unit: str = "blocks") -> Callable[[SecondaryStatistics], int]:
+    """The number of blocks (or bytes) a tier's admission rejected for ``reason``."""
+    if unit == "bytes":
+        return lambda s: s.admission.rejected_bytes[reason]
+    return lambda s: s.admission.rejected_blocks[reason]
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +198,15 @@ TIER_NUMBERS: tuple[TierNumber, ...] = (
     TierNumber("probes", None, lambda s: s.tier.probes),
     TierNumber("lookup_waits", None, lambda s: s.counters.lookup_waits),
     TierNumber("lookup_wait_timeouts", None, lambda s: s.counters.lookup_wait_timeouts),
+    # admission (kvtierd.tiering.admission): blocks offered to the tier, written or not
+    TierNumber("admitted_blocks", None, lambda s: s.admission.admitted_blocks),
+    TierNumber("admitted_bytes", None, lambda s: s.admission.admitted_bytes),
+    *(TierNumber(f"rejected_{reason}_blocks", None, _rejected(reason)) for reason in REASONS),
+    *(  # bytes by reason: blocks x block_bytes, which GetStats tells already
+        TierNumber(f"rejected_{reason}_bytes", None, _rejected(reason, "bytes"), on_wire=False)
+        for reason in REASONS
+    ),
+    TierNumber("admission_sketch_bytes", None, lambda s: s.admission.sketch_bytes),
 )
 
 WIRE_NUMBERS = frozenset(number.name for number in TIER_NUMBERS if number.on_wire)
@@ -201,6 +219,7 @@ class TierView:
     name: str
     medium: Medium
     numbers: dict[str, int]
+    admission: str = ""  # a secondary tier's admission policy ("" for the primary)
 
     def wire_numbers(self) -> dict[str, int]:
         """The numbers GetStats carries (its TierStats fields)."""
@@ -219,5 +238,9 @@ def tier_views(stats: PoolStatistics) -> list[TierView]:
     ]
     for secondary in stats.secondaries:
         numbers = {n.name: n.secondary(secondary) for n in TIER_NUMBERS if n.secondary is not None}
-        views.append(TierView(secondary.tier.name, secondary.tier.medium, numbers))
+        views.append(
+            TierView(
+                secondary.tier.name, secondary.tier.medium, numbers, secondary.admission.policy
+            )
+        )
     return views

@@ -3,14 +3,14 @@ hashes, parent, tokens; handed over with ``CompleteStore``) and the tiers that h
 it, so a store and a removal can be published with the same hashes.
 
 :class:`DescriptionTable` holds them for every published pool, bounded in bytes
-(:meth:`Described.cost`). Invariants:
+(:func:`entry_cost`). Invariants:
 
 - first writer wins: a key with a description keeps it until it leaves every tier
   (a later store of the same key cannot change what routers were told);
 - ``tiers`` is exactly the set of tiers whose stored event for the key was seen
   and whose removed event was not; the entry goes when it empties after having
   held something;
-- ``used_bytes == sum(entry.cost())`` and stays within ``limit_bytes`` after every
+- ``used_bytes == sum(entry.cost)`` and stays within ``limit_bytes`` after every
   call: past it, the least recently stored entries are taken out and returned, so
   that the caller publishes their removal (a router is never left crediting a
   block the daemon can no longer describe).
@@ -20,40 +20,35 @@ Owned by the event loop; no locks.
 
 from __future__ import annotations
 
-from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvtierd.contract import BlockKey
 
-ENTRY_OVERHEAD_BYTES = 360  # the entry, its set, the table's slot and key tuple (measured, 3.11)
+ENTRY_OVERHEAD_BYTES = 360  # the entry, its dict, the table's slot and key tuple (3.11)
+BYTES_HEADER = 33  # a bytes object's header
+TIER_BYTES = 100  # a tier's slot in an entry's dict
 
 
 @dataclass(slots=True)
 class Described:
-    """One key's blocks as its engine hashes them, and where the key is."""
+    """One key's description as its engine sent it (``raw``: the serialized
+    ``BlockDescription``, parsed only on the publisher's thread), and where the key
+    is. ``cost`` is kept current by the table."""
 
-    block_hashes: tuple[int, ...]
-    parent_block_hash: int | None
-    token_ids: array  # 'I' (uint32)
-    block_size: int
-    lora_name: str
-    group_idx: int
+    raw: bytes
     tiers: dict[str, str] = field(default_factory=dict)  # tier name -> medium
-
-    def cost(self, key: BlockKey) -> int:
-        """What the entry counts against the table's byte limit."""
-        return (
-            ENTRY_OVERHEAD_BYTES
-            + len(key)
-            + 8 * len(self.block_hashes)
-            + self.token_ids.itemsize * len(self.token_ids)
-            + 100 * len(self.tiers)
-        )
+    cost: int = 0
 
     def holds(self, medium: str) -> bool:
         """Whether some tier of ``medium`` holds the key."""
         return medium in self.tiers.values()
+
+
+def entry_cost(key: BlockKey, raw: bytes, tiers: int) -> int:
+    """What an entry counts against the table's byte limit: its key and description
+    bytes objects, its tiers, and :data:`ENTRY_OVERHEAD_BYTES`."""
+    return ENTRY_OVERHEAD_BYTES + 2 * BYTES_HEADER + len(key) + len(raw) + TIER_BYTES * tiers
 
 
 class DescriptionTable:
@@ -78,8 +73,9 @@ class DescriptionTable:
         slot = (pool, key)
         if slot in self._entries:
             return []
+        described.cost = entry_cost(key, described.raw, len(described.tiers))
         self._entries[slot] = described
-        self.used_bytes += described.cost(key)
+        self.used_bytes += described.cost
         return self._trim()
 
     def stored(self, pool: str, key: BlockKey, tier: str, medium: str) -> Described | None:
@@ -90,9 +86,9 @@ class DescriptionTable:
         if entry is None:
             return None
         if tier not in entry.tiers:
-            self.used_bytes -= entry.cost(key)
             entry.tiers[tier] = medium
-            self.used_bytes += entry.cost(key)
+            entry.cost += TIER_BYTES
+            self.used_bytes += TIER_BYTES
         self._entries.move_to_end(slot)
         return entry
 
@@ -103,18 +99,23 @@ class DescriptionTable:
         entry = self._entries.get(slot)
         if entry is None or tier not in entry.tiers:
             return None
-        self.used_bytes -= entry.cost(key)
         del entry.tiers[tier]
         if entry.tiers:
-            self.used_bytes += entry.cost(key)
+            entry.cost -= TIER_BYTES
+            self.used_bytes -= TIER_BYTES
         else:
+            self.used_bytes -= entry.cost
             del self._entries[slot]
         return entry
 
     def forget_pool(self, pool: str) -> None:
         """Drops every entry of ``pool`` (the pool closed: nothing of it is published)."""
         for slot in [slot for slot in self._entries if slot[0] == pool]:
-            self.used_bytes -= self._entries.pop(slot).cost(slot[1])
+            self.used_bytes -= self._entries.pop(slot).cost
+
+    def forget_all(self) -> None:
+        self._entries.clear()
+        self.used_bytes = 0
 
     def entries(self, pool: str) -> list[tuple[BlockKey, Described]]:
         """``pool``'s entries, least recently stored first (a snapshot)."""
@@ -123,8 +124,8 @@ class DescriptionTable:
     def _trim(self) -> list[tuple[str, Described]]:
         taken = []
         while self.used_bytes > self.limit_bytes and self._entries:
-            (pool, key), entry = self._entries.popitem(last=False)
-            self.used_bytes -= entry.cost(key)
+            (pool, _key), entry = self._entries.popitem(last=False)
+            self.used_bytes -= entry.cost
             self.dropped += 1
             if entry.tiers:
                 taken.append((pool, entry))

@@ -255,6 +255,41 @@ REMOTE_COLUMNS: tuple[tuple[str, Callable[[Any, Any], str]], ...] = (
 )
 
 
+# Admission to the secondary tiers, one row per pool and tier whose admission is not
+# "always" or that rejected blocks (GetStats TierStats 43-49, the metrics' kvtierd_tier_admitted_*,
+# kvtierd_tier_rejected_*): what was written, what was not and why, and what a hit cost.
+ADMISSION_COLUMNS: tuple[tuple[str, Callable[[Any, Any], str]], ...] = (
+    ("pool", lambda p, t: p.name),
+    ("tier", lambda p, t: t.tier),
+    ("admission", lambda p, t: t.admission or "always"),
+    ("admitted", lambda p, t: str(t.admitted_blocks)),
+    ("not reused", lambda p, t: str(t.rejected_not_reused_blocks)),
+    ("infrequent", lambda p, t: str(t.rejected_infrequent_blocks)),
+    ("budget", lambda p, t: str(t.rejected_budget_blocks)),
+    ("written/hit", lambda p, t: _written_per_hit(t)),
+    ("sketch", lambda p, t: _sketch(t)),
+)
+
+
+def _rejected(t: Any) -> int:
+    return int(
+        t.rejected_not_reused_blocks + t.rejected_infrequent_blocks + t.rejected_budget_blocks
+    )
+
+
+def _sketch(t: Any) -> str:
+    return _human_bytes(t.admission_sketch_bytes) if t.admission_sketch_bytes else "-"
+
+
+def _written_per_hit(t: Any) -> str:
+    """Bytes written into the tier per block it served (promoted): its write cost."""
+    return _human_bytes(t.bytes_in // t.hits) if t.hits else "-"
+
+
+def _admits_selectively(t: Any) -> bool:
+    return t.tier != "primary" and (t.admission not in ("", "always") or _rejected(t) > 0)
+
+
 def _server_capacity(t: Any) -> str:
     if t.server_capacity_bytes:
         return _human_bytes(t.server_capacity_bytes)
@@ -298,11 +333,15 @@ def watch_seconds(text: str) -> float:
 
 def stats_table(stats: Any) -> list[str]:
     """The lines of the ``kvtierctl stats`` table of a GetStats answer, then (when a
-    pool has a remote tier) the table of the remote servers."""
+    pool has a remote tier) the table of the remote servers, then (when a tier admits
+    selectively, or rejected blocks) the table of admission."""
     lines = _table(STATS_COLUMNS, [(p, t) for p in stats.pools for t in p.tiers])
     remote = [(p, t) for p in stats.pools for t in p.tiers if _is_remote(t)]
     if remote:
         lines += ["", *_table(REMOTE_COLUMNS, remote)]
+    selective = [(p, t) for p in stats.pools for t in p.tiers if _admits_selectively(t)]
+    if selective:
+        lines += ["", *_table(ADMISSION_COLUMNS, selective)]
     return lines
 
 

@@ -36,6 +36,7 @@ from prometheus_client.registry import Collector
 from kvtierd import __version__
 from kvtierd.core.statistics import PoolStatistics, TierView, tier_views
 from kvtierd.kvevents.service import KvEventsStats
+from kvtierd.tiering.admission import REASONS
 
 if TYPE_CHECKING:
     from kvtierd.core.pools import PoolTable
@@ -188,8 +189,10 @@ def collect_kv_events_families(stats: KvEventsStats) -> list[Metric]:
     counters = (
         ("messages", "KV-event messages sent (one per topic per batch)", publisher.messages),
         ("events", "KV events sent", publisher.events),
-        ("refused_events", "KV events the hand-over queue refused (then re-announced)",
-         publisher.refused_events),
+        ("refused_items", "hand-overs the queue's bound refused (then AllBlocksCleared)",
+         publisher.refused_items),
+        ("clears", "AllBlocksCleared sent (one at start, one after each refusal)",
+         stats.cleared),
         ("replays", "replay requests answered", publisher.replays),
         ("dropped_descriptions", "block descriptions the byte bound dropped (withdrawn first)",
          stats.dropped_descriptions),
@@ -336,6 +339,21 @@ POOL_FAMILIES: tuple[Family, ...] = (
            "jobs_in_flight"),
     Family("kvtierd_promoted_blocks", COUNTER, "Blocks promoted into the primary, by outcome",
            {"loaded": "promoted_blocks", "failed": "promotion_failures"}, by="outcome"),
+    Family("kvtierd_tier_admitted_blocks", COUNTER,
+           "Blocks the tier's admission let through to be written (a completed store, a load "
+           "of a block it lacked, a promotion from a later tier)", "admitted_blocks"),
+    Family("kvtierd_tier_admitted_bytes", COUNTER, "Bytes of the blocks admitted to the tier",
+           "admitted_bytes"),
+    Family("kvtierd_tier_rejected_blocks", COUNTER,
+           "Blocks not written to the tier, by reason (not_reused, infrequent: its admission "
+           "policy; budget: its write budget)",
+           {reason: f"rejected_{reason}_blocks" for reason in REASONS}, by="reason"),
+    Family("kvtierd_tier_rejected_bytes", COUNTER,
+           "Bytes of the blocks not written to the tier, by reason",
+           {reason: f"rejected_{reason}_bytes" for reason in REASONS}, by="reason"),
+    Family("kvtierd_tier_admission_sketch_bytes", GAUGE,
+           "Bytes of the tier's admission state for the pool (tinylfu's frequency sketch; "
+           "fixed when the pool opens)", "admission_sketch_bytes"),
     Family("kvtierd_promotion_no_room", COUNTER, "Tier hits not promoted: no primary row",
            "promotion_no_room"),
     Family("kvtierd_cascade_blocks", COUNTER, "Blocks handed to the tier by cascades",

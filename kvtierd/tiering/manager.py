@@ -40,6 +40,13 @@ tiers (docs/design/semantics.md, "Secondary tiers"; vLLM's ``TieringOffloadingMa
 * Tiers are consulted in configuration order; a key promoted from tier *i* is
   cascaded to the tiers before *i* (a shared filesystem block lands on the
   local disk too).
+* Admission (:mod:`kvtierd.tiering.admission`): each tier's policy picks which
+  blocks a cascade writes to it; a rejected block gets no job (and no stored
+  event): its history says "not admitted: <why>". Loads of blocks a tier lacks
+  (:meth:`read`) are offered to it too, for the policies that write at loads.
+* Write budgets (:mod:`kvtierd.tiering.budget`): what a tier admitted then asks the
+  configured tier's ``max_write_bytes_per_s``; a block past it gets no job either
+  (counted as rejected for reason ``budget``, its history says so).
 * Events: a cascade job's stored keys become one stored event of that tier
   (its medium, its name), as vLLM's FS tier reports them; keys a tier dropped
   (evicted, failed verification, vanished) become one removed event, emitted
@@ -67,10 +74,13 @@ from kvtierd.contract import PRIMARY_TIER, BlockEvent, BlockKey, LookupResult
 from kvtierd.prefix import prefix_end
 from kvtierd.primary.manager import PrimaryManager
 from kvtierd.records.history import EVICTED_FOR_ROOM, RemovalLog
+from kvtierd.tiering.admission import AdmissionStats, AlwaysAdmit, Occasion, TierAdmission
+from kvtierd.tiering.budget import BudgetGate
 from kvtierd.tiering.holds import HoldStats, HoldTable
 from kvtierd.tiering.remote import RemoteWait, known_miss, plan_asks
 from kvtierd.tiering.retries import FailedPromotion, FailedPromotions
 from kvtierd.tiers.base import JobResult, SecondaryTier, TierJob
+from kvtierd.tiers.budget import WriteBudget
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +175,8 @@ class Tiering:
         self._jobs: dict[int, _InFlight] = {}
         self._job_ids = itertools.count(1)
         self._counters: list[Counter[str]] = []
+        self._admission: list[TierAdmission] = []  # per tier, co-indexed with tiers
+        self._budgets: list[BudgetGate] = []  # per tier: its write budget, after admission
         self._holds = HoldTable(manager, hold_seconds, clock)
         self._clock = clock
         self._failures = FailedPromotions(clock)  # when failed promotions are retried
@@ -175,9 +187,24 @@ class Tiering:
         # (pool, tier name, is_promotion, seconds) per reported job; set by the daemon
         self.observe_job: Callable[[str, str, bool, float], None] | None = None
 
-    def attach(self, tier: SecondaryTier) -> None:
-        """Appends a tier (consulted after the ones attached before it)."""
+    def attach(
+        self,
+        tier: SecondaryTier,
+        admission: TierAdmission | None = None,
+        *,
+        write_budget: WriteBudget | None = None,
+    ) -> None:
+        """Appends a tier (consulted after the ones attached before it), writing what
+        ``admission`` admits (default: every block, ``always``) within ``write_budget``
+        (the configured tier's, shared by its pools; None: no budget)."""
         self.tiers.append(tier)
+        bytes_per_block = tier.statistics().bytes_per_block
+        if admission is None:
+            admission = TierAdmission(AlwaysAdmit(), bytes_per_block)
+        self._admission.append(admission)
+        self._budgets.append(
+            BudgetGate(tier, write_budget, admission, self.history, bytes_per_block)
+        )
         self.remote = self.remote or tier.remote
         self._counters.append(Counter(dict.fromkeys(COUNTERS, 0)))
 
@@ -190,14 +217,55 @@ class Tiering:
         in_flight = sum(1 for job in self._jobs.values() if job.tier_index == tier_index)
         return TierCounters(**self._counters[tier_index], jobs_in_flight=in_flight)
 
+    def admission(self, tier_index: int) -> TierAdmission:
+        """The admission of one tier (its policy and counters)."""
+        return self._admission[tier_index]
+
+    def admission_statistics(self, tier_index: int) -> AdmissionStats:
+        return self._admission[tier_index].statistics()
+
     # ----------------------------------------------------------------- cascade
 
     def cascade(self, keys: Sequence[BlockKey], *, before: int | None = None) -> None:
-        """Submits one store job per tier (the first ``before`` tiers only, if given)
-        for ready ``keys``; each job pins its rows until the tier reports."""
+        """Submits one store job per tier (the first ``before`` tiers only, if given:
+        keys promoted from tier ``before``) for the ready ``keys`` its admission
+        admits; each job pins its rows until the tier reports."""
         if not keys or self.closed:
             return
-        for index, tier in enumerate(self.tiers[:before]):
+        occasion = Occasion.STORED if before is None else Occasion.PROMOTED
+        for index in range(len(self.tiers))[:before]:
+            if occasion is Occasion.STORED:
+                self._admission[index].seen(keys)
+            self._submit_cascade(index, self._admit(index, keys, occasion))
+
+    def read(self, keys: Sequence[BlockKey]) -> None:
+        """A session loaded ready ``keys`` from the primary: offered to each tier that
+        lacks them and whose admission writes at loads (``reused``, ``tinylfu``)."""
+        if not keys or self.closed:
+            return
+        keys = list(dict.fromkeys(keys))  # a key loaded twice in one call is one read
+        for index, tier in enumerate(self.tiers):
+            admission = self._admission[index]
+            if not admission.writes_on_read:
+                continue
+            admission.seen(keys)
+            lacking = [key for key in keys if tier.contains(key) is False]
+            if lacking:
+                self._submit_cascade(index, self._admit(index, lacking, Occasion.READ))
+
+    def _admit(self, index: int, keys: Sequence[BlockKey], occasion: Occasion) -> list[BlockKey]:
+        """The keys tier ``index`` admits; records why the others were not."""
+        admitted, rejected = self._admission[index].offer(keys, occasion)
+        for rejection, those in rejected.items():
+            self.history.record(those, self.tiers[index].name, rejection.record)
+        return admitted
+
+    def _submit_cascade(self, index: int, keys: Sequence[BlockKey]) -> None:
+        """One store job of ready ``keys`` to tier ``index``, pinning their rows: those
+        its write budget lets through (:mod:`.budget`: the rest dropped, counted)."""
+        keys = self._budgets[index].admit(keys)
+        if keys:
+            tier = self.tiers[index]
             block_ids = self._manager.prepare_load(keys)  # pool-owned pins, +1 per key
             job = TierJob(next(self._job_ids), tuple(keys), tuple(block_ids), is_promotion=False)
             counters = self._counters[index]

@@ -11,6 +11,8 @@
   pool and checksums, sealed with a MAC under integrity keys; then the row);
 - ``iopool``: the I/O threads the fs and redis tiers run their jobs on (completions
   reported on the loop, cascade writes bounded);
+- ``budget``: a tier's write budget (``max_write_bytes_per_s``), a token bucket on an
+  injected clock shared by the tier's pools;
 - ``failures``: why a block did not load (missing, corrupt, transient, fault), one
   classification for every tier;
 - ``integrity``: keyed integrity (a MAC) of the values of a tier other hosts can write;

@@ -239,6 +239,10 @@ class Removals:
 
 JobCallback = Callable[[JobResult], None]
 
+UNKNOWN_VICTIM = BlockKey(b"")
+"""What :meth:`SecondaryTier.victim` answers when the tier cannot tell which block one
+more would displace (no key is empty: this is never a block's key)."""
+
 
 class SecondaryTier(abc.ABC):
     """One secondary tier bound to one pool (its namespace and block size).
@@ -314,6 +318,13 @@ class SecondaryTier(abc.ABC):
         does not hold it, None when only asking the medium can tell (or while not
         :attr:`ready`). A local tier knows what it holds: :meth:`contains`."""
         return [self.contains(key) for key in keys]
+
+    def victim(self) -> BlockKey | None:
+        """The held key one more block of this pool would displace now, from memory
+        and O(1): None when one more fits without an eviction, :data:`UNKNOWN_VICTIM`
+        when the tier cannot tell (admission, :mod:`kvtierd.tiering.admission`).
+        Changes nothing. Default: cannot tell."""
+        return UNKNOWN_VICTIM
 
     def ask(self, keys: Sequence[BlockKey]) -> list[asyncio.Future[None]]:
         """Asks the medium now about ``keys`` (some :meth:`presence` answered None

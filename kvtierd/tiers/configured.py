@@ -39,7 +39,9 @@ from typing import Any, ClassVar, Protocol
 
 from kvtierd.primary.rows import RegionRows
 from kvtierd.tiers.base import JobCallback, SecondaryTier
+from kvtierd.tiers.budget import WRITE_BUDGET_OPTION, WriteBudget, write_budget
 from kvtierd.tiers.iopool import IoPool
+from kvtierd.util.units import format_size
 
 
 class TierOptionError(ValueError):
@@ -111,10 +113,18 @@ class ConfiguredTier(abc.ABC):
         self.name = name  # the tier's label in statistics and logs
         self.settings = settings
         self._io: IoPool | None = None  # the pools' I/O threads, from the first io_pool()
+        # the cascades' write budget, shared by every pool of the tier (None: no budget;
+        # a tier type without the option has none)
+        self.write_budget: WriteBudget | None = write_budget(
+            getattr(settings, WRITE_BUDGET_OPTION, 0)
+        )
 
     def describe(self) -> str:
-        """One line for the daemon's start log."""
-        return self.settings.describe()
+        """One line for the daemon's start log (with the write budget, if any)."""
+        if self.write_budget is None:
+            return self.settings.describe()
+        rate = format_size(self.write_budget.rate)
+        return f"{self.settings.describe()}, cascade writes at most {rate}/s"
 
     @abc.abstractmethod
     def check(self) -> None:

@@ -38,6 +38,7 @@ from collections.abc import Sequence
 
 from kvtierd.contract import BlockKey, LookupResult, Medium
 from kvtierd.tiers.base import (
+    UNKNOWN_VICTIM,
     JobCallback,
     JobResult,
     Removals,
@@ -188,6 +189,11 @@ class MemoryTier(SecondaryTier):
         for key in keys:
             if key in self._blocks:
                 self._blocks.move_to_end(key)
+
+    def victim(self) -> BlockKey | None:
+        if self._used_bytes + self.block_bytes <= self.capacity_bytes:
+            return None
+        return next(iter(self._blocks), UNKNOWN_VICTIM)
 
     def take_removed(self) -> list[BlockKey]:
         return self._removals.take()

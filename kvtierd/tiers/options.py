@@ -32,6 +32,7 @@ SEAL_OPTION = "integrity_key_file"  # the options of kvtierd.tiers.integrity's k
 VERIFY_OPTION = "integrity_verify_key_file"
 MIN_QUEUE_BYTES = 4096  # the bounds of max_queue_bytes and max_queue_jobs
 MAX_QUEUE_JOBS = 1 << 20
+MIN_WRITE_BUDGET = 4096  # bytes per second: the smallest budget but 0 (none)
 
 
 class Reader(abc.ABC):
@@ -136,6 +137,18 @@ def queued_jobs_option() -> Any:
     )
 
 
+def write_budget_option() -> Any:
+    """The ``max_write_bytes_per_s`` field of every tier type: the budget of the
+    tier's cascade writes (:mod:`kvtierd.tiers.budget`), 0 for none."""
+    return option(
+        0,
+        "bytes per second the cascades of all pools together may write to this tier (a "
+        "second of it may come at once); a block past it is not written (dropped and "
+        "counted with reason budget, never queued, never delaying a store); 0 for no budget",
+        Size(minimum=MIN_WRITE_BUDGET, zero_allowed=True),
+    )
+
+
 def sealing_key_option(help: str) -> Any:
     """The ``integrity_key_file`` field of a tier type that seals what it writes
     (:mod:`kvtierd.tiers.integrity`); ``help`` says what the key does there."""
@@ -149,6 +162,21 @@ def verifying_key_option(blocks: str) -> Any:
         "",
         f"a second key whose {blocks} verify too (never used to write): a key rotation",
         AbsolutePath(),
+    )
+
+
+ADMISSION_POLICIES = ("always", "reused", "tinylfu")  # kvtierd.tiering.admission runs them
+
+
+def admission_option() -> Any:
+    """The ``admission`` field of a tier type: which completed blocks it is written
+    (:mod:`kvtierd.tiering.admission`, docs/design/admission.md)."""
+    return option(
+        "always",
+        "which blocks are written to the tier: always (every stored block), reused (a "
+        "block once it is loaded again from the primary) or tinylfu (a block seen more "
+        "often than the one it would displace, by a frequency sketch)",
+        OneOf(ADMISSION_POLICIES),
     )
 
 
@@ -267,6 +295,18 @@ class Choice(Reader):
         if value not in self.choices:
             raise ValueError(f"expected {self.expected}, got {value!r}")
         return str(value)
+
+
+@dataclass(frozen=True, slots=True)
+class OneOf(Reader):
+    """One of ``choices`` (strings), nothing else."""
+
+    choices: tuple[str, ...]
+
+    def read(self, value: Any) -> str:
+        if not isinstance(value, str) or value not in self.choices:
+            raise ValueError(f"expected one of {', '.join(self.choices)}, got {value!r}")
+        return value
 
 
 class AbsolutePath(Reader):

@@ -351,6 +351,26 @@ async def check_capacity_holds_and_the_least_recently_used_goes_first(rig: Rig) 
     assert tier.statistics().used_bytes <= tier.statistics().capacity_bytes
 
 
+async def check_victim_is_what_one_more_block_would_displace(rig: Rig) -> None:
+    """``victim()`` (admission compares against it): None while one more block fits,
+    then the least recently used held key; it changes nothing."""
+    subject = await rig.subject(capacity_blocks=3)
+    tier = subject.tier
+    a, b, c, d = (key(i) for i in range(4))
+    for row in range(4):
+        subject.fill(row)
+    assert tier.victim() is None  # empty
+    assert (await subject.store([a, b], [0, 1])).success
+    assert tier.victim() is None  # room for c
+    assert (await subject.store([c], [2])).success  # full: a b c
+    assert tier.victim() == a
+    tier.touch([a])  # b c a
+    assert tier.victim() == b and tier.victim() == b  # asking changes nothing
+    assert [tier.contains(k) for k in (a, b, c)] == [True, True, True]
+    assert (await subject.store([d], [3])).success  # evicts b, as victim() said
+    assert tier.contains(b) is False and tier.victim() == c
+
+
 async def check_jobs_in_flight_at_shutdown_report_failed_once(rig: Rig) -> None:
     subject = await rig.subject()
     subject.fill(0)
@@ -454,6 +474,7 @@ async def check_a_damaged_block_fails_and_is_dropped(rig: Rig) -> None:
 
 
 CHECKS: tuple[Check, ...] = (
+    check_victim_is_what_one_more_block_would_displace,
     check_ready_turns_true_once_launched_and_stays,
     check_store_then_load_returns_the_exact_bytes,
     check_storing_a_held_key_succeeds_without_rewriting,

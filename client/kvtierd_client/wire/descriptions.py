@@ -23,6 +23,8 @@ __all__ = [
     "BlockDescription",
     "description_problem",
     "hash64",
+    "range_problem",
+    "shape_problem",
 ]
 
 MAX_BLOCKS_PER_KEY = 64
@@ -61,19 +63,31 @@ def description_problem(
     block_size: int,
 ) -> str | None:
     """What is wrong with a description (one sentence saying what to fix), or None."""
-    if not block_hashes:
+    return shape_problem(len(block_hashes), len(token_ids), block_size) or range_problem(
+        block_hashes, parent_block_hash, token_ids
+    )
+
+
+def shape_problem(hashes: int, tokens: int, block_size: int) -> str | None:
+    """The counts' problem, or None: all the daemon checks of a decoded message, whose
+    field types already bound every value."""
+    if not hashes:
         return "has no block_hashes"
-    if len(block_hashes) > MAX_BLOCKS_PER_KEY:
-        return f"has {len(block_hashes)} block_hashes; at most {MAX_BLOCKS_PER_KEY} a key"
+    if hashes > MAX_BLOCKS_PER_KEY:
+        return f"has {hashes} block_hashes; at most {MAX_BLOCKS_PER_KEY} a key"
     if not 1 <= block_size <= MAX_TOKENS_PER_KEY:
         return f"has block_size {block_size}; give 1 to {MAX_TOKENS_PER_KEY} tokens"
-    if len(token_ids) != block_size * len(block_hashes):
-        return (
-            f"has {len(token_ids)} token_ids; block_size x block_hashes is "
-            f"{block_size * len(block_hashes)}"
-        )
-    if len(token_ids) > MAX_TOKENS_PER_KEY:
-        return f"has {len(token_ids)} token_ids; at most {MAX_TOKENS_PER_KEY} a key"
+    if tokens != block_size * hashes:
+        return f"has {tokens} token_ids; block_size x block_hashes is {block_size * hashes}"
+    if tokens > MAX_TOKENS_PER_KEY:
+        return f"has {tokens} token_ids; at most {MAX_TOKENS_PER_KEY} a key"
+    return None
+
+
+def range_problem(
+    block_hashes: Sequence[int], parent_block_hash: int | None, token_ids: Sequence[int]
+) -> str | None:
+    """A value outside its wire type's range, or None."""
     if any(not 0 <= h <= _U64 for h in block_hashes):
         return "has a block hash outside 0 .. 2**64-1"
     if parent_block_hash is not None and not 0 <= parent_block_hash <= _U64:

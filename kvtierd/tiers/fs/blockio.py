@@ -42,7 +42,7 @@ from typing import Any, NoReturn, Protocol
 
 from kvtierd.primary.rows import RegionRows, scratch
 from kvtierd.tiers.failures import IoUnavailable
-from kvtierd.tiers.fs.iowire import Reply, receive_message, send_message
+from kvtierd.tiers.fs.iowire import READY, Reply, receive_message, send_message
 from kvtierd.tiers.fs.ioworker import Worker
 from kvtierd.util.workerproc import reap
 
@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 STOP_WAIT_S = 5.0  # seconds a worker gets to exit after EOF before it is killed
 # a worker silent this long on one request is killed (fs option io_worker_timeout)
 DEFAULT_REPLY_TIMEOUT_S = 60.0
+START_TIMEOUT_S = 120.0  # a new worker's interpreter may take this long to say READY
 _KILL_WAIT = 1.0  # seconds to wait for a killed worker to be reaped
 
 
@@ -148,6 +149,7 @@ class WorkerProcess:
         self.socks = [pair[0] for pair in pairs]
         self.locks = [threading.Lock() for _ in pairs]
         self.reply_timeout = reply_timeout
+        self._started = [False] * channels  # READY read on that channel
         self.broken = False
         self.why = ""  # set when broken: what happened, for the one WARNING line
         self.users = 0
@@ -162,6 +164,9 @@ class WorkerProcess:
         sock = self.socks[channel]
         try:
             with self.locks[channel]:
+                if not self._started[channel]:
+                    self._await_ready(sock)
+                    self._started[channel] = True
                 deadline = time.monotonic() + self.reply_timeout
                 sock.settimeout(self.reply_timeout)
                 send_message(sock, request)
@@ -181,12 +186,23 @@ class WorkerProcess:
             raise WorkerDied(errno.EIO, f"I/O worker {self.name} answered out of step")
         return replies
 
-    def _stalled(self) -> NoReturn:
+    def _await_ready(self, sock: socket.socket) -> None:
+        """Reads the worker's READY (its interpreter's start is not the request's
+        time: on a loaded machine it can take seconds); WorkerDied past
+        START_TIMEOUT_S or on anything else."""
+        try:
+            hello = receive_message(sock, time.monotonic() + START_TIMEOUT_S)
+        except TimeoutError:
+            self._stalled(f"did not start within {START_TIMEOUT_S:g}s and was killed")
+        if tuple(hello) != READY:
+            raise ValueError(f"first message {hello!r}, not READY")
+
+    def _stalled(self, why: str = "") -> NoReturn:
         """No answer within ``reply_timeout``: kills the process and waits until it
         has exited (it maps the region: until then it could still write a row the
         failed request named), then raises WorkerStalled."""
         self.broken = True
-        why = (
+        why = why or (
             f"did not answer within {self.reply_timeout:g}s (io_worker_timeout: stopped or "
             "stuck) and was killed"
         )

@@ -129,7 +129,7 @@ class ConfiguredFsTier(ConfiguredTier):
             ) from None
 
     def describe(self) -> str:
-        return self.settings.describe() + integrity_words(self.keys, self.settings.shared)
+        return super().describe() + integrity_words(self.keys, self.settings.shared)
 
     def create(
         self, pool: PoolBinding, on_done: JobCallback, loop: asyncio.AbstractEventLoop

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvtierd.contract import BlockKey, LookupResult
-from kvtierd.tiers.base import Removals, zero_counters
+from kvtierd.tiers.base import UNKNOWN_VICTIM, Removals, zero_counters
 from kvtierd.tiers.integrity import KeyRing
 
 # Recent removals remembered for Explain, per pool: an entry takes at most ~450
@@ -196,6 +196,16 @@ class BlockIndex:
     def contains(self, key: BlockKey) -> bool | None:
         with self._lock:
             return key in self._entries if self._scanned else None
+
+    def victim(self) -> BlockKey | None:
+        """The key one more file of this pool would evict now (its least recently used
+        not being read), None when one more fits under the budget, UNKNOWN_VICTIM when
+        this pool has nothing to evict (the other pools hold the bytes). O(1) but for
+        the keys being read, skipped."""
+        with self._lock:
+            if self.budget.charged + self.file_bytes <= self.budget.capacity_bytes:
+                return None
+            return next((k for k in self._entries if k not in self._reading), UNKNOWN_VICTIM)
 
     def removals(self, key: BlockKey) -> list[tuple[float, str]]:
         with self._lock:

@@ -34,6 +34,7 @@ Reply = tuple[Any, ...] | None
 
 WRITE = "w"
 READ = "r"
+READY = ("ready",)  # a worker's first message on each channel, once it has started
 
 
 def send_message(sock: socket.socket, obj: tuple[Any, ...] | list[Any]) -> None:

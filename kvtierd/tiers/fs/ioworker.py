@@ -57,6 +57,7 @@ from typing import Any, Protocol
 from kvtierd.primary.rows import RegionCutShort
 from kvtierd.tiers.fs import blockfile
 from kvtierd.tiers.fs.iowire import (
+    READY,
     WRITE,
     RegionRef,
     Reply,
@@ -227,8 +228,10 @@ def _map_region(region: RegionRef) -> tuple[int, memoryview]:
 
 
 def serve(sock: socket.socket, worker: Worker) -> None:
-    """Answers one channel's requests until the daemon closes it."""
+    """Says it is ready (its interpreter started: the daemon's reply timeout counts
+    from here), then answers one channel's requests until the daemon closes it."""
     try:
+        send_message(sock, READY)
         while True:
             try:
                 request = receive_message(sock)

@@ -78,6 +78,7 @@ class FsTierSettings:
     write_threads: int = option(8, "I/O threads that prefer writes (cascades)", _THREADS)
     max_queue_bytes: int = options.queued_bytes_option()
     max_queue_jobs: int = options.queued_jobs_option()
+    max_write_bytes_per_s: int = options.write_budget_option()
     io_processes: int = option(
         2,
         "worker processes that do the block file I/O (checksum, write, read) off the "
@@ -111,6 +112,7 @@ class FsTierSettings:
     )
     integrity_key_file: str = options.sealing_key_option(_SEALING_KEY_HELP)
     integrity_verify_key_file: str = options.verifying_key_option("files")
+    admission: str = options.admission_option()
 
     def exclusive(self) -> Mapping[str, object]:
         """Options no two configured tiers may share: two tiers on one root would

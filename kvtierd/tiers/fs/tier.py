@@ -323,6 +323,9 @@ class FsTier(SecondaryTier):
     def contains(self, key: BlockKey) -> bool | None:
         return self.index.contains(key)
 
+    def victim(self) -> BlockKey | None:
+        return self.index.victim()
+
     def presence(self, keys: Sequence[BlockKey]) -> list[bool | None]:
         """Indexed: True; not indexed: False, or on a shared root None unless found
         missing within ``shared_negative_ttl`` (the disk may hold what others wrote)."""

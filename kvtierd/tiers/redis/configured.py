@@ -95,7 +95,7 @@ class ConfiguredRedisTier(ConfiguredTier):
         )
 
     def describe(self) -> str:
-        return self.settings.describe() + integrity_words(self.keys, True)
+        return super().describe() + integrity_words(self.keys, True)
 
     def create(
         self, pool: PoolBinding, on_done: JobCallback, loop: asyncio.AbstractEventLoop

@@ -127,8 +127,10 @@ class RedisTierSettings:
     )
     max_queue_bytes: int = options.queued_bytes_option()
     max_queue_jobs: int = options.queued_jobs_option()
+    max_write_bytes_per_s: int = options.write_budget_option()
     integrity_key_file: str = options.sealing_key_option(_SEALING_KEY_HELP)
     integrity_verify_key_file: str = options.verifying_key_option("values")
+    admission: str = options.admission_option()
 
     def exclusive(self) -> Mapping[str, object]:
         """Two configured tiers on one server with one prefix would evict each other's keys."""

@@ -65,6 +65,7 @@ import redis
 from kvtierd.contract import BlockKey, LookupResult, Medium
 from kvtierd.primary.rows import RegionRows
 from kvtierd.tiers.base import (
+    UNKNOWN_VICTIM,
     JobCallback,
     JobResult,
     SecondaryTier,
@@ -250,6 +251,16 @@ class RedisTier(SecondaryTier):
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
         self._keys.touch(keys)
+
+    def victim(self) -> BlockKey | None:
+        """With ``capacity``: this pool's least recently used held key once one more
+        value would pass it (None before). A fleet's LRU (``fleet_capacity``) and the
+        server's own eviction are in the server: UNKNOWN_VICTIM."""
+        if self._fleet is not None or not self.capacity_bytes:
+            return UNKNOWN_VICTIM
+        if self._keys.used_bytes + self.value_bytes <= self.capacity_bytes:
+            return None
+        return next(self._keys.least_recent(1), UNKNOWN_VICTIM)
 
     def take_removed(self) -> list[BlockKey]:
         return self._keys.removals.take()

@@ -74,9 +74,17 @@ SECONDARY = {
     "probes": ("kvtierd_remote_probes_total", {}),
     "lookup_waits": ("kvtierd_remote_lookup_waits_total", {}),
     "lookup_wait_timeouts": ("kvtierd_remote_lookup_wait_timeouts_total", {}),
+    "admitted_blocks": ("kvtierd_tier_admitted_blocks_total", {}),
+    "admitted_bytes": ("kvtierd_tier_admitted_bytes_total", {}),
+    "rejected_not_reused_blocks": ("kvtierd_tier_rejected_blocks_total", {"reason": "not_reused"}),
+    "rejected_infrequent_blocks": ("kvtierd_tier_rejected_blocks_total", {"reason": "infrequent"}),
+    "rejected_budget_blocks": ("kvtierd_tier_rejected_blocks_total", {"reason": "budget"}),
+    "admission_sketch_bytes": ("kvtierd_tier_admission_sketch_bytes", {}),
 }
 NUMERIC_FIELDS = [
-    f.name for f in pb2.TierStats.DESCRIPTOR.fields if f.name not in ("tier", "medium", "ready")
+    f.name
+    for f in pb2.TierStats.DESCRIPTOR.fields
+    if f.name not in ("tier", "medium", "ready", "admission")  # "admission": a policy's name
 ]
 
 

@@ -30,6 +30,7 @@ from kvtierd.core.statistics import (
     SecondaryStatistics,
 )
 from kvtierd.ops.metrics import POOL_FAMILIES, POOL_NUMBERS, collect_pool_families
+from kvtierd.tiering.admission import REASONS, AdmissionStats
 from kvtierd.tiering.manager import TierCounters
 from kvtierd.tiers.base import TierStats
 from kvtierd_client.wire.proto import pb2
@@ -45,6 +46,7 @@ GETSTATS_ONLY = {
     "region_path": "text, not a number",
     "last_event_seq": "a resume point for event readers, not an operator's number",
     "tier.medium": "an enum; the tier label names the tier",
+    "admission.policy": "text, not a number",
 }
 METRICS_ONLY = {  # GetStats has no field for them, and the wire contract stays as it is
     "region_bytes": "spec.num_blocks x spec.block_bytes in GetStats",
@@ -56,6 +58,7 @@ METRICS_ONLY = {  # GetStats has no field for them, and the wire contract stays 
     "counters.promotion_jobs_failed": "no TierStats field",
     "tier.queued_jobs": "no TierStats field",
     "warm_restart_off": "no PoolStats field (the ERROR line that turned it on says why)",
+    "admission.rejected_bytes": "rejected_<reason>_blocks x spec.block_bytes in GetStats",
 }
 TOLD_BY_NEITHER = {
     "tier.hits": "the tier's raw index answers: counters.hits is what this pool got",
@@ -84,6 +87,14 @@ def make_snapshot() -> PoolStatistics:
             ),  # fmt: skip
             ready=i == 1,
             counters=_fill(TierCounters, values),
+            admission=AdmissionStats(
+                policy="tinylfu",
+                admitted_blocks=next(values),
+                admitted_bytes=next(values),
+                rejected_blocks={reason: next(values) for reason in REASONS},
+                rejected_bytes={reason: next(values) for reason in REASONS},
+                sketch_bytes=next(values),
+            ),
         )
         for i in range(2)
     )
@@ -119,6 +130,8 @@ def _changed(value: Any) -> Any:
         return Medium.REMOTE if value is not Medium.REMOTE else Medium.CPU
     if isinstance(value, (int, float)):
         return value * 2 + 1
+    if isinstance(value, dict):  # counts by reason
+        return {key: count * 2 + 1 for key, count in value.items()}
     return value + "-changed"
 
 
@@ -199,7 +212,7 @@ def test_every_getstats_number_has_a_metric_of_the_same_value():
     checked = 0
     for tier in message.tiers:
         for field, value in tier.ListFields():
-            if field.name in ("tier", "medium"):
+            if field.name in ("tier", "medium", "admission"):  # text: labels, not numbers
                 continue
             assert field.name in sources, f"GetStats {field.name} has no metric"
             for sample_name, fixed in sources[field.name]:
@@ -216,7 +229,7 @@ def test_every_getstats_number_has_a_metric_of_the_same_value():
 
 
 def test_every_wire_number_is_a_tier_stats_field_and_the_rest_are_not():
-    fields = {f.name for f in pb2.TierStats.DESCRIPTOR.fields} - {"tier", "medium"}
+    fields = {f.name for f in pb2.TierStats.DESCRIPTOR.fields} - {"tier", "medium", "admission"}
     assert fields == WIRE_NUMBERS
     assert {n.name for n in TIER_NUMBERS if not n.on_wire}.isdisjoint(fields)
 

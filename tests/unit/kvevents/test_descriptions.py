@@ -3,20 +3,24 @@ hands back what it takes out so it can be withdrawn from routers."""
 
 from __future__ import annotations
 
-from array import array
-
-from kvtierd.kvevents.descriptions import ENTRY_OVERHEAD_BYTES, Described, DescriptionTable
+from kvtierd.kvevents.descriptions import Described, DescriptionTable, entry_cost
+from kvtierd_client.wire.proto import pb2
 
 
 def described(n: int, tokens: int = 4) -> Described:
-    return Described((n,), None, array("I", range(tokens)), tokens, "", 0)
+    wire = pb2.BlockDescription(block_hashes=[n], token_ids=range(tokens), block_size=tokens)
+    return Described(wire.SerializeToString())
+
+
+def hashes(entry: Described) -> list[int]:
+    return list(pb2.BlockDescription.FromString(entry.raw).block_hashes)
 
 
 def test_the_first_description_of_a_key_wins():
     table = DescriptionTable(1 << 20)
     table.offer("p", b"k", described(1))
     table.offer("p", b"k", described(2))
-    assert table.get("p", b"k").block_hashes == (1,)
+    assert hashes(table.get("p", b"k")) == [1]
     assert table.get("q", b"k") is None  # pools apart
 
 
@@ -34,7 +38,7 @@ def test_an_entry_lives_while_a_tier_holds_its_key():
 
 
 def test_the_byte_bound_takes_the_least_recently_stored_and_returns_the_held_ones():
-    one = described(0).cost(b"k0")
+    one = entry_cost(b"k0", described(0).raw, 0)
     table = DescriptionTable(3 * (one + 100) + 10)  # three entries held by one tier each
     for n in range(3):
         table.offer("p", f"k{n}".encode(), described(n))
@@ -43,7 +47,7 @@ def test_the_byte_bound_takes_the_least_recently_stored_and_returns_the_held_one
     taken = table.offer("p", b"k3", described(3))  # k2 (never held) goes silently
     assert taken == [] and table.get("p", b"k2") is None
     taken = table.offer("p", b"k4", described(4))  # then k0, which routers were told of
-    assert [(pool, entry.block_hashes) for pool, entry in taken] == [("p", (0,))]
+    assert [(pool, hashes(entry)) for pool, entry in taken] == [("p", [0])]
     assert table.used_bytes <= table.limit_bytes and table.dropped == 2
 
 
@@ -55,8 +59,8 @@ def test_used_bytes_is_the_sum_of_the_entries_costs():
         table.stored("p", key, "primary", "CPU")
         if n % 2:
             table.stored("p", key, "fs0", "STORAGE")
-    expected = sum(entry.cost(key) for key, entry in table.entries("p"))
+    expected = sum(entry_cost(key, e.raw, len(e.tiers)) for key, e in table.entries("p"))
     assert table.used_bytes == expected
-    assert expected > 100 * (ENTRY_OVERHEAD_BYTES + 16 * 4)
+    assert expected > 100 * (len(described(0, tokens=16).raw) + 300)
     table.forget_pool("p")
     assert table.used_bytes == 0

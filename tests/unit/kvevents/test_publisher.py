@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 import zmq
+from daemon_harness import eventually
 from kv_events_harness import SEQ, EventReader
 
 from kvtierd.config.sections import KvEventsConfig
@@ -41,18 +42,30 @@ def event(n: int) -> dict:
     return {"type": "BlockRemoved", "block_hashes": [n], "medium": "CPU"}
 
 
+def sent_alone(pub: EventPublisher, events: list[dict]) -> None:
+    """Publishes ``events`` as a message of their own (waits until it is sent)."""
+    before = pub.stats().messages
+    assert pub.publish(events)
+    eventually(lambda: pub.stats().messages > before, 20, "the message sent")
+
+
 def test_messages_are_numbered_without_gaps_one_per_topic_and_replayed(where):
     pub = publisher(where)
     try:
         with EventReader(f"ipc://{where}/pub", f"ipc://{where}/replay") as reader:
-            for n in range(5):
-                assert pub.publish([event(n)], 1.0)
-            reader.until(lambda events: len(events) >= 10)
+            for n in range(3):
+                sent_alone(pub, [event(n)])
+            for n in range(3, 6):  # a burst: gathered into one message
+                assert pub.publish([event(n)])
+            reader.until(lambda events: len(events) >= 12)
         messages = reader.ordered
-        assert [m.seq for m in messages] == list(range(10))
-        assert [m.topic for m in messages[:2]] == ["kv@a@m", "kv@b@m"]
-        assert [m.events[0]["block_hashes"] for m in messages[::2]] == [[n] for n in range(5)]
-        assert pub.stats().messages == 10 and pub.stats().last_seq == 9
+        assert [m.seq for m in messages] == list(range(len(messages)))
+        assert [m.topic for m in messages] == ["kv@a@m", "kv@b@m"] * (len(messages) // 2)
+        for topic in ("kv@a@m", "kv@b@m"):
+            hashes = [e["block_hashes"][0] for m in messages if m.topic == topic for e in m.events]
+            assert hashes == list(range(6))  # each event once per topic, in order
+        assert len(messages) < 12  # the burst shared a message
+        assert pub.stats().last_seq == len(messages) - 1
     finally:
         pub.stop()
     assert not os.path.exists(f"{where}/pub")  # ipc files go with the publisher
@@ -62,27 +75,23 @@ def test_the_replay_window_is_bounded_in_bytes_and_answers_from_a_sequence(where
     pub = publisher(where, replay_bytes=64 << 10)
     try:
         big = {"type": "BlockRemoved", "block_hashes": list(range(1000)), "medium": "CPU"}
-        for _ in range(40):  # ~9 KB a message, two topics: far more than the window
-            pub.publish([big], 1.0)
+        for _ in range(40):  # ~3 KB a message, two topics: far more than the window
+            sent_alone(pub, [big])
         dealer = zmq.Context.instance().socket(zmq.DEALER)
         dealer.connect(f"ipc://{where}/replay")
         try:
+            dealer.send_multipart([b"", SEQ.pack(0)])
             answered = []
-            for _ in range(100):  # the thread may not have sent them all yet
-                dealer.send_multipart([b"", SEQ.pack(0)])
-                answered = []
-                while True:
-                    assert dealer.poll(10_000)
-                    _empty, topic, seq, _payload = dealer.recv_multipart()
-                    if not topic:
-                        assert seq == b"\xff" * 8  # the end: -1
-                        break
-                    answered.append(SEQ.unpack(seq)[0])
-                if answered and answered[-1] == 79:
+            while True:
+                assert dealer.poll(10_000)
+                _empty, topic, seq, _payload = dealer.recv_multipart()
+                if not topic:
+                    assert seq == b"\xff" * 8  # the end: -1
                     break
+                answered.append(SEQ.unpack(seq)[0])
         finally:
             dealer.close(0)
-        assert answered[-1] == 79 and answered == list(range(answered[0], 80))
+        assert answered == list(range(answered[0], 80))
         size = len(wireformat.payload(1.0, [big])) + len(b"kv@a@m") + 64  # as the window counts
         assert answered[0] > 0 and len(answered) == (64 << 10) // size  # only the newest 64 KiB
     finally:
@@ -92,9 +101,10 @@ def test_the_replay_window_is_bounded_in_bytes_and_answers_from_a_sequence(where
 def test_a_full_queue_refuses_and_says_the_publisher_lost_events(where):
     pub = EventPublisher(f"ipc://{where}/pub", "", [b"t"], queue_bytes=1000, replay_bytes=1 << 20)
     try:  # not started: nothing drains the queue
-        assert pub.publish([event(0)] * 5, 1.0)  # the first list is always taken
-        assert not pub.publish([event(1)] * 20, 1.0)
-        assert pub.lost and pub.stats().refused_events == 20
+        assert pub.publish([event(0)] * 5)  # the first list is always taken
+        assert not pub.publish([event(1)] * 20)
+        assert pub.lost and pub.stats().refused_items == 20
+        assert pub.publish([event(1)] * 20, bounded=False)  # a re-announce
     finally:
         pub.stop()
 
@@ -174,3 +184,34 @@ def test_a_description_the_bound_takes_out_is_withdrawn_first(where):
     assert withdrawn and len(held) == service.stats().described_keys
     assert service.stats().description_bytes <= 64 << 10
     assert withdrawn == sorted(withdrawn)  # the least recently stored first
+
+
+def test_after_a_refusal_the_next_message_starts_with_what_on_lost_says(where):
+    lost_marker = {"type": "AllBlocksCleared"}
+    pub = EventPublisher(
+        f"ipc://{where}/pub", f"ipc://{where}/replay", [b"t"], queue_bytes=1000,
+        replay_bytes=1 << 20, on_lost=lambda: [lost_marker],
+    )  # fmt: skip
+    try:
+        assert pub.publish([event(0)] * 5)
+        assert not pub.publish([event(1)] * 20)  # refused: its removals are lost
+        with EventReader(f"ipc://{where}/pub", f"ipc://{where}/replay") as reader:
+            pub.start()
+            events = reader.until(lambda ev: len(ev) >= 6)
+        assert events == [lost_marker] + [event(0)] * 5
+    finally:
+        pub.stop()
+
+
+def test_the_translator_forgets_everything_when_items_were_lost():
+    from kvtierd.kvevents.translator import Translator
+
+    translator = Translator(1 << 20)
+    translator.describe("p", [b"a"], [wire(1)])
+    assert stores(translator.observe("p", BlockEvent((b"a",), Medium.CPU, False)), "CPU") == [1]
+    assert translator.clear() == [{"type": "AllBlocksCleared"}]
+    assert len(translator.table) == 0
+    # a removal the router no longer holds is not published; a new store is
+    assert translator.observe("p", BlockEvent((b"a",), Medium.CPU, True)) == []
+    translator.describe("p", [b"a"], [wire(1)])
+    assert stores(translator.observe("p", BlockEvent((b"a",), Medium.CPU, False)), "CPU") == [1]

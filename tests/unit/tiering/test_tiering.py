@@ -15,11 +15,13 @@ from collections.abc import Callable, Iterator, Sequence
 import pytest
 from fake_clock import FakeClock
 
-from kvtierd.contract import BlockKey, LookupResult
+from kvtierd.contract import BlockEvent, BlockKey, LookupResult
 from kvtierd.primary.manager import PrimaryManager
+from kvtierd.tiering.admission import BUDGET, NOT_REUSED, TierAdmission, make_policy
 from kvtierd.tiering.manager import Tiering, transient_record
 from kvtierd.tiering.retries import PROMOTION_RETRY_AFTER, TRANSIENT_RETRY_AFTER
 from kvtierd.tiers.base import JobCallback, JobResult, TierJob
+from kvtierd.tiers.budget import WriteBudget
 from kvtierd.tiers.memory import MemoryTier, StoreOutcome
 
 HIT, MISS, PENDING, RETRY = (
@@ -120,17 +122,26 @@ CAUSE = "the I/O worker did not answer within io_worker_timeout and was killed"
 
 @pytest.fixture
 def attach() -> Iterator[Attach]:
-    """``attach(tiering, name, held=(), ready=..., accept_writes=...)``: a scripted
-    tier reporting to ``tiering``, attached after the ones before it. The tiers of
-    one test copy to and from the same rows, as a pool's tiers share its region."""
+    """``attach(tiering, name, held=(), admission=..., write_budget=None, ready=...,
+    accept_writes=...)``: a scripted tier reporting to ``tiering``, attached after the
+    ones before it. The tiers of one test copy to and from the same rows, as a pool's
+    tiers share its region."""
     rows = memoryview(bytearray(ROWS * BLOCK))
     loop = asyncio.new_event_loop()  # never runs: finish() reports instead
 
     def attach(
-        tiering: Tiering, name: str, held: Sequence[BlockKey] = (), **kw: bool
+        tiering: Tiering,
+        name: str,
+        held: Sequence[BlockKey] = (),
+        *,
+        admission: str = "always",
+        write_budget: WriteBudget | None = None,
+        **kw: bool,
     ) -> ScriptedTier:
         tier = ScriptedTier(name, rows, tiering.on_done, loop, held, **kw)
-        tiering.attach(tier)
+        capacity_blocks = tier.capacity_bytes // BLOCK
+        policy = make_policy(admission, tier.victim, capacity_blocks)
+        tiering.attach(tier, TierAdmission(policy, BLOCK), write_budget=write_budget)
         return tier
 
     yield attach
@@ -170,6 +181,74 @@ def test_refused_cascade_is_counted_and_pins_nothing(manager, attach):
     stored(manager, tiering, keys("a", "b"))
     assert manager.ref_count(b"a") == 0
     assert tiering.counters(0).cascade_blocks_dropped == 2
+
+
+def test_a_cascade_past_the_write_budget_drops_the_rest_at_once(manager, clock, attach):
+    """A budget of two blocks a second: of a cascade of three, the first two are
+    written; the third is neither queued nor pinned, it is counted (reason budget)
+    and Explain's history says why. The first tier's budget leaves the second alone."""
+    tiering = Tiering("p", manager)
+    first = attach(tiering, "t", write_budget=WriteBudget(2 * BLOCK, clock=clock))
+    second = attach(tiering, "u")
+    stored(manager, tiering, keys("a", "b", "c"))
+    (job,) = first.stores
+    assert job.keys == tuple(keys("a", "b"))
+    assert [manager.ref_count(k) for k in keys("a", "b", "c")] == [2, 2, 1]  # c: u's pin only
+    assert second.stores[0].keys == tuple(keys("a", "b", "c"))
+    assert rejected(tiering, 0) == (2, {"not_reused": 0, "infrequent": 0, "budget": 1})
+    assert rejected(tiering, 1) == (3, {"not_reused": 0, "infrequent": 0, "budget": 0})
+    assert [(r.tier, r.what) for r in tiering.history.get(b"c")] == [("t", BUDGET.record)]
+    assert tiering.counters(0).cascade_blocks == 2
+    tiering.check_invariants(Counter())
+
+
+def test_the_write_budget_refills_on_the_clock(manager, clock, attach):
+    tiering = Tiering("p", manager)
+    tier = attach(tiering, "t", write_budget=WriteBudget(2 * BLOCK, clock=clock))
+    stored(manager, tiering, keys("a", "b"))
+    stored(manager, tiering, keys("c"))  # the budget is spent: nothing submitted
+    assert len(tier.stores) == 1
+    clock.advance(0.5)  # one block's worth
+    stored(manager, tiering, keys("d"))
+    assert [job.keys for job in tier.stores] == [tuple(keys("a", "b")), tuple(keys("d"))]
+    assert rejected(tiering, 0)[1]["budget"] == 1
+
+
+def test_a_block_the_tier_holds_costs_no_budget(manager, clock, attach):
+    """Storing a block the tier holds rewrites nothing: it goes through whatever is
+    left, and after the budget refused one block, the held ones still go."""
+    tiering = Tiering("p", manager)
+    tier = attach(tiering, "t", held=keys("h1", "h2"), write_budget=WriteBudget(BLOCK, clock=clock))
+    stored(manager, tiering, keys("h1", "a", "b", "h2"))
+    assert tier.stores[0].keys == tuple(keys("h1", "a", "h2"))
+    assert rejected(tiering, 0)[1]["budget"] == 1
+
+
+def test_without_a_budget_every_block_is_written_and_none_counted(manager, attach):
+    tiering = Tiering("p", manager)
+    tier = attach(tiering, "t")
+    stored(manager, tiering, keys("a", "b", "c", "d"))
+    assert tier.stores[0].keys == tuple(keys("a", "b", "c", "d"))
+    assert rejected(tiering, 0)[1]["budget"] == 0
+
+
+def test_only_what_the_admission_policy_admits_spends_the_budget(manager, clock, attach):
+    """``reused`` rejects the stores (not read again yet): the budget of one block is
+    untouched, so the first block read again is written; the second finds it spent."""
+    tiering = Tiering("p", manager)
+    budget = WriteBudget(BLOCK, clock=clock)
+    tier = attach(tiering, "t", write_budget=budget, admission="reused")
+    stored(manager, tiering, keys("a", "b"))
+    assert tier.stores == [] and budget.statistics().passed_bytes == 0
+    tiering.read(keys("a", "b"))
+    assert [job.keys for job in tier.stores] == [tuple(keys("a"))]
+    assert rejected(tiering, 0) == (1, {"not_reused": 2, "infrequent": 0, "budget": 1})
+
+
+def rejected(tiering: Tiering, index: int) -> tuple[int, dict[str, int]]:
+    """Tier ``index``'s admitted blocks and its rejected ones by reason."""
+    stats = tiering.admission_statistics(index)
+    return stats.admitted_blocks, stats.rejected_blocks
 
 
 def test_partial_promotion_keeps_what_arrived_and_does_not_retry_the_rest(manager, attach):
@@ -535,3 +614,55 @@ def test_a_tier_waiting_out_a_transient_failure_lets_the_next_tier_serve(manager
     failing_once(manager, tiering, near, keys("x"), transient=keys("x"))
     assert tiering.lookup(keys("x"), manager.lookup(keys("x"))) == [PENDING]
     assert len(far.loads) == 1 and len(near.loads) == 1
+
+
+# -- admission ---------------------------------------------------------------------------
+
+
+def test_reused_writes_a_block_at_its_first_load_not_at_its_store(manager, attach):
+    """Scenario: tier ``t`` admits ``reused``. A completed store starts no job there,
+    makes no stored event of ``t``, and leaves the key's history saying why; once a
+    session loads the block from the primary, it is written (one job, one event)."""
+    events: list[BlockEvent] = []
+    tiering = Tiering("p", manager, on_event=events.append)
+    tier = attach(tiering, "t", admission="reused")
+    stored(manager, tiering, keys("a", "b"))
+    assert tier.stores == [] and events == [] and manager.ref_count(b"a") == 0
+    assert [r.what for r in tiering.history.get(b"a")] == [NOT_REUSED.record]
+    assert tier.lookup(keys("a")) == [MISS]  # not in that tier: a miss there
+    manager.prepare_load(keys("a"))
+    manager.complete_load(keys("a"))
+    tiering.read(keys("a", "a"))  # a key named twice in one load is one read
+    (job,) = tier.stores
+    assert job.keys == (b"a",) and manager.ref_count(b"a") == 1  # the job's pin
+    tier.finish(job)
+    assert events == [BlockEvent((b"a",), tier.medium, removed=False, tier="t")]
+    tiering.read(keys("a"))  # held now: nothing more to write
+    assert len(tier.stores) == 1
+    stats = tiering.admission_statistics(0)
+    assert (stats.admitted_blocks, stats.rejected_blocks["not_reused"]) == (1, 2)
+
+
+def test_always_writes_at_the_store_and_nothing_at_a_load(manager, attach):
+    """``always`` (the default) is the cascade as it was: a load writes nothing, even
+    of a block the tier does not hold (yet)."""
+    tiering = Tiering("p", manager)
+    tier = attach(tiering, "t")
+    stored(manager, tiering, keys("a"))
+    assert len(tier.stores) == 1 and tier.contains(b"a") is False  # written when it runs
+    manager.prepare_load(keys("a"))
+    manager.complete_load(keys("a"))
+    tiering.read(keys("a"))
+    assert len(tier.stores) == 1 and tiering.admission_statistics(0).admitted_blocks == 1
+
+
+def test_a_block_promoted_from_a_later_tier_is_offered_to_the_tiers_before(manager, attach):
+    """Promoted blocks are being reused: ``reused`` writes them to the nearer tier."""
+    tiering = Tiering("p", manager)
+    near = attach(tiering, "near", admission="reused")
+    far = attach(tiering, "far", keys("x"))
+    assert tiering.lookup(keys("x"), manager.lookup(keys("x"))) == [PENDING]
+    (load,) = far.loads
+    far.finish(load)
+    (cascade,) = near.stores
+    assert cascade.keys == (b"x",) and tiering.admission_statistics(0).admitted_blocks == 1

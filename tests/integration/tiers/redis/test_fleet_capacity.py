@@ -3,7 +3,8 @@ server together, deleting the least recently used by any of them first -- a bloc
 daemon stored and another promoted outlives one stored later that nobody read. Real
 daemons, real redis-server processes; a bound too small to mean anything stops the
 daemon with one line naming the option; members a writer of the server scored in the
-future do not make the fleet's new blocks evict themselves."""
+future do not make the fleet's new blocks evict themselves; a tier's admission decides
+before the fleet's LRU sees a block, so one-shot blocks never push a working set out."""
 
 from __future__ import annotations
 
@@ -182,3 +183,36 @@ def test_index_members_from_the_future_do_not_make_new_blocks_evict_themselves(
     server.close()
     writer.close()
     reader.close()
+
+
+def test_admission_runs_before_the_fleets_lru(
+    redis_server: RedisServer,
+    daemons: Callable[[str], DaemonProcess],
+    key_prefix: str,
+    pool_name: str,
+) -> None:
+    """Scenario: with ``admission = "tinylfu"`` a fleet's tier admits a block seen twice
+    (the fleet's LRU is in the server: no victim to compare with). A working set that
+    was loaded again fills the bound; a flood of blocks stored once each is refused
+    before it reaches the server, so its LRU never pushes the working set out."""
+    server = redis.Redis.from_url(redis_server.url)
+    config = redis_config(redis_server.url, key_prefix, fleet_capacity="1MiB", admission="tinylfu")
+    engine = Engine(daemons(config + WAIT_FOR_REDIS), pool_name, num_blocks=16)
+    working = block_keys("w", BOUND)
+    engine.store(working)  # seen once: not admitted
+    engine.settle_cascades()
+    assert _held(server, key_prefix, pool_name, working) == []
+    engine.load(working)  # seen twice: admitted at the load
+    engine.settle_cascades()
+    eventually(lambda: len(_index(server, key_prefix)) == BOUND, 20, "the working set written")
+    flood = block_keys("once", 48)
+    for i in range(0, len(flood), 8):
+        engine.store(flood[i : i + 8], retry_for=10.0)
+        engine.settle_cascades()
+    assert _held(server, key_prefix, pool_name, working) == working
+    assert _held(server, key_prefix, pool_name, flood) == []
+    stats = engine.tier_stats()
+    assert (stats.admitted_blocks, stats.rejected_infrequent_blocks) == (BOUND, BOUND + 48)
+    assert stats.evictions == 0
+    server.close()
+    engine.close()

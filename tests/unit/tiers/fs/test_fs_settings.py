@@ -131,9 +131,20 @@ def test_o_direct_and_the_durations_read_their_other_spellings() -> None:
 
 
 def test_an_unknown_option_lists_the_known_ones() -> None:
-    with pytest.raises(TierOptionError, match="unknown fs tier option; known: capacity") as info:
+    with pytest.raises(TierOptionError, match="unknown fs tier option; known: admission, capa"
+                       ) as info:  # fmt: skip
         parse_fs_settings({"root": "/x", "threads": 4})
     assert info.value.key == "threads"
+
+
+def test_admission_is_one_of_the_policies() -> None:
+    assert parse_fs_settings({"root": "/x"}).admission == "always"
+    assert parse_fs_settings({"root": "/x", "admission": "tinylfu"}).admission == "tinylfu"
+    for bad in ("lru", True, 1):
+        with pytest.raises(TierOptionError, match=r"^expected one of always, reused, tinylfu, "
+                           ) as info:  # fmt: skip
+            parse_fs_settings({"root": "/x", "admission": bad})
+        assert info.value.key == "admission"
 
 
 def test_settings_name_what_two_tiers_may_not_share() -> None:

@@ -130,7 +130,8 @@ def test_each_engine_gets_a_message_with_its_own_topic(event_dir):
             session = client.open_session(POOL, block_bytes=BLOCK, num_blocks=8)
             store(session, [0])
             reader.until(lambda ev: len(stored(ev, "CPU")) >= 2)
-        topics = [m.topic for m in reader.ordered if m.events[0]["type"] == "BlockStored"]
+        topics = [m.topic for m in reader.ordered
+                  if any(e["type"] == "BlockStored" for e in m.events)]  # fmt: skip
         assert topics == ["kv@pod-a@m", "kv@pod-b@m"]
     finally:
         stop(daemon)
@@ -211,3 +212,14 @@ def test_a_warm_restart_clears_then_re_announces_what_survived(event_dir):
         assert stored(events, "CPU")[1]["token_ids"] in ([0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11])
     finally:
         stop(daemon)
+
+
+def test_an_ipc_endpoint_in_a_directory_others_may_write_stops_the_start(event_dir):
+    os.chmod(event_dir, 0o777)  # another user could swap the socket routers connect to
+    daemon = start_daemon(config=events_config(event_dir), wait=False)
+    try:
+        assert daemon.proc.wait(30) == 2
+        log = daemon.log()
+        assert "kv_events.endpoint" in log and "writable by other users" in log, log
+    finally:
+        daemon.cleanup()
