@@ -100,7 +100,7 @@ FLEET_ARGS ?=
 bench-fleet: install test-tools
 	$(BIN)/python -m benchmarks.fleet $(FLEET_ARGS)
 
-# KV events read by a real router (issue #42; docs/guides/routers.md): NVIDIA Dynamo's
+# KV events read by a real router (issue #42; docs/design/kv-events.md): NVIDIA Dynamo's
 # standalone indexer (ai-dynamo-runtime, a 75 MB wheel that runs on CPU without NATS, etcd
 # or a GPU; deps pydantic and uvloop) in a venv of its own, with this repo and the
 # subscriber side's pyzmq and msgpack. tests/dynamo start the real daemon, the real

@@ -50,6 +50,13 @@ def suites() -> dict[str, Callable[[], list[Row]]]:
             "kv-events": kv_events.run, "admission": admission.run}  # fmt: skip
 
 
+def __getattr__(name: str) -> object:
+    """``SUITES``: :func:`suites`, imported when first asked for (PEP 562)."""
+    if name == "SUITES":
+        return suites()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] in COMMANDS:
         command = importlib.import_module(COMMANDS[sys.argv[1]])

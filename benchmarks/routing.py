@@ -19,7 +19,7 @@ default) once per routing policy, each run on fresh daemons and an emptied clust
   chained block hashes and keys from the trace's hash ids);
 * NVIDIA Dynamo's standalone indexer, for real, subscribes to every engine's socket
   (instance ``engine + 1``, dp rank 0) and to its node's daemon registered under each
-  of the node's engines with dp rank 1 (docs/guides/routers.md): nothing else feeds it;
+  of the node's engines with dp rank 1 (docs/design/kv-events.md): nothing else feeds it;
 * a router per policy (:mod:`benchmarks.routing_policies`) picks each request's engine:
   ``round_robin``, ``conversation`` (a hash of the first block) or ``kv_aware`` (Dynamo's
   cost from the indexer's ``/query``, with a load term).
