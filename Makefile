@@ -8,7 +8,7 @@ GENDIR := client/kvtierd_client/_proto
 GEN    := $(GENDIR)/kvtier/v1/kvtier_pb2.py
 
 .PHONY: install gen run test test-tools test-deploy bench bench-fleet bench-upgrade bench-upgrade-vllm lint typecheck clean install-vllm test-vllm bench-vllm \
-	install-vllm033 test-vllm033 install-sglang test-sglang bench-sglang install-dynamo test-dynamo \
+	install-vllm033 test-vllm033 install-sglang test-sglang bench-sglang install-dynamo test-dynamo bench-routing \
 	gpu-check gpu-pack gpu-dry-run docs
 
 install: $(STAMP) $(GEN)
@@ -100,6 +100,16 @@ bench-upgrade-vllm: install-vllm
 FLEET_ARGS ?=
 bench-fleet: install test-tools
 	$(BIN)/python -m benchmarks.fleet $(FLEET_ARGS)
+
+# KV-aware routing measured (issue #42; docs/benchmarks/routing.md): 3 nodes of 2 simulated
+# engines (a GPU prefix cache publishing vLLM's KV events), a daemon per node publishing its
+# [kv_events], a real 3-master Redis Cluster shared by the nodes and the real Dynamo indexer;
+# round_robin, conversation and kv_aware routers replay the shipped trace.
+# ROUTING_ARGS=... passes options (python -m benchmarks routing --help), e.g.
+# ROUTING_ARGS="--requests 500 --json bench-results/routing.json".
+ROUTING_ARGS ?=
+bench-routing: install-dynamo test-tools
+	$(DYNAMO_BIN)/python -m benchmarks routing $(ROUTING_ARGS)
 
 # The GPU path checked and measured (issue #22; docs/guides/gpu-check.md): on a machine
 # with CUDA whose pip reaches a registry, `make gpu-check [GPU_CHECK_ARGS=...]`; without CUDA
@@ -244,6 +254,8 @@ $(DYNAMO_STAMP): pyproject.toml Makefile
 
 test-dynamo: install-dynamo
 	$(DYNAMO_BIN)/python -m pytest -q -p no:cacheprovider tests/dynamo
+
+# KV-aware routing measured (issue #42; docs/benchmarks/routing.md): see bench-routing above.
 
 lint: install
 	$(BIN)/ruff check kvtierd client tests benchmarks tools setup.py
