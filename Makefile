@@ -255,7 +255,6 @@ $(DYNAMO_STAMP): pyproject.toml Makefile
 test-dynamo: install-dynamo
 	$(DYNAMO_BIN)/python -m pytest -q -p no:cacheprovider tests/dynamo
 
-# KV-aware routing measured (issue #42; docs/benchmarks/routing.md): see bench-routing above.
 
 lint: install
 	$(BIN)/ruff check kvtierd client tests benchmarks tools setup.py
