@@ -57,7 +57,7 @@ def complete_store(session: Session, keys: list[bytes], request: Any) -> pb2.Com
     descriptions = request.descriptions
     if descriptions and request.success:
         check_descriptions(keys, descriptions)
-        session.pool.describe(keys, descriptions)
+        session.pool.describe(request)
     session.pool.complete_store(session.id, keys, request.success)
     return pb2.CompleteStoreResponse()
 

@@ -380,12 +380,12 @@ class Pool:
         if self.kv_events is not None:
             self.kv_events.observe(self.spec.name, event)
 
-    def describe(self, keys: Sequence[BlockKey], descriptions: Sequence[Any]) -> None:
-        """Hands a CompleteStore's block descriptions (validated) to the KV-event
-        publisher, before the completion's events; nothing when it does not publish
-        this pool."""
-        if self.kv_events is not None and descriptions:
-            self.kv_events.describe(self.spec.name, keys, descriptions)
+    def describe(self, request: Any) -> None:
+        """Hands a CompleteStore (its keys and validated descriptions) to the
+        KV-event publisher, before the completion's events; nothing when it does
+        not publish this pool."""
+        if self.kv_events is not None:
+            self.kv_events.describe(self.spec.name, request)
 
     @property
     def name(self) -> str:

@@ -45,8 +45,8 @@ log = logging.getLogger(__name__)
 SEND_HWM = 10_000  # messages ZeroMQ queues for one subscriber
 IDLE_WAIT = 0.2  # seconds between replay-socket polls while nothing is published
 GATHER_SECONDS = 0.005  # how long a first spec waits for others to share its message
-MAX_EVENTS_PER_MESSAGE = 512  # a longer burst (a re-announce) is split
-YIELD_EVERY = 32  # items the thread renders before it lets the loop run
+MAX_EVENTS_PER_MESSAGE = 128  # a longer burst (a re-announce) is split
+YIELD_EVERY = 1  # items the thread renders before it lets the loop run (an item: one call's keys)
 MAX_REPLAY_ANSWER = 4096  # messages one replay request is answered with at most
 
 
@@ -153,14 +153,17 @@ class EventPublisher:
 
     # -- the loop's side ----------------------------------------------------------
 
-    def publish(self, specs: list[Any], *, bounded: bool = True) -> bool:
+    def publish(self, specs: list[Any], *, bounded: bool = True, wait: bool = False) -> bool:
         """Hands ``specs`` over (rendered and sent by the thread, in order); False
-        when the queue's bound refused them (:attr:`lost` is then set). Not
+        when the queue's bound refused them (:attr:`lost` is then set). ``wait``:
+        waits for room instead (the caller's own input is then the bound). Not
         ``bounded``: taken past the bound (a re-announce, bounded by its source)."""
         if not specs:
             return True
         cost = sum(map(self._cost, specs))
         with self._lock:
+            while wait and self._queued_bytes + cost > self._queue_bytes and self._queue:
+                self._lock.wait()
             if bounded and self._queued_bytes + cost > self._queue_bytes and self._queue:
                 self._refused_items += len(specs)
                 self.lost = True
@@ -198,6 +201,7 @@ class EventPublisher:
                     batch = list(self._queue)
                     self._queue.clear()
                     self._queued_bytes = 0
+                    self._lock.notify_all()  # a publisher waiting for room
                     stopping = self._stopping
                     lost, self.lost = self.lost, False
                 events = self._on_lost() if lost else []

@@ -2,50 +2,51 @@
 docs/design/kv-events.md): which pools are published, what the request path
 hands over, and what survives a restart.
 
-Request path: ``CompleteStore`` hands the keys' descriptions over
-(:meth:`KvEventsService.describe`), then each of the pool's events
-(:meth:`KvEventsService.observe`): one append each, whatever the number of keys.
-The publisher's thread applies them to its
-:class:`~kvtierd.kvevents.translator.Translator` (the description table,
-first writer wins) and sends what changes for routers.
+The publishing itself runs in a process of its own (:mod:`kvtierd.kvevents.worker`,
+its own interpreter: turning events into messages never takes the daemon's
+interpreter lock). Request path: ``CompleteStore`` hands its request (keys and
+descriptions) over (:meth:`KvEventsService.describe`), then each of the pool's
+events (:meth:`KvEventsService.observe`): one msgpack frame written without
+blocking to a ``SOCK_SEQPACKET`` socket, whatever the number of keys. The socket's
+buffer is the bound: a frame it refuses is dropped and counted, and the worker is
+told (``lost``) at the next frame that fits: it clears routers and its table.
 
-Restart: the publisher's first message is ``AllBlocksCleared``; at stop, once the
-thread has ended, the published pools' descriptions are saved
-(``<state dir>/kv-events/``); when a pool opens again the keys its tiers still
-hold (asked on the loop, once every tier is ready) are handed over as a seed and
-re-announced. A hand-over the queue's bound refuses makes the thread send
-``AllBlocksCleared`` and drop its table.
+Restart: the worker's first message is ``AllBlocksCleared``; at stop it saves the
+published pools' descriptions (:mod:`kvtierd.kvevents.snapshots`); when a pool
+opens again the keys its tiers still hold (asked on the loop, once every tier is
+ready) are handed over as a seed and re-announced. A worker that dies is started
+again (a new ``AllBlocksCleared``, an empty table).
 
-Event-loop only, except the publisher's own thread.
+Event-loop only.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import errno
 import logging
 import os
 import socket
+import subprocess
+import sys
 import threading
-import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 import msgpack
 
 from kvtierd.config.sections import KvEventsConfig
 from kvtierd.contract import BlockEvent, BlockKey
-from kvtierd.kvevents.publisher import EventPublisher, PublisherStats
-from kvtierd.kvevents.translator import Translator
-from kvtierd_client.wire.descriptions import description_problem
-from kvtierd_client.wire.proto import pb2
+from kvtierd.kvevents.publisher import PublisherStats
+from kvtierd.kvevents.snapshots import load_snapshot
+from kvtierd.kvevents.worker import MAX_FRAME
 
 log = logging.getLogger(__name__)
 
-SNAPSHOT_VERSION = 2  # rows [key, serialized BlockDescription]
-MAX_SNAPSHOT_BYTES = 1 << 31
-KEY_COST = 320  # what a described key is assumed to take in the hand-over queue
+START_TIMEOUT = 60.0  # seconds a new worker may take to bind and say ready
+STOP_TIMEOUT = 30.0  # seconds a stopping worker may take to send and save
+RESPAWN_DELAY = 1.0  # seconds before a dead worker is started again
+SOCKET_BUFFER = 4 << 20  # asked for; the kernel's limits may give less
 
 
 class PublishedPool(Protocol):
@@ -69,31 +70,8 @@ class KvEventsStats:
     dropped_descriptions: int
     undescribed_stores: int
     cleared: int
-
-
-def first_sequence() -> int:
-    """The number of a daemon's first message: the wall clock in microseconds.
-
-    A router keeps, per listener, the last number it applied and drops any message
-    not above it: NVIDIA Dynamo's indexer (ai-dynamo-runtime 1.6.1) drops even an
-    ``AllBlocksCleared`` so. A restarted daemon (or one taking over) is heard by
-    the same listeners, so its numbers must start above its predecessor's, with no
-    state to carry (a SIGKILL saves none): they do while the predecessor sent fewer
-    messages than microseconds passed since it started (each message is a packed
-    batch: far fewer) and the clock does not step back. The jump reads as a gap, and
-    a listener with the replay endpoint asks for it: the answer starts at this
-    daemon's first message."""
-    return time.time_ns() // 1000
-
-
-def item_cost(item: tuple[Any, ...]) -> int:
-    """What an item is assumed to take in the hand-over queue (no key is looked at)."""
-    kind = item[0]
-    if kind == "event":
-        return 64 + KEY_COST * len(item[2].keys)
-    if kind == "describe":
-        return 64 + KEY_COST * len(item[2])
-    return 64 + KEY_COST * len(item[2])
+    dropped_frames: int  # frames the socket's buffer refused (then "lost")
+    restarts: int  # workers started again after one died
 
 
 class KvEventsService:
@@ -102,149 +80,292 @@ class KvEventsService:
     def __init__(self, config: KvEventsConfig, state_dir: str, socket_gid: int | None) -> None:
         self.config = config
         self._state_dir = os.path.join(state_dir, "kv-events")
-        identity = config.identity or socket.gethostname()
-        names = config.engines or (identity,)
-        self.translator = Translator(config.max_description_bytes)
-        self.publisher = EventPublisher(
-            config.endpoint,
-            config.replay_endpoint,
-            [f"kv@{name}@{config.model}".encode() for name in names],
-            render=self.translator.apply,
-            cost=item_cost,
-            on_lost=self.translator.clear,
-            connect=config.connect,
-            first_seq=first_sequence(),
-            queue_bytes=config.replay_bytes,
-            replay_bytes=config.replay_bytes,
-            socket_gid=socket_gid,
-        )
-        self._pools: set[str] = set()
+        self._socket_gid = socket_gid
+        self._identity = config.identity or socket.gethostname()
+        self._channel: socket.socket | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+        self._lost = False
+        self._pending: list[list[Any]] = []  # frames of this turn of the loop
+        self._pending_bytes = 0
+        self._dropped_frames = 0
+        self._restarts = 0
+        self._stopping = False
+        self._latest: dict[str, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     def publishes(self, pool_name: str) -> bool:
         return pool_name in self.config.pools
 
-    def start(self) -> None:
-        """Starts the thread; its first message says routers must forget this
-        publisher's blocks (whatever a previous daemon announced)."""
-        self.publisher.lost = True  # the thread's first message: AllBlocksCleared
-        self.publisher.start()
+    async def start(self) -> None:
+        """Starts the worker and waits until it has bound the endpoint (OSError
+        saying why it could not)."""
+        channel, process = self._spawn()
+        try:
+            answer = await off_loop(_answer, channel, START_TIMEOUT)
+        except BaseException:
+            process.kill()
+            channel.close()
+            raise
+        if answer[0] != "ready":
+            process.wait()
+            channel.close()
+            raise OSError(answer[1] if len(answer) > 1 else f"the publisher said {answer!r}")
+        channel.setblocking(False)
+        asyncio.get_running_loop().add_reader(channel, self._read)
+        self._channel, self._process = channel, process
         log.info(
-            "kv events: publishing pools %s on %s%s (topics %s)",
+            "kv events: publishing pools %s on %s%s (topics %s; worker pid %d)",
             ", ".join(self.config.pools), self.config.endpoint,
             f", replays on {self.config.replay_endpoint}" if self.config.replay_endpoint else "",
-            ", ".join(t.decode() for t in self.publisher.topics),
+            ", ".join(f"kv@{n}@{self.config.model}" for n in self.config.engines or
+                      (self._identity,)),
+            process.pid,
         )  # fmt: skip
 
-    # -- the request path: one append per call ---------------------------------------
+    def _spawn(self) -> tuple[socket.socket, subprocess.Popen[bytes]]:
+        """The worker, its channel sent the setup (on the loop: the worker dies with
+        the thread that started it, ``PR_SET_PDEATHSIG``)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        for sock in (ours, theirs):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "kvtierd.kvevents.worker", str(os.getpid()),
+                 str(theirs.fileno())],
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+            )  # fmt: skip
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        fields = asdict(self.config) | {"identity": self._identity}
+        ours.sendall(msgpack.packb(["setup", fields, self._state_dir, self._socket_gid]))  # alone
+        return ours, process
 
-    def describe(self, pool: str, keys: Sequence[BlockKey], descriptions: Sequence[Any]) -> None:
-        """Hands a CompleteStore's descriptions (validated) over, before its events."""
-        self.publisher.publish([("describe", pool, keys, descriptions)])
+    # -- the request path: one frame per call ------------------------------------------
+
+    def describe(self, pool: str, request: Any) -> None:
+        """Hands a CompleteStore's keys and descriptions (validated) over, before its
+        events."""
+        body = request.SerializeToString()
+        if len(body) + 512 <= MAX_FRAME // 2:
+            self._send(["d", pool, body])
+            return
+        keys, descriptions = request.keys, request.descriptions
+        per_frame = max(1, len(keys) * (MAX_FRAME // 2 - 512) // len(body))
+        for start in range(0, len(keys), per_frame):
+            part = type(request)(
+                keys=keys[start : start + per_frame],
+                descriptions=descriptions[start : start + per_frame],
+            )
+            self._send(["d", pool, part.SerializeToString()])
 
     def observe(self, pool: str, event: BlockEvent) -> None:
         """Hands one of the pool's events over."""
-        self.publisher.publish([("event", pool, event)])
+        keys = event.keys
+        per_frame = max(1, (MAX_FRAME // 2 - 512) // (8 + max(map(len, keys), default=1)))
+        for start in range(0, len(keys), per_frame):
+            part = list(keys[start : start + per_frame])
+            self._send(["e", pool, event.tier, int(event.medium), event.removed, part])
+
+    def _send(self, frame: list[Any]) -> None:
+        """Queues ``frame``; the frames of one turn of the loop (a CompleteStore's
+        descriptions and its events) leave together, in one write, at its end."""
+        if self._channel is None:
+            return  # stopped, or a dead worker not started again yet (it starts clear)
+        if not self._pending:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._pending.append(frame)
+        self._pending_bytes += _frame_size(frame)
+        if self._pending_bytes > MAX_FRAME // 2:
+            self._flush()
+
+    def _flush(self) -> None:
+        frames, self._pending, self._pending_bytes = self._pending, [], 0
+        channel = self._channel
+        if channel is None or not frames:
+            return
+        try:
+            if self._lost:
+                channel.send(msgpack.packb([["lost"]]))
+                self._lost = False
+            channel.send(msgpack.packb(frames))
+        except BlockingIOError:
+            self._lost = True
+            self._dropped_frames += len(frames)
+        except OSError as exc:
+            if exc.errno not in (errno.EPIPE, errno.ECONNRESET):
+                raise
+            self._worker_died()
+
+    # -- what the worker says ----------------------------------------------------------
+
+    def _read(self) -> None:
+        channel = self._channel
+        if channel is None:
+            return
+        while True:
+            try:
+                frame = channel.recv(MAX_FRAME)
+            except BlockingIOError:
+                return
+            except OSError:
+                frame = b""
+            if not frame:
+                self._worker_died()
+                return
+            kind, *rest = msgpack.unpackb(frame, raw=False)
+            if kind == "stats":
+                self._latest = rest[0]
+
+    def _worker_died(self) -> None:
+        if self._channel is None:
+            return
+        asyncio.get_running_loop().remove_reader(self._channel)
+        self._channel.close()
+        self._channel = None
+        process, self._process = self._process, None
+        if self._stopping:
+            return
+        code = process.poll() if process is not None else None
+        log.error(
+            "kv events: the publisher process (pid %s) ended%s; starting another in %gs (it "
+            "clears routers first: blocks are announced again as they are stored)",
+            process.pid if process else "?", f" with status {code}" if code is not None else "",
+            RESPAWN_DELAY,
+        )  # fmt: skip
+        if process is not None and code is None:
+            process.kill()
+        self._later(self._respawn())
+
+    async def _respawn(self) -> None:
+        await asyncio.sleep(RESPAWN_DELAY)
+        if self._stopping:
+            return
+        try:
+            await self.start()
+        except OSError as exc:
+            log.error("kv events: the publisher could not start again: %s", exc)
+            self._later(self._respawn())
+            return
+        self._restarts += 1
+
+    def _later(self, work: Any) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     # -- pools opening, the daemon stopping ---------------------------------------------
 
     def attach(self, pool: PublishedPool) -> None:
         """``pool`` opened: its events are published from now on; the blocks its tiers
         kept from before (a saved snapshot's) are re-announced once they are ready."""
-        self._pools.add(pool.name)
-        task = asyncio.get_running_loop().create_task(self._reannounce(pool))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._later(self._reannounce(pool))
 
     async def _reannounce(self, pool: PublishedPool) -> None:
-        saved = await off_loop(self._load_snapshot, pool.name)
+        saved = await off_loop(load_snapshot, self._state_dir, pool.name)
         if not saved:
             return
         await pool.wait_tiers_ready()
-        kept = [(key, raw, holders) for key, raw in saved if (holders := pool.holders(key))]
+        kept = [[key, raw, holders] for key, raw in saved if (holders := pool.holders(key))]
         log.info("kv events: pool %s: re-announcing %d of %d saved descriptions (still held)",
                  pool.name, len(kept), len(saved))  # fmt: skip
-        self.publisher.publish([("seed", pool.name, kept)], bounded=False)
+        size = 0
+        part: list[Any] = []
+        for row in kept:
+            part.append(row)
+            size += len(row[0]) + len(row[1]) + 64
+            if size > MAX_FRAME // 4:
+                self._send(["s", pool.name, part])
+                part, size = [], 0
+        if part:
+            self._send(["s", pool.name, part])
 
     async def stop(self) -> None:
-        """Stops the thread (what is queued is sent), then saves the published pools'
-        descriptions."""
+        """Tells the worker to stop (it sends what is queued and saves the published
+        pools' descriptions) and waits for it, at most STOP_TIMEOUT seconds."""
+        self._flush()
+        self._stopping = True
         for task in list(self._tasks):
             task.cancel()
-        await off_loop(self.publisher.stop)
-        table = self.translator.table
-        snapshots = {name: [(key, e.raw) for key, e in table.entries(name)] for name in self._pools}
-        await off_loop(self._save_snapshots, snapshots)
+        channel, process = self._channel, self._process
+        if channel is None or process is None:
+            return
+        asyncio.get_running_loop().remove_reader(channel)
+        self._channel = None
+        channel.setblocking(True)
+        try:
+            await off_loop(_stop_worker, channel, process, self._latest)
+        finally:
+            channel.close()
 
     def stats(self) -> KvEventsStats:
-        table = self.translator.table
+        latest = self._latest
         return KvEventsStats(
-            self.publisher.stats(),
-            len(table),
-            table.used_bytes,
-            table.dropped,
-            self.translator.undescribed_stores,
-            self.translator.cleared,
-        )
-
-    # -- the snapshot (a worker thread) ------------------------------------------------
-
-    def _snapshot_path(self, pool: str) -> str:
-        digest = hashlib.sha256(pool.encode()).hexdigest()[:32]
-        return os.path.join(self._state_dir, f"{digest}.msgpack")
-
-    def _save_snapshots(self, snapshots: dict[str, list[tuple[BlockKey, bytes]]]) -> None:
-        os.makedirs(self._state_dir, mode=0o700, exist_ok=True)
-        for pool, entries in snapshots.items():
-            rows = [[key, raw] for key, raw in entries]
-            body = msgpack.packb([SNAPSHOT_VERSION, pool, rows], use_bin_type=True)
-            path = self._snapshot_path(pool)
-            temporary = f"{path}.{os.getpid()}.tmp"
-            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(body)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(temporary, path)
-            log.info("kv events: pool %s: saved %d block descriptions", pool, len(rows))
-
-    def _load_snapshot(self, pool: str) -> list[tuple[BlockKey, bytes]]:
-        """The saved descriptions of ``pool`` (the file is then removed: it is
-        rewritten at the next stop), or [] when none or unreadable (logged)."""
-        path = self._snapshot_path(pool)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except FileNotFoundError:
-            return []
-        except OSError as exc:
-            log.warning("kv events: cannot open %s (%s); nothing re-announced", path, exc)
-            return []
-        try:
-            with os.fdopen(fd, "rb") as handle:
-                body = handle.read(MAX_SNAPSHOT_BYTES + 1)
-            version, name, rows = msgpack.unpackb(body, raw=False, strict_map_key=True)
-            if version != SNAPSHOT_VERSION or name != pool or len(body) > MAX_SNAPSHOT_BYTES:
-                raise ValueError(f"version {version}, pool {name!r}")
-            out = [(bytes(key), _checked(bytes(raw))) for key, raw in rows]
-        except Exception as exc:  # noqa: BLE001 - any damage: re-announce nothing
-            log.warning("kv events: %s is unreadable (%s); nothing re-announced", path, exc)
-            return []
-        finally:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-        return out
+            PublisherStats(
+                latest.get("messages", 0), latest.get("events", 0),
+                latest.get("refused_items", 0), latest.get("replays", 0),
+                latest.get("last_seq", -1),
+            ),
+            latest.get("described_keys", 0),
+            latest.get("description_bytes", 0),
+            latest.get("dropped_descriptions", 0),
+            latest.get("undescribed_stores", 0),
+            latest.get("cleared", 0),
+            self._dropped_frames,
+            self._restarts,
+        )  # fmt: skip
 
 
-def _checked(raw: bytes) -> bytes:
-    """A saved description, parsed and checked as one from the wire is (ValueError)."""
-    wire = pb2.BlockDescription.FromString(raw)
-    parent = wire.parent_block_hash if wire.HasField("parent_block_hash") else None
-    problem = description_problem(wire.block_hashes, parent, wire.token_ids, wire.block_size)
-    if problem is not None:
-        raise ValueError(f"a saved description {problem}")
-    return raw
+def _frame_size(frame: list[Any]) -> int:
+    """About a frame's packed bytes (its payload: bytes or a list of keys)."""
+    payload = frame[-1]
+    if isinstance(payload, bytes):
+        return len(payload) + 64
+    if frame[0] == "e":
+        return 64 + sum(len(key) + 2 for key in payload)
+    return 64 + sum(len(row[0]) + len(row[1]) + 64 for row in payload)
+
+
+def _answer(channel: socket.socket, timeout: float) -> list[Any]:
+    """The worker's first answer (a worker thread: it blocks)."""
+    channel.settimeout(timeout)
+    try:
+        frame = channel.recv(MAX_FRAME)
+    except TimeoutError:
+        return ["error", f"kv_events: the publisher did not start within {timeout:g}s"]
+    if not frame:
+        return ["error", "kv_events: the publisher process ended at its start"]
+    answer: list[Any] = msgpack.unpackb(frame, raw=False)
+    return answer
+
+
+def _stop_worker(
+    channel: socket.socket, process: subprocess.Popen[bytes], latest: dict[str, int]
+) -> None:
+    """Sends ``stop``, keeps the last stats, waits for ``stopped`` and the exit."""
+    channel.settimeout(STOP_TIMEOUT)
+    try:
+        channel.sendall(msgpack.packb([["stop"]]))
+        while True:
+            frame = channel.recv(MAX_FRAME)
+            if not frame:
+                break
+            kind, *rest = msgpack.unpackb(frame, raw=False)
+            if kind == "stats":
+                latest.update(rest[0])
+            elif kind == "stopped":
+                break
+    except OSError as exc:  # a timeout, or the worker gone
+        log.warning("kv events: the publisher did not stop cleanly (%s); killing it", exc)
+        process.kill()
+    try:
+        process.wait(STOP_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 async def off_loop(function: Any, *args: Any) -> Any:

@@ -228,7 +228,7 @@ class Daemon:
         self._check_tiers(lock=takeover is None)  # a takeover locks once the old one is gone
         if takeover is None:
             await self._start_metrics()
-            self._start_kv_events()
+            await self._start_kv_events()
         server, self._health = build_server(self.service, self.config.limits, self.security)
         await set_health(self._health, serving=False)
         listen = self.config.server.listen
@@ -258,18 +258,19 @@ class Daemon:
             self.config.sessions.lease,
         )  # fmt: skip
 
-    def _start_kv_events(self) -> None:
-        """With ``[kv_events]``: binds the publisher (kvtierd.kvevents) and hands it to
-        the pool table, which attaches each published pool as it opens."""
+    async def _start_kv_events(self) -> None:
+        """With ``[kv_events]``: starts the publisher's process (kvtierd.kvevents), which
+        binds the endpoint, and hands it to the pool table, which attaches each
+        published pool as it opens."""
         if not self.config.kv_events.enabled:
             return
+        service = KvEventsService(
+            self.config.kv_events, data_directory(os.environ), socket_gid=self.gid
+        )
         try:
-            service = KvEventsService(
-                self.config.kv_events, data_directory(os.environ), socket_gid=self.gid
-            )
+            await service.start()
         except OSError as exc:
             raise StartupError("kv_events.endpoint", str(exc)) from None
-        service.start()
         self.kv_events = service
         self.pools.kv_events = service
 
@@ -340,7 +341,7 @@ class Daemon:
             self.request_stop()
             return
         try:
-            self._start_kv_events()
+            await self._start_kv_events()
         except StartupError as exc:  # the old daemon's endpoint not free yet, or taken
             log.error("after the takeover: %s; no KV events are published", exc)
         pools_ready.set()

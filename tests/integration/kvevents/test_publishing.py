@@ -12,7 +12,14 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from daemon_harness import DaemonProcess, free_port, fs_tiers_config, scrape, start_daemon
+from daemon_harness import (
+    DaemonProcess,
+    eventually,
+    free_port,
+    fs_tiers_config,
+    scrape,
+    start_daemon,
+)
 from kv_events_harness import EventReader
 
 from kvtierd_client.client import Client
@@ -116,10 +123,16 @@ def test_stores_with_descriptions_are_published_as_vllm_block_stored(event_dir):
         assert before_start_us <= first <= time.time_ns() // 1000
         assert {m.topic for m in messages} == {"kv@node-a@m"}
         assert {m.rank for m in messages} == {None}
-        metrics = scrape(f"http://127.0.0.1:{port}")
+
+        # the publisher's process reports its counters every second
+        def counted() -> dict | None:
+            metrics = scrape(f"http://127.0.0.1:{port}")
+            return metrics if metrics.get(("kvtierd_kv_events_described_blocks", ())) == 3 else None
+
+        metrics = eventually(counted, 20, "the publisher's counters")
         assert metrics[("kvtierd_kv_events_undescribed_stores_total", ())] == 1
-        assert metrics[("kvtierd_kv_events_described_blocks", ())] == 3
         assert metrics[("kvtierd_kv_events_events_total", ())] >= 4  # the clear and 3 stores
+        assert metrics[("kvtierd_kv_events_dropped_frames_total", ())] == 0
     finally:
         stop(daemon)
 

@@ -3,7 +3,6 @@ in a temporary directory) read by a real subscriber (tests/kv_events_harness.py)
 
 from __future__ import annotations
 
-import asyncio
 import os
 import tempfile
 from collections.abc import Iterator
@@ -13,11 +12,10 @@ import zmq
 from daemon_harness import eventually
 from kv_events_harness import SEQ, EventReader
 
-from kvtierd.config.sections import KvEventsConfig
 from kvtierd.contract import BlockEvent, Medium
 from kvtierd.kvevents import wireformat
 from kvtierd.kvevents.publisher import EventPublisher
-from kvtierd.kvevents.service import KvEventsService
+from kvtierd.kvevents.translator import Translator
 from kvtierd_client.wire.proto import pb2
 
 
@@ -109,23 +107,6 @@ def test_a_full_queue_refuses_and_says_the_publisher_lost_events(where):
         pub.stop()
 
 
-def config(where: str, **changes: object) -> KvEventsConfig:
-    settings = {
-        "endpoint": f"ipc://{where}/pub",
-        "replay_endpoint": f"ipc://{where}/replay",
-        "connect": False,
-        "pools": ("p",),
-        "model": "m",
-        "identity": "node",
-        "engines": (),
-        "principal": "",
-        "max_description_bytes": 1 << 20,
-        "replay_bytes": 1 << 20,
-        **changes,
-    }
-    return KvEventsConfig(**settings)  # type: ignore[arg-type]
-
-
 def wire(n: int) -> pb2.BlockDescription:
     return pb2.BlockDescription(block_hashes=[n], token_ids=[n, n], block_size=2)
 
@@ -140,49 +121,37 @@ def removals(events, medium):  # noqa: ANN001, ANN201
             for h in e["block_hashes"]]  # fmt: skip
 
 
-def test_storage_is_one_medium_however_many_tiers_hold_a_key(where):
-    async def scenario(service: KvEventsService) -> None:
-        service.start()
-        service.describe("p", [b"a", b"b"], [wire(1), pb2.BlockDescription()])  # b undescribed
-        service.observe("p", BlockEvent((b"a", b"b"), Medium.CPU, removed=False))
-        service.observe("p", BlockEvent((b"a",), Medium.STORAGE, False, tier="fs0"))
-        service.observe("p", BlockEvent((b"a",), Medium.REMOTE, False, tier="redis0"))
-        service.observe("p", BlockEvent((b"a",), Medium.STORAGE, True, tier="fs0"))
-        service.observe("p", BlockEvent((b"a",), Medium.CPU, removed=True))
-        service.observe("p", BlockEvent((b"a",), Medium.REMOTE, True, tier="redis0"))
-        await asyncio.sleep(0)
-
-    service = KvEventsService(config(where), where, socket_gid=None)
-    with EventReader(f"ipc://{where}/pub", f"ipc://{where}/replay") as reader:
-        asyncio.run(scenario(service))
-        events = reader.until(lambda ev: len(removals(ev, "STORAGE")) >= 1)
-    service.publisher.stop()
-    assert events[0] == {"type": "AllBlocksCleared"}
+def test_storage_is_one_medium_however_many_tiers_hold_a_key():
+    translator = Translator(1 << 20)
+    events = translator.describe("p", [b"a", b"b"], [wire(1), pb2.BlockDescription()])
+    for event in (
+        BlockEvent((b"a", b"b"), Medium.CPU, removed=False),  # b: undescribed
+        BlockEvent((b"a",), Medium.STORAGE, False, tier="fs0"),
+        BlockEvent((b"a",), Medium.REMOTE, False, tier="redis0"),
+        BlockEvent((b"a",), Medium.STORAGE, True, tier="fs0"),  # redis0 still holds it
+        BlockEvent((b"a",), Medium.CPU, removed=True),
+        BlockEvent((b"a",), Medium.REMOTE, True, tier="redis0"),
+    ):
+        events += translator.observe("p", event)
     assert stores(events, "CPU") == [1] and stores(events, "STORAGE") == [1]
-    assert removals(events, "CPU") == [1] and removals(events, "STORAGE") == [1]
-    # fs0's removal withdrew nothing (redis0 still held it): CPU went first, then STORAGE
-    assert [e["medium"] for e in events if e["type"] == "BlockRemoved"] == ["CPU", "STORAGE"]
-    stats = service.stats()
-    assert stats.undescribed_stores == 1 and stats.described_keys == 0
+    assert [(e["type"], e["medium"]) for e in events] == [
+        ("BlockStored", "CPU"), ("BlockStored", "STORAGE"),
+        ("BlockRemoved", "CPU"), ("BlockRemoved", "STORAGE"),
+    ]  # fmt: skip
+    assert translator.undescribed_stores == 1 and len(translator.table) == 0
 
 
-def test_a_description_the_bound_takes_out_is_withdrawn_first(where):
-    async def scenario(service: KvEventsService) -> None:
-        service.start()
-        for n in range(200):
-            key = f"k{n}".encode()
-            service.describe("p", [key], [wire(n)])
-            service.observe("p", BlockEvent((key,), Medium.CPU, removed=False))
-
-    service = KvEventsService(config(where, max_description_bytes=64 << 10), where, None)
-    with EventReader(f"ipc://{where}/pub", f"ipc://{where}/replay") as reader:
-        asyncio.run(scenario(service))
-        events = reader.until(lambda ev: len(stores(ev, "CPU")) == 200)
-    service.publisher.stop()
+def test_a_description_the_bound_takes_out_is_withdrawn_first():
+    translator = Translator(64 << 10)
+    events = []
+    for n in range(200):
+        key = f"k{n}".encode()
+        events += translator.describe("p", [key], [wire(n)])
+        events += translator.observe("p", BlockEvent((key,), Medium.CPU, removed=False))
     withdrawn = removals(events, "CPU")
     held = set(stores(events, "CPU")) - set(withdrawn)
-    assert withdrawn and len(held) == service.stats().described_keys
-    assert service.stats().description_bytes <= 64 << 10
+    assert withdrawn and len(held) == len(translator.table)
+    assert translator.table.used_bytes <= 64 << 10
     assert withdrawn == sorted(withdrawn)  # the least recently stored first
 
 
@@ -204,8 +173,6 @@ def test_after_a_refusal_the_next_message_starts_with_what_on_lost_says(where):
 
 
 def test_the_translator_forgets_everything_when_items_were_lost():
-    from kvtierd.kvevents.translator import Translator
-
     translator = Translator(1 << 20)
     translator.describe("p", [b"a"], [wire(1)])
     assert stores(translator.observe("p", BlockEvent((b"a",), Medium.CPU, False)), "CPU") == [1]
@@ -220,7 +187,6 @@ def test_the_translator_forgets_everything_when_items_were_lost():
 def test_a_re_announce_puts_parents_before_their_children():
     """llm-d drops a store whose parent it cannot place: the seed of a reopened pool
     (saved in least-recently-stored order) is announced root first."""
-    from kvtierd.kvevents.translator import Translator
 
     def raw(block: int, parent: int | None) -> bytes:
         described = pb2.BlockDescription(block_hashes=[block], token_ids=[block], block_size=1)
