@@ -10,6 +10,11 @@ Items (what the loop hands over, in the order things happened):
 - ``("seed", pool, [(key, raw description, [(tier, medium), ...]), ...])``: what a
   reopened pool's tiers still hold of the descriptions saved at the last stop.
 
+A key stored without a description is remembered (where it is, bounded in
+keys) so that a description arriving later, with a ``CompleteStore`` of a key
+already ready (an engine describing the blocks it loaded: a block another node
+stored in a shared tier and this node promoted), announces it where it is.
+
 Per medium, not per tier: a key is published ``CPU`` while the primary holds it
 and ``STORAGE`` while at least one secondary tier does (stored when the first
 takes it, removed when the last drops it), so a router never loses a block one
@@ -21,6 +26,7 @@ the table's sizes, which the loop only reads).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +36,7 @@ from kvtierd.kvevents.descriptions import Described, DescriptionTable
 from kvtierd_client.wire.proto import pb2
 
 Event = dict[str, Any]
+UNDESCRIBED_KEY_BYTES = 512  # what remembering where an undescribed key is may cost
 Held = Sequence[tuple[str, int]]  # (tier name, Medium) of each tier holding a key
 
 
@@ -44,6 +51,11 @@ class Translator:
         self.table = DescriptionTable(limit_bytes)
         self.undescribed_stores = 0  # stored keys without a description
         self.cleared = 0  # times the table was dropped after lost items
+        # where undescribed keys are (tier -> medium), least recently stored first, so
+        # that a description arriving later (an engine describing what it loaded)
+        # announces what already holds the key; at most max_undescribed keys
+        self._undescribed: OrderedDict[tuple[str, BlockKey], dict[str, str]] = OrderedDict()
+        self.max_undescribed = max(1024, limit_bytes // UNDESCRIBED_KEY_BYTES)
 
     def apply(self, item: tuple[Any, ...]) -> list[Event]:
         kind = item[0]
@@ -67,9 +79,15 @@ class Translator:
             raw = wire.SerializeToString()
             if not raw:
                 continue  # an empty one: the key undescribed
-            for _pool, dropped in table.offer(pool, key, Described(raw)):
+            described = Described(raw)
+            for _pool, dropped in table.offer(pool, key, described):
                 for medium in sorted(set(dropped.tiers.values())):
                     events += removed_events([dropped.raw], medium)
+            held = self._undescribed.pop((pool, key), None)
+            if held and table.get(pool, key) is described:  # described late: held already
+                for tier, medium in held.items():
+                    table.stored(pool, key, tier, medium)
+                events += [stored_event(raw, m) for m in sorted(set(held.values()))]
         return events
 
     def observe(self, pool: str, event: BlockEvent) -> list[Event]:
@@ -81,7 +99,9 @@ class Translator:
             gone = []
             for key in event.keys:
                 entry = table.removed(pool, key, event.tier)
-                if entry is not None and not entry.holds(medium):
+                if entry is None:
+                    self._forget_undescribed(pool, key, event.tier)
+                elif not entry.holds(medium):
                     gone.append(entry.raw)
             return removed_events(gone, medium)
         events: list[Event] = []
@@ -89,6 +109,7 @@ class Translator:
             entry = table.get(pool, key)
             if entry is None:
                 self.undescribed_stores += 1
+                self._remember_undescribed(pool, key, event.tier, medium)
                 continue
             fresh = not entry.holds(medium)
             table.stored(pool, key, event.tier, medium)
@@ -114,11 +135,30 @@ class Translator:
             events += [stored_event(raw, m) for m in sorted(set(described.tiers.values()))]
         return events
 
+    def _remember_undescribed(self, pool: str, key: BlockKey, tier: str, medium: str) -> None:
+        slot = (pool, key)
+        held = self._undescribed.get(slot)
+        if held is None:
+            held = self._undescribed[slot] = {}
+            while len(self._undescribed) > self.max_undescribed:
+                self._undescribed.popitem(last=False)
+        else:
+            self._undescribed.move_to_end(slot)
+        held[tier] = medium
+
+    def _forget_undescribed(self, pool: str, key: BlockKey, tier: str) -> None:
+        held = self._undescribed.get((pool, key))
+        if held is not None:
+            held.pop(tier, None)
+            if not held:
+                del self._undescribed[(pool, key)]
+
     def clear(self) -> list[Event]:
         """After lost items the table may credit what is gone: forget it all, and so
         must routers (a recall loss until the blocks are stored again, never an
         over-credit)."""
         self.table.forget_all()
+        self._undescribed.clear()
         self.cleared += 1
         return [wireformat.ALL_BLOCKS_CLEARED]
 

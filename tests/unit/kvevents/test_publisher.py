@@ -199,3 +199,20 @@ def test_a_re_announce_puts_parents_before_their_children():
             (b"z", raw(9, 8), held)]  # fmt: skip
     events = Translator(1 << 20).seed("p", kept)
     assert [e["block_hashes"][0] for e in events] == [1, 9, 2, 3]  # z: its parent is not kept
+
+
+def test_a_key_described_after_it_was_stored_is_announced_where_it_is():
+    """A block another node stored in a shared tier, promoted here: the engine that
+    loads it describes it afterwards (CompleteStore of a ready key)."""
+    translator = Translator(1 << 20)
+    promoted = translator.observe("p", BlockEvent((b"a",), Medium.CPU, removed=False))
+    assert promoted == [] and translator.undescribed_stores == 1
+    assert translator.observe("p", BlockEvent((b"a",), Medium.REMOTE, False, tier="r")) == []
+    events = translator.describe("p", [b"a"], [wire(7)])
+    assert sorted((e["type"], e["medium"]) for e in events) == [
+        ("BlockStored", "CPU"), ("BlockStored", "STORAGE"),
+    ]  # fmt: skip
+    # a key that left before its description came is not announced
+    translator.observe("p", BlockEvent((b"b",), Medium.CPU, removed=False))
+    translator.observe("p", BlockEvent((b"b",), Medium.CPU, removed=True))
+    assert translator.describe("p", [b"b"], [wire(8)]) == []
