@@ -355,8 +355,8 @@ class DescribeCounters:
 
 class LateDescriptions:
     """Loaded keys this engine has not described, described once its events show
-    their blocks (module doc). Runs in the plug-in's thread that completes stores
-    and loads; not thread-safe.
+    their blocks (module doc). Thread-safe (one short lock per call; ``describe`` is
+    called under it).
 
     ``describe``: one key's description now, or None. Invariants: a key is in at
     most one of ``_waiting`` (key -> the take it was loaded at, in load order) and
@@ -379,9 +379,10 @@ class LateDescriptions:
         self.patience = patience
         self.max_waiting = max_waiting
         self.max_described = max_described
-        self._waiting: OrderedDict[bytes, int] = OrderedDict()
-        self._described: OrderedDict[bytes, None] = OrderedDict()
-        self._takes = 0
+        self._lock = threading.Lock()
+        self._waiting: OrderedDict[bytes, int] = OrderedDict()  # guarded by _lock
+        self._described: OrderedDict[bytes, None] = OrderedDict()  # guarded by _lock
+        self._takes = 0  # guarded by _lock
 
     @property
     def waiting(self) -> int:
@@ -389,46 +390,52 @@ class LateDescriptions:
 
     def described(self, keys: Iterable[bytes]) -> None:
         """``keys`` went to the daemon with their descriptions."""
-        for key in keys:
-            self._waiting.pop(key, None)
-            self._described[key] = None
-            if len(self._described) > self.max_described:
-                self._described.popitem(last=False)
+        with self._lock:
+            self._remember(keys)
 
     def loaded(self, keys: Iterable[bytes]) -> None:
         """``keys`` were loaded: each one not described by this engine waits for its
         description (the oldest waiting give way beyond ``max_waiting``)."""
-        for key in keys:
-            if key in self._described or key in self._waiting:
-                continue
-            self._waiting[key] = self._takes
-            if len(self._waiting) > self.max_waiting:
-                self._waiting.popitem(last=False)
-                self.counters.undescribed_loads += 1
+        with self._lock:
+            for key in keys:
+                if key in self._described or key in self._waiting:
+                    continue
+                self._waiting[key] = self._takes
+                if len(self._waiting) > self.max_waiting:
+                    self._waiting.popitem(last=False)
+                    self.counters.undescribed_loads += 1
 
     def take(self, busy: Collection[bytes] = ()) -> tuple[list[bytes], list[BlockDescription]]:
         """Once a step: the waiting keys described now (remembered as described),
         with their descriptions; keys that waited ``patience`` takes are given up.
         ``busy``: keys to leave waiting (the plug-in's own reservations: completing
         one would make its rows readable before they are written)."""
-        self._takes += 1
-        waiting = self._waiting
-        while waiting:
-            key, since = next(iter(waiting.items()))
-            if self._takes - since <= self.patience:
-                break
-            del waiting[key]
-            self.counters.undescribed_loads += 1
         keys: list[bytes] = []
         descriptions: list[BlockDescription] = []
-        for key in [k for k in waiting if k not in busy]:
-            described = self._describe(key)
-            if described is not None:
-                keys.append(key)
-                descriptions.append(described)
-        self.described(keys)
-        self.counters.described_late += len(keys)
+        with self._lock:
+            self._takes += 1
+            waiting = self._waiting
+            while waiting:
+                key, since = next(iter(waiting.items()))
+                if self._takes - since <= self.patience:
+                    break
+                del waiting[key]
+                self.counters.undescribed_loads += 1
+            for key in [k for k in waiting if k not in busy]:
+                described = self._describe(key)
+                if described is not None:
+                    keys.append(key)
+                    descriptions.append(described)
+            self._remember(keys)
+            self.counters.described_late += len(keys)
         return keys, descriptions
+
+    def _remember(self, keys: Iterable[bytes]) -> None:
+        for key in keys:
+            self._waiting.pop(key, None)
+            self._described[key] = None
+            if len(self._described) > self.max_described:
+                self._described.popitem(last=False)
 
 
 class Describer:
