@@ -16,6 +16,12 @@ store (it is stored from the GPU). So a plug-in subscribes there:
   Thread-safe (one short lock per call).
 * :class:`Describer` turns a plug-in's keys into descriptions from the index (the
   plug-in says which block hash and group a key ends with).
+* :class:`LateDescriptions` (a describer's ``late``): keys the engine *loaded* that
+  it never described (a block another node stored in a shared tier, promoted here).
+  A loaded block re-enters the engine's GPU cache, so the engine publishes it with
+  its tokens a step or so after the load; the plug-in notes the loaded keys and, once
+  a step, takes those now described, to send with its queued completions
+  (``complete_store`` of ready keys changes nothing but the descriptions).
 * :class:`EngineEventListener` is a daemon thread with a ZMQ SUB socket connected to
   the engine's endpoint that decodes each message with the engine's own event
   classes (the ``decode`` the plug-in passes) and feeds the index. Nothing here
@@ -25,7 +31,9 @@ store (it is stored from the GPU). So a plug-in subscribes there:
 Bounds: the index holds at most ``max_bytes`` (token ids at 4 bytes plus
 :data:`ENTRY_OVERHEAD_BYTES` an entry); the socket queues at most
 :data:`RECEIVE_HWM` messages of at most :data:`MAX_MESSAGE_BYTES` each (a larger one
-is dropped by ZMQ).
+is dropped by ZMQ); at most :data:`MAX_WAITING_KEYS` loaded keys wait for their
+description (each for :data:`LATE_PATIENCE_STEPS` steps) and
+:data:`MAX_DESCRIBED_KEYS` keys are remembered as described (about 200 bytes each).
 
 May import the client's ``types`` and ``wire`` and ``zmq`` (imported when a listener
 starts): never vLLM or SGLang, whose decoders come in as functions.
@@ -37,7 +45,7 @@ import logging
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +61,10 @@ __all__ = [
     "Describer",
     "EngineEventListener",
     "IndexStatistics",
+    "LATE_PATIENCE_STEPS",
+    "LateDescriptions",
+    "MAX_DESCRIBED_KEYS",
+    "MAX_WAITING_KEYS",
     "StoredBlocks",
     "listen",
     "local_endpoint",
@@ -68,6 +80,14 @@ MAX_MESSAGE_BYTES = 16 << 20
 """A larger event message is refused by ZMQ (vLLM's are a step's blocks: far less)."""
 POLL_MS = 100
 """How often the listener thread looks at its stop flag while the engine is quiet."""
+LATE_PATIENCE_STEPS = 16
+"""Steps a loaded key waits for its blocks' event before it is left undescribed (the
+engine publishes a loaded block a step after the load: the rest is the listener's lag)."""
+MAX_WAITING_KEYS = 4096
+"""Loaded keys waiting for their description at most (the oldest give way)."""
+MAX_DESCRIBED_KEYS = 16384
+"""Keys remembered as described by this engine, stored or loaded (the first described
+are forgotten first, so a key is described again at most once per this many others)."""
 _U64 = (1 << 64) - 1
 
 
@@ -324,10 +344,98 @@ the KV cache group), or None for a key that names no engine block."""
 
 @dataclass
 class DescribeCounters:
-    """Keys completed with and without a description (since start)."""
+    """Keys completed with and without a description, and loaded keys described
+    late or given up on (since start)."""
 
     described: int = 0
     undescribed: int = 0
+    described_late: int = 0
+    undescribed_loads: int = 0  # loaded keys whose description did not come in time
+
+
+class LateDescriptions:
+    """Loaded keys this engine has not described, described once its events show
+    their blocks (module doc). Thread-safe (one short lock per call; ``describe`` is
+    called under it).
+
+    ``describe``: one key's description now, or None. Invariants: a key is in at
+    most one of ``_waiting`` (key -> the take it was loaded at, in load order) and
+    ``_described``; ``len(_waiting) <= max_waiting`` and ``len(_described) <=
+    max_described`` after every call; :meth:`take` describes at most ``max_waiting``
+    keys (index look-ups only: no I/O).
+    """
+
+    def __init__(
+        self,
+        describe: Callable[[bytes], BlockDescription | None],
+        counters: DescribeCounters,
+        *,
+        patience: int = LATE_PATIENCE_STEPS,
+        max_waiting: int = MAX_WAITING_KEYS,
+        max_described: int = MAX_DESCRIBED_KEYS,
+    ) -> None:
+        self._describe = describe
+        self.counters = counters
+        self.patience = patience
+        self.max_waiting = max_waiting
+        self.max_described = max_described
+        self._lock = threading.Lock()
+        self._waiting: OrderedDict[bytes, int] = OrderedDict()  # guarded by _lock
+        self._described: OrderedDict[bytes, None] = OrderedDict()  # guarded by _lock
+        self._takes = 0  # guarded by _lock
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def described(self, keys: Iterable[bytes]) -> None:
+        """``keys`` went to the daemon with their descriptions."""
+        with self._lock:
+            self._remember(keys)
+
+    def loaded(self, keys: Iterable[bytes]) -> None:
+        """``keys`` were loaded: each one not described by this engine waits for its
+        description (the oldest waiting give way beyond ``max_waiting``)."""
+        with self._lock:
+            for key in keys:
+                if key in self._described or key in self._waiting:
+                    continue
+                self._waiting[key] = self._takes
+                if len(self._waiting) > self.max_waiting:
+                    self._waiting.popitem(last=False)
+                    self.counters.undescribed_loads += 1
+
+    def take(self, busy: Collection[bytes] = ()) -> tuple[list[bytes], list[BlockDescription]]:
+        """Once a step: the waiting keys described now (remembered as described),
+        with their descriptions; keys that waited ``patience`` takes are given up.
+        ``busy``: keys to leave waiting (the plug-in's own reservations: completing
+        one would make its rows readable before they are written)."""
+        keys: list[bytes] = []
+        descriptions: list[BlockDescription] = []
+        with self._lock:
+            self._takes += 1
+            waiting = self._waiting
+            while waiting:
+                key, since = next(iter(waiting.items()))
+                if self._takes - since <= self.patience:
+                    break
+                del waiting[key]
+                self.counters.undescribed_loads += 1
+            for key in [k for k in waiting if k not in busy]:
+                described = self._describe(key)
+                if described is not None:
+                    keys.append(key)
+                    descriptions.append(described)
+            self._remember(keys)
+            self.counters.described_late += len(keys)
+        return keys, descriptions
+
+    def _remember(self, keys: Iterable[bytes]) -> None:
+        for key in keys:
+            self._waiting.pop(key, None)
+            self._described[key] = None
+            if len(self._described) > self.max_described:
+                self._described.popitem(last=False)
 
 
 class Describer:
@@ -352,10 +460,13 @@ class Describer:
         self.blocks = blocks
         self.block_size = block_size
         self.counters = DescribeCounters()
+        self.late = LateDescriptions(self._describe, self.counters)
 
     def describe(self, keys: Sequence[bytes]) -> list[BlockDescription | None] | None:
-        """One description (or None) per key; None when no key could be described."""
+        """One description (or None) per key; None when no key could be described.
+        The keys described are remembered (:attr:`late` describes none of them again)."""
         out = [self._describe(key) for key in keys]
+        self.late.described(key for key, d in zip(keys, out, strict=True) if d is not None)
         described = sum(d is not None for d in out)
         self.counters.described += described
         self.counters.undescribed += len(out) - described

@@ -206,5 +206,67 @@ def test_the_daemon_announces_backed_up_pages_with_the_tokens_sglang_published(p
     assert describer.counters.undescribed == 0
 
 
+def test_pages_another_node_stored_undescribed_are_announced_once_loaded(parallel, tmp_path):
+    """Controller A stores a prompt's pages undescribed (its ``kvtierd_events`` is
+    "engine": as another node storing in a shared tier); the daemon announces none.
+    Controller B (``"daemon"``) prefetches them, SGLang's radix cache caches them and
+    publishes them with their tokens, and B's next backup describes them with its
+    queued completions: the daemon announces each page (medium CPU) with its tokens."""
+    from kv_events_harness import EventReader
+    from sglang.srt.disaggregation.kv_events import KVEventBatch, ZmqEventPublisher
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    daemon_events = f"ipc://{tmp_path}/daemon-events"
+    daemon = start_daemon(
+        "--memory-budget", "256MiB",
+        config=f'[kv_events]\nendpoint = "{daemon_events}"\npools = ["llama/tp0of1"]\n'
+        'model = "m"\n',
+    )  # fmt: skip
+    endpoint = f"ipc://{tmp_path}/kv-events"
+    publisher = ZmqEventPublisher(attn_dp_rank=0, endpoint=endpoint)
+    a, host_a = _controller(daemon.address, kvtierd_pool="llama")
+    b, host_b = _controller(
+        daemon.address, kvtierd_pool="llama", kvtierd_events="daemon",
+        kvtierd_engine_events=endpoint,
+    )  # fmt: skip
+    page = host_b.page_size
+    tokens = list(range(700, 700 + 10 * page))
+    try:
+        describer = b.storage_backend.describer
+
+        def subscribed() -> bool:  # a subscriber misses what is published before it joins
+            publisher.publish(KVEventBatch(ts=0.0, events=[]))
+            return describer.listener.messages > 0
+
+        eventually(subscribed, 30, "SGLang's publisher reached the backend")
+        with EventReader(daemon_events) as router:
+            assert _backup(a, host_a, tokens) == len(tokens)
+            assert _prefetch(b, host_b, tokens)[1] == len(tokens)
+            cache = RadixCache.create_simulated(page_size=page, enable_kv_cache_events=True)
+            cache.insert(InsertParams(key=RadixKey(tokens), value=torch.arange(len(tokens))))
+            publisher.publish(KVEventBatch(ts=0.0, events=cache.take_events()))
+            eventually(lambda: describer.index.statistics().blocks == 10, 30, "SGLang's events")
+            _backup(b, host_b, list(range(900, 900 + page)))  # B's next store
+            announced = router.until(lambda ev: len(_cpu_stores(ev)) >= 10)
+    finally:
+        publisher.shutdown()
+        for ctrl in (a, b):
+            ctrl.detach_storage_backend()
+        assert daemon.stop() == 0, daemon.log()
+        daemon.cleanup()
+
+    keys = get_storage_hash_str(tokens, None, page_size=page)
+    hashes = [int(key[:16], 16) for key in keys]
+    assert sorted(
+        (e["block_hashes"], e["parent_block_hash"], e["token_ids"]) for e in _cpu_stores(announced)
+    ) == sorted(
+        ([hashes[i]], hashes[i - 1] if i else None, tokens[i * page : (i + 1) * page])
+        for i in range(10)
+    )
+    assert (describer.counters.described_late, describer.counters.undescribed_loads) == (10, 0)
+
+
 def _cpu_stores(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [e for e in events if e["type"] == "BlockStored" and e["medium"] == "CPU"]

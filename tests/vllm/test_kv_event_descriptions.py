@@ -190,6 +190,47 @@ def test_the_daemon_announces_each_store_with_the_tokens_and_hashes_vllm_publish
     assert describer.counters.undescribed == 0
 
 
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2])
+def test_blocks_another_engine_stored_undescribed_are_announced_once_loaded(
+    make_loop, publishing, tmp_path, blocks_per_chunk
+):
+    """Engine A stores a prompt's blocks undescribed (its ``kvtierd_events`` is
+    "engine": as another node storing in a shared tier); the daemon announces none.
+    Engine B (``"daemon"``) loads them: vLLM caches them on B's GPU and publishes
+    them with their tokens, and at a later step end B's manager describes them with
+    its queued completions: the daemon announces each key (medium CPU) with B's
+    tokens and 64-bit hashes, and B describes each key once."""
+    daemon, daemon_events = publishing
+    extra = {"address": daemon.address, "kvtierd_pool": POOL, "blocks_per_chunk": blocks_per_chunk}
+    a = make_loop(publish_at=f"ipc://{tmp_path}/a-events", **extra)
+    b = make_loop(kvtierd_events="daemon", **extra)
+    describer = b.manager.describer
+    chunks = FULL_BLOCKS // blocks_per_chunk
+    prompt = random_prompt(PROMPT_TOKENS, seed=25)
+    with EventReader(daemon_events) as router:
+        a.add("a", prompt)
+        a.run()
+        for _ in range(3):  # A's last completions reach the daemon
+            a.step()
+        _subscribed(b, describer.listener)
+        request = b.add("b", prompt)
+        b.run()
+        assert b.manager.counters.ops["CompleteLoad"] > 0  # B loaded A's blocks
+        eventually(lambda: describer.index.statistics().blocks >= FULL_BLOCKS, 30, "GPU events")
+        for _ in range(2):  # a step end takes the descriptions (its queue is sent at once)
+            b.step()
+        announced = router.until(lambda events: len(_cpu_stores(events)) >= chunks)
+    hashes = [hash64(h) for h in request.block_hashes[:FULL_BLOCKS]]
+    chain = _in_prefix_order(_cpu_stores(announced))
+    assert [h for e in chain for h in e["block_hashes"]] == hashes
+    assert [t for e in chain for t in e["token_ids"]] == prompt[: FULL_BLOCKS * TOKENS_PER_BLOCK]
+    assert len(_cpu_stores(announced)) == chunks
+    counters = describer.counters
+    assert (counters.described, counters.described_late, counters.undescribed_loads) == (
+        0, chunks, 0,
+    )  # fmt: skip
+
+
 def _cpu_stores(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [e for e in events if e["type"] == "BlockStored" and e["medium"] == "CPU"]
 

@@ -23,6 +23,11 @@ generic ``exists``, ``get``, ``batch_get``, ``set``, ``batch_set``) never raises
 a failure is a miss (0, False, None), logged once per kind and
 ``kvtierd_log_interval``. SGLang's prefetch, prefetch-I/O and backup threads may
 call at once; each copies in its own thread (:mod:`~kvtierd_client.sglang.transfers`).
+
+With ``kvtierd_events = "daemon"`` the pages loaded that this backend did not
+describe (stored by another node in a shared tier, promoted here) are described
+once SGLang's events show them (SGLang publishes a page it inserts into its host
+tree after a prefetch): at the next store, with its queued completions.
 """
 
 from __future__ import annotations
@@ -93,6 +98,9 @@ class KvtierdStorage(HiCacheStorage):
         self.storage_config = storage_config
         self._clock = clock
         self._lock = threading.Lock()  # guards _link, _pages, _plan, _error, _describer
+        # held by a store from describing the loaded pages to its completion, so no
+        # reservation of this backend's session is live while they are described
+        self._storing = threading.Lock()
         self._describer: Describer | None = None  # kvtierd_events = "daemon"
         self._link: DaemonLink | None = None
         self._pages: HostPages | None = None
@@ -195,10 +203,11 @@ class KvtierdStorage(HiCacheStorage):
         settings = self.settings
         assert settings is not None
         started = time.perf_counter()
+        encoded = encode_keys(keys)
         got = self._guard(
-            "batch_get_v1", 0, transfers.load_pages, encode_keys(keys), pages,
-            wait=settings.load_wait,
-        )  # fmt: skip
+            "batch_get_v1", 0, transfers.load_pages, encoded, pages, wait=settings.load_wait
+        )
+        self._loaded(encoded[:got])
         self._counters.loaded(got, n - got, self._page_bytes(), time.perf_counter() - started)
         return [True] * got + [False] * (n - got)
 
@@ -218,10 +227,12 @@ class KvtierdStorage(HiCacheStorage):
         if pages is None:
             return [False] * n
         started = time.perf_counter()
-        ok = self._guard(
-            "batch_set_v1", None, transfers.store_pages, encode_keys(keys), pages,
-            self._describe(),
-        )  # fmt: skip
+        with self._storing:
+            self._describe_loaded()
+            ok = self._guard(
+                "batch_set_v1", None, transfers.store_pages, encode_keys(keys), pages,
+                self._describe(),
+            )  # fmt: skip
         ok = ok if ok is not None else [False] * n
         stored = sum(ok)
         self._counters.stored(stored, n - stored, self._page_bytes(), time.perf_counter() - started)
@@ -248,9 +259,9 @@ class KvtierdStorage(HiCacheStorage):
             return [None] * n
         page_bytes = self._page_bytes()
         wait = self.settings.load_wait if self.settings else 0.0
-        got = self._guard(
-            "get", 0, transfers.load_flat, encode_keys(keys), targets, page_bytes, wait=wait
-        )
+        encoded = encode_keys(keys)
+        got = self._guard("get", 0, transfers.load_flat, encoded, targets, page_bytes, wait=wait)
+        self._loaded(encoded[:got])
         self._counters.loaded(got, n - got, page_bytes, 0.0)
         return [targets[i] if i < got else None for i in range(n)]
 
@@ -272,17 +283,19 @@ class KvtierdStorage(HiCacheStorage):
         if values is None or len(values) != len(keys) or not self._flat_pages(values):
             return False
         page_bytes = self._page_bytes()
-        ok = bool(
-            self._guard(
-                "set",
-                False,
-                transfers.store_flat,
-                encode_keys(keys),
-                values,
-                page_bytes,
-                self._describe(),
-            )  # fmt: skip
-        )
+        with self._storing:
+            self._describe_loaded()
+            ok = bool(
+                self._guard(
+                    "set",
+                    False,
+                    transfers.store_flat,
+                    encode_keys(keys),
+                    values,
+                    page_bytes,
+                    self._describe(),
+                )  # fmt: skip
+            )
         self._counters.stored(len(keys) if ok else 0, 0 if ok else len(keys), page_bytes, 0.0)
         return ok
 
@@ -363,6 +376,24 @@ class KvtierdStorage(HiCacheStorage):
     def _describe(self) -> transfers.Describe | None:
         describer = self._describer
         return None if describer is None else describer.describe
+
+    def _loaded(self, keys: list[bytes]) -> None:
+        """Pages loaded: those this backend did not describe wait for SGLang's events."""
+        describer = self._describer
+        if describer is not None and keys:
+            describer.late.loaded(keys)
+
+    def _describe_loaded(self) -> None:
+        """Queues a ``CompleteStore`` of the loaded pages SGLang's events now describe
+        (ready keys: the daemon keeps the descriptions, the completion changes
+        nothing); the store's first call carries it. Called with ``_storing`` held:
+        no reservation of this session is live, so none is completed by it."""
+        describer = self._describer
+        if describer is None or not describer.late.waiting:
+            return
+        keys, descriptions = describer.late.take()
+        if keys:
+            self._guard("describe", None, transfers.describe_loaded, keys, descriptions)
 
     def _close_link(self) -> None:
         with self._lock:

@@ -219,6 +219,15 @@ def store_flat(
     return stored
 
 
+def describe_loaded(
+    gen: Generation, keys: list[bytes], descriptions: Sequence[BlockDescription]
+) -> None:
+    """``complete_store`` of loaded (ready) ``keys`` with their descriptions: the
+    daemon ignores the completion and announces them (queued: no round trip of its
+    own). Never call it while this session holds a reservation of one of them."""
+    gen.session.complete_store(keys, success=True, descriptions=descriptions)
+
+
 def _complete_store(
     session: Session, keys: list[bytes], stored: bool, describe: Describe | None
 ) -> None:

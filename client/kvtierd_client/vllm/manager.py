@@ -69,7 +69,7 @@ from __future__ import annotations
 import functools
 import time
 from collections import deque
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 from vllm.v1.kv_offload.base import (
@@ -243,7 +243,11 @@ class KvtierdOffloadingManager(OffloadingManager):
             self._daemon.call(gen, "Touch", gen.session.touch, unique)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        """Releases this generation's load pins on ``keys`` (older ones died with their session)."""
+        """Releases this generation's load pins on ``keys`` (older ones died with their
+        session). With a describer, the keys it has not described wait for vLLM's
+        GPU events of their blocks (described at a later step end)."""
+        if self.describer is not None:
+            self.describer.late.loaded(keys)
         mine = self._holdings.unpin(keys)
         gen = self._daemon.generation
         if gen is not None and mine:
@@ -329,8 +333,8 @@ class KvtierdOffloadingManager(OffloadingManager):
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         """Releases the lookup pins no ``prepare_load`` claimed (queued); forgets the
         step's answers; gives back the rows asked ahead whose grants end (queued);
-        sends the completions that waited a whole step; ends the step's round-trip
-        count."""
+        describes the loaded keys vLLM's events now describe (queued); sends the
+        completions that waited a whole step; ends the step's round-trip count."""
         self._accounting.step += 1
         unclaimed = self._cache.unclaimed()
         self._cache.clear()
@@ -339,6 +343,7 @@ class KvtierdOffloadingManager(OffloadingManager):
             self.counters.lookup_pins_released += len(unclaimed)
             self._daemon.release_pins(gen, unclaimed, unused=True)
         self._give_back(gen, self._ahead.end_step())
+        self._describe_loaded(gen)
         self._bury_due()
         if self._accounting.queue_overdue():
             self._daemon.send_queued()
@@ -510,6 +515,23 @@ class KvtierdOffloadingManager(OffloadingManager):
             complete = gen.session.complete_store
             self._daemon.call(gen, "CompleteStore", complete, unclaimed, False, quiet=True)
 
+    def _describe_loaded(self, gen: Generation | None) -> None:
+        """Queues a ``CompleteStore`` of the loaded keys now described: the daemon
+        ignores the completion of a ready key and keeps the description (the first
+        wins), announcing the key where it is. Never a key this generation reserved
+        (completing it would make its rows readable before they are written): the
+        queue reaches the daemon before any later ``PrepareStore``, so a key
+        reserved after this call is reserved after the completion too."""
+        late = None if self.describer is None else self.describer.late
+        if late is None or gen is None or not late.waiting:
+            return
+        keys, descriptions = late.take(busy=self._holdings.reserved | self._ahead.reserved)
+        if keys:
+            self._daemon.call(
+                gen, "CompleteStore", _complete_store, gen.session, keys, True, descriptions,
+                quiet=True,
+            )  # fmt: skip
+
     def _bury_due(self) -> None:
         """Releases the graves due at this step (against the generation that dug them)."""
         gen = self._daemon.generation
@@ -527,7 +549,7 @@ def _complete_store(
     session: Session,
     keys: list[bytes],
     success: bool,
-    descriptions: list[BlockDescription | None] | None,
+    descriptions: Sequence[BlockDescription | None] | None,
 ) -> None:
     """``Session.complete_store``, with the descriptions when there are any."""
     if descriptions is None:

@@ -1,5 +1,6 @@
 """The block index a plug-in fills from its engine's KV events
-(``kvtierd_client.engine_events.BlockIndex``): chains, bounds, what it refuses."""
+(``kvtierd_client.engine_events.BlockIndex``): chains, bounds, what it refuses; the
+loaded keys described late (``LateDescriptions``): once, bounded, never a busy key."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import pytest
 from kvtierd_client.engine_events import (
     ENTRY_OVERHEAD_BYTES,
     BlockIndex,
+    DescribeCounters,
+    Describer,
+    LateDescriptions,
     StoredBlocks,
     local_endpoint,
 )
@@ -106,3 +110,57 @@ def test_the_endpoint_a_plugin_connects_to(configured, offset, connect):
 def test_an_endpoint_that_is_not_tcp_or_ipc_is_refused():
     with pytest.raises(ValueError, match="tcp://HOST:PORT or ipc://PATH"):
         local_endpoint("inproc://x")
+
+
+def late(index: BlockIndex, **bounds: int) -> LateDescriptions:
+    """Keys ``b"k<hash>"`` of one block each, described from ``index``."""
+    return LateDescriptions(
+        lambda key: index.describe(int(key[1:]), 1, SIZE), DescribeCounters(), **bounds
+    )
+
+
+def test_a_loaded_key_is_taken_once_its_blocks_event_arrives_and_never_again():
+    index = BlockIndex(1 << 20)
+    loads = late(index)
+    loads.loaded([b"k11", b"k12"])
+    assert loads.take() == ([], [])  # the engine has not published them yet
+    index.add(StoredBlocks([11, 12], None, tokens(0, 2), SIZE))
+    keys, descriptions = loads.take()
+    assert keys == [b"k11", b"k12"]
+    assert [d.token_ids for d in descriptions] == [tuple(tokens(0)), tuple(tokens(4))]
+    loads.loaded([b"k11", b"k12"])  # loaded again: described already
+    assert (loads.waiting, loads.take(), loads.counters.described_late) == (0, ([], []), 2)
+
+
+def test_keys_the_engine_stored_with_a_description_are_not_described_again_when_loaded():
+    index = BlockIndex(1 << 20)
+    index.add(StoredBlocks([11], None, tokens(0), SIZE))
+    describer = Describer(index, None, lambda key: (int(key[1:]), 0), blocks=1, block_size=SIZE)
+    assert describer.describe([b"k11", b"k12"]) is not None  # k12 undescribed
+    describer.late.loaded([b"k11", b"k12"])
+    assert describer.late.waiting == 1
+    index.add(StoredBlocks([12], 11, tokens(4), SIZE))
+    assert describer.late.take()[0] == [b"k12"]
+
+
+def test_a_busy_key_waits_and_keys_undescribed_for_patience_steps_are_given_up():
+    index = BlockIndex(1 << 20)
+    loads = late(index, patience=2)
+    index.add(StoredBlocks([11], None, tokens(0), SIZE))
+    loads.loaded([b"k11", b"k99"])
+    assert loads.take(busy={b"k11"}) == ([], [])  # reserved by the engine: not completed
+    assert loads.take()[0] == [b"k11"]
+    assert loads.take() == ([], [])
+    assert (loads.waiting, loads.counters.undescribed_loads) == (0, 1)
+
+
+def test_waiting_and_described_keys_are_bounded():
+    index = BlockIndex(1 << 20)
+    loads = late(index, max_waiting=2, max_described=2)
+    loads.loaded([b"k1", b"k2", b"k3"])
+    assert (loads.waiting, loads.counters.undescribed_loads) == (2, 1)  # k1 gave way
+    index.add(StoredBlocks([1, 2, 3], None, tokens(0, 3), SIZE))
+    assert loads.take()[0] == [b"k2", b"k3"]
+    loads.described([b"k4"])  # k2, the first described, is forgotten
+    loads.loaded([b"k2", b"k3", b"k4"])
+    assert loads.take()[0] == [b"k2"]
