@@ -88,6 +88,8 @@ OTHER_PROGRAMS_ENVIRONMENT: dict[str, str] = {
     "KVTIERD_BENCH_WARM_STORE": "the warm-restart benchmark: cases",
     "KVTIERD_DEPLOY_CACHE": "make test-deploy: the base image cache",
     "KVTIERD_DEPLOY_BASE_IMAGE": "make test-deploy: the base image",
+    "KVTIERD_EVENTS": "deploy/kv-events/dynamo-indexer.sh: the daemon's [kv_events] endpoint",
+    "KVTIERD_REPLAY": "deploy/kv-events/dynamo-indexer.sh: the daemon's replay endpoint",
 }
 ENV_PREFIX = "KVTIERD_"
 
