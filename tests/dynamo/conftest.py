@@ -57,6 +57,9 @@ def events_config(
         text += (
             f'[[tiers]]\ntype = "fs"\nname = "fs0"\nroot = "{fs_root}"\n'
             f'create_root = true\ncapacity = "{fs_capacity}"\n'
+            # write-through: these tests follow blocks the fs tier's LRU evicts (its
+            # default, tinylfu, would keep one-shot blocks out once it is full)
+            'admission = "always"\n'
         )
     return text
 
