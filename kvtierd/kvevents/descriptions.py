@@ -108,11 +108,6 @@ class DescriptionTable:
             del self._entries[slot]
         return entry
 
-    def forget_pool(self, pool: str) -> None:
-        """Drops every entry of ``pool`` (the pool closed: nothing of it is published)."""
-        for slot in [slot for slot in self._entries if slot[0] == pool]:
-            self.used_bytes -= self._entries.pop(slot).cost
-
     def forget_all(self) -> None:
         self._entries.clear()
         self.used_bytes = 0

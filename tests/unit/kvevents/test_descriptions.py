@@ -62,5 +62,5 @@ def test_used_bytes_is_the_sum_of_the_entries_costs():
     expected = sum(entry_cost(key, e.raw, len(e.tiers)) for key, e in table.entries("p"))
     assert table.used_bytes == expected
     assert expected > 100 * (len(described(0, tokens=16).raw) + 300)
-    table.forget_pool("p")
+    table.forget_all()
     assert table.used_bytes == 0
