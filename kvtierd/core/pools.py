@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import functools
 import hashlib
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from kvtierd.config import LimitsConfig, MemoryConfig
 from kvtierd.contract import DEFAULT_EVICTION_POLICY, PoolSpec
@@ -41,6 +39,7 @@ from kvtierd.security.principals import Principal
 from kvtierd.tiering.admission import DEFAULT_POLICY, TierAdmission, make_policy
 from kvtierd.tiers.base import SecondaryTier
 from kvtierd.tiers.configured import ConfiguredTier, PoolBinding, TierStartError
+from kvtierd.util.offloop import off_loop
 from kvtierd.util.units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -452,38 +451,6 @@ def _log_adoption(pool: Pool, adoption: Adoption) -> None:
         "damaged in the middle (not a last write cut short by a crash: modified or "
         "corrupted while the daemon was down)" if damaged else "torn journal bytes ignored",
     )  # fmt: skip
-
-
-async def off_loop(function: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
-    """``function(*args, **kwargs)`` on a new daemon thread; its result or error.
-
-    Not the loop's default executor: its threads are joined when the loop
-    closes, so a call stuck in the kernel would hold the daemon's exit. A daemon
-    thread is never waited for; if the awaiting task is cancelled, the call runs
-    on and its outcome is dropped. For rare, slow calls (regions: seconds per GiB).
-    """
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[_T] = loop.create_future()
-
-    def settle(outcome: Callable[[], None]) -> None:
-        if not future.done():
-            outcome()
-
-    def body() -> None:
-        try:
-            result = function(*args, **kwargs)
-        except BaseException as exc:  # handed to the awaiting task
-            report = functools.partial(settle, functools.partial(future.set_exception, exc))
-        else:
-            report = functools.partial(settle, functools.partial(future.set_result, result))
-        try:
-            loop.call_soon_threadsafe(report)
-        except RuntimeError:  # the loop is closed: nobody waits any more
-            pass
-
-    name = getattr(function, "__qualname__", "call")
-    threading.Thread(target=body, name=f"kvtierd-off-loop-{name}", daemon=True).start()
-    return await future
 
 
 def _check_compatible(existing: PoolSpec, requested: PoolSpec) -> None:

@@ -29,7 +29,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -40,6 +39,7 @@ from kvtierd.contract import BlockEvent, BlockKey
 from kvtierd.kvevents.publisher import PublisherStats
 from kvtierd.kvevents.snapshots import load_snapshot
 from kvtierd.kvevents.worker import MAX_FRAME
+from kvtierd.util.offloop import off_loop
 
 log = logging.getLogger(__name__)
 
@@ -366,25 +366,3 @@ def _stop_worker(
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
-
-
-async def off_loop(function: Any, *args: Any) -> Any:
-    """``function(*args)`` on a new daemon thread (file I/O of the snapshots), its
-    result or error; a daemon thread is never waited for at exit."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[Any] = loop.create_future()
-
-    def settle(setter: Any, value: Any) -> None:
-        if not future.done():
-            setter(value)
-
-    def body() -> None:
-        try:
-            result = function(*args)
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
-            loop.call_soon_threadsafe(settle, future.set_exception, exc)
-        else:
-            loop.call_soon_threadsafe(settle, future.set_result, result)
-
-    threading.Thread(target=body, name="kvtierd-kv-events-io", daemon=True).start()
-    return await future

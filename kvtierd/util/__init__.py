@@ -5,7 +5,8 @@ worker processes, loop futures, fair shares, the C heap, sockets and their owner
 - ``filekind``: file types in words; ``flocks``: who holds a file's ``flock``
   (``/proc/locks``);
 - ``workerproc``: the first act of every worker process the daemon starts;
-- ``loopfuture``: futures other threads complete on the loop;
+- ``loopfuture``: futures other threads complete on the loop; ``offloop``: a blocking
+  call run on a daemon thread of its own, awaited on the loop;
 - ``fairshare``: fair shares of a bounded pool of places between named holders;
 - ``heap``: the C heap's hold on memory the daemon freed (glibc malloc);
 - ``sockets``: listening Unix sockets put in place atomically, all or none, and removed
