@@ -412,12 +412,12 @@ def stopped(pid: int) -> bool:
     long enough to answer a request)."""
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # exited meanwhile
         return False
     for task in tasks:
         try:
             stat = Path(f"/proc/{pid}/task/{task}/stat").read_text()
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # exited meanwhile
             continue
         if stat.rsplit(")", 1)[1].split()[0] not in ("T", "t"):
             return False
@@ -425,10 +425,11 @@ def stopped(pid: int) -> bool:
 
 
 def gone(pid: int) -> bool:
-    """The process is dead (reaped, or a zombie)."""
+    """The process is dead (reaped, or a zombie). A process reaped between the open of
+    its stat file and the read makes the read fail with ESRCH (ProcessLookupError)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # exited meanwhile
         return True
 
 
@@ -443,12 +444,12 @@ def children_running(pid: int, module: str) -> list[int]:
     for task in os.listdir(f"/proc/{pid}/task"):
         try:
             children = Path(f"/proc/{pid}/task/{task}/children").read_text().split()
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # exited meanwhile
             continue  # the thread ended
         for child in map(int, children):
             try:
                 command = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
-            except FileNotFoundError:
+            except (FileNotFoundError, ProcessLookupError):  # exited meanwhile
                 continue
             if module.encode() in command and not gone(child):
                 found.append(child)

@@ -28,7 +28,7 @@ def hash_workers(daemon: DaemonProcess) -> list[int]:
     for task in os.listdir(f"/proc/{daemon.proc.pid}/task"):
         try:
             children = Path(f"/proc/{daemon.proc.pid}/task/{task}/children").read_text().split()
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # exited meanwhile
             continue
         for child in map(int, children):
             try:
@@ -37,7 +37,7 @@ def hash_workers(daemon: DaemonProcess) -> list[int]:
                     in Path(f"/proc/{child}/cmdline").read_bytes()
                 ):
                     pids.append(child)
-            except FileNotFoundError:
+            except (FileNotFoundError, ProcessLookupError):  # exited meanwhile
                 continue
     return pids
 

@@ -248,7 +248,10 @@ def _children(pid: int) -> list[int]:
     """Process ids of ``pid``'s children (every thread's), from /proc."""
     found = []
     for task in Path(f"/proc/{pid}/task").iterdir():
-        found += [int(c) for c in (task / "children").read_text().split()]
+        try:
+            found += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended meanwhile
+            continue
     return found
 
 

@@ -39,13 +39,13 @@ def io_workers(daemon: DaemonProcess) -> list[int]:
     for task in os.listdir(f"/proc/{daemon.proc.pid}/task"):
         try:
             children = Path(f"/proc/{daemon.proc.pid}/task/{task}/children").read_text()
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # exited meanwhile
             continue
         for child in map(int, children.split()):
             try:
                 if b"kvtierd.tiers.fs.ioworker" in Path(f"/proc/{child}/cmdline").read_bytes():
                     pids.append(child)
-            except FileNotFoundError:
+            except (FileNotFoundError, ProcessLookupError):  # exited meanwhile
                 continue
     return pids
 
