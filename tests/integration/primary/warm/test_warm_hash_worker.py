@@ -133,7 +133,8 @@ def test_a_killed_worker_is_replaced_and_a_crash_adopts_what_was_journaled(warm_
         store(session, keys[4:])
         (second,) = eventually(lambda: hash_workers(daemon), 30, "a new hash worker")
         assert second != first and daemon.alive()
-        time.sleep(1.0)  # the journal records a completion within ~5 ms + hashing
+        lag = lambda: client.get_stats("bus").pools[0].journal_lag_seconds  # noqa: E731
+        eventually(lambda: lag() == 0.0, 30, lambda: f"every completion journaled; lag {lag()}s")
     daemon.stop(signal.SIGKILL)
     eventually(lambda: gone(second), 10, "the worker killed with the daemon", wake=Exits(second))
     daemon = daemon.restart()
