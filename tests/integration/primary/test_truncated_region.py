@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -224,7 +223,11 @@ def test_a_client_that_truncates_the_region_cannot_kill_the_daemon():
         assert grant is not None and len(grant.block_ids) == 8
         attacker.complete_store(keys)  # never written: the rows are past the end
         journal = attacker.region.path[: -len(".region")] + ".journal"
-        time.sleep(1.0)  # the journal hashes a completion within ~5 ms (BATCH_DELAY_SECONDS)
+        lag = lambda: client.get_stats("cut").pools[0].journal_lag_seconds  # noqa: E731
+        eventually(  # the journal has read the rows past the end (its lag back to none)
+            lambda: not daemon.alive() or lag() == 0.0, 30,
+            lambda: f"the completions journaled; lag {lag()}s",
+        )  # fmt: skip
         assert daemon.alive(), f"the daemon died ({daemon.proc.returncode}):\n{daemon.log()}"
         assert bystander.lookup([b"x"]) == [LookupResult.MISS]  # everyone else still served
         assert os.path.exists(journal)
@@ -253,7 +256,10 @@ def test_a_truncated_region_cannot_kill_the_daemon_through_the_redis_tier(
         keys = block_keys("cut", 4)
         engine.session.prepare_store(keys)
         engine.session.complete_store(keys)  # never written: past the end; cascaded to redis
-        time.sleep(2.0)  # the cascade runs within milliseconds
+        eventually(  # the cascade has read the rows past the end: each store failed
+            lambda: not daemon.alive() or engine.tier_stats().failures >= len(keys), 30,
+            lambda: f"the cascade's stores failed; {engine.tier_stats()}",
+        )  # fmt: skip
         assert daemon.alive(), f"the daemon died ({daemon.proc.returncode})"
         engine.close()
     finally:
