@@ -12,7 +12,7 @@ import stat
 import faulty_daemon
 import grpc
 import pytest
-from daemon_harness import fs_tiers_config, health_status, start_daemon
+from daemon_harness import eventually, fs_tiers_config, health_status, start_daemon, stopped
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
@@ -249,11 +249,18 @@ def test_open_session_waits_for_a_slow_pool_creation_past_the_clients_timeout(da
     from kvtierd_client.client import Client
     from kvtierd_client.errors import DeadlineExceeded
 
+    def pause_for(seconds: float) -> threading.Timer:
+        """Stops the daemon (every thread: SIGSTOP takes effect asynchronously, and a
+        thread still running could answer the call) and resumes it ``seconds`` later."""
+        daemon.proc.send_signal(signal.SIGSTOP)
+        eventually(lambda: stopped(daemon.proc.pid), 30, "the daemon stopped")
+        resume = threading.Timer(seconds, daemon.proc.send_signal, (signal.SIGCONT,))
+        resume.start()
+        return resume
+
     with Client(daemon.address, timeout=0.5) as client:
         client.get_stats()  # connected: the pause below hits the call, not the connect
-        daemon.proc.send_signal(signal.SIGSTOP)
-        resume = threading.Timer(1.5, daemon.proc.send_signal, (signal.SIGCONT,))
-        resume.start()
+        resume = pause_for(1.5)
         try:
             started = time.monotonic()
             session = client.open_session("slow-open", block_bytes=4096, num_blocks=4)
@@ -262,8 +269,10 @@ def test_open_session_waits_for_a_slow_pool_creation_past_the_clients_timeout(da
         finally:
             resume.join()
             daemon.proc.send_signal(signal.SIGCONT)
-        daemon.proc.send_signal(signal.SIGSTOP)
-        threading.Timer(1.5, daemon.proc.send_signal, (signal.SIGCONT,)).start()
-        with pytest.raises(DeadlineExceeded):  # an explicit timeout is kept
-            client.open_session("slow-open", block_bytes=4096, num_blocks=4, timeout=0.5)
-        time.sleep(1.6)
+        resume = pause_for(1.5)
+        try:
+            with pytest.raises(DeadlineExceeded):  # an explicit timeout is kept
+                client.open_session("slow-open", block_bytes=4096, num_blocks=4, timeout=0.5)
+        finally:
+            resume.join()  # the daemon runs again before the next test
+            daemon.proc.send_signal(signal.SIGCONT)
