@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from daemon_harness import DaemonProcess, eventually, start_daemon
+from daemon_harness import DaemonProcess, eventually, eventually_async, start_daemon, stopped
 from lane_harness import bound_raw, call_frame, open_raw, read_frame
 
 from kvtierd_client._rpc.codec import LOOKUP
@@ -518,6 +518,8 @@ def test_a_late_answer_after_a_deadline_is_never_taken_for_the_next_calls(lane_d
         session.complete_store([b"stored"])
         os.kill(lane_daemon.proc.pid, signal.SIGSTOP)
         try:
+            # every thread stopped: one still running could answer in time
+            eventually(lambda: stopped(lane_daemon.proc.pid), 30, "the daemon stopped")
             with pytest.raises(DeadlineExceeded):
                 session._call(LOOKUP, [b"absent"], timeout=0.3)  # answer: MISS, late
         finally:
@@ -535,6 +537,9 @@ def test_the_asyncio_lane_drops_a_late_answer_too(lane_daemon, pool_name):
             await session.complete_store([b"stored"])
             os.kill(lane_daemon.proc.pid, signal.SIGSTOP)
             try:
+                await eventually_async(
+                    lambda: stopped(lane_daemon.proc.pid), 30, "the daemon stopped"
+                )
                 with pytest.raises(DeadlineExceeded):
                     await session._call(LOOKUP, [b"absent"], timeout=0.3)
             finally:
