@@ -104,6 +104,7 @@ def test_a_crash_during_a_write_storm_holds_the_rows_from_the_kill_not_the_resta
         time.sleep(RESTART_AFTER_S)  # as systemd's RestartSec: a while after the crash
         daemon = daemon.restart()
         daemons.append(daemon)
+        adopting = time.monotonic()  # the pool's open (its adoption) comes after this
         engine = Engine(daemon, pool_name, num_blocks=16)
         opened = time.monotonic()
         first_hit, last_hit = first_hits(engine, settled, timeout=FENCE_S + 20)
@@ -114,9 +115,14 @@ def test_a_crash_during_a_write_storm_holds_the_rows_from_the_kill_not_the_resta
         )
         # never before the old clients' leases and write fences could have run out ...
         assert first_hit >= last_call + FENCE_S
-        # ... and soon after, counted from the kill (or from the pool's open, if later);
-        # counted from the adoption it came RESTART_AFTER_S + a start later
-        assert first_hit <= max(killed + FENCE_S, opened) + 2.0
+        # ... and soon after, counted from the kill (or from the pool's open, if later):
+        # before a fence counted from the adoption would end, RESTART_AFTER_S + a start
+        # later (a bound that grows with a slow restart, not a fixed margin: a loaded
+        # machine promotes late, but no later than that)
+        assert first_hit < adopting + FENCE_S, (
+            f"the first HIT came {first_hit - adopting:.3f}s after the adoption: held a "
+            f"whole fence ({FENCE_S:g}s) from it, not from the kill"
+        )
         assert engine.load(settled) == [payload(key) for key in settled]
         engine.close()
         assert "a crash: its last lease (+ write_quarantine) ends in" in daemon.log()
