@@ -80,7 +80,7 @@ def test_open_session_waits_for_the_replaced_daemon_a_bounded_time_and_says_why(
             began = time.monotonic()
             with pytest.raises(Unavailable, match=f"pid {old.proc.pid}.*has not exited"):
                 client.open_session("warm", block_bytes=BLOCK, num_blocks=BLOCKS, layout="l1")
-            assert 9.0 <= time.monotonic() - began < 20.0
+            assert 9.0 <= time.monotonic() - began < 30.0  # bounded (the client waits 120 s)
             os.kill(old.proc.pid, signal.SIGCONT)  # its SIGTERM is delivered now
             assert old.proc.wait(30.0) == 0
             client.open_session("warm", block_bytes=BLOCK, num_blocks=BLOCKS, layout="l1")

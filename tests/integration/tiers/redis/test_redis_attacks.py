@@ -183,7 +183,8 @@ def test_an_unreachable_redis_server_never_stalls_the_event_loop_through_getstat
             finally:
                 stop.set()
                 looker.join()
-            assert worst < 2.0, f"a Lookup waited {worst:.2f}s: the event loop stalled"
+            # a frozen loop waited the tier's whole 5 s timeout
+            assert worst < 4.0, f"a Lookup waited {worst:.2f}s: the event loop stalled"
     finally:
         os.kill(redis_server.proc.pid, signal.SIGCONT)
 

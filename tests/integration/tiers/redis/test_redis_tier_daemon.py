@@ -192,7 +192,8 @@ def test_lookups_never_wait_on_a_server_that_does_not_answer(
             assert engine.session.lookup(unknown) == [MISS] * 64  # probes hang off the loop
             assert engine.session.lookup(held)[0] != HIT  # a promotion hangs off the loop
             engine.client.get_stats(pool_name)
-            assert time.monotonic() - started < 0.5, "a lookup waited on the server"
+            # well inside the tier's 3 s timeout, what a call waiting on the server takes
+            assert time.monotonic() - started < 1.5, "a lookup waited on the server"
     finally:
         os.kill(server.proc.pid, signal.SIGCONT)
     assert engine.wait_settled(held, timeout=30.0) in ([MISS, MISS], [HIT, HIT])
