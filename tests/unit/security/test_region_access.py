@@ -132,7 +132,7 @@ def test_close_returns_promptly_while_a_lookup_is_stuck(daemon_loop, path):
         )  # fmt: skip
         started = time.monotonic()
         server.close()
-        assert time.monotonic() - started < 1.0
+        assert time.monotonic() - started < 5.0  # not the stuck lookup's 10 s
         assert answer_of(stuck) == b"" and answer_of(silent) == b""  # both cut
         assert not os.path.exists(path)
     finally:

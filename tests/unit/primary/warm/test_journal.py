@@ -208,7 +208,7 @@ def test_a_thread_failure_turns_the_journal_off_with_one_line_and_close_stays_pr
     writer.rows_ready([b"b"], [1])  # nothing queued any more
     started = time.monotonic()
     writer.close(drain_seconds=10)
-    assert time.monotonic() - started < 2.0
+    assert time.monotonic() - started < 5.0  # not the 10 s drain: nothing is queued
     errors = [r for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and "injected" in errors[0].getMessage(), caplog.text
     assert "warm restart is off for pool pool" in errors[0].getMessage()

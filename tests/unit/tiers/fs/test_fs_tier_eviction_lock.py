@@ -49,4 +49,6 @@ def test_a_stuck_rename_during_an_eviction_does_not_block_lookups(region, tmp_pa
             tier.shutdown()
 
     waited = run(region, Path(root), body)
-    assert waited < 0.1, f"a Lookup waited {waited:.2f}s for an eviction's rename"
+    # a Lookup behind the tier's lock waits out the stuck rename (10 s); a loaded
+    # machine's scheduling costs a call far less than half of that
+    assert waited < 5.0, f"a Lookup waited {waited:.2f}s for an eviction's rename"

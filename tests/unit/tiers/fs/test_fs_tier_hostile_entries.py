@@ -278,7 +278,7 @@ def test_iopool_shutdown_leaves_a_stuck_thread_behind_after_its_bound(
         await loop.run_in_executor(None, started.wait)
         begin = time.monotonic()
         await loop.run_in_executor(None, pool.shutdown, 0.2)
-        assert time.monotonic() - begin < 2.0
+        assert time.monotonic() - begin < QUICK_S  # the stuck task never ends by itself
         assert "stuck-test-r0 still run a task after 0.2s" in caplog.text
         gate.set()  # the file system answers at last: the batch still reports once
         assert (await asyncio.wait_for(done, QUICK_S))[0].value == 1
@@ -323,7 +323,7 @@ def test_tier_shutdown_is_bounded_with_a_scan_and_a_worker_stuck(
             await h.loop.run_in_executor(None, scanning.shutdown)
             await h.loop.run_in_executor(None, tier.shutdown)
             await h.loop.run_in_executor(None, h.workers.stop)
-            assert time.monotonic() - begin < 3.0
+            assert time.monotonic() - begin < QUICK_S  # the stuck scan and worker never end
             result = await asyncio.wait_for(h.waiters[job.job_id], QUICK_S)
             assert not result.success  # the killed worker failed it
             assert h.calls[job.job_id] == 1
