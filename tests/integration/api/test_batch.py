@@ -130,7 +130,7 @@ def test_queued_completions_flush_on_a_timer_and_at_close(daemon, pool_name):
             session.complete_store(keys_of("t"))
             eventually(  # the short timer sends it
                 lambda: other.lookup(keys_of("t")) == [HIT],
-                5, "the queued completion sent", wake=events.wait,
+                30, "the queued completion sent", wake=events.wait,
             )  # fmt: skip
         session.prepare_store(keys_of("u"))
         session.complete_store(keys_of("u"))
@@ -187,10 +187,10 @@ def test_flush_deadline_thread_exits_when_idle_and_comes_back(daemon, pool_name,
                 session.complete_store([key])  # no carrier call: the deadline sends it
                 eventually(
                     lambda key=key: other.lookup([key]) == [HIT],
-                    5, "the queued completion sent", wake=events.wait,
+                    30, "the queued completion sent", wake=events.wait,
                 )  # fmt: skip
             eventually(  # idle: it exits
-                lambda: not flush_threads(), 5, "the idle flush thread exited",
+                lambda: not flush_threads(), 30, "the idle flush thread exited",
                 wake=join_flush_threads,
             )  # fmt: skip
         session.close()

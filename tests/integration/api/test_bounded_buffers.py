@@ -68,7 +68,7 @@ def test_a_stream_whose_client_does_not_read_ends_with_out_of_range(make_daemon,
     seqs = [event.seq for _, event in zip(range(last), reader, strict=False)]
     assert seqs == list(range(1, last + 1))
     reader.cancel()
-    eventually(lambda: "not taken within 0.3s" in daemon.log(), 10, "the write timeout logged")
+    eventually(lambda: "not taken within 0.3s" in daemon.log(), 30, "the write timeout logged")
     received, error = read_until_error(idle)
     unprobed.close()
     assert error.code() == grpc.StatusCode.OUT_OF_RANGE
@@ -106,7 +106,7 @@ def test_watch_streams_beyond_the_limit_are_refused_until_one_ends(make_daemon, 
         return None
 
     # the daemon learns of the cancellation asynchronously
-    stream = eventually(served, 10, "the cancelled stream's slot freed")
+    stream = eventually(served, 30, "the cancelled stream's slot freed")
     stream.cancel()
     streams[1].cancel()
 

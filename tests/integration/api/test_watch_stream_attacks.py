@@ -107,7 +107,7 @@ def test_a_client_that_leaves_unread_streams_is_refused_more_than_its_limit(make
             return answer == 1
 
         # the daemon learns of the client's leaving asynchronously
-        eventually(served, 10, "a stream served once an idle client left")
+        eventually(served, 30, "a stream served once an idle client left")
     finally:
         for client in idle:
             client.close()

@@ -65,7 +65,7 @@ def test_rss_under_a_churn_of_new_long_keys_stays_within_the_configured_bounds(
         return last[0] <= bound
 
     eventually(
-        within, 10,
+        within, 30,
         lambda: f"anonymous RSS {last[0] / MIB:.1f} MiB under the bound {bound / MIB:.1f} MiB "
         f"(base {base / MIB:.1f}); after each cycle: {[round(f / MIB, 1) for f in figures]}",
         interval=0.25,

@@ -289,7 +289,7 @@ def test_an_unclaimed_hold_ends_at_its_deadline(tmp_path):
             promoted(session, keys)
             eventually(
                 lambda: primary_stats(session, pool).pinned_blocks == 0,
-                10, "the holds released by the daemon's timer",
+                30, "the holds released by the daemon's timer",
             )  # fmt: skip
             assert [ref_count(session, pool, key) for key in keys] == [0, 0]
             assert session.lookup(keys) == [HIT, HIT]  # released, not evicted

@@ -105,7 +105,7 @@ def test_a_worker_stopped_for_good_neither_holds_the_stop_nor_loses_the_blocks(w
     daemon.stop(signal.SIGTERM, timeout=60)
     assert time.monotonic() - started < 40  # 10 s of drain, then the stop goes on
     assert daemon.proc.returncode == 0, daemon.log()
-    eventually(lambda: gone(worker), 10, "the stopped worker killed", wake=Exits(worker))
+    eventually(lambda: gone(worker), 30, "the stopped worker killed", wake=Exits(worker))
     daemon = daemon.restart()
     warm_daemon.append(daemon)
     with Client(daemon.address) as client:
@@ -126,7 +126,7 @@ def test_a_killed_worker_is_replaced_and_a_crash_adopts_what_was_journaled(warm_
         store(session, [b"a"])
         (first,) = eventually(lambda: hash_workers(daemon), 30, "the daemon's hash worker")
         os.kill(first, signal.SIGBUS)
-        eventually(lambda: gone(first), 10, "the worker dead", wake=Exits(first))
+        eventually(lambda: gone(first), 30, "the worker dead", wake=Exits(first))
         keys = [f"after-{i}".encode() for i in range(8)]
         store(session, keys[:4])
         time.sleep(1.5)  # past the one-start-per-second backoff
@@ -136,7 +136,7 @@ def test_a_killed_worker_is_replaced_and_a_crash_adopts_what_was_journaled(warm_
         lag = lambda: client.get_stats("bus").pools[0].journal_lag_seconds  # noqa: E731
         eventually(lambda: lag() == 0.0, 30, lambda: f"every completion journaled; lag {lag()}s")
     daemon.stop(signal.SIGKILL)
-    eventually(lambda: gone(second), 10, "the worker killed with the daemon", wake=Exits(second))
+    eventually(lambda: gone(second), 30, "the worker killed with the daemon", wake=Exits(second))
     daemon = daemon.restart()
     warm_daemon.append(daemon)
     with Client(daemon.address) as client:

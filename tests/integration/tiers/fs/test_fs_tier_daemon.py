@@ -289,7 +289,7 @@ def test_sigkill_during_cascade_storm_leaves_a_clean_root(fs_root, pool_name):
     # the back of the restarted daemon's scan
     assert io_workers, "the storm ran no block I/O in worker processes"
     eventually(
-        lambda: not running(io_workers), 5.0, "the I/O workers exit with the daemon",
+        lambda: not running(io_workers), 30.0, "the I/O workers exit with the daemon",
         wake=Exits(*io_workers),
     )  # fmt: skip
 

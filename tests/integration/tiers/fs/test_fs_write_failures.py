@@ -98,7 +98,7 @@ def test_a_full_disk_is_reported_once_the_primary_serves_and_recovery_is_reporte
             found = re.findall(r"tier fs0: writes succeed again after (\d+) failures", daemon.log())
             return sum(int(n) for n in found)
 
-        eventually(lambda: recovered() == failed, 10.0, f"recoveries logged for {failed} failures")
+        eventually(lambda: recovered() == failed, 30.0, f"recoveries logged for {failed} failures")
         assert len(block_files(small_disk)) == engine.tier_stats().used_blocks
         engine.close()
         assert daemon.stop() == 0, daemon.log()

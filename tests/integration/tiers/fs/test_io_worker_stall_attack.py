@@ -66,7 +66,7 @@ def test_a_stopped_io_worker_is_replaced_and_its_jobs_fail_cleanly(tmp_path, poo
         (worker,) = io_workers(daemon)
 
         os.kill(worker, signal.SIGSTOP)
-        eventually(lambda: stopped(worker), 10, f"worker {worker} stopped")
+        eventually(lambda: stopped(worker), 30, f"worker {worker} stopped")
         stopped_at = time.monotonic()
         assert engine.session.lookup(first[:1]) == [PENDING]  # a promotion: one row reserved
         engine.store(block_keys("c", 3))  # three cascades: three rows pinned
@@ -136,7 +136,7 @@ def test_a_stalled_promotion_is_a_transient_failure_that_keeps_the_files(tmp_pat
         (worker,) = io_workers(daemon)
 
         os.kill(worker, signal.SIGSTOP)
-        eventually(lambda: stopped(worker), 10, f"worker {worker} stopped")
+        eventually(lambda: stopped(worker), 30, f"worker {worker} stopped")
         assert engine.session.lookup(stalled) == [PENDING, PENDING]
         eventually(
             lambda: gone(worker), 30, lambda: f"the stopped worker killed:\n{daemon.log()}",
@@ -162,7 +162,7 @@ def test_a_stalled_promotion_is_a_transient_failure_that_keeps_the_files(tmp_pat
         def promoted() -> bool:
             return engine.session.lookup(stalled) == [HIT, HIT]
 
-        eventually(promoted, PROMOTION_RETRY_AFTER / 3, lambda: f"promoted again:\n"
+        eventually(promoted, PROMOTION_RETRY_AFTER / 2, lambda: f"promoted again:\n"
                    f"{engine.client.explain(pool_name, stalled[0])}", interval=0.05)  # fmt: skip
         assert engine.load(stalled) == [payload(key) for key in stalled]
         assert "Traceback" not in daemon.log()
@@ -201,7 +201,7 @@ def test_files_a_stopped_worker_renamed_before_its_kill_are_kept(tmp_path, pool_
         engine.store(keys)
         eventually(on_disk, 30, "the worker renamed a block file", interval=0.0005)
         os.kill(worker, signal.SIGSTOP)
-        eventually(lambda: stopped(worker), 10, f"worker {worker} stopped")
+        eventually(lambda: stopped(worker), 30, f"worker {worker} stopped")
         renamed = on_disk()
         assert 0 < len(renamed) < len(keys), "the stop did not land inside the group"
         eventually(
