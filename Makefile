@@ -45,9 +45,12 @@ run: install
 	@$(BIN)/python tools/run_banner.py $(BIN)
 	$(BIN)/kvtierd
 
+# TEST_WORKERS processes share the suite (pytest-xdist; a test file stays in one of them);
+# TEST_WORKERS=0 runs it in this one process.
+TEST_WORKERS ?= 2
 test: install test-tools
-	$(BIN)/python -m pytest -q --ignore=tests/vllm --ignore=tests/deploy --ignore=tests/sglang \
-		--ignore=tests/dynamo
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --ignore=tests/vllm \
+		--ignore=tests/deploy --ignore=tests/sglang --ignore=tests/dynamo
 
 # Tools some tests drive for real; installed when missing and possible (root + apt:
 # a system-wide change, said as it happens), otherwise the tests that need them say so

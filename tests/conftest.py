@@ -3,7 +3,9 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import re
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -65,3 +67,15 @@ from redis_harness import (  # noqa: E402, F401
     redis_factory,
     redis_server,
 )
+
+
+@pytest.fixture
+def socket_dir() -> Iterator[Path]:
+    """A new directory with a short path for a test's Unix sockets (removed after):
+    ``sun_path`` holds 107 bytes, and the daemon binds a longer temporary name first,
+    which pytest's ``tmp_path`` (longer still under pytest-xdist) may not leave room for."""
+    path = Path(tempfile.mkdtemp(prefix="kvt-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

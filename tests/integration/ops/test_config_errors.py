@@ -285,10 +285,14 @@ def refusal(*args: str, tmp_path, env: dict[str, str] | None = None) -> str:
     exactly one line on stderr, which is returned."""
     shm = tmp_path / "shm"
     shm.mkdir(exist_ok=True)
-    result = run_daemon(
-        "--listen", f"unix://{tmp_path}/kvtierd.sock", "--shm-dir", str(shm),
-        "--metrics-address", "", "--config", "/dev/null", *args, env=env,
-    )  # fmt: skip
+    sockets = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")  # short: sun_path is 108 bytes
+    try:
+        result = run_daemon(
+            "--listen", f"unix://{sockets}/kvtierd.sock", "--shm-dir", str(shm),
+            "--metrics-address", "", "--config", "/dev/null", *args, env=env,
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(sockets, ignore_errors=True)
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if not LOG_LINE.match(line)]
     assert len(lines) == 1, result.stderr

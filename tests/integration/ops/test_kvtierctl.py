@@ -314,7 +314,7 @@ def test_dead_socket_is_a_clear_error(tmp_path, command):
     assert "UNAVAILABLE" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_make_run_says_how_to_reach_it_and_the_command_works(tmp_path):
+def test_make_run_says_how_to_reach_it_and_the_command_works(tmp_path, socket_dir):
     """``make run`` prints where the daemon serves, the kvtierctl command that reaches
     it (the venv's, kvtierctl is not on PATH) and what it writes outside the checkout;
     the printed command works while the daemon runs. ``-o install``: the venv this
@@ -322,7 +322,7 @@ def test_make_run_says_how_to_reach_it_and_the_command_works(tmp_path):
     make = shutil.which("make")
     if make is None:
         pytest.skip("needs make")
-    sock, shm, state = f"{tmp_path}/k.sock", tmp_path / "shm", tmp_path / "state"
+    sock, shm, state = f"{socket_dir}/k.sock", tmp_path / "shm", tmp_path / "state"
     shm.mkdir()
     state.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
@@ -350,7 +350,7 @@ def test_make_run_says_how_to_reach_it_and_the_command_works(tmp_path):
         command = lines[1].removeprefix("reach it with: ").split("   (")[0]
         assert command == f"{bin_dir}/kvtierctl --address unix://{sock} status", lines[1]
         assert "kvtierctl is in the venv, not on PATH" in lines[1]
-        writes = f"{tmp_path} (socket), {state}/fs (fs tier fs), {shm} (region files, kept"
+        writes = f"{socket_dir} (socket), {state}/fs (fs tier fs), {shm} (region files, kept"
         assert lines[2].startswith(("as root, " if os.geteuid() == 0 else "") + "it writes: ")
         assert writes in lines[2]
         status = subprocess.run(
