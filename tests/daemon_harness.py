@@ -371,6 +371,20 @@ def health_status(daemon: DaemonProcess, service: str = "") -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
 
+def wait_ticket_refused(stub: pb2_grpc.KVTierStub, metadata: Sequence[tuple[str, str]]) -> None:
+    """Waits (30 s) until a call carrying ``metadata``, a closed ticket's, is refused
+    UNAUTHENTICATED: the daemon learns asynchronously that a ticket's connection closed."""
+
+    def refused() -> bool:
+        try:
+            stub.GetStats(pb2.GetStatsRequest(), metadata=metadata, timeout=5)
+        except grpc.RpcError as err:
+            return err.code() == grpc.StatusCode.UNAUTHENTICATED
+        return False
+
+    eventually(refused, 30, "the closed ticket refused")
+
+
 def wait_tier_jobs(stub: pb2_grpc.KVTierStub, pool: str, timeout: float = 30.0) -> None:
     """Waits until none of ``pool``'s secondary-tier jobs is in flight (cascade pins
     and promotion reservations are transient). Polls GetStats: a job that fails

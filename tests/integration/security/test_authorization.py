@@ -21,7 +21,14 @@ from pathlib import Path
 
 import grpc
 import pytest
-from daemon_harness import DaemonProcess, eventually, free_port, peak_rss_bytes, start_daemon
+from daemon_harness import (
+    DaemonProcess,
+    eventually,
+    free_port,
+    peak_rss_bytes,
+    start_daemon,
+    wait_ticket_refused,
+)
 from users_harness import Group, ThrowawayAccounts, User, principals_toml, run_as, start_shared
 
 from kvtierd_client.client import Client
@@ -267,15 +274,7 @@ def test_a_ticket_ends_with_its_connection():
             stub.GetStats(pb2.GetStatsRequest(), timeout=5)  # no ticket
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         ticket.close()
-
-        def refused() -> bool:
-            try:
-                stub.GetStats(pb2.GetStatsRequest(), metadata=ticket.metadata, timeout=5)
-            except grpc.RpcError as err:
-                return err.code() == grpc.StatusCode.UNAUTHENTICATED
-            return False
-
-        eventually(refused, 30, "the closed ticket is refused")
+        wait_ticket_refused(stub, ticket.metadata)
         assert daemon.stop() == 0
     finally:
         daemon.cleanup()

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from daemon_harness import eventually, free_port, peak_rss_bytes, start_daemon
+from daemon_harness import free_port, peak_rss_bytes, start_daemon, wait_ticket_refused
 from grpc_health.v1 import health_pb2
 from users_harness import ThrowawayAccounts, principals_toml, require_root, run_as, start_shared
 
@@ -224,15 +224,7 @@ def test_a_ticket_never_reaches_the_log_and_dies_with_its_connection_for_every_u
         stub = daemon.stub()
         stub.GetStats(pb2.GetStatsRequest(), metadata=ticket.metadata, timeout=5)
         ticket.close()
-
-        def refused() -> bool:  # the daemon learns of the closed connection asynchronously
-            try:
-                stub.GetStats(pb2.GetStatsRequest(), metadata=ticket.metadata, timeout=5)
-            except grpc.RpcError as err:
-                return err.code() == grpc.StatusCode.UNAUTHENTICATED
-            return False
-
-        eventually(refused, 30, "the closed ticket refused")
+        wait_ticket_refused(stub, ticket.metadata)
         assert ticket.ticket not in daemon.log()
         assert daemon.stop() == 0
     finally:
