@@ -30,6 +30,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from benchmarks.replay import leading_hits
 from benchmarks.routing_blocks import Chain, payload
 from benchmarks.routing_publisher import GpuEventPublisher, block_removed, block_stored
 
@@ -198,7 +199,7 @@ class SimEngine:
         started = time.perf_counter()
         results = self.session.lookup(keys, prefix=True)
         self.totals.lookup_s.append(time.perf_counter() - started)
-        first = k = _leading(results, hit)
+        first = k = leading_hits(results, hit)
         steps = 0
         while k < len(keys) and results[k] in waiting:
             if steps >= MAX_STEPS:
@@ -207,7 +208,7 @@ class SimEngine:
             time.sleep(STEP_S)  # the scheduler's next step
             steps += 1
             results = self.session.lookup(keys, prefix=True)
-            k = _leading(results, hit)
+            k = leading_hits(results, hit)
         if not k:
             return 0, first
         try:
@@ -259,12 +260,3 @@ class SimEngine:
 
     def close(self) -> None:
         self.publisher.close()
-
-
-def _leading(results: list[Any], hit: Any) -> int:
-    count = 0
-    for result in results:
-        if result != hit:
-            break
-        count += 1
-    return count
