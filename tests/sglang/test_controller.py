@@ -17,12 +17,13 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from daemon_harness import eventually, free_port, start_daemon
+from daemon_harness import DaemonProcess, eventually, free_port, start_daemon
 
 from benchmarks import sglang_env as env
 
@@ -60,6 +61,50 @@ def parallel() -> Iterator[None]:
     yield
     get_parallel().clear_stamp()
     dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class _Events:
+    daemon: DaemonProcess  # publishes pool llama/tp0of1's KV events at ``router_endpoint``
+    router_endpoint: str
+    engine_endpoint: str  # where SGLang's own ``publisher`` binds
+    publisher: Any
+
+
+@pytest.fixture
+def events(tmp_path) -> Iterator[_Events]:
+    """A daemon with ``[kv_events]`` on, and SGLang's own ``ZmqEventPublisher`` (what a
+    backend's ``kvtierd_engine_events`` listens to)."""
+    from sglang.srt.disaggregation.kv_events import ZmqEventPublisher
+
+    router_endpoint = f"ipc://{tmp_path}/daemon-events"
+    daemon = start_daemon(
+        "--memory-budget", "256MiB",
+        config=f'[kv_events]\nendpoint = "{router_endpoint}"\npools = ["llama/tp0of1"]\n'
+        'model = "m"\n',
+    )  # fmt: skip
+    try:
+        engine_endpoint = f"ipc://{tmp_path}/kv-events"
+        publisher = ZmqEventPublisher(attn_dp_rank=0, endpoint=engine_endpoint)
+        try:
+            yield _Events(daemon, router_endpoint, engine_endpoint, publisher)
+        finally:
+            publisher.shutdown()
+        assert daemon.stop() == 0, daemon.log()
+    finally:
+        daemon.cleanup()
+
+
+def _wait_subscribed(events: _Events, describer: Any) -> None:
+    """Publishes empty batches until the backend's listener has one: a subscriber
+    misses what is published before it joins."""
+    from sglang.srt.disaggregation.kv_events import KVEventBatch
+
+    def subscribed() -> bool:
+        events.publisher.publish(KVEventBatch(ts=0.0, events=[]))
+        return describer.listener.messages > 0
+
+    eventually(subscribed, 30, "SGLang's publisher reached the backend")
 
 
 def _controller(address: str, **extra: Any) -> tuple[Any, Any]:
@@ -141,29 +186,21 @@ def test_hicache_controller_runs_on_without_a_daemon(parallel, tmp_path, caplog)
     ctrl.detach_storage_backend()
 
 
-def test_the_daemon_announces_backed_up_pages_with_the_tokens_sglang_published(parallel, tmp_path):
+def test_the_daemon_announces_backed_up_pages_with_the_tokens_sglang_published(parallel, events):
     """``kvtierd_events = "daemon"``: SGLang's radix cache caches a prompt and
     publishes it (its own ``KVCacheEventRecorder`` and ``ZmqEventPublisher``); the
     controller's backup thread stores its pages, and the daemon's ``[kv_events]``
     publisher announces each (medium CPU) with its tokens and the 64-bit hash SGLang's
     events gave it (modulo 2**64), read as a router reads them."""
     from kv_events_harness import EventReader
-    from sglang.srt.disaggregation.kv_events import BlockStored, KVEventBatch, ZmqEventPublisher
+    from sglang.srt.disaggregation.kv_events import BlockStored, KVEventBatch
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams
     from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
-    daemon_events = f"ipc://{tmp_path}/daemon-events"
-    daemon = start_daemon(
-        "--memory-budget", "256MiB",
-        config=f'[kv_events]\nendpoint = "{daemon_events}"\npools = ["llama/tp0of1"]\n'
-        'model = "m"\n',
-    )  # fmt: skip
-    endpoint = f"ipc://{tmp_path}/kv-events"
-    publisher = ZmqEventPublisher(attn_dp_rank=0, endpoint=endpoint)
     ctrl, host = _controller(
-        daemon.address, kvtierd_pool="llama", kvtierd_events="daemon",
-        kvtierd_engine_events=endpoint,
+        events.daemon.address, kvtierd_pool="llama", kvtierd_events="daemon",
+        kvtierd_engine_events=events.engine_endpoint,
     )  # fmt: skip
     page = host.page_size
     tokens = list(range(500, 500 + 10 * page))
@@ -171,27 +208,19 @@ def test_the_daemon_announces_backed_up_pages_with_the_tokens_sglang_published(p
         backend = ctrl.storage_backend
         assert backend.statistics().pool == "llama/tp0of1"
         describer = backend.describer
-
-        def subscribed() -> bool:  # a subscriber misses what is published before it joins
-            publisher.publish(KVEventBatch(ts=0.0, events=[]))
-            return describer.listener.messages > 0
-
-        eventually(subscribed, 30, "SGLang's publisher reached the backend")
+        _wait_subscribed(events, describer)
         cache = RadixCache.create_simulated(page_size=page, enable_kv_cache_events=True)
         cache.insert(InsertParams(key=RadixKey(tokens), value=torch.arange(len(tokens))))
-        events = cache.take_events()
-        publisher.publish(KVEventBatch(ts=0.0, events=events))
+        published_events = cache.take_events()
+        events.publisher.publish(KVEventBatch(ts=0.0, events=published_events))
         eventually(lambda: describer.index.statistics().blocks == 10, 30, "SGLang's events")
-        with EventReader(daemon_events) as router:
+        with EventReader(events.router_endpoint) as router:
             assert _backup(ctrl, host, tokens) == len(tokens)
             announced = router.until(lambda ev: len(_cpu_stores(ev)) >= 10)
     finally:
-        publisher.shutdown()
         ctrl.detach_storage_backend()
-        assert daemon.stop() == 0, daemon.log()
-        daemon.cleanup()
 
-    stored = [e for e in events if isinstance(e, BlockStored)]
+    stored = [e for e in published_events if isinstance(e, BlockStored)]
     published = [h & ((1 << 64) - 1) for e in stored for h in e.block_hashes]
     keys = get_storage_hash_str(tokens, None, page_size=page)
     hashes = [int(key[:16], 16) for key in keys]
@@ -206,56 +235,40 @@ def test_the_daemon_announces_backed_up_pages_with_the_tokens_sglang_published(p
     assert describer.counters.undescribed == 0
 
 
-def test_pages_another_node_stored_undescribed_are_announced_once_loaded(parallel, tmp_path):
+def test_pages_another_node_stored_undescribed_are_announced_once_loaded(parallel, events):
     """Controller A stores a prompt's pages undescribed (its ``kvtierd_events`` is
     "engine": as another node storing in a shared tier); the daemon announces none.
     Controller B (``"daemon"``) prefetches them, SGLang's radix cache caches them and
     publishes them with their tokens, and B's next backup describes them with its
     queued completions: the daemon announces each page (medium CPU) with its tokens."""
     from kv_events_harness import EventReader
-    from sglang.srt.disaggregation.kv_events import KVEventBatch, ZmqEventPublisher
+    from sglang.srt.disaggregation.kv_events import KVEventBatch
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams
     from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
-    daemon_events = f"ipc://{tmp_path}/daemon-events"
-    daemon = start_daemon(
-        "--memory-budget", "256MiB",
-        config=f'[kv_events]\nendpoint = "{daemon_events}"\npools = ["llama/tp0of1"]\n'
-        'model = "m"\n',
-    )  # fmt: skip
-    endpoint = f"ipc://{tmp_path}/kv-events"
-    publisher = ZmqEventPublisher(attn_dp_rank=0, endpoint=endpoint)
-    a, host_a = _controller(daemon.address, kvtierd_pool="llama")
+    a, host_a = _controller(events.daemon.address, kvtierd_pool="llama")
     b, host_b = _controller(
-        daemon.address, kvtierd_pool="llama", kvtierd_events="daemon",
-        kvtierd_engine_events=endpoint,
+        events.daemon.address, kvtierd_pool="llama", kvtierd_events="daemon",
+        kvtierd_engine_events=events.engine_endpoint,
     )  # fmt: skip
     page = host_b.page_size
     tokens = list(range(700, 700 + 10 * page))
     try:
         describer = b.storage_backend.describer
-
-        def subscribed() -> bool:  # a subscriber misses what is published before it joins
-            publisher.publish(KVEventBatch(ts=0.0, events=[]))
-            return describer.listener.messages > 0
-
-        eventually(subscribed, 30, "SGLang's publisher reached the backend")
-        with EventReader(daemon_events) as router:
+        _wait_subscribed(events, describer)
+        with EventReader(events.router_endpoint) as router:
             assert _backup(a, host_a, tokens) == len(tokens)
             assert _prefetch(b, host_b, tokens)[1] == len(tokens)
             cache = RadixCache.create_simulated(page_size=page, enable_kv_cache_events=True)
             cache.insert(InsertParams(key=RadixKey(tokens), value=torch.arange(len(tokens))))
-            publisher.publish(KVEventBatch(ts=0.0, events=cache.take_events()))
+            events.publisher.publish(KVEventBatch(ts=0.0, events=cache.take_events()))
             eventually(lambda: describer.index.statistics().blocks == 10, 30, "SGLang's events")
             _backup(b, host_b, list(range(900, 900 + page)))  # B's next store
             announced = router.until(lambda ev: len(_cpu_stores(ev)) >= 10)
     finally:
-        publisher.shutdown()
         for ctrl in (a, b):
             ctrl.detach_storage_backend()
-        assert daemon.stop() == 0, daemon.log()
-        daemon.cleanup()
 
     keys = get_storage_hash_str(tokens, None, page_size=page)
     hashes = [int(key[:16], 16) for key in keys]
